@@ -1,0 +1,69 @@
+#pragma once
+// Shared helpers of the moe command-line tools: YAML configs with MaxText key names,
+// `key=value` overrides, and one-line error reporting.
+
+#include <moe/config.hpp>
+#include <moe/error.hpp>
+
+#include <yaml-cpp/yaml.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moe::cli {
+
+/// Ordered (key, value) pairs of a flat config. Lists are joined with commas: [silu, linear] ->
+/// "silu,linear"; null -> "".
+using KeyValues = std::vector<std::pair<std::string, std::string>>;
+
+inline std::string yaml_to_text(YAML::Node const& n, std::string const& key) {
+  if (n.IsNull()) return "";
+  if (n.IsScalar()) return n.Scalar();
+  if (n.IsSequence()) {
+    std::string out;
+    for (std::size_t i = 0; i < n.size(); ++i) {
+      if (!n[i].IsScalar())
+        throw ConfigError(detail::cat("config key '", key, "': nested lists are not supported"));
+      out += (i ? "," : "") + n[i].Scalar();
+    }
+    return out;
+  }
+  throw ConfigError(detail::cat("config key '", key, "' holds a mapping; expected a scalar or list"));
+}
+
+/// Reads a flat YAML mapping (MaxText config style). Throws ConfigError on unreadable files.
+inline KeyValues read_yaml(std::string const& path) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (YAML::BadFile const&) {
+    throw ConfigError(detail::cat("cannot read config file '", path, "'"));
+  } catch (YAML::Exception const& e) {
+    throw ConfigError(detail::cat("config file '", path, "' is not valid YAML: ", e.what()));
+  }
+  KeyValues kv;
+  if (root.IsNull()) return kv;
+  if (!root.IsMap())
+    throw ConfigError(detail::cat("config file '", path, "' must be a mapping of key: value"));
+  for (auto const& it : root) {
+    std::string const key = it.first.as<std::string>();
+    kv.emplace_back(key, yaml_to_text(it.second, key));
+  }
+  return kv;
+}
+
+/// Parses one `key=value` command-line override.
+inline std::pair<std::string, std::string> parse_override(std::string const& arg) {
+  auto const eq = arg.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw ConfigError(detail::cat("argument '", arg, "' is not a key=value override"));
+  return {arg.substr(0, eq), arg.substr(eq + 1)};
+}
+
+/// Applies the pairs to a LayerConfig; every key must be a LayerConfig key.
+inline void apply(LayerConfig& cfg, KeyValues const& kv) {
+  for (auto const& [k, v] : kv) cfg.set(k, v);
+}
+
+}  // namespace moe::cli

@@ -1,0 +1,56 @@
+#pragma once
+/// \file
+/// Exceptions thrown by moe. Every message names the offending value and the rule it breaks.
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace moe {
+
+/// \brief Base of every exception moe throws.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// \brief A configuration key or value breaks a rule (unknown key, bad value, incompatible options).
+class ConfigError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// \brief A tensor has the wrong shape for the layer's configuration.
+class ShapeError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// \brief Input data is unusable (NaN/Inf in activations or weights, ids out of range).
+class InputError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// \brief A file could not be read or written, or its content is malformed.
+class IoError : public Error {
+ public:
+  using Error::Error;
+};
+
+namespace detail {
+
+/// Concatenates its arguments with operator<< into one message.
+template <class... Args> std::string cat(Args const&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+
+/// Throws E(cat(args...)) unless cond holds.
+template <class E = Error, class... Args> void require(bool cond, Args const&... args) {
+  if (!cond) throw E(cat(args...));
+}
+
+}  // namespace detail
+}  // namespace moe

@@ -1,0 +1,517 @@
+#pragma once
+/// \file
+/// MoeLayer: parameters, forward and backward of one Mixture-of-Experts layer on one rank.
+
+#include <moe/config.hpp>
+#include <moe/detail/blas.hpp>
+#include <moe/detail/views.hpp>
+#include <moe/error.hpp>
+#include <moe/gmm/gmm.hpp>
+#include <moe/nn/activation.hpp>
+#include <moe/permute/permute.hpp>
+#include <moe/policies.hpp>
+#include <moe/routing/router.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moe {
+
+/// \brief Trainable tensors of one layer (MaxText layouts). Also used for their gradients.
+template <class Scalar, class MemorySpace>
+struct Parameters {
+  View2<Scalar, MemorySpace> gate;         ///< [D,E] router kernel
+  View1<Scalar, MemorySpace> gate_bias;    ///< [E] (allocated only with routed_bias)
+  View3<Scalar, MemorySpace> wi_0;         ///< [E,D,F] gate projection of the experts
+  View3<Scalar, MemorySpace> wi_1;         ///< [E,D,F] up projection of the experts
+  View3<Scalar, MemorySpace> wo;           ///< [E,F,D] down projection of the experts
+  View2<Scalar, MemorySpace> shared_wi_0;  ///< [D,Fs] shared expert (allocated with shared_experts>0)
+  View2<Scalar, MemorySpace> shared_wi_1;  ///< [D,Fs]
+  View2<Scalar, MemorySpace> shared_wo;    ///< [Fs,D]
+
+  /// Zero-filled parameters of the shapes `cfg` asks for.
+  static Parameters zeros(LayerConfig const& cfg) {
+    Parameters p;
+    int const D = cfg.base_emb_dim, E = cfg.num_experts, F = cfg.base_moe_mlp_dim;
+    int const Fs = cfg.shared_mlp_dim();
+    p.gate = View2<Scalar, MemorySpace>("moe::param::gate", D, E);
+    if (cfg.routed_bias) p.gate_bias = View1<Scalar, MemorySpace>("moe::param::gate_bias", E);
+    p.wi_0 = View3<Scalar, MemorySpace>("moe::param::wi_0", E, D, F);
+    p.wi_1 = View3<Scalar, MemorySpace>("moe::param::wi_1", E, D, F);
+    p.wo = View3<Scalar, MemorySpace>("moe::param::wo", E, F, D);
+    if (Fs > 0) {
+      p.shared_wi_0 = View2<Scalar, MemorySpace>("moe::param::shared_wi_0", D, Fs);
+      p.shared_wi_1 = View2<Scalar, MemorySpace>("moe::param::shared_wi_1", D, Fs);
+      p.shared_wo = View2<Scalar, MemorySpace>("moe::param::shared_wo", Fs, D);
+    }
+    return p;
+  }
+
+  /// Calls f(name, view) for every allocated tensor, in a fixed order (MaxText names).
+  template <class F>
+  void for_each(F&& f) const {
+    f("gate", gate);
+    if (gate_bias.data()) f("gate_bias", gate_bias);
+    f("wi_0", wi_0);
+    f("wi_1", wi_1);
+    f("wo", wo);
+    if (shared_wo.data()) {
+      f("shared_wi_0", shared_wi_0);
+      f("shared_wi_1", shared_wi_1);
+      f("shared_wo", shared_wo);
+    }
+  }
+};
+
+/// \brief Per-call options of MoeLayer::forward.
+struct ForwardOptions {
+  /// Global index of this call's first token: random routing draws from (seed, token, slot).
+  std::uint64_t token_offset = 0;
+};
+
+/// \brief One Mixture-of-Experts layer: router, sort, expert FFN (gated, grouped GEMM), unsort,
+/// combine, optional shared expert; forward and backward.
+///
+/// forward() keeps what backward() needs, so call them in pairs (backward may be called once per
+/// forward). y = sum_k w[t,k] * FFN_{e[t,k]}(x[t]) (+ shared FFN(x[t])). backward() returns the
+/// gradients of sum(y * dy) + lb_loss.
+///
+/// \tparam Scalar float or double; every step computes in this type.
+/// \tparam Policy moe::Policies<Routing, Gmm, Partition>.
+/// \tparam ExecSpace Kokkos execution space; all views live in its memory space.
+template <class Scalar, class Policy = DefaultPolicies,
+          class ExecSpace = Kokkos::DefaultExecutionSpace>
+class MoeLayer {
+  static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
+                "MoeLayer computes in float or double");
+
+ public:
+  using execution_space = ExecSpace;
+  using memory_space = typename ExecSpace::memory_space;
+  using params_type = Parameters<Scalar, memory_space>;
+  using view2 = View2<Scalar, memory_space>;
+  using view3 = View3<Scalar, memory_space>;
+  using cview2 = View2<Scalar const, memory_space>;
+  using cview3 = View3<Scalar const, memory_space>;
+
+  /// \brief Validates `cfg` (ConfigError on any broken rule) and allocates zero parameters.
+  explicit MoeLayer(LayerConfig const& cfg, ExecSpace const& space = ExecSpace())
+      : cfg_(validated(cfg)),
+        space_(space),
+        kind_(routing::resolve(typename Policy::routing_policy{}, cfg_)),
+        rp_(cfg_, kind_),
+        params_(params_type::zeros(cfg_)) {}
+
+  LayerConfig const& config() const { return cfg_; }
+  /// Trainable parameters (filled by the user, e.g. from a checkpoint).
+  params_type& parameters() { return params_; }
+  params_type const& parameters() const { return params_; }
+
+  /// True when this layer runs the dense masked path (Gmm = Dense or sparse_matmul = false).
+  bool dense_path() const {
+    return std::is_same_v<typename Policy::gmm_policy, gmm::Dense> || !cfg_.sparse_matmul;
+  }
+
+  /// \brief y[B,S,D] = MoE(x[B,S,D]). Checks shapes (ShapeError) and, with check_finite, that x
+  /// and the parameters hold no NaN/Inf (InputError).
+  void forward(cview3 x, view3 y, ForwardOptions const& opt = {}) {
+    int const D = cfg_.base_emb_dim;
+    require_shape(x, "x", D);
+    require_shape(y, "y", D);
+    detail::require<ShapeError>(y.extent(0) == x.extent(0) && y.extent(1) == x.extent(1),
+                                "y is [", y.extent(0), ",", y.extent(1), ",", y.extent(2),
+                                "] but x is [", x.extent(0), ",", x.extent(1), ",", x.extent(2),
+                                "]: they must match");
+    check_parameters(params_, "parameter");
+    if (cfg_.check_finite) require_finite(x, "x");
+    B_ = x.extent(0);
+    S_ = x.extent(1);
+    std::int64_t const T = B_ * S_;
+    x_ = cview2(x.data(), T, D);
+    auto y2 = view2(y.data(), T, D);
+    route(opt);
+    if (dense_path()) {
+      dense_forward(y2);
+    } else {
+      sparse_forward(y2);
+    }
+    shared_forward(y2);
+    have_forward_ = true;
+  }
+
+  /// \brief Gradients of sum(y * dy) + lb_loss w.r.t. x (into dx[B,S,D]) and every parameter
+  /// (into grads, allocated here if empty; overwritten).
+  void backward(cview3 dy, view3 dx, params_type& grads) {
+    detail::require<Error>(have_forward_, "MoeLayer::backward called without a forward");
+    int const D = cfg_.base_emb_dim;
+    require_shape(dy, "dy", D);
+    require_shape(dx, "dx", D);
+    detail::require<ShapeError>(std::int64_t(dy.extent(0)) == B_ &&
+                                    std::int64_t(dy.extent(1)) == S_ &&
+                                    dx.extent(0) == dy.extent(0) && dx.extent(1) == dy.extent(1),
+                                "dy [", dy.extent(0), ",", dy.extent(1), "] and dx [",
+                                dx.extent(0), ",", dx.extent(1), "] must match the forward x [",
+                                B_, ",", S_, "]");
+    if (cfg_.check_finite) require_finite(dy, "dy");
+    if (!grads.gate.data()) grads = params_type::zeros(cfg_);
+    check_parameters(grads, "gradient");
+    std::int64_t const T = B_ * S_;
+    auto dy2 = cview2(dy.data(), T, D);
+    auto dx2 = view2(dx.data(), T, D);
+    int const K = cfg_.num_experts_per_tok, E = cfg_.num_experts;
+    detail::ensure(space_, dw_, "moe::layer::d_weights", T, K);
+    if (dense_path()) {
+      dense_backward(dy2, dx2, grads);
+    } else {
+      sparse_backward(dy2, dx2, grads);
+    }
+    // Router backward: combine-weight gradient and load-balance term -> gate logits -> x, gate.
+    detail::ensure(space_, d_top_, "moe::layer::d_top", T, K);
+    detail::ensure(space_, d_biased_, "moe::layer::d_biased", T, E);
+    detail::ensure(space_, d_logits_, "moe::layer::d_logits", T, E);
+    double const lb_coef = cfg_.load_balance_loss_weight > 0
+                               ? cfg_.load_balance_loss_weight * E / (double(B_) * S_ * S_)
+                               : 0.0;
+    routing::route_backward(space_, rp_, rs_, cview2(dw_), S_, lb_coef, d_top_, d_biased_,
+                            d_logits_);
+    detail::gemm(space_, "T", "N", Scalar(1), x_, d_logits_, Scalar(0), grads.gate);
+    detail::gemm(space_, "N", "T", Scalar(1), d_logits_, params_.gate, Scalar(1), dx2);
+    if (cfg_.routed_bias)
+      routing::column_sums(space_, cview2(d_biased_), grads.gate_bias);
+    shared_backward(dy2, dx2, grads);
+    have_forward_ = false;
+  }
+
+  /// Experts chosen by the last forward, [T,K] (T = B*S, row-major over (b, s)).
+  View2<int, memory_space> expert_ids() const { return rs_.expert_ids; }
+  /// Combine weights of the last forward before capacity dropping, [T,K].
+  view2 weights() const { return rs_.weights; }
+  /// 1 where a slot of the last forward survived the capacity limit, [T,K].
+  View2<int, memory_space> kept() const { return rs_.kept; }
+  /// Load-balance loss of the last forward (0 when load_balance_loss_weight = 0).
+  double lb_loss() const { return lb_loss_; }
+  /// Loss-free bias update of the last forward ([E], empty unless routed_bias_update_rate > 0).
+  std::vector<double> const& bias_update() const { return bias_update_; }
+  /// Number of slots the last forward sent to the experts (after capacity dropping).
+  std::int64_t routed_rows() const { return dense_path() ? 0 : perm_.rows(); }
+
+ private:
+  static LayerConfig validated(LayerConfig const& cfg) {
+    cfg.validate();
+    return cfg;
+  }
+
+  template <class V>
+  void require_shape(V const& v, char const* name, int D) const {
+    detail::require<ShapeError>(v.extent(2) == std::size_t(D), name, " is [", v.extent(0), ",",
+                                v.extent(1), ",", v.extent(2), "] but base_emb_dim=", D,
+                                " (expected [B,S,", D, "])");
+    detail::require<ShapeError>(v.span_is_contiguous(), name, " must be contiguous");
+  }
+
+  template <class V>
+  void require_finite(V const& v, std::string const& name) const {
+    std::int64_t const n = std::int64_t(v.span());
+    auto const* p = v.data();
+    std::int64_t first = n;
+    Kokkos::parallel_reduce(
+        "moe::layer::check_finite", Kokkos::RangePolicy<ExecSpace>(space_, 0, n),
+        KOKKOS_LAMBDA(std::int64_t i, std::int64_t & m) {
+          if (!moe::detail::isfinite(p[i]) && i < m) m = i;
+        },
+        Kokkos::Min<std::int64_t>(first));
+    if (first < n) {
+      std::string where;
+      std::int64_t r = first;
+      for (int d = int(V::rank) - 1; d >= 0; --d) {
+        where = std::to_string(r % std::int64_t(v.extent(d))) + (where.empty() ? "" : ",") + where;
+        r /= std::int64_t(v.extent(d));
+      }
+      throw InputError(detail::cat(name, " holds NaN or Inf at [", where,
+                                   "]: inputs and weights must be finite"));
+    }
+  }
+
+  /// Shapes of a parameter set against the config; NaN/Inf check for parameters.
+  void check_parameters(params_type const& p, char const* what) const {
+    int const D = cfg_.base_emb_dim, E = cfg_.num_experts, F = cfg_.base_moe_mlp_dim;
+    int const Fs = cfg_.shared_mlp_dim();
+    auto shape = [&](auto const& v, std::string const& name, std::vector<std::size_t> want) {
+      bool ok = v.data() != nullptr || want.empty();
+      for (std::size_t r = 0; r < want.size(); ++r) ok = ok && v.extent(r) == want[r];
+      if (!ok) {
+        std::string got, exp;
+        for (std::size_t r = 0; r < want.size(); ++r) {
+          got += (r ? "," : "") + std::to_string(v.extent(r));
+          exp += (r ? "," : "") + std::to_string(want[r]);
+        }
+        throw ShapeError(detail::cat(what, " ", name, " is [", got, "] but the config needs [",
+                                     exp, "]"));
+      }
+      if (cfg_.check_finite && std::string(what) == "parameter") require_finite(v, name);
+    };
+    shape(p.gate, "gate", {std::size_t(D), std::size_t(E)});
+    if (cfg_.routed_bias) shape(p.gate_bias, "gate_bias", {std::size_t(E)});
+    shape(p.wi_0, "wi_0", {std::size_t(E), std::size_t(D), std::size_t(F)});
+    shape(p.wi_1, "wi_1", {std::size_t(E), std::size_t(D), std::size_t(F)});
+    shape(p.wo, "wo", {std::size_t(E), std::size_t(F), std::size_t(D)});
+    if (Fs > 0) {
+      shape(p.shared_wi_0, "shared_wi_0", {std::size_t(D), std::size_t(Fs)});
+      shape(p.shared_wi_1, "shared_wi_1", {std::size_t(D), std::size_t(Fs)});
+      shape(p.shared_wo, "shared_wo", {std::size_t(Fs), std::size_t(D)});
+    }
+  }
+
+  void route(ForwardOptions const& opt) {
+    std::int64_t const T = B_ * S_;
+    int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
+    detail::ensure(space_, rs_.logits, "moe::layer::logits", T, E);
+    detail::gemm(space_, "N", "N", Scalar(1), x_, params_.gate, Scalar(0), rs_.logits);
+    if (cfg_.routed_score_func == ScoreFunc::None) {
+      rs_.scores = rs_.logits;
+    } else {
+      detail::ensure(space_, rs_.scores, "moe::layer::scores", T, E);
+      routing::apply_score(space_, cfg_.routed_score_func, cview2(rs_.logits), rs_.scores);
+    }
+    if (cfg_.routed_bias) {
+      detail::ensure(space_, rs_.biased, "moe::layer::biased", T, E);
+      auto s = rs_.scores;
+      auto b = rs_.biased;
+      auto bias = params_.gate_bias;
+      Kokkos::parallel_for(
+          "moe::layer::add_bias",
+          Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space_, {0, 0}, {T, E}),
+          KOKKOS_LAMBDA(std::int64_t t, int e) { b(t, e) = s(t, e) + bias(e); });
+    } else {
+      rs_.biased = rs_.scores;
+    }
+    detail::ensure(space_, rs_.expert_ids, "moe::layer::expert_ids", T, K);
+    detail::ensure(space_, rs_.top_values, "moe::layer::top_values", T, K);
+    detail::ensure(space_, rs_.weights, "moe::layer::weights", T, K);
+    detail::ensure(space_, rs_.kept, "moe::layer::kept", T, K);
+    routing::select_topk(space_, rp_, opt.token_offset, cview2(rs_.scores), cview2(rs_.biased),
+                         rs_.expert_ids, rs_.top_values, rs_.weights);
+    auto const ids = View2<int const, memory_space>(rs_.expert_ids);
+    routing::capacity_mask(space_, ids, S_, cfg_.capacity_factor > 0 ? cfg_.capacity(S_) : 0, E,
+                           rs_.kept);
+    lb_loss_ = 0;
+    if (cfg_.load_balance_loss_weight > 0) {
+      detail::ensure(space_, rs_.seq_counts, "moe::layer::seq_counts", B_, E);
+      detail::ensure(space_, rs_.seq_probs, "moe::layer::seq_probs", B_, E);
+      rs_.lb_sum = routing::lb_statistics(space_, cview2(rs_.biased), ids, S_, rs_.seq_counts,
+                                          rs_.seq_probs);
+      lb_loss_ = cfg_.load_balance_loss_weight * E * rs_.lb_sum / (double(B_) * S_ * S_);
+    }
+    bias_update_.clear();
+    if (cfg_.routed_bias_update_rate > 0) {
+      detail::ensure(space_, rs_.expert_counts, "moe::layer::expert_counts", E);
+      routing::expert_histogram(space_, ids, rs_.expert_counts);
+      auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), rs_.expert_counts);
+      std::vector<std::int64_t> counts(h.data(), h.data() + E);
+      bias_update_ = routing::bias_update(counts, T * K, cfg_.routed_bias_update_rate);
+    }
+  }
+
+  // ---- sparse path: sort, grouped GEMMs, unsort -------------------------------------------
+  using gmm_policy = std::conditional_t<std::is_same_v<typename Policy::gmm_policy, gmm::Dense>,
+                                        gmm::Vendor, typename Policy::gmm_policy>;
+
+  void sparse_forward(view2 y) {
+    int const D = cfg_.base_emb_dim, F = cfg_.base_moe_mlp_dim, K = cfg_.num_experts_per_tok;
+    permute::sort_by_expert(space_, View2<int const, memory_space>(rs_.expert_ids),
+                            View2<int const, memory_space>(rs_.kept), cfg_.num_experts, perm_);
+    std::int64_t const n = perm_.rows();
+    detail::ensure(space_, xs_, "moe::layer::x_sorted", n, D);
+    detail::ensure(space_, h0_, "moe::layer::h0", n, F);
+    detail::ensure(space_, h1_, "moe::layer::h1", n, F);
+    detail::ensure(space_, a_, "moe::layer::act", n, F);
+    detail::ensure(space_, ys_, "moe::layer::y_sorted", n, D);
+    permute::gather_rows(space_, x_, View1<std::int64_t const, memory_space>(perm_.perm), K, xs_);
+    gmm::gmm(space_, gmm_policy{}, xs_, params_.wi_0, perm_.groups, h0_);
+    gmm::gmm(space_, gmm_policy{}, xs_, params_.wi_1, perm_.groups, h1_);
+    nn::gated_forward(space_, cfg_.mlp_activation, n, cview2(h0_), cview2(h1_), a_);
+    gmm::gmm(space_, gmm_policy{}, a_, params_.wo, perm_.groups, ys_);
+    permute::combine(space_, cview2(ys_), View1<std::int64_t const, memory_space>(perm_.inverse),
+                     cview2(rs_.weights), false, y);
+  }
+
+  void sparse_backward(cview2 dy, view2 dx, params_type& g) {
+    int const D = cfg_.base_emb_dim, F = cfg_.base_moe_mlp_dim, K = cfg_.num_experts_per_tok;
+    std::int64_t const n = perm_.rows();
+    View1<std::int64_t const, memory_space> perm(perm_.perm), inv(perm_.inverse);
+    detail::ensure(space_, dys_, "moe::layer::d_y_sorted", n, D);
+    detail::ensure(space_, da_, "moe::layer::d_act", n, F);
+    detail::ensure(space_, dh1_, "moe::layer::d_h1", n, F);
+    permute::combine_backward(space_, dy, cview2(ys_), perm, inv, cview2(rs_.weights), dys_, dw_);
+    gmm::tgmm(space_, gmm_policy{}, a_, dys_, perm_.groups, g.wo);
+    gmm::GmmOptions tr;
+    tr.transpose_rhs = true;
+    gmm::gmm(space_, gmm_policy{}, dys_, params_.wo, perm_.groups, da_, tr);
+    // dh0 overwrites da (each element reads its own da before writing).
+    nn::gated_backward(space_, cfg_.mlp_activation, n, cview2(h0_), cview2(h1_), cview2(da_), da_,
+                       dh1_);
+    gmm::tgmm(space_, gmm_policy{}, xs_, da_, perm_.groups, g.wi_0);
+    gmm::tgmm(space_, gmm_policy{}, xs_, dh1_, perm_.groups, g.wi_1);
+    auto& dxs = dys_;  // reuse: [n, D]
+    gmm::gmm(space_, gmm_policy{}, da_, params_.wi_0, perm_.groups, dxs, tr);
+    gmm::GmmOptions tr_acc = tr;
+    tr_acc.accumulate = true;
+    gmm::gmm(space_, gmm_policy{}, dh1_, params_.wi_1, perm_.groups, dxs, tr_acc);
+    permute::gather_rows_backward(space_, cview2(dxs), inv, K, false, dx);
+  }
+
+  // ---- dense path: every expert on every token, masked combine weights ---------------------
+  /// wd[t,e] = sum_k w[t,k] * kept[t,k] * [ids[t,k] == e]
+  void dense_weights() {
+    std::int64_t const T = B_ * S_;
+    int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
+    detail::ensure(space_, wd_, "moe::layer::dense_weights", T, E);
+    auto wd = wd_;
+    auto w = rs_.weights;
+    auto ids = rs_.expert_ids;
+    auto kept = rs_.kept;
+    Kokkos::parallel_for(
+        "moe::layer::dense_weights", Kokkos::RangePolicy<ExecSpace>(space_, 0, T),
+        KOKKOS_LAMBDA(std::int64_t t) {
+          for (int e = 0; e < E; ++e) wd(t, e) = Scalar(0);
+          for (int k = 0; k < K; ++k)
+            if (kept(t, k)) wd(t, ids(t, k)) += w(t, k);
+        });
+  }
+
+  /// Expert e on every token: h0, h1, a (= act(h0) * h1), ye = a . wo[e].
+  void dense_expert(int e) {
+    std::int64_t const T = B_ * S_;
+    int const D = cfg_.base_emb_dim, F = cfg_.base_moe_mlp_dim;
+    detail::ensure(space_, h0_, "moe::layer::h0", T, F);
+    detail::ensure(space_, h1_, "moe::layer::h1", T, F);
+    detail::ensure(space_, a_, "moe::layer::act", T, F);
+    detail::ensure(space_, ys_, "moe::layer::y_expert", T, D);
+    auto w0 = Kokkos::subview(params_.wi_0, e, Kokkos::ALL(), Kokkos::ALL());
+    auto w1 = Kokkos::subview(params_.wi_1, e, Kokkos::ALL(), Kokkos::ALL());
+    auto wo = Kokkos::subview(params_.wo, e, Kokkos::ALL(), Kokkos::ALL());
+    detail::gemm(space_, "N", "N", Scalar(1), x_, w0, Scalar(0), h0_);
+    detail::gemm(space_, "N", "N", Scalar(1), x_, w1, Scalar(0), h1_);
+    nn::gated_forward(space_, cfg_.mlp_activation, T, cview2(h0_), cview2(h1_), a_);
+    detail::gemm(space_, "N", "N", Scalar(1), a_, wo, Scalar(0), ys_);
+  }
+
+  void dense_forward(view2 y) {
+    std::int64_t const T = B_ * S_;
+    int const D = cfg_.base_emb_dim;
+    dense_weights();
+    Kokkos::deep_copy(space_, y, Scalar(0));
+    for (int e = 0; e < cfg_.num_experts; ++e) {
+      dense_expert(e);
+      auto wd = wd_;
+      auto ye = ys_;
+      Kokkos::parallel_for(
+          "moe::layer::dense_combine",
+          Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space_, {0, 0}, {T, std::int64_t(D)}),
+          KOKKOS_LAMBDA(std::int64_t t, std::int64_t d) { y(t, d) += wd(t, e) * ye(t, d); });
+    }
+  }
+
+  void dense_backward(cview2 dy, view2 dx, params_type& g) {
+    std::int64_t const T = B_ * S_;
+    int const D = cfg_.base_emb_dim, F = cfg_.base_moe_mlp_dim, E = cfg_.num_experts;
+    int const K = cfg_.num_experts_per_tok;
+    detail::ensure(space_, dys_, "moe::layer::d_y_expert", T, D);
+    detail::ensure(space_, da_, "moe::layer::d_act", T, F);
+    detail::ensure(space_, dh1_, "moe::layer::d_h1", T, F);
+    detail::ensure(space_, dwd_, "moe::layer::d_dense_weights", T, E);
+    Kokkos::deep_copy(space_, dx, Scalar(0));
+    for (int e = 0; e < E; ++e) {
+      dense_expert(e);
+      auto wd = wd_;
+      auto dwd = dwd_;
+      auto ye = ys_;
+      auto dye = dys_;
+      Kokkos::parallel_for(
+          "moe::layer::dense_combine_backward", Kokkos::RangePolicy<ExecSpace>(space_, 0, T),
+          KOKKOS_LAMBDA(std::int64_t t) {
+            Scalar acc = 0;
+            for (int d = 0; d < D; ++d) {
+              acc += dy(t, d) * ye(t, d);
+              dye(t, d) = wd(t, e) * dy(t, d);
+            }
+            dwd(t, e) = acc;
+          });
+      auto w0 = Kokkos::subview(params_.wi_0, e, Kokkos::ALL(), Kokkos::ALL());
+      auto w1 = Kokkos::subview(params_.wi_1, e, Kokkos::ALL(), Kokkos::ALL());
+      auto wo = Kokkos::subview(params_.wo, e, Kokkos::ALL(), Kokkos::ALL());
+      auto gw0 = Kokkos::subview(g.wi_0, e, Kokkos::ALL(), Kokkos::ALL());
+      auto gw1 = Kokkos::subview(g.wi_1, e, Kokkos::ALL(), Kokkos::ALL());
+      auto gwo = Kokkos::subview(g.wo, e, Kokkos::ALL(), Kokkos::ALL());
+      detail::gemm(space_, "T", "N", Scalar(1), a_, dys_, Scalar(0), gwo);
+      detail::gemm(space_, "N", "T", Scalar(1), dys_, wo, Scalar(0), da_);
+      nn::gated_backward(space_, cfg_.mlp_activation, T, cview2(h0_), cview2(h1_), cview2(da_),
+                         da_, dh1_);
+      detail::gemm(space_, "T", "N", Scalar(1), x_, da_, Scalar(0), gw0);
+      detail::gemm(space_, "T", "N", Scalar(1), x_, dh1_, Scalar(0), gw1);
+      detail::gemm(space_, "N", "T", Scalar(1), da_, w0, Scalar(1), dx);
+      detail::gemm(space_, "N", "T", Scalar(1), dh1_, w1, Scalar(1), dx);
+    }
+    auto dwd = dwd_;
+    auto dw = dw_;
+    auto ids = rs_.expert_ids;
+    auto kept = rs_.kept;
+    Kokkos::parallel_for(
+        "moe::layer::dense_weight_grad", Kokkos::RangePolicy<ExecSpace>(space_, 0, T),
+        KOKKOS_LAMBDA(std::int64_t t) {
+          for (int k = 0; k < K; ++k) dw(t, k) = kept(t, k) ? dwd(t, ids(t, k)) : Scalar(0);
+        });
+  }
+
+  // ---- shared expert -----------------------------------------------------------------------
+  void shared_forward(view2 y) {
+    int const Fs = cfg_.shared_mlp_dim();
+    if (Fs == 0) return;
+    std::int64_t const T = B_ * S_;
+    detail::ensure(space_, sh0_, "moe::layer::shared_h0", T, Fs);
+    detail::ensure(space_, sh1_, "moe::layer::shared_h1", T, Fs);
+    detail::ensure(space_, sa_, "moe::layer::shared_act", T, Fs);
+    detail::gemm(space_, "N", "N", Scalar(1), x_, params_.shared_wi_0, Scalar(0), sh0_);
+    detail::gemm(space_, "N", "N", Scalar(1), x_, params_.shared_wi_1, Scalar(0), sh1_);
+    nn::gated_forward(space_, cfg_.mlp_activation, T, cview2(sh0_), cview2(sh1_), sa_);
+    detail::gemm(space_, "N", "N", Scalar(1), sa_, params_.shared_wo, Scalar(1), y);
+  }
+
+  void shared_backward(cview2 dy, view2 dx, params_type& g) {
+    int const Fs = cfg_.shared_mlp_dim();
+    if (Fs == 0) return;
+    std::int64_t const T = B_ * S_;
+    detail::ensure(space_, sda_, "moe::layer::shared_d_act", T, Fs);
+    detail::gemm(space_, "T", "N", Scalar(1), sa_, dy, Scalar(0), g.shared_wo);
+    detail::gemm(space_, "N", "T", Scalar(1), dy, params_.shared_wo, Scalar(0), sda_);
+    // d_h0 overwrites d_act, d_h1 overwrites the saved activation (no longer needed).
+    nn::gated_backward(space_, cfg_.mlp_activation, T, cview2(sh0_), cview2(sh1_), cview2(sda_),
+                       sda_, sa_);
+    detail::gemm(space_, "T", "N", Scalar(1), x_, sda_, Scalar(0), g.shared_wi_0);
+    detail::gemm(space_, "T", "N", Scalar(1), x_, sa_, Scalar(0), g.shared_wi_1);
+    detail::gemm(space_, "N", "T", Scalar(1), sda_, params_.shared_wi_0, Scalar(1), dx);
+    detail::gemm(space_, "N", "T", Scalar(1), sa_, params_.shared_wi_1, Scalar(1), dx);
+  }
+
+  LayerConfig cfg_;
+  ExecSpace space_;
+  routing::Kind kind_;
+  routing::RouteParams rp_;
+  params_type params_;
+
+  // state of the last forward
+  bool have_forward_ = false;
+  std::int64_t B_ = 0, S_ = 0;
+  cview2 x_;
+  routing::RoutingState<Scalar, memory_space> rs_;
+  permute::Permutation<memory_space> perm_;
+  double lb_loss_ = 0;
+  std::vector<double> bias_update_;
+  view2 xs_, h0_, h1_, a_, ys_, wd_;
+  view2 sh0_, sh1_, sa_;
+  // backward work space
+  view2 dw_, d_top_, d_biased_, d_logits_, dys_, da_, dh1_, dwd_, sda_;
+};
+
+}  // namespace moe

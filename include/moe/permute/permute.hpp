@@ -1,0 +1,176 @@
+#pragma once
+/// \file
+/// Sort / unsort of the T*K routed slots by expert.
+///
+/// Vocabulary: a *slot* is one (token t, choice k) pair, numbered t*K + k. The *permutation*
+/// maps sorted positions to slots (perm) and slots to sorted positions (inverse; -1 = dropped).
+/// Sorted rows are grouped by expert in expert order, and within an expert in slot order (the
+/// sort is stable). Every backward here is a gather by the other direction of the permutation,
+/// never a scatter-add, so results are deterministic on every backend.
+
+#include <moe/detail/views.hpp>
+#include <moe/gmm/gmm.hpp>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace moe::permute {
+
+/// \brief Counting-sort permutation of the routed slots, with per-expert groups.
+template <class MemorySpace>
+struct Permutation {
+  View1<std::int64_t, MemorySpace> perm;     ///< [rows] sorted position -> slot t*K+k
+  View1<std::int64_t, MemorySpace> inverse;  ///< [T*K] slot -> sorted position, -1 if dropped
+  gmm::Groups<MemorySpace> groups;           ///< E groups of consecutive sorted rows
+  std::int64_t rows() const { return groups.rows(); }
+};
+
+/// \brief Stable counting sort of the slots by expert id, skipping slots with kept == 0.
+///
+/// Work O(T*K + C*E) with C = ceil(T*K / max(256, E)) chunks: each chunk counts its slots per
+/// expert, an exclusive scan over (expert, chunk) gives every chunk its write cursor, then each
+/// chunk places its slots in order. No atomics, so the result is the same on every backend.
+template <class ExecSpace, class MS>
+void sort_by_expert(ExecSpace const& space, View2<int const, MS> ids, View2<int const, MS> kept,
+                    int E, Permutation<MS>& out) {
+  std::int64_t const T = ids.extent(0), K = ids.extent(1), N = T * K;
+  std::int64_t const chunk = std::max<std::int64_t>(256, E);
+  std::int64_t const C = (N + chunk - 1) / chunk;
+  View2<std::int64_t, MS> hist(Kokkos::view_alloc(space, "moe::permute::chunk_hist"), C, E);
+  detail::ensure(space, out.inverse, "moe::permute::inverse", N);
+  auto inverse = out.inverse;
+  Kokkos::parallel_for(
+      "moe::permute::count", Kokkos::RangePolicy<ExecSpace>(space, 0, C),
+      KOKKOS_LAMBDA(std::int64_t c) {
+        std::int64_t const end = (c + 1) * chunk < N ? (c + 1) * chunk : N;
+        for (std::int64_t s = c * chunk; s < end; ++s)
+          if (kept(s / K, s % K)) hist(c, ids(s / K, s % K)) += 1;
+      });
+  View1<std::int64_t, MS> offsets(Kokkos::view_alloc(space, Kokkos::WithoutInitializing,
+                                                     "moe::permute::offsets"),
+                                  E + 1);
+  // Per expert: chunk cursors become exclusive prefix sums over chunks; totals to offsets(e+1).
+  Kokkos::parallel_for(
+      "moe::permute::chunk_scan", Kokkos::RangePolicy<ExecSpace>(space, 0, E),
+      KOKKOS_LAMBDA(int e) {
+        std::int64_t run = 0;
+        for (std::int64_t c = 0; c < C; ++c) {
+          std::int64_t const n = hist(c, e);
+          hist(c, e) = run;
+          run += n;
+        }
+        offsets(e + 1) = run;
+      });
+  Kokkos::parallel_scan(
+      "moe::permute::expert_scan", Kokkos::RangePolicy<ExecSpace>(space, 0, E + 1),
+      KOKKOS_LAMBDA(int i, std::int64_t& acc, bool final) {
+        std::int64_t const v = i == 0 ? 0 : offsets(i);
+        acc += v;
+        if (final) offsets(i) = acc;
+      });
+  auto offsets_host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), offsets);
+  std::int64_t const rows = offsets_host(E);
+  detail::ensure(space, out.perm, "moe::permute::perm", rows);
+  auto perm = out.perm;
+  Kokkos::parallel_for(
+      "moe::permute::place", Kokkos::RangePolicy<ExecSpace>(space, 0, C),
+      KOKKOS_LAMBDA(std::int64_t c) {
+        std::int64_t const end = (c + 1) * chunk < N ? (c + 1) * chunk : N;
+        for (std::int64_t s = c * chunk; s < end; ++s) {
+          if (!kept(s / K, s % K)) {
+            inverse(s) = -1;
+            continue;
+          }
+          int const e = ids(s / K, s % K);
+          std::int64_t const pos = offsets(e) + hist(c, e)++;
+          perm(pos) = s;
+          inverse(s) = pos;
+        }
+      });
+  out.groups.offsets = offsets;
+  out.groups.offsets_host = offsets_host;
+}
+
+/// \brief Sorted copy of the token rows: out[i] = x[perm[i] / K]  (the K-fold replication).
+template <class ExecSpace, class Scalar, class MS>
+void gather_rows(ExecSpace const& space, View2<Scalar const, MS> x,
+                 View1<std::int64_t const, MS> perm, int K, View2<Scalar, MS> out) {
+  std::int64_t const D = x.extent(1);
+  Kokkos::parallel_for(
+      "moe::permute::gather_rows", Kokkos::RangePolicy<ExecSpace>(space, 0, perm.extent(0)),
+      KOKKOS_LAMBDA(std::int64_t i) {
+        std::int64_t const t = perm(i) / K;
+        for (std::int64_t d = 0; d < D; ++d) out(i, d) = x(t, d);
+      });
+}
+
+/// \brief Unpermute and combine: y[t] (+)= sum_k w[t,k] * ys[inverse[t*K+k]] over kept slots,
+/// summed in k order.
+template <class ExecSpace, class Scalar, class MS>
+void combine(ExecSpace const& space, View2<Scalar const, MS> ys,
+             View1<std::int64_t const, MS> inverse, View2<Scalar const, MS> w, bool accumulate,
+             View2<Scalar, MS> y) {
+  std::int64_t const D = y.extent(1), K = w.extent(1);
+  Kokkos::parallel_for(
+      "moe::permute::combine", Kokkos::RangePolicy<ExecSpace>(space, 0, y.extent(0)),
+      KOKKOS_LAMBDA(std::int64_t t) {
+        if (!accumulate)
+          for (std::int64_t d = 0; d < D; ++d) y(t, d) = Scalar(0);
+        for (std::int64_t k = 0; k < K; ++k) {
+          std::int64_t const r = inverse(t * K + k);
+          if (r < 0) continue;
+          Scalar const wk = w(t, k);
+          for (std::int64_t d = 0; d < D; ++d) y(t, d) += wk * ys(r, d);
+        }
+      });
+}
+
+/// \brief Backward of combine. dys[i] = w[s] * dy[s / K] for the slot s = perm[i] (a gather),
+/// and dw[t,k] = <dy[t], ys[inverse[t*K+k]]> (0 for dropped slots): the router gradient.
+template <class ExecSpace, class Scalar, class MS>
+void combine_backward(ExecSpace const& space, View2<Scalar const, MS> dy,
+                      View2<Scalar const, MS> ys, View1<std::int64_t const, MS> perm,
+                      View1<std::int64_t const, MS> inverse, View2<Scalar const, MS> w,
+                      View2<Scalar, MS> dys, View2<Scalar, MS> dw) {
+  std::int64_t const D = dy.extent(1), K = w.extent(1);
+  Kokkos::parallel_for(
+      "moe::permute::combine_backward_rows",
+      Kokkos::RangePolicy<ExecSpace>(space, 0, perm.extent(0)), KOKKOS_LAMBDA(std::int64_t i) {
+        std::int64_t const s = perm(i), t = s / K;
+        Scalar const ws = w(t, s % K);
+        for (std::int64_t d = 0; d < D; ++d) dys(i, d) = ws * dy(t, d);
+      });
+  Kokkos::parallel_for(
+      "moe::permute::combine_backward_weights",
+      Kokkos::RangePolicy<ExecSpace>(space, 0, dy.extent(0)), KOKKOS_LAMBDA(std::int64_t t) {
+        for (std::int64_t k = 0; k < K; ++k) {
+          std::int64_t const r = inverse(t * K + k);
+          Scalar acc = 0;
+          if (r >= 0)
+            for (std::int64_t d = 0; d < D; ++d) acc += dy(t, d) * ys(r, d);
+          dw(t, k) = acc;
+        }
+      });
+}
+
+/// \brief Backward of gather_rows: dx[t] (+)= sum_k dxs[inverse[t*K+k]] over kept slots, in k
+/// order (a gather by the inverse permutation, not a scatter-add).
+template <class ExecSpace, class Scalar, class MS>
+void gather_rows_backward(ExecSpace const& space, View2<Scalar const, MS> dxs,
+                          View1<std::int64_t const, MS> inverse, int K, bool accumulate,
+                          View2<Scalar, MS> dx) {
+  std::int64_t const D = dx.extent(1);
+  Kokkos::parallel_for(
+      "moe::permute::gather_rows_backward",
+      Kokkos::RangePolicy<ExecSpace>(space, 0, dx.extent(0)), KOKKOS_LAMBDA(std::int64_t t) {
+        if (!accumulate)
+          for (std::int64_t d = 0; d < D; ++d) dx(t, d) = Scalar(0);
+        for (std::int64_t k = 0; k < K; ++k) {
+          std::int64_t const r = inverse(t * K + k);
+          if (r < 0) continue;
+          for (std::int64_t d = 0; d < D; ++d) dx(t, d) += dxs(r, d);
+        }
+      });
+}
+
+}  // namespace moe::permute

@@ -1,0 +1,51 @@
+#pragma once
+/// \file
+/// Compile-time policy bundle of a MoE layer: routing, grouped GEMM and partitioning.
+/// Runtime numbers (E, K, dims, capacity) live in LayerConfig; algorithms are types.
+
+#include <moe/gmm/gmm.hpp>
+#include <moe/routing/router.hpp>
+
+#include <type_traits>
+
+namespace moe {
+
+namespace partition {
+/// \brief Single-rank layer: no communication.
+struct Local {};
+}  // namespace partition
+
+namespace detail {
+template <class T> struct is_tiled : std::false_type {};
+template <int M, int K, int N> struct is_tiled<gmm::Tiled<M, K, N>> : std::true_type {};
+}  // namespace detail
+
+/// \brief The policies of one layer type.
+/// \tparam Routing routing::Auto (from the config), routing::TopKSoftmax, routing::DeepSeek or
+///         routing::Random.
+/// \tparam Gmm gmm::Vendor (BLAS per expert group), gmm::Tiled<TM,TK,TN> (portable team kernel),
+///         or gmm::Dense (every expert on every token, masked: the reference path; it is also what
+///         `sparse_matmul: false` selects at run time).
+/// \tparam Partition partition::Local.
+template <class Routing = routing::Auto, class Gmm = gmm::Vendor,
+          class Partition = partition::Local>
+struct Policies {
+  using routing_policy = Routing;
+  using gmm_policy = Gmm;
+  using partition_policy = Partition;
+  static_assert(std::is_same_v<Routing, routing::Auto> ||
+                    std::is_same_v<Routing, routing::TopKSoftmax> ||
+                    std::is_same_v<Routing, routing::DeepSeek> ||
+                    std::is_same_v<Routing, routing::Random>,
+                "Routing must be routing::Auto, TopKSoftmax, DeepSeek or Random");
+  static_assert(std::is_same_v<Gmm, gmm::Vendor> || std::is_same_v<Gmm, gmm::Dense> ||
+                    detail::is_tiled<Gmm>::value,
+                "Gmm must be gmm::Vendor, gmm::Tiled<TM,TK,TN> or gmm::Dense");
+  static_assert(std::is_same_v<Partition, partition::Local>,
+                "Partition must be partition::Local on one rank");
+};
+
+/// \brief Default policies: routing from the config, vendor BLAS grouped GEMM, one rank.
+using DefaultPolicies = Policies<>;
+
+}  // namespace moe

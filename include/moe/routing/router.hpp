@@ -1,0 +1,474 @@
+#pragma once
+/// \file
+/// Routing: score functions, top-k (generic, DeepSeek group-limited, random), weight
+/// post-processing, capacity masks, load-balance loss, loss-free bias update, and their backward.
+///
+/// All kernels run one token per work item over its E scores, so their cost is O(T * E * K) and
+/// their results do not depend on the backend (no atomics on floating-point values).
+
+#include <moe/config.hpp>
+#include <moe/detail/compat.hpp>
+#include <moe/detail/views.hpp>
+
+#include <cstdint>
+#include <vector>
+
+namespace moe::routing {
+
+/// \brief Routing policy: decided from the config (`decoder_block`, `use_random_routing`).
+struct Auto {};
+/// \brief Routing policy: generic top-k + softmax over the K selected scores (Mixtral, Qwen).
+struct TopKSoftmax {};
+/// \brief Routing policy: DeepSeek (biased selection, pre-bias weights, groups, scaling).
+struct DeepSeek {};
+/// \brief Routing policy: experts drawn uniformly at random per (token, slot), seeded.
+struct Random {};
+
+/// \brief Which selection rule and which weight post-processing run.
+struct Kind {
+  bool random = false;    ///< indices drawn at random
+  bool deepseek = false;  ///< DeepSeek selection / post-processing, else generic
+};
+
+/// \brief The routing family a policy stands for under `cfg`; throws ConfigError when the
+/// compile-time policy contradicts the config.
+template <class Policy>
+Kind resolve(Policy, LayerConfig const& cfg) {
+  Kind k{cfg.use_random_routing, cfg.decoder_block == DecoderBlock::DeepSeek};
+  if constexpr (std::is_same_v<Policy, TopKSoftmax>) {
+    detail::require<ConfigError>(!k.random && !k.deepseek,
+                                 "routing policy TopKSoftmax needs decoder_block=mixtral and "
+                                 "use_random_routing=false");
+  } else if constexpr (std::is_same_v<Policy, DeepSeek>) {
+    detail::require<ConfigError>(!k.random && k.deepseek,
+                                 "routing policy DeepSeek needs decoder_block=deepseek and "
+                                 "use_random_routing=false");
+  } else if constexpr (std::is_same_v<Policy, Random>) {
+    detail::require<ConfigError>(k.random, "routing policy Random needs use_random_routing=true");
+  } else {
+    static_assert(std::is_same_v<Policy, Auto>,
+                  "routing policy must be Auto, TopKSoftmax, DeepSeek or Random");
+  }
+  return k;
+}
+
+/// \brief Everything routing produces for T tokens, kept for the backward pass.
+template <class Scalar, class MemorySpace>
+struct RoutingState {
+  View2<Scalar, MemorySpace> logits;      ///< [T,E] raw gate logits x . W_g
+  View2<Scalar, MemorySpace> scores;      ///< [T,E] after the score function, before the bias
+  View2<Scalar, MemorySpace> biased;      ///< [T,E] scores + bias (same memory as scores w/o bias)
+  View2<int, MemorySpace> expert_ids;     ///< [T,K] selected experts
+  View2<Scalar, MemorySpace> top_values;  ///< [T,K] selected values before post-processing
+  View2<Scalar, MemorySpace> weights;     ///< [T,K] combine weights (before capacity dropping)
+  View2<int, MemorySpace> kept;           ///< [T,K] 1 if the slot survives capacity, else 0
+  View2<std::int64_t, MemorySpace> seq_counts;  ///< [B,E] slots per (sequence, expert) (lb loss)
+  View2<Scalar, MemorySpace> seq_probs;   ///< [B,E] sum over the sequence of softmax(biased)
+  View1<std::int64_t, MemorySpace> expert_counts;  ///< [E] selected slots per expert (pre-drop)
+  double lb_sum = 0;  ///< sum over local sequences and experts of seq_counts * seq_probs
+};
+
+namespace detail {
+
+using moe::detail::exp;
+using moe::detail::isnan;
+using moe::detail::log1p;
+using moe::detail::sqrt;
+
+/// Total order used by top-k: larger value first, NaN below everything, ties to the lower index
+/// (as lax.top_k). Never produces an out-of-range index whatever the values are.
+template <class S>
+KOKKOS_INLINE_FUNCTION bool key_greater(S va, int ia, S vb, int ib) {
+  bool const na = isnan(va), nb = isnan(vb);
+  if (na != nb) return nb;
+  if (!na && va != vb) return va > vb;
+  return ia < ib;
+}
+
+template <class S>
+KOKKOS_INLINE_FUNCTION S sigmoid(S x) {
+  return x >= S(0) ? S(1) / (S(1) + exp(-x)) : exp(x) / (S(1) + exp(x));
+}
+
+template <class S>
+KOKKOS_INLINE_FUNCTION S softplus(S x) {
+  return (x > S(0) ? x : S(0)) + log1p(exp(x > S(0) ? -x : x));
+}
+
+/// SplitMix64: a counter-based hash giving reproducible random routing on every backend.
+KOKKOS_INLINE_FUNCTION std::uint64_t splitmix64(std::uint64_t z) {
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+/// Group score of DeepSeek group-limited routing: sum of the (up to) two best scores of group g.
+template <class Row>
+KOKKOS_INLINE_FUNCTION auto group_score(Row const& row, int g, int group_size) {
+  using S = typename Row::non_const_value_type;
+  int b1 = g * group_size, b2 = -1;
+  for (int e = g * group_size + 1; e < (g + 1) * group_size; ++e) {
+    if (key_greater(row(e), e, row(b1), b1)) {
+      b2 = b1;
+      b1 = e;
+    } else if (b2 < 0 || key_greater(row(e), e, row(b2), b2)) {
+      b2 = e;
+    }
+  }
+  return row(b1) + (b2 >= 0 ? row(b2) : S(0));
+}
+
+}  // namespace detail
+
+/// Static parameters of the routing kernels, resolved once from the config.
+struct RouteParams {
+  Kind kind;
+  ScoreFunc score = ScoreFunc::None;
+  int E = 0, K = 0, groups = -1, topk_groups = -1;
+  bool norm_topk_prob = false;
+  double scaling = 1.0;
+  std::uint64_t seed = 0;
+
+  RouteParams() = default;
+  RouteParams(LayerConfig const& cfg, Kind k)
+      : kind(k),
+        score(cfg.routed_score_func),
+        E(cfg.num_experts),
+        K(cfg.num_experts_per_tok),
+        groups(cfg.n_routing_groups),
+        topk_groups(cfg.topk_routing_group),
+        norm_topk_prob(cfg.norm_topk_prob),
+        scaling(cfg.routed_scaling_factor),
+        seed(cfg.seed) {}
+};
+
+/// \brief Applies the score function to raw gate logits: scores[T,E] = score(logits).
+template <class ExecSpace, class Scalar, class MS>
+void apply_score(ExecSpace const& space, ScoreFunc f, View2<Scalar const, MS> logits,
+                 View2<Scalar, MS> scores) {
+  int const E = int(logits.extent(1));
+  Kokkos::parallel_for(
+      "moe::routing::score", Kokkos::RangePolicy<ExecSpace>(space, 0, logits.extent(0)),
+      KOKKOS_LAMBDA(std::size_t t) {
+        if (f == ScoreFunc::Softmax) {
+          Scalar m = logits(t, 0);
+          for (int e = 1; e < E; ++e) m = logits(t, e) > m ? logits(t, e) : m;
+          Scalar z = 0;
+          for (int e = 0; e < E; ++e) z += detail::exp(logits(t, e) - m);
+          for (int e = 0; e < E; ++e) scores(t, e) = detail::exp(logits(t, e) - m) / z;
+        } else {
+          for (int e = 0; e < E; ++e) {
+            Scalar const l = logits(t, e);
+            scores(t, e) = f == ScoreFunc::Sigmoid        ? detail::sigmoid(l)
+                           : f == ScoreFunc::SqrtSoftplus ? detail::sqrt(detail::softplus(l))
+                                                          : l;
+          }
+        }
+      });
+}
+
+/// \brief Selects K experts per token and computes their combine weights.
+///
+/// `biased` is the selection input (scores + bias), `scores` the pre-bias scores (DeepSeek takes
+/// its weights from them). token_offset is the global index of the first token (random routing
+/// draws from (seed, global token, slot), so a token's experts do not depend on the layout).
+template <class ExecSpace, class Scalar, class MS>
+void select_topk(ExecSpace const& space, RouteParams const& p, std::uint64_t token_offset,
+                 View2<Scalar const, MS> scores, View2<Scalar const, MS> biased,
+                 View2<int, MS> ids, View2<Scalar, MS> top_values, View2<Scalar, MS> weights) {
+  int const E = p.E, K = p.K, G = p.groups, TG = p.topk_groups;
+  bool const deepseek = p.kind.deepseek, random = p.kind.random;
+  bool const ds_normalise =
+      p.score == ScoreFunc::Sigmoid || p.score == ScoreFunc::SqrtSoftplus;
+  bool const norm = p.norm_topk_prob;
+  Scalar const scaling = Scalar(p.scaling);
+  std::uint64_t const seed = p.seed;
+  Kokkos::parallel_for(
+      "moe::routing::select_topk", Kokkos::RangePolicy<ExecSpace>(space, 0, biased.extent(0)),
+      KOKKOS_LAMBDA(std::size_t t) {
+        auto row = Kokkos::subview(biased, t, Kokkos::ALL());
+        int const gsize = G > 0 ? E / G : E;
+        // Group-limited routing: bit g of `allowed` is set for the TG best groups (G <= 64).
+        std::uint64_t allowed = ~std::uint64_t(0);
+        if (G > 0) {
+          allowed = 0;
+          int prev_g = -1;
+          Scalar prev_s = 0;
+          for (int j = 0; j < TG; ++j) {
+            int best_g = -1;
+            Scalar best_s = 0;
+            for (int g = 0; g < G; ++g) {
+              Scalar const sg = detail::group_score(row, g, gsize);
+              if (prev_g >= 0 && !detail::key_greater(prev_s, prev_g, sg, g)) continue;
+              if (best_g >= 0 && !detail::key_greater(sg, g, best_s, best_g)) continue;
+              best_g = g;
+              best_s = sg;
+            }
+            allowed |= std::uint64_t(1) << best_g;
+            prev_g = best_g;
+            prev_s = best_s;
+          }
+        }
+        auto eligible = [&](int e) { return G <= 0 || ((allowed >> (e / gsize)) & 1u); };
+        if (random) {
+          for (int k = 0; k < K; ++k) {
+            std::uint64_t const h = detail::splitmix64(
+                seed ^ detail::splitmix64((token_offset + t) * 0x100000001B3ULL + std::uint64_t(k)));
+            int const e = int(h % std::uint64_t(E));
+            ids(t, k) = e;
+            top_values(t, k) = row(e);
+          }
+        } else {
+          int prev = -1;
+          for (int k = 0; k < K; ++k) {
+            int best = -1;
+            for (int e = 0; e < E; ++e) {
+              if (prev >= 0 && !detail::key_greater(row(prev), prev, row(e), e)) continue;
+              if (best >= 0 && !detail::key_greater(row(e), e, row(best), best)) continue;
+              if (!eligible(e)) continue;
+              best = e;
+            }
+            if (best < 0) best = 0;  // unreachable for valid configs; keeps indices in range
+            ids(t, k) = best;
+            top_values(t, k) = deepseek ? scores(t, best) : row(best);
+            prev = best;
+          }
+        }
+        // Weight post-processing.
+        if (deepseek) {
+          Scalar sum = 0;
+          for (int k = 0; k < K; ++k) sum += top_values(t, k);
+          for (int k = 0; k < K; ++k) {
+            Scalar w = top_values(t, k);
+            if (ds_normalise) w = w / (sum + Scalar(1e-20));
+            weights(t, k) = w * scaling;
+          }
+        } else {
+          Scalar m = top_values(t, 0);
+          for (int k = 1; k < K; ++k) m = top_values(t, k) > m ? top_values(t, k) : m;
+          Scalar z = 0;
+          for (int k = 0; k < K; ++k) z += detail::exp(top_values(t, k) - m);
+          Scalar s = 0;
+          for (int k = 0; k < K; ++k) {
+            weights(t, k) = detail::exp(top_values(t, k) - m) / z;
+            s += weights(t, k);
+          }
+          if (norm)
+            for (int k = 0; k < K; ++k) weights(t, k) /= s;
+        }
+      });
+}
+
+/// \brief Capacity mask (MaxText's per-sequence capacity): within each sequence of length S the
+/// slots are visited in (s, k) order; a slot is kept iff its 1-based position in its expert's
+/// queue is <= capacity. capacity <= 0 keeps every slot.
+template <class ExecSpace, class MS>
+void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_t seq_len,
+                   std::int64_t capacity, int E, View2<int, MS> kept) {
+  std::int64_t const T = ids.extent(0), K = ids.extent(1);
+  if (capacity <= 0) {
+    Kokkos::deep_copy(space, kept, 1);
+    return;
+  }
+  std::int64_t const B = T / seq_len;
+  View2<std::int64_t, MS> fill(Kokkos::view_alloc(space, "moe::routing::capacity_fill"), B, E);
+  Kokkos::parallel_for(
+      "moe::routing::capacity_mask", Kokkos::RangePolicy<ExecSpace>(space, 0, B),
+      KOKKOS_LAMBDA(std::int64_t b) {
+        for (std::int64_t s = 0; s < seq_len; ++s)
+          for (std::int64_t k = 0; k < K; ++k) {
+            std::int64_t const t = b * seq_len + s;
+            int const e = ids(t, k);
+            kept(t, k) = ++fill(b, e) <= capacity ? 1 : 0;
+          }
+      });
+}
+
+/// \brief Per-sequence statistics of the load-balance loss: counts[b,e] = slots of sequence b on
+/// expert e, probs[b,e] = sum over the sequence of softmax(biased over E). Returns (on the host)
+/// sum_b sum_e counts*probs; the loss is weight * E * that / (B_total * S^2).
+template <class ExecSpace, class Scalar, class MS>
+double lb_statistics(ExecSpace const& space, View2<Scalar const, MS> biased,
+                     View2<int const, MS> ids, std::int64_t seq_len,
+                     View2<std::int64_t, MS> counts, View2<Scalar, MS> probs) {
+  std::int64_t const T = biased.extent(0), E = biased.extent(1), K = ids.extent(1);
+  std::int64_t const B = T / seq_len;
+  View1<double, MS> per_seq(Kokkos::view_alloc(space, "moe::routing::lb_per_seq"), B);
+  Kokkos::parallel_for(
+      "moe::routing::lb_statistics", Kokkos::RangePolicy<ExecSpace>(space, 0, B),
+      KOKKOS_LAMBDA(std::int64_t b) {
+        for (std::int64_t e = 0; e < E; ++e) {
+          counts(b, e) = 0;
+          probs(b, e) = 0;
+        }
+        for (std::int64_t s = 0; s < seq_len; ++s) {
+          std::int64_t const t = b * seq_len + s;
+          for (std::int64_t k = 0; k < K; ++k) counts(b, ids(t, k)) += 1;
+          Scalar m = biased(t, 0);
+          for (std::int64_t e = 1; e < E; ++e) m = biased(t, e) > m ? biased(t, e) : m;
+          Scalar z = 0;
+          for (std::int64_t e = 0; e < E; ++e) z += detail::exp(biased(t, e) - m);
+          for (std::int64_t e = 0; e < E; ++e) probs(b, e) += detail::exp(biased(t, e) - m) / z;
+        }
+        double acc = 0;
+        for (std::int64_t e = 0; e < E; ++e) acc += double(counts(b, e)) * double(probs(b, e));
+        per_seq(b) = acc;
+      });
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), per_seq);
+  double total = 0;  // fixed order: bitwise reproducible on every backend
+  for (std::int64_t b = 0; b < B; ++b) total += h(b);
+  return total;
+}
+
+/// \brief Selected slots per expert over all T*K slots (before capacity dropping).
+template <class ExecSpace, class MS>
+void expert_histogram(ExecSpace const& space, View2<int const, MS> ids,
+                      View1<std::int64_t, MS> counts) {
+  Kokkos::deep_copy(space, counts, 0);
+  std::int64_t const K = ids.extent(1);
+  Kokkos::parallel_for(
+      "moe::routing::expert_histogram", Kokkos::RangePolicy<ExecSpace>(space, 0, ids.extent(0)),
+      KOKKOS_LAMBDA(std::size_t t) {
+        for (std::int64_t k = 0; k < K; ++k) Kokkos::atomic_add(&counts(ids(t, k)), std::int64_t(1));
+      });
+}
+
+/// \brief Loss-free bias update: update[e] = sign(T*K/E - count[e]) * rate (host, exact).
+inline std::vector<double> bias_update(std::vector<std::int64_t> const& counts,
+                                       std::int64_t total_slots, double rate) {
+  std::int64_t const E = std::int64_t(counts.size());
+  std::vector<double> up(counts.size());
+  for (std::int64_t e = 0; e < E; ++e) {
+    // compare count*E with T*K exactly in integers: avg - count = (T*K - count*E) / E
+    std::int64_t const diff = total_slots - counts[e] * E;
+    up[e] = diff > 0 ? rate : diff < 0 ? -rate : 0.0;
+  }
+  return up;
+}
+
+/// \brief Backward of routing.
+///
+/// Inputs: d_weights[T,K] (gradient w.r.t. the combine weights; 0 for dropped slots) and, when
+/// lb_coef != 0, the load-balance term: d lb / d p[t,e] = lb_coef * counts[b(t), e].
+/// Outputs: d_logits[T,E] (gradient w.r.t. the raw gate logits) and d_biased[T,E] (gradient
+/// w.r.t. scores + bias; its column sums are the bias gradient).
+template <class ExecSpace, class Scalar, class MS>
+void route_backward(ExecSpace const& space, RouteParams const& p,
+                    RoutingState<Scalar, MS> const& st, View2<Scalar const, MS> d_weights,
+                    std::int64_t seq_len, double lb_coef, View2<Scalar, MS> d_top,
+                    View2<Scalar, MS> d_biased, View2<Scalar, MS> d_logits) {
+  int const E = p.E, K = p.K;
+  bool const deepseek = p.kind.deepseek;
+  bool const ds_normalise = p.score == ScoreFunc::Sigmoid || p.score == ScoreFunc::SqrtSoftplus;
+  bool const norm = p.norm_topk_prob;
+  Scalar const scaling = Scalar(p.scaling);
+  ScoreFunc const f = p.score;
+  Scalar const coef = Scalar(lb_coef);
+  auto logits = st.logits;
+  auto scores = st.scores;
+  auto biased = st.biased;
+  auto ids = st.expert_ids;
+  auto top = st.top_values;
+  auto w = st.weights;
+  auto counts = st.seq_counts;
+  Kokkos::parallel_for(
+      "moe::routing::route_backward", Kokkos::RangePolicy<ExecSpace>(space, 0, biased.extent(0)),
+      KOKKOS_LAMBDA(std::size_t t) {
+        // 1. post-processing backward: d_weights -> d_top (w.r.t. the selected values)
+        if (deepseek) {
+          Scalar sum = 0;
+          for (int k = 0; k < K; ++k) sum += top(t, k);
+          Scalar const den = sum + Scalar(1e-20);
+          Scalar dot = 0;
+          for (int k = 0; k < K; ++k) dot += d_weights(t, k) * scaling * top(t, k);
+          for (int k = 0; k < K; ++k) {
+            Scalar const du = d_weights(t, k) * scaling;
+            d_top(t, k) = ds_normalise ? du / den - dot / (den * den) : du;
+          }
+        } else {
+          // w = softmax(top) [/ sum]; undo the renormalisation, then the softmax.
+          Scalar s = 0, m = top(t, 0);
+          for (int k = 1; k < K; ++k) m = top(t, k) > m ? top(t, k) : m;
+          Scalar z = 0;
+          for (int k = 0; k < K; ++k) z += detail::exp(top(t, k) - m);
+          for (int k = 0; k < K; ++k) s += detail::exp(top(t, k) - m) / z;
+          Scalar dn = 0;
+          if (norm)
+            for (int k = 0; k < K; ++k) dn += d_weights(t, k) * w(t, k);
+          Scalar dot = 0;
+          for (int k = 0; k < K; ++k) {
+            Scalar const sm = detail::exp(top(t, k) - m) / z;
+            Scalar const dpre = norm ? (d_weights(t, k) - dn) / s : d_weights(t, k);
+            d_top(t, k) = dpre;  // temporarily
+            dot += dpre * sm;
+          }
+          for (int k = 0; k < K; ++k) {
+            Scalar const sm = detail::exp(top(t, k) - m) / z;
+            d_top(t, k) = sm * (d_top(t, k) - dot);
+          }
+        }
+        // 2. d_biased = lb part + (generic: the selected values' gradient)
+        Scalar pm = biased(t, 0), pz = 0, pdot = 0;
+        std::int64_t const b = std::int64_t(t) / seq_len;
+        if (coef != Scalar(0)) {
+          for (int e = 1; e < E; ++e) pm = biased(t, e) > pm ? biased(t, e) : pm;
+          for (int e = 0; e < E; ++e) pz += detail::exp(biased(t, e) - pm);
+          for (int e = 0; e < E; ++e)
+            pdot += coef * Scalar(counts(b, e)) * detail::exp(biased(t, e) - pm) / pz;
+        }
+        for (int e = 0; e < E; ++e) {
+          Scalar g = 0;
+          if (coef != Scalar(0)) {
+            Scalar const pe = detail::exp(biased(t, e) - pm) / pz;
+            g = pe * (coef * Scalar(counts(b, e)) - pdot);
+          }
+          if (!deepseek)
+            for (int k = 0; k < K; ++k)
+              if (ids(t, k) == e) g += d_top(t, k);
+          d_biased(t, e) = g;
+        }
+        // 3. d_scores = d_biased (+ DeepSeek: the selected pre-bias values' gradient), then the
+        //    score function's backward into d_logits.
+        auto dscore = [&](int e) {
+          Scalar g = d_biased(t, e);
+          if (deepseek)
+            for (int k = 0; k < K; ++k)
+              if (ids(t, k) == e) g += d_top(t, k);
+          return g;
+        };
+        if (f == ScoreFunc::Softmax) {
+          Scalar dot = 0;
+          for (int e = 0; e < E; ++e) dot += dscore(e) * scores(t, e);
+          for (int e = 0; e < E; ++e) d_logits(t, e) = scores(t, e) * (dscore(e) - dot);
+        } else {
+          for (int e = 0; e < E; ++e) {
+            Scalar const s = scores(t, e), g = dscore(e);
+            if (f == ScoreFunc::Sigmoid) {
+              d_logits(t, e) = g * s * (Scalar(1) - s);
+            } else if (f == ScoreFunc::SqrtSoftplus) {
+              // s = sqrt(softplus(l)); ds/dl = sigmoid(l) / (2 s)
+              Scalar const sg = detail::sigmoid(logits(t, e));
+              d_logits(t, e) = s > Scalar(0) ? g * sg / (Scalar(2) * s) : Scalar(0);
+            } else {
+              d_logits(t, e) = g;
+            }
+          }
+        }
+      });
+}
+
+/// \brief Column sums of a [T,E] view in a fixed order (the bias gradient): out[e] = sum_t m(t,e).
+template <class ExecSpace, class Scalar, class MS>
+void column_sums(ExecSpace const& space, View2<Scalar const, MS> m, View1<Scalar, MS> out) {
+  std::int64_t const T = m.extent(0);
+  Kokkos::parallel_for(
+      "moe::routing::column_sums", Kokkos::RangePolicy<ExecSpace>(space, 0, m.extent(1)),
+      KOKKOS_LAMBDA(std::size_t e) {
+        Scalar acc = 0;
+        for (std::int64_t t = 0; t < T; ++t) acc += m(t, e);
+        out(e) = acc;
+      });
+}
+
+}  // namespace moe::routing

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite: installs dependencies, builds everything, runs ctest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/build.sh
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+ctest --test-dir "${MOE_BUILD_DIR:-build}" --output-on-failure -j2 --timeout 900
