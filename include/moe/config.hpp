@@ -49,7 +49,7 @@ struct LayerConfig {
   Activation mlp_activation = Activation::Silu;  ///< key `mlp_activations`
   int shared_experts = 0;  ///< shared expert of hidden size shared_experts * base_moe_mlp_dim
   bool sparse_matmul = true;  ///< false: dense masked path (every expert on every token)
-  bool check_finite = true;   ///< reject NaN/Inf in inputs and weights (one extra pass over them)
+  bool check_finite = true;   ///< reject NaN/Inf in x, dy and every weight a token reaches
 
   /// Hidden size of the shared expert (0 when there is none).
   int shared_mlp_dim() const { return shared_experts * base_moe_mlp_dim; }

@@ -113,8 +113,9 @@ class MoeLayer {
     return std::is_same_v<typename Policy::gmm_policy, gmm::Dense> || !cfg_.sparse_matmul;
   }
 
-  /// \brief y[B,S,D] = MoE(x[B,S,D]). Checks shapes (ShapeError) and, with check_finite, that x
-  /// and the parameters hold no NaN/Inf (InputError).
+  /// \brief y[B,S,D] = MoE(x[B,S,D]). Checks shapes (ShapeError) and, with check_finite, that x,
+  /// the gate and every expert weight a token reaches hold no NaN/Inf (InputError naming the
+  /// tensor and the index). x and the parameters must stay unchanged until backward().
   void forward(cview3 x, view3 y, ForwardOptions const& opt = {}) {
     int const D = cfg_.base_emb_dim;
     require_shape(x, "x", D);
@@ -124,10 +125,15 @@ class MoeLayer {
                                 "] but x is [", x.extent(0), ",", x.extent(1), ",", x.extent(2),
                                 "]: they must match");
     check_parameters(params_, "parameter");
-    if (cfg_.check_finite) require_finite(x, "x");
+    if (cfg_.check_finite) {
+      require_finite(x, "x");
+      require_finite(params_.gate, "gate");
+      if (cfg_.routed_bias) require_finite(params_.gate_bias, "gate_bias");
+    }
     B_ = x.extent(0);
     S_ = x.extent(1);
     std::int64_t const T = B_ * S_;
+    x3_ = x;  // keeps the caller's allocation alive for backward()
     x_ = cview2(x.data(), T, D);
     auto y2 = view2(y.data(), T, D);
     route(opt);
@@ -137,6 +143,13 @@ class MoeLayer {
       sparse_forward(y2);
     }
     shared_forward(y2);
+    // Expert weights are checked through their effect: a NaN/Inf weight that any token reaches
+    // makes y non-finite, and only then are all parameters scanned to name the culprit. This
+    // keeps the check O(T*D) per call instead of a full pass over E*D*F weights.
+    if (cfg_.check_finite && !is_finite(y)) {
+      params_.for_each([&](char const* name, auto const& v) { require_finite(v, name); });
+      require_finite(y, "y (all inputs and weights are finite: the layer overflowed)");
+    }
     have_forward_ = true;
   }
 
@@ -211,6 +224,18 @@ class MoeLayer {
   }
 
   template <class V>
+  bool is_finite(V const& v) const {
+    std::int64_t const n = std::int64_t(v.span());
+    auto const* p = v.data();
+    int bad = 0;
+    Kokkos::parallel_reduce(
+        "moe::layer::is_finite", Kokkos::RangePolicy<ExecSpace>(space_, 0, n),
+        KOKKOS_LAMBDA(std::int64_t i, int& b) { b += moe::detail::isfinite(p[i]) ? 0 : 1; },
+        bad);
+    return bad == 0;
+  }
+
+  template <class V>
   void require_finite(V const& v, std::string const& name) const {
     std::int64_t const n = std::int64_t(v.span());
     auto const* p = v.data();
@@ -249,7 +274,6 @@ class MoeLayer {
         throw ShapeError(detail::cat(what, " ", name, " is [", got, "] but the config needs [",
                                      exp, "]"));
       }
-      if (cfg_.check_finite && std::string(what) == "parameter") require_finite(v, name);
     };
     shape(p.gate, "gate", {std::size_t(D), std::size_t(E)});
     if (cfg_.routed_bias) shape(p.gate_bias, "gate_bias", {std::size_t(E)});
@@ -503,6 +527,7 @@ class MoeLayer {
   // state of the last forward
   bool have_forward_ = false;
   std::int64_t B_ = 0, S_ = 0;
+  cview3 x3_;
   cview2 x_;
   routing::RoutingState<Scalar, memory_space> rs_;
   permute::Permutation<memory_space> perm_;

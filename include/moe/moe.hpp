@@ -3,6 +3,7 @@
 /// Umbrella header of the moe library.
 
 #include <moe/config.hpp>
+#include <moe/moe_config.hpp>
 #include <moe/error.hpp>
 #include <moe/gmm/gmm.hpp>
 #include <moe/layer.hpp>
