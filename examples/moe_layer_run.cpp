@@ -36,11 +36,16 @@ Args parse_args(int argc, char** argv) {
       if (i + 1 >= argc) throw moe::ConfigError(moe::detail::cat(flag, " needs a value"));
       return std::string(argv[++i]);
     };
-    if (s == "--config") a.config = value("--config");
-    else if (s == "--in") a.in = value("--in");
-    else if (s == "--out") a.out = value("--out");
-    else if (s == "--gmm") a.gmm = value("--gmm");
-    else if (s == "--example") a.example = true;
+    if (s == "--config")
+      a.config = value("--config");
+    else if (s == "--in")
+      a.in = value("--in");
+    else if (s == "--out")
+      a.out = value("--out");
+    else if (s == "--gmm")
+      a.gmm = value("--gmm");
+    else if (s == "--example")
+      a.example = true;
     else if (s == "-h" || s == "--help") {
       std::puts(
           "usage: moe-layer-run --config CFG.yml --in CASE.safetensors --out RESULT.safetensors\n"
@@ -49,7 +54,8 @@ Args parse_args(int argc, char** argv) {
       std::exit(0);
     } else if (s.rfind("--", 0) == 0)
       throw moe::ConfigError(moe::detail::cat("unknown flag '", s, "'"));
-    else a.overrides.push_back(moe::cli::parse_override(s));
+    else
+      a.overrides.push_back(moe::cli::parse_override(s));
   }
   if (a.gmm != "vendor" && a.gmm != "tiled" && a.gmm != "dense")
     throw moe::ConfigError(moe::detail::cat("--gmm ", a.gmm, " is not one of vendor|tiled|dense"));
@@ -79,8 +85,8 @@ std::vector<std::int64_t> shape_of(moe::io::File const& f, std::string const& na
                                    std::size_t rank) {
   auto const& t = f.at(name);
   if (t.shape.size() != rank)
-    throw moe::ShapeError(moe::detail::cat("CASE tensor ", name, " has rank ", t.shape.size(),
-                                           ", expected ", rank));
+    throw moe::ShapeError(
+        moe::detail::cat("CASE tensor ", name, " has rank ", t.shape.size(), ", expected ", rank));
   return t.shape;
 }
 
@@ -92,8 +98,7 @@ void load(moe::io::File const& f, std::string const& name, V const& v) {
   for (std::size_t r = 0; ok && r < V::rank; ++r) ok = t.shape[r] == std::int64_t(v.extent(r));
   if (!ok) {
     std::string want;
-    for (std::size_t r = 0; r < V::rank; ++r)
-      want += (r ? "," : "") + std::to_string(v.extent(r));
+    for (std::size_t r = 0; r < V::rank; ++r) want += (r ? "," : "") + std::to_string(v.extent(r));
     throw moe::ShapeError(moe::detail::cat("CASE tensor ", name, " has shape ",
                                            moe::io::detail::shape_str(t.shape),
                                            " but the config needs [", want, "]"));
@@ -212,9 +217,9 @@ int run(int argc, char** argv) {
   int size = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   if (size != 1)
-    throw moe::ConfigError(moe::detail::cat(
-        "moe-layer-run was launched on ", size,
-        " ranks; this build runs the single-rank layer only (use mpirun -np 1)"));
+    throw moe::ConfigError(
+        moe::detail::cat("moe-layer-run was launched on ", size,
+                         " ranks; this build runs the single-rank layer only (use mpirun -np 1)"));
 
   moe::LayerConfig cfg;
   moe::io::File in;
@@ -239,13 +244,15 @@ int run(int argc, char** argv) {
   auto const dt = in.at("x").dtype;
   for (auto const& name : in.names())
     if (in.at(name).dtype != dt)
-      throw moe::IoError(moe::detail::cat("CASE tensor ", name, " is ",
-                                          moe::io::dtype_name(in.at(name).dtype), " but x is ",
-                                          moe::io::dtype_name(dt), ": all tensors share one dtype"));
+      throw moe::IoError(
+          moe::detail::cat("CASE tensor ", name, " is ", moe::io::dtype_name(in.at(name).dtype),
+                           " but x is ", moe::io::dtype_name(dt), ": all tensors share one dtype"));
   Summary sum;
   moe::io::File out;
-  if (dt == moe::io::DType::F64) out = run_dtype<double>(cfg, in, args.gmm, sum);
-  else if (dt == moe::io::DType::F32) out = run_dtype<float>(cfg, in, args.gmm, sum);
+  if (dt == moe::io::DType::F64)
+    out = run_dtype<double>(cfg, in, args.gmm, sum);
+  else if (dt == moe::io::DType::F32)
+    out = run_dtype<float>(cfg, in, args.gmm, sum);
   else
     throw moe::IoError(moe::detail::cat("CASE x has dtype ", moe::io::dtype_name(dt),
                                         ": only F32 and F64 are supported"));

@@ -29,7 +29,8 @@ inline std::string yaml_to_text(YAML::Node const& n, std::string const& key) {
     }
     return out;
   }
-  throw ConfigError(detail::cat("config key '", key, "' holds a mapping; expected a scalar or list"));
+  throw ConfigError(
+      detail::cat("config key '", key, "' holds a mapping; expected a scalar or list"));
 }
 
 /// Reads a flat YAML mapping (MaxText config style). Throws ConfigError on unreadable files.

@@ -30,24 +30,24 @@ enum class DecoderBlock {
 /// Fill it field by field or with set(key, value) (the YAML/CLI path); call validate() (the layer
 /// does) to check every rule. Shapes that come from the data (batch, sequence) are not here.
 struct LayerConfig {
-  int num_experts = 8;               ///< E
-  int num_experts_per_tok = 2;       ///< K (1 <= K <= E)
-  int base_emb_dim = 64;             ///< D, model / MoE input dim
-  int base_moe_mlp_dim = 128;        ///< F, expert hidden dim
+  int num_experts = 8;          ///< E
+  int num_experts_per_tok = 2;  ///< K (1 <= K <= E)
+  int base_emb_dim = 64;        ///< D, model / MoE input dim
+  int base_moe_mlp_dim = 128;   ///< F, expert hidden dim
   DecoderBlock decoder_block = DecoderBlock::Mixtral;
   ScoreFunc routed_score_func = ScoreFunc::None;
-  bool routed_bias = false;              ///< learnable gate bias [E] added after the score function
-  double routed_scaling_factor = 1.0;    ///< DeepSeek: weights are multiplied by it
-  int n_routing_groups = -1;             ///< DeepSeek group-limited routing: number of groups (-1: off)
-  int topk_routing_group = -1;           ///< DeepSeek: groups kept per token
-  bool norm_topk_prob = false;           ///< generic path: renormalise the K weights to sum 1
-  bool use_random_routing = false;       ///< experts drawn uniformly at random (seeded by `seed`)
-  std::uint64_t seed = 0;                ///< seed of random routing
-  double capacity_factor = -1.0;         ///< > 0: per-sequence expert capacity, drop the rest
-  double load_balance_loss_weight = 0.0; ///< Switch-style load-balance loss weight (0: off)
-  double routed_bias_update_rate = 0.0;  ///< DeepSeek loss-free balancing rate (0: off)
+  bool routed_bias = false;            ///< learnable gate bias [E] added after the score function
+  double routed_scaling_factor = 1.0;  ///< DeepSeek: weights are multiplied by it
+  int n_routing_groups = -1;        ///< DeepSeek group-limited routing: number of groups (-1: off)
+  int topk_routing_group = -1;      ///< DeepSeek: groups kept per token
+  bool norm_topk_prob = false;      ///< generic path: renormalise the K weights to sum 1
+  bool use_random_routing = false;  ///< experts drawn uniformly at random (seeded by `seed`)
+  std::uint64_t seed = 0;           ///< seed of random routing
+  double capacity_factor = -1.0;    ///< > 0: per-sequence expert capacity, drop the rest
+  double load_balance_loss_weight = 0.0;         ///< Switch-style load-balance loss weight (0: off)
+  double routed_bias_update_rate = 0.0;          ///< DeepSeek loss-free balancing rate (0: off)
   Activation mlp_activation = Activation::Silu;  ///< key `mlp_activations`
-  int shared_experts = 0;  ///< shared expert of hidden size shared_experts * base_moe_mlp_dim
+  int shared_experts = 0;     ///< shared expert of hidden size shared_experts * base_moe_mlp_dim
   bool sparse_matmul = true;  ///< false: dense masked path (every expert on every token)
   bool check_finite = true;   ///< reject NaN/Inf in x, dy and every weight a token reaches
 
@@ -62,13 +62,26 @@ struct LayerConfig {
 
   /// Names of every key set() accepts.
   static std::vector<std::string> keys() {
-    return {"num_experts",          "num_experts_per_tok",     "base_emb_dim",
-            "base_moe_mlp_dim",     "decoder_block",           "routed_score_func",
-            "routed_bias",          "routed_scaling_factor",   "n_routing_groups",
-            "topk_routing_group",   "norm_topk_prob",          "use_random_routing",
-            "seed",                 "capacity_factor",         "load_balance_loss_weight",
-            "routed_bias_update_rate", "mlp_activations",      "shared_experts",
-            "sparse_matmul",        "check_finite"};
+    return {"num_experts",
+            "num_experts_per_tok",
+            "base_emb_dim",
+            "base_moe_mlp_dim",
+            "decoder_block",
+            "routed_score_func",
+            "routed_bias",
+            "routed_scaling_factor",
+            "n_routing_groups",
+            "topk_routing_group",
+            "norm_topk_prob",
+            "use_random_routing",
+            "seed",
+            "capacity_factor",
+            "load_balance_loss_weight",
+            "routed_bias_update_rate",
+            "mlp_activations",
+            "shared_experts",
+            "sparse_matmul",
+            "check_finite"};
   }
 
   /// True when `key` is one of keys().
@@ -104,8 +117,7 @@ inline long long parse_int(std::string const& key, std::string const& v) {
   } catch (...) {
     pos = std::string::npos;
   }
-  if (t.empty() || pos != t.size())
-    throw ConfigError(cat(key, "=", v, " is not an integer"));
+  if (t.empty() || pos != t.size()) throw ConfigError(cat(key, "=", v, " is not an integer"));
   return r;
 }
 
@@ -152,51 +164,77 @@ inline void LayerConfig::set(std::string const& key, std::string const& value) {
       throw ConfigError(cat(key, "=", value, " does not fit in 32 bits"));
     return static_cast<int>(r);
   };
-  if (key == "num_experts") num_experts = as_int();
-  else if (key == "num_experts_per_tok") num_experts_per_tok = as_int();
-  else if (key == "base_emb_dim") base_emb_dim = as_int();
-  else if (key == "base_moe_mlp_dim") base_moe_mlp_dim = as_int();
+  if (key == "num_experts")
+    num_experts = as_int();
+  else if (key == "num_experts_per_tok")
+    num_experts_per_tok = as_int();
+  else if (key == "base_emb_dim")
+    base_emb_dim = as_int();
+  else if (key == "base_moe_mlp_dim")
+    base_moe_mlp_dim = as_int();
   else if (key == "decoder_block") {
     std::string const t = trim(value);
-    if (t == "mixtral") decoder_block = DecoderBlock::Mixtral;
-    else if (t == "deepseek") decoder_block = DecoderBlock::DeepSeek;
-    else throw ConfigError(cat("decoder_block=", value, " is not supported (mixtral | deepseek)"));
+    if (t == "mixtral")
+      decoder_block = DecoderBlock::Mixtral;
+    else if (t == "deepseek")
+      decoder_block = DecoderBlock::DeepSeek;
+    else
+      throw ConfigError(cat("decoder_block=", value, " is not supported (mixtral | deepseek)"));
   } else if (key == "routed_score_func") {
     std::string const t = trim(value);
-    if (t.empty() || t == "none" || t == "None" || t == "null") routed_score_func = ScoreFunc::None;
-    else if (t == "softmax") routed_score_func = ScoreFunc::Softmax;
-    else if (t == "sigmoid") routed_score_func = ScoreFunc::Sigmoid;
-    else if (t == "sqrtsoftplus") routed_score_func = ScoreFunc::SqrtSoftplus;
+    if (t.empty() || t == "none" || t == "None" || t == "null")
+      routed_score_func = ScoreFunc::None;
+    else if (t == "softmax")
+      routed_score_func = ScoreFunc::Softmax;
+    else if (t == "sigmoid")
+      routed_score_func = ScoreFunc::Sigmoid;
+    else if (t == "sqrtsoftplus")
+      routed_score_func = ScoreFunc::SqrtSoftplus;
     else
       throw ConfigError(cat("routed_score_func=", value,
                             " is not supported (\"\" | softmax | sigmoid | sqrtsoftplus)"));
-  } else if (key == "routed_bias") routed_bias = parse_bool(key, value);
-  else if (key == "routed_scaling_factor") routed_scaling_factor = parse_double(key, value);
-  else if (key == "n_routing_groups") n_routing_groups = as_int();
-  else if (key == "topk_routing_group") topk_routing_group = as_int();
-  else if (key == "norm_topk_prob") norm_topk_prob = parse_bool(key, value);
-  else if (key == "use_random_routing") use_random_routing = parse_bool(key, value);
+  } else if (key == "routed_bias")
+    routed_bias = parse_bool(key, value);
+  else if (key == "routed_scaling_factor")
+    routed_scaling_factor = parse_double(key, value);
+  else if (key == "n_routing_groups")
+    n_routing_groups = as_int();
+  else if (key == "topk_routing_group")
+    topk_routing_group = as_int();
+  else if (key == "norm_topk_prob")
+    norm_topk_prob = parse_bool(key, value);
+  else if (key == "use_random_routing")
+    use_random_routing = parse_bool(key, value);
   else if (key == "seed") {
     long long const r = parse_int(key, value);
     if (r < 0) throw ConfigError(cat("seed=", value, " must be >= 0"));
     seed = static_cast<std::uint64_t>(r);
-  } else if (key == "capacity_factor") capacity_factor = parse_double(key, value);
-  else if (key == "load_balance_loss_weight") load_balance_loss_weight = parse_double(key, value);
-  else if (key == "routed_bias_update_rate") routed_bias_update_rate = parse_double(key, value);
+  } else if (key == "capacity_factor")
+    capacity_factor = parse_double(key, value);
+  else if (key == "load_balance_loss_weight")
+    load_balance_loss_weight = parse_double(key, value);
+  else if (key == "routed_bias_update_rate")
+    routed_bias_update_rate = parse_double(key, value);
   else if (key == "mlp_activations") {
     auto const items = split_list(value);
     if (items.empty() || items.size() > 2 || (items.size() == 2 && items[1] != "linear"))
-      throw ConfigError(cat("mlp_activations=", value,
-                            " is not supported ([silu, linear] | [gelu, linear])"));
-    if (items[0] == "silu") mlp_activation = Activation::Silu;
-    else if (items[0] == "gelu") mlp_activation = Activation::Gelu;
+      throw ConfigError(
+          cat("mlp_activations=", value, " is not supported ([silu, linear] | [gelu, linear])"));
+    if (items[0] == "silu")
+      mlp_activation = Activation::Silu;
+    else if (items[0] == "gelu")
+      mlp_activation = Activation::Gelu;
     else
       throw ConfigError(cat("mlp_activations=", value, ": activation '", items[0],
                             "' is not supported (silu | gelu)"));
-  } else if (key == "shared_experts") shared_experts = as_int();
-  else if (key == "sparse_matmul") sparse_matmul = parse_bool(key, value);
-  else if (key == "check_finite") check_finite = parse_bool(key, value);
-  else throw ConfigError(cat("unknown config key '", key, "' (value ", value, ")"));
+  } else if (key == "shared_experts")
+    shared_experts = as_int();
+  else if (key == "sparse_matmul")
+    sparse_matmul = parse_bool(key, value);
+  else if (key == "check_finite")
+    check_finite = parse_bool(key, value);
+  else
+    throw ConfigError(cat("unknown config key '", key, "' (value ", value, ")"));
 }
 
 inline void LayerConfig::validate() const {
@@ -223,8 +261,8 @@ inline void LayerConfig::validate() const {
     req(num_experts % n_routing_groups == 0, "num_experts=", num_experts,
         " is not divisible by n_routing_groups=", n_routing_groups);
     req(topk_routing_group >= 1 && topk_routing_group <= n_routing_groups,
-        "topk_routing_group=", topk_routing_group, " must be in [1, n_routing_groups=",
-        n_routing_groups, "]");
+        "topk_routing_group=", topk_routing_group,
+        " must be in [1, n_routing_groups=", n_routing_groups, "]");
     req(long(topk_routing_group) * (num_experts / n_routing_groups) >= num_experts_per_tok,
         "topk_routing_group=", topk_routing_group, " groups of ", num_experts / n_routing_groups,
         " experts hold fewer than num_experts_per_tok=", num_experts_per_tok, " experts");
@@ -233,8 +271,9 @@ inline void LayerConfig::validate() const {
         " is set but n_routing_groups=-1 (group-limited routing is off)");
   }
   if (routed_bias_update_rate > 0) {
-    req(decoder_block == DecoderBlock::DeepSeek && routed_bias, "routed_bias_update_rate=",
-        routed_bias_update_rate, " (loss-free balancing) requires decoder_block=deepseek and routed_bias=true");
+    req(decoder_block == DecoderBlock::DeepSeek && routed_bias,
+        "routed_bias_update_rate=", routed_bias_update_rate,
+        " (loss-free balancing) requires decoder_block=deepseek and routed_bias=true");
   }
   req(routed_scaling_factor > 0, "routed_scaling_factor=", routed_scaling_factor, " must be > 0");
 }

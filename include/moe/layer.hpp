@@ -21,12 +21,13 @@ namespace moe {
 /// \brief Trainable tensors of one layer (MaxText layouts). Also used for their gradients.
 template <class Scalar, class MemorySpace>
 struct Parameters {
-  View2<Scalar, MemorySpace> gate;         ///< [D,E] router kernel
-  View1<Scalar, MemorySpace> gate_bias;    ///< [E] (allocated only with routed_bias)
-  View3<Scalar, MemorySpace> wi_0;         ///< [E,D,F] gate projection of the experts
-  View3<Scalar, MemorySpace> wi_1;         ///< [E,D,F] up projection of the experts
-  View3<Scalar, MemorySpace> wo;           ///< [E,F,D] down projection of the experts
-  View2<Scalar, MemorySpace> shared_wi_0;  ///< [D,Fs] shared expert (allocated with shared_experts>0)
+  View2<Scalar, MemorySpace> gate;       ///< [D,E] router kernel
+  View1<Scalar, MemorySpace> gate_bias;  ///< [E] (allocated only with routed_bias)
+  View3<Scalar, MemorySpace> wi_0;       ///< [E,D,F] gate projection of the experts
+  View3<Scalar, MemorySpace> wi_1;       ///< [E,D,F] up projection of the experts
+  View3<Scalar, MemorySpace> wo;         ///< [E,F,D] down projection of the experts
+  View2<Scalar, MemorySpace>
+      shared_wi_0;  ///< [D,Fs] shared expert (allocated with shared_experts>0)
   View2<Scalar, MemorySpace> shared_wi_1;  ///< [D,Fs]
   View2<Scalar, MemorySpace> shared_wo;    ///< [Fs,D]
 
@@ -120,9 +121,9 @@ class MoeLayer {
     int const D = cfg_.base_emb_dim;
     require_shape(x, "x", D);
     require_shape(y, "y", D);
-    detail::require<ShapeError>(y.extent(0) == x.extent(0) && y.extent(1) == x.extent(1),
-                                "y is [", y.extent(0), ",", y.extent(1), ",", y.extent(2),
-                                "] but x is [", x.extent(0), ",", x.extent(1), ",", x.extent(2),
+    detail::require<ShapeError>(y.extent(0) == x.extent(0) && y.extent(1) == x.extent(1), "y is [",
+                                y.extent(0), ",", y.extent(1), ",", y.extent(2), "] but x is [",
+                                x.extent(0), ",", x.extent(1), ",", x.extent(2),
                                 "]: they must match");
     check_parameters(params_, "parameter");
     if (cfg_.check_finite) {
@@ -160,12 +161,11 @@ class MoeLayer {
     int const D = cfg_.base_emb_dim;
     require_shape(dy, "dy", D);
     require_shape(dx, "dx", D);
-    detail::require<ShapeError>(std::int64_t(dy.extent(0)) == B_ &&
-                                    std::int64_t(dy.extent(1)) == S_ &&
-                                    dx.extent(0) == dy.extent(0) && dx.extent(1) == dy.extent(1),
-                                "dy [", dy.extent(0), ",", dy.extent(1), "] and dx [",
-                                dx.extent(0), ",", dx.extent(1), "] must match the forward x [",
-                                B_, ",", S_, "]");
+    detail::require<ShapeError>(
+        std::int64_t(dy.extent(0)) == B_ && std::int64_t(dy.extent(1)) == S_ &&
+            dx.extent(0) == dy.extent(0) && dx.extent(1) == dy.extent(1),
+        "dy [", dy.extent(0), ",", dy.extent(1), "] and dx [", dx.extent(0), ",", dx.extent(1),
+        "] must match the forward x [", B_, ",", S_, "]");
     if (cfg_.check_finite) require_finite(dy, "dy");
     if (!grads.gate.data()) grads = params_type::zeros(cfg_);
     check_parameters(grads, "gradient");
@@ -190,8 +190,7 @@ class MoeLayer {
                             d_logits_);
     detail::gemm(space_, "T", "N", Scalar(1), x_, d_logits_, Scalar(0), grads.gate);
     detail::gemm(space_, "N", "T", Scalar(1), d_logits_, params_.gate, Scalar(1), dx2);
-    if (cfg_.routed_bias)
-      routing::column_sums(space_, cview2(d_biased_), grads.gate_bias);
+    if (cfg_.routed_bias) routing::column_sums(space_, cview2(d_biased_), grads.gate_bias);
     shared_backward(dy2, dx2, grads);
     have_forward_ = false;
   }
@@ -230,8 +229,7 @@ class MoeLayer {
     int bad = 0;
     Kokkos::parallel_reduce(
         "moe::layer::is_finite", Kokkos::RangePolicy<ExecSpace>(space_, 0, n),
-        KOKKOS_LAMBDA(std::int64_t i, int& b) { b += moe::detail::isfinite(p[i]) ? 0 : 1; },
-        bad);
+        KOKKOS_LAMBDA(std::int64_t i, int& b) { b += moe::detail::isfinite(p[i]) ? 0 : 1; }, bad);
     return bad == 0;
   }
 
@@ -271,8 +269,8 @@ class MoeLayer {
           got += (r ? "," : "") + std::to_string(v.extent(r));
           exp += (r ? "," : "") + std::to_string(want[r]);
         }
-        throw ShapeError(detail::cat(what, " ", name, " is [", got, "] but the config needs [",
-                                     exp, "]"));
+        throw ShapeError(
+            detail::cat(what, " ", name, " is [", got, "] but the config needs [", exp, "]"));
       }
     };
     shape(p.gate, "gate", {std::size_t(D), std::size_t(E)});
@@ -470,8 +468,8 @@ class MoeLayer {
       auto gwo = Kokkos::subview(g.wo, e, Kokkos::ALL(), Kokkos::ALL());
       detail::gemm(space_, "T", "N", Scalar(1), a_, dys_, Scalar(0), gwo);
       detail::gemm(space_, "N", "T", Scalar(1), dys_, wo, Scalar(0), da_);
-      nn::gated_backward(space_, cfg_.mlp_activation, T, cview2(h0_), cview2(h1_), cview2(da_),
-                         da_, dh1_);
+      nn::gated_backward(space_, cfg_.mlp_activation, T, cview2(h0_), cview2(h1_), cview2(da_), da_,
+                         dh1_);
       detail::gemm(space_, "T", "N", Scalar(1), x_, da_, Scalar(0), gw0);
       detail::gemm(space_, "T", "N", Scalar(1), x_, dh1_, Scalar(0), gw1);
       detail::gemm(space_, "N", "T", Scalar(1), da_, w0, Scalar(1), dx);

@@ -16,8 +16,10 @@ struct Local {};
 }  // namespace partition
 
 namespace detail {
-template <class T> struct is_tiled : std::false_type {};
-template <int M, int K, int N> struct is_tiled<gmm::Tiled<M, K, N>> : std::true_type {};
+template <class T>
+struct is_tiled : std::false_type {};
+template <int M, int K, int N>
+struct is_tiled<gmm::Tiled<M, K, N>> : std::true_type {};
 }  // namespace detail
 
 /// \brief The policies of one layer type.

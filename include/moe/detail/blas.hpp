@@ -3,8 +3,8 @@
 /// Dense GEMM on an execution-space instance, whichever Kokkos Kernels version is present
 /// (Kokkos Kernels 3.4 has no instance overload; 4.x has one).
 
-#include <KokkosBlas3_gemm.hpp>
 #include <KokkosKernels_config.h>
+#include <KokkosBlas3_gemm.hpp>
 
 namespace moe::detail {
 

@@ -1,7 +1,7 @@
 #pragma once
 /// \file
-/// The few Kokkos spellings that differ between Kokkos 3.4 (Debian's Trilinos build) and Kokkos 4.x.
-/// Everything else in moe uses APIs both versions share.
+/// The few Kokkos spellings that differ between Kokkos 3.4 (Debian's Trilinos build) and
+/// Kokkos 4.x. Everything else in moe uses APIs both versions share.
 
 #include <Kokkos_Core.hpp>
 
@@ -17,20 +17,57 @@ namespace kmath = ::Kokkos::Experimental;
 #endif
 
 /// Device-safe math, spelled the same on every Kokkos version.
-template <class T> KOKKOS_INLINE_FUNCTION T exp(T x) { return kmath::exp(x); }
-template <class T> KOKKOS_INLINE_FUNCTION T log(T x) { return kmath::log(x); }
-template <class T> KOKKOS_INLINE_FUNCTION T log1p(T x) { return kmath::log1p(x); }
-template <class T> KOKKOS_INLINE_FUNCTION T sqrt(T x) { return kmath::sqrt(x); }
-template <class T> KOKKOS_INLINE_FUNCTION T tanh(T x) { return kmath::tanh(x); }
-template <class T> KOKKOS_INLINE_FUNCTION T fabs(T x) { return kmath::fabs(x); }
-template <class T> KOKKOS_INLINE_FUNCTION bool isfinite(T x) { return kmath::isfinite(x); }
-template <class T> KOKKOS_INLINE_FUNCTION bool isnan(T x) { return kmath::isnan(x); }
-template <class T> KOKKOS_INLINE_FUNCTION T max(T a, T b) { return a < b ? b : a; }
-template <class T> KOKKOS_INLINE_FUNCTION T min(T a, T b) { return b < a ? b : a; }
+template <class T>
+KOKKOS_INLINE_FUNCTION T exp(T x) {
+  return kmath::exp(x);
+}
+template <class T>
+KOKKOS_INLINE_FUNCTION T log(T x) {
+  return kmath::log(x);
+}
+template <class T>
+KOKKOS_INLINE_FUNCTION T log1p(T x) {
+  return kmath::log1p(x);
+}
+template <class T>
+KOKKOS_INLINE_FUNCTION T sqrt(T x) {
+  return kmath::sqrt(x);
+}
+template <class T>
+KOKKOS_INLINE_FUNCTION T tanh(T x) {
+  return kmath::tanh(x);
+}
+template <class T>
+KOKKOS_INLINE_FUNCTION T fabs(T x) {
+  return kmath::fabs(x);
+}
+template <class T>
+KOKKOS_INLINE_FUNCTION bool isfinite(T x) {
+  return kmath::isfinite(x);
+}
+template <class T>
+KOKKOS_INLINE_FUNCTION bool isnan(T x) {
+  return kmath::isnan(x);
+}
+template <class T>
+KOKKOS_INLINE_FUNCTION T max(T a, T b) {
+  return a < b ? b : a;
+}
+template <class T>
+KOKKOS_INLINE_FUNCTION T min(T a, T b) {
+  return b < a ? b : a;
+}
 
 /// Largest finite value of T (device safe).
-template <class T> KOKKOS_INLINE_FUNCTION constexpr T finite_max();
-template <> KOKKOS_INLINE_FUNCTION constexpr float finite_max<float>() { return FLT_MAX; }
-template <> KOKKOS_INLINE_FUNCTION constexpr double finite_max<double>() { return DBL_MAX; }
+template <class T>
+KOKKOS_INLINE_FUNCTION constexpr T finite_max();
+template <>
+KOKKOS_INLINE_FUNCTION constexpr float finite_max<float>() {
+  return FLT_MAX;
+}
+template <>
+KOKKOS_INLINE_FUNCTION constexpr double finite_max<double>() {
+  return DBL_MAX;
+}
 
 }  // namespace moe::detail

@@ -46,9 +46,8 @@ void sort_by_expert(ExecSpace const& space, View2<int const, MS> ids, View2<int 
         for (std::int64_t s = c * chunk; s < end; ++s)
           if (kept(s / K, s % K)) hist(c, ids(s / K, s % K)) += 1;
       });
-  View1<std::int64_t, MS> offsets(Kokkos::view_alloc(space, Kokkos::WithoutInitializing,
-                                                     "moe::permute::offsets"),
-                                  E + 1);
+  View1<std::int64_t, MS> offsets(
+      Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::permute::offsets"), E + 1);
   // Per expert: chunk cursors become exclusive prefix sums over chunks; totals to offsets(e+1).
   Kokkos::parallel_for(
       "moe::permute::chunk_scan", Kokkos::RangePolicy<ExecSpace>(space, 0, E),
@@ -161,8 +160,8 @@ void gather_rows_backward(ExecSpace const& space, View2<Scalar const, MS> dxs,
                           View2<Scalar, MS> dx) {
   std::int64_t const D = dx.extent(1);
   Kokkos::parallel_for(
-      "moe::permute::gather_rows_backward",
-      Kokkos::RangePolicy<ExecSpace>(space, 0, dx.extent(0)), KOKKOS_LAMBDA(std::int64_t t) {
+      "moe::permute::gather_rows_backward", Kokkos::RangePolicy<ExecSpace>(space, 0, dx.extent(0)),
+      KOKKOS_LAMBDA(std::int64_t t) {
         if (!accumulate)
           for (std::int64_t d = 0; d < D; ++d) dx(t, d) = Scalar(0);
         for (std::int64_t k = 0; k < K; ++k) {

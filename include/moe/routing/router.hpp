@@ -63,7 +63,7 @@ struct RoutingState {
   View2<Scalar, MemorySpace> weights;     ///< [T,K] combine weights (before capacity dropping)
   View2<int, MemorySpace> kept;           ///< [T,K] 1 if the slot survives capacity, else 0
   View2<std::int64_t, MemorySpace> seq_counts;  ///< [B,E] slots per (sequence, expert) (lb loss)
-  View2<Scalar, MemorySpace> seq_probs;   ///< [B,E] sum over the sequence of softmax(biased)
+  View2<Scalar, MemorySpace> seq_probs;         ///< [B,E] sum over the sequence of softmax(biased)
   View1<std::int64_t, MemorySpace> expert_counts;  ///< [E] selected slots per expert (pre-drop)
   double lb_sum = 0;  ///< sum over local sequences and experts of seq_counts * seq_probs
 };
@@ -175,12 +175,11 @@ void apply_score(ExecSpace const& space, ScoreFunc f, View2<Scalar const, MS> lo
 /// draws from (seed, global token, slot), so a token's experts do not depend on the layout).
 template <class ExecSpace, class Scalar, class MS>
 void select_topk(ExecSpace const& space, RouteParams const& p, std::uint64_t token_offset,
-                 View2<Scalar const, MS> scores, View2<Scalar const, MS> biased,
-                 View2<int, MS> ids, View2<Scalar, MS> top_values, View2<Scalar, MS> weights) {
+                 View2<Scalar const, MS> scores, View2<Scalar const, MS> biased, View2<int, MS> ids,
+                 View2<Scalar, MS> top_values, View2<Scalar, MS> weights) {
   int const E = p.E, K = p.K, G = p.groups, TG = p.topk_groups;
   bool const deepseek = p.kind.deepseek, random = p.kind.random;
-  bool const ds_normalise =
-      p.score == ScoreFunc::Sigmoid || p.score == ScoreFunc::SqrtSoftplus;
+  bool const ds_normalise = p.score == ScoreFunc::Sigmoid || p.score == ScoreFunc::SqrtSoftplus;
   bool const norm = p.norm_topk_prob;
   Scalar const scaling = Scalar(p.scaling);
   std::uint64_t const seed = p.seed;
@@ -213,8 +212,9 @@ void select_topk(ExecSpace const& space, RouteParams const& p, std::uint64_t tok
         auto eligible = [&](int e) { return G <= 0 || ((allowed >> (e / gsize)) & 1u); };
         if (random) {
           for (int k = 0; k < K; ++k) {
-            std::uint64_t const h = detail::splitmix64(
-                seed ^ detail::splitmix64((token_offset + t) * 0x100000001B3ULL + std::uint64_t(k)));
+            std::uint64_t const h =
+                detail::splitmix64(seed ^ detail::splitmix64((token_offset + t) * 0x100000001B3ULL +
+                                                             std::uint64_t(k)));
             int const e = int(h % std::uint64_t(E));
             ids(t, k) = e;
             top_values(t, k) = row(e);
@@ -290,8 +290,8 @@ void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_
 /// sum_b sum_e counts*probs; the loss is weight * E * that / (B_total * S^2).
 template <class ExecSpace, class Scalar, class MS>
 double lb_statistics(ExecSpace const& space, View2<Scalar const, MS> biased,
-                     View2<int const, MS> ids, std::int64_t seq_len,
-                     View2<std::int64_t, MS> counts, View2<Scalar, MS> probs) {
+                     View2<int const, MS> ids, std::int64_t seq_len, View2<std::int64_t, MS> counts,
+                     View2<Scalar, MS> probs) {
   std::int64_t const T = biased.extent(0), E = biased.extent(1), K = ids.extent(1);
   std::int64_t const B = T / seq_len;
   View1<double, MS> per_seq(Kokkos::view_alloc(space, "moe::routing::lb_per_seq"), B);
@@ -330,7 +330,8 @@ void expert_histogram(ExecSpace const& space, View2<int const, MS> ids,
   Kokkos::parallel_for(
       "moe::routing::expert_histogram", Kokkos::RangePolicy<ExecSpace>(space, 0, ids.extent(0)),
       KOKKOS_LAMBDA(std::size_t t) {
-        for (std::int64_t k = 0; k < K; ++k) Kokkos::atomic_add(&counts(ids(t, k)), std::int64_t(1));
+        for (std::int64_t k = 0; k < K; ++k)
+          Kokkos::atomic_add(&counts(ids(t, k)), std::int64_t(1));
       });
 }
 

@@ -1,0 +1,191 @@
+// layer_fwd/, layer_bwd/ and permute/ benchmarks of moe_bench.
+//
+// Routing is steered exactly: the gate is the identity on the first E input features and each
+// token carries a one-hot-like pattern there, so the slots follow the requested distribution
+// (balanced or Zipf-1.0) while the layer runs its full routing code. The remaining features are
+// random so the expert GEMMs do real work.
+#include <moe/moe.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <string>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using moe::bench::dense_gflops;
+using moe::bench::Exec;
+using moe::bench::fill_uniform;
+using moe::bench::Mem;
+using moe::bench::now;
+
+constexpr int kD = 1024;
+constexpr int kF = 2816;
+
+/// Expert ids [T,K] (distinct within a token) drawn per slot: uniform cycling for "balanced",
+/// weights 1/(e+1) for "zipf"; fixed seed.
+std::vector<int> draw_ids(std::string const& dist, std::int64_t T, int K, int E) {
+  std::mt19937_64 gen(77);
+  std::vector<double> cdf(E);
+  double total = 0;
+  for (int e = 0; e < E; ++e) cdf[e] = (total += 1.0 / (e + 1));
+  std::vector<int> ids(T * K);
+  std::int64_t next = 0;
+  for (std::int64_t t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) {
+      int e;
+      do {
+        if (dist == "zipf") {
+          double const u = double(gen() >> 11) * 0x1.0p-53 * total;
+          e = int(std::lower_bound(cdf.begin(), cdf.end(), u) - cdf.begin());
+          e = std::min(e, E - 1);
+        } else {
+          e = int(next++ % E);
+        }
+      } while (std::find(&ids[t * K], &ids[t * K] + k, e) != &ids[t * K] + k);
+      ids[t * K + k] = e;
+    }
+  return ids;
+}
+
+template <class Layer>
+void setup(Layer& layer, moe::View3<float, Mem> x, std::string const& dist, int E, int K) {
+  auto& p = layer.parameters();
+  fill_uniform(p.wi_0, 11, -0.03, 0.03);
+  fill_uniform(p.wi_1, 12, -0.03, 0.03);
+  fill_uniform(p.wo, 13, -0.02, 0.02);
+  fill_uniform(x, 14, -1.0, 1.0);
+  std::int64_t const T = x.extent(0) * x.extent(1);
+  auto ids = draw_ids(dist, T, K, E);
+  auto g = Kokkos::create_mirror_view(p.gate);
+  Kokkos::deep_copy(g, 0.0f);
+  for (int e = 0; e < E; ++e) g(e, e) = 1.0f;
+  Kokkos::deep_copy(p.gate, g);
+  auto xh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x);
+  auto x2 = moe::View2<float, Kokkos::HostSpace>(xh.data(), T, kD);
+  for (std::int64_t t = 0; t < T; ++t) {
+    for (int e = 0; e < E; ++e) x2(t, e) = 0.0f;
+    for (int k = 0; k < K; ++k) x2(t, ids[t * K + k]) = float(8 - k);  // order = k
+  }
+  Kokkos::deep_copy(x, xh);
+}
+
+moe::LayerConfig bench_config(int E, int K) {
+  moe::LayerConfig cfg;
+  cfg.num_experts = E;
+  cfg.num_experts_per_tok = K;
+  cfg.base_emb_dim = kD;
+  cfg.base_moe_mlp_dim = kF;
+  return cfg;
+}
+
+template <class Gmm>
+void bench_layer(benchmark::State& state, bool backward, int E, std::string const& dist,
+                 std::int64_t T, int K) {
+  using Layer = moe::MoeLayer<float, moe::Policies<moe::routing::Auto, Gmm>>;
+  Layer layer(bench_config(E, K));
+  std::int64_t const B = 4, S = T / B;
+  moe::View3<float, Mem> x("x", B, S, kD), y("y", B, S, kD), dx("dx", B, S, kD);
+  setup(layer, x, dist, E, K);
+  typename Layer::params_type grads;
+  Exec space;
+  double fwd = 0, bwd = 0;
+  layer.forward(x, y);  // warm-up (allocations, BLAS threads)
+  if (backward) layer.backward(y, dx, grads);
+  for (auto _ : state) {
+    double const t0 = now();
+    layer.forward(x, y);
+    space.fence();
+    double const t1 = now();
+    if (backward) {
+      layer.backward(y, dx, grads);
+      space.fence();
+    }
+    double const t2 = now();
+    fwd += t1 - t0;
+    bwd += t2 - t1;
+    state.SetIterationTime(backward ? t2 - t1 : t1 - t0);
+  }
+  double const n = double(state.iterations());
+  double const gemm_flops = 2.0 * double(T * K) * kD * kF * (backward ? 6 : 3);
+  double const seconds = (backward ? bwd : fwd) / n;
+  double const gflops = gemm_flops / seconds * 1e-9;
+  state.counters["gflops"] = gflops;
+  state.counters["dense_ratio"] = gflops / dense_gflops(T * K, kD, kF);
+  state.counters["fwd_ms"] = fwd / n * 1e3;
+  if (backward) state.counters["bwd_over_fwd"] = bwd / fwd;
+}
+
+void bench_permute(benchmark::State& state, int E, std::string const& dist, std::int64_t TK) {
+  int const K = 2;
+  std::int64_t const T = TK / K;
+  auto ids_h = draw_ids(dist, T, K, E);
+  moe::View2<int, Mem> ids("ids", T, K), kept("kept", T, K);
+  auto ih = Kokkos::create_mirror_view(ids);
+  std::copy(ids_h.begin(), ids_h.end(), ih.data());
+  Kokkos::deep_copy(ids, ih);
+  Kokkos::deep_copy(kept, 1);
+  moe::View2<float, Mem> x("x", T, kD), xs("xs", TK, kD);
+  fill_uniform(x, 3);
+  moe::permute::Permutation<Mem> perm;
+  Exec space;
+  for (auto _ : state) {
+    double const t0 = now();
+    moe::permute::sort_by_expert(space, moe::View2<int const, Mem>(ids),
+                                 moe::View2<int const, Mem>(kept), E, perm);
+    moe::permute::gather_rows(space, moe::View2<float const, Mem>(x),
+                              moe::View1<std::int64_t const, Mem>(perm.perm), K, xs);
+    space.fence();
+    state.SetIterationTime(now() - t0);
+  }
+  state.SetItemsProcessed(state.iterations() * TK);
+}
+
+bool register_all() {
+  struct Shape {
+    std::int64_t T;
+    int K;
+  };
+  for (bool bwd : {false, true})
+    for (int E : {8, 64})
+      for (char const* dist : {"balanced", "zipf"})
+        for (Shape s : {Shape{4096, 2}, Shape{1024, 8}}) {
+          std::string const d = dist;
+          auto add = [&](std::string const& policy, auto gmm_tag, int iters) {
+            using G = decltype(gmm_tag);
+            std::string const name = std::string(bwd ? "layer_bwd/" : "layer_fwd/") + policy +
+                                     "/E=" + std::to_string(E) + "/" + d +
+                                     "/T=" + std::to_string(s.T) + "/K=" + std::to_string(s.K);
+            benchmark::RegisterBenchmark(
+                name.c_str(),
+                [=](benchmark::State& st) { bench_layer<G>(st, bwd, E, d, s.T, s.K); })
+                ->UseManualTime()
+                ->Iterations(iters)
+                ->Unit(benchmark::kMillisecond);
+          };
+          add("Vendor", moe::gmm::Vendor{}, 3);
+          add("Tiled", moe::gmm::Tiled<64, 64, 64>{}, 1);
+        }
+  for (int E : {8, 64, 256})
+    for (char const* dist : {"balanced", "zipf"})
+      for (int lg = 12; lg <= 18; lg += 2) {
+        std::string const d = dist;
+        std::int64_t const TK = std::int64_t(1) << lg;
+        std::string const name =
+            "permute/E=" + std::to_string(E) + "/" + d + "/TK=" + std::to_string(TK);
+        benchmark::RegisterBenchmark(name.c_str(),
+                                     [=](benchmark::State& st) { bench_permute(st, E, d, TK); })
+            ->UseManualTime()
+            ->Iterations(lg >= 16 ? 5 : 20)
+            ->Unit(benchmark::kMicrosecond);
+      }
+  return true;
+}
+
+[[maybe_unused]] bool const registered = register_all();
+
+}  // namespace
