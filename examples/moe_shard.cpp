@@ -1,0 +1,201 @@
+// moe-shard: resolves logical tensor axes to mesh axes with MaxText's rules (DESIGN.md §7).
+//
+//   moe-shard [--rules FILE.yml] [--preset NAME] --mesh axis=size,...
+//             --tensor NAME=logical1,logical2,... [--tensor ...] [--drop-size-one]
+//   moe-shard --plan CFG.yml [key=value ...] [--json]          (not yet implemented)
+//
+// Prints {"mesh": {axis: size, ...}, "tensors": {NAME: [null | "axis" | ["a", "b"], ...]}}.
+// A preset (--preset, or the file's custom_mesh_and_rule) replaces the file's mesh axes and rules;
+// without one the file's mesh_axes / logical_axis_rules are used (base axes / default rules when
+// absent). Mesh axes not given in --mesh have size 1; size-1 axes stay in the specs unless
+// --drop-size-one. A dimension without a logical name is written None. Errors: one line on stderr,
+// exit code 2.
+#include <moe/error.hpp>
+#include <moe/sharding/mesh.hpp>
+#include <moe/sharding/presets.hpp>
+#include <moe/sharding/rules.hpp>
+
+#include <moe_cli.hpp>
+#include <moe_sharding_yaml.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+namespace sh = moe::sharding;
+using moe::ConfigError;
+using moe::detail::cat;
+
+struct Args {
+  std::string rules, preset;
+  std::vector<std::pair<std::string, int>> mesh;
+  std::vector<std::pair<std::string, sh::LogicalAxes>> tensors;
+  bool drop_size_one = false;
+  // --plan mode (see run_plan).
+  std::string plan;
+  bool json = false;
+  moe::cli::KeyValues overrides;
+};
+
+int parse_size(std::string const& axis, std::string const& text) {
+  std::size_t used = 0;
+  long v = 0;
+  try {
+    v = std::stol(text, &used);
+  } catch (std::exception const&) {
+    used = 0;
+  }
+  if (used != text.size() || text.empty() || v < 1 || v > (1L << 30))
+    throw ConfigError(
+        cat("--mesh: size '", text, "' of axis '", axis, "' is not a positive integer"));
+  return static_cast<int>(v);
+}
+
+void parse_mesh(std::string const& spec, Args& a) {
+  std::size_t start = 0;
+  while (start <= spec.size()) {
+    auto const comma = spec.find(',', start);
+    std::string const item =
+        spec.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    auto const eq = item.find('=');
+    if (eq == std::string::npos || eq == 0)
+      throw ConfigError(cat("--mesh: '", item, "' is not axis=size"));
+    std::string const axis = item.substr(0, eq);
+    for (auto const& m : a.mesh)
+      if (m.first == axis) throw ConfigError(cat("--mesh: axis '", axis, "' is given twice"));
+    a.mesh.emplace_back(axis, parse_size(axis, item.substr(eq + 1)));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+}
+
+void parse_tensor(std::string const& spec, Args& a) {
+  auto const eq = spec.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw ConfigError(cat("--tensor: '", spec, "' is not NAME=logical1,logical2,..."));
+  std::string const name = spec.substr(0, eq);
+  for (auto const& t : a.tensors)
+    if (t.first == name) throw ConfigError(cat("--tensor: name '", name, "' is given twice"));
+  try {
+    a.tensors.emplace_back(name, sh::parse_logical_axes(spec.substr(eq + 1)));
+  } catch (ConfigError const& e) {
+    throw ConfigError(cat("--tensor ", name, ": ", e.what()));
+  }
+}
+
+void usage() {
+  std::puts(
+      "usage: moe-shard [--rules FILE.yml] [--preset NAME] --mesh axis=size,...\n"
+      "                 --tensor NAME=logical1,logical2,... [--tensor ...] [--drop-size-one]\n"
+      "       moe-shard --plan CFG.yml [key=value ...] [--json]   (not yet implemented)\n"
+      "A dimension without a logical name is written None. --rules is optional with --preset.");
+}
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  bool have_mesh = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string const s = argv[i];
+    auto value = [&](char const* flag) {
+      if (i + 1 >= argc) throw ConfigError(cat(flag, " needs a value"));
+      return std::string(argv[++i]);
+    };
+    if (s == "--rules")
+      a.rules = value("--rules");
+    else if (s == "--preset")
+      a.preset = value("--preset");
+    else if (s == "--mesh") {
+      parse_mesh(value("--mesh"), a);
+      have_mesh = true;
+    } else if (s == "--tensor")
+      parse_tensor(value("--tensor"), a);
+    else if (s == "--drop-size-one")
+      a.drop_size_one = true;
+    else if (s == "--plan")
+      a.plan = value("--plan");
+    else if (s == "--json")
+      a.json = true;
+    else if (s == "-h" || s == "--help") {
+      usage();
+      std::exit(0);
+    } else if (s.rfind("--", 0) == 0)
+      throw ConfigError(cat("unknown flag '", s, "'"));
+    else if (!a.plan.empty() || s.find('=') != std::string::npos)
+      a.overrides.push_back(moe::cli::parse_override(s));
+    else
+      throw ConfigError(cat("unexpected argument '", s, "'"));
+  }
+  if (!a.plan.empty()) return a;
+  if (!a.overrides.empty() || a.json)
+    throw ConfigError("key=value overrides and --json are only valid with --plan");
+  if (a.rules.empty() && a.preset.empty())
+    throw ConfigError("--rules FILE.yml or --preset NAME is required");
+  if (!have_mesh) throw ConfigError("--mesh axis=size,... is required");
+  return a;
+}
+
+// ---- HOOK(--plan): `moe-shard --plan CFG.yml [key=value ...] [--json]` prints the layer's
+// partition plan (local shapes, collectives per step, bytes moved; DESIGN.md §4). To be
+// implemented on top of moe/sharding once the plan exists; Args::plan / overrides / json carry the
+// parsed arguments.
+int run_plan(Args const& a) { throw ConfigError(cat("--plan ", a.plan, ": not yet implemented")); }
+// ---- end HOOK(--plan)
+
+int run_resolve(Args const& a) {
+  std::unique_ptr<moe::cli::ShardingFile> file;
+  if (!a.rules.empty())
+    file = std::make_unique<moe::cli::ShardingFile>(moe::cli::load_sharding_yaml(a.rules));
+  sh::Preset const p = moe::cli::effective_sharding(file.get(), a.preset);
+
+  std::vector<std::pair<std::string, int>> sizes;
+  for (auto const& axis : p.mesh_axes) sizes.emplace_back(axis, 1);
+  for (auto const& [axis, size] : a.mesh) {
+    bool found = false;
+    for (auto& s : sizes)
+      if (s.first == axis) {
+        s.second = size;
+        found = true;
+      }
+    if (!found) {
+      std::string known;
+      for (auto const& n : p.mesh_axes) known += (known.empty() ? "" : ", ") + n;
+      throw ConfigError(
+          cat("--mesh: axis '", axis, "' is not a mesh axis of ", p.name, " (", known, ")"));
+    }
+  }
+  sh::Mesh const mesh(sizes);
+
+  std::string out = "{\"mesh\": {";
+  for (int i = 0; i < mesh.num_axes(); ++i)
+    out += cat(i ? ", " : "", sh::json_string(mesh.name(i)), ": ", mesh.size(i));
+  out += "}, \"tensors\": {";
+  for (std::size_t t = 0; t < a.tensors.size(); ++t) {
+    sh::PartitionSpec spec = p.rules.resolve(a.tensors[t].second);
+    if (a.drop_size_one) spec = sh::drop_size_one(std::move(spec), mesh);
+    out += cat(t ? ", " : "", sh::json_string(a.tensors[t].first), ": ", sh::to_json(spec));
+  }
+  out += "}}\n";
+  std::fputs(out.c_str(), stdout);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Args const a = parse_args(argc, argv);
+    return a.plan.empty() ? run_resolve(a) : run_plan(a);
+  } catch (std::exception const& e) {
+    std::string msg = e.what();
+    for (char& c : msg)
+      if (c == '\n' || c == '\r') c = ' ';
+    std::fprintf(stderr, "moe-shard: error: %s\n", msg.c_str());
+    return 2;
+  }
+}

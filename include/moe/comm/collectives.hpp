@@ -1,0 +1,202 @@
+#pragma once
+/// \file
+/// Deterministic collectives on Kokkos views: all_gather, reduce_scatter (sum), all_reduce (sum).
+///
+/// The result never depends on the MPI implementation's reduction algorithm: MPI only moves data
+/// (all-to-all / all-gather), and every sum is computed locally in rank order 0, 1, ..., P-1. So a
+/// run is bitwise reproducible, and all_reduce gives bitwise identical results on every rank.
+///
+/// Views: rank 1 to 3, LayoutRight, contiguous; dim 0 is the "row" dimension the collectives
+/// split and concatenate. Value types with an MPI datatype (float, double, int32_t, int64_t).
+/// Device memory is staged through host buffers unless MOE_ENABLE_GPU_AWARE_MPI is 1. Shapes are
+/// checked on every rank, and a bad shape on any rank raises the same ShapeError on all of them.
+
+#include <moe/comm/communicator.hpp>
+#include <moe/comm/detail/exchange.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace moe::comm {
+namespace detail {
+
+template <class View>
+bool overlaps(View const& a, void const* b_begin, std::size_t b_bytes) {
+  auto const* a0 = reinterpret_cast<char const*>(a.data());
+  auto const* b0 = static_cast<char const*>(b_begin);
+  std::size_t const a_bytes = a.size() * sizeof(typename View::value_type);
+  return a_bytes > 0 && b_bytes > 0 && a0 < b0 + b_bytes && b0 < a0 + a_bytes;
+}
+
+template <class View>
+std::string shape_of(View const& v) {
+  std::string s = "[";
+  for (unsigned d = 0; d < View::rank; ++d) s += (d ? "," : "") + std::to_string(v.extent(d));
+  return s + "]";
+}
+
+/// all_gather of n rows per rank (row elements each) into P*n rows; shapes already agreed.
+template <class T, class InMS, class OutMS, class ExecSpace>
+void all_gather_rows(Communicator const& comm, ExecSpace const& space, T const* in, T* out,
+                     std::int64_t n, std::int64_t row) {
+  int const P = comm.size();
+  bool const fast = row <= count_limit() && n * P <= count_limit();
+  fence(space, "moe::comm::all_gather: input ready");
+  auto const send = MpiRange<T, InMS>::send(space, in, n * row, "moe::comm::all_gather::send");
+  auto const recv = MpiRange<T, OutMS>::recv(out, P * n * row, "moe::comm::all_gather::recv");
+  if (send.is_staged()) fence(space, "moe::comm::all_gather: staged");
+  Blocks s{std::vector<std::int64_t>(P, n), std::vector<std::int64_t>(P, 0)};
+  Blocks r{std::vector<std::int64_t>(P, n), std::vector<std::int64_t>(P)};
+  for (int i = 0; i < P; ++i) r.displs[i] = i * n;
+  exchange_rows(comm, Pattern::allgather, send.data(), s, recv.data(), r, row, fast);
+  recv.finish(space);
+  if (recv.is_staged()) fence(space, "moe::comm::all_gather: unstaged");
+}
+
+/// reduce_scatter of P*c rows into c rows: chunk j of every rank goes to rank j, which sums the P
+/// chunks in rank order. Shapes already agreed.
+template <class T, class InMS, class OutMS, class ExecSpace>
+void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T const* in, T* out,
+                         std::int64_t c, std::int64_t row) {
+  int const P = comm.size();
+  std::int64_t const chunk = c * row;
+  bool const fast = row <= count_limit() && c * P <= count_limit();
+  Kokkos::View<T*, Kokkos::LayoutRight, OutMS> parts(
+      Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::reduce_scatter::parts"),
+      static_cast<std::size_t>(P * chunk));
+  fence(space, "moe::comm::reduce_scatter: input ready");
+  auto const send =
+      MpiRange<T, InMS>::send(space, in, P * chunk, "moe::comm::reduce_scatter::send");
+  auto const recv =
+      MpiRange<T, OutMS>::recv(parts.data(), P * chunk, "moe::comm::reduce_scatter::recv");
+  if (send.is_staged()) fence(space, "moe::comm::reduce_scatter: staged");
+  Blocks s{std::vector<std::int64_t>(P, c), std::vector<std::int64_t>(P)};
+  for (int i = 0; i < P; ++i) s.displs[i] = i * c;
+  exchange_rows(comm, Pattern::alltoall, send.data(), s, recv.data(), s, row, fast);
+  recv.finish(space);
+  Kokkos::parallel_for(
+      "moe::comm::reduce_scatter::sum",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(space, 0, chunk),
+      KOKKOS_LAMBDA(std::int64_t e) {
+        T acc = parts(e);
+        for (int i = 1; i < P; ++i) acc += parts(i * chunk + e);
+        out[e] = acc;
+      });
+  // `parts` (and a staging buffer) are released on return: their users must be done.
+  fence(space, "moe::comm::reduce_scatter: summed");
+}
+
+}  // namespace detail
+
+/// \brief Collective: concatenates every rank's `in` along dim 0, in rank order, into `out`.
+/// \param in  [n, ...] on every rank (same shape everywhere)
+/// \param out [size*n, ...]; must not overlap `in`
+template <class ExecSpace, class InView, class OutView>
+void all_gather(Communicator const& comm, ExecSpace const& space, InView const& in,
+                OutView const& out) {
+  detail::check_view_type<ExecSpace, InView>();
+  detail::check_view_type<ExecSpace, OutView>();
+  using T = typename OutView::non_const_value_type;
+  static_assert(std::is_same_v<typename InView::non_const_value_type, T> &&
+                    !std::is_const_v<typename OutView::value_type> && InView::rank == OutView::rank,
+                "moe::comm::all_gather: in and out need the same value type and rank, out "
+                "writable");
+  auto const [n, row] = detail::rows_of(in);
+  auto const [m, row_out] = detail::rows_of(out);
+  int const P = comm.size();
+  bool const bad = !in.span_is_contiguous() || !out.span_is_contiguous() || m != P * n ||
+                   row_out != row || detail::overlaps(in, out.data(), out.size() * sizeof(T));
+  std::string const msg =
+      bad ? moe::detail::cat("moe::comm::all_gather: in ", detail::shape_of(in), " and out ",
+                             detail::shape_of(out), " do not fit ", P,
+                             " ranks; out must be [size*n, ...] with the trailing extents of in, "
+                             "both contiguous and not overlapping")
+          : std::string();
+  detail::collective_check(comm, "moe::comm::all_gather", bad, msg, ErrorKind::shape,
+                           {{"rows of in", n}, {"elements per row", row}});
+  detail::all_gather_rows<T, typename InView::memory_space, typename OutView::memory_space>(
+      comm, space, in.data(), out.data(), n, row);
+}
+
+/// \brief Collective: sums the ranks' `in` elementwise and gives rank r chunk r of the sum.
+///
+/// `in` is [size*c, ...]; rank r receives rows [r*c, (r+1)*c) of sum over ranks, summed in rank
+/// order (deterministic).
+/// \param out [c, ...]; must not overlap `in`
+template <class ExecSpace, class InView, class OutView>
+void reduce_scatter(Communicator const& comm, ExecSpace const& space, InView const& in,
+                    OutView const& out) {
+  detail::check_view_type<ExecSpace, InView>();
+  detail::check_view_type<ExecSpace, OutView>();
+  using T = typename OutView::non_const_value_type;
+  static_assert(std::is_same_v<typename InView::non_const_value_type, T> &&
+                    !std::is_const_v<typename OutView::value_type> && InView::rank == OutView::rank,
+                "moe::comm::reduce_scatter: in and out need the same value type and rank, out "
+                "writable");
+  auto const [n, row] = detail::rows_of(in);
+  auto const [c, row_out] = detail::rows_of(out);
+  int const P = comm.size();
+  bool const bad = !in.span_is_contiguous() || !out.span_is_contiguous() || n != P * c ||
+                   row_out != row || detail::overlaps(in, out.data(), out.size() * sizeof(T));
+  std::string const msg =
+      bad ? moe::detail::cat("moe::comm::reduce_scatter: in ", detail::shape_of(in), " and out ",
+                             detail::shape_of(out), " do not fit ", P,
+                             " ranks; in must be [size*c, ...] and out [c, ...] with the same "
+                             "trailing extents, both contiguous and not overlapping")
+          : std::string();
+  detail::collective_check(comm, "moe::comm::reduce_scatter", bad, msg, ErrorKind::shape,
+                           {{"rows of in", n}, {"elements per row", row}});
+  detail::reduce_scatter_rows<T, typename InView::memory_space, typename OutView::memory_space>(
+      comm, space, in.data(), out.data(), c, row);
+}
+
+/// \brief Collective: replaces `v` on every rank by the elementwise sum over ranks.
+///
+/// Realised as reduce_scatter + all_gather over the flattened elements (padded with zeros to a
+/// multiple of size), so each element is summed once, in rank order, by one rank: the result is
+/// deterministic and bitwise identical on every rank.
+/// \param v any shape, the same on every rank; contiguous
+template <class ExecSpace, class View>
+void all_reduce(Communicator const& comm, ExecSpace const& space, View const& v) {
+  detail::check_view_type<ExecSpace, View>();
+  using T = typename View::non_const_value_type;
+  using MS = typename View::memory_space;
+  static_assert(!std::is_const_v<typename View::value_type>,
+                "moe::comm::all_reduce: the view is reduced in place and must be writable");
+  std::int64_t const N = static_cast<std::int64_t>(v.size());
+  bool const bad = !v.span_is_contiguous();
+  std::string const msg = bad ? moe::detail::cat("moe::comm::all_reduce: the view ",
+                                                 detail::shape_of(v), " is not contiguous")
+                              : std::string();
+  detail::collective_check(comm, "moe::comm::all_reduce", bad, msg, ErrorKind::shape,
+                           {{"number of elements", N}});
+  int const P = comm.size();
+  if (P == 1 || N == 0) return;
+  std::int64_t const c = (N + P - 1) / P;
+  using Buffer = Kokkos::View<T*, Kokkos::LayoutRight, MS>;
+  Buffer mine(Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::all_reduce::mine"),
+              static_cast<std::size_t>(c));
+  detail::Flat<T, MS> flat(v.data(), static_cast<std::size_t>(N));
+  if (N == P * c) {
+    detail::reduce_scatter_rows<T, MS, MS>(comm, space, v.data(), mine.data(), c, 1);
+    detail::all_gather_rows<T, MS, MS>(comm, space, mine.data(), v.data(), c, 1);
+    detail::fence(space, "moe::comm::all_reduce: done");
+    return;
+  }
+  Buffer padded(
+      Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::all_reduce::padded"),
+      static_cast<std::size_t>(P * c));
+  auto const head = Kokkos::subview(padded, std::make_pair(std::int64_t(0), N));
+  Kokkos::deep_copy(space, head, flat);
+  Kokkos::deep_copy(space, Kokkos::subview(padded, std::make_pair(N, P * c)), T(0));
+  detail::reduce_scatter_rows<T, MS, MS>(comm, space, padded.data(), mine.data(), c, 1);
+  detail::all_gather_rows<T, MS, MS>(comm, space, mine.data(), padded.data(), c, 1);
+  Kokkos::deep_copy(space, flat, head);
+  detail::fence(space, "moe::comm::all_reduce: done");
+}
+
+}  // namespace moe::comm

@@ -1,0 +1,275 @@
+#pragma once
+/// \file
+/// The communicator moe owns, MPI datatype traits, and the two helpers that keep errors collective:
+/// any_error (a failure on one rank becomes the same exception on every rank) and check_agreement
+/// (a value that must be identical on every rank, e.g. the layer configuration, is compared before
+/// any collective that depends on it).
+///
+/// Collective calls are marked "Collective" in their documentation: every rank of the communicator
+/// must make them, in the same order. moe never calls MPI_Init or MPI_Finalize.
+
+#include <moe/error.hpp>
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace moe::comm {
+
+/// \brief MPI datatype of a C++ type: `MpiType<T>::get()`. Only the types moe sends have one.
+template <class T>
+struct MpiType {
+  static constexpr bool available = false;
+};
+template <>
+struct MpiType<float> {
+  static constexpr bool available = true;
+  static MPI_Datatype get() { return MPI_FLOAT; }
+};
+template <>
+struct MpiType<double> {
+  static constexpr bool available = true;
+  static MPI_Datatype get() { return MPI_DOUBLE; }
+};
+template <>
+struct MpiType<std::int32_t> {
+  static constexpr bool available = true;
+  static MPI_Datatype get() { return MPI_INT32_T; }
+};
+template <>
+struct MpiType<std::int64_t> {
+  static constexpr bool available = true;
+  static MPI_Datatype get() { return MPI_INT64_T; }
+};
+template <>
+struct MpiType<std::uint64_t> {
+  static constexpr bool available = true;
+  static MPI_Datatype get() { return MPI_UINT64_T; }
+};
+template <>
+struct MpiType<char> {
+  static constexpr bool available = true;
+  static MPI_Datatype get() { return MPI_CHAR; }
+};
+
+/// \brief The MPI datatype of T (compile error for types without one).
+template <class T>
+MPI_Datatype mpi_type() {
+  static_assert(MpiType<T>::available,
+                "moe::comm::mpi_type<T>: T has no MPI datatype (float, double, int32_t, int64_t, "
+                "uint64_t and char have one)");
+  return MpiType<T>::get();
+}
+
+namespace detail {
+
+/// Throws moe::Error naming the MPI call when it did not return MPI_SUCCESS.
+inline void check_mpi(int rc, char const* call) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw Error(moe::detail::cat("moe::comm: ", call, " failed: ", std::string(text, len)));
+}
+
+struct CommFree {
+  void operator()(MPI_Comm* comm) const {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    // After MPI_Finalize the handle is dead and freeing it is erroneous: only release the memory.
+    if (!finalized && *comm != MPI_COMM_NULL) MPI_Comm_free(comm);
+    delete comm;
+  }
+};
+
+}  // namespace detail
+
+/// \brief An MPI communicator owned by moe: a duplicate of the user's, freed with the last copy.
+///
+/// Copies share the same duplicate. moe's messages travel on it with fixed private tags, so they
+/// never match the user's traffic on the original communicator.
+class Communicator {
+ public:
+  /// \brief Collective over `comm`: duplicates it (MPI_Comm_dup).
+  /// \param comm an intra-communicator; MPI must be initialised (moe never calls MPI_Init)
+  explicit Communicator(MPI_Comm comm) {
+    int initialized = 0, finalized = 0;
+    MPI_Initialized(&initialized);
+    MPI_Finalized(&finalized);
+    moe::detail::require<Error>(initialized && !finalized,
+                                "moe::comm::Communicator: MPI is not initialised (or already "
+                                "finalised); call MPI_Init before creating a communicator");
+    moe::detail::require<ConfigError>(comm != MPI_COMM_NULL,
+                                      "moe::comm::Communicator: the communicator is MPI_COMM_NULL; "
+                                      "pass a valid communicator such as MPI_COMM_WORLD");
+    MPI_Comm dup = MPI_COMM_NULL;
+    detail::check_mpi(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup");
+    adopt(dup);
+  }
+
+  /// \brief This process's rank in the communicator.
+  int rank() const { return rank_; }
+  /// \brief Number of ranks in the communicator.
+  int size() const { return size_; }
+  /// \brief The duplicated MPI handle (owned by moe: do not free it).
+  MPI_Comm get() const { return *comm_; }
+
+  /// \brief Collective: splits into sub-communicators of the ranks with equal `color`, ordered by
+  /// (key, rank). Every rank must pass color >= 0 (checked on all ranks before splitting).
+  Communicator split(int color, int key) const;
+
+ private:
+  struct Adopt {};
+  Communicator(Adopt, MPI_Comm owned) { adopt(owned); }
+  void adopt(MPI_Comm owned) {
+    comm_ = std::shared_ptr<MPI_Comm>(new MPI_Comm(owned), detail::CommFree{});
+    detail::check_mpi(MPI_Comm_rank(owned, &rank_), "MPI_Comm_rank");
+    detail::check_mpi(MPI_Comm_size(owned, &size_), "MPI_Comm_size");
+  }
+
+  std::shared_ptr<MPI_Comm> comm_;
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+/// \brief Which moe exception a collective error is re-thrown as.
+enum class ErrorKind : int { error = 1, config = 2, shape = 3, input = 4, io = 5 };
+
+namespace detail {
+
+/// Longest message carried from the failing rank to the others.
+inline constexpr std::size_t max_message = 1 << 16;
+
+[[noreturn]] inline void throw_kind(ErrorKind kind, std::string const& msg) {
+  switch (kind) {
+    case ErrorKind::config:
+      throw ConfigError(msg);
+    case ErrorKind::shape:
+      throw ShapeError(msg);
+    case ErrorKind::input:
+      throw InputError(msg);
+    case ErrorKind::io:
+      throw IoError(msg);
+    default:
+      throw Error(msg);
+  }
+}
+
+/// Collective: broadcasts a string from `root` (its value on other ranks is ignored).
+inline std::string broadcast_string(Communicator const& comm, int root, std::string const& s) {
+  std::int64_t len =
+      comm.rank() == root ? static_cast<std::int64_t>(std::min(s.size(), max_message)) : 0;
+  check_mpi(MPI_Bcast(&len, 1, MPI_INT64_T, root, comm.get()), "MPI_Bcast");
+  std::string out = comm.rank() == root ? s.substr(0, static_cast<std::size_t>(len))
+                                        : std::string(static_cast<std::size_t>(len), '\0');
+  if (len > 0)
+    check_mpi(MPI_Bcast(&out[0], static_cast<int>(len), MPI_CHAR, root, comm.get()), "MPI_Bcast");
+  return out;
+}
+
+/// Collective, called once every rank knows that `root` (the lowest failing rank) failed:
+/// broadcasts its kind and message and throws the same exception everywhere.
+[[noreturn]] inline void rethrow_from(Communicator const& comm, int root, ErrorKind kind,
+                                      std::string const& msg) {
+  int k = static_cast<int>(kind);
+  check_mpi(MPI_Bcast(&k, 1, MPI_INT, root, comm.get()), "MPI_Bcast");
+  std::string const text = broadcast_string(comm, root, msg);
+  throw_kind(static_cast<ErrorKind>(k),
+             moe::detail::cat(text, " [rank ", root, " of ", comm.size(), "]"));
+}
+
+/// 64-bit FNV-1a: a stable hash of a configuration text.
+inline std::uint64_t fnv1a(std::string const& s) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace detail
+
+/// \brief Collective: throws the same exception on every rank when any rank failed.
+///
+/// One MPI_Allreduce finds the lowest rank with `local_failed`; its message and kind are broadcast
+/// and every rank throws that exception, with the message suffixed " [rank r of N]". Returns
+/// normally, on every rank, when no rank failed.
+/// \param local_failed whether this rank found an error
+/// \param msg this rank's message (ignored unless it is the lowest failing rank)
+/// \param kind the exception type to throw
+inline void any_error(Communicator const& comm, bool local_failed, std::string const& msg,
+                      ErrorKind kind = ErrorKind::error) {
+  int const mine = local_failed ? comm.rank() : comm.size();
+  int lowest = comm.size();
+  detail::check_mpi(MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, comm.get()),
+                    "MPI_Allreduce");
+  if (lowest < comm.size()) detail::rethrow_from(comm, lowest, kind, msg);
+}
+
+/// \brief Collective: runs the purely local `f()` on every rank; if it throws on any rank, every
+/// rank throws the exception of the lowest failing rank (same type for moe exceptions, moe::Error
+/// otherwise, same message). `f` must not call collectives itself.
+template <class F>
+void collective_guard(Communicator const& comm, F&& f) {
+  bool failed = true;
+  std::string msg;
+  ErrorKind kind = ErrorKind::error;
+  try {
+    f();
+    failed = false;
+  } catch (ConfigError const& e) {
+    msg = e.what(), kind = ErrorKind::config;
+  } catch (ShapeError const& e) {
+    msg = e.what(), kind = ErrorKind::shape;
+  } catch (InputError const& e) {
+    msg = e.what(), kind = ErrorKind::input;
+  } catch (IoError const& e) {
+    msg = e.what(), kind = ErrorKind::io;
+  } catch (std::exception const& e) {
+    msg = e.what();
+  } catch (...) {
+    msg = "unknown exception";
+  }
+  any_error(comm, failed, msg, kind);
+}
+
+/// \brief Collective: checks that `value` (a canonical text of a configuration or a shape) is the
+/// same on every rank, before any collective relies on it.
+///
+/// Hashes are all-gathered; on a mismatch every rank throws the same ConfigError naming the first
+/// rank whose value differs from rank 0's and quoting both values.
+/// \param what what the value is, for the message (e.g. "layer configuration")
+inline void check_agreement(Communicator const& comm, std::string const& what,
+                            std::string const& value) {
+  std::uint64_t const mine = detail::fnv1a(value);
+  std::vector<std::uint64_t> all(static_cast<std::size_t>(comm.size()));
+  detail::check_mpi(MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, comm.get()),
+                    "MPI_Allgather");
+  int const first = static_cast<int>(
+      std::find_if(all.begin(), all.end(), [&](auto h) { return h != all[0]; }) - all.begin());
+  if (first == comm.size()) return;
+  auto const quote = [](std::string s) { return s.size() > 300 ? s.substr(0, 300) + "..." : s; };
+  std::string const v0 = detail::broadcast_string(comm, 0, value);
+  std::string const vr = detail::broadcast_string(comm, first, value);
+  throw ConfigError(moe::detail::cat("moe::comm::check_agreement: the ", what,
+                                     " differs across ranks: rank ", first, " has \"", quote(vr),
+                                     "\" but rank 0 has \"", quote(v0),
+                                     "\"; every rank must be given the same ", what));
+}
+
+inline Communicator Communicator::split(int color, int key) const {
+  any_error(*this, color < 0,
+            moe::detail::cat("moe::comm::Communicator::split: color=", color,
+                             " is negative; every rank needs a color >= 0"),
+            ErrorKind::config);
+  MPI_Comm out = MPI_COMM_NULL;
+  detail::check_mpi(MPI_Comm_split(get(), color, key, &out), "MPI_Comm_split");
+  return Communicator(Adopt{}, out);
+}
+
+}  // namespace moe::comm

@@ -1,0 +1,298 @@
+#pragma once
+/// \file
+/// Internals of moe/comm: host staging of device memory, the collective shape check, and the
+/// row exchanges with their large-count fallback (point-to-point in pieces of at most
+/// count_limit() elements, so no count or displacement handed to MPI overflows int).
+
+#include <moe/comm/communicator.hpp>
+#include <moe/error.hpp>
+#include <moe/moe_config.hpp>
+
+#include <mpi.h>
+#include <Kokkos_Core.hpp>
+
+#include <climits>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace moe::comm::detail {
+
+/// Tag of moe's point-to-point messages on its own (duplicated) communicator. Messages between two
+/// ranks with one tag are matched in posting order, so one fixed tag serves every piece.
+inline constexpr int exchange_tag = 0x6d6f;
+
+/// Largest count or displacement handed to one MPI call; INT_MAX except in tests, which lower it
+/// (on every rank alike) to exercise the large-count paths with small buffers.
+inline std::int64_t& count_limit() {
+  static std::int64_t limit = INT_MAX;
+  return limit;
+}
+
+/// Test hook: stage host memory through separate host buffers as if it were device memory.
+inline bool& force_staging() {
+  static bool force = false;
+  return force;
+}
+
+/// Whether MPI may read and write memory of MS directly.
+template <class MS>
+inline constexpr bool mpi_accessible =
+    MOE_ENABLE_GPU_AWARE_MPI != 0 || Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible;
+
+template <class MS>
+bool staged() {
+  return !mpi_accessible<MS> || force_staging();
+}
+
+/// space.fence(label) where Kokkos has labelled fences (3.6+), space.fence() on Kokkos 3.4.
+template <class ExecSpace, class = void>
+struct has_labelled_fence : std::false_type {};
+template <class ExecSpace>
+struct has_labelled_fence<
+    ExecSpace, std::void_t<decltype(std::declval<ExecSpace const&>().fence(std::string()))>>
+    : std::true_type {};
+
+template <class ExecSpace>
+void fence(ExecSpace const& space, char const* label) {
+  if constexpr (has_labelled_fence<ExecSpace>::value)
+    space.fence(label);
+  else
+    (void)label, space.fence();
+}
+
+template <class T, class MS>
+using Flat = Kokkos::View<T*, Kokkos::LayoutRight, MS, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+using HostBuffer = Kokkos::View<char*, Kokkos::HostSpace>;
+
+/// A contiguous range of n elements of user memory as MPI sees it: the memory itself, or a host
+/// copy when the memory must be staged.
+template <class T, class MS>
+class MpiRange {
+ public:
+  MpiRange(T* user, std::int64_t n) : user_(user), n_(n) {}
+
+  /// Prepares a range MPI reads from: copies device data to a host buffer if staged.
+  template <class ExecSpace>
+  static MpiRange send(ExecSpace const& space, T const* user, std::int64_t n, char const* label,
+                       HostBuffer* cache = nullptr) {
+    MpiRange r(const_cast<T*>(user), n);
+    if (staged<MS>()) {
+      r.allocate(label, cache);
+      Kokkos::deep_copy(space, r.host(), Flat<T const, MS>(user, static_cast<std::size_t>(n)));
+    }
+    return r;
+  }
+  /// Prepares a range MPI writes to (call finish() after MPI is done).
+  static MpiRange recv(T* user, std::int64_t n, char const* label, HostBuffer* cache = nullptr) {
+    MpiRange r(user, n);
+    if (staged<MS>()) r.allocate(label, cache);
+    return r;
+  }
+  /// Copies what MPI wrote back to user memory (enqueued on `space`; fence before dropping this).
+  template <class ExecSpace>
+  void finish(ExecSpace const& space) const {
+    if (buffer_.data() != nullptr)
+      Kokkos::deep_copy(space, Flat<T, MS>(user_, static_cast<std::size_t>(n_)), host());
+  }
+  T* data() const { return buffer_.data() != nullptr ? host().data() : user_; }
+  bool is_staged() const { return buffer_.data() != nullptr; }
+
+ private:
+  /// Uses (and grows) `cache` when given: a plan applied many times stages through one buffer.
+  void allocate(char const* label, HostBuffer* cache) {
+    std::size_t const bytes = static_cast<std::size_t>(n_ > 0 ? n_ : 1) * sizeof(T);
+    if (cache && cache->extent(0) >= bytes) {
+      buffer_ = *cache;
+      return;
+    }
+    buffer_ =
+        HostBuffer(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), bytes);
+    if (cache) *cache = buffer_;
+  }
+  Flat<T, Kokkos::HostSpace> host() const {
+    return Flat<T, Kokkos::HostSpace>(reinterpret_cast<T*>(buffer_.data()),
+                                      static_cast<std::size_t>(n_));
+  }
+
+  T* user_;
+  std::int64_t n_;
+  HostBuffer buffer_;
+};
+
+/// Collective, one MPI_Allreduce: every rank throws the lowest failing rank's error when any
+/// rank failed its local checks, and the same ShapeError when one of `agree` (name, value)
+/// differs across ranks. Returns the OR over ranks of `flag`.
+inline bool collective_check(Communicator const& comm, char const* who, bool local_failed,
+                             std::string const& msg, ErrorKind kind,
+                             std::vector<std::pair<char const*, std::int64_t>> const& agree,
+                             bool flag = false) {
+  std::vector<std::int64_t> v;
+  v.reserve(2 + 2 * agree.size());
+  v.push_back(-static_cast<std::int64_t>(local_failed ? comm.rank() : comm.size()));
+  v.push_back(flag ? 1 : 0);
+  for (auto const& a : agree) v.push_back(a.second), v.push_back(-a.second);
+  std::vector<std::int64_t> r(v.size());
+  check_mpi(MPI_Allreduce(v.data(), r.data(), static_cast<int>(v.size()), MPI_INT64_T, MPI_MAX,
+                          comm.get()),
+            "MPI_Allreduce");
+  int const lowest = static_cast<int>(-r[0]);
+  if (lowest < comm.size()) rethrow_from(comm, lowest, kind, msg);
+  for (std::size_t i = 0; i < agree.size(); ++i) {
+    std::int64_t const hi = r[2 + 2 * i], lo = -r[3 + 2 * i];
+    if (hi != lo)
+      throw ShapeError(moe::detail::cat(who, ": ", agree[i].first, " differs across ranks (from ",
+                                        lo, " to ", hi, "); every rank must pass the same value"));
+  }
+  return r[1] != 0;
+}
+
+/// Row counts and displacements of one side of an all-to-all.
+struct Blocks {
+  std::vector<std::int64_t> counts, displs;
+};
+
+/// Whether every count and displacement (in rows) and the row length fit count_limit().
+inline bool fits(std::int64_t row_elems, std::initializer_list<Blocks const*> sides) {
+  std::int64_t const limit = count_limit();
+  if (row_elems > limit) return false;
+  for (Blocks const* b : sides)
+    for (std::size_t i = 0; i < b->counts.size(); ++i)
+      if (b->counts[i] > limit || b->displs[i] > limit || b->counts[i] + b->displs[i] > limit)
+        return false;
+  return true;
+}
+
+/// A contiguous datatype of one row, freed on scope exit.
+class RowType {
+ public:
+  RowType(MPI_Datatype elem, std::int64_t row_elems) {
+    check_mpi(MPI_Type_contiguous(static_cast<int>(row_elems), elem, &type_),
+              "MPI_Type_contiguous");
+    check_mpi(MPI_Type_commit(&type_), "MPI_Type_commit");
+  }
+  RowType(RowType const&) = delete;
+  RowType& operator=(RowType const&) = delete;
+  ~RowType() { MPI_Type_free(&type_); }
+  MPI_Datatype get() const { return type_; }
+
+ private:
+  MPI_Datatype type_ = MPI_DATATYPE_NULL;
+};
+
+inline std::vector<int> to_int(std::vector<std::int64_t> const& v) {
+  return std::vector<int>(v.begin(), v.end());
+}
+
+/// The large-count path of every exchange: each (peer, block) travels as Isend/Irecv pieces of at
+/// most count_limit() elements, self-messages included (so device pointers work with GPU-aware
+/// MPI). Receiver and sender agree on the pieces because both know the block's row count.
+template <class T>
+void exchange_pieces(Communicator const& comm, T const* send, Blocks const& s, T* recv,
+                     Blocks const& r, std::int64_t row_elems) {
+  std::int64_t const piece = count_limit();
+  MPI_Datatype const type = mpi_type<T>();
+  std::vector<MPI_Request> reqs;
+  auto post = [&](bool is_send, int peer, std::int64_t count_rows, std::int64_t displ_rows) {
+    std::int64_t const n = count_rows * row_elems, base = displ_rows * row_elems;
+    for (std::int64_t off = 0; off < n; off += piece) {
+      int const len = static_cast<int>(n - off < piece ? n - off : piece);
+      reqs.emplace_back();
+      if (is_send)
+        check_mpi(
+            MPI_Isend(send + base + off, len, type, peer, exchange_tag, comm.get(), &reqs.back()),
+            "MPI_Isend");
+      else
+        check_mpi(
+            MPI_Irecv(recv + base + off, len, type, peer, exchange_tag, comm.get(), &reqs.back()),
+            "MPI_Irecv");
+    }
+  };
+  for (int i = 0; i < comm.size(); ++i) post(false, i, r.counts[i], r.displs[i]);
+  for (int j = 0; j < comm.size(); ++j) post(true, j, s.counts[j], s.displs[j]);
+  check_mpi(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE),
+            "MPI_Waitall");
+}
+
+/// Which MPI collective the fast path uses; the large-count path is the same for all three.
+enum class Pattern { alltoallv, alltoall, allgather };
+
+/// Moves rows (row_elems elements of T each) between host-visible buffers: to peer j go
+/// s.counts[j] rows at s.displs[j] of send, from peer i arrive r.counts[i] rows at r.displs[i] of
+/// recv. For alltoall / allgather the blocks must have the regular shape of those collectives.
+/// `fast` must be the same on every rank (it comes out of a collective_check).
+template <class T>
+void exchange_rows(Communicator const& comm, Pattern pattern, T const* send, Blocks const& s,
+                   T* recv, Blocks const& r, std::int64_t row_elems, bool fast) {
+  if (!fast) return exchange_pieces(comm, send, s, recv, r, row_elems);
+  if (row_elems != 1) {
+    // Counts in elements of T when they fit (no derived type to build); otherwise in rows of a
+    // contiguous type. Both have the same type signature, so ranks may choose differently.
+    Blocks se = s, re = r;
+    for (Blocks* b : {&se, &re})
+      for (std::size_t i = 0; i < b->counts.size(); ++i)
+        b->counts[i] *= row_elems, b->displs[i] *= row_elems;
+    if (fits(1, {&se, &re})) return exchange_rows(comm, pattern, send, se, recv, re, 1, true);
+  }
+  std::optional<RowType> row_type;
+  if (row_elems != 1) row_type.emplace(mpi_type<T>(), row_elems);
+  MPI_Datatype const row = row_type ? row_type->get() : mpi_type<T>();
+  switch (pattern) {
+    case Pattern::alltoall: {
+      int const n = static_cast<int>(s.counts.empty() ? 0 : s.counts[0]);
+      check_mpi(MPI_Alltoall(send, n, row, recv, n, row, comm.get()), "MPI_Alltoall");
+      break;
+    }
+    case Pattern::allgather: {
+      int const n = static_cast<int>(s.counts.empty() ? 0 : s.counts[0]);
+      check_mpi(MPI_Allgather(send, n, row, recv, n, row, comm.get()), "MPI_Allgather");
+      break;
+    }
+    default: {
+      auto const sc = to_int(s.counts), sd = to_int(s.displs);
+      auto const rc = to_int(r.counts), rd = to_int(r.displs);
+      check_mpi(MPI_Alltoallv(send, sc.data(), sd.data(), row, recv, rc.data(), rd.data(), row,
+                              comm.get()),
+                "MPI_Alltoallv");
+    }
+  }
+}
+
+/// Shape of a contiguous LayoutRight view as rows: extent(0) rows of row_elems elements.
+template <class View>
+std::pair<std::int64_t, std::int64_t> rows_of(View const& v) {
+  std::int64_t row = 1;
+  for (unsigned d = 1; d < View::rank; ++d) row *= static_cast<std::int64_t>(v.extent(d));
+  return {static_cast<std::int64_t>(v.extent(0)), row};
+}
+
+/// Compile-time contract shared by the public entry points.
+template <class ExecSpace, class View>
+constexpr void check_view_type() {
+  static_assert(Kokkos::is_view<View>::value, "moe::comm: expected a Kokkos::View");
+  static_assert(View::rank >= 1 && View::rank <= 3, "moe::comm: views of rank 1 to 3 only");
+  static_assert(std::is_same_v<typename View::array_layout, Kokkos::LayoutRight>,
+                "moe::comm: views must be LayoutRight (row-major, contiguous)");
+  static_assert(MpiType<typename View::non_const_value_type>::available,
+                "moe::comm: the value type needs an MPI datatype (float, double, int32_t, "
+                "int64_t)");
+  static_assert(Kokkos::SpaceAccessibility<ExecSpace, typename View::memory_space>::accessible,
+                "moe::comm: the views must be accessible from the execution space");
+}
+
+/// Zeroes rows [begin, end) of each range of a row view (rows of row_elems elements).
+template <class ExecSpace, class T, class MS>
+void zero_rows(ExecSpace const& space, T* data, std::int64_t row_elems,
+               std::vector<std::pair<std::int64_t, std::int64_t>> const& ranges) {
+  for (auto const& g : ranges)
+    if (g.second > g.first && row_elems > 0)
+      Kokkos::deep_copy(space,
+                        Flat<T, MS>(data + g.first * row_elems,
+                                    static_cast<std::size_t>((g.second - g.first) * row_elems)),
+                        T(0));
+}
+
+}  // namespace moe::comm::detail

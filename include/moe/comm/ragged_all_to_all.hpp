@@ -1,0 +1,382 @@
+#pragma once
+/// \file
+/// Ragged all-to-all of the expert-parallel (EP) dispatch and combine.
+///
+/// Part 1: MaxText's all-to-all parameters as pure functions of the EP x EP traffic matrix
+/// (SEMANTICS.md §1.9 items 32-34, exact vectors in §7.4-7.6). They define the semantics and are
+/// what a layer reasons with; MPI needs only the receiver's view of them.
+///
+/// Part 2: RaggedAllToAll, the plan/apply object that moves the rows. Glossary:
+///  - *row*: one unit of payload, e.g. a token slot of D elements; every count is in rows.
+///  - *send counts*: rows this rank holds for each peer, stored as one block per peer at the
+///    *send displacements* (by default consecutive blocks in peer order).
+///  - *kept send counts*: the leading rows of each block that actually go (all of them unless a
+///    receiver caps its buffer); the rest are *dropped*.
+///  - *recv counts / displacements*: rows arriving from each peer, packed in peer order.
+///  - *forward*: send blocks -> receive buffer (the dispatch). *reverse*: receive-buffer rows go
+///    back to exactly the rows they came from (the combine, and the backward of the dispatch);
+///    dropped rows come back as zeros.
+///  - *capacity R*: with ragged_buffer_factor > 0 a receiver keeps at most R rows, lower-rank
+///    senders first (per receiver column: prefix sums over senders clamped to R, differenced).
+
+#include <moe/comm/communicator.hpp>
+#include <moe/comm/detail/exchange.hpp>
+#include <moe/error.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moe::comm {
+
+// ===================================== Part 1: parameters =====================================
+
+/// \brief The four per-peer arrays of one ragged all-to-all call, from one shard's point of view
+/// (JAX's ragged_all_to_all convention: output offsets are given on the sender side).
+struct AllToAllParams {
+  std::vector<std::int64_t> input_offsets;   ///< where my block for peer j starts in my input
+  std::vector<std::int64_t> send_sizes;      ///< rows I send to peer j
+  std::vector<std::int64_t> output_offsets;  ///< where my block lands in peer j's output
+  std::vector<std::int64_t> recv_sizes;      ///< rows I receive from peer j
+};
+
+namespace detail {
+
+inline void check_matrix(char const* who, std::vector<std::int64_t> const& M, int ep, int me) {
+  moe::detail::require<ConfigError>(ep >= 1, who, ": ep=", ep, " must be >= 1");
+  moe::detail::require<ConfigError>(me >= 0 && me < ep, who, ": me=", me,
+                                    " is not a shard index in [0, ", ep, ")");
+  moe::detail::require<ShapeError>(M.size() == static_cast<std::size_t>(ep) * ep, who,
+                                   ": the traffic matrix has ", M.size(),
+                                   " entries; it must be ep*ep = ", std::int64_t(ep) * ep,
+                                   " (row-major, M[i*ep+j] = rows shard i sends to shard j)");
+  for (std::size_t k = 0; k < M.size(); ++k)
+    moe::detail::require<ShapeError>(M[k] >= 0, who, ": M[", k / ep, ",", k % ep, "]=", M[k],
+                                     " is negative; row counts must be >= 0");
+}
+
+inline std::vector<std::int64_t> exclusive_cumsum(std::vector<std::int64_t> const& v) {
+  std::vector<std::int64_t> out(v.size());
+  std::int64_t run = 0;
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = run, run += v[i];
+  return out;
+}
+
+}  // namespace detail
+
+/// \brief MaxText's `get_all_to_all_params` for a batch sharded over EP (§1.9 items 32.4 / 33).
+///
+/// Dispatch: send_sizes = M[me,:], input_offsets = exclusive_cumsum(M[me,:]),
+/// output_offsets[j] = sum_{i<me} M[i,j], recv_sizes = M[:,me]. Combine (is_dispatch = false)
+/// uses M transposed: send_sizes = M[:,me], input_offsets = exclusive_cumsum(M[:,me]),
+/// output_offsets[j] = sum_{i<me} M[j,i], recv_sizes = M[me,:].
+/// \param M  [ep*ep] row-major, M[i*ep+j] = rows shard i sends to shard j
+/// \param ep number of shards
+/// \param me this shard
+inline AllToAllParams all_to_all_params(std::vector<std::int64_t> const& M, int ep, int me,
+                                        bool is_dispatch) {
+  detail::check_matrix("moe::comm::all_to_all_params", M, ep, me);
+  // In the combine, M^T plays the role of M.
+  auto at = [&](int i, int j) { return is_dispatch ? M[i * ep + j] : M[j * ep + i]; };
+  AllToAllParams p;
+  p.send_sizes.resize(ep), p.output_offsets.assign(ep, 0), p.recv_sizes.resize(ep);
+  for (int j = 0; j < ep; ++j) {
+    p.send_sizes[j] = at(me, j);
+    p.recv_sizes[j] = at(j, me);
+    for (int i = 0; i < me; ++i) p.output_offsets[j] += at(i, j);
+  }
+  p.input_offsets = detail::exclusive_cumsum(p.send_sizes);
+  return p;
+}
+
+/// \brief Receiver-side truncation of the traffic matrix to a buffer of R rows (§1.9 item 32.4):
+/// per receiver column j, the prefix sums over senders are clamped to R and differenced, so
+/// lower-rank senders keep their rows and higher-rank senders lose theirs first.
+/// \return Mt [ep*ep], Mt[i*ep+j] <= M[i*ep+j], sum_i Mt[i*ep+j] = min(R, sum_i M[i*ep+j])
+inline std::vector<std::int64_t> truncate_matrix(std::vector<std::int64_t> const& M, int ep,
+                                                 std::int64_t R) {
+  detail::check_matrix("moe::comm::truncate_matrix", M, ep, 0);
+  moe::detail::require<ConfigError>(R >= 0, "moe::comm::truncate_matrix: R=", R,
+                                    " must be >= 0 (the receive buffer rows)");
+  std::vector<std::int64_t> Mt(M.size());
+  for (int j = 0; j < ep; ++j) {
+    std::int64_t before = 0;
+    for (int i = 0; i < ep; ++i) {
+      std::int64_t const after = std::min(R, before + M[i * ep + j]);
+      Mt[i * ep + j] = after - before;
+      before = after;
+    }
+  }
+  return Mt;
+}
+
+/// \brief all_to_all_params with a receive buffer of R rows (ragged_buffer_factor > 0).
+///
+/// Dispatch: input offsets from the untruncated M (the sender's buffer holds every row); send
+/// sizes, output offsets and receive sizes from truncate_matrix(M, ep, R). Combine: input
+/// offsets, send and receive sizes from the truncated matrix (the receive buffer was packed with
+/// it); output offsets from the untruncated M (rows go back where the sender had them).
+inline AllToAllParams all_to_all_params_truncated(std::vector<std::int64_t> const& M, int ep,
+                                                  int me, bool is_dispatch, std::int64_t R) {
+  detail::check_matrix("moe::comm::all_to_all_params_truncated", M, ep, me);
+  auto const Mt = truncate_matrix(M, ep, R);
+  AllToAllParams const full = all_to_all_params(M, ep, me, is_dispatch);
+  AllToAllParams p = all_to_all_params(Mt, ep, me, is_dispatch);
+  if (is_dispatch)
+    p.input_offsets = full.input_offsets;
+  else
+    p.output_offsets = full.output_offsets;
+  return p;
+}
+
+/// \brief Parameters of the replicated-batch (decode) combine (§1.9 item 34): every shard holds
+/// the same tokens, and shard s's per_shard[s] rows go to every peer; realised as an all-gather.
+/// input_offsets = 0, send_sizes = per_shard[me] for every peer, output_offsets =
+/// exclusive_cumsum(per_shard)[me] for every peer, recv_sizes = per_shard.
+inline AllToAllParams all_to_all_params_replicated(std::vector<std::int64_t> const& per_shard,
+                                                   int me) {
+  int const ep = static_cast<int>(per_shard.size());
+  moe::detail::require<ConfigError>(me >= 0 && me < ep,
+                                    "moe::comm::all_to_all_params_replicated: me=", me,
+                                    " is not a shard index in [0, ", ep, ")");
+  for (int j = 0; j < ep; ++j)
+    moe::detail::require<ShapeError>(per_shard[j] >= 0,
+                                     "moe::comm::all_to_all_params_replicated: per_shard[", j,
+                                     "]=", per_shard[j], " is negative");
+  auto const starts = detail::exclusive_cumsum(per_shard);
+  AllToAllParams p;
+  p.input_offsets.assign(ep, 0);
+  p.send_sizes.assign(ep, per_shard[me]);
+  p.output_offsets.assign(ep, starts[me]);
+  p.recv_sizes = per_shard;
+  return p;
+}
+
+/// \brief Rows of the dispatch receive buffer (MaxText `get_ragged_buffer_size`, §1.9 item 32.3).
+///
+/// factor > 0: int(tk * factor) (rows beyond it are dropped); otherwise the dropless worst case
+/// int(tk * min(ep, E/K)) with E/K a real quotient, computed exactly in integers.
+/// \param tk local routed slots T*K
+inline std::int64_t ragged_buffer_size(std::int64_t tk, int ep, int E, int K, double factor) {
+  moe::detail::require<ConfigError>(
+      tk >= 0 && ep >= 1 && E >= 1 && K >= 1, "moe::comm::ragged_buffer_size: tk=", tk, ", ep=", ep,
+      ", E=", E, ", K=", K, " must satisfy tk >= 0 and ep, E, K >= 1");
+  if (factor > 0) return static_cast<std::int64_t>(static_cast<double>(tk) * factor);
+  if (std::int64_t(ep) * K <= E) return tk * ep;
+  return tk * E / K;
+}
+
+// ================================ Part 2: the plan / apply object ==============================
+
+/// \brief Plan of one ragged all-to-all over a communicator, built once per step and applied to
+/// any number of payloads (dispatch forward, its backward, the combine).
+///
+/// Construction exchanges the row counts with a dense MPI_Alltoall (plus a second one when a
+/// receiver caps its buffer); forward / reverse move rows with MPI_Alltoallv of a contiguous row
+/// datatype, or with Isend/Irecv pieces when a count or displacement exceeds INT_MAX.
+/// Construction, forward and reverse are collective; each also checks shapes on every rank and
+/// raises the same exception everywhere on a bad input instead of hanging.
+class RaggedAllToAll {
+ public:
+  /// \brief Collective: plan for consecutive per-peer blocks (block j at sum_{k<j} counts[k]).
+  /// \param send_counts [size] rows this rank holds for each peer
+  /// \param recv_capacity rows this rank accepts (< 0: unlimited); when the senders' rows exceed
+  ///        it, the rows of higher-rank senders, and within a sender its last rows, are dropped
+  RaggedAllToAll(Communicator const& comm, std::vector<std::int64_t> const& send_counts,
+                 std::int64_t recv_capacity = -1)
+      : RaggedAllToAll(comm, send_counts, detail::exclusive_cumsum(send_counts), recv_capacity) {}
+
+  /// \brief Collective: plan with explicit block displacements (in rows) in the send buffer.
+  /// Blocks may overlap (e.g. the same rows to every peer, as in the replicated-batch combine),
+  /// but then reverse() is not available.
+  RaggedAllToAll(Communicator const& comm, std::vector<std::int64_t> const& send_counts,
+                 std::vector<std::int64_t> const& send_displs, std::int64_t recv_capacity = -1)
+      : comm_(comm) {
+    int const P = comm_.size();
+    send_.counts = send_counts;
+    send_.displs = send_displs;
+    bool const bad =
+        send_counts.size() != static_cast<std::size_t>(P) ||
+        send_displs.size() != static_cast<std::size_t>(P) ||
+        std::any_of(send_counts.begin(), send_counts.end(), [](std::int64_t c) { return c < 0; }) ||
+        std::any_of(send_displs.begin(), send_displs.end(), [](std::int64_t d) { return d < 0; });
+    // Counts and the capacity flag travel in one dense MPI_Alltoall; a rank with bad input sends
+    // -1 to everyone, so every rank learns who failed without another collective.
+    std::vector<std::int64_t> out(2 * P), in(2 * P);
+    for (int j = 0; j < P; ++j) {
+      out[2 * j] = bad ? -1 : send_counts[j];
+      out[2 * j + 1] = recv_capacity >= 0 ? 1 : 0;
+    }
+    detail::check_mpi(
+        MPI_Alltoall(out.data(), 2, MPI_INT64_T, in.data(), 2, MPI_INT64_T, comm_.get()),
+        "MPI_Alltoall");
+    bool any_capped = false;
+    for (int i = 0; i < P; ++i) {
+      if (in[2 * i] < 0)
+        detail::rethrow_from(
+            comm_, i, ErrorKind::shape,
+            moe::detail::cat("moe::comm::RaggedAllToAll: send_counts (", send_counts.size(),
+                             " entries) and send_displs (", send_displs.size(),
+                             " entries) must have one non-negative entry per rank (", P, ")"));
+      any_capped = any_capped || in[2 * i + 1] != 0;
+    }
+    recv_.counts.resize(P);
+    for (int i = 0; i < P; ++i) recv_.counts[i] = in[2 * i];
+    kept_ = send_counts;
+    if (any_capped) {
+      // Each receiver truncates its column and tells every sender how many rows it keeps.
+      std::int64_t before = 0;
+      for (int i = 0; i < P; ++i) {
+        std::int64_t const after = recv_capacity >= 0
+                                       ? std::min(recv_capacity, before + recv_.counts[i])
+                                       : before + recv_.counts[i];
+        recv_.counts[i] = after - before;
+        before = after;
+      }
+      detail::check_mpi(MPI_Alltoall(recv_.counts.data(), 1, MPI_INT64_T, kept_.data(), 1,
+                                     MPI_INT64_T, comm_.get()),
+                        "MPI_Alltoall");
+    }
+    recv_.displs = detail::exclusive_cumsum(recv_.counts);
+    recv_total_ = P > 0 ? recv_.displs[P - 1] + recv_.counts[P - 1] : 0;
+    capacity_ = recv_capacity;
+    // The reverse writes every block back: that needs blocks that do not overlap.
+    std::vector<std::pair<std::int64_t, std::int64_t>> blocks;
+    for (int j = 0; j < P; ++j) {
+      send_extent_ = std::max(send_extent_, send_.displs[j] + send_.counts[j]);
+      if (send_.counts[j] > 0)
+        blocks.emplace_back(send_.displs[j], send_.displs[j] + send_.counts[j]);
+    }
+    std::sort(blocks.begin(), blocks.end());
+    for (std::size_t b = 1; b < blocks.size(); ++b)
+      reversible_ = reversible_ && blocks[b - 1].second <= blocks[b].first;
+  }
+
+  /// \brief The plan's communicator.
+  Communicator const& comm() const { return comm_; }
+  /// \brief Rows this rank holds for each peer.
+  std::vector<std::int64_t> const& send_counts() const { return send_.counts; }
+  /// \brief Where each peer's block starts in the send buffer (rows).
+  std::vector<std::int64_t> const& send_displs() const { return send_.displs; }
+  /// \brief Leading rows of each block that are sent (the rest are dropped by the receiver's cap).
+  std::vector<std::int64_t> const& kept_send_counts() const { return kept_; }
+  /// \brief Rows arriving from each peer.
+  std::vector<std::int64_t> const& recv_counts() const { return recv_.counts; }
+  /// \brief Where each peer's rows start in the receive buffer (exclusive cumsum of the counts).
+  std::vector<std::int64_t> const& recv_displs() const { return recv_.displs; }
+  /// \brief Rows arriving in total: the receive buffer needs at least this many.
+  std::int64_t recv_total() const { return recv_total_; }
+  /// \brief Rows the send buffer needs: max over peers of displacement + count.
+  std::int64_t send_extent() const { return send_extent_; }
+  /// \brief Rows of this rank's blocks that the receivers dropped.
+  std::int64_t dropped_rows() const {
+    std::int64_t d = 0;
+    for (std::size_t j = 0; j < kept_.size(); ++j) d += send_.counts[j] - kept_[j];
+    return d;
+  }
+  /// \brief This rank's receive capacity (< 0: unlimited).
+  std::int64_t recv_capacity() const { return capacity_; }
+
+  /// \brief Collective: sends each peer's block of `send` to it; the rows arrive packed in peer
+  /// order in `recv`. Rows of `recv` beyond recv_total() are set to zero.
+  /// \param send [>= send_extent(), ...] rows of any trailing shape (the same on every rank)
+  /// \param recv [>= recv_total(), ...] same trailing shape; must not overlap `send`
+  template <class ExecSpace, class SendView, class RecvView>
+  void forward(ExecSpace const& space, SendView const& send, RecvView const& recv) const {
+    apply(space, "moe::comm::RaggedAllToAll::forward", false, send, send_.displs, kept_, recv,
+          recv_.displs, recv_.counts, send_extent_, recv_total_);
+  }
+
+  /// \brief Collective: the reverse of forward: rows of `in` (laid out as forward's receive
+  /// buffer) go back to the peers they came from, into the rows they were sent from. Rows of
+  /// `out` that receive nothing (dropped rows, gaps, rows beyond send_extent()) are set to zero.
+  /// \param in  [>= recv_total(), ...]
+  /// \param out [>= send_extent(), ...] same trailing shape; must not overlap `in`
+  template <class ExecSpace, class InView, class OutView>
+  void reverse(ExecSpace const& space, InView const& in, OutView const& out) const {
+    apply(space, "moe::comm::RaggedAllToAll::reverse", true, in, recv_.displs, recv_.counts, out,
+          send_.displs, kept_, recv_total_, send_extent_);
+  }
+
+ private:
+  template <class ExecSpace, class SrcView, class DstView>
+  void apply(ExecSpace const& space, char const* who, bool is_reverse, SrcView const& src,
+             std::vector<std::int64_t> const& src_displs,
+             std::vector<std::int64_t> const& src_counts, DstView const& dst,
+             std::vector<std::int64_t> const& dst_displs,
+             std::vector<std::int64_t> const& dst_counts, std::int64_t src_rows_needed,
+             std::int64_t dst_rows_needed) const {
+    detail::check_view_type<ExecSpace, SrcView>();
+    detail::check_view_type<ExecSpace, DstView>();
+    using T = typename DstView::non_const_value_type;
+    static_assert(std::is_same_v<typename SrcView::non_const_value_type, T> &&
+                      !std::is_const_v<typename DstView::value_type>,
+                  "moe::comm::RaggedAllToAll: source and destination need the same value type, "
+                  "the destination writable");
+    using SrcMS = typename SrcView::memory_space;
+    using DstMS = typename DstView::memory_space;
+    auto const [src_rows, row] = detail::rows_of(src);
+    auto const [dst_rows, dst_row] = detail::rows_of(dst);
+    std::string msg;
+    if (!src.span_is_contiguous() || !dst.span_is_contiguous())
+      msg = moe::detail::cat(who, ": the views must be contiguous");
+    else if (src_rows < src_rows_needed || dst_rows < dst_rows_needed || dst_row != row)
+      msg = moe::detail::cat(who, ": source has ", src_rows, " rows of ", row,
+                             " elements and destination ", dst_rows, " rows of ", dst_row,
+                             "; the plan needs at least ", src_rows_needed, " and ",
+                             dst_rows_needed, " rows of equal length");
+    else if (dst.size() > 0 && src.size() > 0 &&
+             reinterpret_cast<char const*>(src.data()) <
+                 reinterpret_cast<char const*>(dst.data() + dst.size()) &&
+             reinterpret_cast<char const*>(dst.data()) <
+                 reinterpret_cast<char const*>(src.data() + src.size()))
+      msg = moe::detail::cat(who, ": source and destination overlap");
+    else if (is_reverse && !reversible_)
+      msg = moe::detail::cat(who,
+                             ": the plan's send blocks overlap, so rows cannot be sent back "
+                             "to them; build the plan with disjoint blocks");
+    detail::Blocks const s{src_counts, src_displs}, r{dst_counts, dst_displs};
+    bool const slow = !detail::fits(row, {&s, &r});
+    bool const any_slow = detail::collective_check(comm_, who, !msg.empty(), msg, ErrorKind::shape,
+                                                   {{"elements per row", row}}, slow);
+
+    // Rows of the destination that nothing is written to.
+    std::vector<std::pair<std::int64_t, std::int64_t>> gaps, filled;
+    for (std::size_t i = 0; i < dst_counts.size(); ++i)
+      if (dst_counts[i] > 0) filled.emplace_back(dst_displs[i], dst_displs[i] + dst_counts[i]);
+    std::sort(filled.begin(), filled.end());
+    std::int64_t at = 0;
+    for (auto const& f : filled) {
+      if (f.first > at) gaps.emplace_back(at, f.first);
+      at = std::max(at, f.second);
+    }
+    if (dst_rows > at) gaps.emplace_back(at, dst_rows);
+
+    detail::fence(space, "moe::comm::RaggedAllToAll: source ready");
+    auto const send_buf = detail::MpiRange<T, SrcMS>::send(
+        space, src.data(), src_rows_needed * row, "moe::comm::RaggedAllToAll::send", &stage_[0]);
+    auto const recv_buf = detail::MpiRange<T, DstMS>::recv(
+        dst.data(), dst_rows_needed * row, "moe::comm::RaggedAllToAll::recv", &stage_[1]);
+    if (send_buf.is_staged()) detail::fence(space, "moe::comm::RaggedAllToAll: staged");
+    detail::exchange_rows(comm_, detail::Pattern::alltoallv, send_buf.data(), s, recv_buf.data(), r,
+                          row, !any_slow);
+    recv_buf.finish(space);
+    detail::zero_rows<ExecSpace, T, DstMS>(space, dst.data(), row, gaps);
+    if (recv_buf.is_staged()) detail::fence(space, "moe::comm::RaggedAllToAll: unstaged");
+  }
+
+  Communicator comm_;
+  detail::Blocks send_, recv_;
+  std::vector<std::int64_t> kept_;
+  std::int64_t recv_total_ = 0, send_extent_ = 0, capacity_ = -1;
+  bool reversible_ = true;
+  /// Host staging buffers (send, receive) reused across applications; only used for memory MPI
+  /// cannot access. A plan is therefore not to be applied from several threads at once.
+  mutable detail::HostBuffer stage_[2];
+};
+
+}  // namespace moe::comm

@@ -1,0 +1,310 @@
+#pragma once
+/// \file
+/// Local permute after the expert-parallel dispatch (SEMANTICS.md §1.9 items 32.6 and 34, exact
+/// vectors §7.7): regroups the rows a shard received by its L = E/EP local experts.
+///
+/// All-to-all variant: the receive buffer is the concatenation over senders i of sender i's rows
+/// for my experts, each sender's block sorted by expert. The local order is by local expert, and
+/// within an expert by sender (stable). With a receive buffer of R rows the [senders, L] block
+/// sizes are flattened row-major, prefix-summed, clamped to R and differenced -- the same rule by
+/// which RaggedAllToAll drops rows, so the two agree.
+///
+/// Replicated-batch variant: every shard holds the same globally sorted buffer; shard s's rows are
+/// [offset_s, offset_s + n_s) with offset_s = sum of the group sizes of the experts before its
+/// first, and are already in local order; local expert ids are global ids mod L.
+///
+/// Both are one layout (a list of blocks, one per (sender, local expert)): the replicated variant
+/// is the single-sender case whose blocks start at offset_s. Metadata is computed on the host; the
+/// permutation and the row moves are Kokkos kernels on the given execution space.
+
+#include <moe/detail/views.hpp>
+#include <moe/error.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace moe::permute {
+
+/// \brief Host metadata of a local permutation.
+struct LocalLayout {
+  int num_senders = 0;  ///< S: blocks per local expert (EP, or 1 for the replicated variant)
+  int num_local = 0;    ///< L: local experts
+  /// First source row of the shard's rows (0 for the all-to-all variant, offset_s otherwise).
+  std::int64_t source_offset = 0;
+  /// [S*L] row-major: rows of (sender i, local expert l) present in the source, after truncation.
+  std::vector<std::int64_t> block_sizes;
+  std::vector<std::int64_t> group_sizes;  ///< [L] rows per local expert (sum over senders)
+  std::int64_t rows = 0;                  ///< rows kept: sum of group_sizes
+  std::int64_t dropped = 0;               ///< rows lost to the buffer cap R
+};
+
+}  // namespace moe::permute
+
+namespace moe::detail::lperm {
+
+/// space.fence(label) where Kokkos has labelled fences (3.6+), space.fence() on Kokkos 3.4.
+template <class ExecSpace, class = void>
+struct has_labelled_fence : std::false_type {};
+template <class ExecSpace>
+struct has_labelled_fence<
+    ExecSpace, std::void_t<decltype(std::declval<ExecSpace const&>().fence(std::string()))>>
+    : std::true_type {};
+
+template <class ExecSpace>
+void fence(ExecSpace const& space, char const* label) {
+  if constexpr (has_labelled_fence<ExecSpace>::value)
+    space.fence(label);
+  else
+    (void)label, space.fence();
+}
+
+/// Clamps the row-major prefix sums of `sizes` to R (R < 0: no cap) and differences them.
+inline void truncate_blocks(moe::permute::LocalLayout& lay, std::int64_t R) {
+  std::int64_t before = 0, total = 0;
+  for (auto& b : lay.block_sizes) {
+    total += b;
+    std::int64_t const after = R >= 0 ? std::min(R, before + b) : before + b;
+    b = after - before;
+    before = after;
+  }
+  lay.rows = before;
+  lay.dropped = total - before;
+  lay.group_sizes.assign(lay.num_local, 0);
+  for (int i = 0; i < lay.num_senders; ++i)
+    for (int l = 0; l < lay.num_local; ++l)
+      lay.group_sizes[l] += lay.block_sizes[std::size_t(i) * lay.num_local + l];
+}
+
+inline void check_sizes(char const* who, std::vector<std::int64_t> const& v) {
+  for (std::size_t k = 0; k < v.size(); ++k)
+    moe::detail::require<ShapeError>(v[k] >= 0, who, ": group size [", k, "]=", v[k],
+                                     " is negative; group sizes must be >= 0");
+}
+
+}  // namespace moe::detail::lperm
+
+namespace moe::permute {
+
+/// \brief Layout of the all-to-all variant.
+/// \param G  [S*E] row-major, G[i*E+e] = rows sender i routed to global expert e (the
+///           all-gathered group sizes; S is normally EP)
+/// \param E  number of experts
+/// \param ep expert-parallel size (L = E/ep)
+/// \param me this shard (local experts me*L .. me*L+L-1)
+/// \param R  receive buffer rows (< 0: unlimited)
+inline LocalLayout local_layout(std::vector<std::int64_t> const& G, int E, int ep, int me,
+                                std::int64_t R = -1) {
+  char const* who = "moe::permute::local_layout";
+  moe::detail::require<ConfigError>(E >= 1 && ep >= 1 && E % ep == 0, who, ": num_experts=", E,
+                                    " is not divisible by the expert-parallel size ", ep);
+  moe::detail::require<ConfigError>(me >= 0 && me < ep, who, ": me=", me,
+                                    " is not a shard index in [0, ", ep, ")");
+  moe::detail::require<ShapeError>(!G.empty() && G.size() % E == 0, who, ": G has ", G.size(),
+                                   " entries; it must be [senders, E] with E=", E);
+  moe::detail::lperm::check_sizes(who, G);
+  LocalLayout lay;
+  lay.num_local = E / ep;
+  lay.num_senders = static_cast<int>(G.size() / E);
+  for (int i = 0; i < lay.num_senders; ++i)
+    for (int l = 0; l < lay.num_local; ++l)
+      lay.block_sizes.push_back(G[std::size_t(i) * E + std::size_t(me) * lay.num_local + l]);
+  moe::detail::lperm::truncate_blocks(lay, R);
+  return lay;
+}
+
+/// \brief Layout of the replicated-batch variant (MaxText `local_permute(is_offset=True)`).
+/// \param global_group_sizes [E] rows per global expert of the globally sorted buffer
+/// \param R rows kept (< 0: unlimited); later local experts lose rows first
+inline LocalLayout local_layout_replicated(std::vector<std::int64_t> const& global_group_sizes,
+                                           int ep, int me, std::int64_t R = -1) {
+  char const* who = "moe::permute::local_layout_replicated";
+  int const E = static_cast<int>(global_group_sizes.size());
+  moe::detail::require<ConfigError>(E >= 1 && ep >= 1 && E % ep == 0, who, ": num_experts=", E,
+                                    " is not divisible by the expert-parallel size ", ep);
+  moe::detail::require<ConfigError>(me >= 0 && me < ep, who, ": me=", me,
+                                    " is not a shard index in [0, ", ep, ")");
+  moe::detail::lperm::check_sizes(who, global_group_sizes);
+  LocalLayout lay;
+  lay.num_local = E / ep;
+  lay.num_senders = 1;
+  for (int e = 0; e < me * lay.num_local; ++e) lay.source_offset += global_group_sizes[e];
+  lay.block_sizes.assign(global_group_sizes.begin() + std::size_t(me) * lay.num_local,
+                         global_group_sizes.begin() + std::size_t(me + 1) * lay.num_local);
+  moe::detail::lperm::truncate_blocks(lay, R);
+  return lay;
+}
+
+/// \brief A local permutation on the device, with its host layout.
+/// \tparam MemorySpace where the index views live
+template <class MemorySpace>
+struct LocalPermutation {
+  LocalLayout layout;
+  /// [rows] sorted row p -> source row (an index into the received / global buffer).
+  View1<std::int64_t, MemorySpace> perm;
+  /// [rows] packed source row q (source row - layout.source_offset) -> sorted row.
+  View1<std::int64_t, MemorySpace> inverse;
+  /// [rows] local expert (0..L-1) of each sorted row: repeat(arange(L), group_sizes).
+  View1<int, MemorySpace> expert_ids;
+  /// [L+1] exclusive cumsum of the local group sizes (the GMM's group offsets).
+  View1<std::int64_t, MemorySpace> group_offsets;
+  /// Host copy of group_offsets.
+  typename View1<std::int64_t, MemorySpace>::HostMirror group_offsets_host;
+
+  /// \brief Rows kept (the valid prefix of the sorted buffer).
+  std::int64_t rows() const { return layout.rows; }
+  /// \brief Local experts L.
+  int num_local() const { return layout.num_local; }
+};
+
+/// \brief Builds the permutation of a layout: one kernel over the kept rows on `space`.
+template <class ExecSpace>
+LocalPermutation<typename ExecSpace::memory_space> make_local_permutation(
+    ExecSpace const& space, LocalLayout const& layout) {
+  using MS = typename ExecSpace::memory_space;
+  int const S = layout.num_senders, L = layout.num_local, nb = S * L;
+  LocalPermutation<MS> lp;
+  lp.layout = layout;
+  std::int64_t const rows = layout.rows;
+  // Per block in sorted (local expert major, sender minor) order b = l*S + i: its first sorted
+  // row (sorted_start[b], plus the total at nb) and its first source row (source_start[b]).
+  View1<std::int64_t, MS> seg(
+      Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::permute::local::segments"),
+      2 * nb + 1);
+  auto seg_host = Kokkos::create_mirror_view(seg);
+  std::vector<std::int64_t> source_start(nb);
+  std::int64_t run = layout.source_offset;
+  for (int k = 0; k < nb; ++k) source_start[k] = run, run += layout.block_sizes[k];
+  run = 0;
+  for (int l = 0; l < L; ++l)
+    for (int i = 0; i < S; ++i) {
+      int const b = l * S + i;
+      seg_host(b) = run;
+      seg_host(nb + 1 + b) = source_start[std::size_t(i) * L + l];
+      run += layout.block_sizes[std::size_t(i) * L + l];
+    }
+  seg_host(nb) = run;
+  Kokkos::deep_copy(space, seg, seg_host);
+
+  lp.group_offsets = View1<std::int64_t, MS>(
+      Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::permute::local::group_offsets"),
+      L + 1);
+  lp.group_offsets_host = Kokkos::create_mirror_view(lp.group_offsets);
+  lp.group_offsets_host(0) = 0;
+  for (int l = 0; l < L; ++l)
+    lp.group_offsets_host(l + 1) = lp.group_offsets_host(l) + layout.group_sizes[l];
+  Kokkos::deep_copy(space, lp.group_offsets, lp.group_offsets_host);
+
+  lp.perm = moe::detail::alloc<View1<std::int64_t, MS>>(space, "moe::permute::local::perm", rows);
+  lp.inverse =
+      moe::detail::alloc<View1<std::int64_t, MS>>(space, "moe::permute::local::inverse", rows);
+  lp.expert_ids =
+      moe::detail::alloc<View1<int, MS>>(space, "moe::permute::local::expert_ids", rows);
+  auto perm = lp.perm, inverse = lp.inverse;
+  auto ids = lp.expert_ids;
+  std::int64_t const base = layout.source_offset;
+  Kokkos::parallel_for(
+      "moe::permute::local::build",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(space, 0, rows),
+      KOKKOS_LAMBDA(std::int64_t p) {
+        // Last block whose first sorted row is <= p: it is non-empty and holds p.
+        int lo = 0, hi = nb;  // invariant: seg(lo) <= p < seg(hi)
+        while (hi - lo > 1) {
+          int const mid = (lo + hi) / 2;
+          if (seg(mid) <= p)
+            lo = mid;
+          else
+            hi = mid;
+        }
+        std::int64_t const src = seg(nb + 1 + lo) + (p - seg(lo));
+        perm(p) = src;
+        inverse(src - base) = p;
+        ids(p) = lo / S;
+      });
+  // `seg` is released on return; the kernel must be done with it.
+  moe::detail::lperm::fence(space, "moe::permute::local: permutation built");
+  return lp;
+}
+
+/// \brief The all-to-all variant: local_layout + make_local_permutation.
+template <class ExecSpace>
+LocalPermutation<typename ExecSpace::memory_space> local_permute(ExecSpace const& space,
+                                                                 std::vector<std::int64_t> const& G,
+                                                                 int E, int ep, int me,
+                                                                 std::int64_t R = -1) {
+  return make_local_permutation(space, local_layout(G, E, ep, me, R));
+}
+
+/// \brief The replicated-batch variant: local_layout_replicated + make_local_permutation.
+template <class ExecSpace>
+LocalPermutation<typename ExecSpace::memory_space> local_permute_replicated(
+    ExecSpace const& space, std::vector<std::int64_t> const& global_group_sizes, int ep, int me,
+    std::int64_t R = -1) {
+  return make_local_permutation(space, local_layout_replicated(global_group_sizes, ep, me, R));
+}
+
+}  // namespace moe::permute
+
+namespace moe::detail::lperm {
+
+template <class ExecSpace, class Map, class SrcView, class DstView>
+void gather_by(ExecSpace const& space, char const* label, Map const& map, std::int64_t rows,
+               SrcView const& src, DstView const& dst) {
+  static_assert(SrcView::rank == 2 && DstView::rank == 2,
+                "moe::permute: local row moves take [rows, D] views");
+  std::int64_t const D = dst.extent(1);
+  moe::detail::require<ShapeError>(
+      src.extent(1) == dst.extent(1) && static_cast<std::int64_t>(dst.extent(0)) >= rows, label,
+      ": source [", src.extent(0), ",", src.extent(1), "] and destination [", dst.extent(0), ",",
+      dst.extent(1), "] need equal row length and at least ", rows, " destination rows");
+  std::int64_t const n = dst.extent(0);
+  Kokkos::parallel_for(
+      label, Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(space, 0, n),
+      KOKKOS_LAMBDA(std::int64_t p) {
+        if (p < rows) {
+          std::int64_t const q = map(p);
+          for (std::int64_t d = 0; d < D; ++d) dst(p, d) = src(q, d);
+        } else {
+          for (std::int64_t d = 0; d < D; ++d) dst(p, d) = 0;
+        }
+      });
+}
+
+}  // namespace moe::detail::lperm
+
+namespace moe::permute {
+
+/// \brief dst[p] = src[perm[p]] for the rows() kept rows; later rows of dst are zeroed.
+/// \param src the source buffer (received rows, or the global sorted buffer)
+/// \param dst [>= rows(), D]
+template <class ExecSpace, class MS, class SrcView, class DstView>
+void permute_rows(ExecSpace const& space, LocalPermutation<MS> const& lp, SrcView const& src,
+                  DstView const& dst) {
+  std::int64_t const need = lp.layout.source_offset + lp.rows();
+  moe::detail::require<ShapeError>(static_cast<std::int64_t>(src.extent(0)) >= need,
+                                   "moe::permute::permute_rows: the source has ", src.extent(0),
+                                   " rows; the permutation reads rows up to ", need);
+  moe::detail::lperm::gather_by(space, "moe::permute::local::permute_rows", lp.perm, lp.rows(), src,
+                                dst);
+}
+
+/// \brief Inverse of permute_rows: dst[q] = src[inverse[q]] for the rows() kept rows, in source
+/// order packed from 0 (source row layout.source_offset + q); later rows of dst are zeroed. It is
+/// also the backward of permute_rows, and permute_rows is its backward.
+/// \param src [>= rows(), D] rows in local (sorted) order
+template <class ExecSpace, class MS, class SrcView, class DstView>
+void unpermute_rows(ExecSpace const& space, LocalPermutation<MS> const& lp, SrcView const& src,
+                    DstView const& dst) {
+  moe::detail::require<ShapeError>(static_cast<std::int64_t>(src.extent(0)) >= lp.rows(),
+                                   "moe::permute::unpermute_rows: the source has ", src.extent(0),
+                                   " rows; the permutation has ", lp.rows());
+  moe::detail::lperm::gather_by(space, "moe::permute::local::unpermute_rows", lp.inverse, lp.rows(),
+                                src, dst);
+}
+
+}  // namespace moe::permute

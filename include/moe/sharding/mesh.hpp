@@ -1,0 +1,455 @@
+#pragma once
+/// \file
+/// Mesh: ordered named axes with sizes laid over the ranks of a communicator, and MeshComm, the
+/// per-axis and per-axis-group sub-communicators of one rank.
+///
+/// Vocabulary:
+///  - *axis*: a named mesh dimension (`data`, `fsdp`, `expert`, ...) with a size >= 1.
+///  - *coordinates*: rank r sits at the row-major position of r in the mesh (first axis slowest),
+///    the way a device list is reshaped into a device mesh.
+///  - *group* of an axis set A (e.g. {"fsdp", "fsdp_transpose"}): the ranks whose coordinates
+///    differ only on the axes of A. Inside a group the ranks are ordered row-major over A **in the
+///    order A is given** (so the group {"context", "expert"} numbers its members
+///    context_coord * expert_size + expert_coord, as a collective over that axis tuple does).
+///  - *group index*: which group of A a rank belongs to: the row-major index of its coordinates on
+///    the axes not in A, in mesh order.
+///
+/// Axes that are not part of the mesh count as axes of size 1 (coordinate 0) everywhere: logical
+/// rules may name every base axis while a preset's mesh lists only a few, as in MaxText where the
+/// mesh always carries all its axes and the unused ones have size 1.
+
+#include <moe/error.hpp>
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moe::sharding {
+
+/// \brief MaxText's base mesh axes, in their order (used when a config names no `mesh_axes`).
+inline std::vector<std::string> const& base_mesh_axes() {
+  static std::vector<std::string> const axes{"diloco",
+                                             "data",
+                                             "stage",
+                                             "fsdp",
+                                             "fsdp_transpose",
+                                             "context",
+                                             "context_usp_ulysses",
+                                             "context_autoregressive",
+                                             "tensor",
+                                             "tensor_sequence",
+                                             "expert",
+                                             "autoregressive"};
+  return axes;
+}
+
+/// \brief The `ici_*_parallelism` config keys and the mesh axis each one sizes.
+inline std::vector<std::pair<std::string, std::string>> const& ici_parallelism_keys() {
+  static std::vector<std::pair<std::string, std::string>> const keys{
+      {"ici_data_parallelism", "data"},
+      {"ici_pipeline_parallelism", "stage"},
+      {"ici_fsdp_parallelism", "fsdp"},
+      {"ici_fsdp_transpose_parallelism", "fsdp_transpose"},
+      {"ici_context_parallelism", "context"},
+      {"ici_context_autoregressive_parallelism", "context_autoregressive"},
+      {"ici_tensor_parallelism", "tensor"},
+      {"ici_tensor_sequence_parallelism", "tensor_sequence"},
+      {"ici_expert_parallelism", "expert"},
+      {"ici_autoregressive_parallelism", "autoregressive"}};
+  return keys;
+}
+
+/// \brief Ordered named axes with sizes; the pure (MPI-free) description of a device mesh.
+///
+/// The product of the sizes is the number of ranks the mesh spans. All queries are functions of
+/// the mesh alone, so they can be evaluated for any rank on any process (and unit-tested on one).
+class Mesh {
+ public:
+  /// \brief An empty mesh: no axes, one rank.
+  Mesh() = default;
+
+  /// \brief A mesh from explicit (name, size) pairs, first axis slowest.
+  /// \param axes names must be non-empty and distinct, sizes >= 1 (ConfigError otherwise).
+  explicit Mesh(std::vector<std::pair<std::string, int>> axes) : axes_(std::move(axes)) {
+    std::int64_t product = 1;
+    for (std::size_t i = 0; i < axes_.size(); ++i) {
+      auto const& [name, size] = axes_[i];
+      detail::require<ConfigError>(!name.empty(), "mesh axis ", i, " has an empty name");
+      detail::require<ConfigError>(size >= 1, "mesh axis '", name, "' has size ", size,
+                                   "; sizes must be >= 1");
+      for (std::size_t j = 0; j < i; ++j)
+        detail::require<ConfigError>(axes_[j].first != name, "mesh axis '", name,
+                                     "' is listed twice");
+      product *= size;
+      detail::require<ConfigError>(product <= std::numeric_limits<int>::max(), "mesh ",
+                                   describe(axes_), " spans more than ",
+                                   std::numeric_limits<int>::max(), " ranks");
+    }
+  }
+
+  /// \brief A mesh over `axis_names` whose sizes are given per axis; axes not in `sizes` get 1 and
+  /// at most one size may be -1, which takes whatever is left of `num_ranks`.
+  ///
+  /// The product of the sizes must equal `num_ranks`. Throws ConfigError naming the product and
+  /// the communicator size otherwise, or for a size of 0 / below -1, a second -1, or a size given
+  /// for an axis that is not in `axis_names`.
+  static Mesh with_fill(std::vector<std::string> const& axis_names,
+                        std::vector<std::pair<std::string, int>> const& sizes, int num_ranks) {
+    detail::require<ConfigError>(num_ranks >= 1, "communicator size ", num_ranks, " must be >= 1");
+    std::vector<std::pair<std::string, int>> axes;
+    for (auto const& n : axis_names) axes.emplace_back(n, 1);
+    std::string fill_axis;
+    for (auto const& [name, size] : sizes) {
+      auto it =
+          std::find_if(axes.begin(), axes.end(), [&](auto const& a) { return a.first == name; });
+      detail::require<ConfigError>(it != axes.end() || size == 1, "mesh axis '", name, "' (size ",
+                                   size, ") is not one of the mesh axes [", join(axis_names), "]");
+      detail::require<ConfigError>(size >= 1 || size == -1, "mesh axis '", name, "' has size ",
+                                   size, "; sizes must be >= 1, or -1 to fill the rest");
+      if (size == -1) {
+        detail::require<ConfigError>(fill_axis.empty(), "mesh axes '", fill_axis, "' and '", name,
+                                     "' are both -1; at most one axis may fill the rest");
+        fill_axis = name;
+      }
+      if (it != axes.end()) it->second = size;
+    }
+    std::int64_t known = 1;
+    for (auto const& a : axes) {
+      if (a.second != -1) known *= a.second;
+      detail::require<ConfigError>(known <= std::numeric_limits<int>::max(), "mesh product ",
+                                   describe(axes), " does not fit in an int (communicator size ",
+                                   num_ranks, ")");
+    }
+    if (!fill_axis.empty()) {
+      std::vector<std::pair<std::string, int>> others;
+      for (auto const& a : axes)
+        if (a.first != fill_axis) others.push_back(a);
+      detail::require<ConfigError>(num_ranks % known == 0, "mesh axis '", fill_axis,
+                                   "' is -1 but the product of the other axes (", describe(others),
+                                   " = ", known, ") does not divide the communicator size ",
+                                   num_ranks);
+      for (auto& a : axes)
+        if (a.second == -1) a.second = static_cast<int>(num_ranks / known);
+    } else {
+      detail::require<ConfigError>(known == num_ranks, "mesh product ", describe(axes), " = ",
+                                   known, " does not equal the communicator size ", num_ranks);
+    }
+    return Mesh(std::move(axes));
+  }
+
+  /// \brief A mesh from MaxText's `ici_*_parallelism` degrees (keys of ici_parallelism_keys(); the
+  /// rest are 1). Exactly as with_fill: one degree may be -1, the product must be `num_ranks`.
+  /// \param ici (key, degree) pairs; unknown keys throw ConfigError listing the known ones.
+  /// \param mesh_axes the mesh's axis names and order (a preset's `mesh_axes`, or the base ones).
+  static Mesh from_ici(std::vector<std::pair<std::string, int>> const& ici, int num_ranks,
+                       std::vector<std::string> const& mesh_axes = base_mesh_axes()) {
+    std::vector<std::pair<std::string, int>> sizes;
+    for (auto const& [key, degree] : ici) {
+      auto const& keys = ici_parallelism_keys();
+      auto it =
+          std::find_if(keys.begin(), keys.end(), [&](auto const& k) { return k.first == key; });
+      if (it == keys.end()) {
+        std::vector<std::string> known;
+        for (auto const& k : keys) known.push_back(k.first);
+        throw ConfigError(detail::cat("unknown parallelism key '", key, "'; known: ", join(known)));
+      }
+      for (auto const& s : sizes)
+        detail::require<ConfigError>(s.first != it->second, "parallelism key '", key,
+                                     "' is given twice");
+      detail::require<ConfigError>(degree >= 1 || degree == -1, key, "=", degree,
+                                   " must be >= 1, or -1 to fill the rest");
+      sizes.emplace_back(it->second, degree);
+    }
+    try {
+      return with_fill(mesh_axes, sizes, num_ranks);
+    } catch (ConfigError const& e) {
+      throw ConfigError(detail::cat("ici_*_parallelism: ", e.what()));
+    }
+  }
+
+  /// \brief Number of axes.
+  int num_axes() const { return static_cast<int>(axes_.size()); }
+  /// \brief The (name, size) pairs in mesh order.
+  std::vector<std::pair<std::string, int>> const& axes() const { return axes_; }
+  /// \brief The axis names in mesh order.
+  std::vector<std::string> axis_names() const {
+    std::vector<std::string> out;
+    for (auto const& a : axes_) out.push_back(a.first);
+    return out;
+  }
+  /// \brief Name of axis i.
+  std::string const& name(int i) const { return axes_.at(static_cast<std::size_t>(i)).first; }
+  /// \brief Size of axis i.
+  int size(int i) const { return axes_.at(static_cast<std::size_t>(i)).second; }
+  /// \brief Position of the named axis, -1 when the mesh has no such axis.
+  int index(std::string const& axis) const {
+    for (std::size_t i = 0; i < axes_.size(); ++i)
+      if (axes_[i].first == axis) return static_cast<int>(i);
+    return -1;
+  }
+  /// \brief Whether the mesh has the named axis.
+  bool has_axis(std::string const& axis) const { return index(axis) >= 0; }
+  /// \brief Size of the named axis; 1 for an axis the mesh does not have.
+  int size(std::string const& axis) const {
+    int const i = index(axis);
+    return i < 0 ? 1 : axes_[static_cast<std::size_t>(i)].second;
+  }
+  /// \brief Number of ranks the mesh spans (product of the sizes).
+  int num_ranks() const {
+    std::int64_t p = 1;
+    for (auto const& a : axes_) p *= a.second;
+    return static_cast<int>(p);
+  }
+
+  /// \brief Coordinates of `rank` on every axis, mesh order, first axis slowest.
+  std::vector<int> coords(int rank) const {
+    check_rank(rank);
+    std::vector<int> c(axes_.size());
+    for (std::size_t i = axes_.size(); i-- > 0;) {
+      c[i] = rank % axes_[i].second;
+      rank /= axes_[i].second;
+    }
+    return c;
+  }
+  /// \brief Coordinate of `rank` on the named axis (0 for an axis the mesh does not have).
+  int coord(int rank, std::string const& axis) const {
+    check_rank(rank);
+    int const i = index(axis);
+    return i < 0 ? 0 : coords(rank)[static_cast<std::size_t>(i)];
+  }
+  /// \brief The rank at the given coordinates (inverse of coords()).
+  int rank_of(std::vector<int> const& coords) const {
+    detail::require<ConfigError>(coords.size() == axes_.size(), "coordinates have ", coords.size(),
+                                 " entries but the mesh has ", axes_.size(), " axes");
+    int r = 0;
+    for (std::size_t i = 0; i < axes_.size(); ++i) {
+      detail::require<ConfigError>(coords[i] >= 0 && coords[i] < axes_[i].second, "coordinate ",
+                                   coords[i], " is out of range for mesh axis '", axes_[i].first,
+                                   "' of size ", axes_[i].second);
+      r = r * axes_[i].second + coords[i];
+    }
+    return r;
+  }
+
+  /// \brief Number of ranks in one group of the axis set (product of the sizes of `axes`).
+  int group_size(std::vector<std::string> const& axes) const {
+    check_group(axes);
+    std::int64_t p = 1;
+    for (auto const& a : axes) p *= size(a);
+    return static_cast<int>(p);
+  }
+  /// \brief Number of distinct groups of the axis set (num_ranks() / group_size(axes)).
+  int num_groups(std::vector<std::string> const& axes) const {
+    return num_ranks() / group_size(axes);
+  }
+  /// \brief Position of `rank` inside its group of `axes`: row-major over `axes` in given order.
+  int rank_in_group(int rank, std::vector<std::string> const& axes) const {
+    check_group(axes);
+    auto const c = coords(rank);
+    int r = 0;
+    for (auto const& a : axes) {
+      int const i = index(a);
+      r = r * size(a) + (i < 0 ? 0 : c[static_cast<std::size_t>(i)]);
+    }
+    return r;
+  }
+  /// \brief Which group of `axes` contains `rank`: row-major over the other axes, mesh order.
+  int group_index(int rank, std::vector<std::string> const& axes) const {
+    check_group(axes);
+    auto const c = coords(rank);
+    int g = 0;
+    for (std::size_t i = 0; i < axes_.size(); ++i)
+      if (!contains(axes, axes_[i].first)) g = g * axes_[i].second + c[i];
+    return g;
+  }
+  /// \brief Global ranks of the group of `axes` that contains `rank`, ordered by rank_in_group.
+  std::vector<int> group_members(int rank, std::vector<std::string> const& axes) const {
+    check_group(axes);
+    auto const base = coords(rank);
+    int const n = group_size(axes);
+    std::vector<int> out(static_cast<std::size_t>(n));
+    for (int k = 0; k < n; ++k) {
+      auto c = base;
+      int rest = k;
+      for (std::size_t j = axes.size(); j-- > 0;) {
+        int const s = size(axes[j]);
+        int const i = index(axes[j]);
+        if (i >= 0) c[static_cast<std::size_t>(i)] = rest % s;
+        rest /= s;
+      }
+      out[static_cast<std::size_t>(k)] = rank_of(c);
+    }
+    return out;
+  }
+
+  /// \brief "data=2 x fsdp=4" (size-1 axes included), "(no axes)" for an empty mesh.
+  std::string to_string() const { return axes_.empty() ? "(no axes)" : describe(axes_); }
+
+  friend bool operator==(Mesh const& a, Mesh const& b) { return a.axes_ == b.axes_; }
+  friend bool operator!=(Mesh const& a, Mesh const& b) { return !(a == b); }
+
+ private:
+  static std::string join(std::vector<std::string> const& v) {
+    std::string s;
+    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + v[i];
+    return s;
+  }
+  static std::string describe(std::vector<std::pair<std::string, int>> const& axes) {
+    std::string s;
+    for (std::size_t i = 0; i < axes.size(); ++i)
+      s += (i ? " x " : "") + axes[i].first + "=" + std::to_string(axes[i].second);
+    return s.empty() ? "1" : s;
+  }
+  static bool contains(std::vector<std::string> const& v, std::string const& x) {
+    return std::find(v.begin(), v.end(), x) != v.end();
+  }
+  void check_rank(int rank) const {
+    detail::require<ConfigError>(rank >= 0 && rank < num_ranks(), "rank ", rank,
+                                 " is outside the mesh ", to_string(), " of ", num_ranks(),
+                                 " ranks");
+  }
+  static void check_group(std::vector<std::string> const& axes) {
+    for (std::size_t i = 0; i < axes.size(); ++i)
+      for (std::size_t j = 0; j < i; ++j)
+        detail::require<ConfigError>(axes[i] != axes[j], "axis group lists mesh axis '", axes[i],
+                                     "' twice");
+  }
+
+  std::vector<std::pair<std::string, int>> axes_;
+};
+
+/// \brief Shared ownership of a communicator: MPI_Comm_free runs when the last copy goes (unless
+/// MPI is already finalized). A default-constructed handle holds MPI_COMM_NULL.
+class SharedComm {
+ public:
+  SharedComm() = default;
+  /// \brief Takes ownership of `comm` (which must be freeable: not MPI_COMM_WORLD/SELF).
+  static SharedComm adopt(MPI_Comm comm) {
+    SharedComm s;
+    s.comm_ = std::shared_ptr<MPI_Comm>(new MPI_Comm(comm), [](MPI_Comm* c) {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (!finalized && *c != MPI_COMM_NULL) MPI_Comm_free(c);
+      delete c;
+    });
+    return s;
+  }
+  /// \brief The communicator (MPI_COMM_NULL when empty).
+  MPI_Comm get() const { return comm_ ? *comm_ : MPI_COMM_NULL; }
+  /// \brief Size of the communicator.
+  int size() const {
+    int n = 0;
+    MPI_Comm_size(get(), &n);
+    return n;
+  }
+  /// \brief This process's rank in the communicator.
+  int rank() const {
+    int r = 0;
+    MPI_Comm_rank(get(), &r);
+    return r;
+  }
+
+ private:
+  std::shared_ptr<MPI_Comm> comm_;
+};
+
+/// \brief A Mesh laid over an MPI communicator: this rank's coordinates and sub-communicators.
+///
+/// The constructor is collective over `comm`; it duplicates `comm` (the library never calls
+/// MPI_Init and never frees the user's communicator) and splits one sub-communicator per mesh axis.
+/// group_comm() is collective over comm() the first time a given axis list is requested (every
+/// rank must then request it, in the same order relative to other first requests); later calls
+/// return the cached communicator without communicating.
+class MeshComm {
+ public:
+  /// \brief Lays `mesh` over `comm`. Collective.
+  ///
+  /// All ranks first agree on the mesh (one MPI_Allreduce of a fingerprint), then check that its
+  /// product equals the communicator size; either failure throws the same ConfigError on every
+  /// rank, before any other communication, so nothing hangs.
+  MeshComm(MPI_Comm comm, Mesh mesh) : mesh_(std::move(mesh)) {
+    std::uint64_t const h = fingerprint(mesh_);
+    std::uint64_t in[2] = {h, ~h}, out[2] = {0, 0};
+    MPI_Allreduce(in, out, 2, MPI_UINT64_T, MPI_MAX, comm);
+    if (out[0] != h || out[1] != ~h)
+      throw ConfigError(detail::cat("ranks disagree on the mesh (this rank has ", mesh_.to_string(),
+                                    "); every rank must build the same mesh"));
+    int size = 0;
+    MPI_Comm_size(comm, &size);
+    detail::require<ConfigError>(mesh_.num_ranks() == size, "mesh product ", mesh_.to_string(),
+                                 " = ", mesh_.num_ranks(), " does not equal the communicator size ",
+                                 size);
+    MPI_Comm dup = MPI_COMM_NULL;
+    MPI_Comm_dup(comm, &dup);
+    comm_ = SharedComm::adopt(dup);
+    rank_ = comm_.rank();
+    coords_ = mesh_.coords(rank_);
+    for (int i = 0; i < mesh_.num_axes(); ++i) axis_comms_.push_back(split({mesh_.name(i)}));
+  }
+
+  /// \brief The mesh.
+  Mesh const& mesh() const { return mesh_; }
+  /// \brief The duplicated parent communicator (rank order = mesh rank order).
+  MPI_Comm comm() const { return comm_.get(); }
+  /// \brief This rank in comm().
+  int rank() const { return rank_; }
+  /// \brief This rank's coordinates, mesh order.
+  std::vector<int> const& coords() const { return coords_; }
+  /// \brief This rank's coordinate on the named axis (0 for an axis the mesh does not have).
+  int coord(std::string const& axis) const {
+    int const i = mesh_.index(axis);
+    return i < 0 ? 0 : coords_[static_cast<std::size_t>(i)];
+  }
+  /// \brief Sub-communicator of the ranks that differ from this one only on `axis`; rank in it =
+  /// coordinate on `axis`. Not collective. Throws ConfigError for an axis the mesh does not have.
+  MPI_Comm axis_comm(std::string const& axis) const {
+    int const i = mesh_.index(axis);
+    detail::require<ConfigError>(i >= 0, "mesh ", mesh_.to_string(), " has no axis '", axis, "'");
+    return axis_comms_[static_cast<std::size_t>(i)].get();
+  }
+  /// \brief Sub-communicator of the group of `axes` containing this rank (ranks ordered row-major
+  /// over `axes` in the given order, see Mesh). Collective over comm() on the first request of a
+  /// given list; cached afterwards. An empty list gives a communicator of this rank alone.
+  MPI_Comm group_comm(std::vector<std::string> const& axes) {
+    std::string key;
+    for (auto const& a : axes) key += a + '\n';
+    auto it = group_comms_.find(key);
+    if (it == group_comms_.end()) it = group_comms_.emplace(key, split(axes)).first;
+    return it->second.get();
+  }
+
+ private:
+  SharedComm split(std::vector<std::string> const& axes) const {
+    int const color = mesh_.group_index(rank_, axes);
+    int const key = mesh_.rank_in_group(rank_, axes);
+    MPI_Comm out = MPI_COMM_NULL;
+    MPI_Comm_split(comm_.get(), color, key, &out);
+    return SharedComm::adopt(out);
+  }
+  static std::uint64_t fingerprint(Mesh const& m) {
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a
+    auto mix = [&](unsigned char c) { h = (h ^ c) * 1099511628211ull; };
+    for (auto const& [name, size] : m.axes()) {
+      for (char c : name) mix(static_cast<unsigned char>(c));
+      mix(0);
+      for (int b = 0; b < 4; ++b) mix(static_cast<unsigned char>(size >> (8 * b)));
+    }
+    return h;
+  }
+
+  Mesh mesh_;
+  SharedComm comm_;
+  int rank_ = 0;
+  std::vector<int> coords_;
+  std::vector<SharedComm> axis_comms_;
+  std::map<std::string, SharedComm> group_comms_;
+};
+
+}  // namespace moe::sharding

@@ -1,0 +1,194 @@
+#pragma once
+/// \file
+/// The library's default logical-axis rules (the MoE-relevant part of MaxText's base config) and
+/// the custom mesh-and-rule presets (`custom_mesh_and_rule`), each with its own mesh axes.
+///
+/// Only the logical names an MoE layer (and the dense blocks around it) uses are listed: weights
+/// `exp`, `embed_moe`, `mlp_moe`, `mlp_no_fsdp`, `exp_with_fsdp`, `embed`, `mlp`, `layers`,
+/// `moe_layers`; activations `activation_batch(_moe)`, `activation_length(_moe)`,
+/// `activation_norm_length(_moe)`, `activation_embed(_moe)`, `activation_mlp(_moe)`,
+/// `activation_exp`. Names outside this list resolve to unsharded, as names missing from a MaxText
+/// preset do. `decode_batch_moe` is left out: MaxText defines it only in its inference configs
+/// (replicated-batch decode), which this library does not model.
+///
+/// Rule order reproduces MaxText's conflicts: `mlp` precedes `embed` and `exp` < `mlp_moe` <
+/// `embed_moe`, so a weight's embed dimension falls back to its second rule when the mlp dimension
+/// took `fsdp_transpose`; `activation_batch_moe` precedes `activation_exp`, so in a joint
+/// resolution of the dense dispatch tensor the batch dimension claims `expert` (SEMANTICS §1.13).
+
+#include <moe/error.hpp>
+#include <moe/sharding/mesh.hpp>
+#include <moe/sharding/rules.hpp>
+
+#include <string>
+#include <vector>
+
+namespace moe::sharding {
+
+/// \brief A mesh-and-rule set: mesh axis names in order plus the logical rules.
+struct Preset {
+  std::string name;                    ///< `custom_mesh_and_rule` value ("default" for base)
+  std::vector<std::string> mesh_axes;  ///< mesh axis names, first axis slowest
+  LogicalRules rules;                  ///< logical-axis rules, in order
+};
+
+/// \brief The library's default rules (MaxText base config, MoE-relevant names).
+inline LogicalRules default_rules() {
+  return LogicalRules{
+      // Activations. Batch rules come before activation_exp (see file comment).
+      {"activation_batch", {"data", "fsdp", "fsdp_transpose", "expert"}},
+      {"activation_batch_moe", {"data", "fsdp", "fsdp_transpose", "expert"}},
+      {"activation_length", {"context", "context_usp_ulysses"}},
+      {"activation_length_moe", {"context", "context_usp_ulysses"}},
+      {"activation_norm_length", {"tensor_sequence", "context", "context_usp_ulysses"}},
+      {"activation_norm_length_moe", {"tensor_sequence", "context", "context_usp_ulysses"}},
+      {"activation_embed", {"tensor"}},
+      {"activation_embed_moe", {"tensor"}},
+      {"activation_mlp", {"tensor", "tensor_sequence"}},
+      {"activation_mlp_moe", {"tensor", "tensor_sequence"}},
+      {"activation_exp", {"expert"}},
+      // Dense / shared-expert weights: mlp first so embed falls back when mlp has fsdp_transpose.
+      {"mlp", {"fsdp_transpose", "tensor", "tensor_sequence", "autoregressive"}},
+      {"mlp_no_fsdp", {"tensor", "tensor_sequence", "autoregressive"}},
+      {"embed", {"fsdp", "fsdp_transpose", "context", "context_usp_ulysses", "expert"}},
+      {"embed", {"fsdp", "context", "context_usp_ulysses", "expert"}},
+      {"layers", {"stage"}},
+      {"moe_layers", {}},
+      // Expert weights: exp < mlp_moe < embed_moe.
+      {"exp", {"expert"}},
+      {"mlp_moe", {"fsdp_transpose", "tensor", "tensor_sequence", "autoregressive"}},
+      {"embed_moe", {"fsdp", "fsdp_transpose", "context", "context_usp_ulysses"}},
+      {"embed_moe", {"fsdp", "context", "context_usp_ulysses"}},
+      {"exp_with_fsdp", {"fsdp"}},
+  };
+}
+
+/// \brief Names accepted by preset(), "default" first.
+inline std::vector<std::string> preset_names() {
+  return {"default",  "pure-fsdp",         "ep-as-dp",          "ep-as-cp",
+          "cp-as-ep", "shard-exp-on-fsdp", "pipeline-large-moe"};
+}
+
+/// \brief The mesh-and-rule set selected by `custom_mesh_and_rule`. "" and "default" give the base
+/// mesh axes with default_rules(); a named preset replaces mesh axes and rules wholesale (names it
+/// has no rule for resolve to unsharded). Throws ConfigError listing the known names otherwise.
+inline Preset preset(std::string const& name) {
+  if (name.empty() || name == "default") return {"default", base_mesh_axes(), default_rules()};
+  if (name == "pure-fsdp")
+    return {name,
+            {"fsdp"},
+            {
+                {"activation_batch", {"fsdp"}},
+                {"activation_batch_moe", {"fsdp"}},
+                {"embed", {"fsdp"}},
+                {"embed_moe", {"fsdp"}},
+                {"exp_with_fsdp", {"fsdp"}},
+            }};
+  if (name == "ep-as-dp")  // expert acts as a data axis outside the MoE
+    return {name,
+            {"data", "fsdp", "fsdp_transpose", "expert"},
+            {
+                {"activation_batch", {"data", "fsdp", "fsdp_transpose", "expert"}},
+                {"activation_batch_moe", {"data", "fsdp", "fsdp_transpose", "expert"}},
+                {"activation_length", {}},
+                {"activation_length_moe", {}},
+                {"activation_norm_length", {}},
+                {"activation_norm_length_moe", {}},
+                {"activation_embed", {}},
+                {"activation_embed_moe", {}},
+                {"activation_mlp", {}},
+                {"activation_mlp_moe", {}},
+                {"activation_exp", {"expert"}},
+                {"mlp", {"fsdp_transpose"}},
+                {"embed", {"fsdp", "fsdp_transpose"}},
+                {"embed", {"fsdp"}},
+                {"exp", {"expert"}},
+                {"mlp_moe", {"fsdp_transpose"}},
+                {"embed_moe", {"fsdp"}},
+                {"exp_with_fsdp", {"fsdp"}},
+            }};
+  if (name == "ep-as-cp")  // expert shards the sequence outside the MoE
+    return {name,
+            {"data", "stage", "fsdp", "expert"},
+            {
+                {"activation_batch", {"data", "fsdp"}},
+                {"activation_batch_moe", {"data", "fsdp"}},
+                {"activation_length", {"expert"}},
+                {"activation_norm_length", {"expert"}},
+                {"activation_embed", {}},
+                {"activation_mlp", {}},
+                {"activation_exp", {"expert"}},
+                {"mlp", {}},
+                {"embed", {"fsdp", "expert"}},
+                {"layers", {"stage"}},
+                {"exp", {"expert"}},
+                {"embed_moe", {"fsdp"}},
+            }};
+  if (name == "cp-as-ep")  // the EP group is the (context, expert) tuple
+    return {name,
+            {"data", "stage", "fsdp", "context", "expert"},
+            {
+                {"activation_batch", {"data", "fsdp", "expert"}},
+                {"activation_batch_moe", {"data", "fsdp"}},
+                {"activation_length", {"context"}},
+                {"activation_norm_length", {"context"}},
+                {"activation_embed", {}},
+                {"activation_mlp", {}},
+                {"activation_exp", {"context", "expert"}},
+                {"mlp", {}},
+                {"embed", {"fsdp", "context", "expert"}},
+                {"layers", {"stage"}},
+                {"exp", {"context", "expert"}},
+                {"embed_moe", {"fsdp"}},
+            }};
+  if (name == "shard-exp-on-fsdp")  // expert dim stored on (expert, fsdp), embed_moe on context
+    return {name,
+            {"data", "stage", "fsdp", "fsdp_transpose", "context", "expert"},
+            {
+                {"activation_batch", {"data", "fsdp", "fsdp_transpose", "expert"}},
+                {"activation_batch_moe", {"data", "fsdp", "fsdp_transpose"}},
+                {"activation_length", {"context"}},
+                {"activation_length_moe", {"context"}},
+                {"activation_norm_length", {"context"}},
+                {"activation_norm_length_moe", {"context"}},
+                {"activation_embed", {}},
+                {"activation_mlp", {}},
+                {"activation_mlp_moe", {}},
+                {"activation_exp", {"expert"}},
+                {"mlp", {"fsdp_transpose"}},
+                {"embed", {"fsdp", "context", "expert"}},
+                {"layers", {"stage"}},
+                {"exp", {"expert", "fsdp"}},
+                {"mlp_moe", {"fsdp_transpose"}},
+                {"embed_moe", {"context"}},
+            }};
+  if (name == "pipeline-large-moe")
+    return {name,
+            {"data", "stage", "fsdp", "context", "tensor", "expert"},
+            {
+                {"activation_batch", {"data", "fsdp", "expert"}},
+                {"activation_batch_moe", {"data", "fsdp"}},
+                {"activation_length", {"context"}},
+                {"activation_norm_length", {"context"}},
+                {"activation_norm_length_moe", {"context"}},
+                {"activation_embed", {"tensor"}},
+                {"activation_embed_moe", {"tensor"}},
+                {"activation_mlp", {"tensor"}},
+                {"activation_mlp_moe", {"tensor"}},
+                {"activation_exp", {"expert"}},
+                {"mlp", {"tensor"}},
+                {"mlp_no_fsdp", {"tensor"}},
+                {"embed", {"fsdp", "expert"}},
+                {"layers", {"stage"}},
+                {"exp", {"expert"}},
+                {"mlp_moe", {"tensor"}},
+                {"embed_moe", {"fsdp"}},
+                {"exp_with_fsdp", {"fsdp"}},
+            }};
+  std::string known;
+  for (auto const& n : preset_names()) known += (known.empty() ? "" : ", ") + n;
+  throw ConfigError(
+      detail::cat("unknown custom_mesh_and_rule preset '", name, "'; known: ", known));
+}
+
+}  // namespace moe::sharding
