@@ -116,7 +116,8 @@ class MoeLayer {
 
   /// \brief y[B,S,D] = MoE(x[B,S,D]). Checks shapes (ShapeError) and, with check_finite, that x,
   /// the gate and every expert weight a token reaches hold no NaN/Inf (InputError naming the
-  /// tensor and the index). x and the parameters must stay unchanged until backward().
+  /// tensor and the index). x is copied, so it may be reused (or be y) before backward(); the
+  /// parameters must stay unchanged until backward().
   void forward(cview3 x, view3 y, ForwardOptions const& opt = {}) {
     int const D = cfg_.base_emb_dim;
     require_shape(x, "x", D);
@@ -125,6 +126,9 @@ class MoeLayer {
                                 y.extent(0), ",", y.extent(1), ",", y.extent(2), "] but x is [",
                                 x.extent(0), ",", x.extent(1), ",", x.extent(2),
                                 "]: they must match");
+    detail::require<ShapeError>(x.extent(0) > 0 && x.extent(1) > 0, "x is [", x.extent(0), ",",
+                                x.extent(1), ",", x.extent(2),
+                                "]: it must hold at least one token (B >= 1, S >= 1)");
     check_parameters(params_, "parameter");
     if (cfg_.check_finite) {
       require_finite(x, "x");
@@ -134,8 +138,10 @@ class MoeLayer {
     B_ = x.extent(0);
     S_ = x.extent(1);
     std::int64_t const T = B_ * S_;
-    x3_ = x;  // keeps the caller's allocation alive for backward()
-    x_ = cview2(x.data(), T, D);
+    // An owned copy: backward() needs x, and y may alias x (forward(x, x) works).
+    detail::ensure(space_, x_copy_, "moe::layer::x", T, D);
+    Kokkos::deep_copy(space_, x_copy_, cview2(x.data(), T, D));
+    x_ = x_copy_;
     auto y2 = view2(y.data(), T, D);
     route(opt);
     if (dense_path()) {
@@ -315,7 +321,7 @@ class MoeLayer {
     routing::select_topk(space_, rp_, opt.token_offset, cview2(rs_.scores), cview2(rs_.biased),
                          rs_.expert_ids, rs_.top_values, rs_.weights);
     auto const ids = View2<int const, memory_space>(rs_.expert_ids);
-    routing::capacity_mask(space_, ids, S_, cfg_.capacity_factor > 0 ? cfg_.capacity(S_) : 0, E,
+    routing::capacity_mask(space_, ids, S_, cfg_.capacity_factor > 0 ? cfg_.capacity(S_) : -1, E,
                            rs_.kept);
     lb_loss_ = 0;
     if (cfg_.load_balance_loss_weight > 0) {
@@ -525,7 +531,7 @@ class MoeLayer {
   // state of the last forward
   bool have_forward_ = false;
   std::int64_t B_ = 0, S_ = 0;
-  cview3 x3_;
+  view2 x_copy_;
   cview2 x_;
   routing::RoutingState<Scalar, memory_space> rs_;
   permute::Permutation<memory_space> perm_;

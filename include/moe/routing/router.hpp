@@ -262,12 +262,12 @@ void select_topk(ExecSpace const& space, RouteParams const& p, std::uint64_t tok
 
 /// \brief Capacity mask (MaxText's per-sequence capacity): within each sequence of length S the
 /// slots are visited in (s, k) order; a slot is kept iff its 1-based position in its expert's
-/// queue is <= capacity. capacity <= 0 keeps every slot.
+/// queue is <= capacity. capacity < 0 keeps every slot (dropless); capacity 0 drops every slot.
 template <class ExecSpace, class MS>
 void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_t seq_len,
                    std::int64_t capacity, int E, View2<int, MS> kept) {
   std::int64_t const T = ids.extent(0), K = ids.extent(1);
-  if (capacity <= 0) {
+  if (capacity < 0) {
     Kokkos::deep_copy(space, kept, 1);
     return;
   }
@@ -361,6 +361,9 @@ void route_backward(ExecSpace const& space, RouteParams const& p,
                     View2<Scalar, MS> d_biased, View2<Scalar, MS> d_logits) {
   int const E = p.E, K = p.K;
   bool const deepseek = p.kind.deepseek;
+  // DeepSeek takes its top values from the pre-bias scores, except under random routing, which
+  // gathers the biased gate output.
+  bool const from_scores = deepseek && !p.kind.random;
   bool const ds_normalise = p.score == ScoreFunc::Sigmoid || p.score == ScoreFunc::SqrtSoftplus;
   bool const norm = p.norm_topk_prob;
   Scalar const scaling = Scalar(p.scaling);
@@ -424,7 +427,7 @@ void route_backward(ExecSpace const& space, RouteParams const& p,
             Scalar const pe = detail::exp(biased(t, e) - pm) / pz;
             g = pe * (coef * Scalar(counts(b, e)) - pdot);
           }
-          if (!deepseek)
+          if (!from_scores)
             for (int k = 0; k < K; ++k)
               if (ids(t, k) == e) g += d_top(t, k);
           d_biased(t, e) = g;
@@ -433,7 +436,7 @@ void route_backward(ExecSpace const& space, RouteParams const& p,
         //    score function's backward into d_logits.
         auto dscore = [&](int e) {
           Scalar g = d_biased(t, e);
-          if (deepseek)
+          if (from_scores)
             for (int k = 0; k < K; ++k)
               if (ids(t, k) == e) g += d_top(t, k);
           return g;

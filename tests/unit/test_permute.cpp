@@ -1,0 +1,295 @@
+// Sort / unsort of the routed slots (moe/permute/permute.hpp) against plain loops and
+// std::stable_sort.
+#include "reference.hpp"
+
+#include <moe/permute/permute.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using namespace moe_ref;
+using moe_ref::kk::close;
+using moe_ref::kk::to_ids;
+using moe_ref::kk::to_vec;
+using moe_ref::kk::to_view;
+using Exec = Kokkos::DefaultExecutionSpace;
+using MS = Exec::memory_space;
+using I64 = std::vector<std::int64_t>;
+
+/// What a stable sort of the kept slots by expert id must give.
+struct SortRef {
+  I64 perm, inverse, offsets;
+};
+
+SortRef stable_sort_ref(Ids const& ids, Ids const& kept, int E) {
+  SortRef r;
+  for (std::size_t s = 0; s < ids.size(); ++s)
+    if (kept[s]) r.perm.push_back(std::int64_t(s));
+  std::stable_sort(r.perm.begin(), r.perm.end(),
+                   [&](std::int64_t a, std::int64_t b) { return ids[a] < ids[b]; });
+  r.inverse.assign(ids.size(), -1);
+  for (std::size_t i = 0; i < r.perm.size(); ++i) r.inverse[r.perm[i]] = std::int64_t(i);
+  r.offsets.assign(E + 1, 0);
+  for (auto s : r.perm) r.offsets[ids[s] + 1] += 1;
+  for (int e = 0; e < E; ++e) r.offsets[e + 1] += r.offsets[e];
+  return r;
+}
+
+template <class ViewT>
+I64 view_i64(ViewT const& v) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  return I64(h.data(), h.data() + h.span());
+}
+
+moe::permute::Permutation<MS> sort(Ids const& ids, Ids const& kept, int T, int K, int E,
+                                   moe::permute::Permutation<MS> perm = {}) {
+  auto idv = to_view<moe::View2<int, MS>>(ids, T, K);
+  auto kv = to_view<moe::View2<int, MS>>(kept, T, K);
+  moe::permute::sort_by_expert(Exec(), moe::View2<int const, MS>(idv),
+                               moe::View2<int const, MS>(kv), E, perm);
+  return perm;
+}
+
+void expect_sort(Ids const& ids, Ids const& kept, int E, moe::permute::Permutation<MS> const& p) {
+  SortRef const ref = stable_sort_ref(ids, kept, E);
+  EXPECT_EQ(p.rows(), std::int64_t(ref.perm.size()));
+  EXPECT_EQ(view_i64(p.perm), ref.perm);
+  EXPECT_EQ(view_i64(p.inverse), ref.inverse);
+  ASSERT_EQ(p.groups.num_groups(), E);
+  I64 host_offsets(E + 1), dev_offsets = view_i64(p.groups.offsets);
+  for (int e = 0; e <= E; ++e) host_offsets[e] = p.groups.offsets_host(e);
+  EXPECT_EQ(host_offsets, ref.offsets);
+  EXPECT_EQ(dev_offsets, ref.offsets);
+}
+
+struct SortCase {
+  int T, K, E;
+  double keep_fraction;
+};
+
+TEST(PermuteSort, MatchesStdStableSort) {
+  // Includes slot counts above the 256-slot chunk of the counting sort (several chunks, chunk
+  // boundaries inside an expert's run) and more experts than one chunk.
+  std::vector<SortCase> const cases = {{1, 1, 1, 1.0},     {5, 2, 4, 1.0},   {7, 3, 8, 0.7},
+                                       {300, 2, 8, 1.0},   {301, 3, 5, 0.6}, {1000, 2, 3, 0.9},
+                                       {200, 4, 300, 1.0}, {129, 2, 2, 0.5}};
+  Rng rng(11);
+  for (auto const& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "T=" << c.T << " K=" << c.K << " E=" << c.E);
+    Ids ids(std::size_t(c.T) * c.K), kept(ids.size());
+    for (auto& e : ids) e = std::min(c.E - 1, int(rng.uniform(0, c.E)));
+    for (auto& k : kept) k = rng.uniform(0, 1) < c.keep_fraction ? 1 : 0;
+    expect_sort(ids, kept, c.E, sort(ids, kept, c.T, c.K, c.E));
+  }
+}
+
+TEST(PermuteSort, ReusedPermutationIsResized) {
+  Rng rng(12);
+  moe::permute::Permutation<MS> p;
+  for (int T : {400, 10, 57, 0, 33}) {
+    SCOPED_TRACE(::testing::Message() << "T=" << T);
+    int const K = 2, E = 6;
+    Ids ids(std::size_t(T) * K), kept(ids.size(), 1);
+    for (auto& e : ids) e = std::min(E - 1, int(rng.uniform(0, E)));
+    for (std::size_t i = 0; i < kept.size(); i += 3) kept[i] = 0;
+    p = sort(ids, kept, T, K, E, p);
+    expect_sort(ids, kept, E, p);
+  }
+}
+
+TEST(PermuteSort, SingleExpert) {
+  int const T = 9, K = 1, E = 1;
+  Ids ids(T, 0), kept(T, 1);
+  kept[4] = 0;
+  auto const p = sort(ids, kept, T, K, E);
+  expect_sort(ids, kept, E, p);
+  EXPECT_EQ(p.rows(), 8);
+  EXPECT_EQ(view_i64(p.perm), (I64{0, 1, 2, 3, 5, 6, 7, 8}));
+}
+
+TEST(PermuteSort, AllSlotsOnOneExpert) {
+  int const T = 300, K = 2, E = 5;
+  Ids ids(std::size_t(T) * K, 3), kept(ids.size(), 1);
+  auto const p = sort(ids, kept, T, K, E);
+  expect_sort(ids, kept, E, p);
+  for (int e = 0; e < E; ++e) EXPECT_EQ(p.groups.size(e), e == 3 ? T * K : 0) << "expert " << e;
+}
+
+TEST(PermuteSort, ZeroSlots) {
+  {
+    SCOPED_TRACE("T = 0");
+    Ids ids, kept;
+    auto const p = sort(ids, kept, 0, 2, 4);
+    EXPECT_EQ(p.rows(), 0);
+    expect_sort(ids, kept, 4, p);
+  }
+  {
+    SCOPED_TRACE("every slot dropped");
+    int const T = 6, K = 2, E = 3;
+    Ids ids = {0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2}, kept(ids.size(), 0);
+    auto const p = sort(ids, kept, T, K, E);
+    EXPECT_EQ(p.rows(), 0);
+    EXPECT_EQ(view_i64(p.inverse), I64(ids.size(), -1));
+    expect_sort(ids, kept, E, p);
+  }
+}
+
+TEST(PermuteSort, DroppedSlotsHaveNoRow) {
+  // Explicit small example: ids [[2,0],[0,1],[2,2]], slot 1 (t0,k1) and slot 4 (t2,k0) dropped.
+  Ids const ids = {2, 0, 0, 1, 2, 2}, kept = {1, 0, 1, 1, 0, 1};
+  auto const p = sort(ids, kept, 3, 2, 3);
+  EXPECT_EQ(view_i64(p.perm), (I64{2, 3, 0, 5}));
+  EXPECT_EQ(view_i64(p.inverse), (I64{2, -1, 0, 1, -1, 3}));
+  EXPECT_EQ(view_i64(p.groups.offsets), (I64{0, 1, 2, 4}));
+}
+
+// ---- gather / combine and their backward ---------------------------------------------------
+
+struct Fixture {
+  int T, K, E, D;
+  Ids ids, kept;
+  SortRef ref;
+  moe::permute::Permutation<MS> p;
+};
+
+Fixture make_fixture(int T, int K, int E, int D, double keep, std::uint64_t seed) {
+  Rng rng(seed);
+  Fixture f{T, K, E, D, {}, {}, {}, {}};
+  f.ids.resize(std::size_t(T) * K);
+  f.kept.resize(f.ids.size());
+  for (auto& e : f.ids) e = std::min(E - 1, int(rng.uniform(0, E)));
+  for (auto& k : f.kept) k = rng.uniform(0, 1) < keep ? 1 : 0;
+  f.ref = stable_sort_ref(f.ids, f.kept, E);
+  f.p = sort(f.ids, f.kept, T, K, E);
+  return f;
+}
+
+template <class Scalar>
+void check_gather_combine(Fixture const& f, std::uint64_t seed) {
+  using V2 = moe::View2<Scalar, MS>;
+  using C2 = moe::View2<Scalar const, MS>;
+  using CI = moe::View1<std::int64_t const, MS>;
+  double const tol = std::is_same_v<Scalar, float> ? 1e-6 : 1e-14;
+  int const T = f.T, K = f.K, D = f.D;
+  std::int64_t const n = f.ref.perm.size();
+  Rng rng(seed);
+  Vec const x = rng.vec(std::size_t(T) * D, -1, 1);
+  Vec const ys = rng.vec(std::size_t(n) * D, -1, 1);
+  Vec const w = rng.vec(std::size_t(T) * K, 0, 1);
+  Vec const dy = rng.vec(std::size_t(T) * D, -1, 1);
+  Vec const y0 = rng.vec(std::size_t(T) * D, -1, 1);
+  Exec space;
+  CI perm(f.p.perm), inv(f.p.inverse);
+
+  // gather_rows: out[i] = x[perm[i] / K]
+  V2 xs("xs", n, D);
+  moe::permute::gather_rows(space, C2(to_view<V2>(x, T, D)), perm, K, xs);
+  Vec xs_ref(std::size_t(n) * D);
+  for (std::int64_t i = 0; i < n; ++i)
+    for (int d = 0; d < D; ++d) xs_ref[i * D + d] = x[(f.ref.perm[i] / K) * D + d];
+  EXPECT_TRUE(close(to_vec(xs), xs_ref, 0, 0)) << "gather_rows";
+
+  // combine, overwrite and accumulate
+  auto ysv = to_view<V2>(ys, n, D);
+  auto wv = to_view<V2>(w, T, K);
+  Vec y_ref(std::size_t(T) * D, 0.0);
+  for (int t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) {
+      std::int64_t const r = f.ref.inverse[t * K + k];
+      if (r < 0) continue;
+      for (int d = 0; d < D; ++d) y_ref[t * D + d] += double(Scalar(w[t * K + k])) * ys[r * D + d];
+    }
+  auto yv = to_view<V2>(y0, T, D);  // garbage that overwrite must clear
+  moe::permute::combine(space, C2(ysv), inv, C2(wv), false, yv);
+  EXPECT_TRUE(close(to_vec(yv), y_ref, tol, tol)) << "combine";
+  auto yacc = to_view<V2>(y0, T, D);
+  moe::permute::combine(space, C2(ysv), inv, C2(wv), true, yacc);
+  Vec yacc_ref = y_ref;
+  for (std::size_t i = 0; i < yacc_ref.size(); ++i) yacc_ref[i] += y0[i];
+  EXPECT_TRUE(close(to_vec(yacc), yacc_ref, tol, tol)) << "combine accumulate";
+
+  // combine_backward: dys[i] = w[s] dy[s/K]; dw[t,k] = <dy[t], ys[inverse]> or 0
+  V2 dys("dys", n, D), dw("dw", T, K);
+  Kokkos::deep_copy(dw, Scalar(7));  // dropped slots must be overwritten with 0
+  auto dyv = to_view<V2>(dy, T, D);
+  moe::permute::combine_backward(space, C2(dyv), C2(ysv), perm, inv, C2(wv), dys, dw);
+  Vec dys_ref(std::size_t(n) * D), dw_ref(std::size_t(T) * K, 0.0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::int64_t const s = f.ref.perm[i];
+    for (int d = 0; d < D; ++d) dys_ref[i * D + d] = w[s] * dy[(s / K) * D + d];
+  }
+  for (int t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) {
+      std::int64_t const r = f.ref.inverse[t * K + k];
+      if (r >= 0)
+        for (int d = 0; d < D; ++d) dw_ref[t * K + k] += dy[t * D + d] * ys[r * D + d];
+    }
+  EXPECT_TRUE(close(to_vec(dys), dys_ref, tol, tol)) << "combine_backward rows";
+  EXPECT_TRUE(close(to_vec(dw), dw_ref, tol, tol)) << "combine_backward weights";
+
+  // adjoint identity: <combine(ys), dy> = <ys, dys>
+  double lhs = 0, rhs = 0;
+  Vec const yc = to_vec(yv), dysv = to_vec(dys);
+  for (std::size_t i = 0; i < yc.size(); ++i) lhs += yc[i] * dy[i];
+  for (std::size_t i = 0; i < dysv.size(); ++i) rhs += dysv[i] * ys[i];
+  EXPECT_NEAR(lhs, rhs, 100 * tol * (1 + std::fabs(lhs))) << "combine adjoint";
+
+  // gather_rows_backward: dx[t] = sum_k dxs[inverse[t*K+k]] over kept slots
+  Vec const dxs = rng.vec(std::size_t(n) * D, -1, 1);
+  Vec dx_ref(std::size_t(T) * D, 0.0);
+  for (int t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) {
+      std::int64_t const r = f.ref.inverse[t * K + k];
+      if (r >= 0)
+        for (int d = 0; d < D; ++d) dx_ref[t * D + d] += dxs[r * D + d];
+    }
+  auto dxsv = to_view<V2>(dxs, n, D);
+  auto dxv = to_view<V2>(y0, T, D);
+  moe::permute::gather_rows_backward(space, C2(dxsv), inv, K, false, dxv);
+  EXPECT_TRUE(close(to_vec(dxv), dx_ref, tol, tol)) << "gather_rows_backward";
+  auto dxacc = to_view<V2>(y0, T, D);
+  moe::permute::gather_rows_backward(space, C2(dxsv), inv, K, true, dxacc);
+  for (std::size_t i = 0; i < dx_ref.size(); ++i) dx_ref[i] += y0[i];
+  EXPECT_TRUE(close(to_vec(dxacc), dx_ref, tol, tol)) << "gather_rows_backward accumulate";
+
+  // adjoint identity: <gather(x), dxs> = <x, gather_backward(dxs)>
+  double g1 = 0, g2 = 0;
+  for (std::size_t i = 0; i < xs_ref.size(); ++i) g1 += xs_ref[i] * dxs[i];
+  Vec const gb = to_vec(dxv);
+  for (std::size_t i = 0; i < gb.size(); ++i) g2 += x[i] * gb[i];
+  EXPECT_NEAR(g1, g2, 100 * tol * (1 + std::fabs(g1))) << "gather adjoint";
+}
+
+template <class Scalar>
+void gather_combine_cases() {
+  struct C {
+    int T, K, E, D;
+    double keep;
+  };
+  std::vector<C> const cases = {{6, 2, 4, 5, 1.0}, {13, 3, 5, 4, 0.6}, {300, 2, 8, 3, 0.8},
+                                {8, 1, 1, 4, 1.0}, {7, 2, 3, 3, 0.0},  {1, 4, 4, 2, 1.0}};
+  std::uint64_t seed = 40;
+  for (auto const& c : cases) {
+    SCOPED_TRACE(::testing::Message()
+                 << "T=" << c.T << " K=" << c.K << " E=" << c.E << " keep=" << c.keep);
+    auto const f = make_fixture(c.T, c.K, c.E, c.D, c.keep, seed++);
+    check_gather_combine<Scalar>(f, seed++);
+  }
+  {
+    SCOPED_TRACE("all slots on one expert");
+    Fixture f = make_fixture(10, 2, 4, 3, 1.0, 99);
+    f.ids.assign(f.ids.size(), 2);
+    f.ref = stable_sort_ref(f.ids, f.kept, f.E);
+    f.p = sort(f.ids, f.kept, f.T, f.K, f.E);
+    check_gather_combine<Scalar>(f, 100);
+  }
+}
+
+TEST(PermuteGatherCombine, MatchLoopsDouble) { gather_combine_cases<double>(); }
+TEST(PermuteGatherCombine, MatchLoopsFloat) { gather_combine_cases<float>(); }
+
+}  // namespace
