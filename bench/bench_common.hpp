@@ -1,0 +1,119 @@
+#pragma once
+/// \file
+/// Helpers shared by the moe_bench suites: the dense-GEMM yardstick (`dense_ratio`), MoE group
+/// size distributions, and random fills.
+
+#include <KokkosBlas3_gemm.hpp>
+#include <Kokkos_Core.hpp>
+#include <Kokkos_Random.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace moe::bench {
+
+using Exec = Kokkos::DefaultExecutionSpace;
+using Mem = Exec::memory_space;
+template <class S>
+using Mat = Kokkos::View<S**, Kokkos::LayoutRight, Mem>;
+template <class S>
+using Tensor = Kokkos::View<S***, Kokkos::LayoutRight, Mem>;
+
+/// A per-process cache of Views keyed by shape. Views must die before Kokkos::finalize, so the
+/// cache empties itself from a finalize hook.
+template <class Key, class ViewT>
+class ViewCache {
+ public:
+  template <class Make>
+  ViewT const& get(Key const& key, Make&& make) {
+    if (!hooked_) {
+      Kokkos::push_finalize_hook([this] { views_.clear(); });
+      hooked_ = true;
+    }
+    auto it = views_.find(key);
+    if (it == views_.end()) it = views_.emplace(key, make()).first;
+    return it->second;
+  }
+
+ private:
+  std::map<Key, ViewT> views_;
+  bool hooked_ = false;
+};
+
+/// Wall-clock seconds since some fixed point (steady clock).
+inline double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+/// Fills v with uniform values in [lo, hi) from a fixed seed (reproducible across runs).
+template <class ViewT>
+void fill_uniform(ViewT const& v, uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  using S = typename ViewT::value_type;
+  Kokkos::Random_XorShift64_Pool<Exec> pool(seed);
+  Kokkos::fill_random(v, pool, S(lo), S(hi));
+  Exec().fence();
+}
+
+/// GFLOP/s of one dense row-major float GEMM C[M,N] = A[M,K] * B[K,N] through KokkosBlas (the
+/// vendor BLAS), i.e. the same FLOPs as a grouped GEMM whose groups cover M rows. Measured once
+/// per process and shape (mean of 3 timed calls after a warm-up call) and cached.
+inline double dense_gflops(int64_t M, int64_t K, int64_t N) {
+  static std::map<std::tuple<int64_t, int64_t, int64_t>, double> cache;
+  auto const key = std::make_tuple(M, K, N);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  Mat<float> a("moe::bench::dense::A", M, K), c("moe::bench::dense::C", M, N);
+  Mat<float> b("moe::bench::dense::B", K, N);
+  fill_uniform(a, 1);
+  fill_uniform(b, 2);
+  Exec space;
+  KokkosBlas::gemm("N", "N", 1.0f, a, b, 0.0f, c);  // warm-up: BLAS threads, first touch of C
+  space.fence();
+  int const reps = 3;
+  double const t0 = now();
+  for (int r = 0; r < reps; ++r) KokkosBlas::gemm("N", "N", 1.0f, a, b, 0.0f, c);
+  space.fence();
+  double const seconds = (now() - t0) / reps;
+  double const gflops = 2.0 * double(M) * double(K) * double(N) / seconds * 1e-9;
+  cache.emplace(key, gflops);
+  return gflops;
+}
+
+/// Group sizes of `slots` routed slots (T*K) spread evenly over E experts (the first
+/// slots % E experts get one more).
+inline std::vector<int64_t> balanced_sizes(int64_t slots, int experts) {
+  std::vector<int64_t> sizes(experts, slots / experts);
+  for (int64_t e = 0; e < slots % experts; ++e) ++sizes[e];
+  return sizes;
+}
+
+/// Group sizes of `slots` routed slots where each slot independently picks expert e with
+/// probability proportional to 1/(e+1) (Zipf, exponent 1): expert 0 is the hottest. Sampled from
+/// a fixed seed with a portable generator (std::mt19937_64 + inverse CDF), so every platform
+/// gets the same sizes.
+inline std::vector<int64_t> zipf_sizes(int64_t slots, int experts, uint64_t seed = 2024) {
+  std::vector<double> cdf(experts);
+  double total = 0;
+  for (int e = 0; e < experts; ++e) cdf[e] = (total += 1.0 / (e + 1));
+  std::mt19937_64 gen(seed);
+  std::vector<int64_t> sizes(experts, 0);
+  for (int64_t s = 0; s < slots; ++s) {
+    double const u = double(gen() >> 11) * 0x1.0p-53 * total;  // uniform in [0, total)
+    int e = 0;
+    while (e + 1 < experts && cdf[e] <= u) ++e;
+    ++sizes[e];
+  }
+  return sizes;
+}
+
+/// "balanced" or "zipf" sizes by name.
+inline std::vector<int64_t> group_sizes(std::string const& dist, int64_t slots, int experts) {
+  return dist == "zipf" ? zipf_sizes(slots, experts) : balanced_sizes(slots, experts);
+}
+
+}  // namespace moe::bench

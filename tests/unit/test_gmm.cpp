@@ -1,0 +1,549 @@
+// Grouped GEMM (moe::gmm::gmm / tgmm) against a double-precision triple loop, for every policy in
+// float and double. Inputs are multiples of 1/64 in [-1, 1], exact in float, so the only error is
+// the policy's own rounding, bounded by (k + 2) * eps * sum |a| |b| per output element.
+#include <moe/gmm/gmm.hpp>
+
+#include <Kokkos_Core.hpp>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using moe::gmm::Dense;
+using moe::gmm::GmmOptions;
+using moe::gmm::Tiled;
+using moe::gmm::Vendor;
+using Exec = Kokkos::DefaultExecutionSpace;
+using Mem = Exec::memory_space;
+
+template <class S>
+using View2 = Kokkos::View<S**, Kokkos::LayoutRight, Mem>;
+template <class S>
+using View3 = Kokkos::View<S***, Kokkos::LayoutRight, Mem>;
+
+std::vector<double> random_values(std::size_t count, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int> dist(-64, 64);
+  std::vector<double> v(count);
+  for (auto& x : v) x = dist(gen) / 64.0;
+  return v;
+}
+
+std::vector<int64_t> offsets_of(std::vector<int64_t> const& sizes) {
+  std::vector<int64_t> off(sizes.size() + 1, 0);
+  for (std::size_t g = 0; g < sizes.size(); ++g) off[g + 1] = off[g] + sizes[g];
+  return off;
+}
+
+/// A gmm or tgmm problem in double; the reference and the bound are computed in the test.
+struct Problem {
+  std::vector<int64_t> sizes;  // all G groups
+  int64_t m = 0, k = 0, n = 0;
+  int num_local = 0;
+  GmmOptions opt;
+  std::vector<double> lhs;  // [m, k]
+  std::vector<double> rhs;  // gmm: [G_local, k, n] or [G_local, n, k]; tgmm: dy [m, n]
+  std::vector<double> out;  // initial output (garbage unless accumulate makes it meaningful)
+};
+
+Problem make_gmm_problem(std::vector<int64_t> sizes, int64_t m, int64_t k, int64_t n,
+                         int num_local, GmmOptions opt, unsigned seed = 1) {
+  Problem p;
+  p.sizes = std::move(sizes);
+  p.m = m, p.k = k, p.n = n, p.num_local = num_local, p.opt = opt;
+  p.lhs = random_values(m * k, seed);
+  p.rhs = random_values(num_local * k * n, seed + 1);
+  p.out = random_values(m * n, seed + 2);
+  return p;
+}
+
+Problem make_tgmm_problem(std::vector<int64_t> sizes, int64_t m, int64_t k, int64_t n,
+                          int num_local, GmmOptions opt, unsigned seed = 1) {
+  Problem p;
+  p.sizes = std::move(sizes);
+  p.m = m, p.k = k, p.n = n, p.num_local = num_local, p.opt = opt;
+  p.lhs = random_values(m * k, seed);
+  p.rhs = random_values(m * n, seed + 1);
+  p.out = random_values(num_local * k * n, seed + 2);
+  return p;
+}
+
+/// Expected output and the per-element error scale sum |terms| (0 where the value must be exact).
+struct Expected {
+  std::vector<double> value;
+  std::vector<double> scale;
+  int64_t depth = 0;  // length of the contraction
+};
+
+Expected reference_gmm(Problem const& p) {
+  auto const off = offsets_of(p.sizes);
+  Expected e;
+  e.depth = p.k;
+  e.value.assign(p.m * p.n, 0.0);
+  e.scale.assign(p.m * p.n, 0.0);
+  if (p.opt.accumulate) e.value = p.out;
+  for (int g = 0; g < p.num_local; ++g) {
+    int const group = p.opt.group_offset + g;
+    for (int64_t r = off[group]; r < off[group + 1]; ++r)
+      for (int64_t j = 0; j < p.n; ++j) {
+        double sum = 0, abs_sum = 0;
+        for (int64_t c = 0; c < p.k; ++c) {
+          double const b = p.opt.transpose_rhs ? p.rhs[(g * p.n + j) * p.k + c]
+                                               : p.rhs[(g * p.k + c) * p.n + j];
+          sum += p.lhs[r * p.k + c] * b;
+          abs_sum += std::abs(p.lhs[r * p.k + c] * b);
+        }
+        double& v = e.value[r * p.n + j];
+        e.scale[r * p.n + j] = abs_sum + (p.opt.accumulate ? std::abs(v) : 0.0);
+        v = p.opt.accumulate ? v + sum : sum;
+      }
+  }
+  return e;
+}
+
+Expected reference_tgmm(Problem const& p) {
+  auto const off = offsets_of(p.sizes);
+  Expected e;
+  e.value.assign(p.num_local * p.k * p.n, 0.0);
+  e.scale.assign(p.num_local * p.k * p.n, 0.0);
+  if (p.opt.accumulate) e.value = p.out;
+  for (int g = 0; g < p.num_local; ++g) {
+    int const group = p.opt.group_offset + g;
+    e.depth = std::max<int64_t>(e.depth, off[group + 1] - off[group]);
+    for (int64_t c = 0; c < p.k; ++c)
+      for (int64_t j = 0; j < p.n; ++j) {
+        double sum = 0, abs_sum = 0;
+        for (int64_t r = off[group]; r < off[group + 1]; ++r) {
+          sum += p.lhs[r * p.k + c] * p.rhs[r * p.n + j];
+          abs_sum += std::abs(p.lhs[r * p.k + c] * p.rhs[r * p.n + j]);
+        }
+        std::size_t const idx = (g * p.k + c) * p.n + j;
+        e.scale[idx] = abs_sum + (p.opt.accumulate ? std::abs(e.value[idx]) : 0.0);
+        e.value[idx] = p.opt.accumulate ? e.value[idx] + sum : sum;
+      }
+  }
+  return e;
+}
+
+template <class ViewT>
+ViewT to_device(std::string const& label, std::vector<double> const& v, std::size_t n0,
+                std::size_t n1, std::size_t n2 = 0) {
+  ViewT d;
+  if constexpr (ViewT::rank == 2)
+    d = ViewT(label, n0, n1);
+  else
+    d = ViewT(label, n0, n1, n2);
+  auto h = Kokkos::create_mirror_view(d);
+  auto* p = h.data();
+  for (std::size_t i = 0; i < v.size(); ++i) p[i] = static_cast<typename ViewT::value_type>(v[i]);
+  Kokkos::deep_copy(d, h);
+  return d;
+}
+
+template <class ViewT>
+std::vector<double> to_host(ViewT const& d) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), d);
+  return std::vector<double>(h.data(), h.data() + h.size());
+}
+
+template <class S>
+void expect_close(std::vector<double> const& got, Expected const& e, std::string const& what) {
+  ASSERT_EQ(got.size(), e.value.size()) << what;
+  double const eps = std::numeric_limits<S>::epsilon();
+  int failures = 0;
+  for (std::size_t i = 0; i < got.size() && failures < 10; ++i) {
+    double const tol = (e.depth + 2) * eps * e.scale[i];
+    if (!(std::abs(got[i] - e.value[i]) <= tol)) {
+      ++failures;
+      ADD_FAILURE() << what << ": element " << i << " is " << got[i] << ", expected "
+                    << e.value[i] << " (tolerance " << tol << ")";
+    }
+  }
+}
+
+template <class Policy, class S>
+std::vector<double> run_gmm(Problem const& p, bool default_instance = false) {
+  auto lhs = to_device<View2<S>>("moe::gmm::test::lhs", p.lhs, p.m, p.k);
+  auto rhs = p.opt.transpose_rhs
+                 ? to_device<View3<S>>("moe::gmm::test::rhs", p.rhs, p.num_local, p.n, p.k)
+                 : to_device<View3<S>>("moe::gmm::test::rhs", p.rhs, p.num_local, p.k, p.n);
+  auto out = to_device<View2<S>>("moe::gmm::test::out", p.out, p.m, p.n);
+  auto groups = moe::gmm::make_groups<Mem>(p.sizes);
+  if (default_instance) {
+    moe::gmm::gmm(Policy{}, lhs, rhs, groups, out, p.opt);
+  } else {
+    Exec space;
+    moe::gmm::gmm(space, Policy{}, lhs, rhs, groups, out, p.opt);
+    space.fence();
+  }
+  return to_host(out);
+}
+
+template <class Policy, class S>
+std::vector<double> run_tgmm(Problem const& p, bool default_instance = false) {
+  auto lhs = to_device<View2<S>>("moe::gmm::test::lhs", p.lhs, p.m, p.k);
+  auto dy = to_device<View2<S>>("moe::gmm::test::dy", p.rhs, p.m, p.n);
+  auto out = to_device<View3<S>>("moe::gmm::test::out", p.out, p.num_local, p.k, p.n);
+  Exec space;
+  auto groups = moe::gmm::make_groups(space, p.sizes);
+  if (default_instance) {
+    space.fence();
+    moe::gmm::tgmm(Policy{}, lhs, dy, groups, out, p.opt);
+  } else {
+    moe::gmm::tgmm(space, Policy{}, lhs, dy, groups, out, p.opt);
+    space.fence();
+  }
+  return to_host(out);
+}
+
+template <class P, class S>
+struct Case {
+  using Policy = P;
+  using Scalar = S;
+};
+
+template <class T>
+std::string policy_name();
+template <>
+std::string policy_name<Vendor>() {
+  return "Vendor";
+}
+template <>
+std::string policy_name<Dense>() {
+  return "Dense";
+}
+template <int TM, int TK, int TN>
+struct TiledName {
+  static std::string get() {
+    return "Tiled" + std::to_string(TM) + "x" + std::to_string(TK) + "x" + std::to_string(TN);
+  }
+};
+
+template <class T>
+struct PolicyName {
+  static std::string get() { return policy_name<T>(); }
+};
+template <int TM, int TK, int TN>
+struct PolicyName<Tiled<TM, TK, TN>> : TiledName<TM, TK, TN> {};
+
+struct CaseNames {
+  template <class T>
+  static std::string GetName(int) {
+    return PolicyName<typename T::Policy>::get() +
+           (std::is_same<typename T::Scalar, float>::value ? "_float" : "_double");
+  }
+};
+
+template <class T>
+class Gmm : public ::testing::Test {
+ protected:
+  using Policy = typename T::Policy;
+  using S = typename T::Scalar;
+
+  void check_gmm(Problem const& p, std::string const& what, bool default_instance = false) {
+    expect_close<S>(run_gmm<Policy, S>(p, default_instance), reference_gmm(p), what);
+  }
+  void check_tgmm(Problem const& p, std::string const& what, bool default_instance = false) {
+    expect_close<S>(run_tgmm<Policy, S>(p, default_instance), reference_tgmm(p), what);
+  }
+};
+
+using Cases = ::testing::Types<Case<Vendor, float>, Case<Vendor, double>, Case<Dense, float>,
+                               Case<Dense, double>, Case<Tiled<4, 8, 4>, float>,
+                               Case<Tiled<4, 8, 4>, double>, Case<Tiled<32, 32, 32>, float>,
+                               Case<Tiled<32, 32, 32>, double>, Case<Tiled<5, 3, 7>, float>,
+                               Case<Tiled<5, 3, 7>, double>, Case<Tiled<64, 64, 64>, float>>;
+TYPED_TEST_SUITE(Gmm, Cases, CaseNames);
+
+// ---------------------------------------------------------------------------------------------
+// gmm
+
+TYPED_TEST(Gmm, Plain) {
+  this->check_gmm(make_gmm_problem({7, 12, 3, 20}, 42, 16, 24, 4, {}), "plain");
+}
+
+TYPED_TEST(Gmm, DefaultInstanceOverload) {
+  this->check_gmm(make_gmm_problem({7, 12, 3, 20}, 42, 16, 24, 4, {}), "default instance", true);
+}
+
+TYPED_TEST(Gmm, TransposeRhs) {
+  GmmOptions opt;
+  opt.transpose_rhs = true;
+  this->check_gmm(make_gmm_problem({9, 4, 30}, 43, 19, 13, 3, opt), "transpose_rhs");
+}
+
+TYPED_TEST(Gmm, GroupOffsetZeroesRowsOfOtherGroups) {
+  GmmOptions opt;
+  opt.group_offset = 2;
+  // Groups 2 and 3 of 5 are visited; the initial output is random, so zeroing is checked exactly.
+  this->check_gmm(make_gmm_problem({5, 6, 7, 8, 9}, 35, 11, 10, 2, opt), "group_offset");
+  opt.transpose_rhs = true;
+  this->check_gmm(make_gmm_problem({5, 6, 7, 8, 9}, 35, 11, 10, 2, opt),
+                  "group_offset + transpose_rhs");
+}
+
+TYPED_TEST(Gmm, AccumulateAddsToVisitedRowsOnly) {
+  GmmOptions opt;
+  opt.accumulate = true;
+  this->check_gmm(make_gmm_problem({10, 0, 13}, 30, 17, 9, 3, opt), "accumulate");
+  opt.group_offset = 1;
+  this->check_gmm(make_gmm_problem({4, 10, 13, 2}, 30, 17, 9, 2, opt), "accumulate + offset");
+  opt.transpose_rhs = true;
+  this->check_gmm(make_gmm_problem({4, 10, 13, 2}, 30, 17, 9, 2, opt),
+                  "accumulate + offset + transpose_rhs");
+}
+
+TYPED_TEST(Gmm, RowsPastSumOfGroupSizesAreZeroed) {
+  this->check_gmm(make_gmm_problem({6, 5}, 20, 8, 12, 2, {}), "rows past sum");
+}
+
+TYPED_TEST(Gmm, EmptyGroups) {
+  this->check_gmm(make_gmm_problem({0, 5, 0, 0, 4, 0}, 9, 10, 6, 6, {}), "empty groups");
+  this->check_gmm(make_gmm_problem({0, 0, 0}, 4, 10, 6, 3, {}), "all groups empty");
+  GmmOptions opt;
+  opt.group_offset = 1;
+  this->check_gmm(make_gmm_problem({3, 0, 0, 4}, 7, 10, 6, 2, opt), "visited groups empty");
+}
+
+TYPED_TEST(Gmm, AllRowsInOneGroup) {
+  this->check_gmm(make_gmm_problem({37}, 37, 21, 18, 1, {}), "one group");
+  this->check_gmm(make_gmm_problem({0, 37, 0}, 37, 21, 18, 3, {}), "one non-empty group");
+}
+
+TYPED_TEST(Gmm, SingleRow) {
+  this->check_gmm(make_gmm_problem({1}, 1, 7, 5, 1, {}), "single row");
+  this->check_gmm(make_gmm_problem({0, 1}, 1, 1, 1, 2, {}), "1x1x1");
+}
+
+TYPED_TEST(Gmm, RaggedSizesNotMultiplesOfTiles) {
+  this->check_gmm(make_gmm_problem({33, 65, 7, 1}, 110, 37, 45, 4, {}), "ragged");
+  GmmOptions opt;
+  opt.transpose_rhs = true;
+  this->check_gmm(make_gmm_problem({33, 65, 7, 1}, 110, 37, 45, 4, opt), "ragged transposed");
+}
+
+TYPED_TEST(Gmm, ExactMultiplesOfTiles) {
+  this->check_gmm(make_gmm_problem({64, 32, 96}, 192, 64, 128, 3, {}), "tile multiples");
+}
+
+TYPED_TEST(Gmm, EmptyContractionGivesZeros) {
+  this->check_gmm(make_gmm_problem({3, 4}, 8, 0, 5, 2, {}), "k = 0");
+  GmmOptions opt;
+  opt.accumulate = true;
+  this->check_gmm(make_gmm_problem({3, 4}, 8, 0, 5, 2, opt), "k = 0, accumulate");
+}
+
+TYPED_TEST(Gmm, SubviewOperands) {
+  using S = typename TestFixture::S;
+  using Policy = typename TestFixture::Policy;
+  // Row blocks and column slices of larger row-major arrays (row stride != extent(1)).
+  auto p = make_gmm_problem({4, 6}, 12, 9, 7, 2, {});
+  auto big_lhs = to_device<View2<S>>("moe::gmm::test::big_lhs", random_values(20 * 15, 9), 20, 15);
+  auto big_out = to_device<View2<S>>("moe::gmm::test::big_out", random_values(20 * 11, 8), 20, 11);
+  auto lhs = Kokkos::subview(big_lhs, std::make_pair(3, 15), std::make_pair(2, 11));
+  auto out = Kokkos::subview(big_out, std::make_pair(5, 17), std::make_pair(1, 8));
+  auto h = Kokkos::create_mirror_view(big_lhs);
+  Kokkos::deep_copy(h, big_lhs);
+  for (int r = 0; r < 12; ++r)
+    for (int c = 0; c < 9; ++c) p.lhs[r * 9 + c] = h(r + 3, c + 2);
+  auto out_before = to_host(big_out);
+  auto rhs = to_device<View3<S>>("moe::gmm::test::rhs", p.rhs, 2, 9, 7);
+  moe::gmm::gmm(Exec(), Policy{}, lhs, rhs, moe::gmm::make_groups<Mem>(p.sizes), out);
+  auto all = to_host(big_out);
+  std::vector<double> got;
+  for (int r = 0; r < 20; ++r)
+    for (int c = 0; c < 11; ++c) {
+      if (r >= 5 && r < 17 && c >= 1 && c < 8)
+        got.push_back(all[r * 11 + c]);
+      else
+        EXPECT_EQ(all[r * 11 + c], out_before[r * 11 + c]) << "outside the subview: " << r << "," << c;
+    }
+  expect_close<S>(got, reference_gmm(p), "subviews");
+}
+
+// ---------------------------------------------------------------------------------------------
+// tgmm
+
+TYPED_TEST(Gmm, TgmmPlain) {
+  this->check_tgmm(make_tgmm_problem({7, 12, 3, 20}, 42, 16, 24, 4, {}), "tgmm plain");
+}
+
+TYPED_TEST(Gmm, TgmmDefaultInstanceOverload) {
+  this->check_tgmm(make_tgmm_problem({7, 12, 3, 20}, 42, 16, 24, 4, {}), "tgmm default", true);
+}
+
+TYPED_TEST(Gmm, TgmmGroupOffset) {
+  GmmOptions opt;
+  opt.group_offset = 1;
+  this->check_tgmm(make_tgmm_problem({5, 6, 7, 8}, 26, 11, 10, 2, opt), "tgmm group_offset");
+}
+
+TYPED_TEST(Gmm, TgmmAccumulate) {
+  GmmOptions opt;
+  opt.accumulate = true;
+  this->check_tgmm(make_tgmm_problem({10, 0, 13}, 23, 17, 9, 3, opt), "tgmm accumulate");
+  opt.group_offset = 2;
+  this->check_tgmm(make_tgmm_problem({4, 10, 13, 2}, 29, 17, 9, 2, opt), "tgmm accumulate+off");
+}
+
+TYPED_TEST(Gmm, TgmmEmptyGroupGivesZeroBlock) {
+  // The initial output is random: an empty group's block must come back exactly zero.
+  this->check_tgmm(make_tgmm_problem({0, 5, 0, 4, 0}, 9, 10, 6, 5, {}), "tgmm empty groups");
+  this->check_tgmm(make_tgmm_problem({0, 0}, 3, 4, 5, 2, {}), "tgmm all empty");
+}
+
+TYPED_TEST(Gmm, TgmmRowsPastSumAreIgnored) {
+  this->check_tgmm(make_tgmm_problem({6, 5}, 20, 8, 12, 2, {}), "tgmm rows past sum");
+}
+
+TYPED_TEST(Gmm, TgmmOneGroupSingleRowAndRagged) {
+  this->check_tgmm(make_tgmm_problem({37}, 37, 21, 18, 1, {}), "tgmm one group");
+  this->check_tgmm(make_tgmm_problem({1}, 1, 7, 5, 1, {}), "tgmm single row");
+  this->check_tgmm(make_tgmm_problem({33, 65, 7, 1}, 106, 37, 45, 4, {}), "tgmm ragged");
+  this->check_tgmm(make_tgmm_problem({64, 32}, 96, 64, 64, 2, {}), "tgmm tile multiples");
+}
+
+TYPED_TEST(Gmm, TgmmEmptyExtents) {
+  this->check_tgmm(make_tgmm_problem({3, 4}, 7, 0, 5, 2, {}), "tgmm k = 0");
+  this->check_tgmm(make_tgmm_problem({3, 4}, 7, 5, 0, 2, {}), "tgmm n = 0");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shape validation
+
+template <class F>
+void expect_shape_error(F&& f, std::string const& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected moe::ShapeError mentioning '" << needle << "'";
+  } catch (moe::ShapeError const& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+        << "message '" << e.what() << "' does not mention '" << needle << "'";
+  }
+}
+
+TYPED_TEST(Gmm, BadShapesThrow) {
+  using S = typename TestFixture::S;
+  using P = typename TestFixture::Policy;
+  auto groups = moe::gmm::make_groups<Mem>({3, 4, 5});  // 12 rows, 3 groups
+  View2<S> lhs("moe::gmm::test::lhs", 12, 8), out("moe::gmm::test::out", 12, 6);
+  View3<S> rhs("moe::gmm::test::rhs", 3, 8, 6);
+  Exec space;
+  EXPECT_NO_THROW(moe::gmm::gmm(space, P{}, lhs, rhs, groups, out));
+
+  View2<S> short_lhs("moe::gmm::test::short_lhs", 11, 8), short_out("moe::gmm::test::so", 11, 6);
+  expect_shape_error([&] { moe::gmm::gmm(space, P{}, short_lhs, rhs, groups, short_out); },
+                     "lhs.extent(0)=11");
+  View3<S> rhs_k("moe::gmm::test::rhs_k", 3, 7, 6);
+  expect_shape_error([&] { moe::gmm::gmm(space, P{}, lhs, rhs_k, groups, out); },
+                     "rhs.extent(1)=7");
+  GmmOptions tr;
+  tr.transpose_rhs = true;
+  expect_shape_error([&] { moe::gmm::gmm(space, P{}, lhs, rhs, groups, out, tr); },
+                     "rhs.extent(2)=6");
+  View2<S> wide_out("moe::gmm::test::wide_out", 12, 7);
+  expect_shape_error([&] { moe::gmm::gmm(space, P{}, lhs, rhs, groups, wide_out); },
+                     "out is [12,7]");
+  View2<S> tall_out("moe::gmm::test::tall_out", 13, 6);
+  expect_shape_error([&] { moe::gmm::gmm(space, P{}, lhs, rhs, groups, tall_out); },
+                     "out is [13,6]");
+  GmmOptions off;
+  off.group_offset = 1;
+  expect_shape_error([&] { moe::gmm::gmm(space, P{}, lhs, rhs, groups, out, off); },
+                     "group_offset=1 + G_local=3");
+  off.group_offset = -1;
+  View3<S> rhs1("moe::gmm::test::rhs1", 1, 8, 6);
+  expect_shape_error([&] { moe::gmm::gmm(space, P{}, lhs, rhs1, groups, out, off); },
+                     "group_offset=-1");
+
+  // tgmm
+  View2<S> dy("moe::gmm::test::dy", 12, 6);
+  View3<S> dw("moe::gmm::test::dw", 3, 8, 6);
+  EXPECT_NO_THROW(moe::gmm::tgmm(space, P{}, lhs, dy, groups, dw));
+  View2<S> short_dy("moe::gmm::test::short_dy", 11, 6);
+  expect_shape_error([&] { moe::gmm::tgmm(space, P{}, lhs, short_dy, groups, dw); },
+                     "dy.extent(0)=11");
+  expect_shape_error([&] { moe::gmm::tgmm(space, P{}, short_lhs, short_dy, groups, dw); },
+                     "lhs.extent(0)=11");
+  View3<S> dw_bad("moe::gmm::test::dw_bad", 3, 6, 8);
+  expect_shape_error([&] { moe::gmm::tgmm(space, P{}, lhs, dy, groups, dw_bad); },
+                     "out is [3,6,8]");
+  View3<S> dw4("moe::gmm::test::dw4", 4, 8, 6);
+  expect_shape_error([&] { moe::gmm::tgmm(space, P{}, lhs, dy, groups, dw4); },
+                     "G_local=4 exceeds the number of groups G=3");
+  space.fence();
+}
+
+TEST(GmmGroups, MakeGroupsBuildsOffsets) {
+  auto groups = moe::gmm::make_groups<Mem>({3, 0, 5});
+  EXPECT_EQ(groups.num_groups(), 3);
+  EXPECT_EQ(groups.rows(), 8);
+  EXPECT_EQ(groups.size(0), 3);
+  EXPECT_EQ(groups.size(1), 0);
+  EXPECT_EQ(groups.size(2), 5);
+  auto dev = to_host(groups.offsets);
+  EXPECT_EQ(dev, (std::vector<double>{0, 3, 3, 8}));
+  auto none = moe::gmm::make_groups(Exec(), {});
+  EXPECT_EQ(none.num_groups(), 0);
+  EXPECT_EQ(none.rows(), 0);
+}
+
+TEST(GmmGroups, NegativeSizeThrows) {
+  expect_shape_error([] { moe::gmm::make_groups<Mem>({3, -1, 5}); }, "sizes[1]=-1");
+  expect_shape_error([] { moe::gmm::make_groups(Exec(), {-2}); }, "sizes[0]=-2");
+}
+
+TEST(GmmGroups, FromOffsetsValidates) {
+  Kokkos::View<int64_t*, Mem> off("moe::gmm::test::offsets", 4);
+  auto h = Kokkos::create_mirror_view(off);
+  h(0) = 0, h(1) = 2, h(2) = 2, h(3) = 7;
+  Kokkos::deep_copy(off, h);
+  auto groups = moe::gmm::make_groups<Mem>(off, h);
+  EXPECT_EQ(groups.num_groups(), 3);
+  EXPECT_EQ(groups.rows(), 7);
+  h(2) = 1;
+  expect_shape_error([&] { moe::gmm::make_groups<Mem>(off, h); }, "offsets_host(2)=1");
+  h(2) = 2, h(0) = 1;
+  expect_shape_error([&] { moe::gmm::make_groups<Mem>(off, h); }, "offsets_host(0)=1");
+}
+
+// ---------------------------------------------------------------------------------------------
+// All policies give the same numbers on one larger, skewed problem.
+
+template <class S>
+void policies_agree() {
+  std::vector<int64_t> sizes = {150, 3, 0, 61, 17, 1, 40};
+  GmmOptions opt;
+  auto p = make_gmm_problem(sizes, 280, 96, 80, 7, opt, 11);
+  auto const vendor = run_gmm<Vendor, S>(p);
+  Expected e = reference_gmm(p);
+  e.value = vendor;  // compare every policy against Vendor with twice the reference tolerance
+  for (auto& s : e.scale) s *= 2;
+  expect_close<S>(run_gmm<Dense, S>(p), e, "Dense vs Vendor");
+  expect_close<S>(run_gmm<Tiled<4, 8, 4>, S>(p), e, "Tiled<4,8,4> vs Vendor");
+  expect_close<S>(run_gmm<Tiled<32, 32, 32>, S>(p), e, "Tiled<32,32,32> vs Vendor");
+  expect_close<S>(run_gmm<Tiled<64, 64, 64>, S>(p), e, "Tiled<64,64,64> vs Vendor");
+  expect_close<S>(run_gmm<moe::gmm::Auto, S>(p), e, "Auto vs Vendor");
+
+  auto t = make_tgmm_problem(sizes, 280, 96, 80, 7, opt, 12);
+  auto const tvendor = run_tgmm<Vendor, S>(t);
+  Expected te = reference_tgmm(t);
+  te.value = tvendor;
+  for (auto& s : te.scale) s *= 2;
+  expect_close<S>(run_tgmm<Dense, S>(t), te, "tgmm Dense vs Vendor");
+  expect_close<S>(run_tgmm<Tiled<4, 8, 4>, S>(t), te, "tgmm Tiled<4,8,4> vs Vendor");
+  expect_close<S>(run_tgmm<Tiled<32, 32, 32>, S>(t), te, "tgmm Tiled<32,32,32> vs Vendor");
+  expect_close<S>(run_tgmm<Tiled<64, 64, 64>, S>(t), te, "tgmm Tiled<64,64,64> vs Vendor");
+}
+
+TEST(GmmPolicies, AgreeFloat) { policies_agree<float>(); }
+TEST(GmmPolicies, AgreeDouble) { policies_agree<double>(); }
+
+}  // namespace
