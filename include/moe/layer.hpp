@@ -8,6 +8,7 @@
 #include <moe/error.hpp>
 #include <moe/gmm/gmm.hpp>
 #include <moe/nn/activation.hpp>
+#include <moe/nn/expert_ffn.hpp>
 #include <moe/permute/permute.hpp>
 #include <moe/policies.hpp>
 #include <moe/routing/router.hpp>
@@ -346,47 +347,29 @@ class MoeLayer {
                                         gmm::Vendor, typename Policy::gmm_policy>;
 
   void sparse_forward(view2 y) {
-    int const D = cfg_.base_emb_dim, F = cfg_.base_moe_mlp_dim, K = cfg_.num_experts_per_tok;
+    int const D = cfg_.base_emb_dim, K = cfg_.num_experts_per_tok;
     permute::sort_by_expert(space_, View2<int const, memory_space>(rs_.expert_ids),
                             View2<int const, memory_space>(rs_.kept), cfg_.num_experts, perm_);
     std::int64_t const n = perm_.rows();
     detail::ensure(space_, xs_, "moe::layer::x_sorted", n, D);
-    detail::ensure(space_, h0_, "moe::layer::h0", n, F);
-    detail::ensure(space_, h1_, "moe::layer::h1", n, F);
-    detail::ensure(space_, a_, "moe::layer::act", n, F);
     detail::ensure(space_, ys_, "moe::layer::y_sorted", n, D);
     permute::gather_rows(space_, x_, View1<std::int64_t const, memory_space>(perm_.perm), K, xs_);
-    gmm::gmm(space_, gmm_policy{}, xs_, params_.wi_0, perm_.groups, h0_);
-    gmm::gmm(space_, gmm_policy{}, xs_, params_.wi_1, perm_.groups, h1_);
-    nn::gated_forward(space_, cfg_.mlp_activation, n, cview2(h0_), cview2(h1_), a_);
-    gmm::gmm(space_, gmm_policy{}, a_, params_.wo, perm_.groups, ys_);
+    ffn_.forward(space_, cfg_.mlp_activation, xs_, perm_.groups, params_.wi_0, params_.wi_1,
+                 params_.wo, ys_);
     permute::combine(space_, cview2(ys_), View1<std::int64_t const, memory_space>(perm_.inverse),
                      cview2(rs_.weights), false, y);
   }
 
   void sparse_backward(cview2 dy, view2 dx, params_type& g) {
-    int const D = cfg_.base_emb_dim, F = cfg_.base_moe_mlp_dim, K = cfg_.num_experts_per_tok;
+    int const D = cfg_.base_emb_dim, K = cfg_.num_experts_per_tok;
     std::int64_t const n = perm_.rows();
     View1<std::int64_t const, memory_space> perm(perm_.perm), inv(perm_.inverse);
     detail::ensure(space_, dys_, "moe::layer::d_y_sorted", n, D);
-    detail::ensure(space_, da_, "moe::layer::d_act", n, F);
-    detail::ensure(space_, dh1_, "moe::layer::d_h1", n, F);
     permute::combine_backward(space_, dy, cview2(ys_), perm, inv, cview2(rs_.weights), dys_, dw_);
-    gmm::tgmm(space_, gmm_policy{}, a_, dys_, perm_.groups, g.wo);
-    gmm::GmmOptions tr;
-    tr.transpose_rhs = true;
-    gmm::gmm(space_, gmm_policy{}, dys_, params_.wo, perm_.groups, da_, tr);
-    // dh0 overwrites da (each element reads its own da before writing).
-    nn::gated_backward(space_, cfg_.mlp_activation, n, cview2(h0_), cview2(h1_), cview2(da_), da_,
-                       dh1_);
-    gmm::tgmm(space_, gmm_policy{}, xs_, da_, perm_.groups, g.wi_0);
-    gmm::tgmm(space_, gmm_policy{}, xs_, dh1_, perm_.groups, g.wi_1);
-    auto& dxs = dys_;  // reuse: [n, D]
-    gmm::gmm(space_, gmm_policy{}, da_, params_.wi_0, perm_.groups, dxs, tr);
-    gmm::GmmOptions tr_acc = tr;
-    tr_acc.accumulate = true;
-    gmm::gmm(space_, gmm_policy{}, dh1_, params_.wi_1, perm_.groups, dxs, tr_acc);
-    permute::gather_rows_backward(space_, cview2(dxs), inv, K, false, dx);
+    // dxs overwrites dys.
+    ffn_.backward(space_, dys_, perm_.groups, params_.wi_0, params_.wi_1, params_.wo, dys_, g.wi_0,
+                  g.wi_1, g.wo);
+    permute::gather_rows_backward(space_, cview2(dys_), inv, K, false, dx);
   }
 
   // ---- dense path: every expert on every token, masked combine weights ---------------------
@@ -494,32 +477,15 @@ class MoeLayer {
 
   // ---- shared expert -----------------------------------------------------------------------
   void shared_forward(view2 y) {
-    int const Fs = cfg_.shared_mlp_dim();
-    if (Fs == 0) return;
-    std::int64_t const T = B_ * S_;
-    detail::ensure(space_, sh0_, "moe::layer::shared_h0", T, Fs);
-    detail::ensure(space_, sh1_, "moe::layer::shared_h1", T, Fs);
-    detail::ensure(space_, sa_, "moe::layer::shared_act", T, Fs);
-    detail::gemm(space_, "N", "N", Scalar(1), x_, params_.shared_wi_0, Scalar(0), sh0_);
-    detail::gemm(space_, "N", "N", Scalar(1), x_, params_.shared_wi_1, Scalar(0), sh1_);
-    nn::gated_forward(space_, cfg_.mlp_activation, T, cview2(sh0_), cview2(sh1_), sa_);
-    detail::gemm(space_, "N", "N", Scalar(1), sa_, params_.shared_wo, Scalar(1), y);
+    if (cfg_.shared_mlp_dim() == 0) return;
+    shared_.forward(space_, cfg_.mlp_activation, x_, params_.shared_wi_0, params_.shared_wi_1,
+                    params_.shared_wo, y);
   }
 
   void shared_backward(cview2 dy, view2 dx, params_type& g) {
-    int const Fs = cfg_.shared_mlp_dim();
-    if (Fs == 0) return;
-    std::int64_t const T = B_ * S_;
-    detail::ensure(space_, sda_, "moe::layer::shared_d_act", T, Fs);
-    detail::gemm(space_, "T", "N", Scalar(1), sa_, dy, Scalar(0), g.shared_wo);
-    detail::gemm(space_, "N", "T", Scalar(1), dy, params_.shared_wo, Scalar(0), sda_);
-    // d_h0 overwrites d_act, d_h1 overwrites the saved activation (no longer needed).
-    nn::gated_backward(space_, cfg_.mlp_activation, T, cview2(sh0_), cview2(sh1_), cview2(sda_),
-                       sda_, sa_);
-    detail::gemm(space_, "T", "N", Scalar(1), x_, sda_, Scalar(0), g.shared_wi_0);
-    detail::gemm(space_, "T", "N", Scalar(1), x_, sa_, Scalar(0), g.shared_wi_1);
-    detail::gemm(space_, "N", "T", Scalar(1), sda_, params_.shared_wi_0, Scalar(1), dx);
-    detail::gemm(space_, "N", "T", Scalar(1), sa_, params_.shared_wi_1, Scalar(1), dx);
+    if (cfg_.shared_mlp_dim() == 0) return;
+    shared_.backward(space_, dy, params_.shared_wi_0, params_.shared_wi_1, params_.shared_wo, dx,
+                     g.shared_wi_0, g.shared_wi_1, g.shared_wo);
   }
 
   LayerConfig cfg_;
@@ -537,10 +503,11 @@ class MoeLayer {
   permute::Permutation<memory_space> perm_;
   double lb_loss_ = 0;
   std::vector<double> bias_update_;
+  nn::ExpertFfn<Scalar, gmm_policy, ExecSpace> ffn_;
+  nn::DenseMlp<Scalar, ExecSpace> shared_;
   view2 xs_, h0_, h1_, a_, ys_, wd_;
-  view2 sh0_, sh1_, sa_;
   // backward work space
-  view2 dw_, d_top_, d_biased_, d_logits_, dys_, da_, dh1_, dwd_, sda_;
+  view2 dw_, d_top_, d_biased_, d_logits_, dys_, da_, dh1_, dwd_;
 };
 
 }  // namespace moe

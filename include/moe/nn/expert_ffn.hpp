@@ -1,0 +1,111 @@
+#pragma once
+/// \file
+/// The routed experts' gated FFN on rows already grouped by expert: three grouped GEMMs and the
+/// activation, forward and backward. Used by the single-rank layer and by every distributed
+/// strategy (which differ only in how rows reach it and leave it).
+
+#include <moe/config.hpp>
+#include <moe/detail/blas.hpp>
+#include <moe/detail/views.hpp>
+#include <moe/gmm/gmm.hpp>
+#include <moe/nn/activation.hpp>
+
+namespace moe::nn {
+
+/// \brief ys = (act(xs . wi_0[g]) * (xs . wi_1[g])) . wo[g] per group g; keeps what backward needs.
+/// \tparam Gmm gmm::Vendor or gmm::Tiled<...>.
+template <class Scalar, class Gmm, class ExecSpace>
+class ExpertFfn {
+ public:
+  using memory_space = typename ExecSpace::memory_space;
+  using view2 = View2<Scalar, memory_space>;
+  using view3 = View3<Scalar, memory_space>;
+  using cview2 = View2<Scalar const, memory_space>;
+  using groups_type = gmm::Groups<memory_space>;
+
+  /// xs [n,D] (kept until backward), weights [G,D,F] / [G,F,D], ys [n,D] (rows past the groups are
+  /// zeroed).
+  void forward(ExecSpace const& space, Activation act, view2 xs, groups_type const& groups,
+               view3 wi_0, view3 wi_1, view3 wo, view2 ys) {
+    std::int64_t const n = xs.extent(0), F = wi_0.extent(2);
+    xs_ = xs;
+    act_ = act;
+    moe::detail::ensure(space, h0_, "moe::ffn::h0", n, F);
+    moe::detail::ensure(space, h1_, "moe::ffn::h1", n, F);
+    moe::detail::ensure(space, a_, "moe::ffn::act", n, F);
+    gmm::gmm(space, Gmm{}, xs, wi_0, groups, h0_);
+    gmm::gmm(space, Gmm{}, xs, wi_1, groups, h1_);
+    gated_forward(space, act, n, cview2(h0_), cview2(h1_), a_);
+    gmm::gmm(space, Gmm{}, a_, wo, groups, ys);
+  }
+
+  /// From dys [n,D]: dxs [n,D] (may alias dys) and the weight gradients (overwritten).
+  void backward(ExecSpace const& space, view2 dys, groups_type const& groups, view3 wi_0,
+                view3 wi_1, view3 wo, view2 dxs, view3 d_wi_0, view3 d_wi_1, view3 d_wo) {
+    std::int64_t const n = xs_.extent(0), F = wi_0.extent(2);
+    moe::detail::ensure(space, da_, "moe::ffn::d_act", n, F);
+    moe::detail::ensure(space, dh1_, "moe::ffn::d_h1", n, F);
+    gmm::tgmm(space, Gmm{}, a_, dys, groups, d_wo);
+    gmm::GmmOptions tr;
+    tr.transpose_rhs = true;
+    gmm::gmm(space, Gmm{}, dys, wo, groups, da_, tr);
+    // dh0 overwrites da (each element reads its own da before writing).
+    gated_backward(space, act_, n, cview2(h0_), cview2(h1_), cview2(da_), da_, dh1_);
+    gmm::tgmm(space, Gmm{}, xs_, da_, groups, d_wi_0);
+    gmm::tgmm(space, Gmm{}, xs_, dh1_, groups, d_wi_1);
+    gmm::gmm(space, Gmm{}, da_, wi_0, groups, dxs, tr);
+    gmm::GmmOptions tr_acc = tr;
+    tr_acc.accumulate = true;
+    gmm::gmm(space, Gmm{}, dh1_, wi_1, groups, dxs, tr_acc);
+  }
+
+ private:
+  Activation act_ = Activation::Silu;
+  view2 xs_, h0_, h1_, a_, da_, dh1_;
+};
+
+/// \brief Dense gated MLP (the shared expert): out (+)= (act(x . w0) * (x . w1)) . wo.
+template <class Scalar, class ExecSpace>
+class DenseMlp {
+ public:
+  using memory_space = typename ExecSpace::memory_space;
+  using view2 = View2<Scalar, memory_space>;
+  using cview2 = View2<Scalar const, memory_space>;
+
+  /// x [T,D] (kept until backward), w0/w1 [D,H], wo [H,D]; out [T,D] is added to.
+  void forward(ExecSpace const& space, Activation act, cview2 x, view2 w0, view2 w1, view2 wo,
+               view2 out) {
+    std::int64_t const T = x.extent(0), H = w0.extent(1);
+    x_ = x;
+    act_ = act;
+    moe::detail::ensure(space, h0_, "moe::mlp::h0", T, H);
+    moe::detail::ensure(space, h1_, "moe::mlp::h1", T, H);
+    moe::detail::ensure(space, a_, "moe::mlp::act", T, H);
+    moe::detail::gemm(space, "N", "N", Scalar(1), x, w0, Scalar(0), h0_);
+    moe::detail::gemm(space, "N", "N", Scalar(1), x, w1, Scalar(0), h1_);
+    gated_forward(space, act, T, cview2(h0_), cview2(h1_), a_);
+    moe::detail::gemm(space, "N", "N", Scalar(1), a_, wo, Scalar(1), out);
+  }
+
+  /// From dout [T,D]: dx (+)= the input gradient, weight gradients overwritten.
+  void backward(ExecSpace const& space, cview2 dout, view2 w0, view2 w1, view2 wo, view2 dx,
+                view2 d_w0, view2 d_w1, view2 d_wo) {
+    std::int64_t const T = x_.extent(0), H = w0.extent(1);
+    moe::detail::ensure(space, da_, "moe::mlp::d_act", T, H);
+    moe::detail::gemm(space, "T", "N", Scalar(1), a_, dout, Scalar(0), d_wo);
+    moe::detail::gemm(space, "N", "T", Scalar(1), dout, wo, Scalar(0), da_);
+    // d_h0 overwrites d_act, d_h1 overwrites the saved activation (no longer needed).
+    gated_backward(space, act_, T, cview2(h0_), cview2(h1_), cview2(da_), da_, a_);
+    moe::detail::gemm(space, "T", "N", Scalar(1), x_, da_, Scalar(0), d_w0);
+    moe::detail::gemm(space, "T", "N", Scalar(1), x_, a_, Scalar(0), d_w1);
+    moe::detail::gemm(space, "N", "T", Scalar(1), da_, w0, Scalar(1), dx);
+    moe::detail::gemm(space, "N", "T", Scalar(1), a_, w1, Scalar(1), dx);
+  }
+
+ private:
+  Activation act_ = Activation::Silu;
+  cview2 x_;
+  view2 h0_, h1_, a_, da_;
+};
+
+}  // namespace moe::nn
