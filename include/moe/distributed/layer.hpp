@@ -1,0 +1,1171 @@
+#pragma once
+/// \file
+/// DistributedMoeLayer: one MoE layer laid out over MPI ranks by a mesh and MaxText's logical-axis
+/// rules -- data, FSDP, expert (ragged all-to-all or ring of experts), tensor parallelism, the
+/// shard-exp-on-fsdp preset and EP-as-TP for the shared expert -- forward and backward.
+///
+/// Every layout gives the single-rank result (outputs and every gradient) up to floating-point
+/// reassociation. How:
+///  * Tokens: the batch dimension is split over the resolved `activation_batch` axes (ranks that
+///    differ only in other axes, e.g. `tensor`, hold the same tokens). When the global batch does
+///    not divide over them and `expert` is one of them, the batch is replicated over the expert
+///    axis instead (decode).
+///  * Weights are stored in the blocks their resolved specs give (keeping what MaxText keeps) and,
+///    per step, gathered over the axes the compute spec drops (FSDP, fsdp_transpose, the fsdp part
+///    of shard-exp-on-fsdp) and sliced over axes the compute spec adds (EP-as-TP for the shared
+///    expert). Their gradients take the transposed path: all-gather <-> reduce-scatter, slice <->
+///    all-gather; contributions of ranks that hold other tokens are summed.
+///  * Routed experts: with the batch split over the expert axis the rows travel by ragged
+///    all-to-all (dispatch, local permute, grouped GEMMs, reverse); with `use_ring_of_experts`,
+///    a replicated batch, or the dense path the tokens are all-gathered over the expert axis and
+///    the partial outputs reduce-scattered back. Tensor parallelism splits the expert hidden dim;
+///    partial down-projections are reduce-scattered over `tensor`.
+///  * The load-balance loss and the bias update are global: their statistics are summed over all
+///    ranks that hold different tokens.
+
+#include <moe/comm/collectives.hpp>
+#include <moe/comm/communicator.hpp>
+#include <moe/comm/ragged_all_to_all.hpp>
+#include <moe/config.hpp>
+#include <moe/distributed/parallel_config.hpp>
+#include <moe/distributed/reshard.hpp>
+#include <moe/layer.hpp>
+#include <moe/nn/expert_ffn.hpp>
+#include <moe/permute/local_permute.hpp>
+#include <moe/permute/permute.hpp>
+#include <moe/routing/router.hpp>
+#include <moe/sharding/mesh.hpp>
+#include <moe/sharding/presets.hpp>
+#include <moe/sharding/rules.hpp>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace moe {
+
+/// \brief The block of a global tensor one rank holds: global[offset + i] for i < local_shape.
+struct TensorBlock {
+  std::vector<std::int64_t> global_shape, local_shape, offset;
+};
+
+/// \brief How the routed experts are reached.
+enum class ExpertRoute {
+  Local,      ///< no expert parallelism
+  RaggedA2A,  ///< batch split over the expert axis: rows travel by ragged all-to-all
+  Ring,       ///< tokens all-gathered over the expert axis, outputs reduce-scattered
+  Replicated  ///< every expert-axis rank holds the same tokens: outputs all-reduced
+};
+
+namespace distributed {
+
+/// Layout of one dimension of one tensor.
+struct DimLayout {
+  std::vector<std::string> storage;  ///< mesh axes (size > 1) the stored block is split over
+  std::vector<std::string> gather;   ///< storage axes the compute block spans (all-gathered)
+  std::vector<std::string> slice;    ///< axes the compute block is split over beyond storage
+  std::int64_t global = 0, stored = 0, computed = 0;
+};
+
+/// Layout of one tensor: per dim, plus the token axes over which gradient contributions differ.
+struct WeightLayout {
+  std::string name;
+  std::vector<DimLayout> dims;
+  std::vector<std::string> reduce;  ///< token axes whose contributions are summed (not gathered)
+};
+
+}  // namespace distributed
+
+/// \brief One MoE layer over MPI ranks (see the file comment for the strategies).
+///
+/// Collective calls: the constructor, forward() and backward() are collective over `comm`;
+/// every rank must call them with the same configuration (checked before the first collective:
+/// a rank whose config differs gets the same ConfigError as every other rank).
+///
+/// \tparam Scalar float or double.
+/// \tparam Policy moe::Policies<Routing, Gmm>; the partition is decided at run time by the mesh.
+template <class Scalar, class Policy = DefaultPolicies,
+          class ExecSpace = Kokkos::DefaultExecutionSpace>
+class DistributedMoeLayer {
+ public:
+  using memory_space = typename ExecSpace::memory_space;
+  using params_type = Parameters<Scalar, memory_space>;
+  using view1 = View1<Scalar, memory_space>;
+  using view2 = View2<Scalar, memory_space>;
+  using view3 = View3<Scalar, memory_space>;
+  using cview2 = View2<Scalar const, memory_space>;
+  using cview3 = View3<Scalar const, memory_space>;
+
+  /// \brief Collective. Builds the mesh and the layout for a global batch [global_batch,
+  /// seq_len, D], checks that every rank has the same configuration, allocates zero local
+  /// parameter blocks.
+  DistributedMoeLayer(MPI_Comm comm, LayerConfig const& cfg, ParallelConfig const& par,
+                      std::int64_t global_batch, std::int64_t seq_len,
+                      ExecSpace const& space = ExecSpace())
+      : world_(comm), cfg_(cfg), par_(par), space_(space), B_(global_batch), S_(seq_len) {
+    comm::check_agreement(world_, "the MoE layer configuration",
+                          describe(cfg) + "|" + par.describe() + "|B=" +
+                              std::to_string(global_batch) + "|S=" + std::to_string(seq_len));
+    comm::collective_guard(world_, [&] { setup_layout(); });
+    mesh_comm_ = std::make_unique<sharding::MeshComm>(world_.get(), mesh_);
+    make_groups();
+    kind_ = routing::resolve(typename Policy::routing_policy{}, cfg_);
+    rp_ = routing::RouteParams(cfg_, kind_);
+    params_ = alloc_params("moe::param::");
+  }
+
+  LayerConfig const& config() const { return cfg_; }
+  ParallelConfig const& parallel_config() const { return par_; }
+  sharding::Mesh const& mesh() const { return mesh_; }
+  /// How the routed experts are reached on this layout.
+  ExpertRoute expert_route() const { return route_; }
+  /// Local parameter blocks (storage layout); see block().
+  params_type& parameters() { return params_; }
+  params_type const& parameters() const { return params_; }
+
+  /// \brief The block of `name` this rank holds: "x", "y", "dy", "dx" ([B,S,D]), or a parameter
+  /// name (gate, gate_bias, wi_0, wi_1, wo, shared_wi_0, shared_wi_1, shared_wo; gradients have
+  /// the same blocks as their parameters).
+  TensorBlock block(std::string const& name) const {
+    if (name == "x" || name == "y" || name == "dx" || name == "dy") {
+      std::int64_t const b = B_ / batch_parts_;
+      return {{B_, S_, cfg_.base_emb_dim}, {b, S_, cfg_.base_emb_dim}, {batch_index_ * b, 0, 0}};
+    }
+    auto const& w = weight(name);
+    TensorBlock tb;
+    for (auto const& d : w.dims) {
+      tb.global_shape.push_back(d.global);
+      tb.local_shape.push_back(d.stored);
+      tb.offset.push_back(shard_index(d.storage) * d.stored);
+    }
+    return tb;
+  }
+
+  /// Collectives of the last forward + backward, with bytes sent by this rank.
+  distributed::CommLog const& comm_log() const { return log_; }
+  /// Layout of every weight (storage, gathered and sliced axes, token axes reduced).
+  std::vector<distributed::WeightLayout> const& weight_layouts() const { return layouts_; }
+  /// Mesh axes the batch is split over.
+  std::vector<std::string> const& batch_axes() const { return batch_axes_; }
+
+  /// \brief Collective. y_local = MoE(x_local), both [B/batch_parts, S, D].
+  void forward(cview3 x, view3 y) {
+    log_.records.clear();
+    std::int64_t const D = cfg_.base_emb_dim;
+    comm::collective_guard(world_, [&] {
+      auto const want = block("x").local_shape;
+      detail::require<ShapeError>(
+          std::int64_t(x.extent(0)) == want[0] && std::int64_t(x.extent(1)) == want[1] &&
+              std::int64_t(x.extent(2)) == want[2],
+          "x is [", x.extent(0), ",", x.extent(1), ",", x.extent(2), "] but this rank's block is [",
+          want[0], ",", want[1], ",", want[2], "]");
+      detail::require<ShapeError>(
+          y.extent(0) == x.extent(0) && y.extent(1) == x.extent(1) && y.extent(2) == x.extent(2),
+          "y must have the shape of x");
+      check_param_shapes(params_, "parameter");
+      if (cfg_.check_finite) require_finite(cview2(x.data(), x.extent(0) * S_, D), "x");
+    });
+    T_ = std::int64_t(x.extent(0)) * S_;
+    detail::ensure(space_, x_, "moe::dist::x", T_, D);
+    Kokkos::deep_copy(space_, x_, cview2(x.data(), T_, D));
+    gather_weights();
+    auto y2 = view2(y.data(), T_, D);
+    // Tokens the experts see: own (a2a, local), or the expert group's (ring).
+    if (route_ == ExpertRoute::Ring) {
+      detail::ensure(space_, xw_, "moe::dist::x_work", T_ * ep_().size(), D);
+      distributed::gather_dim(space_, ep_(), x_, xw_, 0, &log_, "all-gather tokens (ring)");
+    } else {
+      xw_ = x_;
+    }
+    route_tokens();
+    if (route_ == ExpertRoute::RaggedA2A) {
+      a2a_forward(y2);
+    } else {
+      gathered_forward(y2);
+    }
+    if (cfg_.check_finite) {
+      bool const bad = !all_finite(y2);
+      comm::any_error(world_, bad,
+                      "y holds NaN or Inf: an input or a weight that a token reaches is not "
+                      "finite (or the layer overflowed)",
+                      comm::ErrorKind::input);
+    }
+    have_forward_ = true;
+  }
+
+  /// \brief Collective. Gradients of sum(y * dy) + lb_loss (summed over all ranks) w.r.t. the
+  /// local x block (dx) and the local parameter blocks (grads; allocated if empty).
+  void backward(cview3 dy, view3 dx, params_type& grads) {
+    std::int64_t const D = cfg_.base_emb_dim;
+    comm::collective_guard(world_, [&] {
+      detail::require<Error>(have_forward_, "backward called without a forward");
+      detail::require<ShapeError>(
+          std::int64_t(dy.extent(0)) * S_ == T_ && dy.extent(1) == std::size_t(S_) &&
+              dy.extent(2) == std::size_t(D) && dx.extent(0) == dy.extent(0) &&
+              dx.extent(1) == dy.extent(1) && dx.extent(2) == dy.extent(2),
+          "dy and dx must have the shape of the forward's x");
+      if (cfg_.check_finite) require_finite(cview2(dy.data(), T_, D), "dy");
+    });
+    if (!grads.gate.data()) grads = alloc_params("moe::grad::");
+    auto dy2 = cview2(dy.data(), T_, D);
+    auto dx2 = view2(dx.data(), T_, D);
+    alloc_compute_grads();
+    std::int64_t const K = cfg_.num_experts_per_tok;
+    detail::ensure(space_, dw_, "moe::dist::d_weights", T_, K);
+    if (route_ == ExpertRoute::RaggedA2A) {
+      a2a_backward(dy2, dx2);
+    } else {
+      gathered_backward(dy2, dx2);
+    }
+    router_backward(dx2);
+    reduce_grads(grads);
+    have_forward_ = false;
+  }
+
+  /// Load-balance loss of the last forward: the global value, the same on every rank.
+  double lb_loss() const { return lb_loss_; }
+  /// Loss-free bias update of the last forward (global counts), [E]; empty unless enabled.
+  std::vector<double> const& bias_update() const { return bias_update_; }
+  /// Experts chosen for this rank's tokens, [T_local, K].
+  View2<int, memory_space> expert_ids() const { return own_rows(rs_.expert_ids); }
+  /// Combine weights for this rank's tokens before capacity dropping, [T_local, K].
+  view2 weights() const { return own_rows(rs_.weights); }
+
+ private:
+  // ------------------------------------------------------------------ layout ----------------
+  std::int64_t axis_size(std::string const& a) const {
+    return mesh_.has_axis(a) ? mesh_.size(a) : 1;
+  }
+  std::int64_t parts(std::vector<std::string> const& axes) const {
+    std::int64_t p = 1;
+    for (auto const& a : axes) p *= axis_size(a);
+    return p;
+  }
+  /// Row-major index of this rank over `axes` (in the given order).
+  std::int64_t shard_index(std::vector<std::string> const& axes) const {
+    std::int64_t idx = 0;
+    int const rank = world_.rank();
+    for (auto const& a : axes)
+      idx = idx * axis_size(a) + (mesh_.has_axis(a) ? mesh_.coord(rank, a) : 0);
+    return idx;
+  }
+  std::vector<std::string> big(std::vector<std::string> const& axes) const {
+    std::vector<std::string> out;
+    for (auto const& a : axes)
+      if (axis_size(a) > 1) out.push_back(a);
+    return out;
+  }
+  static bool contains(std::vector<std::string> const& v, std::string const& a) {
+    return std::find(v.begin(), v.end(), a) != v.end();
+  }
+  static std::vector<std::string> minus(std::vector<std::string> const& a,
+                                        std::vector<std::string> const& b) {
+    std::vector<std::string> out;
+    for (auto const& x : a)
+      if (!contains(b, x)) out.push_back(x);
+    return out;
+  }
+  static std::string join(std::vector<std::string> const& v) {
+    std::string s;
+    for (auto const& a : v) s += (s.empty() ? "" : ",") + a;
+    return s.empty() ? "none" : s;
+  }
+
+  distributed::WeightLayout const& weight(std::string const& name) const {
+    for (auto const& w : layouts_)
+      if (w.name == name) return w;
+    throw ConfigError(detail::cat("no tensor named '", name, "' in this layer"));
+  }
+
+  /// Resolves every spec, checks divisibility; pure function of the (agreed) configuration, so
+  /// every rank throws the same error.
+  void setup_layout() {
+    cfg_.validate();
+    auto const pre = sharding::preset(par_.custom_mesh_and_rule);
+    mesh_ = sharding::Mesh::from_ici(par_.ici(), world_.size(), pre.mesh_axes);
+    rules_ = pre.rules;
+    auto const E = cfg_.num_experts, D = cfg_.base_emb_dim, F = cfg_.base_moe_mlp_dim;
+    auto resolve = [&](sharding::LogicalAxes const& l) { return rules_.resolve(l); };
+    auto dimaxes = [&](sharding::PartitionSpec const& s, int d) { return big(s[d]); };
+    // Tokens.
+    auto const xs = resolve({"activation_batch", "activation_norm_length", "activation_embed"});
+    detail::require<ConfigError>(dimaxes(xs, 1).empty(),
+                                 "the sequence dimension resolves to mesh axes [",
+                                 join(dimaxes(xs, 1)),
+                                 "]: sequence (context) parallelism is not supported by the MoE "
+                                 "layer; set those ici_* degrees to 1");
+    batch_axes_ = dimaxes(xs, 0);
+    // Expert weights.
+    auto const wi_st = resolve({"exp", "embed_moe", "mlp_moe"});
+    auto const wo_st = resolve({"exp", "mlp_moe", "embed_moe"});
+    auto const wi_cp =
+        sharding::remove_mesh_axes(resolve({"exp", std::nullopt, "mlp_no_fsdp"}), {"fsdp"});
+    auto const wo_cp =
+        sharding::remove_mesh_axes(resolve({"exp", "mlp_no_fsdp", std::nullopt}), {"fsdp"});
+    ep_axes_ = dimaxes(wi_cp, 0);
+    tp_axes_ = dimaxes(wi_cp, 2);
+    auto const ep_st = dimaxes(wi_st, 0);
+    detail::require<ConfigError>(ep_st.size() >= ep_axes_.size() &&
+                                     std::equal(ep_axes_.begin(), ep_axes_.end(), ep_st.begin()),
+                                 "the expert dimension is stored over [", join(ep_st),
+                                 "] but computed over [", join(ep_axes_),
+                                 "]: the compute axes must lead the storage axes");
+    std::int64_t const ep = parts(ep_axes_), tp = parts(tp_axes_);
+    auto divisible = [&](std::int64_t n, char const* key, std::vector<std::string> const& axes) {
+      detail::require<ConfigError>(n % parts(axes) == 0, key, "=", n,
+                                   " is not divisible by the product of mesh axes [", join(axes),
+                                   "] = ", parts(axes));
+    };
+    divisible(E, "num_experts", ep_st);
+    divisible(D, "base_emb_dim", dimaxes(wi_st, 1));
+    divisible(D, "base_emb_dim", dimaxes(wo_st, 2));
+    divisible(F, "base_moe_mlp_dim", dimaxes(wi_st, 2));
+    divisible(F, "base_moe_mlp_dim", tp_axes_);
+    divisible(D, "base_emb_dim", tp_axes_);  // partial outputs are reduce-scattered over D
+    // Batch: split over its axes; a batch that does not divide over them and includes the
+    // expert axis is replicated over the expert axes (decode).
+    std::int64_t const bp = parts(batch_axes_);
+    if (B_ % bp != 0 && !ep_axes_.empty() &&
+        std::all_of(ep_axes_.begin(), ep_axes_.end(),
+                    [&](auto const& a) { return contains(batch_axes_, a); }) &&
+        B_ % (bp / ep) == 0)
+      batch_axes_ = minus(batch_axes_, ep_axes_);
+    detail::require<ConfigError>(B_ >= 1 && S_ >= 1, "global batch ", B_, " and sequence length ",
+                                 S_, " must be >= 1");
+    detail::require<ConfigError>(B_ % parts(batch_axes_) == 0, "global batch=", B_,
+                                 " is not divisible by the product of its mesh axes [",
+                                 join(batch_axes_), "] = ", parts(batch_axes_));
+    batch_parts_ = parts(batch_axes_);
+    batch_index_ = shard_index(batch_axes_);
+    bool const tokens_over_ep = std::all_of(
+        ep_axes_.begin(), ep_axes_.end(), [&](auto const& a) { return contains(batch_axes_, a); });
+    bool const dense =
+        std::is_same_v<typename Policy::gmm_policy, gmm::Dense> || !cfg_.sparse_matmul;
+    if (ep == 1)
+      route_ = ExpertRoute::Local;
+    else if (!tokens_over_ep)
+      route_ = ExpertRoute::Replicated;
+    else if (par_.use_ring_of_experts || dense)
+      route_ = ExpertRoute::Ring;
+    else
+      route_ = ExpertRoute::RaggedA2A;
+    detail::require<ConfigError>(
+        !(par_.ragged_buffer_factor > 0 && route_ != ExpertRoute::RaggedA2A),
+        "ragged_buffer_factor=", par_.ragged_buffer_factor,
+        " needs the ragged all-to-all path (expert parallelism without "
+        "use_ring_of_experts, sparse_matmul=true)");
+    (void)tp;
+    // Weight layouts.
+    auto make = [&](std::string name, sharding::PartitionSpec const& st,
+                    sharding::PartitionSpec const& cp, std::vector<std::int64_t> shape,
+                    std::vector<std::string> reduce) {
+      distributed::WeightLayout w;
+      w.name = std::move(name);
+      for (std::size_t d = 0; d < shape.size(); ++d) {
+        distributed::DimLayout dl;
+        dl.storage = big(st[d]);
+        auto const compute = big(cp[d]);
+        dl.gather = minus(dl.storage, compute);
+        dl.slice = minus(compute, dl.storage);
+        dl.global = shape[d];
+        detail::require<ConfigError>(shape[d] % parts(dl.storage) == 0, w.name, " dimension ", d,
+                                     " (", shape[d],
+                                     ") is not divisible by the product of mesh axes [",
+                                     join(dl.storage), "] = ", parts(dl.storage));
+        dl.stored = shape[d] / parts(dl.storage);
+        std::int64_t const spanned = dl.stored * parts(dl.gather);
+        detail::require<ConfigError>(spanned % parts(dl.slice) == 0, w.name, " dimension ", d, " (",
+                                     spanned, " after the gather) is not divisible by [",
+                                     join(dl.slice), "] = ", parts(dl.slice));
+        dl.computed = spanned / parts(dl.slice);
+        w.dims.push_back(dl);
+      }
+      // Gradient contributions differ over the token axes the weight's compute block is not
+      // split over (a rank that holds other tokens contributes other terms).
+      w.reduce = reduce;
+      layouts_.push_back(w);
+    };
+    std::vector<std::string> const none;
+    auto const expert_reduce = minus(batch_axes_, ep_axes_);
+    make("wi_0", wi_st, wi_cp, {E, D, F}, expert_reduce);
+    make("wi_1", wi_st, wi_cp, {E, D, F}, expert_reduce);
+    make("wo", wo_st, wo_cp, {E, F, D}, expert_reduce);
+    sharding::LogicalAxes const gate_l = {cfg_.shared_experts > 0 ? "embed_moe" : "embed",
+                                          std::nullopt};
+    make("gate", resolve(gate_l), {{}, {}}, {D, E}, batch_axes_);
+    if (cfg_.routed_bias) make("gate_bias", {{}}, {{}}, {E}, batch_axes_);
+    int const Fs = cfg_.shared_mlp_dim();
+    if (Fs > 0) {
+      // EP-as-TP: the shared hidden dim is computed split over the tensor axes and the expert
+      // axes; tokens are all-gathered over the expert axes for it.
+      auto hidden = tp_axes_;
+      for (auto const& a : ep_axes_) hidden.push_back(a);
+      sharding::PartitionSpec const cp_in = {{}, hidden}, cp_out = {hidden, {}};
+      auto const sh_reduce =
+          route_ == ExpertRoute::Replicated ? batch_axes_ : minus(batch_axes_, ep_axes_);
+      make("shared_wi_0", resolve({"embed", "mlp"}), cp_in, {D, Fs}, sh_reduce);
+      make("shared_wi_1", resolve({"embed", "mlp"}), cp_in, {D, Fs}, sh_reduce);
+      make("shared_wo", resolve({"mlp", "embed"}), cp_out, {Fs, D}, sh_reduce);
+    }
+    L_ = E / ep;
+    e0_ = shard_index(ep_axes_) * L_;
+  }
+
+  void make_groups() {
+    auto group = [&](std::vector<std::string> const& axes) {
+      std::string key = join(axes);
+      auto it = groups_.find(key);
+      if (it == groups_.end()) {
+        MPI_Comm c = axes.empty() ? MPI_COMM_SELF : mesh_comm_->group_comm(axes);
+        it = groups_.emplace(key, distributed::AxisGroup{axes, comm::Communicator(c)}).first;
+      }
+      return &it->second;
+    };
+    // Every group any rank may need, created in the same order everywhere (collective).
+    group(ep_axes_);
+    group(tp_axes_);
+    group(batch_axes_);
+    for (auto const& w : layouts_) {
+      for (auto const& d : w.dims) {
+        group(d.gather);
+        group(d.slice);
+        if (par_.moe_fsdp_use_two_stage_all_gather)
+          for (auto const& a : d.gather) group({a});
+        group(minus(d.gather, minus(d.gather, w.reduce)));  // gathered axes that also reduce
+      }
+      std::vector<std::string> gathered;
+      for (auto const& d : w.dims)
+        for (auto const& a : d.gather) gathered.push_back(a);
+      group(minus(w.reduce, gathered));
+    }
+    ep_g_ = &group_of(ep_axes_);
+    tp_g_ = &group_of(tp_axes_);
+    batch_g_ = &group_of(batch_axes_);
+  }
+
+  distributed::AxisGroup const& ep_() const { return *ep_g_; }
+  distributed::AxisGroup const& tp_() const { return *tp_g_; }
+  distributed::AxisGroup const& batch_() const { return *batch_g_; }
+
+  distributed::AxisGroup const& group_of(std::vector<std::string> const& axes) const {
+    return groups_.at(join(axes));
+  }
+
+  params_type alloc_params(std::string const& prefix) const {
+    params_type p;
+    auto shape = [&](char const* n) { return block(n).local_shape; };
+    auto v2 = [&](char const* n) {
+      auto s = shape(n);
+      return view2(prefix + n, s[0], s[1]);
+    };
+    auto v3 = [&](char const* n) {
+      auto s = shape(n);
+      return view3(prefix + n, s[0], s[1], s[2]);
+    };
+    p.gate = v2("gate");
+    if (cfg_.routed_bias) p.gate_bias = view1(prefix + "gate_bias", cfg_.num_experts);
+    p.wi_0 = v3("wi_0");
+    p.wi_1 = v3("wi_1");
+    p.wo = v3("wo");
+    if (cfg_.shared_mlp_dim() > 0) {
+      p.shared_wi_0 = v2("shared_wi_0");
+      p.shared_wi_1 = v2("shared_wi_1");
+      p.shared_wo = v2("shared_wo");
+    }
+    return p;
+  }
+
+  void check_param_shapes(params_type const& p, char const* what) const {
+    p.for_each([&](char const* name, auto const& v) {
+      auto const want = block(name).local_shape;
+      bool ok = v.data() != nullptr || v.span() == 0;
+      for (std::size_t r = 0; r < want.size(); ++r) ok = ok && std::int64_t(v.extent(r)) == want[r];
+      if (!ok)
+        throw ShapeError(
+            detail::cat(what, " ", name, " has a block of the wrong shape on this rank"));
+    });
+  }
+
+  template <class V>
+  bool all_finite(V const& v) const {
+    auto const* p = v.data();
+    int bad = 0;
+    Kokkos::parallel_reduce(
+        "moe::dist::is_finite", Kokkos::RangePolicy<ExecSpace>(space_, 0, std::int64_t(v.span())),
+        KOKKOS_LAMBDA(std::size_t i, int& b) { b += moe::detail::isfinite(p[i]) ? 0 : 1; }, bad);
+    return bad == 0;
+  }
+  template <class V>
+  void require_finite(V const& v, char const* name) const {
+    detail::require<InputError>(all_finite(v), name,
+                                " holds NaN or Inf: inputs and weights must be finite");
+  }
+
+  // ------------------------------------------------------------------ weights ---------------
+  /// Compute block of a stored weight: gather over `gather` axes, slice over `slice` axes.
+  template <class V>
+  V to_compute(distributed::WeightLayout const& w, V const& stored) {
+    // All gathers first, then the slices: a gather must combine blocks cut the same way.
+    V cur = stored;
+    for (std::size_t d = 0; d < w.dims.size(); ++d) {
+      auto const& dl = w.dims[d];
+      if (dl.gather.empty()) continue;
+      std::vector<std::vector<std::string>> stages{dl.gather};
+      if (par_.moe_fsdp_use_two_stage_all_gather && dl.gather.size() > 1) {
+        // one collective per axis, minor axis first, so blocks stay in row-major order
+        stages.clear();
+        for (auto it = dl.gather.rbegin(); it != dl.gather.rend(); ++it) stages.push_back({*it});
+      }
+      for (auto const& st : stages) {
+        auto const& g = group_of(st);
+        V next = grown(cur, d, g.size(), "moe::dist::gathered_" + w.name);
+        distributed::gather_dim(space_, g, cur, next, int(d), &log_, "gather " + w.name);
+        cur = next;
+      }
+    }
+    for (std::size_t d = 0; d < w.dims.size(); ++d) {
+      auto const& dl = w.dims[d];
+      if (dl.slice.empty()) continue;
+      std::int64_t const P = parts(dl.slice);
+      V next = grown(cur, d, 1, "moe::dist::sliced_" + w.name, P);
+      distributed::slice_dim(space_, int(P), int(shard_index(dl.slice)), cur, next, int(d));
+      cur = next;
+    }
+    return cur;
+  }
+
+  /// A view like v with dimension d multiplied by mul and divided by div.
+  template <class V>
+  static V grown(V const& v, std::size_t d, std::int64_t mul, std::string const& label,
+                 std::int64_t div = 1) {
+    std::size_t ext[3] = {v.extent(0), V::rank > 1 ? v.extent(1) : 1,
+                          V::rank > 2 ? v.extent(2) : 1};
+    ext[d] = ext[d] * mul / div;
+    if constexpr (V::rank == 1)
+      return V(Kokkos::view_alloc(Kokkos::WithoutInitializing, label), ext[0]);
+    else if constexpr (V::rank == 2)
+      return V(Kokkos::view_alloc(Kokkos::WithoutInitializing, label), ext[0], ext[1]);
+    else
+      return V(Kokkos::view_alloc(Kokkos::WithoutInitializing, label), ext[0], ext[1], ext[2]);
+  }
+
+  void gather_weights() {
+    cp_.gate = to_compute(weight("gate"), params_.gate);
+    if (cfg_.routed_bias) cp_.gate_bias = params_.gate_bias;
+    cp_.wi_0 = to_compute(weight("wi_0"), params_.wi_0);
+    cp_.wi_1 = to_compute(weight("wi_1"), params_.wi_1);
+    cp_.wo = to_compute(weight("wo"), params_.wo);
+    if (cfg_.shared_mlp_dim() > 0) {
+      cp_.shared_wi_0 = to_compute(weight("shared_wi_0"), params_.shared_wi_0);
+      cp_.shared_wi_1 = to_compute(weight("shared_wi_1"), params_.shared_wi_1);
+      cp_.shared_wo = to_compute(weight("shared_wo"), params_.shared_wo);
+    }
+  }
+
+  void alloc_compute_grads() {
+    auto like2 = [](view2 const& v, char const* l) {
+      return view2(std::string(l), v.extent(0), v.extent(1));
+    };
+    auto like3 = [](view3 const& v, char const* l) {
+      return view3(std::string(l), v.extent(0), v.extent(1), v.extent(2));
+    };
+    gc_.gate = like2(cp_.gate, "moe::dist::d_gate");
+    if (cfg_.routed_bias) gc_.gate_bias = view1("moe::dist::d_gate_bias", cfg_.num_experts);
+    gc_.wi_0 = like3(cp_.wi_0, "moe::dist::d_wi_0");
+    gc_.wi_1 = like3(cp_.wi_1, "moe::dist::d_wi_1");
+    gc_.wo = like3(cp_.wo, "moe::dist::d_wo");
+    if (cfg_.shared_mlp_dim() > 0) {
+      gc_.shared_wi_0 = like2(cp_.shared_wi_0, "moe::dist::d_shared_wi_0");
+      gc_.shared_wi_1 = like2(cp_.shared_wi_1, "moe::dist::d_shared_wi_1");
+      gc_.shared_wo = like2(cp_.shared_wo, "moe::dist::d_shared_wo");
+    }
+  }
+
+  /// Compute-block gradient -> stored-block gradient: sum over the token axes that differ,
+  /// transposing the gathers (reduce-scatter) and the slices (all-gather).
+  template <class V>
+  void to_storage(distributed::WeightLayout const& w, V const& computed, V const& out) {
+    std::vector<std::string> gathered;
+    for (auto const& d : w.dims)
+      for (auto const& a : d.gather) gathered.push_back(a);
+    V cur = computed;
+    distributed::all_reduce(space_, group_of(minus(w.reduce, gathered)), cur, &log_,
+                            "reduce d_" + w.name);
+    // The transpose of to_compute: undo the slices (all-gather), then the gathers.
+    for (std::size_t d = 0; d < w.dims.size(); ++d) {
+      auto const& dl = w.dims[d];
+      if (dl.slice.empty()) continue;
+      auto const& g = group_of(dl.slice);
+      V next = grown(cur, d, g.size(), "moe::dist::unsliced_d_" + w.name);
+      distributed::gather_dim(space_, g, cur, next, int(d), &log_, "unslice d_" + w.name);
+      cur = next;
+    }
+    for (std::size_t d = 0; d < w.dims.size(); ++d) {
+      auto const& dl = w.dims[d];
+      if (dl.gather.empty()) continue;
+      auto const summed = minus(dl.gather, minus(dl.gather, w.reduce));
+      std::int64_t const P = parts(dl.gather);
+      V next = grown(cur, d, 1, "moe::dist::scattered_d_" + w.name, P);
+      if (summed.size() == dl.gather.size()) {
+        distributed::reduce_scatter_dim(space_, group_of(dl.gather), cur, next, int(d), &log_,
+                                        "reduce-scatter d_" + w.name);
+      } else {
+        distributed::all_reduce(space_, group_of(summed), cur, &log_, "reduce d_" + w.name);
+        distributed::slice_dim(space_, int(P), int(shard_index(dl.gather)), cur, next, int(d));
+      }
+      cur = next;
+    }
+    Kokkos::deep_copy(space_, out, cur);
+  }
+
+  void reduce_grads(params_type& g) {
+    to_storage(weight("gate"), gc_.gate, g.gate);
+    if (cfg_.routed_bias) to_storage(weight("gate_bias"), gc_.gate_bias, g.gate_bias);
+    to_storage(weight("wi_0"), gc_.wi_0, g.wi_0);
+    to_storage(weight("wi_1"), gc_.wi_1, g.wi_1);
+    to_storage(weight("wo"), gc_.wo, g.wo);
+    if (cfg_.shared_mlp_dim() > 0) {
+      to_storage(weight("shared_wi_0"), gc_.shared_wi_0, g.shared_wi_0);
+      to_storage(weight("shared_wi_1"), gc_.shared_wi_1, g.shared_wi_1);
+      to_storage(weight("shared_wo"), gc_.shared_wo, g.shared_wo);
+    }
+  }
+
+  // ------------------------------------------------------------------ routing ---------------
+  /// Rows of this rank's own tokens inside the routed (possibly EP-gathered) rows.
+  template <class V>
+  V own_rows(V const& v) const {
+    if (route_ != ExpertRoute::Ring || !v.data()) return v;
+    return V(v.data() + ep_().rank() * T_ * v.extent(1), T_, v.extent(1));
+  }
+
+  void route_tokens() {
+    std::int64_t const Tw = xw_.extent(0);
+    int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
+    detail::ensure(space_, rs_.logits, "moe::dist::logits", Tw, E);
+    moe::detail::gemm(space_, "N", "N", Scalar(1), cview2(xw_), cp_.gate, Scalar(0), rs_.logits);
+    if (cfg_.routed_score_func == ScoreFunc::None) {
+      rs_.scores = rs_.logits;
+    } else {
+      detail::ensure(space_, rs_.scores, "moe::dist::scores", Tw, E);
+      routing::apply_score(space_, cfg_.routed_score_func, cview2(rs_.logits), rs_.scores);
+    }
+    if (cfg_.routed_bias) {
+      detail::ensure(space_, rs_.biased, "moe::dist::biased", Tw, E);
+      auto s = rs_.scores;
+      auto b = rs_.biased;
+      auto bias = cp_.gate_bias;
+      Kokkos::parallel_for(
+          "moe::dist::add_bias", Kokkos::RangePolicy<ExecSpace>(space_, 0, Tw),
+          KOKKOS_LAMBDA(std::int64_t t) {
+            for (int e = 0; e < E; ++e) b(t, e) = s(t, e) + bias(e);
+          });
+    } else {
+      rs_.biased = rs_.scores;
+    }
+    detail::ensure(space_, rs_.expert_ids, "moe::dist::expert_ids", Tw, K);
+    detail::ensure(space_, rs_.top_values, "moe::dist::top_values", Tw, K);
+    detail::ensure(space_, rs_.weights, "moe::dist::weights", Tw, K);
+    detail::ensure(space_, rs_.kept, "moe::dist::kept", Tw, K);
+    // Random routing draws from the global token index: route each member's rows with its own
+    // offset (a member's tokens are a contiguous block of the global batch).
+    int const members = route_ == ExpertRoute::Ring ? ep_().size() : 1;
+    std::int64_t const T = Tw / members;
+    for (int m = 0; m < members; ++m) {
+      std::int64_t const off = m * T;
+      auto rows2 = [&](auto const& v) {
+        using VV = std::decay_t<decltype(v)>;
+        return VV(v.data() + off * v.extent(1), T, v.extent(1));
+      };
+      std::int64_t const member_batch =
+          route_ == ExpertRoute::Ring ? member_batch_index(m) : batch_index_;
+      routing::select_topk(space_, rp_, std::uint64_t(member_batch * T), cview2(rows2(rs_.scores)),
+                           cview2(rows2(rs_.biased)), rows2(rs_.expert_ids), rows2(rs_.top_values),
+                           rows2(rs_.weights));
+    }
+    auto const ids = View2<int const, memory_space>(rs_.expert_ids);
+    routing::capacity_mask(space_, ids, S_, cfg_.capacity_factor > 0 ? cfg_.capacity(S_) : -1, E,
+                           rs_.kept);
+    // Global load-balance loss over this rank's own sequences, summed over the batch axes.
+    lb_loss_ = 0;
+    if (cfg_.load_balance_loss_weight > 0) {
+      std::int64_t const b_own = T_ / S_;
+      detail::ensure(space_, rs_.seq_counts, "moe::dist::seq_counts", b_own, E);
+      detail::ensure(space_, rs_.seq_probs, "moe::dist::seq_probs", b_own, E);
+      double local =
+          routing::lb_statistics(space_, cview2(own_rows(rs_.biased)),
+                                 View2<int const, memory_space>(own_rows(rs_.expert_ids)), S_,
+                                 rs_.seq_counts, rs_.seq_probs);
+      View1<double, Kokkos::HostSpace> v("moe::dist::lb_sum", 1);
+      v(0) = local;
+      distributed::all_reduce(Kokkos::DefaultHostExecutionSpace(), batch_(), v, &log_, "lb loss");
+      lb_loss_ = cfg_.load_balance_loss_weight * E * v(0) / (double(B_) * S_ * S_);
+    }
+    bias_update_.clear();
+    if (cfg_.routed_bias_update_rate > 0) {
+      detail::ensure(space_, rs_.expert_counts, "moe::dist::expert_counts", E);
+      routing::expert_histogram(space_, View2<int const, memory_space>(own_rows(rs_.expert_ids)),
+                                rs_.expert_counts);
+      View1<std::int64_t, Kokkos::HostSpace> h("moe::dist::counts", E);
+      Kokkos::deep_copy(h, rs_.expert_counts);
+      distributed::all_reduce(Kokkos::DefaultHostExecutionSpace(), batch_(), h, &log_,
+                              "bias counts");
+      std::vector<std::int64_t> counts(h.data(), h.data() + E);
+      bias_update_ = routing::bias_update(counts, B_ * S_ * K, cfg_.routed_bias_update_rate);
+    }
+  }
+
+  /// Batch block index of the m-th member of this rank's expert group.
+  std::int64_t member_batch_index(int m) const {
+    // The member differs from this rank only in the expert axes: substitute its coordinates.
+    std::int64_t idx = 0;
+    int const rank = world_.rank();
+    std::int64_t rem = m;
+    std::vector<std::int64_t> ep_coord(ep_axes_.size());
+    for (std::size_t i = ep_axes_.size(); i-- > 0;) {
+      ep_coord[i] = rem % axis_size(ep_axes_[i]);
+      rem /= axis_size(ep_axes_[i]);
+    }
+    for (auto const& a : batch_axes_) {
+      auto it = std::find(ep_axes_.begin(), ep_axes_.end(), a);
+      std::int64_t const c = it != ep_axes_.end() ? ep_coord[it - ep_axes_.begin()]
+                                                  : (mesh_.has_axis(a) ? mesh_.coord(rank, a) : 0);
+      idx = idx * axis_size(a) + c;
+    }
+    return idx;
+  }
+
+  /// d_weights -> gate logits -> dx (+=) and the gate / bias gradients (compute blocks).
+  void router_backward(view2 dx) {
+    int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
+    detail::ensure(space_, d_top_, "moe::dist::d_top", T_, K);
+    detail::ensure(space_, d_biased_, "moe::dist::d_biased", T_, E);
+    detail::ensure(space_, d_logits_, "moe::dist::d_logits", T_, E);
+    routing::RoutingState<Scalar, memory_space> own = rs_;
+    own.logits = own_rows(rs_.logits);
+    own.scores = own_rows(rs_.scores);
+    own.biased = own_rows(rs_.biased);
+    own.expert_ids = own_rows(rs_.expert_ids);
+    own.top_values = own_rows(rs_.top_values);
+    own.weights = own_rows(rs_.weights);
+    double const lb_coef = cfg_.load_balance_loss_weight > 0
+                               ? cfg_.load_balance_loss_weight * E / (double(B_) * S_ * S_)
+                               : 0.0;
+    routing::route_backward(space_, rp_, own, cview2(dw_), S_, lb_coef, d_top_, d_biased_,
+                            d_logits_);
+    moe::detail::gemm(space_, "T", "N", Scalar(1), cview2(x_), d_logits_, Scalar(0), gc_.gate);
+    moe::detail::gemm(space_, "N", "T", Scalar(1), d_logits_, cp_.gate, Scalar(1), dx);
+    if (cfg_.routed_bias) routing::column_sums(space_, cview2(d_biased_), gc_.gate_bias);
+  }
+
+  // ------------------------------------------------------------ ragged all-to-all path ------
+  void a2a_forward(view2 y) {
+    int const D = cfg_.base_emb_dim, E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
+    int const ep = ep_().size(), tp = tp_().size();
+    permute::sort_by_expert(space_, View2<int const, memory_space>(rs_.expert_ids),
+                            View2<int const, memory_space>(rs_.kept), E, perm_);
+    std::int64_t const n_o = perm_.rows();
+    detail::ensure(space_, xs_o_, "moe::dist::x_sorted", n_o, D);
+    permute::gather_rows(space_, cview2(x_), View1<std::int64_t const, memory_space>(perm_.perm), K,
+                         xs_o_);
+    auto const& off = perm_.groups.offsets_host;
+    std::vector<std::int64_t> sizes(E), send(ep);
+    for (int e = 0; e < E; ++e) sizes[e] = off(e + 1) - off(e);
+    for (int j = 0; j < ep; ++j) send[j] = off((j + 1) * L_) - off(j * L_);
+    std::int64_t const R =
+        par_.ragged_buffer_factor > 0
+            ? comm::ragged_buffer_size(T_ * K, ep, E, K, par_.ragged_buffer_factor)
+            : -1;
+    a2a_ = std::make_unique<comm::RaggedAllToAll>(ep_().comm, send, R);
+    log_.add("dispatch", "all-to-all", ep_axes_, n_o * D * std::int64_t(sizeof(Scalar)));
+    detail::ensure(space_, xr_, "moe::dist::x_received", a2a_->recv_total(), D);
+    a2a_->forward(space_, xs_o_, xr_);
+    // Everyone's group sizes -> the local regrouping of received rows by local expert.
+    View1<std::int64_t, Kokkos::HostSpace> mine("moe::dist::sizes", E),
+        all("moe::dist::all_sizes", E * ep);
+    std::copy(sizes.begin(), sizes.end(), mine.data());
+    comm::all_gather(ep_().comm, Kokkos::DefaultHostExecutionSpace(), mine, all);
+    std::vector<std::int64_t> G(all.data(), all.data() + E * ep);
+    lp_ = permute::local_permute(space_, G, E, ep, ep_().rank(), R);
+    std::int64_t const n = lp_.rows();
+    detail::ensure(space_, xs_, "moe::dist::x_local", n, D);
+    permute::permute_rows(space_, lp_, xr_, xs_);
+    groups_local_.offsets = lp_.group_offsets;
+    groups_local_.offsets_host = lp_.group_offsets_host;
+    detail::ensure(space_, ys_, "moe::dist::y_local", n, D);
+    ffn_.forward(space_, cfg_.mlp_activation, xs_, groups_local_, cp_.wi_0, cp_.wi_1, cp_.wo, ys_);
+    // Partial down-projections (tensor-split hidden dim) -> column blocks of D.
+    std::int64_t const Dc = D / tp;
+    detail::ensure(space_, ys_c_, "moe::dist::y_local_cols", n, Dc);
+    distributed::reduce_scatter_dim(space_, tp_(), ys_, ys_c_, 1, &log_,
+                                    "reduce-scatter y (tensor)");
+    detail::ensure(space_, yr_c_, "moe::dist::y_received_cols", a2a_->recv_total(), Dc);
+    permute::unpermute_rows(space_, lp_, ys_c_, yr_c_);
+    detail::ensure(space_, ys_o_c_, "moe::dist::y_sorted_cols", n_o, Dc);
+    log_.add("combine", "all-to-all", ep_axes_,
+             a2a_->recv_total() * Dc * std::int64_t(sizeof(Scalar)));
+    a2a_->reverse(space_, yr_c_, ys_o_c_);
+    detail::ensure(space_, y_c_, "moe::dist::y_cols", T_, Dc);
+    permute::combine(space_, cview2(ys_o_c_),
+                     View1<std::int64_t const, memory_space>(perm_.inverse), cview2(rs_.weights),
+                     false, y_c_);
+    finish_output(y);
+  }
+
+  void a2a_backward(cview2 dy, view2 dx) {
+    int const D = cfg_.base_emb_dim, K = cfg_.num_experts_per_tok, tp = tp_().size();
+    std::int64_t const Dc = D / tp, n_o = perm_.rows(), n = lp_.rows();
+    // This rank's column block of dy.
+    detail::ensure(space_, dy_c_, "moe::dist::dy_cols", T_, Dc);
+    distributed::slice_dim(space_, tp, tp_().rank(), dy, dy_c_, 1);
+    detail::ensure(space_, dys_o_c_, "moe::dist::dy_sorted_cols", n_o, Dc);
+    permute::combine_backward(
+        space_, cview2(dy_c_), cview2(ys_o_c_), View1<std::int64_t const, memory_space>(perm_.perm),
+        View1<std::int64_t const, memory_space>(perm_.inverse), cview2(rs_.weights), dys_o_c_, dw_);
+    distributed::all_reduce(space_, tp_(), dw_, &log_, "reduce d_weights (tensor)");
+    detail::ensure(space_, dyr_c_, "moe::dist::dy_received_cols", a2a_->recv_total(), Dc);
+    log_.add("dispatch d_y", "all-to-all", ep_axes_, n_o * Dc * std::int64_t(sizeof(Scalar)));
+    a2a_->forward(space_, dys_o_c_, dyr_c_);
+    detail::ensure(space_, dys_c_, "moe::dist::dy_local_cols", n, Dc);
+    permute::permute_rows(space_, lp_, dyr_c_, dys_c_);
+    detail::ensure(space_, dys_, "moe::dist::dy_local", n, D);
+    distributed::gather_dim(space_, tp_(), dys_c_, dys_, 1, &log_, "all-gather d_y (tensor)");
+    // dxs (partial over the tensor-split hidden dim) overwrites dys.
+    ffn_.backward(space_, dys_, groups_local_, cp_.wi_0, cp_.wi_1, cp_.wo, dys_, gc_.wi_0, gc_.wi_1,
+                  gc_.wo);
+    distributed::reduce_scatter_dim(space_, tp_(), dys_, dys_c_, 1, &log_,
+                                    "reduce-scatter d_x (tensor)");
+    permute::unpermute_rows(space_, lp_, dys_c_, dyr_c_);
+    log_.add("combine d_x", "all-to-all", ep_axes_,
+             a2a_->recv_total() * Dc * std::int64_t(sizeof(Scalar)));
+    a2a_->reverse(space_, dyr_c_, dys_o_c_);
+    permute::gather_rows_backward(space_, cview2(dys_o_c_),
+                                  View1<std::int64_t const, memory_space>(perm_.inverse), K, false,
+                                  dy_c_);
+    distributed::gather_dim(space_, tp_(), dy_c_, dx, 1, &log_, "all-gather d_x (tensor)");
+    shared_backward(dy, dx);
+  }
+
+  // ------------------------------------------------ token-gathering paths (ring, replicated) --
+  /// Local experts [e0, e0+L) on the working tokens; yw [Tw, D] partial over the expert group
+  /// (only local experts) and the tensor-split hidden dim.
+  void gathered_forward(view2 y) {
+    int const D = cfg_.base_emb_dim;
+    std::int64_t const Tw = xw_.extent(0);
+    detail::ensure(space_, yw_, "moe::dist::y_work", Tw, D);
+    local_ids();
+    if (dense()) {
+      dense_forward();
+    } else {
+      int const K = cfg_.num_experts_per_tok;
+      permute::sort_by_expert(space_, View2<int const, memory_space>(lids_),
+                              View2<int const, memory_space>(lkept_), L_, perm_);
+      std::int64_t const n = perm_.rows();
+      detail::ensure(space_, xs_, "moe::dist::x_local", n, D);
+      detail::ensure(space_, ys_, "moe::dist::y_local", n, D);
+      permute::gather_rows(space_, cview2(xw_), View1<std::int64_t const, memory_space>(perm_.perm),
+                           K, xs_);
+      ffn_.forward(space_, cfg_.mlp_activation, xs_, perm_.groups, cp_.wi_0, cp_.wi_1, cp_.wo, ys_);
+      permute::combine(space_, cview2(ys_), View1<std::int64_t const, memory_space>(perm_.inverse),
+                       cview2(rs_.weights), false, yw_);
+    }
+    // Sum the expert group's partial outputs onto each rank's own tokens, then split D over tensor.
+    detail::ensure(space_, yo_, "moe::dist::y_own", T_, D);
+    tokens_reduce(yw_, yo_, "y");
+    detail::ensure(space_, y_c_, "moe::dist::y_cols", T_, D / tp_().size());
+    distributed::reduce_scatter_dim(space_, tp_(), yo_, y_c_, 1, &log_,
+                                    "reduce-scatter y (tensor)");
+    finish_output(y);
+  }
+
+  void gathered_backward(cview2 dy, view2 dx) {
+    int const D = cfg_.base_emb_dim, K = cfg_.num_experts_per_tok;
+    std::int64_t const Tw = xw_.extent(0);
+    detail::ensure(space_, dyw_, "moe::dist::dy_work", Tw, D);
+    tokens_gather(dy, dyw_, "d_y");
+    detail::ensure(space_, dww_, "moe::dist::d_weights_work", Tw, K);
+    detail::ensure(space_, dxw_, "moe::dist::dx_work", Tw, D);
+    if (dense()) {
+      dense_backward();
+    } else {
+      std::int64_t const n = perm_.rows();
+      View1<std::int64_t const, memory_space> perm(perm_.perm), inv(perm_.inverse);
+      detail::ensure(space_, dys_, "moe::dist::dy_local", n, D);
+      permute::combine_backward(space_, cview2(dyw_), cview2(ys_), perm, inv, cview2(rs_.weights),
+                                dys_, dww_);
+      ffn_.backward(space_, dys_, perm_.groups, cp_.wi_0, cp_.wi_1, cp_.wo, dys_, gc_.wi_0,
+                    gc_.wi_1, gc_.wo);
+      permute::gather_rows_backward(space_, cview2(dys_), inv, K, false, dxw_);
+    }
+    // ys and dxs are partial over the tensor-split hidden dim; the expert group's partial
+    // d_weights / dx go back to the ranks that own the tokens.
+    distributed::all_reduce(space_, tp_(), dww_, &log_, "reduce d_weights (tensor)");
+    tokens_reduce(dww_, dw_, "d_weights");
+    distributed::all_reduce(space_, tp_(), dxw_, &log_, "reduce d_x (tensor)");
+    tokens_reduce(dxw_, dx, "d_x");
+    shared_backward(dy, dx);
+  }
+
+  /// Working tokens -> own tokens: reduce-scatter (ring) or all-reduce (replicated) over the
+  /// expert group; a copy without expert parallelism.
+  void tokens_reduce(view2 work, view2 own, char const* what) {
+    if (route_ == ExpertRoute::Ring) {
+      distributed::reduce_scatter_dim(space_, ep_(), work, own, 0, &log_,
+                                      std::string("reduce-scatter ") + what + " (expert)");
+    } else {
+      distributed::all_reduce(space_, ep_(), work, &log_,
+                              std::string("reduce ") + what + " (expert)");
+      Kokkos::deep_copy(space_, own, work);
+    }
+  }
+  /// Own tokens -> working tokens (the transpose of tokens_reduce).
+  void tokens_gather(cview2 own, view2 work, char const* what) {
+    if (route_ == ExpertRoute::Ring)
+      distributed::gather_dim(space_, ep_(), own, work, 0, &log_,
+                              std::string("all-gather ") + what + " (expert)");
+    else
+      Kokkos::deep_copy(space_, work, own);
+  }
+
+  bool dense() const {
+    return std::is_same_v<typename Policy::gmm_policy, gmm::Dense> || !cfg_.sparse_matmul;
+  }
+
+  /// Local expert ids (global id - e0) and the kept mask restricted to local experts.
+  void local_ids() {
+    std::int64_t const Tw = xw_.extent(0);
+    int const K = cfg_.num_experts_per_tok;
+    int const e0 = int(e0_), L = int(L_);
+    detail::ensure(space_, lids_, "moe::dist::local_ids", Tw, K);
+    detail::ensure(space_, lkept_, "moe::dist::local_kept", Tw, K);
+    auto ids = rs_.expert_ids;
+    auto kept = rs_.kept;
+    auto li = lids_;
+    auto lk = lkept_;
+    Kokkos::parallel_for(
+        "moe::dist::local_ids", Kokkos::RangePolicy<ExecSpace>(space_, 0, Tw),
+        KOKKOS_LAMBDA(std::int64_t t) {
+          for (int k = 0; k < K; ++k) {
+            int const l = ids(t, k) - e0;
+            bool const mine = l >= 0 && l < L;
+            li(t, k) = mine ? l : 0;
+            lk(t, k) = mine && kept(t, k) ? 1 : 0;
+          }
+        });
+  }
+
+  /// wd[t,l] = sum_k w[t,k] * kept_local[t,k] * [lid == l]
+  void dense_weights() {
+    std::int64_t const Tw = xw_.extent(0);
+    int const K = cfg_.num_experts_per_tok, L = int(L_);
+    detail::ensure(space_, wd_, "moe::dist::dense_weights", Tw, L);
+    auto wd = wd_;
+    auto w = rs_.weights;
+    auto li = lids_;
+    auto lk = lkept_;
+    Kokkos::parallel_for(
+        "moe::dist::dense_weights", Kokkos::RangePolicy<ExecSpace>(space_, 0, Tw),
+        KOKKOS_LAMBDA(std::int64_t t) {
+          for (int l = 0; l < L; ++l) wd(t, l) = Scalar(0);
+          for (int k = 0; k < K; ++k)
+            if (lk(t, k)) wd(t, li(t, k)) += w(t, k);
+        });
+  }
+
+  void dense_expert(int l) {
+    std::int64_t const Tw = xw_.extent(0);
+    int const D = cfg_.base_emb_dim;
+    std::int64_t const F = cp_.wi_0.extent(2);
+    detail::ensure(space_, h0_, "moe::dist::h0", Tw, F);
+    detail::ensure(space_, h1_, "moe::dist::h1", Tw, F);
+    detail::ensure(space_, a_, "moe::dist::act", Tw, F);
+    detail::ensure(space_, ye_, "moe::dist::y_expert", Tw, D);
+    auto sub = [&](view3 const& w) { return Kokkos::subview(w, l, Kokkos::ALL(), Kokkos::ALL()); };
+    moe::detail::gemm(space_, "N", "N", Scalar(1), cview2(xw_), sub(cp_.wi_0), Scalar(0), h0_);
+    moe::detail::gemm(space_, "N", "N", Scalar(1), cview2(xw_), sub(cp_.wi_1), Scalar(0), h1_);
+    nn::gated_forward(space_, cfg_.mlp_activation, Tw, cview2(h0_), cview2(h1_), a_);
+    moe::detail::gemm(space_, "N", "N", Scalar(1), cview2(a_), sub(cp_.wo), Scalar(0), ye_);
+  }
+
+  void dense_forward() {
+    std::int64_t const Tw = xw_.extent(0);
+    int const D = cfg_.base_emb_dim;
+    dense_weights();
+    Kokkos::deep_copy(space_, yw_, Scalar(0));
+    for (int l = 0; l < int(L_); ++l) {
+      dense_expert(l);
+      auto wd = wd_;
+      auto ye = ye_;
+      auto yw = yw_;
+      Kokkos::parallel_for(
+          "moe::dist::dense_combine", Kokkos::RangePolicy<ExecSpace>(space_, 0, Tw),
+          KOKKOS_LAMBDA(std::int64_t t) {
+            for (int d = 0; d < D; ++d) yw(t, d) += wd(t, l) * ye(t, d);
+          });
+    }
+  }
+
+  void dense_backward() {
+    std::int64_t const Tw = xw_.extent(0);
+    int const D = cfg_.base_emb_dim, K = cfg_.num_experts_per_tok, L = int(L_);
+    std::int64_t const F = cp_.wi_0.extent(2);
+    detail::ensure(space_, dye_, "moe::dist::dy_expert", Tw, D);
+    detail::ensure(space_, da_, "moe::dist::d_act", Tw, F);
+    detail::ensure(space_, dh1_, "moe::dist::d_h1", Tw, F);
+    detail::ensure(space_, dwd_, "moe::dist::d_dense_weights", Tw, L);
+    Kokkos::deep_copy(space_, dxw_, Scalar(0));
+    for (int l = 0; l < L; ++l) {
+      dense_expert(l);
+      auto wd = wd_;
+      auto dwd = dwd_;
+      auto ye = ye_;
+      auto dye = dye_;
+      auto dyw = dyw_;
+      Kokkos::parallel_for(
+          "moe::dist::dense_combine_backward", Kokkos::RangePolicy<ExecSpace>(space_, 0, Tw),
+          KOKKOS_LAMBDA(std::int64_t t) {
+            Scalar acc = 0;
+            for (int d = 0; d < D; ++d) {
+              acc += dyw(t, d) * ye(t, d);
+              dye(t, d) = wd(t, l) * dyw(t, d);
+            }
+            dwd(t, l) = acc;
+          });
+      auto sub = [&](view3 const& w) {
+        return Kokkos::subview(w, l, Kokkos::ALL(), Kokkos::ALL());
+      };
+      moe::detail::gemm(space_, "T", "N", Scalar(1), cview2(a_), cview2(dye_), Scalar(0),
+                        sub(gc_.wo));
+      moe::detail::gemm(space_, "N", "T", Scalar(1), cview2(dye_), sub(cp_.wo), Scalar(0), da_);
+      nn::gated_backward(space_, cfg_.mlp_activation, Tw, cview2(h0_), cview2(h1_), cview2(da_),
+                         da_, dh1_);
+      moe::detail::gemm(space_, "T", "N", Scalar(1), cview2(xw_), cview2(da_), Scalar(0),
+                        sub(gc_.wi_0));
+      moe::detail::gemm(space_, "T", "N", Scalar(1), cview2(xw_), cview2(dh1_), Scalar(0),
+                        sub(gc_.wi_1));
+      moe::detail::gemm(space_, "N", "T", Scalar(1), cview2(da_), sub(cp_.wi_0), Scalar(1), dxw_);
+      moe::detail::gemm(space_, "N", "T", Scalar(1), cview2(dh1_), sub(cp_.wi_1), Scalar(1), dxw_);
+    }
+    auto dwd = dwd_;
+    auto dww = dww_;
+    auto li = lids_;
+    auto lk = lkept_;
+    Kokkos::parallel_for(
+        "moe::dist::dense_weight_grad", Kokkos::RangePolicy<ExecSpace>(space_, 0, Tw),
+        KOKKOS_LAMBDA(std::int64_t t) {
+          for (int k = 0; k < K; ++k) dww(t, k) = lk(t, k) ? dwd(t, li(t, k)) : Scalar(0);
+        });
+  }
+
+  // ------------------------------------------------------------------ shared + output ----------
+  /// y = all-gather over tensor of (expert column block + shared column block).
+  void finish_output(view2 y) {
+    int const D = cfg_.base_emb_dim;
+    if (cfg_.shared_mlp_dim() > 0) {
+      // EP-as-TP: the shared expert runs on the expert group's tokens with its hidden dim split
+      // over tensor x expert; partial outputs go back to their tokens' owners, then to D columns.
+      std::int64_t const Tg = T_ * shared_group();
+      detail::ensure(space_, xsh_, "moe::dist::x_shared", Tg, D);
+      shared_tokens_gather(cview2(x_), xsh_, "x");
+      detail::ensure(space_, ysh_, "moe::dist::y_shared", Tg, D);
+      Kokkos::deep_copy(space_, ysh_, Scalar(0));
+      shared_.forward(space_, cfg_.mlp_activation, cview2(xsh_), cp_.shared_wi_0, cp_.shared_wi_1,
+                      cp_.shared_wo, ysh_);
+      detail::ensure(space_, yo_, "moe::dist::y_own", T_, D);
+      shared_tokens_reduce(ysh_, yo_, "y shared");
+      detail::ensure(space_, ysh_c_, "moe::dist::y_shared_cols", T_, D / tp_().size());
+      distributed::reduce_scatter_dim(space_, tp_(), yo_, ysh_c_, 1, &log_,
+                                      "reduce-scatter y shared (tensor)");
+      add_into(ysh_c_, y_c_);
+    }
+    distributed::gather_dim(space_, tp_(), y_c_, y, 1, &log_, "all-gather y (tensor)");
+  }
+
+  /// dst += src (same shape).
+  void add_into(view2 const& src, view2 const& dst) const {
+    Scalar const* s = src.data();
+    Scalar* d = dst.data();
+    Kokkos::parallel_for(
+        "moe::dist::add", Kokkos::RangePolicy<ExecSpace>(space_, 0, std::int64_t(dst.span())),
+        KOKKOS_LAMBDA(std::int64_t i) { d[i] += s[i]; });
+  }
+
+  int shared_group() const { return route_ == ExpertRoute::Replicated ? 1 : ep_().size(); }
+  void shared_tokens_gather(cview2 own, view2 work, char const* what) {
+    if (shared_group() > 1)
+      distributed::gather_dim(space_, ep_(), own, work, 0, &log_,
+                              std::string("all-gather ") + what + " (shared, expert)");
+    else
+      Kokkos::deep_copy(space_, work, own);
+  }
+  void shared_tokens_reduce(view2 work, view2 own, char const* what) {
+    if (shared_group() > 1) {
+      distributed::reduce_scatter_dim(space_, ep_(), work, own, 0, &log_,
+                                      std::string("reduce-scatter ") + what + " (expert)");
+    } else {
+      distributed::all_reduce(space_, ep_(), work, &log_,
+                              std::string("reduce ") + what + " (expert)");
+      Kokkos::deep_copy(space_, own, work);
+    }
+  }
+
+  void shared_backward(cview2 dy, view2 dx) {
+    if (cfg_.shared_mlp_dim() == 0) return;
+    int const D = cfg_.base_emb_dim;
+    std::int64_t const Tg = T_ * shared_group();
+    detail::ensure(space_, dysh_, "moe::dist::dy_shared", Tg, D);
+    shared_tokens_gather(dy, dysh_, "d_y");
+    detail::ensure(space_, dxsh_, "moe::dist::dx_shared", Tg, D);
+    Kokkos::deep_copy(space_, dxsh_, Scalar(0));
+    shared_.backward(space_, cview2(dysh_), cp_.shared_wi_0, cp_.shared_wi_1, cp_.shared_wo, dxsh_,
+                     gc_.shared_wi_0, gc_.shared_wi_1, gc_.shared_wo);
+    distributed::all_reduce(space_, tp_(), dxsh_, &log_, "reduce d_x shared (tensor)");
+    detail::ensure(space_, yo_, "moe::dist::y_own", T_, D);
+    shared_tokens_reduce(dxsh_, yo_, "d_x shared");
+    add_into(yo_, dx);
+  }
+
+  // ------------------------------------------------------------------ members ------------------
+  comm::Communicator world_;
+  LayerConfig cfg_;
+  ParallelConfig par_;
+  ExecSpace space_;
+  std::int64_t B_ = 0, S_ = 0, T_ = 0;
+  sharding::Mesh mesh_;
+  sharding::LogicalRules rules_;
+  std::unique_ptr<sharding::MeshComm> mesh_comm_;
+  std::map<std::string, distributed::AxisGroup> groups_;
+  distributed::AxisGroup const* ep_g_ = nullptr;
+  distributed::AxisGroup const* tp_g_ = nullptr;
+  distributed::AxisGroup const* batch_g_ = nullptr;
+  std::vector<std::string> batch_axes_, ep_axes_, tp_axes_;
+  std::int64_t batch_parts_ = 1, batch_index_ = 0, L_ = 0, e0_ = 0;
+  ExpertRoute route_ = ExpertRoute::Local;
+  std::vector<distributed::WeightLayout> layouts_;
+  routing::Kind kind_;
+  routing::RouteParams rp_;
+  params_type params_, cp_, gc_;  // stored blocks, compute blocks, compute-block gradients
+  distributed::CommLog log_;
+
+  bool have_forward_ = false;
+  double lb_loss_ = 0;
+  std::vector<double> bias_update_;
+  routing::RoutingState<Scalar, memory_space> rs_;
+  permute::Permutation<memory_space> perm_;
+  permute::LocalPermutation<memory_space> lp_;
+  gmm::Groups<memory_space> groups_local_;
+  std::unique_ptr<comm::RaggedAllToAll> a2a_;
+  using gmm_policy = std::conditional_t<std::is_same_v<typename Policy::gmm_policy, gmm::Dense>,
+                                        gmm::Vendor, typename Policy::gmm_policy>;
+  nn::ExpertFfn<Scalar, gmm_policy, ExecSpace> ffn_;
+  nn::DenseMlp<Scalar, ExecSpace> shared_;
+  View2<int, memory_space> lids_, lkept_;
+  view2 x_, xw_, xs_o_, xr_, xs_, ys_, ys_c_, yr_c_, ys_o_c_, y_c_, yw_, yo_, xsh_, ysh_, ysh_c_;
+  view2 wd_, h0_, h1_, a_, ye_;
+  view2 dw_, d_top_, d_biased_, d_logits_, dy_c_, dys_o_c_, dyr_c_, dys_c_, dys_, dyw_, dww_, dxw_;
+  view2 dye_, da_, dh1_, dwd_, dysh_, dxsh_;
+};
+
+}  // namespace moe

@@ -1,0 +1,223 @@
+// Every layout of the distributed layer gives the single-rank result: outputs, the load-balance
+// loss, the bias update and every gradient (double precision, tolerance for reassociation only).
+#include <moe/distributed/layer.hpp>
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Mem = Kokkos::DefaultExecutionSpace::memory_space;
+using Single = moe::MoeLayer<double>;
+
+struct Global {
+  std::map<std::string, std::vector<double>> t;
+  std::map<std::string, std::vector<std::int64_t>> shape;
+};
+
+std::vector<double> randn(std::size_t n, double scale, std::mt19937_64& g) {
+  std::normal_distribution<double> d(0.0, scale);
+  std::vector<double> v(n);
+  for (auto& e : v) e = d(g);
+  return v;
+}
+
+/// Copies the block [offset, offset+local) of a row-major global tensor.
+std::vector<double> take(std::vector<double> const& g, moe::TensorBlock const& b) {
+  std::vector<double> out;
+  std::size_t const r = b.global_shape.size();
+  std::vector<std::int64_t> idx(r, 0);
+  std::int64_t n = 1;
+  for (auto e : b.local_shape) n *= e;
+  out.reserve(n);
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::int64_t rem = i, flat = 0;
+    std::vector<std::int64_t> c(r);
+    for (std::size_t d = r; d-- > 0;) {
+      c[d] = rem % b.local_shape[d];
+      rem /= b.local_shape[d];
+    }
+    for (std::size_t d = 0; d < r; ++d) flat = flat * b.global_shape[d] + b.offset[d] + c[d];
+    out.push_back(g[flat]);
+  }
+  return out;
+}
+
+template <class V>
+void fill(V const& v, std::vector<double> const& vals) {
+  ASSERT_EQ(v.span(), vals.size());
+  std::copy(vals.begin(), vals.end(), v.data());
+}
+template <class V>
+std::vector<double> values(V const& v) {
+  return std::vector<double>(v.data(), v.data() + v.span());
+}
+
+void expect_close(std::vector<double> const& got, std::vector<double> const& want,
+                  std::string const& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double scale = 1e-30, err = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    scale = std::max(scale, std::abs(want[i]));
+    err = std::max(err, std::abs(got[i] - want[i]));
+  }
+  EXPECT_LE(err, 1e-11 * scale + 1e-14)
+      << what << ": max error " << err << " (scale " << scale << ")";
+}
+
+struct Case {
+  std::string name;
+  std::vector<std::string> layout;  // ParallelConfig key=value
+  std::vector<std::string> layer;   // extra LayerConfig key=value
+  std::int64_t batch = 8;
+};
+
+void run_case(Case const& c) {
+  int size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  moe::LayerConfig cfg;
+  cfg.num_experts = 8;
+  cfg.num_experts_per_tok = 2;
+  cfg.base_emb_dim = 16;
+  cfg.base_moe_mlp_dim = 8;
+  cfg.shared_experts = 1;
+  cfg.load_balance_loss_weight = 0.05;
+  for (auto const& kv : c.layer) {
+    auto eq = kv.find('=');
+    cfg.set(kv.substr(0, eq), kv.substr(eq + 1));
+  }
+  moe::ParallelConfig par;
+  for (auto const& kv : c.layout) {
+    auto eq = kv.find('=');
+    par.set(kv.substr(0, eq), kv.substr(eq + 1));
+  }
+  std::int64_t const B = c.batch, S = 4, D = cfg.base_emb_dim, E = cfg.num_experts;
+  std::int64_t const F = cfg.base_moe_mlp_dim, Fs = cfg.shared_mlp_dim();
+  // Global tensors, the same on every rank.
+  std::mt19937_64 gen(42);
+  Global g;
+  auto add = [&](std::string n, std::vector<std::int64_t> shape, double scale) {
+    std::size_t m = 1;
+    for (auto e : shape) m *= std::size_t(e);
+    g.t[n] = randn(m, scale, gen);
+    g.shape[n] = shape;
+  };
+  add("x", {B, S, D}, 1.0);
+  add("dy", {B, S, D}, 1.0);
+  add("gate", {D, E}, 0.5);
+  if (cfg.routed_bias) add("gate_bias", {E}, 0.1);
+  add("wi_0", {E, D, F}, 0.3);
+  add("wi_1", {E, D, F}, 0.3);
+  add("wo", {E, F, D}, 0.3);
+  if (Fs > 0) {
+    add("shared_wi_0", {D, Fs}, 0.3);
+    add("shared_wi_1", {D, Fs}, 0.3);
+    add("shared_wo", {Fs, D}, 0.3);
+  }
+  // Reference: the single-rank layer on the whole batch.
+  Single ref(cfg);
+  ref.parameters().for_each([&](char const* n, auto const& v) { fill(v, g.t[n]); });
+  moe::View3<double, Mem> x("x", B, S, D), y("y", B, S, D), dy("dy", B, S, D), dx("dx", B, S, D);
+  fill(x, g.t["x"]);
+  fill(dy, g.t["dy"]);
+  ref.forward(x, y);
+  Single::params_type rg;
+  ref.backward(dy, dx, rg);
+
+  moe::DistributedMoeLayer<double> layer(MPI_COMM_WORLD, cfg, par, B, S);
+  layer.parameters().for_each(
+      [&](char const* n, auto const& v) { fill(v, take(g.t[n], layer.block(n))); });
+  auto const xb = layer.block("x");
+  moe::View3<double, Mem> lx("lx", xb.local_shape[0], S, D), ly("ly", xb.local_shape[0], S, D);
+  moe::View3<double, Mem> ldy("ldy", xb.local_shape[0], S, D), ldx("ldx", xb.local_shape[0], S, D);
+  fill(lx, take(g.t["x"], xb));
+  fill(ldy, take(g.t["dy"], xb));
+  layer.forward(lx, ly);
+  decltype(layer)::params_type lg;
+  layer.backward(ldy, ldx, lg);
+
+  expect_close(values(ly), take(values(y), xb), c.name + " y");
+  expect_close(values(ldx), take(values(dx), xb), c.name + " dx");
+  EXPECT_NEAR(layer.lb_loss(), ref.lb_loss(), 1e-12 * std::abs(ref.lb_loss()) + 1e-15) << c.name;
+  EXPECT_EQ(layer.bias_update(), ref.bias_update()) << c.name;
+  rg.for_each([&](char const* n, auto const& v) {
+    std::vector<double> got;
+    lg.for_each([&](char const* m, auto const& w) {
+      if (std::string(m) == n) got = values(w);
+    });
+    expect_close(got, take(values(v), layer.block(n)), c.name + " d_" + n);
+  });
+  // Routing outputs of this rank's tokens.
+  auto const ids = values(layer.weights());
+  auto const all_w = values(ref.weights());
+  moe::TensorBlock wb{{B, S, cfg.num_experts_per_tok},
+                      {xb.local_shape[0], S, cfg.num_experts_per_tok},
+                      {xb.offset[0], 0, 0}};
+  expect_close(ids, take(all_w, wb), c.name + " weights");
+}
+
+std::vector<Case> cases(int n) {
+  std::string const N = std::to_string(n);
+  std::vector<Case> v = {
+      {"dp", {"ici_data_parallelism=-1"}, {}},
+      {"fsdp", {"ici_fsdp_parallelism=-1"}, {}},
+      {"fsdp_transpose", {"ici_fsdp_transpose_parallelism=-1"}, {}},
+      {"ep_a2a", {"ici_expert_parallelism=-1"}, {}},
+      {"ep_ring", {"ici_expert_parallelism=-1", "use_ring_of_experts=true"}, {}},
+      {"tp", {"ici_tensor_parallelism=-1"}, {}},
+      {"ep_deepseek",
+       {"ici_expert_parallelism=-1"},
+       {"decoder_block=deepseek", "routed_score_func=sigmoid", "routed_bias=true",
+        "n_routing_groups=4", "topk_routing_group=2", "routed_bias_update_rate=0.01",
+        "routed_scaling_factor=2.0"}},
+      {"ep_capacity", {"ici_expert_parallelism=-1"}, {"capacity_factor=1.0"}},
+      {"ep_random", {"ici_expert_parallelism=-1"}, {"use_random_routing=true", "seed=5"}},
+      {"dense_fsdp", {"ici_fsdp_parallelism=-1"}, {"sparse_matmul=false"}},
+      {"dense_ep", {"ici_expert_parallelism=-1"}, {"sparse_matmul=false"}},
+      {"decode_replicated", {"ici_expert_parallelism=-1"}, {}, 1},
+      {"shard_exp_on_fsdp",
+       {"custom_mesh_and_rule=shard-exp-on-fsdp", "ici_fsdp_parallelism=-1"},
+       {}},
+      {"two_stage", {"ici_fsdp_parallelism=-1", "moe_fsdp_use_two_stage_all_gather=true"}, {}},
+  };
+  if (n == 4) {
+    std::vector<Case> mix = {
+        {"ep2_fsdp2", {"ici_expert_parallelism=2", "ici_fsdp_parallelism=2"}, {}},
+        {"ep2_dp2", {"ici_expert_parallelism=2", "ici_data_parallelism=2"}, {}},
+        {"ring2_dp2",
+         {"ici_expert_parallelism=2", "ici_data_parallelism=2", "use_ring_of_experts=true"},
+         {}},
+        {"ep2_tp2", {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"}, {}},
+        {"fsdp2_fsdpt2", {"ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=2"}, {}},
+        {"fsdp2_fsdpt2_two_stage",
+         {"ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=2",
+          "moe_fsdp_use_two_stage_all_gather=true"},
+         {}},
+        {"shard_exp_on_fsdp_ep",
+         {"custom_mesh_and_rule=shard-exp-on-fsdp", "ici_fsdp_parallelism=2",
+          "ici_expert_parallelism=2"},
+         {}},
+        {"dense_ep2_tp2",
+         {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"},
+         {"sparse_matmul=false"}},
+    };
+    v.insert(v.end(), mix.begin(), mix.end());
+  }
+  return v;
+}
+
+TEST(DistributedLayer, EveryLayoutMatchesTheSingleRankLayer) {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  for (auto const& c : cases(n)) {
+    SCOPED_TRACE(c.name);
+    run_case(c);
+  }
+}
+
+}  // namespace
