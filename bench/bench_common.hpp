@@ -7,6 +7,7 @@
 #include <Kokkos_Core.hpp>
 #include <Kokkos_Random.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -59,9 +60,16 @@ void fill_uniform(ViewT const& v, uint64_t seed, double lo = -1.0, double hi = 1
   Exec().fence();
 }
 
+/// Median of a list of timings (robust to the odd interrupted call on a shared machine).
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  std::size_t const h = v.size() / 2;
+  return v.empty() ? 0.0 : v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
+}
+
 /// GFLOP/s of one dense row-major float GEMM C[M,N] = A[M,K] * B[K,N] through KokkosBlas (the
 /// vendor BLAS), i.e. the same FLOPs as a grouped GEMM whose groups cover M rows. Measured once
-/// per process and shape (mean of 3 timed calls after a warm-up call) and cached.
+/// per process and shape (median of 5 timed calls after a warm-up call) and cached.
 inline double dense_gflops(int64_t M, int64_t K, int64_t N) {
   static std::map<std::tuple<int64_t, int64_t, int64_t>, double> cache;
   auto const key = std::make_tuple(M, K, N);
@@ -74,11 +82,14 @@ inline double dense_gflops(int64_t M, int64_t K, int64_t N) {
   Exec space;
   KokkosBlas::gemm("N", "N", 1.0f, a, b, 0.0f, c);  // warm-up: BLAS threads, first touch of C
   space.fence();
-  int const reps = 3;
-  double const t0 = now();
-  for (int r = 0; r < reps; ++r) KokkosBlas::gemm("N", "N", 1.0f, a, b, 0.0f, c);
-  space.fence();
-  double const seconds = (now() - t0) / reps;
+  std::vector<double> times;
+  for (int r = 0; r < 5; ++r) {
+    double const t0 = now();
+    KokkosBlas::gemm("N", "N", 1.0f, a, b, 0.0f, c);
+    space.fence();
+    times.push_back(now() - t0);
+  }
+  double const seconds = median(times);
   double const gflops = 2.0 * double(M) * double(K) * double(N) / seconds * 1e-9;
   cache.emplace(key, gflops);
   return gflops;

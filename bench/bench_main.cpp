@@ -2,9 +2,9 @@
 // version and backend, BLAS threads, git hash) recorded in the output.
 #include <moe/moe_config.hpp>
 
-#include <Kokkos_Core.hpp>
 #include <benchmark/benchmark.h>
 #include <mpi.h>
+#include <Kokkos_Core.hpp>
 
 #include <cstdlib>
 #include <string>
@@ -22,8 +22,7 @@ std::string env_or(char const* name, char const* fallback) {
 
 void add_context() {
   benchmark::AddCustomContext("kokkos_version", std::to_string(KOKKOS_VERSION));
-  benchmark::AddCustomContext("kokkos_execution_space",
-                              Kokkos::DefaultExecutionSpace::name());
+  benchmark::AddCustomContext("kokkos_execution_space", Kokkos::DefaultExecutionSpace::name());
   benchmark::AddCustomContext("kokkos_concurrency",
                               std::to_string(Kokkos::DefaultExecutionSpace().concurrency()));
   benchmark::AddCustomContext("moe_version", std::to_string(MOE_VERSION));

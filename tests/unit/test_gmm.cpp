@@ -3,8 +3,8 @@
 // the policy's own rounding, bounded by (k + 2) * eps * sum |a| |b| per output element.
 #include <moe/gmm/gmm.hpp>
 
-#include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
+#include <Kokkos_Core.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -53,8 +53,8 @@ struct Problem {
   std::vector<double> out;  // initial output (garbage unless accumulate makes it meaningful)
 };
 
-Problem make_gmm_problem(std::vector<int64_t> sizes, int64_t m, int64_t k, int64_t n,
-                         int num_local, GmmOptions opt, unsigned seed = 1) {
+Problem make_gmm_problem(std::vector<int64_t> sizes, int64_t m, int64_t k, int64_t n, int num_local,
+                         GmmOptions opt, unsigned seed = 1) {
   Problem p;
   p.sizes = std::move(sizes);
   p.m = m, p.k = k, p.n = n, p.num_local = num_local, p.opt = opt;
@@ -95,8 +95,8 @@ Expected reference_gmm(Problem const& p) {
       for (int64_t j = 0; j < p.n; ++j) {
         double sum = 0, abs_sum = 0;
         for (int64_t c = 0; c < p.k; ++c) {
-          double const b = p.opt.transpose_rhs ? p.rhs[(g * p.n + j) * p.k + c]
-                                               : p.rhs[(g * p.k + c) * p.n + j];
+          double const b =
+              p.opt.transpose_rhs ? p.rhs[(g * p.n + j) * p.k + c] : p.rhs[(g * p.k + c) * p.n + j];
           sum += p.lhs[r * p.k + c] * b;
           abs_sum += std::abs(p.lhs[r * p.k + c] * b);
         }
@@ -162,8 +162,8 @@ void expect_close(std::vector<double> const& got, Expected const& e, std::string
     double const tol = (e.depth + 2) * eps * e.scale[i];
     if (!(std::abs(got[i] - e.value[i]) <= tol)) {
       ++failures;
-      ADD_FAILURE() << what << ": element " << i << " is " << got[i] << ", expected "
-                    << e.value[i] << " (tolerance " << tol << ")";
+      ADD_FAILURE() << what << ": element " << i << " is " << got[i] << ", expected " << e.value[i]
+                    << " (tolerance " << tol << ")";
     }
   }
 }
@@ -340,6 +340,21 @@ TYPED_TEST(Gmm, EmptyContractionGivesZeros) {
   this->check_gmm(make_gmm_problem({3, 4}, 8, 0, 5, 2, opt), "k = 0, accumulate");
 }
 
+TYPED_TEST(Gmm, NonFiniteRowsOutsideVisitedGroupsDoNotLeak) {
+  // Rows of unvisited groups and rows past the grouped ones hold NaN / Inf in lhs (as a padded
+  // or uninitialised buffer may); visited rows must stay exact and the others exactly zero.
+  GmmOptions opt;
+  opt.group_offset = 1;
+  auto p = make_gmm_problem({3, 5, 2, 7, 4}, 26, 9, 20, 3, opt);
+  auto const off = offsets_of(p.sizes);
+  double const bad[] = {std::numeric_limits<double>::quiet_NaN(),
+                        std::numeric_limits<double>::infinity()};
+  for (int64_t r = 0; r < p.m; ++r)
+    if (r < off[1] || r >= off[4])
+      for (int64_t c = 0; c < p.k; ++c) p.lhs[r * p.k + c] = bad[(r + c) % 2];
+  this->check_gmm(p, "non-finite rows outside the visited groups");
+}
+
 TYPED_TEST(Gmm, SubviewOperands) {
   using S = typename TestFixture::S;
   using Policy = typename TestFixture::Policy;
@@ -363,7 +378,8 @@ TYPED_TEST(Gmm, SubviewOperands) {
       if (r >= 5 && r < 17 && c >= 1 && c < 8)
         got.push_back(all[r * 11 + c]);
       else
-        EXPECT_EQ(all[r * 11 + c], out_before[r * 11 + c]) << "outside the subview: " << r << "," << c;
+        EXPECT_EQ(all[r * 11 + c], out_before[r * 11 + c])
+            << "outside the subview: " << r << "," << c;
     }
   expect_close<S>(got, reference_gmm(p), "subviews");
 }

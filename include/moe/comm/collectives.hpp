@@ -102,7 +102,7 @@ void all_gather(Communicator const& comm, ExecSpace const& space, InView const& 
   detail::check_view_type<ExecSpace, OutView>();
   using T = typename OutView::non_const_value_type;
   static_assert(std::is_same_v<typename InView::non_const_value_type, T> &&
-                    !std::is_const_v<typename OutView::value_type> && InView::rank == OutView::rank,
+                    !std::is_const_v<typename OutView::value_type> && int(InView::rank) == int(OutView::rank),
                 "moe::comm::all_gather: in and out need the same value type and rank, out "
                 "writable");
   auto const [n, row] = detail::rows_of(in);
@@ -134,7 +134,7 @@ void reduce_scatter(Communicator const& comm, ExecSpace const& space, InView con
   detail::check_view_type<ExecSpace, OutView>();
   using T = typename OutView::non_const_value_type;
   static_assert(std::is_same_v<typename InView::non_const_value_type, T> &&
-                    !std::is_const_v<typename OutView::value_type> && InView::rank == OutView::rank,
+                    !std::is_const_v<typename OutView::value_type> && int(InView::rank) == int(OutView::rank),
                 "moe::comm::reduce_scatter: in and out need the same value type and rank, out "
                 "writable");
   auto const [n, row] = detail::rows_of(in);
