@@ -153,6 +153,7 @@ class DistributedMoeLayer {
   /// \brief Collective. y_local = MoE(x_local), both [B/batch_parts, S, D].
   void forward(cview3 x, view3 y) {
     log_.records.clear();
+    log_.in_backward = false;
     std::int64_t const D = cfg_.base_emb_dim;
     comm::collective_guard(world_, [&] {
       auto const want = block("x").local_shape;
@@ -208,6 +209,7 @@ class DistributedMoeLayer {
           "dy and dx must have the shape of the forward's x");
       if (cfg_.check_finite) require_finite(cview2(dy.data(), T_, D), "dy");
     });
+    log_.in_backward = true;
     if (!grads.gate.data()) grads = alloc_params("moe::grad::");
     auto dy2 = cview2(dy.data(), T_, D);
     auto dx2 = view2(dx.data(), T_, D);

@@ -20,19 +20,24 @@ struct CommRecord {
   std::string kind;               ///< all-gather | reduce-scatter | all-reduce | all-to-all
   std::vector<std::string> axes;  ///< mesh axes of the group
   std::int64_t bytes = 0;         ///< bytes this rank sends
+  bool backward = false;          ///< run by backward() (else by forward())
 };
 
 /// \brief The records of one forward + backward step.
 struct CommLog {
   std::vector<CommRecord> records;
+  bool in_backward = false;  ///< phase that add() tags new records with
   void add(std::string what, std::string kind, std::vector<std::string> axes, std::int64_t bytes) {
-    records.push_back({std::move(what), std::move(kind), std::move(axes), bytes});
+    records.push_back({std::move(what), std::move(kind), std::move(axes), bytes, in_backward});
   }
-  std::int64_t total_bytes() const {
+  /// Bytes this rank sent in the forward (backward = false) or backward phase.
+  std::int64_t bytes(bool backward) const {
     std::int64_t s = 0;
-    for (auto const& r : records) s += r.bytes;
+    for (auto const& r : records)
+      if (r.backward == backward) s += r.bytes;
     return s;
   }
+  std::int64_t total_bytes() const { return bytes(false) + bytes(true); }
 };
 
 /// \brief A communicator over an ordered group of mesh axes (size 1: every call is a no-op).

@@ -1,0 +1,316 @@
+#pragma once
+/// \file
+/// The layout of one distributed MoE layer: mesh, token (batch) axes, expert and tensor axes, how
+/// the experts are reached, and where every weight lives -- a pure function of the configuration,
+/// the number of ranks and the rank (no MPI call). DistributedMoeLayer builds its communicators
+/// and buffers from it; moe::make_plan (plan.hpp) prints it and the collectives it implies.
+
+#include <moe/config.hpp>
+#include <moe/distributed/parallel_config.hpp>
+#include <moe/error.hpp>
+#include <moe/sharding/mesh.hpp>
+#include <moe/sharding/presets.hpp>
+#include <moe/sharding/rules.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moe {
+
+/// \brief The block of a global tensor one rank holds: global[offset + i] for i < local_shape.
+struct TensorBlock {
+  std::vector<std::int64_t> global_shape, local_shape, offset;
+};
+
+/// \brief How the routed experts are reached.
+enum class ExpertRoute {
+  Local,      ///< no expert parallelism
+  RaggedA2A,  ///< batch split over the expert axis: rows travel by ragged all-to-all
+  Ring,       ///< tokens all-gathered over the expert axis, outputs reduce-scattered
+  Replicated  ///< every expert-axis rank holds the same tokens: outputs all-reduced
+};
+
+/// \brief Stable name of a route: "local", "ragged_all_to_all", "ring", "replicated".
+inline char const* to_string(ExpertRoute r) {
+  switch (r) {
+    case ExpertRoute::RaggedA2A:
+      return "ragged_all_to_all";
+    case ExpertRoute::Ring:
+      return "ring";
+    case ExpertRoute::Replicated:
+      return "replicated";
+    default:
+      return "local";
+  }
+}
+
+namespace distributed {
+
+/// Layout of one dimension of one tensor.
+struct DimLayout {
+  std::vector<std::string> storage;  ///< mesh axes (size > 1) the stored block is split over
+  std::vector<std::string> gather;   ///< storage axes the compute block spans (all-gathered)
+  std::vector<std::string> slice;    ///< axes the compute block is split over beyond storage
+  std::int64_t global = 0, stored = 0, computed = 0;
+};
+
+/// Layout of one tensor: per dim, plus the token axes over which gradient contributions differ.
+struct WeightLayout {
+  std::string name;
+  sharding::LogicalAxes logical;  ///< logical names of the stored tensor's dimensions
+  sharding::PartitionSpec spec;   ///< storage spec as the rules resolve it (size-1 axes kept)
+  std::vector<DimLayout> dims;
+  std::vector<std::string> reduce;  ///< token axes whose contributions are summed (not gathered)
+};
+
+namespace layout_detail {
+
+inline bool contains(std::vector<std::string> const& v, std::string const& a) {
+  return std::find(v.begin(), v.end(), a) != v.end();
+}
+/// Elements of a not in b, in a's order.
+inline std::vector<std::string> minus(std::vector<std::string> const& a,
+                                      std::vector<std::string> const& b) {
+  std::vector<std::string> out;
+  for (auto const& x : a)
+    if (!contains(b, x)) out.push_back(x);
+  return out;
+}
+/// "a,b" ("none" when empty), for messages and communicator keys.
+inline std::string join(std::vector<std::string> const& v) {
+  std::string s;
+  for (auto const& a : v) s += (s.empty() ? "" : ",") + a;
+  return s.empty() ? "none" : s;
+}
+
+}  // namespace layout_detail
+
+/// \brief Everything about one rank's share of the layer that follows from the configuration.
+struct Layout {
+  sharding::Mesh mesh;
+  std::string preset;  ///< name of the mesh-and-rule set in effect
+  sharding::LogicalRules rules;
+  int rank = 0;
+  std::int64_t global_batch = 0, seq_len = 0, emb_dim = 0;
+  sharding::LogicalAxes token_logical;  ///< logical names of x / y [B, S, D]
+  sharding::PartitionSpec token_spec;   ///< x / y spec as the rules resolve it
+  std::vector<std::string> batch_axes;  ///< mesh axes (size > 1) the batch is split over
+  std::vector<std::string> ep_axes;     ///< expert-parallel axes (size > 1)
+  std::vector<std::string> tp_axes;     ///< tensor axes splitting the expert hidden dim
+  std::int64_t batch_parts = 1, batch_index = 0;
+  std::int64_t local_experts = 0, first_expert = 0;  ///< L = E / ep and this rank's first expert
+  ExpertRoute route = ExpertRoute::Local;
+  bool dense = false;  ///< dense masked expert path (every local expert on every token)
+  std::vector<WeightLayout> weights;
+
+  /// Size of a mesh axis (1 for an axis the mesh does not have).
+  std::int64_t axis_size(std::string const& a) const { return mesh.size(a); }
+  /// Product of the sizes of `axes`.
+  std::int64_t parts(std::vector<std::string> const& axes) const {
+    std::int64_t p = 1;
+    for (auto const& a : axes) p *= axis_size(a);
+    return p;
+  }
+  /// Row-major index of this rank over `axes` (in the given order).
+  std::int64_t shard_index(std::vector<std::string> const& axes) const {
+    std::int64_t idx = 0;
+    for (auto const& a : axes) idx = idx * axis_size(a) + mesh.coord(rank, a);
+    return idx;
+  }
+  /// The axes of size > 1, in order.
+  std::vector<std::string> big(std::vector<std::string> const& axes) const {
+    std::vector<std::string> out;
+    for (auto const& a : axes)
+      if (axis_size(a) > 1) out.push_back(a);
+    return out;
+  }
+  /// Expert-parallel degree.
+  std::int64_t ep() const { return parts(ep_axes); }
+  /// Tensor-parallel degree.
+  std::int64_t tp() const { return parts(tp_axes); }
+
+  /// Layout of the weight `name` (ConfigError when the layer has no such tensor).
+  WeightLayout const& weight(std::string const& name) const {
+    for (auto const& w : weights)
+      if (w.name == name) return w;
+    throw ConfigError(moe::detail::cat("no tensor named '", name, "' in this layer"));
+  }
+
+  /// \brief The block of `name` this rank holds: "x", "y", "dy", "dx" ([B,S,D]) or a weight.
+  TensorBlock block(std::string const& name) const {
+    if (name == "x" || name == "y" || name == "dx" || name == "dy") {
+      std::int64_t const b = global_batch / batch_parts;
+      return {{global_batch, seq_len, emb_dim}, {b, seq_len, emb_dim}, {batch_index * b, 0, 0}};
+    }
+    TensorBlock tb;
+    for (auto const& d : weight(name).dims) {
+      tb.global_shape.push_back(d.global);
+      tb.local_shape.push_back(d.stored);
+      tb.offset.push_back(shard_index(d.storage) * d.stored);
+    }
+    return tb;
+  }
+};
+
+/// \brief The layout of `rank` of `world_size` ranks for a global batch [global_batch, seq_len, D].
+///
+/// Resolves every spec with the preset's rules over the mesh of the ici_* degrees and checks every
+/// divisibility; throws ConfigError naming the value and the rule. Pure: every rank computes the
+/// same layout (up to its own coordinates) and throws the same error.
+/// \param dense_gmm the GEMM policy runs every expert densely (gmm::Dense), as sparse_matmul=false
+inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, int world_size,
+                             int rank, std::int64_t global_batch, std::int64_t seq_len,
+                             bool dense_gmm = false) {
+  using layout_detail::contains;
+  using layout_detail::join;
+  using layout_detail::minus;
+  using moe::detail::require;
+  cfg.validate();
+  Layout lay;
+  auto const pre = sharding::preset(par.custom_mesh_and_rule);
+  lay.mesh = sharding::Mesh::from_ici(par.ici(), world_size, pre.mesh_axes);
+  require<ConfigError>(rank >= 0 && rank < world_size, "rank ", rank, " is outside [0, ",
+                       world_size, ")");
+  lay.preset = pre.name;
+  lay.rules = pre.rules;
+  lay.rank = rank;
+  lay.global_batch = global_batch;
+  lay.seq_len = seq_len;
+  lay.emb_dim = cfg.base_emb_dim;
+  auto const E = cfg.num_experts, D = cfg.base_emb_dim, F = cfg.base_moe_mlp_dim;
+  auto resolve = [&](sharding::LogicalAxes const& l) { return lay.rules.resolve(l); };
+  auto dimaxes = [&](sharding::PartitionSpec const& s, int d) { return lay.big(s[d]); };
+  auto parts = [&](std::vector<std::string> const& axes) { return lay.parts(axes); };
+  // Tokens.
+  lay.token_logical = {"activation_batch", "activation_norm_length", "activation_embed"};
+  auto const xs = resolve(lay.token_logical);
+  lay.token_spec = xs;
+  require<ConfigError>(dimaxes(xs, 1).empty(), "the sequence dimension resolves to mesh axes [",
+                       join(dimaxes(xs, 1)),
+                       "]: sequence (context) parallelism is not supported by the MoE "
+                       "layer; set those ici_* degrees to 1");
+  lay.batch_axes = dimaxes(xs, 0);
+  // Expert weights.
+  sharding::LogicalAxes const wi_l = {"exp", "embed_moe", "mlp_moe"};
+  sharding::LogicalAxes const wo_l = {"exp", "mlp_moe", "embed_moe"};
+  auto const wi_st = resolve(wi_l);
+  auto const wo_st = resolve(wo_l);
+  auto const wi_cp =
+      sharding::remove_mesh_axes(resolve({"exp", std::nullopt, "mlp_no_fsdp"}), {"fsdp"});
+  auto const wo_cp =
+      sharding::remove_mesh_axes(resolve({"exp", "mlp_no_fsdp", std::nullopt}), {"fsdp"});
+  lay.ep_axes = dimaxes(wi_cp, 0);
+  lay.tp_axes = dimaxes(wi_cp, 2);
+  auto const& ep_axes = lay.ep_axes;
+  auto const ep_st = dimaxes(wi_st, 0);
+  require<ConfigError>(
+      ep_st.size() >= ep_axes.size() && std::equal(ep_axes.begin(), ep_axes.end(), ep_st.begin()),
+      "the expert dimension is stored over [", join(ep_st), "] but computed over [", join(ep_axes),
+      "]: the compute axes must lead the storage axes");
+  std::int64_t const ep = parts(ep_axes);
+  auto divisible = [&](std::int64_t n, char const* key, std::vector<std::string> const& axes) {
+    require<ConfigError>(n % parts(axes) == 0, key, "=", n,
+                         " is not divisible by the product of mesh axes [", join(axes),
+                         "] = ", parts(axes));
+  };
+  divisible(E, "num_experts", ep_st);
+  divisible(D, "base_emb_dim", dimaxes(wi_st, 1));
+  divisible(D, "base_emb_dim", dimaxes(wo_st, 2));
+  divisible(F, "base_moe_mlp_dim", dimaxes(wi_st, 2));
+  divisible(F, "base_moe_mlp_dim", lay.tp_axes);
+  divisible(D, "base_emb_dim", lay.tp_axes);  // partial outputs are reduce-scattered over D
+  // Batch: split over its axes; a batch that does not divide over them and includes the
+  // expert axis is replicated over the expert axes (decode).
+  auto& batch_axes = lay.batch_axes;
+  std::int64_t const bp = parts(batch_axes);
+  auto const all_ep_in_batch = [&] {
+    return std::all_of(ep_axes.begin(), ep_axes.end(),
+                       [&](auto const& a) { return contains(batch_axes, a); });
+  };
+  if (global_batch % bp != 0 && !ep_axes.empty() && all_ep_in_batch() &&
+      global_batch % (bp / ep) == 0)
+    batch_axes = minus(batch_axes, ep_axes);
+  require<ConfigError>(global_batch >= 1 && seq_len >= 1, "global batch ", global_batch,
+                       " and sequence length ", seq_len, " must be >= 1");
+  require<ConfigError>(global_batch % parts(batch_axes) == 0, "global batch=", global_batch,
+                       " is not divisible by the product of its mesh axes [", join(batch_axes),
+                       "] = ", parts(batch_axes));
+  lay.batch_parts = parts(batch_axes);
+  lay.batch_index = lay.shard_index(batch_axes);
+  bool const tokens_over_ep = all_ep_in_batch();
+  lay.dense = dense_gmm || !cfg.sparse_matmul;
+  if (ep == 1)
+    lay.route = ExpertRoute::Local;
+  else if (!tokens_over_ep)
+    lay.route = ExpertRoute::Replicated;
+  else if (par.use_ring_of_experts || lay.dense)
+    lay.route = ExpertRoute::Ring;
+  else
+    lay.route = ExpertRoute::RaggedA2A;
+  require<ConfigError>(!(par.ragged_buffer_factor > 0 && lay.route != ExpertRoute::RaggedA2A),
+                       "ragged_buffer_factor=", par.ragged_buffer_factor,
+                       " needs the ragged all-to-all path (expert parallelism without "
+                       "use_ring_of_experts, sparse_matmul=true)");
+  // Weight layouts.
+  auto make = [&](std::string name, sharding::LogicalAxes logical,
+                  sharding::PartitionSpec const& st, sharding::PartitionSpec const& cp,
+                  std::vector<std::int64_t> shape, std::vector<std::string> reduce) {
+    WeightLayout w;
+    w.name = std::move(name);
+    w.logical = std::move(logical);
+    w.spec = st;
+    for (std::size_t d = 0; d < shape.size(); ++d) {
+      DimLayout dl;
+      dl.storage = lay.big(st[d]);
+      auto const compute = lay.big(cp[d]);
+      dl.gather = minus(dl.storage, compute);
+      dl.slice = minus(compute, dl.storage);
+      dl.global = shape[d];
+      require<ConfigError>(shape[d] % parts(dl.storage) == 0, w.name, " dimension ", d, " (",
+                           shape[d], ") is not divisible by the product of mesh axes [",
+                           join(dl.storage), "] = ", parts(dl.storage));
+      dl.stored = shape[d] / parts(dl.storage);
+      std::int64_t const spanned = dl.stored * parts(dl.gather);
+      require<ConfigError>(spanned % parts(dl.slice) == 0, w.name, " dimension ", d, " (", spanned,
+                           " after the gather) is not divisible by [", join(dl.slice),
+                           "] = ", parts(dl.slice));
+      dl.computed = spanned / parts(dl.slice);
+      w.dims.push_back(dl);
+    }
+    // Gradient contributions differ over the token axes the weight's compute block is not
+    // split over (a rank that holds other tokens contributes other terms).
+    w.reduce = std::move(reduce);
+    lay.weights.push_back(std::move(w));
+  };
+  auto const expert_reduce = minus(batch_axes, ep_axes);
+  make("wi_0", wi_l, wi_st, wi_cp, {E, D, F}, expert_reduce);
+  make("wi_1", wi_l, wi_st, wi_cp, {E, D, F}, expert_reduce);
+  make("wo", wo_l, wo_st, wo_cp, {E, F, D}, expert_reduce);
+  sharding::LogicalAxes const gate_l = {cfg.shared_experts > 0 ? "embed_moe" : "embed",
+                                        std::nullopt};
+  make("gate", gate_l, resolve(gate_l), {{}, {}}, {D, E}, batch_axes);
+  if (cfg.routed_bias) make("gate_bias", {std::nullopt}, {{}}, {{}}, {E}, batch_axes);
+  int const Fs = cfg.shared_mlp_dim();
+  if (Fs > 0) {
+    // EP-as-TP: the shared hidden dim is computed split over the tensor axes and the expert
+    // axes; tokens are all-gathered over the expert axes for it.
+    auto hidden = lay.tp_axes;
+    for (auto const& a : ep_axes) hidden.push_back(a);
+    sharding::PartitionSpec const cp_in = {{}, hidden}, cp_out = {hidden, {}};
+    auto const sh_reduce =
+        lay.route == ExpertRoute::Replicated ? batch_axes : minus(batch_axes, ep_axes);
+    sharding::LogicalAxes const in_l = {"embed", "mlp"}, out_l = {"mlp", "embed"};
+    make("shared_wi_0", in_l, resolve(in_l), cp_in, {D, Fs}, sh_reduce);
+    make("shared_wi_1", in_l, resolve(in_l), cp_in, {D, Fs}, sh_reduce);
+    make("shared_wo", out_l, resolve(out_l), cp_out, {Fs, D}, sh_reduce);
+  }
+  lay.local_experts = E / ep;
+  lay.first_expert = lay.shard_index(ep_axes) * lay.local_experts;
+  return lay;
+}
+
+}  // namespace distributed
+}  // namespace moe
