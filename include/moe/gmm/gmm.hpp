@@ -325,8 +325,8 @@ void check_tgmm(L const& lhs, D const& dy, moe::gmm::Groups<Mem> const& groups, 
 // ----------------------------------------------------------------------------------------------
 // Policy implementations. The primary template rejects unknown policies.
 
-/// Row granule of the Vendor gmm on this backend (see Impl<Vendor>::gmm); 1 = no padding. GPU
-/// BLAS libraries show no such step, so only host backends pad.
+/// Row granule of the Vendor gmm on this backend (see Impl<Vendor>::gmm); 1 = no padding. Only
+/// host BLAS was measured to need it, so device backends do not pad.
 template <class ExecSpace>
 struct VendorRowPad
     : std::integral_constant<
