@@ -7,6 +7,9 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
 
 namespace moe::detail {
 
@@ -56,6 +59,24 @@ KOKKOS_INLINE_FUNCTION T max(T a, T b) {
 template <class T>
 KOKKOS_INLINE_FUNCTION T min(T a, T b) {
   return b < a ? b : a;
+}
+
+namespace fence_detail {
+template <class ExecSpace, class = void>
+struct has_labelled : std::false_type {};
+template <class ExecSpace>
+struct has_labelled<ExecSpace,
+                    std::void_t<decltype(std::declval<ExecSpace const&>().fence(std::string()))>>
+    : std::true_type {};
+}  // namespace fence_detail
+
+/// space.fence(label) where Kokkos has labelled fences (3.6+), space.fence() on Kokkos 3.4.
+template <class ExecSpace>
+void fence(ExecSpace const& space, char const* label) {
+  if constexpr (fence_detail::has_labelled<ExecSpace>::value)
+    space.fence(label);
+  else
+    (void)label, space.fence();
 }
 
 /// Largest finite value of T (device safe).

@@ -11,6 +11,7 @@
 /// Semantics follow SEMANTICS.md §1.8 items 26-27, except that rows outside the visited groups are
 /// always zeroed (never "unspecified") unless the call accumulates.
 
+#include <moe/detail/blas.hpp>
 #include <moe/detail/compat.hpp>
 #include <moe/error.hpp>
 
@@ -172,63 +173,11 @@ using Tensor = Kokkos::View<Scalar***, Kokkos::LayoutRight, Kokkos::Device<Exec,
                             Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 using Rows = std::pair<int64_t, int64_t>;
 
-/// space.fence(label) where Kokkos has labelled fences (3.6+), space.fence() on Kokkos 3.4.
-template <class ExecSpace, class = void>
-struct has_labelled_fence : std::false_type {};
-template <class ExecSpace>
-struct has_labelled_fence<ExecSpace,
-                          std::void_t<decltype(std::declval<ExecSpace const&>().fence("x"))>>
-    : std::true_type {};
+using moe::detail::fence;
 
-template <class ExecSpace>
-void fence(ExecSpace const& space, char const* label) {
-  if constexpr (has_labelled_fence<ExecSpace>::value)
-    space.fence(label);
-  else
-    (void)label, space.fence();
-}
-
-/// Detects KokkosBlas::gemm(space, ...) (Kokkos Kernels 4.x); 3.4 only has the instance-less one.
-template <class Space, class A, class B, class C, class = void>
-struct has_instance_gemm : std::false_type {};
-template <class Space, class A, class B, class C>
-struct has_instance_gemm<
-    Space, A, B, C,
-    std::void_t<decltype(KokkosBlas::gemm(
-        std::declval<Space const&>(), "N", "N", std::declval<typename A::const_value_type&>(),
-        std::declval<A const&>(), std::declval<B const&>(),
-        std::declval<typename C::const_value_type&>(), std::declval<C const&>()))>>
-    : std::true_type {};
-
-template <class ExecSpace, class A, class B, class C>
-void blas_gemm(ExecSpace const& space, char const* ta, char const* tb,
-               typename C::const_value_type alpha, A const& a, B const& b,
-               typename C::const_value_type beta, C const& c) {
-  if constexpr (has_instance_gemm<ExecSpace, A, B, C>::value) {
-    KokkosBlas::gemm(space, ta, tb, alpha, a, b, beta, c);
-  } else {
-    (void)space;
-    KokkosBlas::gemm(ta, tb, alpha, a, b, beta, c);
-  }
-}
-
-/// Orders a default-instance BLAS call (old Kokkos Kernels) after and before work on `space`.
-/// Host backends run synchronously, so there is nothing to order there.
-template <class ExecSpace, class A, class B, class C>
-struct BlasOrder {
-  static constexpr bool needed =
-      !has_instance_gemm<ExecSpace, A, B, C>::value &&
-      !Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible;
-  ExecSpace space;
-  explicit BlasOrder(ExecSpace const& s) : space(s) {
-    if constexpr (needed) fence(space, "moe::gmm: before default-instance BLAS");
-  }
-  ~BlasOrder() {
-    if constexpr (needed) fence(ExecSpace(), "moe::gmm: after default-instance BLAS");
-  }
-  BlasOrder(BlasOrder const&) = delete;
-  BlasOrder& operator=(BlasOrder const&) = delete;
-};
+using moe::detail::blas_gemm;
+using moe::detail::BlasOrder;
+using moe::detail::has_instance_gemm;
 
 /// out = 0 on a 2-D block (any row stride).
 template <class ExecSpace, class Scalar, class Mem>

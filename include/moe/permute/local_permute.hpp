@@ -17,6 +17,7 @@
 /// is the single-sender case whose blocks start at offset_s. Metadata is computed on the host; the
 /// permutation and the row moves are Kokkos kernels on the given execution space.
 
+#include <moe/detail/compat.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/error.hpp>
 
@@ -48,21 +49,7 @@ struct LocalLayout {
 
 namespace moe::detail::lperm {
 
-/// space.fence(label) where Kokkos has labelled fences (3.6+), space.fence() on Kokkos 3.4.
-template <class ExecSpace, class = void>
-struct has_labelled_fence : std::false_type {};
-template <class ExecSpace>
-struct has_labelled_fence<
-    ExecSpace, std::void_t<decltype(std::declval<ExecSpace const&>().fence(std::string()))>>
-    : std::true_type {};
-
-template <class ExecSpace>
-void fence(ExecSpace const& space, char const* label) {
-  if constexpr (has_labelled_fence<ExecSpace>::value)
-    space.fence(label);
-  else
-    (void)label, space.fence();
-}
+using moe::detail::fence;
 
 /// Clamps the row-major prefix sums of `sizes` to R (R < 0: no cap) and differences them.
 inline void truncate_blocks(moe::permute::LocalLayout& lay, std::int64_t R) {

@@ -9,6 +9,8 @@
 #include <moe/moe_config.hpp>
 
 #include <mpi.h>
+#include <moe/detail/compat.hpp>
+
 #include <Kokkos_Core.hpp>
 
 #include <climits>
@@ -48,21 +50,7 @@ bool staged() {
   return !mpi_accessible<MS> || force_staging();
 }
 
-/// space.fence(label) where Kokkos has labelled fences (3.6+), space.fence() on Kokkos 3.4.
-template <class ExecSpace, class = void>
-struct has_labelled_fence : std::false_type {};
-template <class ExecSpace>
-struct has_labelled_fence<
-    ExecSpace, std::void_t<decltype(std::declval<ExecSpace const&>().fence(std::string()))>>
-    : std::true_type {};
-
-template <class ExecSpace>
-void fence(ExecSpace const& space, char const* label) {
-  if constexpr (has_labelled_fence<ExecSpace>::value)
-    space.fence(label);
-  else
-    (void)label, space.fence();
-}
+using moe::detail::fence;
 
 template <class T, class MS>
 using Flat = Kokkos::View<T*, Kokkos::LayoutRight, MS, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
