@@ -120,7 +120,9 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
   if (backward) state.counters["bwd_over_fwd"] = bwd / fwd;
 }
 
-void bench_permute(benchmark::State& state, int E, std::string const& dist, std::int64_t TK) {
+/// permute/: the counting sort (+ the row gather of x[T,1024] unless sort_only).
+void bench_permute(benchmark::State& state, int E, std::string const& dist, std::int64_t TK,
+                   bool sort_only) {
   int const K = 2;
   std::int64_t const T = TK / K;
   auto ids_h = draw_ids(dist, T, K, E);
@@ -137,12 +139,16 @@ void bench_permute(benchmark::State& state, int E, std::string const& dist, std:
     double const t0 = now();
     moe::permute::sort_by_expert(space, moe::View2<int const, Mem>(ids),
                                  moe::View2<int const, Mem>(kept), E, perm);
-    moe::permute::gather_rows(space, moe::View2<float const, Mem>(x),
-                              moe::View1<std::int64_t const, Mem>(perm.perm), K, xs);
+    if (!sort_only)
+      moe::permute::gather_rows(space, moe::View2<float const, Mem>(x),
+                                moe::View1<std::int64_t const, Mem>(perm.perm), K, xs);
     space.fence();
     state.SetIterationTime(now() - t0);
   }
   state.SetItemsProcessed(state.iterations() * TK);
+  state.counters["ns_per_slot"] =
+      benchmark::Counter(double(TK) * 1e-9, benchmark::Counter::kIsIterationInvariantRate |
+                                                benchmark::Counter::kInvert);
 }
 
 bool register_all() {
@@ -170,19 +176,20 @@ bool register_all() {
           add("Vendor", moe::gmm::Vendor{}, 3);
           add("Tiled", moe::gmm::Tiled<64, 64, 64>{}, 1);
         }
-  for (int E : {8, 64, 256})
-    for (char const* dist : {"balanced", "zipf"})
-      for (int lg = 12; lg <= 18; lg += 2) {
-        std::string const d = dist;
-        std::int64_t const TK = std::int64_t(1) << lg;
-        std::string const name =
-            "permute/E=" + std::to_string(E) + "/" + d + "/TK=" + std::to_string(TK);
-        benchmark::RegisterBenchmark(name.c_str(),
-                                     [=](benchmark::State& st) { bench_permute(st, E, d, TK); })
-            ->UseManualTime()
-            ->Iterations(lg >= 16 ? 5 : 20)
-            ->Unit(benchmark::kMicrosecond);
-      }
+  for (bool sort_only : {false, true})
+    for (int E : {8, 64, 256})
+      for (char const* dist : {"balanced", "zipf"})
+        for (int lg = 12; lg <= 18; lg += 2) {
+          std::string const d = dist;
+          std::int64_t const TK = std::int64_t(1) << lg;
+          std::string const name = std::string(sort_only ? "permute/sort/" : "permute/") +
+                                   "E=" + std::to_string(E) + "/" + d + "/TK=" + std::to_string(TK);
+          benchmark::RegisterBenchmark(
+              name.c_str(), [=](benchmark::State& st) { bench_permute(st, E, d, TK, sort_only); })
+              ->UseManualTime()
+              ->Iterations(lg >= 16 ? 5 : 20)
+              ->Unit(benchmark::kMicrosecond);
+        }
   return true;
 }
 

@@ -27,14 +27,15 @@ struct Permutation {
 
 /// \brief Stable counting sort of the slots by expert id, skipping slots with kept == 0.
 ///
-/// Work O(T*K + C*E) with C = ceil(T*K / max(256, E)) chunks: each chunk counts its slots per
-/// expert, an exclusive scan over (expert, chunk) gives every chunk its write cursor, then each
-/// chunk places its slots in order. No atomics, so the result is the same on every backend.
+/// Work O(T*K + C*E) with C = ceil(T*K / max(2048, 8E)) chunks (so C*E <= T*K/8 + E): each chunk
+/// counts its slots per expert, an exclusive scan over (expert, chunk) gives every chunk its write
+/// cursor, then each chunk places its slots in order. No atomics, so the result is the same on
+/// every backend.
 template <class ExecSpace, class MS>
 void sort_by_expert(ExecSpace const& space, View2<int const, MS> ids, View2<int const, MS> kept,
                     int E, Permutation<MS>& out) {
   std::int64_t const T = ids.extent(0), K = ids.extent(1), N = T * K;
-  std::int64_t const chunk = std::max<std::int64_t>(256, E);
+  std::int64_t const chunk = std::max<std::int64_t>(2048, 8 * std::int64_t(E));
   std::int64_t const C = (N + chunk - 1) / chunk;
   View2<std::int64_t, MS> hist(Kokkos::view_alloc(space, "moe::permute::chunk_hist"), C, E);
   detail::ensure(space, out.inverse, "moe::permute::inverse", N);
