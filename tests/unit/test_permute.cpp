@@ -72,11 +72,12 @@ struct SortCase {
 };
 
 TEST(PermuteSort, MatchesStdStableSort) {
-  // Includes slot counts above the 256-slot chunk of the counting sort (several chunks, chunk
-  // boundaries inside an expert's run) and more experts than one chunk.
-  std::vector<SortCase> const cases = {{1, 1, 1, 1.0},     {5, 2, 4, 1.0},   {7, 3, 8, 0.7},
-                                       {300, 2, 8, 1.0},   {301, 3, 5, 0.6}, {1000, 2, 3, 0.9},
-                                       {200, 4, 300, 1.0}, {129, 2, 2, 0.5}};
+  // Includes slot counts above the counting sort's chunk (max(2048, 8E) slots: several chunks,
+  // chunk boundaries inside an expert's run) and more experts than fit in one small chunk.
+  std::vector<SortCase> const cases = {{1, 1, 1, 1.0},     {5, 2, 4, 1.0},     {7, 3, 8, 0.7},
+                                       {300, 2, 8, 1.0},   {301, 3, 5, 0.6},   {1000, 2, 3, 0.9},
+                                       {200, 4, 300, 1.0}, {129, 2, 2, 0.5},   {2500, 2, 8, 0.9},
+                                       {3001, 3, 5, 1.0},  {1500, 4, 300, 0.8}};
   Rng rng(11);
   for (auto const& c : cases) {
     SCOPED_TRACE(::testing::Message() << "T=" << c.T << " K=" << c.K << " E=" << c.E);
