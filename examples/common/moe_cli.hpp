@@ -3,6 +3,7 @@
 // `key=value` overrides, and one-line error reporting.
 
 #include <moe/config.hpp>
+#include <moe/distributed/parallel_config.hpp>
 #include <moe/error.hpp>
 
 #include <yaml-cpp/yaml.h>
@@ -65,6 +66,24 @@ inline std::pair<std::string, std::string> parse_override(std::string const& arg
 /// Applies the pairs to a LayerConfig; every key must be a LayerConfig key.
 inline void apply(LayerConfig& cfg, KeyValues const& kv) {
   for (auto const& [k, v] : kv) cfg.set(k, v);
+}
+
+/// Applies the pairs to the struct that has each key: LayerConfig keys (num_experts, ...) or
+/// ParallelConfig keys (ici_*_parallelism, use_ring_of_experts, custom_mesh_and_rule, ...).
+/// A key neither knows raises ConfigError naming it.
+inline void apply(LayerConfig& cfg, ParallelConfig& par, KeyValues const& kv) {
+  for (auto const& [k, v] : kv) {
+    if (LayerConfig::has_key(k))
+      cfg.set(k, v);
+    else if (ParallelConfig::has_key(k))
+      par.set(k, v);
+    else
+      throw ConfigError(detail::cat("unknown config key '", k, "' (value '", v,
+                                    "'): not a layer key (num_experts, base_emb_dim, ...) nor a "
+                                    "parallelism key (ici_*_parallelism, use_ring_of_experts, "
+                                    "ragged_buffer_factor, moe_fsdp_use_two_stage_all_gather, "
+                                    "custom_mesh_and_rule)"));
+  }
 }
 
 }  // namespace moe::cli

@@ -1,0 +1,188 @@
+#!/usr/bin/env bash
+# moe-layer-run under mpirun (DESIGN.md §7, §8), registered with ctest by tests/tools/CMakeLists.txt.
+#
+#   layer_run_test.sh MODE LAYER_RUN CASE_TOOL WORKDIR MPIEXEC [MPIEXEC_FLAGS...]
+#
+# MODE f64 | f32: writes a CASE with dy, runs it on 1 rank (the reference), then on 2 and 4 ranks
+#   in several layouts, and compares every RESULT tensor with the 1-rank RESULT (f64: rel 1e-10,
+#   f32: rel 1e-4; expert_ids exactly).
+# MODE errors: bad inputs give exit code 2 and the same one-line error on every rank, no hang,
+#   and no RESULT file.
+# MODE example: --example on 1 and 2 ranks prints the same routing summary.
+set -uo pipefail
+
+MODE=$1 RUN=$2 CASE_TOOL=$3 WORK=$4
+shift 4
+MPI=("$@")
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OPENBLAS_NUM_THREADS=1
+LIMIT=120  # seconds per mpirun: a hang fails the test instead of blocking ctest
+
+rm -rf "$WORK" && mkdir -p "$WORK" && cd "$WORK" || exit 1
+failures=0
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+
+# run NP LOG args...: runs moe-layer-run on NP ranks, stdout+stderr to LOG; returns its status.
+run() {
+  local np=$1 log=$2
+  shift 2
+  timeout "$LIMIT" "${MPI[@]}" -np "$np" "$RUN" "$@" >"$log" 2>&1
+}
+
+layouts() {
+  local dtype=$1 rtol=$2
+  if [[ $dtype == f64 ]]; then
+    "$CASE_TOOL" write case.safetensors --dtype f64 --shared 1 --bias --seed 11 || exit 1
+    cat >cfg.yml <<'EOF'
+# DeepSeek routing: sigmoid scores, gate bias, group-limited top-k, loss-free bias update.
+num_experts_per_tok: 2
+decoder_block: deepseek
+routed_score_func: sigmoid
+n_routing_groups: 4
+topk_routing_group: 2
+routed_scaling_factor: 2.0
+routed_bias_update_rate: 0.01
+load_balance_loss_weight: 0.05
+mlp_activations: [silu, linear]
+EOF
+  else
+    "$CASE_TOOL" write case.safetensors --dtype f32 --shared 1 --seed 5 || exit 1
+    cat >cfg.yml <<'EOF'
+# Mixtral routing with capacity dropping and the load-balance loss.
+num_experts_per_tok: 2
+capacity_factor: 1.5
+load_balance_loss_weight: 0.05
+norm_topk_prob: true
+EOF
+  fi
+  run 1 ref.log --config cfg.yml --in case.safetensors --out ref.safetensors ||
+    { cat ref.log; fail "1-rank reference run"; return; }
+  cat ref.log
+  # The comparison must be able to fail: a slightly different layer must not match.
+  if [[ $dtype == f64 ]]; then
+    run 1 perturbed.log --config cfg.yml --in case.safetensors --out perturbed.safetensors \
+      routed_scaling_factor=2.000001 || { cat perturbed.log; fail "perturbed run"; }
+    if "$CASE_TOOL" compare ref.safetensors perturbed.safetensors "$rtol" >perturbed.cmp 2>&1; then
+      cat perturbed.cmp
+      fail "the comparison accepts a RESULT of a different layer"
+    else
+      echo "ok   a perturbed layer (routed_scaling_factor 2 -> 2.000001) is told apart"
+    fi
+  fi
+  local cases=(
+    "2|ep|ici_expert_parallelism=-1"
+    "2|ring|ici_expert_parallelism=-1 use_ring_of_experts=true"
+    "2|fsdp|ici_fsdp_parallelism=-1"
+    "2|tp|ici_tensor_parallelism=-1"
+    "2|dp|ici_data_parallelism=-1"
+    "2|shard_exp_on_fsdp|custom_mesh_and_rule=shard-exp-on-fsdp ici_fsdp_parallelism=-1"
+    "2|ep_tiled|--gmm tiled ici_expert_parallelism=-1"
+    "2|ep_dense|--gmm dense ici_expert_parallelism=-1"
+    "4|ep|ici_expert_parallelism=-1"
+    "4|ring|ici_expert_parallelism=-1 use_ring_of_experts=true"
+    "4|fsdp|ici_fsdp_parallelism=-1"
+    "4|tp|ici_tensor_parallelism=-1"
+    "4|dp2_ep2|ici_data_parallelism=2 ici_expert_parallelism=2"
+    "4|shard_exp_on_fsdp|custom_mesh_and_rule=shard-exp-on-fsdp ici_fsdp_parallelism=-1"
+  )
+  local c np name keys out
+  for c in "${cases[@]}"; do
+    IFS='|' read -r np name keys <<<"$c"
+    out="np${np}_${name}"
+    # shellcheck disable=SC2086  # keys are separate words
+    if ! run "$np" "$out.log" --config cfg.yml --in case.safetensors --out "$out.safetensors" $keys; then
+      cat "$out.log"
+      fail "$dtype np=$np $name: moe-layer-run failed"
+      continue
+    fi
+    if "$CASE_TOOL" compare ref.safetensors "$out.safetensors" "$rtol" >"$out.cmp" 2>&1; then
+      echo "ok   $dtype np=$np $name ($keys): $(grep -c 'rel error' "$out.cmp") float tensors within $rtol"
+    else
+      cat "$out.cmp"
+      fail "$dtype np=$np $name: RESULT differs from the 1-rank RESULT"
+    fi
+  done
+}
+
+# expect_error NP PATTERN args...: exit code 2, the same one-line error (containing PATTERN) on
+# every one of the NP ranks, and no RESULT file.
+expect_error() {
+  local np=$1 pattern=$2
+  shift 2
+  rm -f out.safetensors
+  run "$np" err.log "$@"
+  local rc=$? lines
+  lines=$(grep '^moe-layer-run: error: ' err.log)
+  if [[ $rc -eq 124 ]]; then
+    fail "np=$np $*: timed out (hang)"
+  elif [[ $rc -ne 2 ]]; then
+    cat err.log
+    fail "np=$np $*: exit code $rc, expected 2"
+  elif [[ $(grep -c . <<<"$lines") -ne $np ]]; then
+    cat err.log
+    fail "np=$np $*: expected one error line per rank ($np)"
+  elif [[ $(sort -u <<<"$lines" | wc -l) -ne 1 ]]; then
+    cat err.log
+    fail "np=$np $*: the ranks report different errors"
+  elif ! grep -q -- "$pattern" <<<"$lines"; then
+    cat err.log
+    fail "np=$np $*: the error does not mention '$pattern'"
+  elif [[ -e out.safetensors ]]; then
+    fail "np=$np $*: a RESULT file was written"
+  else
+    echo "ok   np=$np exit 2: $(head -n1 <<<"$lines")"
+  fi
+}
+
+errors() {
+  "$CASE_TOOL" write case.safetensors --dtype f64 --seed 3 || exit 1
+  echo "num_experts_per_tok: 2" >cfg.yml
+  printf 'num_experts_per_tok: 2\nici_expert_parallelism: 3\n' >mesh3.yml
+  head -c 300 case.safetensors >truncated.safetensors
+  "$CASE_TOOL" mix-dtype case.safetensors mixed.safetensors || exit 1
+  "$CASE_TOOL" nan-x case.safetensors nan.safetensors || exit 1
+  local io=(--config cfg.yml --out out.safetensors)
+  expect_error 1 "truncated.safetensors" "${io[@]}" --in truncated.safetensors
+  expect_error 2 "truncated.safetensors" "${io[@]}" --in truncated.safetensors ici_data_parallelism=-1
+  expect_error 2 "all tensors share one dtype" "${io[@]}" --in mixed.safetensors ici_data_parallelism=-1
+  expect_error 2 "does not equal the communicator size 2" --config mesh3.yml --in case.safetensors \
+    --out out.safetensors
+  expect_error 2 "communicator size 2" "${io[@]}" --in case.safetensors
+  expect_error 4 "bogus_key" "${io[@]}" --in case.safetensors ici_data_parallelism=-1 bogus_key=1
+  expect_error 3 "num_experts=8 is not divisible" "${io[@]}" --in case.safetensors \
+    ici_expert_parallelism=-1
+  expect_error 2 "NaN" "${io[@]}" --in nan.safetensors ici_data_parallelism=-1
+  expect_error 2 "no-such-case.safetensors" "${io[@]}" --in no-such-case.safetensors \
+    ici_data_parallelism=-1
+  expect_error 2 "no-such-dir" --config cfg.yml --in case.safetensors \
+    --out no-such-dir/out.safetensors ici_data_parallelism=-1
+}
+
+example() {
+  run 1 ex1.log --example || { cat ex1.log; fail "--example on 1 rank"; return; }
+  run 2 ex2.log --example || { cat ex2.log; fail "--example on 2 ranks"; return; }
+  cat ex1.log ex2.log
+  grep -q 'ranks=2 mesh data=2' ex2.log || fail "--example on 2 ranks does not split the batch"
+  if [[ $(grep 'tokens per expert' ex1.log) != $(grep 'tokens per expert' ex2.log) ]]; then
+    fail "--example routes differently on 1 and 2 ranks"
+  fi
+}
+
+case $MODE in
+  f64) layouts f64 1e-10 ;;
+  f32) layouts f32 1e-4 ;;
+  errors) errors ;;
+  example) example ;;
+  *)
+    echo "unknown mode $MODE"
+    exit 2
+    ;;
+esac
+if [[ $failures -gt 0 ]]; then
+  echo "$failures check(s) failed"
+  exit 1
+fi
+echo "all checks passed"

@@ -1,0 +1,212 @@
+// Test helper of the moe-layer-run tests (tests/tools/layer_run_test.sh):
+//
+//   moe_case_tool write CASE.safetensors --dtype f32|f64 [--B n] [--S n] [--D n] [--E n] [--F n]
+//                 [--shared n] [--bias] [--no-dy] [--seed n]
+//       writes a random CASE (x, gate, [gate_bias], wi_0, wi_1, wo, [shared_*], [dy])
+//   moe_case_tool mix-dtype IN OUT      copies IN with `gate` converted to the other float dtype
+//   moe_case_tool nan-x IN OUT          copies IN with the last element of x set to NaN
+//   moe_case_tool compare REF GOT RTOL  compares every tensor of two RESULT files: the same names,
+//       shapes and dtypes; integer tensors exactly; float tensors with
+//       max|got - ref| <= RTOL * max|ref| (per tensor). Exit 0 when all agree, 1 otherwise.
+#include <moe/io/safetensors.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using moe::io::DType;
+using moe::io::File;
+using moe::io::Tensor;
+
+int usage() {
+  std::fputs(
+      "usage: moe_case_tool write CASE --dtype f32|f64 [--B n] [--S n] [--D n] [--E n] [--F n]\n"
+      "                     [--shared n] [--bias] [--no-dy] [--seed n]\n"
+      "       moe_case_tool mix-dtype IN OUT\n"
+      "       moe_case_tool nan-x IN OUT\n"
+      "       moe_case_tool compare REF GOT RTOL\n",
+      stderr);
+  return 2;
+}
+
+template <class T>
+Tensor random_tensor(std::vector<std::int64_t> const& shape, double scale, std::mt19937_64& g) {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  std::normal_distribution<double> d(0.0, scale);
+  std::vector<T> v(static_cast<std::size_t>(n));
+  for (auto& e : v) e = T(d(g));
+  return Tensor::from<T>(shape, v);
+}
+
+template <class T>
+void write_case(std::string const& path, std::int64_t B, std::int64_t S, std::int64_t D,
+                std::int64_t E, std::int64_t F, std::int64_t shared, bool bias, bool dy,
+                unsigned seed) {
+  std::mt19937_64 g(seed);
+  File f;
+  f.set("x", random_tensor<T>({B, S, D}, 1.0, g));
+  f.set("gate", random_tensor<T>({D, E}, 0.5, g));
+  if (bias) f.set("gate_bias", random_tensor<T>({E}, 0.1, g));
+  f.set("wi_0", random_tensor<T>({E, D, F}, 0.3, g));
+  f.set("wi_1", random_tensor<T>({E, D, F}, 0.3, g));
+  f.set("wo", random_tensor<T>({E, F, D}, 0.3, g));
+  if (shared > 0) {
+    f.set("shared_wi_0", random_tensor<T>({D, shared * F}, 0.3, g));
+    f.set("shared_wi_1", random_tensor<T>({D, shared * F}, 0.3, g));
+    f.set("shared_wo", random_tensor<T>({shared * F, D}, 0.3, g));
+  }
+  if (dy) f.set("dy", random_tensor<T>({B, S, D}, 1.0, g));
+  f.write(path);
+}
+
+int cmd_write(int argc, char** argv) {
+  if (argc < 3) return usage();
+  std::string const path = argv[2];
+  std::string dtype = "f64";
+  std::int64_t B = 8, S = 4, D = 16, E = 8, F = 8, shared = 0;
+  bool bias = false, dy = true;
+  unsigned seed = 7;
+  for (int i = 3; i < argc; ++i) {
+    std::string const a = argv[i];
+    auto num = [&]() -> std::int64_t {
+      if (i + 1 >= argc) throw moe::ConfigError(a + " needs a value");
+      return std::stoll(argv[++i]);
+    };
+    if (a == "--dtype") {
+      if (i + 1 >= argc) return usage();
+      dtype = argv[++i];
+    } else if (a == "--B")
+      B = num();
+    else if (a == "--S")
+      S = num();
+    else if (a == "--D")
+      D = num();
+    else if (a == "--E")
+      E = num();
+    else if (a == "--F")
+      F = num();
+    else if (a == "--shared")
+      shared = num();
+    else if (a == "--seed")
+      seed = unsigned(num());
+    else if (a == "--bias")
+      bias = true;
+    else if (a == "--no-dy")
+      dy = false;
+    else
+      return usage();
+  }
+  if (dtype == "f64")
+    write_case<double>(path, B, S, D, E, F, shared, bias, dy, seed);
+  else if (dtype == "f32")
+    write_case<float>(path, B, S, D, E, F, shared, bias, dy, seed);
+  else
+    return usage();
+  return 0;
+}
+
+int cmd_mix(int argc, char** argv) {
+  if (argc != 4) return usage();
+  File f = File::read(argv[2]);
+  Tensor const& gate = f.at("gate");
+  if (gate.dtype == DType::F64)
+    f.set("gate", Tensor::from<float>(gate.shape, [&] {
+            auto v = gate.to_vector<double>();
+            return std::vector<float>(v.begin(), v.end());
+          }()));
+  else
+    f.set("gate", Tensor::from<double>(gate.shape, gate.to_vector<double>()));
+  f.write(argv[3]);
+  return 0;
+}
+
+int cmd_nan(int argc, char** argv) {
+  if (argc != 4) return usage();
+  File f = File::read(argv[2]);
+  Tensor x = f.at("x");
+  if (x.dtype == DType::F64) {
+    auto v = x.to_vector<double>();
+    v.back() = std::nan("");
+    f.set("x", Tensor::from<double>(x.shape, v));
+  } else {
+    auto v = x.to_vector<float>();
+    v.back() = std::nanf("");
+    f.set("x", Tensor::from<float>(x.shape, v));
+  }
+  f.write(argv[3]);
+  return 0;
+}
+
+bool is_float(DType d) { return d == DType::F32 || d == DType::F64; }
+
+int cmd_compare(int argc, char** argv) {
+  if (argc != 5) return usage();
+  File const ref = File::read(argv[2]);
+  File const got = File::read(argv[3]);
+  double const rtol = std::stod(argv[4]);
+  bool ok = ref.names() == got.names();
+  if (!ok) {
+    std::string a, b;
+    for (auto const& n : ref.names()) a += " " + n;
+    for (auto const& n : got.names()) b += " " + n;
+    std::printf("tensor names differ:\n  ref:%s\n  got:%s\n", a.c_str(), b.c_str());
+  }
+  for (auto const& name : ref.names()) {
+    if (!got.has(name)) continue;
+    Tensor const& r = ref.at(name);
+    Tensor const& g = got.at(name);
+    if (r.dtype != g.dtype || r.shape != g.shape) {
+      std::printf("%-14s dtype/shape differ: %s%s vs %s%s\n", name.c_str(),
+                  moe::io::dtype_name(r.dtype), moe::io::detail::shape_str(r.shape).c_str(),
+                  moe::io::dtype_name(g.dtype), moe::io::detail::shape_str(g.shape).c_str());
+      ok = false;
+      continue;
+    }
+    if (!is_float(r.dtype)) {
+      auto const a = r.to_vector<std::int64_t>(), b = g.to_vector<std::int64_t>();
+      std::size_t diff = 0;
+      for (std::size_t i = 0; i < a.size(); ++i) diff += a[i] != b[i];
+      std::printf("%-14s %zu of %zu elements differ (exact)\n", name.c_str(), diff, a.size());
+      ok = ok && diff == 0;
+      continue;
+    }
+    auto const a = r.to_vector<double>(), b = g.to_vector<double>();
+    double scale = 0, err = 0;
+    bool finite = true;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      finite = finite && std::isfinite(a[i]) && std::isfinite(b[i]);
+      scale = std::max(scale, std::abs(a[i]));
+      err = std::max(err, std::abs(a[i] - b[i]));
+    }
+    double const rel = scale > 0 ? err / scale : err;
+    bool const good = finite && (err <= rtol * scale || err == 0);
+    std::printf("%-14s rel error %.3g (max |ref| %.3g)%s\n", name.c_str(), rel, scale,
+                good ? "" : "  <-- FAIL");
+    ok = ok && good;
+  }
+  std::printf("%s\n", ok ? "MATCH" : "MISMATCH");
+  return ok ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) return usage();
+  std::string const cmd = argv[1];
+  try {
+    if (cmd == "write") return cmd_write(argc, argv);
+    if (cmd == "mix-dtype") return cmd_mix(argc, argv);
+    if (cmd == "nan-x") return cmd_nan(argc, argv);
+    if (cmd == "compare") return cmd_compare(argc, argv);
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "moe_case_tool: %s\n", e.what());
+    return 2;
+  }
+  return usage();
+}
