@@ -2,14 +2,25 @@
 //
 //   moe-shard [--rules FILE.yml] [--preset NAME] --mesh axis=size,...
 //             --tensor NAME=logical1,logical2,... [--tensor ...] [--drop-size-one]
-//   moe-shard --plan CFG.yml [key=value ...] [--json]          (not yet implemented)
+//   moe-shard --plan CFG.yml [key=value ...] [--json] [--ranks N] [--rank R] [--batch B]
+//             [--seq S] [--dtype float32|float64]
 //
 // Prints {"mesh": {axis: size, ...}, "tensors": {NAME: [null | "axis" | ["a", "b"], ...]}}.
 // A preset (--preset, or the file's custom_mesh_and_rule) replaces the file's mesh axes and rules;
 // without one the file's mesh_axes / logical_axis_rules are used (base axes / default rules when
 // absent). Mesh axes not given in --mesh have size 1; size-1 axes stay in the specs unless
-// --drop-size-one. A dimension without a logical name is written None. Errors: one line on stderr,
-// exit code 2.
+// --drop-size-one. A dimension without a logical name is written None.
+//
+// --plan prints the layer's partition plan (moe::make_plan, DESIGN.md §4) as text, or as JSON with
+// --json. CFG.yml (then the key=value overrides) holds LayerConfig and ParallelConfig keys plus
+// per_device_batch_size and max_target_length; any other key is an error. The number of ranks is
+// the product of the ici_* degrees (--ranks N when one is -1), the global batch
+// per_device_batch_size * ranks (or --batch), the sequence length max_target_length (or --seq).
+//
+// Errors: one line on stderr, exit code 2.
+#include <moe/config.hpp>
+#include <moe/distributed/parallel_config.hpp>
+#include <moe/distributed/plan.hpp>
 #include <moe/error.hpp>
 #include <moe/sharding/mesh.hpp>
 #include <moe/sharding/presets.hpp>
@@ -18,6 +29,8 @@
 #include <moe_cli.hpp>
 #include <moe_sharding_yaml.hpp>
 
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -41,6 +54,10 @@ struct Args {
   std::string plan;
   bool json = false;
   moe::cli::KeyValues overrides;
+  int ranks = 0, rank = 0;          // 0: implied by the ici_* degrees
+  std::int64_t batch = 0, seq = 0;  // 0: from the config
+  std::size_t scalar_bytes = sizeof(float);
+  std::vector<std::string> plan_flags;  // given --plan-only flags, for the error message
 };
 
 int parse_size(std::string const& axis, std::string const& text) {
@@ -93,8 +110,11 @@ void usage() {
   std::puts(
       "usage: moe-shard [--rules FILE.yml] [--preset NAME] --mesh axis=size,...\n"
       "                 --tensor NAME=logical1,logical2,... [--tensor ...] [--drop-size-one]\n"
-      "       moe-shard --plan CFG.yml [key=value ...] [--json]   (not yet implemented)\n"
-      "A dimension without a logical name is written None. --rules is optional with --preset.");
+      "       moe-shard --plan CFG.yml [key=value ...] [--json] [--ranks N] [--rank R]\n"
+      "                 [--batch B] [--seq S] [--dtype float32|float64]\n"
+      "A dimension without a logical name is written None. --rules is optional with --preset.\n"
+      "--plan: CFG.yml holds LayerConfig and ParallelConfig keys, per_device_batch_size and\n"
+      "max_target_length; ranks default to the product of the ici_* degrees.");
 }
 
 Args parse_args(int argc, char** argv) {
@@ -121,7 +141,30 @@ Args parse_args(int argc, char** argv) {
       a.plan = value("--plan");
     else if (s == "--json")
       a.json = true;
-    else if (s == "-h" || s == "--help") {
+    else if (s == "--ranks" || s == "--rank" || s == "--batch" || s == "--seq") {
+      long long const v = moe::detail::parse_int(s, value(s.c_str()));
+      long long const lo = s == "--rank" ? 0 : 1;
+      long long const hi = s == "--rank" || s == "--ranks" ? (1LL << 30) : (1LL << 50);
+      if (v < lo || v > hi) throw ConfigError(cat(s, " ", v, " must be in [", lo, ", ", hi, "]"));
+      if (s == "--ranks")
+        a.ranks = int(v);
+      else if (s == "--rank")
+        a.rank = int(v);
+      else if (s == "--batch")
+        a.batch = v;
+      else
+        a.seq = v;
+      a.plan_flags.push_back(s);
+    } else if (s == "--dtype") {
+      std::string const t = value("--dtype");
+      if (t == "float32" || t == "float")
+        a.scalar_bytes = 4;
+      else if (t == "float64" || t == "double")
+        a.scalar_bytes = 8;
+      else
+        throw ConfigError(cat("--dtype ", t, " is not one of float32|float64"));
+      a.plan_flags.push_back(s);
+    } else if (s == "-h" || s == "--help") {
       usage();
       std::exit(0);
     } else if (s.rfind("--", 0) == 0)
@@ -132,20 +175,86 @@ Args parse_args(int argc, char** argv) {
       throw ConfigError(cat("unexpected argument '", s, "'"));
   }
   if (!a.plan.empty()) return a;
-  if (!a.overrides.empty() || a.json)
-    throw ConfigError("key=value overrides and --json are only valid with --plan");
+  if (!a.overrides.empty() || a.json || !a.plan_flags.empty())
+    throw ConfigError(cat("key=value overrides, --json", a.plan_flags.empty() ? "" : ", ",
+                          a.plan_flags.empty() ? "" : a.plan_flags.front(),
+                          " are only valid with --plan"));
   if (a.rules.empty() && a.preset.empty())
     throw ConfigError("--rules FILE.yml or --preset NAME is required");
   if (!have_mesh) throw ConfigError("--mesh axis=size,... is required");
   return a;
 }
 
-// ---- HOOK(--plan): `moe-shard --plan CFG.yml [key=value ...] [--json]` prints the layer's
-// partition plan (local shapes, collectives per step, bytes moved; DESIGN.md §4). To be
-// implemented on top of moe/sharding once the plan exists; Args::plan / overrides / json carry the
-// parsed arguments.
-int run_plan(Args const& a) { throw ConfigError(cat("--plan ", a.plan, ": not yet implemented")); }
-// ---- end HOOK(--plan)
+// ---- --plan: the layer's partition plan (moe::make_plan).
+int run_plan(Args const& a) {
+  moe::cli::KeyValues kv = moe::cli::read_yaml(a.plan);
+  kv.insert(kv.end(), a.overrides.begin(), a.overrides.end());
+  moe::LayerConfig cfg;
+  moe::ParallelConfig par;
+  double per_device_batch = 0;
+  std::int64_t max_target_length = 0;
+  std::vector<std::string> unknown;
+  for (auto const& [key, value] : kv) {
+    if (moe::LayerConfig::has_key(key)) {
+      cfg.set(key, value);
+    } else if (moe::ParallelConfig::has_key(key)) {
+      par.set(key, value);
+    } else if (key == "per_device_batch_size") {
+      per_device_batch = moe::detail::parse_double(key, value);
+      if (per_device_batch <= 0)
+        throw ConfigError(cat("per_device_batch_size=", value, " must be > 0"));
+    } else if (key == "max_target_length") {
+      max_target_length = moe::detail::parse_int(key, value);
+      if (max_target_length < 1)
+        throw ConfigError(cat("max_target_length=", value, " must be >= 1"));
+    } else {
+      unknown.push_back("'" + key + "'");
+    }
+  }
+  if (!unknown.empty()) {
+    std::string names;
+    for (auto const& u : unknown) names += (names.empty() ? "" : ", ") + u;
+    throw ConfigError(cat("--plan ", a.plan, ": unknown config key",
+                          unknown.size() > 1 ? "s " : " ", names,
+                          "; a plan config holds LayerConfig keys (num_experts, ...), "
+                          "ParallelConfig keys (ici_*_parallelism, custom_mesh_and_rule, ...), "
+                          "per_device_batch_size and max_target_length"));
+  }
+  int ranks = a.ranks;
+  if (ranks == 0) {
+    std::int64_t product = 1;
+    for (auto const& [key, degree] : par.ici()) {
+      if (degree == -1)
+        throw ConfigError(cat(key,
+                              "=-1 fills the rest of the ranks, so the config does not imply "
+                              "a number of ranks; give --ranks N"));
+      product *= degree;
+      if (product > (1 << 30))
+        throw ConfigError(cat("the ici_* degrees multiply to more than 2^30 ranks"));
+    }
+    ranks = int(product);
+  }
+  std::int64_t batch = a.batch;
+  if (batch == 0) {
+    if (per_device_batch <= 0)
+      throw ConfigError(
+          "the global batch is unknown: set per_device_batch_size in the config or give --batch B");
+    double const b = per_device_batch * ranks;
+    batch = std::int64_t(std::llround(b));
+    if (batch < 1 || std::abs(b - double(batch)) > 1e-9 * b)
+      throw ConfigError(cat("per_device_batch_size=", per_device_batch, " x ", ranks,
+                            " ranks = ", b, " is not a whole global batch >= 1; give --batch B"));
+  }
+  std::int64_t seq = a.seq != 0 ? a.seq : max_target_length;
+  if (seq == 0)
+    throw ConfigError(
+        "the sequence length is unknown: set max_target_length in the config or give --seq S");
+  if (a.rank >= ranks)
+    throw ConfigError(cat("--rank ", a.rank, " is outside [0, ", ranks, ") for ", ranks, " ranks"));
+  auto const plan = moe::make_plan(cfg, par, ranks, a.rank, batch, seq, a.scalar_bytes);
+  std::fputs((a.json ? plan.to_json() : plan.to_text()).c_str(), stdout);
+  return 0;
+}
 
 int run_resolve(Args const& a) {
   std::unique_ptr<moe::cli::ShardingFile> file;

@@ -27,6 +27,7 @@
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/ragged_all_to_all.hpp>
 #include <moe/config.hpp>
+#include <moe/distributed/layout.hpp>
 #include <moe/distributed/parallel_config.hpp>
 #include <moe/distributed/reshard.hpp>
 #include <moe/layer.hpp>
@@ -45,38 +46,6 @@
 #include <vector>
 
 namespace moe {
-
-/// \brief The block of a global tensor one rank holds: global[offset + i] for i < local_shape.
-struct TensorBlock {
-  std::vector<std::int64_t> global_shape, local_shape, offset;
-};
-
-/// \brief How the routed experts are reached.
-enum class ExpertRoute {
-  Local,      ///< no expert parallelism
-  RaggedA2A,  ///< batch split over the expert axis: rows travel by ragged all-to-all
-  Ring,       ///< tokens all-gathered over the expert axis, outputs reduce-scattered
-  Replicated  ///< every expert-axis rank holds the same tokens: outputs all-reduced
-};
-
-namespace distributed {
-
-/// Layout of one dimension of one tensor.
-struct DimLayout {
-  std::vector<std::string> storage;  ///< mesh axes (size > 1) the stored block is split over
-  std::vector<std::string> gather;   ///< storage axes the compute block spans (all-gathered)
-  std::vector<std::string> slice;    ///< axes the compute block is split over beyond storage
-  std::int64_t global = 0, stored = 0, computed = 0;
-};
-
-/// Layout of one tensor: per dim, plus the token axes over which gradient contributions differ.
-struct WeightLayout {
-  std::string name;
-  std::vector<DimLayout> dims;
-  std::vector<std::string> reduce;  ///< token axes whose contributions are summed (not gathered)
-};
-
-}  // namespace distributed
 
 /// \brief One MoE layer over MPI ranks (see the file comment for the strategies).
 ///
@@ -105,9 +74,11 @@ class DistributedMoeLayer {
                       std::int64_t global_batch, std::int64_t seq_len,
                       ExecSpace const& space = ExecSpace())
       : world_(comm), cfg_(cfg), par_(par), space_(space), B_(global_batch), S_(seq_len) {
-    comm::check_agreement(world_, "the MoE layer configuration",
-                          describe(cfg) + "|" + par.describe() + "|B=" +
-                              std::to_string(global_batch) + "|S=" + std::to_string(seq_len));
+    // One agreement per part keeps each quoted value short enough to show where ranks differ.
+    comm::check_agreement(world_, "layer configuration (LayerConfig)", describe(cfg));
+    comm::check_agreement(world_, "parallel configuration (ParallelConfig)", par.describe());
+    comm::check_agreement(world_, "global batch shape",
+                          "B=" + std::to_string(global_batch) + ";S=" + std::to_string(seq_len));
     comm::collective_guard(world_, [&] { setup_layout(); });
     mesh_comm_ = std::make_unique<sharding::MeshComm>(world_.get(), mesh_);
     make_groups();
@@ -128,25 +99,14 @@ class DistributedMoeLayer {
   /// \brief The block of `name` this rank holds: "x", "y", "dy", "dx" ([B,S,D]), or a parameter
   /// name (gate, gate_bias, wi_0, wi_1, wo, shared_wi_0, shared_wi_1, shared_wo; gradients have
   /// the same blocks as their parameters).
-  TensorBlock block(std::string const& name) const {
-    if (name == "x" || name == "y" || name == "dx" || name == "dy") {
-      std::int64_t const b = B_ / batch_parts_;
-      return {{B_, S_, cfg_.base_emb_dim}, {b, S_, cfg_.base_emb_dim}, {batch_index_ * b, 0, 0}};
-    }
-    auto const& w = weight(name);
-    TensorBlock tb;
-    for (auto const& d : w.dims) {
-      tb.global_shape.push_back(d.global);
-      tb.local_shape.push_back(d.stored);
-      tb.offset.push_back(shard_index(d.storage) * d.stored);
-    }
-    return tb;
-  }
+  TensorBlock block(std::string const& name) const { return layout_.block(name); }
 
   /// Collectives of the last forward + backward, with bytes sent by this rank.
   distributed::CommLog const& comm_log() const { return log_; }
   /// Layout of every weight (storage, gathered and sliced axes, token axes reduced).
-  std::vector<distributed::WeightLayout> const& weight_layouts() const { return layouts_; }
+  std::vector<distributed::WeightLayout> const& weight_layouts() const { return layout_.weights; }
+  /// The whole layout (mesh, axes, route, weights); see moe::make_plan for a printable form.
+  distributed::Layout const& layout() const { return layout_; }
   /// Mesh axes the batch is split over.
   std::vector<std::string> const& batch_axes() const { return batch_axes_; }
 
@@ -237,182 +197,42 @@ class DistributedMoeLayer {
 
  private:
   // ------------------------------------------------------------------ layout ----------------
-  std::int64_t axis_size(std::string const& a) const {
-    return mesh_.has_axis(a) ? mesh_.size(a) : 1;
-  }
-  std::int64_t parts(std::vector<std::string> const& axes) const {
-    std::int64_t p = 1;
-    for (auto const& a : axes) p *= axis_size(a);
-    return p;
-  }
+  std::int64_t axis_size(std::string const& a) const { return layout_.axis_size(a); }
+  std::int64_t parts(std::vector<std::string> const& axes) const { return layout_.parts(axes); }
   /// Row-major index of this rank over `axes` (in the given order).
   std::int64_t shard_index(std::vector<std::string> const& axes) const {
-    std::int64_t idx = 0;
-    int const rank = world_.rank();
-    for (auto const& a : axes)
-      idx = idx * axis_size(a) + (mesh_.has_axis(a) ? mesh_.coord(rank, a) : 0);
-    return idx;
-  }
-  std::vector<std::string> big(std::vector<std::string> const& axes) const {
-    std::vector<std::string> out;
-    for (auto const& a : axes)
-      if (axis_size(a) > 1) out.push_back(a);
-    return out;
+    return layout_.shard_index(axes);
   }
   static bool contains(std::vector<std::string> const& v, std::string const& a) {
-    return std::find(v.begin(), v.end(), a) != v.end();
+    return distributed::layout_detail::contains(v, a);
   }
   static std::vector<std::string> minus(std::vector<std::string> const& a,
                                         std::vector<std::string> const& b) {
-    std::vector<std::string> out;
-    for (auto const& x : a)
-      if (!contains(b, x)) out.push_back(x);
-    return out;
+    return distributed::layout_detail::minus(a, b);
   }
   static std::string join(std::vector<std::string> const& v) {
-    std::string s;
-    for (auto const& a : v) s += (s.empty() ? "" : ",") + a;
-    return s.empty() ? "none" : s;
+    return distributed::layout_detail::join(v);
   }
 
   distributed::WeightLayout const& weight(std::string const& name) const {
-    for (auto const& w : layouts_)
-      if (w.name == name) return w;
-    throw ConfigError(detail::cat("no tensor named '", name, "' in this layer"));
+    return layout_.weight(name);
   }
 
-  /// Resolves every spec, checks divisibility; pure function of the (agreed) configuration, so
-  /// every rank throws the same error.
+  /// Resolves every spec, checks divisibility (distributed::compute_layout, a pure function of
+  /// the agreed configuration, so every rank throws the same error) and keeps what the step uses.
   void setup_layout() {
-    cfg_.validate();
-    auto const pre = sharding::preset(par_.custom_mesh_and_rule);
-    mesh_ = sharding::Mesh::from_ici(par_.ici(), world_.size(), pre.mesh_axes);
-    rules_ = pre.rules;
-    auto const E = cfg_.num_experts, D = cfg_.base_emb_dim, F = cfg_.base_moe_mlp_dim;
-    auto resolve = [&](sharding::LogicalAxes const& l) { return rules_.resolve(l); };
-    auto dimaxes = [&](sharding::PartitionSpec const& s, int d) { return big(s[d]); };
-    // Tokens.
-    auto const xs = resolve({"activation_batch", "activation_norm_length", "activation_embed"});
-    detail::require<ConfigError>(dimaxes(xs, 1).empty(),
-                                 "the sequence dimension resolves to mesh axes [",
-                                 join(dimaxes(xs, 1)),
-                                 "]: sequence (context) parallelism is not supported by the MoE "
-                                 "layer; set those ici_* degrees to 1");
-    batch_axes_ = dimaxes(xs, 0);
-    // Expert weights.
-    auto const wi_st = resolve({"exp", "embed_moe", "mlp_moe"});
-    auto const wo_st = resolve({"exp", "mlp_moe", "embed_moe"});
-    auto const wi_cp =
-        sharding::remove_mesh_axes(resolve({"exp", std::nullopt, "mlp_no_fsdp"}), {"fsdp"});
-    auto const wo_cp =
-        sharding::remove_mesh_axes(resolve({"exp", "mlp_no_fsdp", std::nullopt}), {"fsdp"});
-    ep_axes_ = dimaxes(wi_cp, 0);
-    tp_axes_ = dimaxes(wi_cp, 2);
-    auto const ep_st = dimaxes(wi_st, 0);
-    detail::require<ConfigError>(ep_st.size() >= ep_axes_.size() &&
-                                     std::equal(ep_axes_.begin(), ep_axes_.end(), ep_st.begin()),
-                                 "the expert dimension is stored over [", join(ep_st),
-                                 "] but computed over [", join(ep_axes_),
-                                 "]: the compute axes must lead the storage axes");
-    std::int64_t const ep = parts(ep_axes_), tp = parts(tp_axes_);
-    auto divisible = [&](std::int64_t n, char const* key, std::vector<std::string> const& axes) {
-      detail::require<ConfigError>(n % parts(axes) == 0, key, "=", n,
-                                   " is not divisible by the product of mesh axes [", join(axes),
-                                   "] = ", parts(axes));
-    };
-    divisible(E, "num_experts", ep_st);
-    divisible(D, "base_emb_dim", dimaxes(wi_st, 1));
-    divisible(D, "base_emb_dim", dimaxes(wo_st, 2));
-    divisible(F, "base_moe_mlp_dim", dimaxes(wi_st, 2));
-    divisible(F, "base_moe_mlp_dim", tp_axes_);
-    divisible(D, "base_emb_dim", tp_axes_);  // partial outputs are reduce-scattered over D
-    // Batch: split over its axes; a batch that does not divide over them and includes the
-    // expert axis is replicated over the expert axes (decode).
-    std::int64_t const bp = parts(batch_axes_);
-    if (B_ % bp != 0 && !ep_axes_.empty() &&
-        std::all_of(ep_axes_.begin(), ep_axes_.end(),
-                    [&](auto const& a) { return contains(batch_axes_, a); }) &&
-        B_ % (bp / ep) == 0)
-      batch_axes_ = minus(batch_axes_, ep_axes_);
-    detail::require<ConfigError>(B_ >= 1 && S_ >= 1, "global batch ", B_, " and sequence length ",
-                                 S_, " must be >= 1");
-    detail::require<ConfigError>(B_ % parts(batch_axes_) == 0, "global batch=", B_,
-                                 " is not divisible by the product of its mesh axes [",
-                                 join(batch_axes_), "] = ", parts(batch_axes_));
-    batch_parts_ = parts(batch_axes_);
-    batch_index_ = shard_index(batch_axes_);
-    bool const tokens_over_ep = std::all_of(
-        ep_axes_.begin(), ep_axes_.end(), [&](auto const& a) { return contains(batch_axes_, a); });
-    bool const dense =
-        std::is_same_v<typename Policy::gmm_policy, gmm::Dense> || !cfg_.sparse_matmul;
-    if (ep == 1)
-      route_ = ExpertRoute::Local;
-    else if (!tokens_over_ep)
-      route_ = ExpertRoute::Replicated;
-    else if (par_.use_ring_of_experts || dense)
-      route_ = ExpertRoute::Ring;
-    else
-      route_ = ExpertRoute::RaggedA2A;
-    detail::require<ConfigError>(
-        !(par_.ragged_buffer_factor > 0 && route_ != ExpertRoute::RaggedA2A),
-        "ragged_buffer_factor=", par_.ragged_buffer_factor,
-        " needs the ragged all-to-all path (expert parallelism without "
-        "use_ring_of_experts, sparse_matmul=true)");
-    (void)tp;
-    // Weight layouts.
-    auto make = [&](std::string name, sharding::PartitionSpec const& st,
-                    sharding::PartitionSpec const& cp, std::vector<std::int64_t> shape,
-                    std::vector<std::string> reduce) {
-      distributed::WeightLayout w;
-      w.name = std::move(name);
-      for (std::size_t d = 0; d < shape.size(); ++d) {
-        distributed::DimLayout dl;
-        dl.storage = big(st[d]);
-        auto const compute = big(cp[d]);
-        dl.gather = minus(dl.storage, compute);
-        dl.slice = minus(compute, dl.storage);
-        dl.global = shape[d];
-        detail::require<ConfigError>(shape[d] % parts(dl.storage) == 0, w.name, " dimension ", d,
-                                     " (", shape[d],
-                                     ") is not divisible by the product of mesh axes [",
-                                     join(dl.storage), "] = ", parts(dl.storage));
-        dl.stored = shape[d] / parts(dl.storage);
-        std::int64_t const spanned = dl.stored * parts(dl.gather);
-        detail::require<ConfigError>(spanned % parts(dl.slice) == 0, w.name, " dimension ", d, " (",
-                                     spanned, " after the gather) is not divisible by [",
-                                     join(dl.slice), "] = ", parts(dl.slice));
-        dl.computed = spanned / parts(dl.slice);
-        w.dims.push_back(dl);
-      }
-      // Gradient contributions differ over the token axes the weight's compute block is not
-      // split over (a rank that holds other tokens contributes other terms).
-      w.reduce = reduce;
-      layouts_.push_back(w);
-    };
-    std::vector<std::string> const none;
-    auto const expert_reduce = minus(batch_axes_, ep_axes_);
-    make("wi_0", wi_st, wi_cp, {E, D, F}, expert_reduce);
-    make("wi_1", wi_st, wi_cp, {E, D, F}, expert_reduce);
-    make("wo", wo_st, wo_cp, {E, F, D}, expert_reduce);
-    sharding::LogicalAxes const gate_l = {cfg_.shared_experts > 0 ? "embed_moe" : "embed",
-                                          std::nullopt};
-    make("gate", resolve(gate_l), {{}, {}}, {D, E}, batch_axes_);
-    if (cfg_.routed_bias) make("gate_bias", {{}}, {{}}, {E}, batch_axes_);
-    int const Fs = cfg_.shared_mlp_dim();
-    if (Fs > 0) {
-      // EP-as-TP: the shared hidden dim is computed split over the tensor axes and the expert
-      // axes; tokens are all-gathered over the expert axes for it.
-      auto hidden = tp_axes_;
-      for (auto const& a : ep_axes_) hidden.push_back(a);
-      sharding::PartitionSpec const cp_in = {{}, hidden}, cp_out = {hidden, {}};
-      auto const sh_reduce =
-          route_ == ExpertRoute::Replicated ? batch_axes_ : minus(batch_axes_, ep_axes_);
-      make("shared_wi_0", resolve({"embed", "mlp"}), cp_in, {D, Fs}, sh_reduce);
-      make("shared_wi_1", resolve({"embed", "mlp"}), cp_in, {D, Fs}, sh_reduce);
-      make("shared_wo", resolve({"mlp", "embed"}), cp_out, {Fs, D}, sh_reduce);
-    }
-    L_ = E / ep;
-    e0_ = shard_index(ep_axes_) * L_;
+    layout_ = distributed::compute_layout(cfg_, par_, world_.size(), world_.rank(), B_, S_,
+                                          std::is_same_v<typename Policy::gmm_policy, gmm::Dense>);
+    mesh_ = layout_.mesh;
+    rules_ = layout_.rules;
+    batch_axes_ = layout_.batch_axes;
+    ep_axes_ = layout_.ep_axes;
+    tp_axes_ = layout_.tp_axes;
+    batch_parts_ = layout_.batch_parts;
+    batch_index_ = layout_.batch_index;
+    route_ = layout_.route;
+    L_ = layout_.local_experts;
+    e0_ = layout_.first_expert;
   }
 
   void make_groups() {
@@ -429,7 +249,7 @@ class DistributedMoeLayer {
     group(ep_axes_);
     group(tp_axes_);
     group(batch_axes_);
-    for (auto const& w : layouts_) {
+    for (auto const& w : layout_.weights) {
       for (auto const& d : w.dims) {
         group(d.gather);
         group(d.slice);
@@ -763,6 +583,15 @@ class DistributedMoeLayer {
   }
 
   // ------------------------------------------------------------ ragged all-to-all path ------
+  /// Rows the dispatch plan (reverse: its reverse) moves from this rank to other ranks; rows a
+  /// rank keeps for itself are copied, not sent, and are not counted in the comm log.
+  std::int64_t a2a_rows_to_others(bool reverse) const {
+    auto const& rows = reverse ? a2a_->recv_counts() : a2a_->kept_send_counts();
+    std::int64_t n = 0;
+    for (std::size_t j = 0; j < rows.size(); ++j)
+      if (int(j) != a2a_->comm().rank()) n += rows[j];
+    return n;
+  }
   void a2a_forward(view2 y) {
     int const D = cfg_.base_emb_dim, E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
     int const ep = ep_().size(), tp = tp_().size();
@@ -781,7 +610,8 @@ class DistributedMoeLayer {
             ? comm::ragged_buffer_size(T_ * K, ep, E, K, par_.ragged_buffer_factor)
             : -1;
     a2a_ = std::make_unique<comm::RaggedAllToAll>(ep_().comm, send, R);
-    log_.add("dispatch", "all-to-all", ep_axes_, n_o * D * std::int64_t(sizeof(Scalar)));
+    log_.add("dispatch", "all-to-all", ep_axes_,
+             a2a_rows_to_others(false) * D * std::int64_t(sizeof(Scalar)));
     detail::ensure(space_, xr_, "moe::dist::x_received", a2a_->recv_total(), D);
     a2a_->forward(space_, xs_o_, xr_);
     // Everyone's group sizes -> the local regrouping of received rows by local expert.
@@ -807,7 +637,7 @@ class DistributedMoeLayer {
     permute::unpermute_rows(space_, lp_, ys_c_, yr_c_);
     detail::ensure(space_, ys_o_c_, "moe::dist::y_sorted_cols", n_o, Dc);
     log_.add("combine", "all-to-all", ep_axes_,
-             a2a_->recv_total() * Dc * std::int64_t(sizeof(Scalar)));
+             a2a_rows_to_others(true) * Dc * std::int64_t(sizeof(Scalar)));
     a2a_->reverse(space_, yr_c_, ys_o_c_);
     detail::ensure(space_, y_c_, "moe::dist::y_cols", T_, Dc);
     permute::combine(space_, cview2(ys_o_c_),
@@ -828,7 +658,8 @@ class DistributedMoeLayer {
         View1<std::int64_t const, memory_space>(perm_.inverse), cview2(rs_.weights), dys_o_c_, dw_);
     distributed::all_reduce(space_, tp_(), dw_, &log_, "reduce d_weights (tensor)");
     detail::ensure(space_, dyr_c_, "moe::dist::dy_received_cols", a2a_->recv_total(), Dc);
-    log_.add("dispatch d_y", "all-to-all", ep_axes_, n_o * Dc * std::int64_t(sizeof(Scalar)));
+    log_.add("dispatch d_y", "all-to-all", ep_axes_,
+             a2a_rows_to_others(false) * Dc * std::int64_t(sizeof(Scalar)));
     a2a_->forward(space_, dys_o_c_, dyr_c_);
     detail::ensure(space_, dys_c_, "moe::dist::dy_local_cols", n, Dc);
     permute::permute_rows(space_, lp_, dyr_c_, dys_c_);
@@ -841,7 +672,7 @@ class DistributedMoeLayer {
                                     "reduce-scatter d_x (tensor)");
     permute::unpermute_rows(space_, lp_, dys_c_, dyr_c_);
     log_.add("combine d_x", "all-to-all", ep_axes_,
-             a2a_->recv_total() * Dc * std::int64_t(sizeof(Scalar)));
+             a2a_rows_to_others(true) * Dc * std::int64_t(sizeof(Scalar)));
     a2a_->reverse(space_, dyr_c_, dys_o_c_);
     permute::gather_rows_backward(space_, cview2(dys_o_c_),
                                   View1<std::int64_t const, memory_space>(perm_.inverse), K, false,
@@ -1145,7 +976,7 @@ class DistributedMoeLayer {
   std::vector<std::string> batch_axes_, ep_axes_, tp_axes_;
   std::int64_t batch_parts_ = 1, batch_index_ = 0, L_ = 0, e0_ = 0;
   ExpertRoute route_ = ExpertRoute::Local;
-  std::vector<distributed::WeightLayout> layouts_;
+  distributed::Layout layout_;
   routing::Kind kind_;
   routing::RouteParams rp_;
   params_type params_, cp_, gc_;  // stored blocks, compute blocks, compute-block gradients

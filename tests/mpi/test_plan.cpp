@@ -1,0 +1,196 @@
+// moe::make_plan predicts the step DistributedMoeLayer runs: for every layout of
+// test_distributed_layer.cpp at this rank count, the plan's blocks are the layer's blocks and its
+// collectives are the layer's comm_log() records (names, kinds, axes in order; bytes exactly,
+// including the all-to-alls when the routing is balanced, which the inputs here arrange).
+#include <moe/distributed/layer.hpp>
+#include <moe/distributed/plan.hpp>
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Mem = Kokkos::DefaultExecutionSpace::memory_space;
+
+struct Case {
+  std::string name;
+  std::vector<std::string> layout;
+  std::vector<std::string> layer;
+  std::int64_t batch = 8;
+  bool balanced = true;  // every rank sends T*K/E slots to every expert
+};
+
+template <class T>
+void set_all(T& c, std::vector<std::string> const& kvs) {
+  for (auto const& kv : kvs) {
+    auto const eq = kv.find('=');
+    c.set(kv.substr(0, eq), kv.substr(eq + 1));
+  }
+}
+
+template <class V>
+void fill_block(V const& v, moe::TensorBlock const& b, std::vector<double> const& global) {
+  // Row-major copy of the block [offset, offset + local) of the global tensor.
+  std::size_t const r = b.global_shape.size();
+  double* out = v.data();
+  std::int64_t n = 1;
+  for (auto e : b.local_shape) n *= e;
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::int64_t rem = i, flat = 0;
+    std::vector<std::int64_t> c(r);
+    for (std::size_t d = r; d-- > 0;) {
+      c[d] = rem % b.local_shape[d];
+      rem /= b.local_shape[d];
+    }
+    for (std::size_t d = 0; d < r; ++d) flat = flat * b.global_shape[d] + b.offset[d] + c[d];
+    out[i] = global[std::size_t(flat)];
+  }
+}
+
+void run_case(Case const& c) {
+  int size = 1, rank = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  moe::LayerConfig cfg;
+  cfg.num_experts = 8;
+  cfg.num_experts_per_tok = 2;
+  cfg.base_emb_dim = 16;
+  cfg.base_moe_mlp_dim = 8;
+  cfg.shared_experts = 1;
+  cfg.load_balance_loss_weight = 0.05;
+  set_all(cfg, c.layer);
+  moe::ParallelConfig par;
+  set_all(par, c.layout);
+  std::int64_t const B = c.batch, S = 4, D = 16, E = 8;
+
+  auto const plan = moe::make_plan(cfg, par, size, rank, B, S, sizeof(double));
+  moe::DistributedMoeLayer<double> layer(MPI_COMM_WORLD, cfg, par, B, S);
+  EXPECT_EQ(plan.layout.route, layer.expert_route());
+  EXPECT_EQ(plan.layout.batch_axes, layer.batch_axes());
+  for (auto const& t : plan.tensors) {
+    auto const b = layer.block(t.name);
+    EXPECT_EQ(t.global_shape, b.global_shape) << t.name;
+    EXPECT_EQ(t.local_shape, b.local_shape) << t.name;
+    EXPECT_EQ(t.offset, b.offset) << t.name;
+  }
+
+  // Global token g scores experts g%8 (3) and (g+4)%8 (2) far above the rest, so each contiguous
+  // block of 8 tokens routes two slots to every expert and each sequence one slot per expert.
+  std::mt19937_64 gen(7);
+  std::normal_distribution<double> noise(0.0, 0.01);
+  std::vector<double> x(std::size_t(B * S * D)), gate(std::size_t(D * E), 0.0);
+  for (std::int64_t g = 0; g < B * S; ++g)
+    for (std::int64_t d = 0; d < D; ++d)
+      x[std::size_t(g * D + d)] =
+          noise(gen) + (d == g % E ? 3.0 : 0.0) + (d == (g + E / 2) % E ? 2.0 : 0.0);
+  for (std::int64_t e = 0; e < E; ++e) gate[std::size_t(e * E + e)] = 1.0;
+  std::normal_distribution<double> w(0.0, 0.3);
+  layer.parameters().for_each([&](char const* n, auto const& v) {
+    auto const b = layer.block(n);
+    std::int64_t m = 1;
+    for (auto e : b.global_shape) m *= e;
+    std::vector<double> global(static_cast<std::size_t>(m));
+    for (auto& e : global) e = w(gen);
+    if (std::string(n) == "gate") global = gate;
+    if (std::string(n) == "gate_bias")
+      for (auto& e : global) e *= 0.1;
+    fill_block(v, b, global);
+  });
+  auto const xb = layer.block("x");
+  std::int64_t const b_local = xb.local_shape[0];
+  moe::View3<double, Mem> lx("lx", b_local, S, D), ly("ly", b_local, S, D);
+  moe::View3<double, Mem> ldy("ldy", b_local, S, D), ldx("ldx", b_local, S, D);
+  fill_block(lx, xb, x);
+  Kokkos::deep_copy(ldy, 1.0);
+  layer.forward(lx, ly);
+  decltype(layer)::params_type grads;
+  layer.backward(ldy, ldx, grads);
+
+  auto const& log = layer.comm_log().records;
+  ASSERT_EQ(log.size(), plan.collectives.size()) << plan.to_text();
+  for (std::size_t i = 0; i < log.size(); ++i) {
+    auto const& got = log[i];
+    auto const& want = plan.collectives[i];
+    SCOPED_TRACE("record " + std::to_string(i) + ": " + want.what);
+    EXPECT_EQ(got.what, want.what);
+    EXPECT_EQ(got.kind, want.kind);
+    EXPECT_EQ(got.axes, want.axes);
+    if (!want.balanced || c.balanced) {
+      EXPECT_EQ(got.bytes, want.bytes);
+    } else {
+      // Unbalanced routing: at most every slot of the expert group lands on one rank.
+      EXPECT_GE(got.bytes, 0);
+      EXPECT_LE(got.bytes, want.bytes * 2 * plan.layout.ep());
+    }
+  }
+  if (c.balanced) {
+    EXPECT_EQ(layer.comm_log().total_bytes(), plan.step_bytes());
+  }
+}
+
+std::vector<Case> cases(int n) {
+  std::vector<Case> v = {
+      {"dp", {"ici_data_parallelism=-1"}, {}},
+      {"fsdp", {"ici_fsdp_parallelism=-1"}, {}},
+      {"fsdp_transpose", {"ici_fsdp_transpose_parallelism=-1"}, {}},
+      {"ep_a2a", {"ici_expert_parallelism=-1"}, {}},
+      {"ep_ring", {"ici_expert_parallelism=-1", "use_ring_of_experts=true"}, {}},
+      {"tp", {"ici_tensor_parallelism=-1"}, {}},
+      {"ep_deepseek",
+       {"ici_expert_parallelism=-1"},
+       {"decoder_block=deepseek", "routed_score_func=sigmoid", "routed_bias=true",
+        "n_routing_groups=4", "topk_routing_group=2", "routed_bias_update_rate=0.01",
+        "routed_scaling_factor=2.0"}},
+      {"ep_capacity", {"ici_expert_parallelism=-1"}, {"capacity_factor=1.0"}},
+      {"ep_random", {"ici_expert_parallelism=-1"}, {"use_random_routing=true", "seed=5"}, 8, false},
+      {"dense_fsdp", {"ici_fsdp_parallelism=-1"}, {"sparse_matmul=false"}},
+      {"dense_ep", {"ici_expert_parallelism=-1"}, {"sparse_matmul=false"}},
+      {"decode_replicated", {"ici_expert_parallelism=-1"}, {}, 1},
+      {"shard_exp_on_fsdp",
+       {"custom_mesh_and_rule=shard-exp-on-fsdp", "ici_fsdp_parallelism=-1"},
+       {}},
+      {"two_stage", {"ici_fsdp_parallelism=-1", "moe_fsdp_use_two_stage_all_gather=true"}, {}},
+  };
+  if (n == 4) {
+    std::vector<Case> mix = {
+        {"ep2_fsdp2", {"ici_expert_parallelism=2", "ici_fsdp_parallelism=2"}, {}},
+        {"ep2_dp2", {"ici_expert_parallelism=2", "ici_data_parallelism=2"}, {}},
+        {"ring2_dp2",
+         {"ici_expert_parallelism=2", "ici_data_parallelism=2", "use_ring_of_experts=true"},
+         {}},
+        {"ep2_tp2", {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"}, {}},
+        {"fsdp2_fsdpt2", {"ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=2"}, {}},
+        {"fsdp2_fsdpt2_two_stage",
+         {"ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=2",
+          "moe_fsdp_use_two_stage_all_gather=true"},
+         {}},
+        {"shard_exp_on_fsdp_ep",
+         {"custom_mesh_and_rule=shard-exp-on-fsdp", "ici_fsdp_parallelism=2",
+          "ici_expert_parallelism=2"},
+         {}},
+        {"dense_ep2_tp2",
+         {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"},
+         {"sparse_matmul=false"}},
+        {"ep2_tp2_capacity_half",
+         {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"},
+         {"capacity_factor=0.5"}},
+    };
+    v.insert(v.end(), mix.begin(), mix.end());
+  }
+  return v;
+}
+
+TEST(DistributedPlan, PredictsTheLayersCommLog) {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  for (auto const& c : cases(n)) {
+    SCOPED_TRACE(c.name);
+    run_case(c);
+  }
+}
+
+}  // namespace
