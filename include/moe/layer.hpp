@@ -373,106 +373,15 @@ class MoeLayer {
   }
 
   // ---- dense path: every expert on every token, masked combine weights ---------------------
-  /// wd[t,e] = sum_k w[t,k] * kept[t,k] * [ids[t,k] == e]
-  void dense_weights() {
-    std::int64_t const T = B_ * S_;
-    int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
-    detail::ensure(space_, wd_, "moe::layer::dense_weights", T, E);
-    auto wd = wd_;
-    auto w = rs_.weights;
-    auto ids = rs_.expert_ids;
-    auto kept = rs_.kept;
-    Kokkos::parallel_for(
-        "moe::layer::dense_weights", Kokkos::RangePolicy<ExecSpace>(space_, 0, T),
-        KOKKOS_LAMBDA(std::int64_t t) {
-          for (int e = 0; e < E; ++e) wd(t, e) = Scalar(0);
-          for (int k = 0; k < K; ++k)
-            if (kept(t, k)) wd(t, ids(t, k)) += w(t, k);
-        });
-  }
-
-  /// Expert e on every token: h0, h1, a (= act(h0) * h1), ye = a . wo[e].
-  void dense_expert(int e) {
-    std::int64_t const T = B_ * S_;
-    int const D = cfg_.base_emb_dim, F = cfg_.base_moe_mlp_dim;
-    detail::ensure(space_, h0_, "moe::layer::h0", T, F);
-    detail::ensure(space_, h1_, "moe::layer::h1", T, F);
-    detail::ensure(space_, a_, "moe::layer::act", T, F);
-    detail::ensure(space_, ys_, "moe::layer::y_expert", T, D);
-    auto w0 = Kokkos::subview(params_.wi_0, e, Kokkos::ALL(), Kokkos::ALL());
-    auto w1 = Kokkos::subview(params_.wi_1, e, Kokkos::ALL(), Kokkos::ALL());
-    auto wo = Kokkos::subview(params_.wo, e, Kokkos::ALL(), Kokkos::ALL());
-    detail::gemm(space_, "N", "N", Scalar(1), x_, w0, Scalar(0), h0_);
-    detail::gemm(space_, "N", "N", Scalar(1), x_, w1, Scalar(0), h1_);
-    nn::gated_forward(space_, cfg_.mlp_activation, T, cview2(h0_), cview2(h1_), a_);
-    detail::gemm(space_, "N", "N", Scalar(1), a_, wo, Scalar(0), ys_);
-  }
-
   void dense_forward(view2 y) {
-    std::int64_t const T = B_ * S_;
-    int const D = cfg_.base_emb_dim;
-    dense_weights();
-    Kokkos::deep_copy(space_, y, Scalar(0));
-    for (int e = 0; e < cfg_.num_experts; ++e) {
-      dense_expert(e);
-      auto wd = wd_;
-      auto ye = ys_;
-      Kokkos::parallel_for(
-          "moe::layer::dense_combine",
-          Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space_, {0, 0}, {T, std::int64_t(D)}),
-          KOKKOS_LAMBDA(std::int64_t t, std::int64_t d) { y(t, d) += wd(t, e) * ye(t, d); });
-    }
+    dense_.forward(space_, cfg_.mlp_activation, x_, View2<int const, memory_space>(rs_.expert_ids),
+                   View2<int const, memory_space>(rs_.kept), cview2(rs_.weights), 0, params_.wi_0,
+                   params_.wi_1, params_.wo, y);
   }
 
   void dense_backward(cview2 dy, view2 dx, params_type& g) {
-    std::int64_t const T = B_ * S_;
-    int const D = cfg_.base_emb_dim, F = cfg_.base_moe_mlp_dim, E = cfg_.num_experts;
-    int const K = cfg_.num_experts_per_tok;
-    detail::ensure(space_, dys_, "moe::layer::d_y_expert", T, D);
-    detail::ensure(space_, da_, "moe::layer::d_act", T, F);
-    detail::ensure(space_, dh1_, "moe::layer::d_h1", T, F);
-    detail::ensure(space_, dwd_, "moe::layer::d_dense_weights", T, E);
-    Kokkos::deep_copy(space_, dx, Scalar(0));
-    for (int e = 0; e < E; ++e) {
-      dense_expert(e);
-      auto wd = wd_;
-      auto dwd = dwd_;
-      auto ye = ys_;
-      auto dye = dys_;
-      Kokkos::parallel_for(
-          "moe::layer::dense_combine_backward", Kokkos::RangePolicy<ExecSpace>(space_, 0, T),
-          KOKKOS_LAMBDA(std::int64_t t) {
-            Scalar acc = 0;
-            for (int d = 0; d < D; ++d) {
-              acc += dy(t, d) * ye(t, d);
-              dye(t, d) = wd(t, e) * dy(t, d);
-            }
-            dwd(t, e) = acc;
-          });
-      auto w0 = Kokkos::subview(params_.wi_0, e, Kokkos::ALL(), Kokkos::ALL());
-      auto w1 = Kokkos::subview(params_.wi_1, e, Kokkos::ALL(), Kokkos::ALL());
-      auto wo = Kokkos::subview(params_.wo, e, Kokkos::ALL(), Kokkos::ALL());
-      auto gw0 = Kokkos::subview(g.wi_0, e, Kokkos::ALL(), Kokkos::ALL());
-      auto gw1 = Kokkos::subview(g.wi_1, e, Kokkos::ALL(), Kokkos::ALL());
-      auto gwo = Kokkos::subview(g.wo, e, Kokkos::ALL(), Kokkos::ALL());
-      detail::gemm(space_, "T", "N", Scalar(1), a_, dys_, Scalar(0), gwo);
-      detail::gemm(space_, "N", "T", Scalar(1), dys_, wo, Scalar(0), da_);
-      nn::gated_backward(space_, cfg_.mlp_activation, T, cview2(h0_), cview2(h1_), cview2(da_), da_,
-                         dh1_);
-      detail::gemm(space_, "T", "N", Scalar(1), x_, da_, Scalar(0), gw0);
-      detail::gemm(space_, "T", "N", Scalar(1), x_, dh1_, Scalar(0), gw1);
-      detail::gemm(space_, "N", "T", Scalar(1), da_, w0, Scalar(1), dx);
-      detail::gemm(space_, "N", "T", Scalar(1), dh1_, w1, Scalar(1), dx);
-    }
-    auto dwd = dwd_;
-    auto dw = dw_;
-    auto ids = rs_.expert_ids;
-    auto kept = rs_.kept;
-    Kokkos::parallel_for(
-        "moe::layer::dense_weight_grad", Kokkos::RangePolicy<ExecSpace>(space_, 0, T),
-        KOKKOS_LAMBDA(std::int64_t t) {
-          for (int k = 0; k < K; ++k) dw(t, k) = kept(t, k) ? dwd(t, ids(t, k)) : Scalar(0);
-        });
+    dense_.backward(space_, dy, params_.wi_0, params_.wi_1, params_.wo, dx, dw_, g.wi_0, g.wi_1,
+                    g.wo);
   }
 
   // ---- shared expert -----------------------------------------------------------------------
@@ -505,9 +414,10 @@ class MoeLayer {
   std::vector<double> bias_update_;
   nn::ExpertFfn<Scalar, gmm_policy, ExecSpace> ffn_;
   nn::DenseMlp<Scalar, ExecSpace> shared_;
-  view2 xs_, h0_, h1_, a_, ys_, wd_;
+  nn::DenseExperts<Scalar, ExecSpace> dense_;
+  view2 xs_, ys_;
   // backward work space
-  view2 dw_, d_top_, d_biased_, d_logits_, dys_, da_, dh1_, dwd_;
+  view2 dw_, d_top_, d_biased_, d_logits_, dys_;
 };
 
 }  // namespace moe

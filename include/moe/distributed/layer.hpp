@@ -688,10 +688,10 @@ class DistributedMoeLayer {
     int const D = cfg_.base_emb_dim;
     std::int64_t const Tw = xw_.extent(0);
     detail::ensure(space_, yw_, "moe::dist::y_work", Tw, D);
-    local_ids();
     if (dense()) {
       dense_forward();
     } else {
+      local_ids();
       int const K = cfg_.num_experts_per_tok;
       permute::sort_by_expert(space_, View2<int const, memory_space>(lids_),
                               View2<int const, memory_space>(lkept_), L_, perm_);
@@ -789,107 +789,16 @@ class DistributedMoeLayer {
         });
   }
 
-  /// wd[t,l] = sum_k w[t,k] * kept_local[t,k] * [lid == l]
-  void dense_weights() {
-    std::int64_t const Tw = xw_.extent(0);
-    int const K = cfg_.num_experts_per_tok, L = int(L_);
-    detail::ensure(space_, wd_, "moe::dist::dense_weights", Tw, L);
-    auto wd = wd_;
-    auto w = rs_.weights;
-    auto li = lids_;
-    auto lk = lkept_;
-    Kokkos::parallel_for(
-        "moe::dist::dense_weights", Kokkos::RangePolicy<ExecSpace>(space_, 0, Tw),
-        KOKKOS_LAMBDA(std::int64_t t) {
-          for (int l = 0; l < L; ++l) wd(t, l) = Scalar(0);
-          for (int k = 0; k < K; ++k)
-            if (lk(t, k)) wd(t, li(t, k)) += w(t, k);
-        });
-  }
-
-  void dense_expert(int l) {
-    std::int64_t const Tw = xw_.extent(0);
-    int const D = cfg_.base_emb_dim;
-    std::int64_t const F = cp_.wi_0.extent(2);
-    detail::ensure(space_, h0_, "moe::dist::h0", Tw, F);
-    detail::ensure(space_, h1_, "moe::dist::h1", Tw, F);
-    detail::ensure(space_, a_, "moe::dist::act", Tw, F);
-    detail::ensure(space_, ye_, "moe::dist::y_expert", Tw, D);
-    auto sub = [&](view3 const& w) { return Kokkos::subview(w, l, Kokkos::ALL(), Kokkos::ALL()); };
-    moe::detail::gemm(space_, "N", "N", Scalar(1), cview2(xw_), sub(cp_.wi_0), Scalar(0), h0_);
-    moe::detail::gemm(space_, "N", "N", Scalar(1), cview2(xw_), sub(cp_.wi_1), Scalar(0), h1_);
-    nn::gated_forward(space_, cfg_.mlp_activation, Tw, cview2(h0_), cview2(h1_), a_);
-    moe::detail::gemm(space_, "N", "N", Scalar(1), cview2(a_), sub(cp_.wo), Scalar(0), ye_);
-  }
-
   void dense_forward() {
-    std::int64_t const Tw = xw_.extent(0);
-    int const D = cfg_.base_emb_dim;
-    dense_weights();
-    Kokkos::deep_copy(space_, yw_, Scalar(0));
-    for (int l = 0; l < int(L_); ++l) {
-      dense_expert(l);
-      auto wd = wd_;
-      auto ye = ye_;
-      auto yw = yw_;
-      Kokkos::parallel_for(
-          "moe::dist::dense_combine", Kokkos::RangePolicy<ExecSpace>(space_, 0, Tw),
-          KOKKOS_LAMBDA(std::int64_t t) {
-            for (int d = 0; d < D; ++d) yw(t, d) += wd(t, l) * ye(t, d);
-          });
-    }
+    dense_.forward(space_, cfg_.mlp_activation, cview2(xw_),
+                   View2<int const, memory_space>(rs_.expert_ids),
+                   View2<int const, memory_space>(rs_.kept), cview2(rs_.weights), int(e0_),
+                   cp_.wi_0, cp_.wi_1, cp_.wo, yw_);
   }
 
   void dense_backward() {
-    std::int64_t const Tw = xw_.extent(0);
-    int const D = cfg_.base_emb_dim, K = cfg_.num_experts_per_tok, L = int(L_);
-    std::int64_t const F = cp_.wi_0.extent(2);
-    detail::ensure(space_, dye_, "moe::dist::dy_expert", Tw, D);
-    detail::ensure(space_, da_, "moe::dist::d_act", Tw, F);
-    detail::ensure(space_, dh1_, "moe::dist::d_h1", Tw, F);
-    detail::ensure(space_, dwd_, "moe::dist::d_dense_weights", Tw, L);
-    Kokkos::deep_copy(space_, dxw_, Scalar(0));
-    for (int l = 0; l < L; ++l) {
-      dense_expert(l);
-      auto wd = wd_;
-      auto dwd = dwd_;
-      auto ye = ye_;
-      auto dye = dye_;
-      auto dyw = dyw_;
-      Kokkos::parallel_for(
-          "moe::dist::dense_combine_backward", Kokkos::RangePolicy<ExecSpace>(space_, 0, Tw),
-          KOKKOS_LAMBDA(std::int64_t t) {
-            Scalar acc = 0;
-            for (int d = 0; d < D; ++d) {
-              acc += dyw(t, d) * ye(t, d);
-              dye(t, d) = wd(t, l) * dyw(t, d);
-            }
-            dwd(t, l) = acc;
-          });
-      auto sub = [&](view3 const& w) {
-        return Kokkos::subview(w, l, Kokkos::ALL(), Kokkos::ALL());
-      };
-      moe::detail::gemm(space_, "T", "N", Scalar(1), cview2(a_), cview2(dye_), Scalar(0),
-                        sub(gc_.wo));
-      moe::detail::gemm(space_, "N", "T", Scalar(1), cview2(dye_), sub(cp_.wo), Scalar(0), da_);
-      nn::gated_backward(space_, cfg_.mlp_activation, Tw, cview2(h0_), cview2(h1_), cview2(da_),
-                         da_, dh1_);
-      moe::detail::gemm(space_, "T", "N", Scalar(1), cview2(xw_), cview2(da_), Scalar(0),
-                        sub(gc_.wi_0));
-      moe::detail::gemm(space_, "T", "N", Scalar(1), cview2(xw_), cview2(dh1_), Scalar(0),
-                        sub(gc_.wi_1));
-      moe::detail::gemm(space_, "N", "T", Scalar(1), cview2(da_), sub(cp_.wi_0), Scalar(1), dxw_);
-      moe::detail::gemm(space_, "N", "T", Scalar(1), cview2(dh1_), sub(cp_.wi_1), Scalar(1), dxw_);
-    }
-    auto dwd = dwd_;
-    auto dww = dww_;
-    auto li = lids_;
-    auto lk = lkept_;
-    Kokkos::parallel_for(
-        "moe::dist::dense_weight_grad", Kokkos::RangePolicy<ExecSpace>(space_, 0, Tw),
-        KOKKOS_LAMBDA(std::int64_t t) {
-          for (int k = 0; k < K; ++k) dww(t, k) = lk(t, k) ? dwd(t, li(t, k)) : Scalar(0);
-        });
+    dense_.backward(space_, cview2(dyw_), cp_.wi_0, cp_.wi_1, cp_.wo, dxw_, dww_, gc_.wi_0,
+                    gc_.wi_1, gc_.wo);
   }
 
   // ------------------------------------------------------------------ shared + output ----------
@@ -994,11 +903,11 @@ class DistributedMoeLayer {
                                         gmm::Vendor, typename Policy::gmm_policy>;
   nn::ExpertFfn<Scalar, gmm_policy, ExecSpace> ffn_;
   nn::DenseMlp<Scalar, ExecSpace> shared_;
+  nn::DenseExperts<Scalar, ExecSpace> dense_;
   View2<int, memory_space> lids_, lkept_;
   view2 x_, xw_, xs_o_, xr_, xs_, ys_, ys_c_, yr_c_, ys_o_c_, y_c_, yw_, yo_, xsh_, ysh_, ysh_c_;
-  view2 wd_, h0_, h1_, a_, ye_;
   view2 dw_, d_top_, d_biased_, d_logits_, dy_c_, dys_o_c_, dyr_c_, dys_c_, dys_, dyw_, dww_, dxw_;
-  view2 dye_, da_, dh1_, dwd_, dysh_, dxsh_;
+  view2 dysh_, dxsh_;
 };
 
 }  // namespace moe

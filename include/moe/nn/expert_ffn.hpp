@@ -108,4 +108,123 @@ class DenseMlp {
   view2 h0_, h1_, a_, da_;
 };
 
+/// \brief The dense masked path (MaxText's sparse_matmul = false): experts [e0, e0+L) each run on
+/// every token, their outputs weighted by the routing weights of the slots that chose them
+/// (0 for tokens that did not, or whose slot was dropped). The reference for every sparse path.
+template <class Scalar, class ExecSpace>
+class DenseExperts {
+ public:
+  using memory_space = typename ExecSpace::memory_space;
+  using view2 = View2<Scalar, memory_space>;
+  using view3 = View3<Scalar, memory_space>;
+  using cview2 = View2<Scalar const, memory_space>;
+  using iview2 = View2<int const, memory_space>;
+
+  /// y = sum_l wd[:,l] * FFN_l(x) with wd[t,l] = sum_k w[t,k] kept[t,k] [ids[t,k] == e0 + l].
+  /// x [T,D] and the routing views are kept until backward.
+  void forward(ExecSpace const& space, Activation act, cview2 x, iview2 ids, iview2 kept, cview2 w,
+               int e0, view3 wi_0, view3 wi_1, view3 wo, view2 y) {
+    x_ = x;
+    ids_ = ids;
+    kept_ = kept;
+    act_ = act;
+    e0_ = e0;
+    std::int64_t const T = x.extent(0), D = x.extent(1);
+    int const L = int(wi_0.extent(0)), K = int(ids.extent(1));
+    moe::detail::ensure(space, wd_, "moe::dense::weights", T, L);
+    auto wd = wd_;
+    Kokkos::parallel_for(
+        "moe::dense::weights", Kokkos::RangePolicy<ExecSpace>(space, 0, T),
+        KOKKOS_LAMBDA(std::int64_t t) {
+          for (int l = 0; l < L; ++l) wd(t, l) = Scalar(0);
+          for (int k = 0; k < K; ++k) {
+            int const l = ids(t, k) - e0;
+            if (kept(t, k) && l >= 0 && l < L) wd(t, l) += w(t, k);
+          }
+        });
+    Kokkos::deep_copy(space, y, Scalar(0));
+    for (int l = 0; l < L; ++l) {
+      expert(space, l, wi_0, wi_1, wo);
+      auto ye = ye_;
+      Kokkos::parallel_for(
+          "moe::dense::combine", Kokkos::RangePolicy<ExecSpace>(space, 0, T),
+          KOKKOS_LAMBDA(std::int64_t t) {
+            for (std::int64_t d = 0; d < D; ++d) y(t, d) += wd(t, l) * ye(t, d);
+          });
+    }
+  }
+
+  /// From dy: dx (overwritten), d_weights [T,K] (0 for slots not on these experts or dropped)
+  /// and the weight gradients (overwritten). Recomputes each expert's activations.
+  void backward(ExecSpace const& space, cview2 dy, view3 wi_0, view3 wi_1, view3 wo, view2 dx,
+                view2 d_weights, view3 d_wi_0, view3 d_wi_1, view3 d_wo) {
+    std::int64_t const T = x_.extent(0), D = x_.extent(1), F = wi_0.extent(2);
+    int const L = int(wi_0.extent(0)), K = int(ids_.extent(1)), e0 = e0_;
+    moe::detail::ensure(space, dye_, "moe::dense::d_y_expert", T, D);
+    moe::detail::ensure(space, da_, "moe::dense::d_act", T, F);
+    moe::detail::ensure(space, dh1_, "moe::dense::d_h1", T, F);
+    moe::detail::ensure(space, dwd_, "moe::dense::d_weights", T, L);
+    Kokkos::deep_copy(space, dx, Scalar(0));
+    auto sub = [](view3 const& v, int l) {
+      return Kokkos::subview(v, l, Kokkos::ALL(), Kokkos::ALL());
+    };
+    for (int l = 0; l < L; ++l) {
+      expert(space, l, wi_0, wi_1, wo);
+      auto wd = wd_;
+      auto dwd = dwd_;
+      auto ye = ye_;
+      auto dye = dye_;
+      Kokkos::parallel_for(
+          "moe::dense::combine_backward", Kokkos::RangePolicy<ExecSpace>(space, 0, T),
+          KOKKOS_LAMBDA(std::int64_t t) {
+            Scalar acc = 0;
+            for (std::int64_t d = 0; d < D; ++d) {
+              acc += dy(t, d) * ye(t, d);
+              dye(t, d) = wd(t, l) * dy(t, d);
+            }
+            dwd(t, l) = acc;
+          });
+      moe::detail::gemm(space, "T", "N", Scalar(1), a_, dye_, Scalar(0), sub(d_wo, l));
+      moe::detail::gemm(space, "N", "T", Scalar(1), dye_, sub(wo, l), Scalar(0), da_);
+      gated_backward(space, act_, T, cview2(h0_), cview2(h1_), cview2(da_), da_, dh1_);
+      moe::detail::gemm(space, "T", "N", Scalar(1), x_, da_, Scalar(0), sub(d_wi_0, l));
+      moe::detail::gemm(space, "T", "N", Scalar(1), x_, dh1_, Scalar(0), sub(d_wi_1, l));
+      moe::detail::gemm(space, "N", "T", Scalar(1), da_, sub(wi_0, l), Scalar(1), dx);
+      moe::detail::gemm(space, "N", "T", Scalar(1), dh1_, sub(wi_1, l), Scalar(1), dx);
+    }
+    auto dwd = dwd_;
+    auto ids = ids_;
+    auto kept = kept_;
+    Kokkos::parallel_for(
+        "moe::dense::weight_grad", Kokkos::RangePolicy<ExecSpace>(space, 0, T),
+        KOKKOS_LAMBDA(std::int64_t t) {
+          for (int k = 0; k < K; ++k) {
+            int const l = ids(t, k) - e0;
+            d_weights(t, k) = kept(t, k) && l >= 0 && l < L ? dwd(t, l) : Scalar(0);
+          }
+        });
+  }
+
+ private:
+  /// Expert l on every token: h0, h1, a = act(h0) * h1, ye = a . wo[l].
+  void expert(ExecSpace const& space, int l, view3 wi_0, view3 wi_1, view3 wo) {
+    std::int64_t const T = x_.extent(0), D = x_.extent(1), F = wi_0.extent(2);
+    moe::detail::ensure(space, h0_, "moe::dense::h0", T, F);
+    moe::detail::ensure(space, h1_, "moe::dense::h1", T, F);
+    moe::detail::ensure(space, a_, "moe::dense::act", T, F);
+    moe::detail::ensure(space, ye_, "moe::dense::y_expert", T, D);
+    auto sub = [l](view3 const& v) { return Kokkos::subview(v, l, Kokkos::ALL(), Kokkos::ALL()); };
+    moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_0), Scalar(0), h0_);
+    moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_1), Scalar(0), h1_);
+    gated_forward(space, act_, T, cview2(h0_), cview2(h1_), a_);
+    moe::detail::gemm(space, "N", "N", Scalar(1), a_, sub(wo), Scalar(0), ye_);
+  }
+
+  Activation act_ = Activation::Silu;
+  int e0_ = 0;
+  cview2 x_;
+  iview2 ids_, kept_;
+  view2 wd_, h0_, h1_, a_, ye_, dye_, da_, dh1_, dwd_;
+};
+
 }  // namespace moe::nn
