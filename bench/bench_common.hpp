@@ -68,13 +68,10 @@ inline double median(std::vector<double> v) {
 }
 
 /// GFLOP/s of one dense row-major float GEMM C[M,N] = A[M,K] * B[K,N] through KokkosBlas (the
-/// vendor BLAS), i.e. the same FLOPs as a grouped GEMM whose groups cover M rows. Measured once
-/// per process and shape (median of 5 timed calls after a warm-up call) and cached.
+/// vendor BLAS), i.e. the same FLOPs as a grouped GEMM whose groups cover M rows. Measured afresh
+/// at every call (median of 5 timed calls after a warm-up call), right after the benchmark it is
+/// compared with, so a machine whose load drifts during the run still gives a fair ratio.
 inline double dense_gflops(int64_t M, int64_t K, int64_t N) {
-  static std::map<std::tuple<int64_t, int64_t, int64_t>, double> cache;
-  auto const key = std::make_tuple(M, K, N);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
   Mat<float> a("moe::bench::dense::A", M, K), c("moe::bench::dense::C", M, N);
   Mat<float> b("moe::bench::dense::B", K, N);
   fill_uniform(a, 1);
@@ -91,7 +88,6 @@ inline double dense_gflops(int64_t M, int64_t K, int64_t N) {
   }
   double const seconds = median(times);
   double const gflops = 2.0 * double(M) * double(K) * double(N) / seconds * 1e-9;
-  cache.emplace(key, gflops);
   return gflops;
 }
 
