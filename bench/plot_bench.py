@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """Plots moe_bench results (Google Benchmark JSON) and prints a Markdown table.
 
 usage: plot_bench.py RESULTS.json [-o bench.png] [--table table.md]
@@ -9,6 +9,7 @@ permute/), with the issue's targets drawn as lines.
 """
 import argparse
 import json
+import re
 import sys
 
 TARGETS = {"gmm": 0.90, "layer_fwd": 0.85}
@@ -21,6 +22,8 @@ def load(path):
     for b in data.get("benchmarks", []):
         if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
             continue
+        b["name"] = re.sub(r"/iterations:\d+(/manual_time)?", "", b["name"])
+        b["name"] = re.sub(r"/manual_time$", "", b["name"])
         rows.append(b)
     return data.get("context", {}), rows
 

@@ -8,7 +8,8 @@ B=${MOE_BUILD_DIR:-build}
 mkdir -p bench/results
 export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-2}
 "$B/bench/moe_bench" --benchmark_out=bench/results/moe_bench.json --benchmark_out_format=json "$@"
-python3 bench/plot_bench.py bench/results/moe_bench.json -o bench/results/moe_bench.png \
+PY=python3; [ -x /usr/bin/python3 ] && PY=/usr/bin/python3  # Debian's, which has python3-matplotlib
+"$PY" bench/plot_bench.py bench/results/moe_bench.json -o bench/results/moe_bench.png \
   --table bench/results/moe_bench.md >/dev/null
 if [ -x "$B/bench/moe_bench_mpi" ]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
