@@ -1,0 +1,192 @@
+// train_moe: trains a small MoE language model under mpirun (DESIGN.md section 7).
+//
+//   mpirun -np N train_moe [CFG.yml] [key=value ...]
+//
+// The configuration is examples/train_moe/default.yml (compiled in), then CFG.yml, then the
+// key=value overrides. Rank 0 prints one line per logged step,
+//   completed step: N, seconds: S, tokens/s/device: R, loss: L, perplexity: P
+// and a closing summary. Errors on any rank become the same one-line message on every rank and
+// exit code 2.
+//
+// The share of step time spent in communication is measured here, through the MPI profiling
+// interface: the MPI calls moe makes are wrapped and timed (PMPI_*).
+#include "train.hpp"
+
+#include <moe_cli.hpp>
+#include <train_moe_default_yml.hpp>
+
+#include <mpi.h>
+#include <yaml-cpp/yaml.h>
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+
+namespace {
+
+double g_mpi_seconds = 0;
+int g_mpi_depth = 0;
+
+/// Adds the wall time of the outermost MPI call in its scope to g_mpi_seconds.
+struct MpiTimed {
+  double t0 = 0;
+  MpiTimed() {
+    if (g_mpi_depth++ == 0) t0 = PMPI_Wtime();
+  }
+  ~MpiTimed() {
+    if (--g_mpi_depth == 0) g_mpi_seconds += PMPI_Wtime() - t0;
+  }
+  MpiTimed(MpiTimed const&) = delete;
+  MpiTimed& operator=(MpiTimed const&) = delete;
+};
+
+}  // namespace
+
+extern "C" {
+int MPI_Allreduce(const void* s, void* r, int n, MPI_Datatype t, MPI_Op op, MPI_Comm c) {
+  MpiTimed timed;
+  return PMPI_Allreduce(s, r, n, t, op, c);
+}
+int MPI_Allgather(const void* s, int sn, MPI_Datatype st, void* r, int rn, MPI_Datatype rt,
+                  MPI_Comm c) {
+  MpiTimed timed;
+  return PMPI_Allgather(s, sn, st, r, rn, rt, c);
+}
+int MPI_Allgatherv(const void* s, int sn, MPI_Datatype st, void* r, const int rn[], const int rd[],
+                   MPI_Datatype rt, MPI_Comm c) {
+  MpiTimed timed;
+  return PMPI_Allgatherv(s, sn, st, r, rn, rd, rt, c);
+}
+int MPI_Alltoall(const void* s, int sn, MPI_Datatype st, void* r, int rn, MPI_Datatype rt,
+                 MPI_Comm c) {
+  MpiTimed timed;
+  return PMPI_Alltoall(s, sn, st, r, rn, rt, c);
+}
+int MPI_Alltoallv(const void* s, const int sn[], const int sd[], MPI_Datatype st, void* r,
+                  const int rn[], const int rd[], MPI_Datatype rt, MPI_Comm c) {
+  MpiTimed timed;
+  return PMPI_Alltoallv(s, sn, sd, st, r, rn, rd, rt, c);
+}
+int MPI_Bcast(void* b, int n, MPI_Datatype t, int root, MPI_Comm c) {
+  MpiTimed timed;
+  return PMPI_Bcast(b, n, t, root, c);
+}
+int MPI_Barrier(MPI_Comm c) {
+  MpiTimed timed;
+  return PMPI_Barrier(c);
+}
+int MPI_Send(const void* b, int n, MPI_Datatype t, int dest, int tag, MPI_Comm c) {
+  MpiTimed timed;
+  return PMPI_Send(b, n, t, dest, tag, c);
+}
+int MPI_Recv(void* b, int n, MPI_Datatype t, int src, int tag, MPI_Comm c, MPI_Status* st) {
+  MpiTimed timed;
+  return PMPI_Recv(b, n, t, src, tag, c, st);
+}
+int MPI_Isend(const void* b, int n, MPI_Datatype t, int dest, int tag, MPI_Comm c, MPI_Request* r) {
+  MpiTimed timed;
+  return PMPI_Isend(b, n, t, dest, tag, c, r);
+}
+int MPI_Irecv(void* b, int n, MPI_Datatype t, int src, int tag, MPI_Comm c, MPI_Request* r) {
+  MpiTimed timed;
+  return PMPI_Irecv(b, n, t, src, tag, c, r);
+}
+int MPI_Wait(MPI_Request* r, MPI_Status* st) {
+  MpiTimed timed;
+  return PMPI_Wait(r, st);
+}
+int MPI_Waitall(int n, MPI_Request r[], MPI_Status st[]) {
+  MpiTimed timed;
+  return PMPI_Waitall(n, r, st);
+}
+}
+
+namespace {
+
+char const* const kUsage =
+    "usage: mpirun -np N train_moe [CFG.yml] [key=value ...]\n"
+    "Trains a small MoE language model; the defaults (examples/train_moe/default.yml) are built\n"
+    "in, CFG.yml and the key=value overrides are applied after them. Keys: see the README\n"
+    "(steps, per_device_batch_size, max_target_length, base_emb_dim, num_experts, dtype,\n"
+    "ici_*_parallelism, dataset_type, enable_checkpointing, metrics_file, ...).\n";
+
+std::string one_line(std::string s) {
+  for (auto& c : s)
+    if (c == '\n' || c == '\r') c = ' ';
+  return s;
+}
+
+moe::cli::KeyValues parse_yaml_text(char const* text) {
+  YAML::Node const root = YAML::Load(text);
+  moe::cli::KeyValues kv;
+  if (root.IsMap())
+    for (auto const& it : root) {
+      std::string const key = it.first.as<std::string>();
+      kv.emplace_back(key, moe::cli::yaml_to_text(it.second, key));
+    }
+  return kv;
+}
+
+int run(int argc, char** argv, moe::comm::Communicator const& world) {
+  train::TrainConfig cfg;
+  moe::comm::collective_guard(world, [&] {
+    std::string file;
+    moe::cli::KeyValues overrides;
+    for (int i = 1; i < argc; ++i) {
+      std::string const a = argv[i];
+      if (a.find('=') != std::string::npos)
+        overrides.push_back(moe::cli::parse_override(a));
+      else if (a.rfind("--", 0) == 0)
+        throw moe::ConfigError(moe::detail::cat("unknown flag '", a, "'"));
+      else if (file.empty())
+        file = a;
+      else
+        throw moe::ConfigError(moe::detail::cat("a second config file '", a, "' (after '", file,
+                                                "'): give one CFG.yml and key=value overrides"));
+    }
+    cfg.apply(parse_yaml_text(train::kDefaultYaml));
+    cfg.given.clear();  // only what the user gives counts as given
+    if (!file.empty()) cfg.apply(moe::cli::read_yaml(file));
+    cfg.apply(overrides);
+    cfg.validate();
+  });
+  train::RunOptions opts;
+  opts.comm_seconds = [] { return g_mpi_seconds; };
+  train::run_training(world, cfg, opts);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rc = 0, size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "-h" || std::string(argv[i]) == "--help") {
+      int rank = 0;
+      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+      if (rank == 0) std::cout << kUsage;
+      MPI_Finalize();
+      return 0;
+    }
+  {
+    Kokkos::ScopeGuard kokkos(argc, argv);
+    try {
+      moe::comm::Communicator world(MPI_COMM_WORLD);
+      rc = run(argc, argv, world);
+    } catch (moe::Error const& e) {
+      // moe errors are raised collectively (the same on every rank): report and exit cleanly.
+      std::fprintf(stderr, "train_moe: error: %s\n", one_line(e.what()).c_str());
+      rc = 2;
+    } catch (std::exception const& e) {
+      // Not collective: other ranks may wait in a collective, so stop them all.
+      std::fprintf(stderr, "train_moe: internal error: %s\n", one_line(e.what()).c_str());
+      std::fflush(stderr);
+      if (size > 1) MPI_Abort(MPI_COMM_WORLD, 3);
+      rc = 3;
+    }
+  }
+  MPI_Finalize();
+  return rc;
+}

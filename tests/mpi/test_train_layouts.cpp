@@ -1,0 +1,243 @@
+// train_moe's driver (run_training, in-process) on every layout: the losses of a few float64
+// steps equal the single-rank run's to 1e-9 relative, a repeated run is bitwise identical,
+// replicated parameter blocks stay bitwise identical across ranks, and a run resumed from a
+// checkpoint (on the same or another layout) continues the uninterrupted run.
+#include <train_moe/train.hpp>
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace {
+
+using train::TrainConfig;
+using train::TrainResult;
+
+/// A tiny float64 model; `layout` and `extra` are key=value overrides.
+TrainConfig config(std::vector<std::string> const& layout, int ranks,
+                   std::vector<std::string> const& extra = {}) {
+  TrainConfig c;
+  std::vector<std::pair<std::string, std::string>> kv = {{"dtype", "float64"},
+                                                         {"steps", "5"},
+                                                         {"per_device_batch_size", "2"},
+                                                         {"max_target_length", "8"},
+                                                         {"vocab_size", "16"},
+                                                         {"context_length", "3"},
+                                                         {"base_num_decoder_layers", "2"},
+                                                         {"base_emb_dim", "16"},
+                                                         {"base_moe_mlp_dim", "16"},
+                                                         {"num_experts", "8"},
+                                                         {"num_experts_per_tok", "2"},
+                                                         {"shared_experts", "1"},
+                                                         {"learning_rate", "1e-2"},
+                                                         {"warmup_steps", "2"},
+                                                         {"seed", "3"}};
+  for (auto const& s : layout) {
+    auto const eq = s.find('=');
+    kv.emplace_back(s.substr(0, eq), s.substr(eq + 1));
+  }
+  for (auto const& s : extra) {
+    auto const eq = s.find('=');
+    kv.emplace_back(s.substr(0, eq), s.substr(eq + 1));
+  }
+  c.apply(kv);
+  // The global batch is per_device_batch_size x ranks: keep it at 2 x (ranks of the world).
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  c.per_device_batch_size = 2.0 * world / ranks;
+  return c;
+}
+
+TrainResult run(MPI_Comm comm, TrainConfig const& c) {
+  moe::comm::Communicator cc(comm);
+  train::RunOptions quiet;
+  quiet.out = nullptr;
+  return train::run_training(cc, c, quiet);
+}
+
+std::vector<double> losses(TrainResult const& r) {
+  std::vector<double> v;
+  for (auto const& m : r.history) v.push_back(m.loss);
+  return v;
+}
+
+void expect_close(std::vector<double> const& got, std::vector<double> const& want,
+                  std::string const& what, double rel = 1e-9) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    EXPECT_LE(std::abs(got[i] - want[i]), rel * std::abs(want[i]))
+        << what << " step " << i << ": " << got[i] << " vs " << want[i];
+}
+
+struct Layout {
+  std::string name;
+  std::vector<std::string> keys;
+};
+
+std::vector<Layout> layouts() {
+  return {
+      {"dp", {"ici_data_parallelism=-1"}},
+      {"ep_ragged_a2a", {"ici_expert_parallelism=-1"}},
+      {"ep_ring", {"ici_expert_parallelism=-1", "use_ring_of_experts=true"}},
+      {"fsdp", {"ici_fsdp_parallelism=-1"}},
+      {"dense_fsdp", {"ici_fsdp_parallelism=-1", "sparse_matmul=false"}},
+      {"dense_ep", {"ici_expert_parallelism=-1", "sparse_matmul=false"}},
+      {"tp", {"ici_tensor_parallelism=-1"}},
+      {"shard_exp_on_fsdp", {"custom_mesh_and_rule=shard-exp-on-fsdp", "ici_fsdp_parallelism=-1"}}};
+}
+
+int world_size() {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+TEST(TrainLayouts, EveryLayoutGivesTheSingleRankLosses) {
+  int const P = world_size();
+  auto const ref = run(MPI_COMM_SELF, config({}, 1));
+  ASSERT_EQ(ref.history.size(), 5u);
+  EXPECT_EQ(ref.global_batch, 2 * P);
+  EXPECT_TRUE(std::isfinite(ref.final_loss));
+  EXPECT_LT(ref.history.back().ce_loss, ref.history.front().ce_loss);
+  for (auto const& l : layouts()) {
+    SCOPED_TRACE(l.name);
+    auto const r = run(MPI_COMM_WORLD, config(l.keys, P));
+    EXPECT_EQ(r.global_batch, 2 * P);
+    expect_close(losses(r), losses(ref), l.name);
+    EXPECT_NEAR(r.final_lb_loss, ref.final_lb_loss, 1e-9 * ref.final_lb_loss);
+    EXPECT_TRUE(r.replicas_consistent) << l.name;
+  }
+}
+
+TEST(TrainLayouts, DeepSeekBiasUpdateAndCapacityMatchTheSingleRankRun) {
+  int const P = world_size();
+  std::vector<std::string> const extra = {"decoder_block=deepseek", "routed_score_func=sigmoid",
+                                          "routed_bias=true", "routed_bias_update_rate=0.01",
+                                          "capacity_factor=1.5"};
+  auto const ref = run(MPI_COMM_SELF, config({}, 1, extra));
+  for (auto const& l :
+       {Layout{"ep", {"ici_expert_parallelism=-1"}}, Layout{"fsdp", {"ici_fsdp_parallelism=-1"}}}) {
+    auto const r = run(MPI_COMM_WORLD, config(l.keys, P, extra));
+    expect_close(losses(r), losses(ref), l.name);
+    EXPECT_TRUE(r.replicas_consistent) << l.name;
+  }
+}
+
+TEST(TrainLayouts, RepeatedRunsAreBitwiseIdentical) {
+  int const P = world_size();
+  auto const c = config({"ici_expert_parallelism=-1"}, P, {"dtype=float32"});
+  auto const a = run(MPI_COMM_WORLD, c), b = run(MPI_COMM_WORLD, c);
+  EXPECT_EQ(losses(a), losses(b));
+  for (std::size_t i = 0; i < a.history.size(); ++i)
+    EXPECT_EQ(a.history[i].grad_norm, b.history[i].grad_norm);
+}
+
+/// A fresh directory known to every rank (removed by the destructor).
+struct TempDir {
+  std::string path;
+  TempDir() {
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    char buf[4096] = {0};
+    if (rank == 0) {
+      auto p = std::filesystem::temp_directory_path() / "moe_train_ckpt_XXXXXX";
+      std::string s = p.string();
+      s.copy(buf, sizeof buf - 1);
+      if (!mkdtemp(buf)) buf[0] = 0;
+    }
+    MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
+    path = buf;
+  }
+  ~TempDir() {
+    MPI_Barrier(MPI_COMM_WORLD);
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    std::error_code ec;
+    if (rank == 0 && !path.empty()) std::filesystem::remove_all(path, ec);
+  }
+};
+
+TEST(TrainLayouts, ResumedRunContinuesTheUninterruptedRun) {
+  int const P = world_size();
+  TempDir dir;
+  ASSERT_FALSE(dir.path.empty());
+  std::vector<std::string> const sched = {"steps=6", "learning_rate_schedule_steps=6"};
+  std::vector<std::string> ckpt = {"enable_checkpointing=true", "checkpoint_period=3",
+                                   "checkpoint_dir=" + dir.path};
+  auto const ep = std::vector<std::string>{"ici_expert_parallelism=-1"};
+  auto const whole = run(MPI_COMM_WORLD, config(ep, P, sched));
+  ASSERT_EQ(whole.history.size(), 6u);
+  // First half, interrupted after step 3 (its checkpoint).
+  auto first_cfg = ckpt;
+  first_cfg.insert(first_cfg.end(), {"steps=3", "learning_rate_schedule_steps=6"});
+  auto const first = run(MPI_COMM_WORLD, config(ep, P, first_cfg));
+  EXPECT_FALSE(first.resumed);
+  ASSERT_EQ(first.history.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(first.history[i].loss, whole.history[i].loss);
+  // Resumed on the same layout: bitwise the uninterrupted run.
+  auto second_cfg = ckpt;
+  second_cfg.insert(second_cfg.end(), sched.begin(), sched.end());
+  auto const same = run(MPI_COMM_WORLD, config(ep, P, second_cfg));
+  EXPECT_TRUE(same.resumed);
+  EXPECT_EQ(same.start_step, 3);
+  ASSERT_EQ(same.history.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(same.history[i].step, 3 + i);
+    EXPECT_EQ(same.history[i].loss, whole.history[3 + i].loss) << "step " << 3 + i;
+  }
+  // The end of the run saved step 6: another run of 6 steps (any layout) has nothing to train.
+  auto const done = run(MPI_COMM_WORLD, config({"ici_fsdp_parallelism=-1"}, P, second_cfg));
+  EXPECT_TRUE(done.resumed);
+  EXPECT_EQ(done.start_step, 6);
+  EXPECT_TRUE(done.history.empty());
+}
+
+TEST(TrainLayouts, ResumedRunReshardsToAnotherLayout) {
+  int const P = world_size();
+  std::vector<std::string> const sched = {"steps=6", "learning_rate_schedule_steps=6"};
+  auto const ep = std::vector<std::string>{"ici_expert_parallelism=-1"};
+  auto const whole = run(MPI_COMM_WORLD, config(ep, P, sched));
+  for (auto const& l :
+       {Layout{"fsdp", {"ici_fsdp_parallelism=-1"}}, Layout{"tp", {"ici_tensor_parallelism=-1"}},
+        Layout{"ep_ring", {"ici_expert_parallelism=-1", "use_ring_of_experts=true"}}}) {
+    SCOPED_TRACE(l.name);
+    TempDir dir;
+    ASSERT_FALSE(dir.path.empty());
+    std::vector<std::string> ckpt = {"enable_checkpointing=true", "checkpoint_period=3",
+                                     "checkpoint_dir=" + dir.path,
+                                     "learning_rate_schedule_steps=6"};
+    auto first = ckpt;
+    first.push_back("steps=3");
+    run(MPI_COMM_WORLD, config(ep, P, first));  // saved on the expert-parallel layout
+    auto second = ckpt;
+    second.push_back("steps=6");
+    auto const r = run(MPI_COMM_WORLD, config(l.keys, P, second));
+    EXPECT_TRUE(r.resumed);
+    EXPECT_EQ(r.start_step, 3);
+    ASSERT_EQ(r.history.size(), 3u);
+    for (int i = 0; i < 3; ++i)
+      EXPECT_LE(std::abs(r.history[i].loss - whole.history[3 + i].loss),
+                1e-9 * whole.history[3 + i].loss)
+          << "step " << 3 + i;
+    EXPECT_TRUE(r.replicas_consistent);
+  }
+}
+
+TEST(TrainLayouts, CheckpointOfAnotherModelIsRefused) {
+  int const P = world_size();
+  TempDir dir;
+  ASSERT_FALSE(dir.path.empty());
+  std::vector<std::string> const ckpt = {"enable_checkpointing=true", "steps=2",
+                                         "checkpoint_dir=" + dir.path};
+  run(MPI_COMM_WORLD, config({}, P, ckpt));
+  auto other = ckpt;
+  other.push_back("context_length=2");
+  EXPECT_THROW(run(MPI_COMM_WORLD, config({}, P, other)), moe::Error);
+}
+
+}  // namespace
