@@ -3,7 +3,7 @@
 include_guard(GLOBAL)
 set(MOE_MPIEXEC_PREFLAGS --oversubscribe --bind-to none CACHE STRING "Extra mpiexec flags for tests")
 set(MOE_TEST_MPI_ENV OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-    OMPI_MCA_btl_vader_single_copy_mechanism=none OPENBLAS_NUM_THREADS=1)
+    OMPI_MCA_btl_vader_single_copy_mechanism=none OPENBLAS_NUM_THREADS=1 OMPI_MCA_mpi_yield_when_idle=1)
 
 # moe_add_mpi_test(NAME name COMMAND exe args... RANKS 1 2 4 [LABELS ...])
 function(moe_add_mpi_test)
