@@ -247,3 +247,60 @@ TEST(DistributedLayer, EveryLayoutMatchesTheSingleRankLayer) {
 }
 
 }  // namespace
+
+namespace {
+
+// ragged_buffer_factor = 1 at 2 ranks with every token routed to the first expert shard: rank 0
+// receives 2*T*K rows but keeps T*K, its own (lower-rank senders first), so rank 0's tokens get
+// the full output and rank 1's tokens only the shared expert's.
+TEST(DistributedLayer, RaggedBufferFactorDropsTheHigherRankSendersRows) {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  if (n != 2) GTEST_SKIP() << "needs exactly 2 ranks";
+  moe::LayerConfig cfg;
+  cfg.num_experts = 8;
+  cfg.num_experts_per_tok = 2;
+  cfg.base_emb_dim = 16;
+  cfg.base_moe_mlp_dim = 8;
+  cfg.shared_experts = 1;
+  cfg.routed_bias = true;
+  moe::ParallelConfig par;
+  par.ici_expert_parallelism = 2;
+  par.ragged_buffer_factor = 1.0;
+  std::int64_t const B = 8, S = 4, D = 16, E = 8, F = 8;
+  std::mt19937_64 gen(7);
+  std::map<std::string, std::vector<double>> t;
+  t["x"] = randn(B * S * D, 1.0, gen);
+  t["gate"] = randn(D * E, 0.5, gen);
+  t["gate_bias"] = {50, 40, 0, 0, 0, 0, 0, 0};
+  t["wi_0"] = randn(E * D * F, 0.3, gen);
+  t["wi_1"] = randn(E * D * F, 0.3, gen);
+  t["wo"] = randn(E * F * D, 0.3, gen);
+  t["shared_wi_0"] = randn(D * F, 0.3, gen);
+  t["shared_wi_1"] = randn(D * F, 0.3, gen);
+  t["shared_wo"] = randn(F * D, 0.3, gen);
+  auto reference = [&](bool routed) {
+    Single ref(cfg);
+    ref.parameters().for_each([&](char const* name, auto const& v) {
+      std::vector<double> vals = t[name];
+      if (!routed && std::string(name) == "wo") std::fill(vals.begin(), vals.end(), 0.0);
+      fill(v, vals);
+    });
+    moe::View3<double, Mem> x("x", B, S, D), y("y", B, S, D);
+    fill(x, t["x"]);
+    ref.forward(x, y);
+    return values(y);
+  };
+  moe::DistributedMoeLayer<double> layer(MPI_COMM_WORLD, cfg, par, B, S);
+  layer.parameters().for_each(
+      [&](char const* name, auto const& v) { fill(v, take(t[name], layer.block(name))); });
+  auto const xb = layer.block("x");
+  moe::View3<double, Mem> lx("lx", xb.local_shape[0], S, D), ly("ly", xb.local_shape[0], S, D);
+  fill(lx, take(t["x"], xb));
+  layer.forward(lx, ly);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  expect_close(values(ly), take(reference(rank == 0), xb), "capped y");
+}
+
+}  // namespace
