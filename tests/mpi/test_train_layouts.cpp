@@ -114,6 +114,16 @@ TEST(TrainLayouts, EveryLayoutGivesTheSingleRankLosses) {
   }
 }
 
+TEST(TrainLayouts, EveryLayoutGivesTheSingleRankLossesInFloat32) {
+  int const P = world_size();
+  auto const ref = run(MPI_COMM_SELF, config({}, 1, {"dtype=float32"}));
+  for (auto const& l : layouts()) {
+    SCOPED_TRACE(l.name);
+    auto const r = run(MPI_COMM_WORLD, config(l.keys, P, {"dtype=float32"}));
+    expect_close(losses(r), losses(ref), l.name + " (float32)", 1e-4);
+  }
+}
+
 TEST(TrainLayouts, DeepSeekBiasUpdateAndCapacityMatchTheSingleRankRun) {
   int const P = world_size();
   std::vector<std::string> const extra = {"decoder_block=deepseek", "routed_score_func=sigmoid",
