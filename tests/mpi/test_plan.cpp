@@ -6,7 +6,9 @@
 #include <moe/distributed/plan.hpp>
 
 #include <gtest/gtest.h>
+
 #include <mpi.h>
+#include "layout_cases.hpp"
 
 #include <random>
 #include <string>
@@ -16,13 +18,7 @@ namespace {
 
 using Mem = Kokkos::DefaultExecutionSpace::memory_space;
 
-struct Case {
-  std::string name;
-  std::vector<std::string> layout;
-  std::vector<std::string> layer;
-  std::int64_t batch = 8;
-  bool balanced = true;  // every rank sends T*K/E slots to every expert
-};
+using Case = LayoutCase;
 
 template <class T>
 void set_all(T& c, std::vector<std::string> const& kvs) {
@@ -132,57 +128,7 @@ void run_case(Case const& c) {
   }
 }
 
-std::vector<Case> cases(int n) {
-  std::vector<Case> v = {
-      {"dp", {"ici_data_parallelism=-1"}, {}},
-      {"fsdp", {"ici_fsdp_parallelism=-1"}, {}},
-      {"fsdp_transpose", {"ici_fsdp_transpose_parallelism=-1"}, {}},
-      {"ep_a2a", {"ici_expert_parallelism=-1"}, {}},
-      {"ep_ring", {"ici_expert_parallelism=-1", "use_ring_of_experts=true"}, {}},
-      {"tp", {"ici_tensor_parallelism=-1"}, {}},
-      {"ep_deepseek",
-       {"ici_expert_parallelism=-1"},
-       {"decoder_block=deepseek", "routed_score_func=sigmoid", "routed_bias=true",
-        "n_routing_groups=4", "topk_routing_group=2", "routed_bias_update_rate=0.01",
-        "routed_scaling_factor=2.0"}},
-      {"ep_capacity", {"ici_expert_parallelism=-1"}, {"capacity_factor=1.0"}},
-      {"ep_random", {"ici_expert_parallelism=-1"}, {"use_random_routing=true", "seed=5"}, 8, false},
-      {"dense_fsdp", {"ici_fsdp_parallelism=-1"}, {"sparse_matmul=false"}},
-      {"dense_ep", {"ici_expert_parallelism=-1"}, {"sparse_matmul=false"}},
-      {"decode_replicated", {"ici_expert_parallelism=-1"}, {}, 1},
-      {"shard_exp_on_fsdp",
-       {"custom_mesh_and_rule=shard-exp-on-fsdp", "ici_fsdp_parallelism=-1"},
-       {}},
-      {"two_stage", {"ici_fsdp_parallelism=-1", "moe_fsdp_use_two_stage_all_gather=true"}, {}},
-  };
-  if (n == 4) {
-    std::vector<Case> mix = {
-        {"ep2_fsdp2", {"ici_expert_parallelism=2", "ici_fsdp_parallelism=2"}, {}},
-        {"ep2_dp2", {"ici_expert_parallelism=2", "ici_data_parallelism=2"}, {}},
-        {"ring2_dp2",
-         {"ici_expert_parallelism=2", "ici_data_parallelism=2", "use_ring_of_experts=true"},
-         {}},
-        {"ep2_tp2", {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"}, {}},
-        {"fsdp2_fsdpt2", {"ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=2"}, {}},
-        {"fsdp2_fsdpt2_two_stage",
-         {"ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=2",
-          "moe_fsdp_use_two_stage_all_gather=true"},
-         {}},
-        {"shard_exp_on_fsdp_ep",
-         {"custom_mesh_and_rule=shard-exp-on-fsdp", "ici_fsdp_parallelism=2",
-          "ici_expert_parallelism=2"},
-         {}},
-        {"dense_ep2_tp2",
-         {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"},
-         {"sparse_matmul=false"}},
-        {"ep2_tp2_capacity_half",
-         {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"},
-         {"capacity_factor=0.5"}},
-    };
-    v.insert(v.end(), mix.begin(), mix.end());
-  }
-  return v;
-}
+std::vector<Case> cases(int n) { return layout_cases(n); }
 
 TEST(DistributedPlan, PredictsTheLayersCommLog) {
   int n = 1;

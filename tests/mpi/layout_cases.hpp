@@ -1,0 +1,95 @@
+#pragma once
+// The layouts the distributed-layer tests run at the current rank count: single strategies at
+// every count, their mixtures at 4 ranks. Shared by test_distributed_layer.cpp (against the
+// single-rank layer) and test_plan.cpp (the plan against the layer's comm log).
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct LayoutCase {
+  std::string name;
+  std::vector<std::string> layout;      // ParallelConfig key=value
+  std::vector<std::string> layer;       // extra LayerConfig key=value
+  std::int64_t batch = 8;               // global batch
+  std::vector<double> bias_boost = {};  // added to gate_bias[e] (skews routing)
+  bool balanced = true;                 // the plan test's inputs route T*K/E slots to every expert
+};
+
+inline std::vector<LayoutCase> layout_cases(int n) {
+  std::vector<LayoutCase> v = {
+      {"dp", {"ici_data_parallelism=-1"}, {}},
+      {"fsdp", {"ici_fsdp_parallelism=-1"}, {}},
+      {"fsdp_transpose", {"ici_fsdp_transpose_parallelism=-1"}, {}},
+      {"ep_a2a", {"ici_expert_parallelism=-1"}, {}},
+      {"ep_ring", {"ici_expert_parallelism=-1", "use_ring_of_experts=true"}, {}},
+      {"tp", {"ici_tensor_parallelism=-1"}, {}},
+      {"ep_deepseek",
+       {"ici_expert_parallelism=-1"},
+       {"decoder_block=deepseek", "routed_score_func=sigmoid", "routed_bias=true",
+        "n_routing_groups=4", "topk_routing_group=2", "routed_bias_update_rate=0.01",
+        "routed_scaling_factor=2.0"}},
+      {"ep_capacity", {"ici_expert_parallelism=-1"}, {"capacity_factor=1.0"}},
+      {"ep_random",
+       {"ici_expert_parallelism=-1"},
+       {"use_random_routing=true", "seed=5"},
+       8,
+       {},
+       false},
+      {"dense_fsdp", {"ici_fsdp_parallelism=-1"}, {"sparse_matmul=false"}},
+      {"dense_ep", {"ici_expert_parallelism=-1"}, {"sparse_matmul=false"}},
+      {"decode_replicated", {"ici_expert_parallelism=-1"}, {}, 1},
+      {"shard_exp_on_fsdp",
+       {"custom_mesh_and_rule=shard-exp-on-fsdp", "ici_fsdp_parallelism=-1"},
+       {}},
+      {"two_stage", {"ici_fsdp_parallelism=-1", "moe_fsdp_use_two_stage_all_gather=true"}, {}},
+      // Skewed routing: every token picks experts 0 and 1 (the first expert shard gets all rows,
+      // the others none; experts 2..7 get no tokens), or only the last shard receives rows.
+      {"ep_all_to_first_experts",
+       {"ici_expert_parallelism=-1"},
+       {"routed_bias=true"},
+       8,
+       {50.0, 40.0}},
+      {"ring_all_to_first_experts",
+       {"ici_expert_parallelism=-1", "use_ring_of_experts=true"},
+       {"routed_bias=true"},
+       8,
+       {50.0, 40.0}},
+      {"ep_all_to_last_experts",
+       {"ici_expert_parallelism=-1"},
+       {"routed_bias=true"},
+       8,
+       {0, 0, 0, 0, 0, 0, 50.0, 40.0}},
+  };
+  // A receive cap large enough for every row (MaxText allows the cap only with EP > 1).
+  if (n > 1)
+    v.push_back({"ep_ragged_buffer_no_drop",
+                 {"ici_expert_parallelism=-1", "ragged_buffer_factor=8.0"},
+                 {}});
+  if (n == 4) {
+    std::vector<LayoutCase> mix = {
+        {"ep2_fsdp2", {"ici_expert_parallelism=2", "ici_fsdp_parallelism=2"}, {}},
+        {"ep2_dp2", {"ici_expert_parallelism=2", "ici_data_parallelism=2"}, {}},
+        {"ring2_dp2",
+         {"ici_expert_parallelism=2", "ici_data_parallelism=2", "use_ring_of_experts=true"},
+         {}},
+        {"ep2_tp2", {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"}, {}},
+        {"fsdp2_fsdpt2", {"ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=2"}, {}},
+        {"fsdp2_fsdpt2_two_stage",
+         {"ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=2",
+          "moe_fsdp_use_two_stage_all_gather=true"},
+         {}},
+        {"shard_exp_on_fsdp_ep",
+         {"custom_mesh_and_rule=shard-exp-on-fsdp", "ici_fsdp_parallelism=2",
+          "ici_expert_parallelism=2"},
+         {}},
+        {"dense_ep2_tp2",
+         {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"},
+         {"sparse_matmul=false"}},
+        {"ep2_tp2_capacity_half",
+         {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"},
+         {"capacity_factor=0.5"}},
+    };
+    v.insert(v.end(), mix.begin(), mix.end());
+  }
+  return v;
+}
