@@ -342,19 +342,11 @@ int run(int argc, char** argv) {
 }
 
 /// The message on one line (newlines of nested messages become spaces).
-std::string one_line(char const* what) {
-  std::string m = what;
-  for (auto& c : m)
-    if (c == '\n' || c == '\r') c = ' ';
-  return m;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
-  int rc = 0, size = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  int rc = 0;
   // --help before Kokkos, which would print its own help for a bare --help on every rank.
   for (int i = 1; i < argc; ++i)
     if (std::string(argv[i]) == "-h" || std::string(argv[i]) == "--help") {
@@ -364,22 +356,7 @@ int main(int argc, char** argv) {
       MPI_Finalize();
       return 0;
     }
-  {
-    Kokkos::ScopeGuard kokkos(argc, argv);
-    try {
-      rc = run(argc, argv);
-    } catch (moe::Error const& e) {
-      // moe errors are raised collectively (the same on every rank): report and exit cleanly.
-      std::fprintf(stderr, "moe-layer-run: error: %s\n", one_line(e.what()).c_str());
-      rc = 2;
-    } catch (std::exception const& e) {
-      // Not collective: the other ranks may wait in a collective, so stop them all.
-      std::fprintf(stderr, "moe-layer-run: internal error: %s\n", one_line(e.what()).c_str());
-      std::fflush(stderr);
-      if (size > 1) MPI_Abort(MPI_COMM_WORLD, 3);
-      rc = 3;
-    }
-  }
+  rc = moe::cli::run_tool("moe-layer-run", argc, argv, [&] { return run(argc, argv); });
   MPI_Finalize();
   return rc;
 }

@@ -6,7 +6,12 @@
 #include <moe/distributed/parallel_config.hpp>
 #include <moe/error.hpp>
 
+#include <mpi.h>
 #include <yaml-cpp/yaml.h>
+#include <Kokkos_Core.hpp>
+
+#include <cstdio>
+#include <exception>
 
 #include <string>
 #include <utility>
@@ -83,6 +88,35 @@ inline void apply(LayerConfig& cfg, ParallelConfig& par, KeyValues const& kv) {
                                     "parallelism key (ici_*_parallelism, use_ring_of_experts, "
                                     "ragged_buffer_factor, moe_fsdp_use_two_stage_all_gather, "
                                     "custom_mesh_and_rule)"));
+  }
+}
+
+/// The message on one line (newlines become spaces), for one-line tool errors.
+inline std::string one_line(std::string s) {
+  for (auto& c : s)
+    if (c == '\n' || c == '\r') c = ' ';
+  return s;
+}
+
+/// Runs a tool's body inside Kokkos and reports its errors the project's way: a moe::Error
+/// (raised the same on every rank) prints `TOOL: error: ...` and returns 2; any other exception
+/// is not collective, so it prints `TOOL: internal error: ...` and aborts every rank (exit 3).
+/// MPI must be initialised; the caller finalises it.
+template <class Body>
+int run_tool(char const* tool, int& argc, char** argv, Body&& body) {
+  int size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  Kokkos::ScopeGuard kokkos(argc, argv);
+  try {
+    return body();
+  } catch (moe::Error const& e) {
+    std::fprintf(stderr, "%s: error: %s\n", tool, one_line(e.what()).c_str());
+    return 2;
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "%s: internal error: %s\n", tool, one_line(e.what()).c_str());
+    std::fflush(stderr);
+    if (size > 1) MPI_Abort(MPI_COMM_WORLD, 3);
+    return 3;
   }
 }
 

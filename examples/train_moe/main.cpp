@@ -110,12 +110,6 @@ char const* const kUsage =
     "(steps, per_device_batch_size, max_target_length, base_emb_dim, num_experts, dtype,\n"
     "ici_*_parallelism, dataset_type, enable_checkpointing, metrics_file, ...).\n";
 
-std::string one_line(std::string s) {
-  for (auto& c : s)
-    if (c == '\n' || c == '\r') c = ' ';
-  return s;
-}
-
 moe::cli::KeyValues parse_yaml_text(char const* text) {
   YAML::Node const root = YAML::Load(text);
   moe::cli::KeyValues kv;
@@ -160,8 +154,7 @@ int run(int argc, char** argv, moe::comm::Communicator const& world) {
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
-  int rc = 0, size = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  int rc = 0;
   for (int i = 1; i < argc; ++i)
     if (std::string(argv[i]) == "-h" || std::string(argv[i]) == "--help") {
       int rank = 0;
@@ -170,23 +163,10 @@ int main(int argc, char** argv) {
       MPI_Finalize();
       return 0;
     }
-  {
-    Kokkos::ScopeGuard kokkos(argc, argv);
-    try {
-      moe::comm::Communicator world(MPI_COMM_WORLD);
-      rc = run(argc, argv, world);
-    } catch (moe::Error const& e) {
-      // moe errors are raised collectively (the same on every rank): report and exit cleanly.
-      std::fprintf(stderr, "train_moe: error: %s\n", one_line(e.what()).c_str());
-      rc = 2;
-    } catch (std::exception const& e) {
-      // Not collective: other ranks may wait in a collective, so stop them all.
-      std::fprintf(stderr, "train_moe: internal error: %s\n", one_line(e.what()).c_str());
-      std::fflush(stderr);
-      if (size > 1) MPI_Abort(MPI_COMM_WORLD, 3);
-      rc = 3;
-    }
-  }
+  rc = moe::cli::run_tool("train_moe", argc, argv, [&] {
+    moe::comm::Communicator world(MPI_COMM_WORLD);
+    return run(argc, argv, world);
+  });
   MPI_Finalize();
   return rc;
 }

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace moe::comm {
@@ -92,32 +93,50 @@ void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T con
 
 }  // namespace detail
 
+namespace detail {
+
+/// Shared checks of all_gather and reduce_scatter: `small` holds c rows, `big` size*c rows of the
+/// same width; both contiguous, not overlapping. Collective: a failure on any rank is the same
+/// ShapeError on every rank. Returns (c, elements per row).
+template <class ExecSpace, class InView, class OutView, class Small, class Big>
+std::pair<std::int64_t, std::int64_t> check_row_pair(Communicator const& comm, char const* what,
+                                                     InView const& in, OutView const& out,
+                                                     Small const& small, Big const& big,
+                                                     char const* rule) {
+  check_view_type<ExecSpace, InView>();
+  check_view_type<ExecSpace, OutView>();
+  using T = typename OutView::non_const_value_type;
+  static_assert(std::is_same_v<typename InView::non_const_value_type, T> &&
+                    !std::is_const_v<typename OutView::value_type> &&
+                    int(InView::rank) == int(OutView::rank),
+                "moe::comm: in and out need the same value type and rank, out writable");
+  auto const [c, row] = rows_of(small);
+  auto const [n, row_big] = rows_of(big);
+  auto const [in_rows, in_row] = rows_of(in);
+  int const P = comm.size();
+  bool const bad = !in.span_is_contiguous() || !out.span_is_contiguous() || n != P * c ||
+                   row_big != row || overlaps(in, out.data(), out.size() * sizeof(T));
+  std::string const msg = bad ? moe::detail::cat(what, ": in ", shape_of(in), " and out ",
+                                                 shape_of(out), " do not fit ", P, " ranks; ", rule)
+                              : std::string();
+  collective_check(comm, what, bad, msg, ErrorKind::shape,
+                   {{"rows of in", in_rows}, {"elements per row", in_row}});
+  return {c, row};
+}
+
+}  // namespace detail
+
 /// \brief Collective: concatenates every rank's `in` along dim 0, in rank order, into `out`.
 /// \param in  [n, ...] on every rank (same shape everywhere)
 /// \param out [size*n, ...]; must not overlap `in`
 template <class ExecSpace, class InView, class OutView>
 void all_gather(Communicator const& comm, ExecSpace const& space, InView const& in,
                 OutView const& out) {
-  detail::check_view_type<ExecSpace, InView>();
-  detail::check_view_type<ExecSpace, OutView>();
   using T = typename OutView::non_const_value_type;
-  static_assert(std::is_same_v<typename InView::non_const_value_type, T> &&
-                    !std::is_const_v<typename OutView::value_type> && int(InView::rank) == int(OutView::rank),
-                "moe::comm::all_gather: in and out need the same value type and rank, out "
-                "writable");
-  auto const [n, row] = detail::rows_of(in);
-  auto const [m, row_out] = detail::rows_of(out);
-  int const P = comm.size();
-  bool const bad = !in.span_is_contiguous() || !out.span_is_contiguous() || m != P * n ||
-                   row_out != row || detail::overlaps(in, out.data(), out.size() * sizeof(T));
-  std::string const msg =
-      bad ? moe::detail::cat("moe::comm::all_gather: in ", detail::shape_of(in), " and out ",
-                             detail::shape_of(out), " do not fit ", P,
-                             " ranks; out must be [size*n, ...] with the trailing extents of in, "
-                             "both contiguous and not overlapping")
-          : std::string();
-  detail::collective_check(comm, "moe::comm::all_gather", bad, msg, ErrorKind::shape,
-                           {{"rows of in", n}, {"elements per row", row}});
+  auto const [n, row] = detail::check_row_pair<ExecSpace>(
+      comm, "moe::comm::all_gather", in, out, in, out,
+      "out must be [size*n, ...] with the trailing extents of in, both contiguous and not "
+      "overlapping");
   detail::all_gather_rows<T, typename InView::memory_space, typename OutView::memory_space>(
       comm, space, in.data(), out.data(), n, row);
 }
@@ -130,26 +149,11 @@ void all_gather(Communicator const& comm, ExecSpace const& space, InView const& 
 template <class ExecSpace, class InView, class OutView>
 void reduce_scatter(Communicator const& comm, ExecSpace const& space, InView const& in,
                     OutView const& out) {
-  detail::check_view_type<ExecSpace, InView>();
-  detail::check_view_type<ExecSpace, OutView>();
   using T = typename OutView::non_const_value_type;
-  static_assert(std::is_same_v<typename InView::non_const_value_type, T> &&
-                    !std::is_const_v<typename OutView::value_type> && int(InView::rank) == int(OutView::rank),
-                "moe::comm::reduce_scatter: in and out need the same value type and rank, out "
-                "writable");
-  auto const [n, row] = detail::rows_of(in);
-  auto const [c, row_out] = detail::rows_of(out);
-  int const P = comm.size();
-  bool const bad = !in.span_is_contiguous() || !out.span_is_contiguous() || n != P * c ||
-                   row_out != row || detail::overlaps(in, out.data(), out.size() * sizeof(T));
-  std::string const msg =
-      bad ? moe::detail::cat("moe::comm::reduce_scatter: in ", detail::shape_of(in), " and out ",
-                             detail::shape_of(out), " do not fit ", P,
-                             " ranks; in must be [size*c, ...] and out [c, ...] with the same "
-                             "trailing extents, both contiguous and not overlapping")
-          : std::string();
-  detail::collective_check(comm, "moe::comm::reduce_scatter", bad, msg, ErrorKind::shape,
-                           {{"rows of in", n}, {"elements per row", row}});
+  auto const [c, row] = detail::check_row_pair<ExecSpace>(
+      comm, "moe::comm::reduce_scatter", in, out, out, in,
+      "in must be [size*c, ...] and out [c, ...] with the same trailing extents, both contiguous "
+      "and not overlapping");
   detail::reduce_scatter_rows<T, typename InView::memory_space, typename OutView::memory_space>(
       comm, space, in.data(), out.data(), c, row);
 }
