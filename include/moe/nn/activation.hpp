@@ -7,24 +7,84 @@
 #include <moe/detail/compat.hpp>
 #include <moe/detail/views.hpp>
 
+#include <cstdint>
+#include <cstring>
+
 namespace moe::nn {
 
 namespace detail {
 using moe::detail::exp;
 using moe::detail::tanh;
 
+/// Bit pattern of a float and back (memcpy: defined behaviour, a register move once compiled).
+KOKKOS_INLINE_FUNCTION std::int32_t float_bits(float x) {
+  std::int32_t i;
+  memcpy(&i, &x, sizeof i);
+  return i;
+}
+KOKKOS_INLINE_FUNCTION float bits_float(std::int32_t i) {
+  float x;
+  memcpy(&x, &i, sizeof x);
+  return x;
+}
+
+/// exp(-|x|) in float, for any x (|x| is clamped to 87, so the result is a normal number in
+/// [exp(-87), 1]; NaN also clamps: callers multiply by x, which carries it through).
+/// Straight-line arithmetic and integer bit operations only, no branch and no library call, so
+/// the loops of gated_forward/gated_backward vectorise under the default (non fast-math) flags;
+/// glibc's expf does not. Range reduction exp(y) = 2^n exp(r), n = round(y / ln 2), ln 2 split
+/// in two parts; exp(r) on |r| <= ln2/2 by the degree-7 minimax polynomial of the Cephes
+/// library's expf. Relative error about 1e-7 (a few ulp).
+KOKKOS_INLINE_FUNCTION float exp_neg_abs(float x) {
+  std::int32_t const limit = 0x42ae0000;  // 87.0f
+  std::int32_t const a = float_bits(x) & 0x7fffffff;
+  std::int32_t const d = a - limit;
+  float const y = -bits_float(limit + (d & (d >> 31)));  // -min(|x|, 87), branch-free
+  // Round to nearest through the 1.5 * 2^23 trick (exact for |y / ln 2| < 2^22).
+  float const n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = y - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187045e-6f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = (p * r) * r + r + 1.0f;
+  return p * bits_float((std::int32_t(n) + 127) << 23);  // 2^n, n in [-126, 0]
+}
+
+/// Logistic sigmoid. The float overload is branch-free (vectorises); the generic one is the
+/// textbook two-sided form in the library's exp.
 template <class S>
 KOKKOS_INLINE_FUNCTION S sigmoid(S x) {
   return x >= S(0) ? S(1) / (S(1) + exp(-x)) : exp(x) / (S(1) + exp(x));
 }
+KOKKOS_INLINE_FUNCTION float sigmoid(float x) {
+  float const e = exp_neg_abs(x);
+  float const s = 1.0f / (1.0f + e);  // sigmoid(|x|)
+  std::int32_t const neg = float_bits(x) >> 31;  // all ones when the sign bit is set
+  // x >= 0: s; x < 0: e * s = sigmoid(-|x|); the factor picked by bit masks, not a branch.
+  return s * bits_float((neg & float_bits(e)) | (~neg & 0x3f800000));
+}
 
-/// act(x) alone (the forward pass). Branch-free so the compiler can vectorise it; for very
-/// negative x, exp(-x) overflows to inf and x / inf = -0, the correct limit of silu.
+/// tanh, with the same split as sigmoid: float branch-free through exp_neg_abs(2x).
+template <class S>
+KOKKOS_INLINE_FUNCTION S tanh_(S x) {
+  return tanh(x);
+}
+KOKKOS_INLINE_FUNCTION float tanh_(float x) {
+  float const e = exp_neg_abs(2.0f * x);
+  float const t = (1.0f - e) / (1.0f + e);  // tanh(|x|)
+  return bits_float(float_bits(t) | (float_bits(x) & std::int32_t(0x80000000u)));
+}
+
+/// act(x) alone (the forward pass); branch-free in float, so the compiler can vectorise it.
 template <class S>
 KOKKOS_INLINE_FUNCTION S act(Activation a, S x) {
-  if (a == Activation::Silu) return x / (S(1) + exp(-x));
+  if (a == Activation::Silu) return x * sigmoid(x);
   S const c = S(0.7978845608028654);  // sqrt(2/pi)
-  return S(0.5) * x * (S(1) + tanh(c * (x + S(0.044715) * x * x * x)));
+  return S(0.5) * x * (S(1) + tanh_(c * (x + S(0.044715) * x * x * x)));
 }
 
 /// act(x) and act'(x) for the chosen activation.
@@ -38,7 +98,7 @@ KOKKOS_INLINE_FUNCTION void act_and_grad(Activation a, S x, S& f, S& df) {
     S const c = S(0.7978845608028654);  // sqrt(2/pi)
     S const k = S(0.044715);
     S const u = c * (x + k * x * x * x);
-    S const th = tanh(u);
+    S const th = tanh_(u);
     f = S(0.5) * x * (S(1) + th);
     df = S(0.5) * (S(1) + th) + S(0.5) * x * (S(1) - th * th) * c * (S(1) + S(3) * k * x * x);
   }
