@@ -25,6 +25,7 @@
 #include <moe/distributed/layer.hpp>
 
 #include <Kokkos_Core.hpp>
+#include <Kokkos_Random.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -75,6 +76,10 @@ struct TrainResult {
   double tokens_per_s_per_device = 0;  ///< mean over the steps after the first
   double gemm_fraction = 0;            ///< step time in the MoE layers' BLAS GEMMs
   double comm_fraction = std::numeric_limits<double>::quiet_NaN();  ///< in MPI (NaN: unknown)
+  double step_seconds = 0;  ///< mean step time over the steps after the first
+  /// The yardstick of the step time: seconds of the routed-expert GEMMs of one device's share of
+  /// a step run alone (see Trainer::expert_gemm_seconds); 0 when nothing was timed.
+  double expert_gemm_seconds = 0;
   std::int64_t layer_bytes_per_step = 0;            ///< MoE layers' comm log, this rank
   std::int64_t layer_bytes_per_step_all_ranks = 0;  ///< summed over ranks
   bool replicas_consistent = true;  ///< ranks holding the same parameter block agree bitwise
@@ -260,6 +265,8 @@ class Trainer {
       res.entropy_gap_percent = 100.0 * (res.tail_ce_loss - res.entropy_rate) / res.entropy_rate;
     }
     if (t_steps > 0) {
+      res.step_seconds = t_steps / double(timed);
+      res.expert_gemm_seconds = expert_gemm_seconds();
       res.tokens_per_s_per_device = double(timed) * tokens_per_device() / t_steps;
       res.gemm_fraction = gemm_timed ? t_gemm / t_steps : std::numeric_limits<double>::quiet_NaN();
       if (opts_.comm_seconds) res.comm_fraction = t_comm / t_steps;
@@ -612,15 +619,22 @@ class Trainer {
     Scalar const wd = q.decay ? Scalar(cfg_.adam_weight_decay) : Scalar(0);
     Scalar const c1 = Scalar(1.0 / (1.0 - std::pow(cfg_.adam_b1, double(t))));
     Scalar const c2 = Scalar(1.0 / (1.0 - std::pow(cfg_.adam_b2, double(t))));
-    auto p = q.p, g = q.g, mu = q.m, nu = q.v;
+    // Raw pointers and one load / one store per array and element: the loop vectorises.
+    Scalar* p = q.p.data();
+    Scalar const* g = q.g.data();
+    Scalar* mu = q.m.data();
+    Scalar* nu = q.v.data();
     Kokkos::parallel_for(
-        "train::adamw", Kokkos::RangePolicy<Exec>(space, 0, p.extent(0)),
+        "train::adamw", Kokkos::RangePolicy<Exec>(space, 0, q.p.extent(0)),
         KOKKOS_LAMBDA(std::int64_t i) {
-          Scalar const gi = gs * g(i);
-          mu(i) = b1 * mu(i) + (Scalar(1) - b1) * gi;
-          nu(i) = b2 * nu(i) + (Scalar(1) - b2) * gi * gi;
-          Scalar const u = mu(i) * c1 / (moe::detail::sqrt(nu(i) * c2) + eps);
-          p(i) -= rate * (u + wd * p(i));
+          Scalar const gi = gs * g[i];
+          Scalar const m = b1 * mu[i] + (Scalar(1) - b1) * gi;
+          Scalar const v = b2 * nu[i] + (Scalar(1) - b2) * gi * gi;
+          Scalar const u = m * c1 / (moe::detail::sqrt(v * c2) + eps);
+          Scalar const w = p[i];
+          mu[i] = m;
+          nu[i] = v;
+          p[i] = w - rate * (u + wd * w);
         });
   }
 
@@ -770,6 +784,64 @@ class Trainer {
     o->flush();
   }
 
+  /// The yardstick of the step time: seconds of the routed-expert GEMMs of one device's share of
+  /// a step, run alone, as on one rank: tokens_per_device x K rows spread evenly over all E
+  /// experts, for every MoE layer the 3 GEMMs of the forward and the 6 of the backward
+  /// (gmm/tgmm of ExpertFfn, Vendor policy), on random data; median of 3 after a warm-up. Every
+  /// rank measures at the same time, so each has the CPU share it had during the steps; the
+  /// figure is rank 0's. Collective.
+  double expert_gemm_seconds() {
+    namespace mg = moe::gmm;
+    auto const& lc = cfg_.layer;
+    std::int64_t const E = lc.num_experts, D = D_, F = lc.base_moe_mlp_dim;
+    std::int64_t const rows =
+        std::int64_t(std::llround(tokens_per_device())) * lc.num_experts_per_tok;
+    std::vector<std::int64_t> sizes(std::size_t(E), rows / E);
+    for (std::int64_t e = 0; e < rows % E; ++e) ++sizes[std::size_t(e)];
+    auto const groups = mg::make_groups<typename Exec::memory_space>(sizes);
+    using v2 = moe::View2<Scalar, typename Exec::memory_space>;
+    using v3 = moe::View3<Scalar, typename Exec::memory_space>;
+    v2 xs("train::yard::xs", rows, D), dys("train::yard::dys", rows, D),
+        dxs("train::yard::dxs", rows, D);
+    v2 h0("train::yard::h0", rows, F), h1("train::yard::h1", rows, F), a("train::yard::a", rows, F);
+    v3 w0("train::yard::w0", E, D, F), w1("train::yard::w1", E, D, F),
+        wo("train::yard::wo", E, F, D);
+    v3 g0("train::yard::g0", E, D, F), g1("train::yard::g1", E, D, F),
+        go("train::yard::go", E, F, D);
+    Kokkos::Random_XorShift64_Pool<Exec> pool(std::uint64_t(cfg_.seed) + 1);
+    for (auto const* v : {&xs, &dys}) Kokkos::fill_random(*v, pool, Scalar(-1), Scalar(1));
+    for (auto const* v : {&h0, &h1, &a}) Kokkos::fill_random(*v, pool, Scalar(-1), Scalar(1));
+    for (auto const* v : {&w0, &w1, &wo}) Kokkos::fill_random(*v, pool, Scalar(-0.1), Scalar(0.1));
+    Exec space;
+    mg::GmmOptions tr, tr_acc;
+    tr.transpose_rhs = tr_acc.transpose_rhs = true;
+    tr_acc.accumulate = true;
+    auto one_layer = [&] {
+      mg::gmm(space, mg::Vendor{}, xs, w0, groups, h0);  // forward
+      mg::gmm(space, mg::Vendor{}, xs, w1, groups, h1);
+      mg::gmm(space, mg::Vendor{}, a, wo, groups, dxs);
+      mg::tgmm(space, mg::Vendor{}, a, dys, groups, go);  // backward
+      mg::gmm(space, mg::Vendor{}, dys, wo, groups, a, tr);
+      mg::tgmm(space, mg::Vendor{}, xs, a, groups, g0);
+      mg::tgmm(space, mg::Vendor{}, xs, h1, groups, g1);
+      mg::gmm(space, mg::Vendor{}, a, w0, groups, dxs, tr);
+      mg::gmm(space, mg::Vendor{}, h1, w1, groups, dxs, tr_acc);
+    };
+    std::vector<double> times;
+    for (int r = 0; r < 4; ++r) {
+      moe::comm::detail::check_mpi(MPI_Barrier(comm_.get()), "MPI_Barrier");
+      double const t0 = now();
+      for (int l = 0; l < L_; ++l) one_layer();
+      moe::detail::fence(space, "train::expert_gemm_seconds");
+      if (r > 0) times.push_back(now() - t0);  // r = 0 warms up (BLAS threads, first touch)
+    }
+    std::sort(times.begin(), times.end());
+    moe::View1<double, Kokkos::HostSpace> t("train::yard::t", 1);
+    t(0) = rank_ == 0 ? times[1] : 0.0;
+    moe::comm::all_reduce(comm_, Kokkos::DefaultHostExecutionSpace(), t);
+    return t(0);
+  }
+
   void summary(TrainResult const& r) {
     auto* o = out();
     if (!o) return;
@@ -794,6 +866,11 @@ class Trainer {
     *o << "summary: tokens/s/device " << fmt("%.1f", r.tokens_per_s_per_device)
        << "; step time: expert GEMMs " << pct(r.gemm_fraction) << ", communication "
        << pct(r.comm_fraction) << ", rest " << pct(1 - gemm - comm) << "\n";
+    if (r.expert_gemm_seconds > 0)
+      *o << "summary: step " << fmt("%.1f", 1e3 * r.step_seconds)
+         << " ms; the expert GEMMs of one rank's share alone "
+         << fmt("%.1f", 1e3 * r.expert_gemm_seconds) << " ms; ratio "
+         << fmt("%.2f", r.step_seconds / r.expert_gemm_seconds) << "\n";
     *o << "summary: MoE layer bytes per step " << r.layer_bytes_per_step << " sent by rank 0, "
        << r.layer_bytes_per_step_all_ranks << " by all ranks (" << L_ << " layers, " << r.mesh
        << ")\n";

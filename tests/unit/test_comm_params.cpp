@@ -1,6 +1,7 @@
 // Exact vectors of the expert-parallel all-to-all parameters, receive-buffer sizes, truncation and
 // local permute (SEMANTICS.md §7.4-7.7), plus hand-computed truncation cases.
 #include <moe/comm/ragged_all_to_all.hpp>
+#include <moe/detail/scratch.hpp>
 #include <moe/permute/local_permute.hpp>
 
 #include <gtest/gtest.h>
@@ -300,6 +301,32 @@ TEST(LocalPermute, ShapeChecks) {
   EXPECT_THROW(moe::permute::permute_rows(space, lp, small, ok), moe::ShapeError);
   EXPECT_THROW(moe::permute::permute_rows(space, lp, ok, small), moe::ShapeError);
   EXPECT_THROW(moe::permute::permute_rows(space, lp, ok, wide), moe::ShapeError);
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------
+// ScratchPool: the buffers the collectives and the distributed layer keep from step to step.
+namespace {
+
+TEST(ScratchPool, ReusesGrowsAndKeepsKeysApart) {
+  using MS = Kokkos::DefaultExecutionSpace::memory_space;
+  moe::detail::ScratchPool<MS> pool;
+  auto a = pool.get<float>("a", 100);
+  EXPECT_EQ(a.extent(0), 100u);
+  auto a2 = pool.get<float>("a", 50);  // smaller: the same memory
+  EXPECT_EQ(a2.data(), a.data());
+  EXPECT_EQ(a2.extent(0), 50u);
+  auto b = pool.get<double>("b", 100);  // another key: disjoint memory
+  auto const* a_lo = reinterpret_cast<char const*>(a.data());
+  auto const* b_lo = reinterpret_cast<char const*>(b.data());
+  EXPECT_TRUE(b_lo >= a_lo + 100 * sizeof(float) || a_lo >= b_lo + 100 * sizeof(double));
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(b.data()) % alignof(double), 0u);
+  auto big = pool.get<float>("a", 1000);  // grows; the key keeps one buffer
+  EXPECT_EQ(big.extent(0), 1000u);
+  Kokkos::deep_copy(big, 1.0f);  // the whole requested span is usable
+  EXPECT_GE(pool.bytes(), 1000 * sizeof(float) + 100 * sizeof(double));
+  EXPECT_LT(pool.bytes(), 1000 * sizeof(float) + 100 * sizeof(double) + 64);
 }
 
 }  // namespace

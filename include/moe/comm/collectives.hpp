@@ -13,6 +13,7 @@
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
+#include <moe/detail/scratch.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -62,13 +63,17 @@ void all_gather_rows(Communicator const& comm, ExecSpace const& space, T const* 
 /// chunks in rank order. Shapes already agreed.
 template <class T, class InMS, class OutMS, class ExecSpace>
 void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T const* in, T* out,
-                         std::int64_t c, std::int64_t row) {
+                         std::int64_t c, std::int64_t row,
+                         moe::detail::ScratchPool<OutMS>* pool = nullptr) {
   int const P = comm.size();
   std::int64_t const chunk = c * row;
   bool const fast = row <= count_limit() && c * P <= count_limit();
-  Kokkos::View<T*, Kokkos::LayoutRight, OutMS> parts(
-      Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::reduce_scatter::parts"),
-      static_cast<std::size_t>(P * chunk));
+  char const* parts_label = "moe::comm::reduce_scatter::parts";
+  Kokkos::View<T*, Kokkos::LayoutRight, OutMS> parts =
+      pool ? pool->template get<T>(parts_label, std::size_t(P * chunk))
+           : Kokkos::View<T*, Kokkos::LayoutRight, OutMS>(
+                 Kokkos::view_alloc(space, Kokkos::WithoutInitializing, std::string(parts_label)),
+                 static_cast<std::size_t>(P * chunk));
   fence(space, "moe::comm::reduce_scatter: input ready");
   auto const send =
       MpiRange<T, InMS>::send(space, in, P * chunk, "moe::comm::reduce_scatter::send");
@@ -146,16 +151,19 @@ void all_gather(Communicator const& comm, ExecSpace const& space, InView const& 
 /// `in` is [size*c, ...]; rank r receives rows [r*c, (r+1)*c) of sum over ranks, summed in rank
 /// order (deterministic).
 /// \param out [c, ...]; must not overlap `in`
+/// \param pool where the receive buffer (size*c rows) is kept between calls; nullptr: allocated
+///             per call
 template <class ExecSpace, class InView, class OutView>
 void reduce_scatter(Communicator const& comm, ExecSpace const& space, InView const& in,
-                    OutView const& out) {
+                    OutView const& out,
+                    moe::detail::ScratchPool<typename OutView::memory_space>* pool = nullptr) {
   using T = typename OutView::non_const_value_type;
   auto const [c, row] = detail::check_row_pair<ExecSpace>(
       comm, "moe::comm::reduce_scatter", in, out, out, in,
       "in must be [size*c, ...] and out [c, ...] with the same trailing extents, both contiguous "
       "and not overlapping");
   detail::reduce_scatter_rows<T, typename InView::memory_space, typename OutView::memory_space>(
-      comm, space, in.data(), out.data(), c, row);
+      comm, space, in.data(), out.data(), c, row, pool);
 }
 
 /// \brief Collective: replaces `v` on every rank by the elementwise sum over ranks.

@@ -136,7 +136,7 @@ class DistributedMoeLayer {
     // Tokens the experts see: own (a2a, local), or the expert group's (ring).
     if (route_ == ExpertRoute::Ring) {
       detail::ensure(space_, xw_, "moe::dist::x_work", T_ * ep_().size(), D);
-      distributed::gather_dim(space_, ep_(), x_, xw_, 0, &log_, "all-gather tokens (ring)");
+      gather_dim_(ep_(), x_, xw_, 0, "all-gather tokens (ring)");
     } else {
       xw_ = x_;
     }
@@ -331,6 +331,7 @@ class DistributedMoeLayer {
   V to_compute(distributed::WeightLayout const& w, V const& stored) {
     // All gathers first, then the slices: a gather must combine blocks cut the same way.
     V cur = stored;
+    int k = 0;  // pool key of each intermediate
     for (std::size_t d = 0; d < w.dims.size(); ++d) {
       auto const& dl = w.dims[d];
       if (dl.gather.empty()) continue;
@@ -342,8 +343,8 @@ class DistributedMoeLayer {
       }
       for (auto const& st : stages) {
         auto const& g = group_of(st);
-        V next = grown(cur, d, g.size(), "moe::dist::gathered_" + w.name);
-        distributed::gather_dim(space_, g, cur, next, int(d), &log_, "gather " + w.name);
+        V next = grown(cur, d, g.size(), "gathered_" + w.name + "#" + std::to_string(k++));
+        gather_dim_(g, cur, next, int(d), "gather " + w.name);
         cur = next;
       }
     }
@@ -351,26 +352,39 @@ class DistributedMoeLayer {
       auto const& dl = w.dims[d];
       if (dl.slice.empty()) continue;
       std::int64_t const P = parts(dl.slice);
-      V next = grown(cur, d, 1, "moe::dist::sliced_" + w.name, P);
+      V next = grown(cur, d, 1, "sliced_" + w.name + "#" + std::to_string(k++), P);
       distributed::slice_dim(space_, int(P), int(shard_index(dl.slice)), cur, next, int(d));
       cur = next;
     }
     return cur;
   }
 
-  /// A view like v with dimension d multiplied by mul and divided by div.
+  /// A view like v with dimension d multiplied by mul and divided by div, on the pool buffer of
+  /// `key` (kept from step to step; keys must differ between views alive at the same time).
   template <class V>
-  static V grown(V const& v, std::size_t d, std::int64_t mul, std::string const& label,
-                 std::int64_t div = 1) {
+  V grown(V const& v, std::size_t d, std::int64_t mul, std::string const& key,
+          std::int64_t div = 1) {
     std::size_t ext[3] = {v.extent(0), V::rank > 1 ? v.extent(1) : 1,
                           V::rank > 2 ? v.extent(2) : 1};
     ext[d] = ext[d] * mul / div;
+    auto buf = pool_.template get<Scalar>(key, ext[0] * ext[1] * ext[2]);
     if constexpr (V::rank == 1)
-      return V(Kokkos::view_alloc(Kokkos::WithoutInitializing, label), ext[0]);
+      return V(buf.data(), ext[0]);
     else if constexpr (V::rank == 2)
-      return V(Kokkos::view_alloc(Kokkos::WithoutInitializing, label), ext[0], ext[1]);
+      return V(buf.data(), ext[0], ext[1]);
     else
-      return V(Kokkos::view_alloc(Kokkos::WithoutInitializing, label), ext[0], ext[1], ext[2]);
+      return V(buf.data(), ext[0], ext[1], ext[2]);
+  }
+
+  template <class InV, class OutV>
+  void gather_dim_(distributed::AxisGroup const& g, InV const& in, OutV const& out, int d,
+                   std::string const& what) {
+    distributed::gather_dim(space_, g, in, out, d, &log_, what, &pool_);
+  }
+  template <class InV, class OutV>
+  void reduce_scatter_dim_(distributed::AxisGroup const& g, InV const& in, OutV const& out, int d,
+                           std::string const& what) {
+    distributed::reduce_scatter_dim(space_, g, in, out, d, &log_, what, &pool_);
   }
 
   void gather_weights() {
@@ -386,22 +400,26 @@ class DistributedMoeLayer {
     }
   }
 
+  /// Zeroed compute-block gradients, allocated once and reused while the shapes stay.
   void alloc_compute_grads() {
-    auto like2 = [](view2 const& v, char const* l) {
-      return view2(std::string(l), v.extent(0), v.extent(1));
+    auto zeroed = [&](auto& g, auto const& like, char const* label) {
+      if constexpr (std::decay_t<decltype(g)>::rank == 1)
+        detail::ensure(space_, g, label, like.extent(0));
+      else if constexpr (std::decay_t<decltype(g)>::rank == 2)
+        detail::ensure(space_, g, label, like.extent(0), like.extent(1));
+      else
+        detail::ensure(space_, g, label, like.extent(0), like.extent(1), like.extent(2));
+      Kokkos::deep_copy(space_, g, Scalar(0));
     };
-    auto like3 = [](view3 const& v, char const* l) {
-      return view3(std::string(l), v.extent(0), v.extent(1), v.extent(2));
-    };
-    gc_.gate = like2(cp_.gate, "moe::dist::d_gate");
-    if (cfg_.routed_bias) gc_.gate_bias = view1("moe::dist::d_gate_bias", cfg_.num_experts);
-    gc_.wi_0 = like3(cp_.wi_0, "moe::dist::d_wi_0");
-    gc_.wi_1 = like3(cp_.wi_1, "moe::dist::d_wi_1");
-    gc_.wo = like3(cp_.wo, "moe::dist::d_wo");
+    zeroed(gc_.gate, cp_.gate, "moe::dist::d_gate");
+    if (cfg_.routed_bias) zeroed(gc_.gate_bias, cp_.gate_bias, "moe::dist::d_gate_bias");
+    zeroed(gc_.wi_0, cp_.wi_0, "moe::dist::d_wi_0");
+    zeroed(gc_.wi_1, cp_.wi_1, "moe::dist::d_wi_1");
+    zeroed(gc_.wo, cp_.wo, "moe::dist::d_wo");
     if (cfg_.shared_mlp_dim() > 0) {
-      gc_.shared_wi_0 = like2(cp_.shared_wi_0, "moe::dist::d_shared_wi_0");
-      gc_.shared_wi_1 = like2(cp_.shared_wi_1, "moe::dist::d_shared_wi_1");
-      gc_.shared_wo = like2(cp_.shared_wo, "moe::dist::d_shared_wo");
+      zeroed(gc_.shared_wi_0, cp_.shared_wi_0, "moe::dist::d_shared_wi_0");
+      zeroed(gc_.shared_wi_1, cp_.shared_wi_1, "moe::dist::d_shared_wi_1");
+      zeroed(gc_.shared_wo, cp_.shared_wo, "moe::dist::d_shared_wo");
     }
   }
 
@@ -413,6 +431,7 @@ class DistributedMoeLayer {
     for (auto const& d : w.dims)
       for (auto const& a : d.gather) gathered.push_back(a);
     V cur = computed;
+    int k = 0;  // pool key of each intermediate
     distributed::all_reduce(space_, group_of(minus(w.reduce, gathered)), cur, &log_,
                             "reduce d_" + w.name);
     // The transpose of to_compute: undo the slices (all-gather), then the gathers.
@@ -420,8 +439,8 @@ class DistributedMoeLayer {
       auto const& dl = w.dims[d];
       if (dl.slice.empty()) continue;
       auto const& g = group_of(dl.slice);
-      V next = grown(cur, d, g.size(), "moe::dist::unsliced_d_" + w.name);
-      distributed::gather_dim(space_, g, cur, next, int(d), &log_, "unslice d_" + w.name);
+      V next = grown(cur, d, g.size(), "unsliced_d_" + w.name + "#" + std::to_string(k++));
+      gather_dim_(g, cur, next, int(d), "unslice d_" + w.name);
       cur = next;
     }
     for (std::size_t d = 0; d < w.dims.size(); ++d) {
@@ -429,10 +448,9 @@ class DistributedMoeLayer {
       if (dl.gather.empty()) continue;
       auto const summed = minus(dl.gather, minus(dl.gather, w.reduce));
       std::int64_t const P = parts(dl.gather);
-      V next = grown(cur, d, 1, "moe::dist::scattered_d_" + w.name, P);
+      V next = grown(cur, d, 1, "scattered_d_" + w.name + "#" + std::to_string(k++), P);
       if (summed.size() == dl.gather.size()) {
-        distributed::reduce_scatter_dim(space_, group_of(dl.gather), cur, next, int(d), &log_,
-                                        "reduce-scatter d_" + w.name);
+        reduce_scatter_dim_(group_of(dl.gather), cur, next, int(d), "reduce-scatter d_" + w.name);
       } else {
         distributed::all_reduce(space_, group_of(summed), cur, &log_, "reduce d_" + w.name);
         distributed::slice_dim(space_, int(P), int(shard_index(dl.gather)), cur, next, int(d));
@@ -631,8 +649,7 @@ class DistributedMoeLayer {
     // Partial down-projections (tensor-split hidden dim) -> column blocks of D.
     std::int64_t const Dc = D / tp;
     detail::ensure(space_, ys_c_, "moe::dist::y_local_cols", n, Dc);
-    distributed::reduce_scatter_dim(space_, tp_(), ys_, ys_c_, 1, &log_,
-                                    "reduce-scatter y (tensor)");
+    reduce_scatter_dim_(tp_(), ys_, ys_c_, 1, "reduce-scatter y (tensor)");
     detail::ensure(space_, yr_c_, "moe::dist::y_received_cols", a2a_->recv_total(), Dc);
     permute::unpermute_rows(space_, lp_, ys_c_, yr_c_);
     detail::ensure(space_, ys_o_c_, "moe::dist::y_sorted_cols", n_o, Dc);
@@ -664,12 +681,11 @@ class DistributedMoeLayer {
     detail::ensure(space_, dys_c_, "moe::dist::dy_local_cols", n, Dc);
     permute::permute_rows(space_, lp_, dyr_c_, dys_c_);
     detail::ensure(space_, dys_, "moe::dist::dy_local", n, D);
-    distributed::gather_dim(space_, tp_(), dys_c_, dys_, 1, &log_, "all-gather d_y (tensor)");
+    gather_dim_(tp_(), dys_c_, dys_, 1, "all-gather d_y (tensor)");
     // dxs (partial over the tensor-split hidden dim) overwrites dys.
     ffn_.backward(space_, dys_, groups_local_, cp_.wi_0, cp_.wi_1, cp_.wo, dys_, gc_.wi_0, gc_.wi_1,
                   gc_.wo);
-    distributed::reduce_scatter_dim(space_, tp_(), dys_, dys_c_, 1, &log_,
-                                    "reduce-scatter d_x (tensor)");
+    reduce_scatter_dim_(tp_(), dys_, dys_c_, 1, "reduce-scatter d_x (tensor)");
     permute::unpermute_rows(space_, lp_, dys_c_, dyr_c_);
     log_.add("combine d_x", "all-to-all", ep_axes_,
              a2a_rows_to_others(true) * Dc * std::int64_t(sizeof(Scalar)));
@@ -677,7 +693,7 @@ class DistributedMoeLayer {
     permute::gather_rows_backward(space_, cview2(dys_o_c_),
                                   View1<std::int64_t const, memory_space>(perm_.inverse), K, false,
                                   dy_c_);
-    distributed::gather_dim(space_, tp_(), dy_c_, dx, 1, &log_, "all-gather d_x (tensor)");
+    gather_dim_(tp_(), dy_c_, dx, 1, "all-gather d_x (tensor)");
     shared_backward(dy, dx);
   }
 
@@ -708,8 +724,7 @@ class DistributedMoeLayer {
     detail::ensure(space_, yo_, "moe::dist::y_own", T_, D);
     tokens_reduce(yw_, yo_, "y");
     detail::ensure(space_, y_c_, "moe::dist::y_cols", T_, D / tp_().size());
-    distributed::reduce_scatter_dim(space_, tp_(), yo_, y_c_, 1, &log_,
-                                    "reduce-scatter y (tensor)");
+    reduce_scatter_dim_(tp_(), yo_, y_c_, 1, "reduce-scatter y (tensor)");
     finish_output(y);
   }
 
@@ -745,8 +760,7 @@ class DistributedMoeLayer {
   /// expert group; a copy without expert parallelism.
   void tokens_reduce(view2 work, view2 own, char const* what) {
     if (route_ == ExpertRoute::Ring) {
-      distributed::reduce_scatter_dim(space_, ep_(), work, own, 0, &log_,
-                                      std::string("reduce-scatter ") + what + " (expert)");
+      reduce_scatter_dim_(ep_(), work, own, 0, std::string("reduce-scatter ") + what + " (expert)");
     } else {
       distributed::all_reduce(space_, ep_(), work, &log_,
                               std::string("reduce ") + what + " (expert)");
@@ -756,8 +770,7 @@ class DistributedMoeLayer {
   /// Own tokens -> working tokens (the transpose of tokens_reduce).
   void tokens_gather(cview2 own, view2 work, char const* what) {
     if (route_ == ExpertRoute::Ring)
-      distributed::gather_dim(space_, ep_(), own, work, 0, &log_,
-                              std::string("all-gather ") + what + " (expert)");
+      gather_dim_(ep_(), own, work, 0, std::string("all-gather ") + what + " (expert)");
     else
       Kokkos::deep_copy(space_, work, own);
   }
@@ -818,11 +831,10 @@ class DistributedMoeLayer {
       detail::ensure(space_, yo_, "moe::dist::y_own", T_, D);
       shared_tokens_reduce(ysh_, yo_, "y shared");
       detail::ensure(space_, ysh_c_, "moe::dist::y_shared_cols", T_, D / tp_().size());
-      distributed::reduce_scatter_dim(space_, tp_(), yo_, ysh_c_, 1, &log_,
-                                      "reduce-scatter y shared (tensor)");
+      reduce_scatter_dim_(tp_(), yo_, ysh_c_, 1, "reduce-scatter y shared (tensor)");
       add_into(ysh_c_, y_c_);
     }
-    distributed::gather_dim(space_, tp_(), y_c_, y, 1, &log_, "all-gather y (tensor)");
+    gather_dim_(tp_(), y_c_, y, 1, "all-gather y (tensor)");
   }
 
   /// dst += src (same shape).
@@ -837,15 +849,13 @@ class DistributedMoeLayer {
   int shared_group() const { return route_ == ExpertRoute::Replicated ? 1 : ep_().size(); }
   void shared_tokens_gather(cview2 own, view2 work, char const* what) {
     if (shared_group() > 1)
-      distributed::gather_dim(space_, ep_(), own, work, 0, &log_,
-                              std::string("all-gather ") + what + " (shared, expert)");
+      gather_dim_(ep_(), own, work, 0, std::string("all-gather ") + what + " (shared, expert)");
     else
       Kokkos::deep_copy(space_, work, own);
   }
   void shared_tokens_reduce(view2 work, view2 own, char const* what) {
     if (shared_group() > 1) {
-      distributed::reduce_scatter_dim(space_, ep_(), work, own, 0, &log_,
-                                      std::string("reduce-scatter ") + what + " (expert)");
+      reduce_scatter_dim_(ep_(), work, own, 0, std::string("reduce-scatter ") + what + " (expert)");
     } else {
       distributed::all_reduce(space_, ep_(), work, &log_,
                               std::string("reduce ") + what + " (expert)");
@@ -890,6 +900,7 @@ class DistributedMoeLayer {
   routing::RouteParams rp_;
   params_type params_, cp_, gc_;  // stored blocks, compute blocks, compute-block gradients
   distributed::CommLog log_;
+  moe::detail::ScratchPool<memory_space> pool_;  // per-step temporaries, kept between steps
 
   bool have_forward_ = false;
   double lb_loss_ = 0;

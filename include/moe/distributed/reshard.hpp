@@ -69,6 +69,38 @@ Split split_at(V const& v, int d) {
   return s;
 }
 
+/// Copies `rows` rows of `len` contiguous elements: row i goes from src + from(i) * len to
+/// dst + to(i) * len (from, to: device-callable index maps). One team per row, the row split
+/// over the team: on host backends a plain vectorised copy, with no index arithmetic per element.
+template <class ExecSpace, class T, class From, class To>
+void copy_rows(ExecSpace const& space, char const* label, T const* src, T* dst, std::int64_t rows,
+               std::int64_t len, From from, To to) {
+  using team = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  Kokkos::parallel_for(
+      label, Kokkos::TeamPolicy<ExecSpace>(space, rows, Kokkos::AUTO),
+      KOKKOS_LAMBDA(team const& m) {
+        T const* s = src + from(std::int64_t(m.league_rank())) * len;
+        T* d = dst + to(std::int64_t(m.league_rank())) * len;
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(m, len), [&](std::int64_t e) { d[e] = s[e]; });
+      });
+}
+
+/// Row index maps between the [P, A] and [A, P] orders of P*A rows.
+struct PaToAp {
+  std::int64_t P, A;
+  KOKKOS_INLINE_FUNCTION std::int64_t operator()(std::int64_t i) const {
+    return (i % A) * P + i / A;
+  }
+};
+/// Row a*P + p of [A, P] rows: block p of each a.
+struct Block {
+  std::int64_t P, p;
+  KOKKOS_INLINE_FUNCTION std::int64_t operator()(std::int64_t a) const { return a * P + p; }
+};
+struct Identity {
+  KOKKOS_INLINE_FUNCTION std::int64_t operator()(std::int64_t i) const { return i; }
+};
+
 template <class V>
 std::int64_t bytes_of(V const& v) {
   return std::int64_t(v.span()) * std::int64_t(sizeof(typename V::value_type));
@@ -77,9 +109,11 @@ std::int64_t bytes_of(V const& v) {
 }  // namespace detail
 
 /// \brief out = in gathered along dimension d over the group (block p at offset p*n along d).
+/// `pool` (optional) keeps the temporary between calls.
 template <class ExecSpace, class InV, class OutV>
 void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV const& out, int d,
-                CommLog* log, std::string const& what) {
+                CommLog* log, std::string const& what,
+                moe::detail::ScratchPool<typename OutV::memory_space>* pool = nullptr) {
   using T = typename OutV::non_const_value_type;
   using MS = typename OutV::memory_space;
   int const P = g.size();
@@ -94,26 +128,22 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
     comm::all_gather(g.comm, space, src, View1<T, MS>(out.data(), out.span()));
     return;
   }
-  View1<T, MS> buf(Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::reshard::gather"),
-                   out.span());
+  View1<T, MS> buf = pool ? pool->template get<T>("moe::reshard::gather", out.span())
+                          : View1<T, MS>(Kokkos::view_alloc(space, Kokkos::WithoutInitializing,
+                                                            "moe::reshard::gather"),
+                                         out.span());
   comm::all_gather(g.comm, space, src, buf);
-  T* o = out.data();
-  T const* b = buf.data();
-  std::int64_t const A = s.A, n = s.n, C = s.C, block = A * n * C;
-  Kokkos::parallel_for(
-      "moe::reshard::gather_unpack", Kokkos::RangePolicy<ExecSpace>(space, 0, P * block),
-      KOKKOS_LAMBDA(std::int64_t i) {
-        // buf is [P, A, n, C]; out is [A, P, n, C]
-        std::int64_t const p = i / block, r = i % block;
-        std::int64_t const a = r / (n * C), rest = r % (n * C);
-        o[(a * P + p) * n * C + rest] = b[i];
-      });
+  // buf is [P, A, n*C]; out is [A, P, n*C]
+  detail::copy_rows(space, "moe::reshard::gather_unpack", buf.data(), out.data(), P * s.A,
+                    s.n * s.C, detail::Identity{}, detail::PaToAp{P, s.A});
 }
 
 /// \brief out (one block along d) = sum over the group of in's blocks along d (rank order).
+/// `pool` (optional) keeps the temporaries between calls.
 template <class ExecSpace, class InV, class OutV>
 void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV const& out,
-                        int d, CommLog* log, std::string const& what) {
+                        int d, CommLog* log, std::string const& what,
+                        moe::detail::ScratchPool<typename OutV::memory_space>* pool = nullptr) {
   using T = typename OutV::non_const_value_type;
   using MS = typename OutV::memory_space;
   int const P = g.size();
@@ -125,42 +155,31 @@ void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& i
   if (log) log->add(what, "reduce-scatter", g.axes, detail::bytes_of(out) * (P - 1));
   View1<T, MS> dst(out.data(), out.span());
   if (s.A == 1) {
-    comm::reduce_scatter(g.comm, space, View1<T const, MS>(in.data(), in.span()), dst);
+    comm::reduce_scatter(g.comm, space, View1<T const, MS>(in.data(), in.span()), dst, pool);
     return;
   }
-  View1<T, MS> buf(Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::reshard::rs"),
-                   in.span());
-  T* b = buf.data();
-  T const* src = in.data();
-  std::int64_t const A = s.A, n = s.n, C = s.C, block = A * n * C;
-  Kokkos::parallel_for(
-      "moe::reshard::rs_pack", Kokkos::RangePolicy<ExecSpace>(space, 0, P * block),
-      KOKKOS_LAMBDA(std::int64_t i) {
-        std::int64_t const p = i / block, r = i % block;
-        std::int64_t const a = r / (n * C), rest = r % (n * C);
-        b[i] = src[(a * P + p) * n * C + rest];
-      });
-  comm::reduce_scatter(g.comm, space, View1<T const, MS>(buf.data(), buf.span()), dst);
+  View1<T, MS> buf =
+      pool
+          ? pool->template get<T>("moe::reshard::rs", in.span())
+          : View1<T, MS>(Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::reshard::rs"),
+                         in.span());
+  // in is [A, P, n*C]; buf is [P, A, n*C]
+  detail::copy_rows(space, "moe::reshard::rs_pack", in.data(), buf.data(), P * s.A, s.n * s.C,
+                    detail::PaToAp{P, s.A}, detail::Identity{});
+  comm::reduce_scatter(g.comm, space, View1<T const, MS>(buf.data(), buf.span()), dst, pool);
 }
 
 /// \brief out = this rank's block along d of in (no communication).
 template <class ExecSpace, class InV, class OutV>
 void slice_dim(ExecSpace const& space, int P, int p, InV const& in, OutV const& out, int d) {
-  using T = typename OutV::non_const_value_type;
   if (P == 1) {
     Kokkos::deep_copy(space, out, in);
     return;
   }
   auto const s = detail::split_at(out, d);
-  T* o = out.data();
-  T const* src = in.data();
-  std::int64_t const n = s.n, C = s.C;
-  Kokkos::parallel_for(
-      "moe::reshard::slice", Kokkos::RangePolicy<ExecSpace>(space, 0, s.A * n * C),
-      KOKKOS_LAMBDA(std::int64_t i) {
-        std::int64_t const a = i / (n * C), rest = i % (n * C);
-        o[i] = src[(a * P + p) * n * C + rest];
-      });
+  // in is [A, P, n*C]; out is block p: [A, n*C]
+  detail::copy_rows(space, "moe::reshard::slice", in.data(), out.data(), s.A, s.n * s.C,
+                    detail::Block{P, p}, detail::Identity{});
 }
 
 /// \brief In-place sum over the group (rank order, bitwise identical on every member).
