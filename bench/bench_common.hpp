@@ -67,29 +67,36 @@ inline double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
 }
 
-/// GFLOP/s of one dense row-major float GEMM C[M,N] = A[M,K] * B[K,N] through KokkosBlas (the
-/// vendor BLAS), i.e. the same FLOPs as a grouped GEMM whose groups cover M rows. Measured afresh
-/// at every call (median of 5 timed calls after a warm-up call), right after the benchmark it is
-/// compared with, so a machine whose load drifts during the run still gives a fair ratio.
-inline double dense_gflops(int64_t M, int64_t K, int64_t N) {
-  Mat<float> a("moe::bench::dense::A", M, K), c("moe::bench::dense::C", M, N);
-  Mat<float> b("moe::bench::dense::B", K, N);
-  fill_uniform(a, 1);
-  fill_uniform(b, 2);
-  Exec space;
-  KokkosBlas::gemm("N", "N", 1.0f, a, b, 0.0f, c);  // warm-up: BLAS threads, first touch of C
-  space.fence();
-  std::vector<double> times;
-  for (int r = 0; r < 5; ++r) {
-    double const t0 = now();
-    KokkosBlas::gemm("N", "N", 1.0f, a, b, 0.0f, c);
-    space.fence();
-    times.push_back(now() - t0);
+/// The yardstick of every benchmark: one dense row-major float GEMM C[M,N] = A[M,K] * B[K,N]
+/// through KokkosBlas (the vendor BLAS), i.e. the same FLOPs as a grouped GEMM whose groups cover
+/// M rows. The benchmark calls run() after each of its own timed iterations, so both are measured
+/// on the same machine state: on this shared machine the speed drifts by 10-20 % over seconds, and
+/// a yardstick timed before or after the benchmark moved the ratio by as much.
+class DenseYardstick {
+ public:
+  DenseYardstick(int64_t M, int64_t K, int64_t N)
+      : a_("moe::bench::dense::A", M, K), b_("moe::bench::dense::B", K, N),
+        c_("moe::bench::dense::C", M, N), flops_(2.0 * double(M) * double(K) * double(N)) {
+    fill_uniform(a_, 1);
+    fill_uniform(b_, 2);
+    KokkosBlas::gemm("N", "N", 1.0f, a_, b_, 0.0f, c_);  // warm-up: BLAS threads, first touch
+    Exec().fence();
   }
-  double const seconds = median(times);
-  double const gflops = 2.0 * double(M) * double(K) * double(N) / seconds * 1e-9;
-  return gflops;
-}
+  /// One timed call.
+  void run() {
+    double const t0 = now();
+    KokkosBlas::gemm("N", "N", 1.0f, a_, b_, 0.0f, c_);
+    Exec().fence();
+    times_.push_back(now() - t0);
+  }
+  /// GFLOP/s of the median call.
+  double gflops() const { return flops_ / median(times_) * 1e-9; }
+
+ private:
+  Mat<float> a_, b_, c_;
+  double flops_;
+  std::vector<double> times_;
+};
 
 /// Group sizes of `slots` routed slots (T*K) spread evenly over E experts (the first
 /// slots % E experts get one more).

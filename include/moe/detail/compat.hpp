@@ -52,6 +52,18 @@ template <class T>
 KOKKOS_INLINE_FUNCTION bool isnan(T x) {
   return kmath::isnan(x);
 }
+/// Hint that *p will be read soon (host CPUs: a software prefetch, which also starts the page walk
+/// of a TLB miss; device code: nothing).
+KOKKOS_INLINE_FUNCTION void prefetch(void const* p) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__) || defined(__SYCL_DEVICE_ONLY__)
+  (void)p;
+#elif defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p);
+#else
+  (void)p;
+#endif
+}
+
 template <class T>
 KOKKOS_INLINE_FUNCTION T max(T a, T b) {
   return a < b ? b : a;
