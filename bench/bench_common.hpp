@@ -75,8 +75,10 @@ inline double median(std::vector<double> v) {
 class DenseYardstick {
  public:
   DenseYardstick(int64_t M, int64_t K, int64_t N)
-      : a_("moe::bench::dense::A", M, K), b_("moe::bench::dense::B", K, N),
-        c_("moe::bench::dense::C", M, N), flops_(2.0 * double(M) * double(K) * double(N)) {
+      : a_("moe::bench::dense::A", M, K),
+        b_("moe::bench::dense::B", K, N),
+        c_("moe::bench::dense::C", M, N),
+        flops_(2.0 * double(M) * double(K) * double(N)) {
     fill_uniform(a_, 1);
     fill_uniform(b_, 2);
     KokkosBlas::gemm("N", "N", 1.0f, a_, b_, 0.0f, c_);  // warm-up: BLAS threads, first touch

@@ -18,9 +18,9 @@
 namespace {
 
 using moe::bench::DenseYardstick;
-using moe::bench::median;
 using moe::bench::Exec;
 using moe::bench::fill_uniform;
+using moe::bench::median;
 using moe::bench::Mem;
 using moe::bench::now;
 
