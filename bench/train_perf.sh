@@ -9,8 +9,7 @@ NP=${1:-2}
 CFG=${2:-examples/train_moe/perf.yml}
 B=${MOE_BUILD_DIR:-build}
 bash scripts/build.sh >/dev/null
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OPENBLAS_NUM_THREADS=1
-export OMPI_MCA_mpi_yield_when_idle=1
+source bench/train_common.sh
 OUT=bench/results/train_perf_np$NP.md
 LOGS=bench/results/train_perf_np$NP.log
 : >"$LOGS"
@@ -37,9 +36,7 @@ for m in "${modes[@]}"; do
   # shellcheck disable=SC2086
   log=$(mpirun -np "$NP" --oversubscribe --bind-to none "$B/examples/train_moe" "$CFG" $args 2>&1)
   printf '== %s\n%s\n' "$name" "$log" >>"$LOGS"
-  tps=$(sed -n 's/^summary: tokens\/s\/device \([0-9.]*\);.*/\1/p' <<<"$log")
-  split=$(sed -n 's/^summary: .*step time: expert GEMMs \([^,]*\), communication \([^,]*\), rest \(.*\)$/\1 \/ \2 \/ \3/p' <<<"$log")
-  read -r step yard ratio < <(sed -n 's/^summary: step \([0-9.]*\) ms; .* alone \([0-9.]*\) ms; ratio \([0-9.]*\)$/\1 \2 \3/p' <<<"$log")
+  parse_summary "$log"
   echo "| $name | $tps | $step | $yard | $ratio | $split |" >>"$OUT"
 done
 cat "$OUT"
