@@ -44,7 +44,7 @@ char const* const kUsage =
     "keys: LayerConfig keys (num_experts, ...) and ParallelConfig keys (ici_data_parallelism,\n"
     "      ici_fsdp_parallelism, ici_fsdp_transpose_parallelism, ici_expert_parallelism,\n"
     "      ici_tensor_parallelism, ici_context_parallelism, use_ring_of_experts,\n"
-    "      ragged_buffer_factor, moe_fsdp_use_two_stage_all_gather, custom_mesh_and_rule)";
+    "      ragged_buffer_factor, moe_fsdp_use_two_stage_all_gather, custom_mesh_and_rule)\n";
 
 Args parse_args(int argc, char** argv) {
   Args a;
@@ -341,22 +341,8 @@ int run(int argc, char** argv) {
   return 0;
 }
 
-/// The message on one line (newlines of nested messages become spaces).
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rc = 0;
-  // --help before Kokkos, which would print its own help for a bare --help on every rank.
-  for (int i = 1; i < argc; ++i)
-    if (std::string(argv[i]) == "-h" || std::string(argv[i]) == "--help") {
-      int rank = 0;
-      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-      if (rank == 0) std::puts(kUsage);
-      MPI_Finalize();
-      return 0;
-    }
-  rc = moe::cli::run_tool("moe-layer-run", argc, argv, [&] { return run(argc, argv); });
-  MPI_Finalize();
-  return rc;
+  return moe::cli::tool_main("moe-layer-run", kUsage, argc, argv, [&] { return run(argc, argv); });
 }

@@ -98,26 +98,41 @@ inline std::string one_line(std::string s) {
   return s;
 }
 
-/// Runs a tool's body inside Kokkos and reports its errors the project's way: a moe::Error
-/// (raised the same on every rank) prints `TOOL: error: ...` and returns 2; any other exception
-/// is not collective, so it prints `TOOL: internal error: ...` and aborts every rank (exit 3).
-/// MPI must be initialised; the caller finalises it.
+/// The whole main() of an MPI tool: initialises MPI; with -h/--help prints `usage` on rank 0
+/// (before Kokkos, which would print its own help on every rank); otherwise runs `body` inside
+/// Kokkos and reports its errors the project's way: a moe::Error (raised the same on every rank)
+/// prints `TOOL: error: ...` and returns 2; any other exception is not collective, so it prints
+/// `TOOL: internal error: ...` and aborts every rank (exit 3). Finalises MPI; returns the exit
+/// code.
 template <class Body>
-int run_tool(char const* tool, int& argc, char** argv, Body&& body) {
-  int size = 1;
+int tool_main(char const* tool, char const* usage, int& argc, char** argv, Body&& body) {
+  MPI_Init(&argc, &argv);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
-  Kokkos::ScopeGuard kokkos(argc, argv);
-  try {
-    return body();
-  } catch (moe::Error const& e) {
-    std::fprintf(stderr, "%s: error: %s\n", tool, one_line(e.what()).c_str());
-    return 2;
-  } catch (std::exception const& e) {
-    std::fprintf(stderr, "%s: internal error: %s\n", tool, one_line(e.what()).c_str());
-    std::fflush(stderr);
-    if (size > 1) MPI_Abort(MPI_COMM_WORLD, 3);
-    return 3;
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "-h" || std::string(argv[i]) == "--help") {
+      if (rank == 0) std::fputs(usage, stdout);
+      MPI_Finalize();
+      return 0;
+    }
+  int rc = 0;
+  {
+    Kokkos::ScopeGuard kokkos(argc, argv);
+    try {
+      rc = body();
+    } catch (moe::Error const& e) {
+      std::fprintf(stderr, "%s: error: %s\n", tool, one_line(e.what()).c_str());
+      rc = 2;
+    } catch (std::exception const& e) {
+      std::fprintf(stderr, "%s: internal error: %s\n", tool, one_line(e.what()).c_str());
+      std::fflush(stderr);
+      if (size > 1) MPI_Abort(MPI_COMM_WORLD, 3);
+      rc = 3;
+    }
   }
+  MPI_Finalize();
+  return rc;
 }
 
 }  // namespace moe::cli

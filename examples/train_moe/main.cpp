@@ -153,20 +153,8 @@ int run(int argc, char** argv, moe::comm::Communicator const& world) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rc = 0;
-  for (int i = 1; i < argc; ++i)
-    if (std::string(argv[i]) == "-h" || std::string(argv[i]) == "--help") {
-      int rank = 0;
-      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-      if (rank == 0) std::cout << kUsage;
-      MPI_Finalize();
-      return 0;
-    }
-  rc = moe::cli::run_tool("train_moe", argc, argv, [&] {
+  return moe::cli::tool_main("train_moe", kUsage, argc, argv, [&] {
     moe::comm::Communicator world(MPI_COMM_WORLD);
     return run(argc, argv, world);
   });
-  MPI_Finalize();
-  return rc;
 }
