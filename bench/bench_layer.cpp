@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 
@@ -84,6 +85,45 @@ moe::LayerConfig bench_config(int E, int K) {
   return cfg;
 }
 
+/// The forward's three grouped GEMMs alone: the same group sizes (read back from the layer's
+/// routing), the same weights and operand shapes, no routing, permutation or activation. The
+/// layer cannot be faster than these; `fwd_over_gemms` is what the rest of the layer adds.
+template <class Gmm, class Layer>
+class GemmsAlone {
+ public:
+  GemmsAlone(Layer& layer, int K) : p_(layer.parameters()) {
+    auto ids = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), layer.expert_ids());
+    std::vector<std::int64_t> sizes(p_.wi_0.extent(0), 0);
+    for (std::size_t t = 0; t < ids.extent(0); ++t)
+      for (int k = 0; k < K; ++k) ++sizes[ids(t, k)];
+    groups_ = moe::gmm::make_groups<Mem>(sizes);
+    std::int64_t const n = groups_.rows();
+    xs_ = moe::View2<float, Mem>("xs", n, kD);
+    h_ = moe::View2<float, Mem>("h", n, kF);
+    a_ = moe::View2<float, Mem>("a", n, kF);
+    ys_ = moe::View2<float, Mem>("ys", n, kD);
+    fill_uniform(xs_, 21);
+    fill_uniform(a_, 22);
+  }
+  void run() {
+    Exec space;
+    double const t0 = now();
+    moe::gmm::gmm(space, Gmm{}, xs_, p_.wi_0, groups_, h_);
+    moe::gmm::gmm(space, Gmm{}, xs_, p_.wi_1, groups_, h_);
+    moe::gmm::gmm(space, Gmm{}, a_, p_.wo, groups_, ys_);
+    space.fence();
+    times_.push_back(now() - t0);
+  }
+  /// Median seconds of one run().
+  double seconds() const { return median(times_); }
+
+ private:
+  typename Layer::params_type& p_;
+  moe::gmm::Groups<Mem> groups_;
+  moe::View2<float, Mem> xs_, h_, a_, ys_;
+  std::vector<double> times_;
+};
+
 template <class Gmm>
 void bench_layer(benchmark::State& state, bool backward, int E, std::string const& dist,
                  std::int64_t T, int K) {
@@ -98,6 +138,8 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
   layer.forward(x, y);  // warm-up (allocations, BLAS threads)
   if (backward) layer.backward(y, dx, grads);
   DenseYardstick dense_gemm(T * K, kD, kF);
+  std::optional<GemmsAlone<Gmm, Layer>> gemms;
+  if (!backward) gemms.emplace(layer, K);
   for (auto _ : state) {
     double const t0 = now();
     layer.forward(x, y);
@@ -112,6 +154,7 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
     bwd.push_back(t2 - t1);
     state.SetIterationTime(backward ? t2 - t1 : t1 - t0);
     dense_gemm.run();
+    if (gemms) gemms->run();
   }
   double const gemm_flops = 2.0 * double(T * K) * kD * kF * (backward ? 6 : 3);
   double const seconds = median(backward ? bwd : fwd);
@@ -121,6 +164,10 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
   state.counters["dense_gflops"] = dense_gemm.gflops();
   state.counters["fwd_ms"] = median(fwd) * 1e3;
   if (backward) state.counters["bwd_over_fwd"] = median(bwd) / median(fwd);
+  if (gemms) {
+    state.counters["gemms_ratio"] = gemm_flops / gemms->seconds() * 1e-9 / dense_gemm.gflops();
+    state.counters["fwd_over_gemms"] = median(fwd) / gemms->seconds();
+  }
 }
 
 /// permute/: the counting sort (+ the row gather of x[T,1024] unless sort_only).
