@@ -2,9 +2,29 @@
 // The layouts the distributed-layer tests run at the current rank count: single strategies at
 // every count, their mixtures at 4 ranks. Shared by test_distributed_layer.cpp (against the
 // single-rank layer) and test_plan.cpp (the plan against the layer's comm log).
+#include <moe/config.hpp>
+
 #include <cstdint>
 #include <string>
 #include <vector>
+
+/// The layer every distributed test runs (and tests/unit/test_plan.cpp plans): E=8, K=2, D=16,
+/// F=8, one shared expert, the given load-balance loss weight, then `extra` key=value settings.
+inline moe::LayerConfig test_layer_config(double load_balance_loss_weight = 0,
+                                          std::vector<std::string> const& extra = {}) {
+  moe::LayerConfig cfg;
+  cfg.num_experts = 8;
+  cfg.num_experts_per_tok = 2;
+  cfg.base_emb_dim = 16;
+  cfg.base_moe_mlp_dim = 8;
+  cfg.shared_experts = 1;
+  cfg.load_balance_loss_weight = load_balance_loss_weight;
+  for (auto const& kv : extra) {
+    auto const eq = kv.find('=');
+    cfg.set(kv.substr(0, eq), kv.substr(eq + 1));
+  }
+  return cfg;
+}
 
 struct LayoutCase {
   std::string name;

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include "layout_cases.hpp"
+
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -29,15 +31,7 @@ int world_rank() {
   return r;
 }
 
-moe::LayerConfig small_config() {
-  moe::LayerConfig cfg;
-  cfg.num_experts = 8;
-  cfg.num_experts_per_tok = 2;
-  cfg.base_emb_dim = 16;
-  cfg.base_moe_mlp_dim = 8;
-  cfg.shared_experts = 1;
-  return cfg;
-}
+moe::LayerConfig small_config() { return test_layer_config(); }
 
 struct Outcome {
   std::string type = "none";  // exception type caught, "none" when nothing was thrown

@@ -77,17 +77,7 @@ using Case = LayoutCase;
 void run_case(Case const& c) {
   int size = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
-  moe::LayerConfig cfg;
-  cfg.num_experts = 8;
-  cfg.num_experts_per_tok = 2;
-  cfg.base_emb_dim = 16;
-  cfg.base_moe_mlp_dim = 8;
-  cfg.shared_experts = 1;
-  cfg.load_balance_loss_weight = 0.05;
-  for (auto const& kv : c.layer) {
-    auto eq = kv.find('=');
-    cfg.set(kv.substr(0, eq), kv.substr(eq + 1));
-  }
+  moe::LayerConfig const cfg = test_layer_config(0.05, c.layer);
   moe::ParallelConfig par;
   for (auto const& kv : c.layout) {
     auto eq = kv.find('=');
@@ -183,12 +173,7 @@ TEST(DistributedLayer, RaggedBufferFactorDropsTheHigherRankSendersRows) {
   int n = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &n);
   if (n != 2) GTEST_SKIP() << "needs exactly 2 ranks";
-  moe::LayerConfig cfg;
-  cfg.num_experts = 8;
-  cfg.num_experts_per_tok = 2;
-  cfg.base_emb_dim = 16;
-  cfg.base_moe_mlp_dim = 8;
-  cfg.shared_experts = 1;
+  moe::LayerConfig cfg = test_layer_config();
   cfg.routed_bias = true;
   moe::ParallelConfig par;
   par.ici_expert_parallelism = 2;

@@ -51,14 +51,7 @@ void run_case(Case const& c) {
   int size = 1, rank = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  moe::LayerConfig cfg;
-  cfg.num_experts = 8;
-  cfg.num_experts_per_tok = 2;
-  cfg.base_emb_dim = 16;
-  cfg.base_moe_mlp_dim = 8;
-  cfg.shared_experts = 1;
-  cfg.load_balance_loss_weight = 0.05;
-  set_all(cfg, c.layer);
+  moe::LayerConfig const cfg = test_layer_config(0.05, c.layer);
   moe::ParallelConfig par;
   set_all(par, c.layout);
   std::int64_t const B = c.batch, S = 4, D = 16, E = 8;

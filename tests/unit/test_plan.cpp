@@ -19,27 +19,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "../mpi/layout_cases.hpp"
+
 namespace {
 
 using moe::LayerPlan;
 using Shape = std::vector<std::int64_t>;
 using Names = std::vector<std::string>;
 
-/// The layer of tests/mpi/test_distributed_layer.cpp: E=8, K=2, D=16, F=8, one shared expert.
-moe::LayerConfig layer_config(Names const& extra = {}) {
-  moe::LayerConfig cfg;
-  cfg.num_experts = 8;
-  cfg.num_experts_per_tok = 2;
-  cfg.base_emb_dim = 16;
-  cfg.base_moe_mlp_dim = 8;
-  cfg.shared_experts = 1;
-  cfg.load_balance_loss_weight = 0.05;
-  for (auto const& kv : extra) {
-    auto const eq = kv.find('=');
-    cfg.set(kv.substr(0, eq), kv.substr(eq + 1));
-  }
-  return cfg;
-}
+/// The layer of tests/mpi/test_distributed_layer.cpp with an lb weight of 0.05.
+moe::LayerConfig layer_config(Names const& extra = {}) { return test_layer_config(0.05, extra); }
 
 moe::ParallelConfig parallel_config(Names const& kvs) {
   moe::ParallelConfig par;
