@@ -1,7 +1,15 @@
 #pragma once
 /// \file
-/// Helpers shared by the moe_bench suites: the dense-GEMM yardstick (`dense_ratio`), MoE group
-/// size distributions, and random fills.
+/// Helpers shared by the moe_bench suites: the dense-GEMM yardstick (`dense_ratio`), the machine
+/// yardsticks (`peak_ratio`, `bw_ratio`: yardsticks.hpp), MoE group size distributions, and
+/// random fills.
+
+#include "yardsticks.hpp"
+
+#include <moe/moe_config.hpp>
+#if MOE_HAS_ONEDNN
+#include <moe/detail/onednn.hpp>
+#endif
 
 #include <KokkosBlas3_gemm.hpp>
 #include <Kokkos_Core.hpp>
@@ -68,10 +76,12 @@ inline double median(std::vector<double> v) {
 }
 
 /// The yardstick of every benchmark: one dense row-major float GEMM C[M,N] = A[M,K] * B[K,N]
-/// through KokkosBlas (the vendor BLAS), i.e. the same FLOPs as a grouped GEMM whose groups cover
-/// M rows. The benchmark calls run() after each of its own timed iterations, so both are measured
-/// on the same machine state: on this shared machine the speed drifts by 10-20 % over seconds, and
-/// a yardstick timed before or after the benchmark moved the ratio by as much.
+/// through the fastest dense GEMM of the process (backend()): oneDNN's sgemm when moe is built
+/// with oneDNN and the views are host memory, else KokkosBlas::gemm (the vendor BLAS); i.e. the
+/// same FLOPs as a grouped GEMM whose groups cover M rows. The benchmark calls run() after each of
+/// its own timed iterations, so both are measured on the same machine state: on this shared
+/// machine the speed drifts by 10-20 % over seconds, and a yardstick timed before or after the
+/// benchmark moved the ratio by as much.
 class DenseYardstick {
  public:
   DenseYardstick(int64_t M, int64_t K, int64_t N)
@@ -81,20 +91,39 @@ class DenseYardstick {
         flops_(2.0 * double(M) * double(K) * double(N)) {
     fill_uniform(a_, 1);
     fill_uniform(b_, 2);
-    KokkosBlas::gemm("N", "N", 1.0f, a_, b_, 0.0f, c_);  // warm-up: BLAS threads, first touch
-    Exec().fence();
+    gemm();  // warm-up: GEMM threads, first touch
+  }
+  /// The dense GEMM the yardstick runs: "oneDNN sgemm" or "KokkosBlas::gemm".
+  static constexpr char const* backend() {
+    return use_onednn ? "oneDNN sgemm" : "KokkosBlas::gemm";
   }
   /// One timed call.
   void run() {
     double const t0 = now();
-    KokkosBlas::gemm("N", "N", 1.0f, a_, b_, 0.0f, c_);
-    Exec().fence();
+    gemm();
     times_.push_back(now() - t0);
   }
   /// GFLOP/s of the median call.
   double gflops() const { return flops_ / median(times_) * 1e-9; }
 
  private:
+  static constexpr bool use_onednn =
+      MOE_HAS_ONEDNN && Kokkos::SpaceAccessibility<Kokkos::HostSpace, Mem>::accessible;
+
+  void gemm() {
+#if MOE_HAS_ONEDNN
+    if constexpr (use_onednn) {
+      Exec().fence();
+      moe::detail::onednn::sgemm('N', 'N', c_.extent(0), c_.extent(1), a_.extent(1), 1.0f,
+                                 a_.data(), a_.stride(0), b_.data(), b_.stride(0), 0.0f, c_.data(),
+                                 c_.stride(0));
+      return;
+    }
+#endif
+    KokkosBlas::gemm("N", "N", 1.0f, a_, b_, 0.0f, c_);
+    Exec().fence();
+  }
+
   Mat<float> a_, b_, c_;
   double flops_;
   std::vector<double> times_;

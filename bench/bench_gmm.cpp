@@ -1,8 +1,19 @@
 // Grouped GEMM throughput of an MoE expert projection, x[T*K, D] * W[E, D, F], float32, D=1024,
-// F=2816. Names: gmm/<Policy>/E=<E>/<balanced|zipf>/T=<T>/K=<K>. Counters:
+// F=2816. Names: gmm/<Policy>/E=<E>/<balanced|zipf>/T=<T>/K=<K>, Policy one of Vendor, Tiled,
+// OneDnn (only when moe is built with oneDNN), Auto; the label names the backend that runs.
+// T=64/K=2 with E=64 is the decode regime (<= 2 rows per expert): weight reads, not FLOPs, bound
+// it. Counters:
 //   gflops       2*T*K*D*F / seconds (the expert GEMM FLOPs), seconds = median over iterations
-//   dense_ratio  gflops / GFLOP/s of one dense [T*K, D] x [D, F] BLAS GEMM (same FLOPs)
+//   dense_ratio  gflops / dense_gflops
+//   dense_gflops GFLOP/s of one dense [T*K, D] x [D, F] GEMM (same FLOPs) through the fastest
+//                dense GEMM of the process (oneDNN sgemm, else KokkosBlas), median of calls
+//                interleaved with the benchmark's own
+//   peak_ratio   gflops / FMA peak of the GEMM threads (yardsticks.hpp: fma_peak(gemm_threads()),
+//                measured once per process, on the widest vector ISA CPUID reports)
 //   min_rows, max_rows  smallest and largest group
+// Decode rows only:
+//   weight_gbs   bytes of the weights touched / seconds, 1e9 B/s: experts with >= 1 row x D*F*4
+//   bw_ratio     weight_gbs / triad bandwidth of the GEMM threads (yardsticks.hpp, same process)
 #include "bench_common.hpp"
 
 #include <moe/gmm/gmm.hpp>
@@ -46,7 +57,8 @@ Mat<float> const& outputs(int64_t rows) {
 
 template <class Policy>
 void bench_gmm(benchmark::State& state, int experts, std::string const& dist, int64_t tokens,
-               int top_k) {
+               int top_k, bool decode) {
+  state.SetLabel(moe::gmm::backend_name<Policy, Exec, float>());
   int64_t const rows = tokens * top_k;
   auto const sizes = group_sizes(dist, rows, experts);
   auto const groups = moe::gmm::make_groups<Mem>(sizes);
@@ -73,6 +85,14 @@ void bench_gmm(benchmark::State& state, int experts, std::string const& dist, in
   double const dense = dense_gemm.gflops();
   state.counters["dense_ratio"] = gflops / dense;
   state.counters["dense_gflops"] = dense;
+  state.counters["peak_ratio"] = peak_ratio(gflops);
+  if (decode) {
+    auto const touched = std::count_if(sizes.begin(), sizes.end(), [](int64_t s) { return s > 0; });
+    double const bytes = double(touched) * double(kD) * double(kF) * sizeof(float);
+    double const gbs = bytes / median(times) * 1e-9;
+    state.counters["weight_gbs"] = gbs;
+    state.counters["bw_ratio"] = bw_ratio(gbs);
+  }
   state.counters["min_rows"] = double(*std::min_element(sizes.begin(), sizes.end()));
   state.counters["max_rows"] = double(*std::max_element(sizes.begin(), sizes.end()));
 }
@@ -86,10 +106,13 @@ void register_policy(std::string const& name, int iterations) {
   struct Shape {
     int64_t tokens;
     int top_k;
+    bool decode;
   };
   for (int experts : {8, 64})
-    for (char const* dist : {"balanced", "zipf"})
-      for (Shape shape : {Shape{4096, 2}, Shape{1024, 8}}) {
+    for (char const* dist : {"balanced", "zipf"}) {
+      std::vector<Shape> shapes{{4096, 2, false}, {1024, 8, false}};
+      if (experts == 64) shapes.push_back({64, 2, true});  // decode: 128 slots on 64 experts
+      for (Shape shape : shapes) {
         std::string const label = "gmm/" + name + "/E=" + std::to_string(experts) + "/" + dist +
                                   "/T=" + std::to_string(shape.tokens) +
                                   "/K=" + std::to_string(shape.top_k);
@@ -97,17 +120,21 @@ void register_policy(std::string const& name, int iterations) {
         benchmark::RegisterBenchmark(label.c_str(),
                                      [=](benchmark::State& state) {
                                        bench_gmm<Policy>(state, experts, d, shape.tokens,
-                                                         shape.top_k);
+                                                         shape.top_k, shape.decode);
                                      })
             ->UseManualTime()
-            ->Iterations(iterations)
+            ->Iterations(shape.decode ? 2 * iterations : iterations)
             ->Unit(benchmark::kMillisecond);
       }
+    }
 }
 
 bool register_all() {
   register_policy<moe::gmm::Vendor>("Vendor", 5);
   register_policy<CpuTiled>("Tiled", 2);
+  if (moe::gmm::is_available<moe::gmm::OneDnn, Exec, float>::value)
+    register_policy<moe::gmm::OneDnn>("OneDnn", 3);
+  register_policy<moe::gmm::Auto>("Auto", 2);  // = OneDnn or Vendor: checks the resolution
   return true;
 }
 

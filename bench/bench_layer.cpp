@@ -1,5 +1,26 @@
 // layer_fwd/, layer_bwd/ and permute/ benchmarks of moe_bench.
 //
+// Names: layer_fwd|layer_bwd/<Policy>/E=<E>/<balanced|zipf>/T=<T>/K=<K> with Policy one of Vendor,
+// Tiled, OneDnn (only when moe is built with oneDNN), Auto (the label names the backend that
+// runs); layer_fwd/<Policy>/E=64/<dist>/T=64/K=2 is the decode regime (<= 2 tokens per expert).
+// Counters of layer_* (seconds = median over iterations of the forward, or of the backward alone):
+//   gflops         GEMM FLOPs / seconds: 2*T*K*D*F x 3 (forward: wi_0, wi_1, wo) or x 6 (backward:
+//                  data and weight gradients of the three)
+//   dense_ratio    gflops / dense_gflops
+//   dense_gflops   GFLOP/s of one dense [T*K, D] x [D, F] GEMM through the fastest dense GEMM of
+//                  the process (oneDNN sgemm, else KokkosBlas), calls interleaved with the layer's
+//   peak_ratio     gflops / FMA peak of the GEMM threads (yardsticks.hpp, measured in-process)
+//   fwd_ms         median forward milliseconds
+//   bwd_over_fwd   (layer_bwd) median backward / median forward
+//   gemms_ratio    (layer_fwd) the forward's three grouped GEMMs alone (same groups and shapes):
+//                  their GFLOP/s / dense_gflops
+//   fwd_over_gemms (layer_fwd) median forward / median of those GEMMs alone
+//   weight_gbs     (decode rows) expert weight bytes touched per forward / seconds, 1e9 B/s:
+//                  experts that received >= 1 token x 3 matrices x D*F*4 bytes
+//   bw_ratio       (decode rows) weight_gbs / triad bandwidth of the GEMM threads (same process)
+// permute/ (counting sort, + row gather of x[T, D] unless sort/) counts ns_per_slot only: it does
+// no FLOPs, and its timing includes the sort, so neither peak_ratio nor a bandwidth ratio applies.
+//
 // Routing is steered exactly: the gate is the identity on the first E input features and each
 // token carries a one-hot-like pattern there, so the slots follow the requested distribution
 // (balanced or Zipf-1.0) while the layer runs its full routing code. The remaining features are
@@ -13,17 +34,20 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "bench_common.hpp"
 
 namespace {
 
+using moe::bench::bw_ratio;
 using moe::bench::DenseYardstick;
 using moe::bench::Exec;
 using moe::bench::fill_uniform;
 using moe::bench::median;
 using moe::bench::Mem;
 using moe::bench::now;
+using moe::bench::peak_ratio;
 
 constexpr int kD = 1024;
 constexpr int kF = 2816;
@@ -126,7 +150,8 @@ class GemmsAlone {
 
 template <class Gmm>
 void bench_layer(benchmark::State& state, bool backward, int E, std::string const& dist,
-                 std::int64_t T, int K) {
+                 std::int64_t T, int K, bool decode) {
+  state.SetLabel(moe::gmm::backend_name<Gmm, Exec, float>());
   using Layer = moe::MoeLayer<float, moe::Policies<moe::routing::Auto, Gmm>>;
   Layer layer(bench_config(E, K));
   std::int64_t const B = 4, S = T / B;
@@ -162,6 +187,18 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
   state.counters["gflops"] = gflops;
   state.counters["dense_ratio"] = gflops / dense_gemm.gflops();
   state.counters["dense_gflops"] = dense_gemm.gflops();
+  state.counters["peak_ratio"] = peak_ratio(gflops);
+  if (decode) {
+    // Experts that received at least one token, from the layer's routing.
+    auto ids = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), layer.expert_ids());
+    std::vector<char> hit(E, 0);
+    for (std::size_t t = 0; t < ids.extent(0); ++t)
+      for (int k = 0; k < K; ++k) hit[ids(t, k)] = 1;
+    double const touched = double(std::count(hit.begin(), hit.end(), 1));
+    double const gbs = touched * 3.0 * kD * kF * sizeof(float) / seconds * 1e-9;
+    state.counters["weight_gbs"] = gbs;
+    state.counters["bw_ratio"] = bw_ratio(gbs);
+  }
   state.counters["fwd_ms"] = median(fwd) * 1e3;
   if (backward) state.counters["bwd_over_fwd"] = median(bwd) / median(fwd);
   if (gemms) {
@@ -205,11 +242,14 @@ bool register_all() {
   struct Shape {
     std::int64_t T;
     int K;
+    bool decode;
   };
   for (bool bwd : {false, true})
     for (int E : {8, 64})
-      for (char const* dist : {"balanced", "zipf"})
-        for (Shape s : {Shape{4096, 2}, Shape{1024, 8}}) {
+      for (char const* dist : {"balanced", "zipf"}) {
+        std::vector<Shape> shapes{{4096, 2, false}, {1024, 8, false}};
+        if (E == 64 && !bwd) shapes.push_back({64, 2, true});  // decode: 128 slots, 64 experts
+        for (Shape s : shapes) {
           std::string const d = dist;
           auto add = [&](std::string const& policy, auto gmm_tag, int iters) {
             using G = decltype(gmm_tag);
@@ -218,14 +258,18 @@ bool register_all() {
                                      "/T=" + std::to_string(s.T) + "/K=" + std::to_string(s.K);
             benchmark::RegisterBenchmark(
                 name.c_str(),
-                [=](benchmark::State& st) { bench_layer<G>(st, bwd, E, d, s.T, s.K); })
+                [=](benchmark::State& st) { bench_layer<G>(st, bwd, E, d, s.T, s.K, s.decode); })
                 ->UseManualTime()
                 ->Iterations(iters)
                 ->Unit(benchmark::kMillisecond);
           };
           add("Vendor", moe::gmm::Vendor{}, 5);
           add("Tiled", moe::gmm::Tiled<64, 64, 64>{}, 1);
+          if (moe::gmm::is_available<moe::gmm::OneDnn, Exec, float>::value)
+            add("OneDnn", moe::gmm::OneDnn{}, 3);
+          add("Auto", moe::gmm::Auto{}, 2);  // = OneDnn or Vendor: a check of the resolution
         }
+      }
   for (bool sort_only : {false, true})
     for (int E : {8, 64, 256})
       for (char const* dist : {"balanced", "zipf"})

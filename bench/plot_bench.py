@@ -5,7 +5,11 @@ usage: plot_bench.py RESULTS.json [-o bench.png] [--table table.md]
 
 The plot shows dense_ratio (GFLOP/s of the benchmark / GFLOP/s of one dense GEMM of equal FLOPs
 measured in the same process) per benchmark, grouped by family (gmm/, layer_fwd/, layer_bwd/,
-permute/), with the issue's targets drawn as lines.
+permute/), with the issue's targets drawn as lines. The table adds peak_ratio (GFLOP/s / the
+process's measured FMA peak), bw_ratio (decode rows: weight bytes read per second / the measured
+triad bandwidth) and the backend that ran (the benchmark's label), and is preceded by the machine
+yardsticks of the run's context (fma_peak, triad_bandwidth, dense_yardstick, onednn, blas_core and
+any warning).
 """
 import argparse
 import json
@@ -28,9 +32,21 @@ def load(path):
     return data.get("context", {}), rows
 
 
-def table(rows):
-    out = ["| benchmark | time (ms) | GFLOP/s | dense_ratio | its GEMMs alone: dense_ratio |",
-           "|---|---:|---:|---:|---:|"]
+CONTEXT_KEYS = ["fma_peak", "triad_bandwidth", "gemm_threads", "dense_yardstick", "onednn",
+                "blas_core", "warning_blas_core"]
+
+
+def context_lines(ctx):
+    return ["- {}: {}".format(k, ctx[k]) for k in CONTEXT_KEYS if k in ctx]
+
+
+def table(rows, ctx=None):
+    out = context_lines(ctx or {})
+    if out:
+        out.append("")
+    out += ["| benchmark | backend | time (ms) | GFLOP/s | dense_ratio | peak_ratio | bw_ratio "
+            "| its GEMMs alone: dense_ratio |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
 
     def fmt(v, spec):
         return "" if v is None else spec.format(v)
@@ -39,9 +55,10 @@ def table(rows):
         t = b.get("real_time", 0.0)
         unit = b.get("time_unit", "ns")
         ms = t * {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
-        out.append("| {} | {:.2f} | {} | {} | {} |".format(
-            b["name"], ms, fmt(b.get("gflops"), "{:.1f}"), fmt(b.get("dense_ratio"), "{:.3f}"),
-            fmt(b.get("gemms_ratio"), "{:.3f}")))
+        out.append("| {} | {} | {:.2f} | {} | {} | {} | {} | {} |".format(
+            b["name"], b.get("label", ""), ms, fmt(b.get("gflops"), "{:.1f}"),
+            fmt(b.get("dense_ratio"), "{:.3f}"), fmt(b.get("peak_ratio"), "{:.3f}"),
+            fmt(b.get("bw_ratio"), "{:.3f}"), fmt(b.get("gemms_ratio"), "{:.3f}")))
     return "\n".join(out)
 
 
@@ -81,7 +98,7 @@ def main():
     ap.add_argument("--table")
     a = ap.parse_args()
     ctx, rows = load(a.json)
-    md = table(rows)
+    md = table(rows, ctx)
     if a.table:
         with open(a.table, "w") as f:
             f.write(md + "\n")

@@ -2,7 +2,7 @@
 // (DESIGN.md §7).
 //
 //   mpirun -np N moe-layer-run --config CFG.yml --in CASE.safetensors --out RESULT.safetensors
-//                              [--gmm vendor|tiled|dense] [key=value ...]
+//                              [--gmm auto|onednn|vendor|tiled|dense] [key=value ...]
 //   mpirun -np N moe-layer-run --example [key=value ...]   (built-in case, readable summary)
 //
 // CASE holds global tensors x[B,S,D], gate[D,E], optional gate_bias[E], wi_0/wi_1[E,D,F],
@@ -32,14 +32,15 @@
 namespace {
 
 struct Args {
-  std::string config, in, out, gmm = "vendor";
+  std::string config, in, out, gmm = "auto";
   bool example = false;
   moe::cli::KeyValues overrides;
 };
 
 char const* const kUsage =
     "usage: mpirun -np N moe-layer-run --config CFG.yml --in CASE.safetensors\n"
-    "                    --out RESULT.safetensors [--gmm vendor|tiled|dense] [key=value ...]\n"
+    "                    --out RESULT.safetensors [--gmm auto|onednn|vendor|tiled|dense] "
+    "[key=value ...]\n"
     "       mpirun -np N moe-layer-run --example [key=value ...]\n"
     "keys: LayerConfig keys (num_experts, ...) and ParallelConfig keys (ici_data_parallelism,\n"
     "      ici_fsdp_parallelism, ici_fsdp_transpose_parallelism, ici_expert_parallelism,\n"
@@ -69,8 +70,10 @@ Args parse_args(int argc, char** argv) {
     else
       a.overrides.push_back(moe::cli::parse_override(s));
   }
-  if (a.gmm != "vendor" && a.gmm != "tiled" && a.gmm != "dense")
-    throw moe::ConfigError(moe::detail::cat("--gmm ", a.gmm, " is not one of vendor|tiled|dense"));
+  if (a.gmm != "auto" && a.gmm != "onednn" && a.gmm != "vendor" && a.gmm != "tiled" &&
+      a.gmm != "dense")
+    throw moe::ConfigError(
+        moe::detail::cat("--gmm ", a.gmm, " is not one of auto|onednn|vendor|tiled|dense"));
   if (!a.example && (a.config.empty() || a.in.empty() || a.out.empty()))
     throw moe::ConfigError("--config, --in and --out are required (or --example)");
   return a;
@@ -291,7 +294,9 @@ template <class T>
 moe::io::File run_dtype(moe::comm::Communicator const& world, Setup const& s, Summary& sum) {
   if (s.args.gmm == "tiled") return run_case<T, moe::gmm::Tiled<32, 32, 32>>(world, s, sum);
   if (s.args.gmm == "dense") return run_case<T, moe::gmm::Dense>(world, s, sum);
-  return run_case<T, moe::gmm::Vendor>(world, s, sum);
+  if (s.args.gmm == "vendor") return run_case<T, moe::gmm::Vendor>(world, s, sum);
+  if (s.args.gmm == "onednn") return run_case<T, moe::gmm::OneDnn>(world, s, sum);
+  return run_case<T, moe::gmm::Auto>(world, s, sum);
 }
 
 double norm(moe::io::Tensor const& t) {
@@ -307,6 +312,7 @@ void print_summary(Setup const& s, Summary const& sum, moe::io::File const& out,
               cfg.num_experts_per_tok, cfg.base_moe_mlp_dim, moe::io::dtype_name(s.dtype),
               s.args.gmm.c_str(), cfg.sparse_matmul ? "sparse" : "dense");
   std::printf("  ranks=%d mesh %s experts=%s\n", ranks, sum.mesh.c_str(), sum.route.c_str());
+  std::printf("  %s\n", moe::describe_gemm().c_str());
   std::printf("  |y| = %.6g   lb_loss = %.6g\n  tokens per expert:", norm(out.at("y")),
               out.at("lb_loss").to_vector<double>()[0]);
   std::vector<std::int64_t> load(std::size_t(cfg.num_experts), 0);

@@ -8,6 +8,7 @@ PACKAGES=(
   libopenmpi-dev openmpi-bin
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libopenblas0-pthread libopenblas-dev
+  libdnnl-dev ocl-icd-opencl-dev
   libyaml-cpp-dev nlohmann-json3-dev
   python3 python3-matplotlib
 )

@@ -1,10 +1,13 @@
 // Shared main of the moe test binaries: MPI and Kokkos are initialised once for all tests.
-#include <Kokkos_Core.hpp>
+#include <moe/threads.hpp>
+
 #include <gtest/gtest.h>
 #include <mpi.h>
+#include <Kokkos_Core.hpp>
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
+  moe::apply_host_threads(MPI_COMM_WORLD);  // ranks x threads <= cores
   int rc = 0;
   {
     Kokkos::ScopeGuard kokkos(argc, argv);

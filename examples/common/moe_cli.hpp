@@ -5,6 +5,7 @@
 #include <moe/config.hpp>
 #include <moe/distributed/parallel_config.hpp>
 #include <moe/error.hpp>
+#include <moe/threads.hpp>
 
 #include <mpi.h>
 #include <yaml-cpp/yaml.h>
@@ -98,7 +99,8 @@ inline std::string one_line(std::string s) {
   return s;
 }
 
-/// The whole main() of an MPI tool: initialises MPI; with -h/--help prints `usage` on rank 0
+/// The whole main() of an MPI tool: initialises MPI and applies the ranks x threads rule
+/// (moe/threads.hpp); with -h/--help prints `usage` on rank 0
 /// (before Kokkos, which would print its own help on every rank); otherwise runs `body` inside
 /// Kokkos and reports its errors the project's way: a moe::Error (raised the same on every rank)
 /// prints `TOOL: error: ...` and returns 2; any other exception is not collective, so it prints
@@ -110,6 +112,7 @@ int tool_main(char const* tool, char const* usage, int& argc, char** argv, Body&
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
+  apply_host_threads(MPI_COMM_WORLD);
   for (int i = 1; i < argc; ++i)
     if (std::string(argv[i]) == "-h" || std::string(argv[i]) == "--help") {
       if (rank == 0) std::fputs(usage, stdout);

@@ -23,6 +23,7 @@
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/communicator.hpp>
 #include <moe/distributed/layer.hpp>
+#include <moe/threads.hpp>
 
 #include <Kokkos_Core.hpp>
 #include <Kokkos_Random.hpp>
@@ -99,8 +100,8 @@ inline double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-/// Time spent in BLAS GEMMs (Kokkos Kernels' "KokkosBlas::gemm" profiling regions) while
-/// `active`, through Kokkos Tools region callbacks.
+/// Time spent in GEMMs (the library's "moe::gmm::*" and "moe::gemm" profiling regions, and
+/// Kokkos Kernels' "KokkosBlas::gemm") while `active`, through Kokkos Tools region callbacks.
 struct GemmClock {
   static inline bool active = false;
   static inline bool installed = false;
@@ -110,7 +111,9 @@ struct GemmClock {
   static inline std::vector<char> stack;  // per open region: 0 other, 1 GEMM, 2 timed GEMM
 
   static void push(char const* name) {
-    bool const gemm = std::strncmp(name, "KokkosBlas::gemm", 16) == 0;
+    bool const gemm = std::strncmp(name, "moe::gmm::", 10) == 0 ||
+                      std::strcmp(name, "moe::gemm") == 0 ||
+                      std::strncmp(name, "KokkosBlas::gemm", 16) == 0;
     char kind = 0;
     if (gemm) {
       kind = 1;
@@ -343,7 +346,8 @@ class Trainer {
          << "model: vocab " << V_ << ", emb " << D_ << ", " << L_ << " MoE layers ("
          << cfg_.layer.num_experts << " experts of " << cfg_.layer.base_moe_mlp_dim << ", top-"
          << cfg_.layer.num_experts_per_tok << ", " << cfg_.layer.shared_experts
-         << " shared), context " << C_ << ": " << n << " parameters (" << moe_n << " in MoE)\n";
+         << " shared), context " << C_ << ": " << n << " parameters (" << moe_n << " in MoE)\n"
+         << moe::describe_gemm() << "\n";
       *o << "dataset: " << dataset_->name() << ", entropy rate: ";
       if (std::isfinite(dataset_->entropy_rate()))
         *o << fmt("%.4f", dataset_->entropy_rate()) << " nats/token\n";
@@ -594,6 +598,8 @@ class Trainer {
     double const scale = clip > 0 && m.grad_norm > clip ? clip / m.grad_norm : 1.0;
     m.learning_rate = learning_rate_at(cfg_, step);
     for (auto& q : params_) adamw(space, q, m.learning_rate, scale, step + 1);
+    // The optimizer wrote the MoE weights through raw pointers: packed copies are stale.
+    for (auto& l : layers_) l->weights_changed();
     // DeepSeek loss-free balancing: the layer's global bias update, after the optimizer step.
     for (auto& l : layers_) {
       auto const& u = l->bias_update();
@@ -719,6 +725,7 @@ class Trainer {
       Kokkos::deep_copy(q.m, q.m_host);
       Kokkos::deep_copy(q.v, q.v_host);
     }
+    for (auto& l : layers_) l->weights_changed();  // written through raw pointers
     res.resumed = true;
     if (auto* o = out()) {
       *o << "resumed from checkpoint: step " << step << " in " << cfg_.checkpoint_dir
@@ -787,8 +794,8 @@ class Trainer {
   /// The yardstick of the step time: seconds of the routed-expert GEMMs of one device's share of
   /// a step, run alone, as on one rank: tokens_per_device x K rows spread evenly over all E
   /// experts, for every MoE layer the 3 GEMMs of the forward and the 6 of the backward
-  /// (gmm/tgmm of ExpertFfn, Vendor policy), on random data; median of 3 after a warm-up. Every
-  /// rank measures at the same time, so each has the CPU share it had during the steps; the
+  /// (gmm/tgmm of ExpertFfn, the layers' Auto policy), on random data; median of 3 after a warm-up.
+  /// Every rank measures at the same time, so each has the CPU share it had during the steps; the
   /// figure is rank 0's. Scratch of about 512 MB at most (one expert's worth if that is more): the
   /// experts are timed in chunks. Collective.
   double expert_gemm_seconds() {
@@ -829,15 +836,15 @@ class Trainer {
     tr.transpose_rhs = tr_acc.transpose_rhs = true;
     tr_acc.accumulate = true;
     auto one_layer = [&] {
-      mg::gmm(space, mg::Vendor{}, xs, w0, groups, h0);  // forward
-      mg::gmm(space, mg::Vendor{}, xs, w1, groups, h1);
-      mg::gmm(space, mg::Vendor{}, a, wo, groups, dxs);
-      mg::tgmm(space, mg::Vendor{}, a, dys, groups, go);  // backward
-      mg::gmm(space, mg::Vendor{}, dys, wo, groups, a, tr);
-      mg::tgmm(space, mg::Vendor{}, xs, a, groups, g0);
-      mg::tgmm(space, mg::Vendor{}, xs, h1, groups, g1);
-      mg::gmm(space, mg::Vendor{}, a, w0, groups, dxs, tr);
-      mg::gmm(space, mg::Vendor{}, h1, w1, groups, dxs, tr_acc);
+      mg::gmm(space, mg::Auto{}, xs, w0, groups, h0);  // forward
+      mg::gmm(space, mg::Auto{}, xs, w1, groups, h1);
+      mg::gmm(space, mg::Auto{}, a, wo, groups, dxs);
+      mg::tgmm(space, mg::Auto{}, a, dys, groups, go);  // backward
+      mg::gmm(space, mg::Auto{}, dys, wo, groups, a, tr);
+      mg::tgmm(space, mg::Auto{}, xs, a, groups, g0);
+      mg::tgmm(space, mg::Auto{}, xs, h1, groups, g1);
+      mg::gmm(space, mg::Auto{}, a, w0, groups, dxs, tr);
+      mg::gmm(space, mg::Auto{}, h1, w1, groups, dxs, tr_acc);
     };
     std::vector<double> times;
     for (int r = 0; r < 4; ++r) {

@@ -106,9 +106,23 @@ class MoeLayer {
         params_(params_type::zeros(cfg_)) {}
 
   LayerConfig const& config() const { return cfg_; }
-  /// Trainable parameters (filled by the user, e.g. from a checkpoint).
-  params_type& parameters() { return params_; }
+  /// Trainable parameters (filled by the user, e.g. from a checkpoint). The non-const access
+  /// counts as a write: it calls weights_changed(). Code that keeps the reference (or the views'
+  /// pointers) and writes through it later must call weights_changed() after each write.
+  params_type& parameters() {
+    weights_changed();
+    return params_;
+  }
   params_type const& parameters() const { return params_; }
+
+  /// \brief Declares the parameters written (optimizer step, checkpoint load, resharding): the
+  /// next forward repacks the expert weights for GEMM backends that keep packed copies
+  /// (gmm::OneDnn on CPUs with blocked kernels). Cheap; call it after every update.
+  void weights_changed() { ++weights_version_; }
+  /// Version of the parameters' contents (increases with every weights_changed()).
+  std::uint64_t weights_version() const { return weights_version_; }
+  /// The packed copies of the expert weights kept by the GEMM backend (statistics, tests).
+  gmm::PackCache const& pack_cache() const { return ffn_.pack_cache(); }
 
   /// True when this layer runs the dense masked path (Gmm = Dense or sparse_matmul = false).
   bool dense_path() const {
@@ -344,7 +358,7 @@ class MoeLayer {
 
   // ---- sparse path: sort, grouped GEMMs, unsort -------------------------------------------
   using gmm_policy = std::conditional_t<std::is_same_v<typename Policy::gmm_policy, gmm::Dense>,
-                                        gmm::Vendor, typename Policy::gmm_policy>;
+                                        gmm::Auto, typename Policy::gmm_policy>;
 
   void sparse_forward(view2 y) {
     int const D = cfg_.base_emb_dim, K = cfg_.num_experts_per_tok;
@@ -355,7 +369,7 @@ class MoeLayer {
     detail::ensure(space_, ys_, "moe::layer::y_sorted", n, D);
     permute::gather_rows(space_, x_, View1<std::int64_t const, memory_space>(perm_.perm), K, xs_);
     ffn_.forward(space_, cfg_.mlp_activation, xs_, perm_.groups, params_.wi_0, params_.wi_1,
-                 params_.wo, ys_);
+                 params_.wo, ys_, weights_version_);
     permute::combine(space_, cview2(ys_), View1<std::int64_t const, memory_space>(perm_.inverse),
                      cview2(rs_.weights), false, y);
   }
@@ -402,6 +416,7 @@ class MoeLayer {
   routing::Kind kind_;
   routing::RouteParams rp_;
   params_type params_;
+  std::uint64_t weights_version_ = 0;
 
   // state of the last forward
   bool have_forward_ = false;

@@ -15,22 +15,15 @@ namespace partition {
 struct Local {};
 }  // namespace partition
 
-namespace detail {
-template <class T>
-struct is_tiled : std::false_type {};
-template <int M, int K, int N>
-struct is_tiled<gmm::Tiled<M, K, N>> : std::true_type {};
-}  // namespace detail
-
 /// \brief The policies of one layer type.
 /// \tparam Routing routing::Auto (from the config), routing::TopKSoftmax, routing::DeepSeek or
 ///         routing::Random.
-/// \tparam Gmm gmm::Vendor (BLAS per expert group), gmm::Tiled<TM,TK,TN> (portable team kernel),
-///         or gmm::Dense (every expert on every token, masked: the reference path; it is also what
-///         `sparse_matmul: false` selects at run time).
+/// \tparam Gmm gmm::Auto (oneDNN on the host when moe was built with it, else Vendor),
+///         gmm::OneDnn, gmm::Vendor (Kokkos Kernels GEMM per expert group), gmm::Tiled<TM,TK,TN>
+///         (portable team kernel), or gmm::Dense (every expert on every token, masked: the
+///         reference path; it is also what `sparse_matmul: false` selects at run time).
 /// \tparam Partition partition::Local.
-template <class Routing = routing::Auto, class Gmm = gmm::Vendor,
-          class Partition = partition::Local>
+template <class Routing = routing::Auto, class Gmm = gmm::Auto, class Partition = partition::Local>
 struct Policies {
   using routing_policy = Routing;
   using gmm_policy = Gmm;
@@ -40,14 +33,15 @@ struct Policies {
                     std::is_same_v<Routing, routing::DeepSeek> ||
                     std::is_same_v<Routing, routing::Random>,
                 "Routing must be routing::Auto, TopKSoftmax, DeepSeek or Random");
-  static_assert(std::is_same_v<Gmm, gmm::Vendor> || std::is_same_v<Gmm, gmm::Dense> ||
-                    detail::is_tiled<Gmm>::value,
-                "Gmm must be gmm::Vendor, gmm::Tiled<TM,TK,TN> or gmm::Dense");
+  static_assert(gmm::is_policy<Gmm>::value,
+                "Gmm must be a grouped-GEMM policy: gmm::Auto, OneDnn, Vendor, Tiled<TM,TK,TN> or "
+                "Dense");
   static_assert(std::is_same_v<Partition, partition::Local>,
                 "Partition must be partition::Local on one rank");
 };
 
-/// \brief Default policies: routing from the config, vendor BLAS grouped GEMM, one rank.
+/// \brief Default policies: routing from the config, the best grouped GEMM of the backend, one
+/// rank.
 using DefaultPolicies = Policies<>;
 
 }  // namespace moe

@@ -475,6 +475,21 @@ inline Gradients finite_differences(LayerConfig const& cfg, Params const& p, Vec
 
 namespace moe_ref::kk {
 
+/// Forces gmm::OneDnn into its packed-weight path while alive (the packed layout is the plain
+/// one, copied, on CPUs where oneDNN prefers plain weights), so the packing and the PackCache
+/// run whatever the CPU. A no-op without oneDNN.
+struct ForcePackedOneDnn {
+  ForcePackedOneDnn() { set(true); }
+  ~ForcePackedOneDnn() { set(false); }
+  ForcePackedOneDnn(ForcePackedOneDnn const&) = delete;
+  ForcePackedOneDnn& operator=(ForcePackedOneDnn const&) = delete;
+  static void set([[maybe_unused]] bool on) {
+#if MOE_HAS_ONEDNN
+    moe::detail::onednn::force_packed() = on;
+#endif
+  }
+};
+
 using MS = Kokkos::DefaultExecutionSpace::memory_space;
 
 /// Copies a host vector (converted to T) into a new view of the given extents.

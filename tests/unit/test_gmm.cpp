@@ -1,7 +1,10 @@
 // Grouped GEMM (moe::gmm::gmm / tgmm) against a double-precision triple loop, for every policy in
 // float and double. Inputs are multiples of 1/64 in [-1, 1], exact in float, so the only error is
 // the policy's own rounding, bounded by (k + 2) * eps * sum |a| |b| per output element.
+// OneDnn runs twice: as it chooses on this CPU, and forced into its packed-weight path
+// (OneDnnPacked below), whose weight cache is also tested for staleness.
 #include <moe/gmm/gmm.hpp>
+#include <moe/moe_config.hpp>
 
 #include <gtest/gtest.h>
 #include <Kokkos_Core.hpp>
@@ -14,10 +17,43 @@
 #include <string>
 #include <vector>
 
+/// Test policy: OneDnn with the packed-weight path forced (on CPUs where oneDNN prefers plain
+/// weights the packed layout is the plain one, copied): chunking, padding and the PackCache run
+/// whatever the CPU. Defined the way a new backend would be: a tag, the traits, an Impl.
+struct OneDnnPacked {};
+template <>
+struct moe::gmm::is_policy<OneDnnPacked> : std::true_type {};
+template <class E, class S>
+struct moe::gmm::is_available<OneDnnPacked, E, S> : moe::gmm::is_available<moe::gmm::OneDnn, E, S> {
+};
+template <>
+struct moe::detail::gmm_impl::Impl<OneDnnPacked> {
+  struct Force {
+    Force() { set(true); }
+    ~Force() { set(false); }
+    static void set([[maybe_unused]] bool on) {
+#if MOE_HAS_ONEDNN
+      moe::detail::onednn::force_packed() = on;
+#endif
+    }
+  };
+  template <class... A>
+  static void gmm(A const&... a) {
+    Force f;
+    Impl<moe::gmm::OneDnn>::gmm(a...);
+  }
+  template <class... A>
+  static void tgmm(A const&... a) {
+    Force f;
+    Impl<moe::gmm::OneDnn>::tgmm(a...);
+  }
+};
+
 namespace {
 
 using moe::gmm::Dense;
 using moe::gmm::GmmOptions;
+using moe::gmm::OneDnn;
 using moe::gmm::Tiled;
 using moe::gmm::Vendor;
 using Exec = Kokkos::DefaultExecutionSpace;
@@ -219,6 +255,14 @@ template <>
 std::string policy_name<Dense>() {
   return "Dense";
 }
+template <>
+std::string policy_name<OneDnn>() {
+  return "OneDnn";
+}
+template <>
+std::string policy_name<OneDnnPacked>() {
+  return "OneDnnPacked";
+}
 template <int TM, int TK, int TN>
 struct TiledName {
   static std::string get() {
@@ -255,11 +299,11 @@ class Gmm : public ::testing::Test {
   }
 };
 
-using Cases = ::testing::Types<Case<Vendor, float>, Case<Vendor, double>, Case<Dense, float>,
-                               Case<Dense, double>, Case<Tiled<4, 8, 4>, float>,
-                               Case<Tiled<4, 8, 4>, double>, Case<Tiled<32, 32, 32>, float>,
-                               Case<Tiled<32, 32, 32>, double>, Case<Tiled<5, 3, 7>, float>,
-                               Case<Tiled<5, 3, 7>, double>, Case<Tiled<64, 64, 64>, float>>;
+using Cases = ::testing::Types<
+    Case<OneDnn, float>, Case<OneDnn, double>, Case<OneDnnPacked, float>, Case<Vendor, float>,
+    Case<Vendor, double>, Case<Dense, float>, Case<Dense, double>, Case<Tiled<4, 8, 4>, float>,
+    Case<Tiled<4, 8, 4>, double>, Case<Tiled<32, 32, 32>, float>, Case<Tiled<32, 32, 32>, double>,
+    Case<Tiled<5, 3, 7>, float>, Case<Tiled<5, 3, 7>, double>, Case<Tiled<64, 64, 64>, float>>;
 TYPED_TEST_SUITE(Gmm, Cases, CaseNames);
 
 // ---------------------------------------------------------------------------------------------
@@ -271,6 +315,20 @@ TYPED_TEST(Gmm, Plain) {
 
 TYPED_TEST(Gmm, DefaultInstanceOverload) {
   this->check_gmm(make_gmm_problem({7, 12, 3, 20}, 42, 16, 24, 4, {}), "default instance", true);
+}
+
+TYPED_TEST(Gmm, GroupsOfOneToFiveRows) {
+  // Decode-sized groups (OneDnn streams the weights for groups of 2-3 rows), with the
+  // operand transposed and accumulating too; n spans more than one column block of 256.
+  for (bool transpose : {false, true})
+    for (bool accumulate : {false, true}) {
+      GmmOptions opt;
+      opt.transpose_rhs = transpose;
+      opt.accumulate = accumulate;
+      this->check_gmm(make_gmm_problem({1, 2, 0, 3, 4, 5, 2}, 19, 19, 300, 7, opt),
+                      std::string("few rows") + (transpose ? " transposed" : "") +
+                          (accumulate ? " accumulate" : ""));
+    }
 }
 
 TYPED_TEST(Gmm, TransposeRhs) {
@@ -547,6 +605,8 @@ void policies_agree() {
   expect_close<S>(run_gmm<Tiled<32, 32, 32>, S>(p), e, "Tiled<32,32,32> vs Vendor");
   expect_close<S>(run_gmm<Tiled<64, 64, 64>, S>(p), e, "Tiled<64,64,64> vs Vendor");
   expect_close<S>(run_gmm<moe::gmm::Auto, S>(p), e, "Auto vs Vendor");
+  expect_close<S>(run_gmm<OneDnn, S>(p), e, "OneDnn vs Vendor");
+  expect_close<S>(run_gmm<OneDnnPacked, S>(p), e, "OneDnn (packed) vs Vendor");
 
   auto t = make_tgmm_problem(sizes, 280, 96, 80, 7, opt, 12);
   auto const tvendor = run_tgmm<Vendor, S>(t);
@@ -557,9 +617,106 @@ void policies_agree() {
   expect_close<S>(run_tgmm<Tiled<4, 8, 4>, S>(t), te, "tgmm Tiled<4,8,4> vs Vendor");
   expect_close<S>(run_tgmm<Tiled<32, 32, 32>, S>(t), te, "tgmm Tiled<32,32,32> vs Vendor");
   expect_close<S>(run_tgmm<Tiled<64, 64, 64>, S>(t), te, "tgmm Tiled<64,64,64> vs Vendor");
+  expect_close<S>(run_tgmm<OneDnn, S>(t), te, "tgmm OneDnn vs Vendor");
 }
 
 TEST(GmmPolicies, AgreeFloat) { policies_agree<float>(); }
 TEST(GmmPolicies, AgreeDouble) { policies_agree<double>(); }
+
+// ---------------------------------------------------------------------------------------------
+// Traits: Auto resolves per (space, scalar); unavailable policies fall back to Vendor.
+
+TEST(GmmPolicies, AutoResolvesToTheAvailableBackend) {
+  using moe::gmm::resolve_t;
+  static_assert(std::is_same_v<resolve_t<Vendor, Exec, float>, Vendor>);
+  static_assert(std::is_same_v<resolve_t<OneDnn, Exec, double>, Vendor>,
+                "oneDNN has no double GEMM: OneDnn<double> runs as Vendor");
+  bool const host = Kokkos::SpaceAccessibility<Exec, Kokkos::HostSpace>::accessible;
+  bool const onednn = MOE_HAS_ONEDNN && host;
+  EXPECT_EQ((std::is_same_v<resolve_t<moe::gmm::Auto, Exec, float>, OneDnn>), onednn);
+  EXPECT_EQ((std::is_same_v<resolve_t<moe::gmm::Auto, Exec, double>, Vendor>), true);
+  EXPECT_EQ(std::string(moe::gmm::backend_name<moe::gmm::Auto, Exec, float>()),
+            onednn ? "OneDnn" : "Vendor");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The packed-weight cache: reused while the version holds, repacked when it changes, and a
+// write that forgot the version is still caught by the sampled values.
+
+struct CacheRun {
+  View2<float> lhs, out;
+  View3<float> rhs;
+  moe::gmm::Groups<Mem> groups;
+  moe::gmm::PackCache cache;
+  Problem p;
+
+  explicit CacheRun(bool transpose) {
+    GmmOptions opt;
+    opt.transpose_rhs = transpose;
+    p = make_gmm_problem({40, 0, 17, 300, 1}, 360, 24, 40, 5, opt, 21);
+    lhs = to_device<View2<float>>("moe::gmm::test::lhs", p.lhs, p.m, p.k);
+    rhs = transpose ? to_device<View3<float>>("moe::gmm::test::rhs", p.rhs, 5, p.n, p.k)
+                    : to_device<View3<float>>("moe::gmm::test::rhs", p.rhs, 5, p.k, p.n);
+    out = View2<float>("moe::gmm::test::out", p.m, p.n);
+    groups = moe::gmm::make_groups<Mem>(p.sizes);
+  }
+  /// gmm with the cache at `version`; checks the result against the reference of p.rhs.
+  void run(std::uint64_t version, std::string const& what) {
+    GmmOptions opt = p.opt;
+    opt.pack_cache = &cache;
+    opt.rhs_version = version;
+    Exec space;
+    moe::gmm::gmm(space, OneDnnPacked{}, lhs, rhs, groups, out, opt);
+    space.fence();
+    expect_close<float>(to_host(out), reference_gmm(p), what);
+  }
+  /// Writes new weights (every value scaled by `f`, exact in float) into the same tensor.
+  void rescale_weights(double f) {
+    for (auto& v : p.rhs) v *= f;
+    auto h = Kokkos::create_mirror_view(rhs);
+    for (std::size_t i = 0; i < p.rhs.size(); ++i) h.data()[i] = float(p.rhs[i]);
+    Kokkos::deep_copy(rhs, h);
+  }
+};
+
+class GmmPackCache : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GmmPackCache, ReusedWhileVersionHoldsRepackedWhenItChanges) {
+  if (!MOE_HAS_ONEDNN) GTEST_SKIP() << "moe was built without oneDNN";
+  CacheRun r(GetParam());
+  r.run(1, "first call");
+  EXPECT_EQ(r.cache.packs(), 1u);
+  r.run(1, "same version");
+  EXPECT_EQ(r.cache.packs(), 1u) << "a second call with the same version must reuse the pack";
+  EXPECT_EQ(r.cache.hits(), 1u);
+  EXPECT_GT(r.cache.bytes(), 0u);
+  r.rescale_weights(0.5);  // optimizer step / FSDP gather / checkpoint load: new contents
+  r.run(2, "after the weights changed (new version)");
+  EXPECT_EQ(r.cache.packs(), 2u);
+  EXPECT_EQ(r.cache.stale_caught(), 0u);
+}
+
+TEST_P(GmmPackCache, UnversionedWriteIsCaughtBySampledValues) {
+  if (!MOE_HAS_ONEDNN) GTEST_SKIP() << "moe was built without oneDNN";
+  CacheRun r(GetParam());
+  r.run(7, "first call");
+  r.rescale_weights(-2.0);  // written without a new version
+  r.run(7, "after an unversioned write");
+  EXPECT_EQ(r.cache.packs(), 2u);
+  EXPECT_EQ(r.cache.stale_caught(), 1u);
+}
+
+TEST_P(GmmPackCache, ClearDropsEveryPack) {
+  if (!MOE_HAS_ONEDNN) GTEST_SKIP() << "moe was built without oneDNN";
+  CacheRun r(GetParam());
+  r.run(3, "first call");
+  r.cache.clear();
+  EXPECT_EQ(r.cache.bytes(), 0u);
+  r.run(3, "after clear");
+  EXPECT_EQ(r.cache.packs(), 2u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transpose, GmmPackCache, ::testing::Bool(),
+                         [](auto const& info) { return info.param ? "transposed" : "plain"; });
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -29,6 +30,8 @@ using Exec = Kokkos::DefaultExecutionSpace;
 using MS = Exec::memory_space;
 
 using PolVendor = moe::Policies<moe::routing::Auto, moe::gmm::Vendor>;
+using PolOneDnn = moe::Policies<moe::routing::Auto, moe::gmm::OneDnn>;
+using moe_ref::kk::ForcePackedOneDnn;
 using PolTiled = moe::Policies<moe::routing::Auto, moe::gmm::Tiled<4, 8, 4>>;
 using PolDense = moe::Policies<moe::routing::Auto, moe::gmm::Dense>;
 
@@ -364,7 +367,17 @@ TEST_P(LayerVsReference, ForwardAndGradients) {
        false, true},
       {"double sparse_matmul=false",
        [&] { return run_policy<double, PolVendor>(cfg, false, p, x, c.B, c.S, dy); }, false, true},
+      {"double OneDnn (runs as Vendor)",
+       [&] { return run_policy<double, PolOneDnn>(cfg, true, p, x, c.B, c.S, dy); }, false, false},
       {"float Vendor", [&] { return run_policy<float, PolVendor>(cfg, true, p, x, c.B, c.S, dy); },
+       true, false},
+      {"float OneDnn", [&] { return run_policy<float, PolOneDnn>(cfg, true, p, x, c.B, c.S, dy); },
+       true, false},
+      {"float OneDnn packed",
+       [&] {
+         ForcePackedOneDnn packed;
+         return run_policy<float, PolOneDnn>(cfg, true, p, x, c.B, c.S, dy);
+       },
        true, false},
       {"float Tiled<4,8,4>",
        [&] { return run_policy<float, PolTiled>(cfg, true, p, x, c.B, c.S, dy); }, true, false},
@@ -874,8 +887,12 @@ void check_activation(moe::Activation act, double rel_tol) {
   EXPECT_TRUE(std::isnan(hd0(0, 0)));
 }
 
-TEST(Activation, SiluFloatMatchesReference) { check_activation<float>(moe::Activation::Silu, 2e-6); }
-TEST(Activation, GeluFloatMatchesReference) { check_activation<float>(moe::Activation::Gelu, 2e-6); }
+TEST(Activation, SiluFloatMatchesReference) {
+  check_activation<float>(moe::Activation::Silu, 2e-6);
+}
+TEST(Activation, GeluFloatMatchesReference) {
+  check_activation<float>(moe::Activation::Gelu, 2e-6);
+}
 TEST(Activation, SiluDoubleMatchesReference) {
   check_activation<double>(moe::Activation::Silu, 1e-13);
 }
@@ -957,6 +974,64 @@ TEST(ConfigSet, ParsesEveryKey) {
   EXPECT_EQ(c.mlp_activation, Activation::Silu);
   for (auto const& k : LayerConfig::keys()) EXPECT_TRUE(LayerConfig::has_key(k)) << k;
   EXPECT_FALSE(LayerConfig::has_key("num_expert"));
+}
+
+// ---- packed expert weights follow every write ----------------------------------------------
+
+/// A float layer with OneDnn forced into its packed path: after each way of writing the weights,
+/// the next forward and backward equal those of a fresh layer built with the new weights.
+TEST(LayerPackedWeights, NextForwardSeesEveryWrite) {
+  ForcePackedOneDnn packed;
+  LayerConfig cfg = base(4, 2, 8, 6);
+  cfg.shared_experts = 1;
+  Rng rng(77);
+  Params p = Params::random(cfg, rng);
+  int const B = 2, S = 5, D = cfg.base_emb_dim;
+  Vec const x = rng.vec(std::size_t(B) * S * D, -1, 1), dy = rng.vec(x.size(), -1, 1);
+  using Layer = moe::MoeLayer<float, PolOneDnn>;
+  using V3 = moe::View3<float, MS>;
+  Layer layer(cfg);
+  load_params(layer, p);
+  auto const xv = to_view<V3>(x, B, S, D);
+  auto const dyv = to_view<V3>(dy, B, S, D);
+  auto check = [&](char const* what) {
+    SCOPED_TRACE(what);
+    V3 y("y", B, S, D), dx("dx", B, S, D);
+    Layer::params_type g;
+    layer.forward(xv, y);
+    layer.backward(dyv, dx, g);
+    LayerRun const fresh = run_layer<float, PolOneDnn>(cfg, p, x, B, S, dy);
+    EXPECT_TRUE(close(to_vec(y), fresh.y, 1e-6, 1e-6));
+    EXPECT_TRUE(close(to_vec(dx), fresh.dx, 1e-6, 1e-6));
+    EXPECT_TRUE(close(to_vec(g.wi_0), fresh.grads.wi_0, 1e-6, 1e-6));
+  };
+  // Writes new expert weights through a host copy into the views `params` refers to.
+  auto write = [&](Layer::params_type const& params, double scale) {
+    for (auto* v : {&p.wi_0, &p.wi_1, &p.wo})
+      for (auto& e : *v) e *= scale;
+    moe_ref::kk::fill_view(params.wi_0, p.wi_0);
+    moe_ref::kk::fill_view(params.wi_1, p.wi_1);
+    moe_ref::kk::fill_view(params.wo, p.wo);
+  };
+  check("first forward");
+  check("same weights again");
+  std::uint64_t const packs = layer.pack_cache().packs();
+  EXPECT_GT(packs, 0u);
+  check("third forward");
+  EXPECT_EQ(layer.pack_cache().packs(), packs) << "unchanged weights must not be repacked";
+
+  write(layer.parameters(), 0.5);  // non-const access: a write
+  check("after writing through parameters()");
+
+  Layer::params_type const& kept = std::as_const(layer).parameters();
+  write(kept, -1.5);  // an optimizer holding the views, then declaring the update
+  layer.weights_changed();
+  check("after weights_changed()");
+  EXPECT_EQ(layer.pack_cache().stale_caught(), 0u);
+
+  write(kept, 0.25);  // the same without declaring it: the sampled values catch it
+  check("after an undeclared write");
+  EXPECT_GT(layer.pack_cache().stale_caught(), 0u);
 }
 
 }  // namespace

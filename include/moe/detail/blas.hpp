@@ -4,6 +4,8 @@
 /// (Kokkos Kernels 3.4 has no instance overload; 4.x has one).
 
 #include <moe/detail/compat.hpp>
+#include <moe/detail/onednn.hpp>
+#include <moe/moe_config.hpp>
 
 #include <KokkosBlas3_gemm.hpp>
 
@@ -24,6 +26,18 @@ struct has_instance_gemm<
         std::declval<typename C::const_value_type&>(), std::declval<C const&>()))>>
     : std::true_type {};
 
+/// Whether a dense GEMM on (ExecSpace, A, B, C) goes to oneDNN: host spaces, float, moe built
+/// with oneDNN (row-major operands are checked at run time).
+template <class ExecSpace, class A, class B, class C>
+constexpr bool onednn_gemm() {
+  return MOE_HAS_ONEDNN && Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible &&
+         std::is_same<typename C::non_const_value_type, float>::value &&
+         std::is_same<typename A::non_const_value_type, float>::value &&
+         std::is_same<typename B::non_const_value_type, float>::value;
+}
+
+/// C = alpha * op(A) * op(B) + beta * C through Kokkos Kernels (BLAS, cuBLAS, rocBLAS) on
+/// `space` where Kokkos Kernels has instance overloads (4.x).
 template <class ExecSpace, class A, class B, class C>
 void blas_gemm(ExecSpace const& space, char const* ta, char const* tb,
                typename C::const_value_type alpha, A const& a, B const& b,
@@ -55,11 +69,27 @@ struct BlasOrder {
 };
 
 /// C = alpha * op(A) * op(B) + beta * C with op given by "N" / "T", ordered on `space`.
+/// The layers' dense GEMMs (router, shared expert, dense path): oneDNN's sgemm for host float
+/// when moe was built with it (the CPU's own ISA, whatever BLAS is installed), else Kokkos
+/// Kernels. A "moe::gemm" profiling region.
 template <class ExecSpace, class AV, class BV, class CV>
 void gemm(ExecSpace const& space, char const* ta, char const* tb,
           typename CV::non_const_value_type alpha, AV const& A, BV const& B,
           typename CV::non_const_value_type beta, CV const& C) {
   if (C.extent(0) == 0 || C.extent(1) == 0) return;
+  Region region("moe::gemm");
+#if MOE_HAS_ONEDNN
+  if constexpr (onednn_gemm<ExecSpace, AV, BV, CV>()) {
+    if (A.stride(1) == 1 && B.stride(1) == 1 && C.stride(1) == 1) {
+      bool const tA = ta[0] == 'T' || ta[0] == 't', tB = tb[0] == 'T' || tb[0] == 't';
+      fence(space, "moe::gemm<OneDnn>: operands ready");
+      onednn::sgemm(tA ? 'T' : 'N', tB ? 'T' : 'N', C.extent(0), C.extent(1),
+                    tA ? A.extent(0) : A.extent(1), alpha, A.data(), A.stride(0), B.data(),
+                    B.stride(0), beta, C.data(), C.stride(0));
+      return;
+    }
+  }
+#endif
   BlasOrder<ExecSpace, AV, BV, CV> order(space);
   blas_gemm(space, ta, tb, alpha, A, B, beta, C);
 }

@@ -91,6 +91,16 @@ void fence(ExecSpace const& space, char const* label) {
     (void)label, space.fence();
 }
 
+/// A Kokkos Tools profiling region for the lifetime of the object (named `moe::...`), so the
+/// layer's stages show up in profilers; free when no tool is loaded.
+class Region {
+ public:
+  explicit Region(char const* name) { Kokkos::Profiling::pushRegion(name); }
+  ~Region() { Kokkos::Profiling::popRegion(); }
+  Region(Region const&) = delete;
+  Region& operator=(Region const&) = delete;
+};
+
 /// Largest finite value of T (device safe).
 template <class T>
 KOKKOS_INLINE_FUNCTION constexpr T finite_max();

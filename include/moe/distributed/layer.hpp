@@ -92,9 +92,23 @@ class DistributedMoeLayer {
   sharding::Mesh const& mesh() const { return mesh_; }
   /// How the routed experts are reached on this layout.
   ExpertRoute expert_route() const { return route_; }
-  /// Local parameter blocks (storage layout); see block().
-  params_type& parameters() { return params_; }
+  /// Local parameter blocks (storage layout); see block(). The non-const access counts as a
+  /// write (weights_changed()); code that keeps the reference or the views' pointers and writes
+  /// through them later must call weights_changed() after each write.
+  params_type& parameters() {
+    weights_changed();
+    return params_;
+  }
   params_type const& parameters() const { return params_; }
+
+  /// \brief Declares the local parameter blocks written (optimizer step, checkpoint load,
+  /// resharding): packed copies of the expert weights are remade on the next forward. Weights
+  /// gathered over FSDP axes get a new version at every gather anyway.
+  void weights_changed() { ++weights_version_; }
+  /// Version of the expert weights the last forward computed with.
+  std::uint64_t weights_version() const { return weights_version_; }
+  /// The packed copies of the expert weights kept by the GEMM backend (statistics, tests).
+  gmm::PackCache const& pack_cache() const { return ffn_.pack_cache(); }
 
   /// \brief The block of `name` this rank holds: "x", "y", "dy", "dx" ([B,S,D]), or a parameter
   /// name (gate, gate_bias, wi_0, wi_1, wo, shared_wi_0, shared_wi_1, shared_wo; gradients have
@@ -393,6 +407,10 @@ class DistributedMoeLayer {
     cp_.wi_0 = to_compute(weight("wi_0"), params_.wi_0);
     cp_.wi_1 = to_compute(weight("wi_1"), params_.wi_1);
     cp_.wo = to_compute(weight("wo"), params_.wo);
+    // A gathered (or sliced) expert weight is new data in a reused buffer: a new version.
+    if (cp_.wi_0.data() != params_.wi_0.data() || cp_.wi_1.data() != params_.wi_1.data() ||
+        cp_.wo.data() != params_.wo.data())
+      weights_changed();
     if (cfg_.shared_mlp_dim() > 0) {
       cp_.shared_wi_0 = to_compute(weight("shared_wi_0"), params_.shared_wi_0);
       cp_.shared_wi_1 = to_compute(weight("shared_wi_1"), params_.shared_wi_1);
@@ -645,7 +663,8 @@ class DistributedMoeLayer {
     groups_local_.offsets = lp_.group_offsets;
     groups_local_.offsets_host = lp_.group_offsets_host;
     detail::ensure(space_, ys_, "moe::dist::y_local", n, D);
-    ffn_.forward(space_, cfg_.mlp_activation, xs_, groups_local_, cp_.wi_0, cp_.wi_1, cp_.wo, ys_);
+    ffn_.forward(space_, cfg_.mlp_activation, xs_, groups_local_, cp_.wi_0, cp_.wi_1, cp_.wo, ys_,
+                 weights_version_);
     // Partial down-projections (tensor-split hidden dim) -> column blocks of D.
     std::int64_t const Dc = D / tp;
     detail::ensure(space_, ys_c_, "moe::dist::y_local_cols", n, Dc);
@@ -716,7 +735,8 @@ class DistributedMoeLayer {
       detail::ensure(space_, ys_, "moe::dist::y_local", n, D);
       permute::gather_rows(space_, cview2(xw_), View1<std::int64_t const, memory_space>(perm_.perm),
                            K, xs_);
-      ffn_.forward(space_, cfg_.mlp_activation, xs_, perm_.groups, cp_.wi_0, cp_.wi_1, cp_.wo, ys_);
+      ffn_.forward(space_, cfg_.mlp_activation, xs_, perm_.groups, cp_.wi_0, cp_.wi_1, cp_.wo, ys_,
+                   weights_version_);
       permute::combine(space_, cview2(ys_), View1<std::int64_t const, memory_space>(perm_.inverse),
                        cview2(rs_.weights), false, yw_);
     }
@@ -898,7 +918,8 @@ class DistributedMoeLayer {
   distributed::Layout layout_;
   routing::Kind kind_;
   routing::RouteParams rp_;
-  params_type params_, cp_, gc_;  // stored blocks, compute blocks, compute-block gradients
+  params_type params_, cp_, gc_;       // stored blocks, compute blocks, compute-block gradients
+  std::uint64_t weights_version_ = 0;  // of the compute blocks of the expert weights
   distributed::CommLog log_;
   moe::detail::ScratchPool<memory_space> pool_;  // per-step temporaries, kept between steps
 
@@ -911,7 +932,7 @@ class DistributedMoeLayer {
   gmm::Groups<memory_space> groups_local_;
   std::unique_ptr<comm::RaggedAllToAll> a2a_;
   using gmm_policy = std::conditional_t<std::is_same_v<typename Policy::gmm_policy, gmm::Dense>,
-                                        gmm::Vendor, typename Policy::gmm_policy>;
+                                        gmm::Auto, typename Policy::gmm_policy>;
   nn::ExpertFfn<Scalar, gmm_policy, ExecSpace> ffn_;
   nn::DenseMlp<Scalar, ExecSpace> shared_;
   nn::DenseExperts<Scalar, ExecSpace> dense_;

@@ -13,7 +13,9 @@
 namespace moe::nn {
 
 /// \brief ys = (act(xs . wi_0[g]) * (xs . wi_1[g])) . wo[g] per group g; keeps what backward needs.
-/// \tparam Gmm gmm::Vendor or gmm::Tiled<...>.
+/// Owns the PackCache of its weights: callers pass the version of the weights' contents, which
+/// must change whenever the weights are written (see gmm::PackCache).
+/// \tparam Gmm a grouped-GEMM policy (gmm::Auto, OneDnn, Vendor, Tiled<...>).
 template <class Scalar, class Gmm, class ExecSpace>
 class ExpertFfn {
  public:
@@ -23,45 +25,59 @@ class ExpertFfn {
   using cview2 = View2<Scalar const, memory_space>;
   using groups_type = gmm::Groups<memory_space>;
 
-  /// xs [n,D] (kept until backward), weights [G,D,F] / [G,F,D], ys [n,D] (rows past the groups are
-  /// zeroed).
+  /// xs [n,D] (kept until backward), weights [G,D,F] / [G,F,D] whose contents have version
+  /// `weights_version`, ys [n,D] (rows past the groups are zeroed).
   void forward(ExecSpace const& space, Activation act, view2 xs, groups_type const& groups,
-               view3 wi_0, view3 wi_1, view3 wo, view2 ys) {
+               view3 wi_0, view3 wi_1, view3 wo, view2 ys, std::uint64_t weights_version) {
     std::int64_t const n = xs.extent(0), F = wi_0.extent(2);
     xs_ = xs;
     act_ = act;
     moe::detail::ensure(space, h0_, "moe::ffn::h0", n, F);
     moe::detail::ensure(space, h1_, "moe::ffn::h1", n, F);
     moe::detail::ensure(space, a_, "moe::ffn::act", n, F);
-    gmm::gmm(space, Gmm{}, xs, wi_0, groups, h0_);
-    gmm::gmm(space, Gmm{}, xs, wi_1, groups, h1_);
+    version_ = weights_version;
+    gmm::GmmOptions const fw = options(false, false);
+    gmm::gmm(space, Gmm{}, xs, wi_0, groups, h0_, fw);
+    gmm::gmm(space, Gmm{}, xs, wi_1, groups, h1_, fw);
     gated_forward(space, act, n, cview2(h0_), cview2(h1_), a_);
-    gmm::gmm(space, Gmm{}, a_, wo, groups, ys);
+    gmm::gmm(space, Gmm{}, a_, wo, groups, ys, fw);
   }
 
-  /// From dys [n,D]: dxs [n,D] (may alias dys) and the weight gradients (overwritten).
+  /// From dys [n,D]: dxs [n,D] (may alias dys) and the weight gradients (overwritten). The
+  /// weights must be the forward's (same version).
   void backward(ExecSpace const& space, view2 dys, groups_type const& groups, view3 wi_0,
                 view3 wi_1, view3 wo, view2 dxs, view3 d_wi_0, view3 d_wi_1, view3 d_wo) {
     std::int64_t const n = xs_.extent(0), F = wi_0.extent(2);
     moe::detail::ensure(space, da_, "moe::ffn::d_act", n, F);
     moe::detail::ensure(space, dh1_, "moe::ffn::d_h1", n, F);
     gmm::tgmm(space, Gmm{}, a_, dys, groups, d_wo);
-    gmm::GmmOptions tr;
-    tr.transpose_rhs = true;
+    gmm::GmmOptions const tr = options(true, false);
     gmm::gmm(space, Gmm{}, dys, wo, groups, da_, tr);
     // dh0 overwrites da (each element reads its own da before writing).
     gated_backward(space, act_, n, cview2(h0_), cview2(h1_), cview2(da_), da_, dh1_);
     gmm::tgmm(space, Gmm{}, xs_, da_, groups, d_wi_0);
     gmm::tgmm(space, Gmm{}, xs_, dh1_, groups, d_wi_1);
     gmm::gmm(space, Gmm{}, da_, wi_0, groups, dxs, tr);
-    gmm::GmmOptions tr_acc = tr;
-    tr_acc.accumulate = true;
-    gmm::gmm(space, Gmm{}, dh1_, wi_1, groups, dxs, tr_acc);
+    gmm::gmm(space, Gmm{}, dh1_, wi_1, groups, dxs, options(true, true));
   }
 
+  /// The packed copies of the weights (empty unless the GEMM backend packs).
+  gmm::PackCache const& pack_cache() const { return cache_; }
+
  private:
+  gmm::GmmOptions options(bool transpose, bool accumulate) {
+    gmm::GmmOptions o;
+    o.transpose_rhs = transpose;
+    o.accumulate = accumulate;
+    o.pack_cache = &cache_;
+    o.rhs_version = version_;
+    return o;
+  }
+
   Activation act_ = Activation::Silu;
   view2 xs_, h0_, h1_, a_, da_, dh1_;
+  gmm::PackCache cache_;
+  std::uint64_t version_ = 0;
 };
 
 /// \brief Dense gated MLP (the shared expert): out (+)= (act(x . w0) * (x . w1)) . wo.

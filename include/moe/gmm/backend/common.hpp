@@ -1,0 +1,149 @@
+#pragma once
+/// \file
+/// What the grouped-GEMM backends share: unmanaged operand view types, zeroing of unvisited rows,
+/// the host-side shape checks of gmm/tgmm, and the primary `Impl` template each backend
+/// specialises for its policy tag.
+
+#include <moe/detail/compat.hpp>
+#include <moe/error.hpp>
+#include <moe/gmm/groups.hpp>
+#include <moe/gmm/policy.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+namespace moe::detail::gmm_impl {
+
+template <class Exec, class Scalar, class Mem>
+using CMat = Kokkos::View<const Scalar**, Kokkos::LayoutRight, Kokkos::Device<Exec, Mem>,
+                          Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+template <class Exec, class Scalar, class Mem>
+using Mat = Kokkos::View<Scalar**, Kokkos::LayoutRight, Kokkos::Device<Exec, Mem>,
+                         Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+template <class Exec, class Scalar, class Mem>
+using CTensor = Kokkos::View<const Scalar***, Kokkos::LayoutRight, Kokkos::Device<Exec, Mem>,
+                             Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+template <class Exec, class Scalar, class Mem>
+using Tensor = Kokkos::View<Scalar***, Kokkos::LayoutRight, Kokkos::Device<Exec, Mem>,
+                            Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+using Rows = std::pair<int64_t, int64_t>;
+
+using moe::detail::fence;
+
+/// out = 0 on a 2-D block (any row stride).
+template <class ExecSpace, class Scalar, class Mem>
+void zero(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out, char const* label) {
+  int64_t const rows = out.extent(0), cols = out.extent(1);
+  if (rows == 0 || cols == 0) return;
+  Kokkos::parallel_for(
+      label, Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<int64_t>>(space, 0, rows * cols),
+      KOKKOS_LAMBDA(int64_t idx) { out(idx / cols, idx % cols) = Scalar(0); });
+}
+
+/// Zeroes the rows of out outside [begin, end) (rows of no visited group).
+template <class ExecSpace, class Scalar, class Mem>
+void zero_outside(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out, int64_t begin,
+                  int64_t end) {
+  int64_t const m = out.extent(0);
+  if (begin > 0)
+    zero(space, Mat<ExecSpace, Scalar, Mem>(Kokkos::subview(out, Rows(0, begin), Kokkos::ALL)),
+         "moe::gmm::zero_unvisited_rows");
+  if (end < m)
+    zero(space, Mat<ExecSpace, Scalar, Mem>(Kokkos::subview(out, Rows(end, m), Kokkos::ALL)),
+         "moe::gmm::zero_unvisited_rows");
+}
+
+inline void check_blas_extent(char const* what, char const* name, int64_t value) {
+  moe::detail::require<ShapeError>(value <= INT_MAX, what, ": ", name, "=", value,
+                                   " exceeds the 32-bit BLAS limit ", INT_MAX,
+                                   "; use the Tiled policy or split the problem");
+}
+
+// ----------------------------------------------------------------------------------------------
+// Shape checks (host)
+
+template <class Mem>
+void check_groups(char const* what, moe::gmm::Groups<Mem> const& groups, int num_local,
+                  moe::gmm::GmmOptions const& opt) {
+  moe::detail::require<ShapeError>(
+      groups.offsets.extent(0) == groups.offsets_host.extent(0) && groups.offsets.extent(0) >= 1,
+      what, ": groups.offsets.extent(0)=", groups.offsets.extent(0),
+      " and groups.offsets_host.extent(0)=", groups.offsets_host.extent(0),
+      " must be equal and >= 1; build Groups with moe::gmm::make_groups");
+  moe::detail::require<ShapeError>(opt.group_offset >= 0, what, ": group_offset=", opt.group_offset,
+                                   " must be >= 0");
+  moe::detail::require<ShapeError>(
+      static_cast<int64_t>(opt.group_offset) + num_local <= groups.num_groups(), what,
+      ": group_offset=", opt.group_offset, " + G_local=", num_local,
+      " exceeds the number of groups G=", groups.num_groups());
+}
+
+template <class L, class R, class O, class Mem>
+void check_gmm(L const& lhs, R const& rhs, moe::gmm::Groups<Mem> const& groups, O const& out,
+               moe::gmm::GmmOptions const& opt) {
+  char const* what = "moe::gmm::gmm";
+  int64_t const m = lhs.extent(0), k = lhs.extent(1);
+  int64_t const rk = opt.transpose_rhs ? rhs.extent(2) : rhs.extent(1);
+  int64_t const n = opt.transpose_rhs ? rhs.extent(1) : rhs.extent(2);
+  moe::detail::require<ShapeError>(rhs.extent(0) <= INT_MAX, what,
+                                   ": rhs.extent(0)=", rhs.extent(0), " groups is more than ",
+                                   INT_MAX);
+  check_groups(what, groups, static_cast<int>(rhs.extent(0)), opt);
+  moe::detail::require<ShapeError>(m >= groups.rows(), what, ": lhs.extent(0)=", m,
+                                   " is smaller than the number of grouped rows ", groups.rows(),
+                                   " (sum of group sizes); lhs needs a row for each");
+  moe::detail::require<ShapeError>(
+      rk == k, what, ": lhs is [", m, ",", k, "] but rhs is [", rhs.extent(0), ",", rhs.extent(1),
+      ",", rhs.extent(2), "]; rhs.extent(", opt.transpose_rhs ? 2 : 1, ")=", rk,
+      " must equal lhs.extent(1)=", k, opt.transpose_rhs ? " (transpose_rhs)" : "");
+  moe::detail::require<ShapeError>(out.extent(0) == lhs.extent(0) && int64_t(out.extent(1)) == n,
+                                   what, ": out is [", out.extent(0), ",", out.extent(1),
+                                   "] but must be [lhs.extent(0), n] = [", m, ",", n, "]");
+}
+
+template <class L, class D, class O, class Mem>
+void check_tgmm(L const& lhs, D const& dy, moe::gmm::Groups<Mem> const& groups, O const& out,
+                moe::gmm::GmmOptions const& opt) {
+  char const* what = "moe::gmm::tgmm";
+  int64_t const m = lhs.extent(0), k = lhs.extent(1), n = dy.extent(1);
+  moe::detail::require<ShapeError>(out.extent(0) <= INT_MAX, what,
+                                   ": out.extent(0)=", out.extent(0), " groups is more than ",
+                                   INT_MAX);
+  check_groups(what, groups, static_cast<int>(out.extent(0)), opt);
+  moe::detail::require<ShapeError>(m >= groups.rows(), what, ": lhs.extent(0)=", m,
+                                   " is smaller than the number of grouped rows ", groups.rows(),
+                                   " (sum of group sizes); lhs needs a row for each");
+  moe::detail::require<ShapeError>(int64_t(dy.extent(0)) == m, what,
+                                   ": dy.extent(0)=", dy.extent(0),
+                                   " must equal lhs.extent(0)=", m);
+  moe::detail::require<ShapeError>(int64_t(out.extent(1)) == k && int64_t(out.extent(2)) == n, what,
+                                   ": out is [", out.extent(0), ",", out.extent(1), ",",
+                                   out.extent(2), "] but must be [G_local, ", k, ", ", n,
+                                   "] = [G_local, lhs.extent(1), dy.extent(1)]");
+}
+
+/// The implementation of a policy: static gmm() and tgmm() on unmanaged row-major operands. Each
+/// backend file specialises it for its tag (and moe::gmm::is_policy / is_available beside it).
+template <class Policy>
+struct Impl {
+  static_assert(!std::is_same<Policy, Policy>::value,
+                "moe::gmm: no implementation for this Policy; moe::gmm::is_policy lists the tags");
+};
+
+template <class ExecSpace, class... Views>
+constexpr void static_checks() {
+  static_assert(Kokkos::is_execution_space<ExecSpace>::value,
+                "moe::gmm: the first argument must be a Kokkos execution space instance");
+  static_assert((Kokkos::is_view<Views>::value && ...), "moe::gmm: operands must be Kokkos::Views");
+  static_assert((std::is_same<typename Views::array_layout, Kokkos::LayoutRight>::value && ...),
+                "moe::gmm: operands must be LayoutRight (row-major) Views");
+  static_assert(
+      (Kokkos::SpaceAccessibility<ExecSpace, typename Views::memory_space>::accessible && ...),
+      "moe::gmm: operands must be accessible from the execution space");
+}
+
+}  // namespace moe::detail::gmm_impl

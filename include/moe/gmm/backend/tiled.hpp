@@ -1,0 +1,386 @@
+#pragma once
+/// \file
+/// gmm::Tiled<TM,TK,TN>: the portable Kokkos team kernel (the GPU path without a vendor library).
+
+#include <moe/gmm/backend/common.hpp>
+
+namespace moe::gmm {
+
+/// \brief Policy: portable Kokkos team kernel. Each team computes one TM x TN output tile from
+/// TM x TK and TK x TN tiles staged in team scratch; a tile never straddles two groups.
+/// \tparam TM rows of an output tile (rows of lhs)
+/// \tparam TK depth of one step of the contraction loop
+/// \tparam TN columns of an output tile
+template <int TM, int TK, int TN>
+struct Tiled {
+  static_assert(TM > 0 && TK > 0 && TN > 0,
+                "moe::gmm::Tiled<TM,TK,TN>: every tile extent must be positive");
+  static constexpr int tile_m = TM;
+  static constexpr int tile_k = TK;
+  static constexpr int tile_n = TN;
+};
+
+template <int TM, int TK, int TN>
+struct is_policy<Tiled<TM, TK, TN>> : std::true_type {};
+
+}  // namespace moe::gmm
+
+namespace moe::detail::gmm_impl {
+
+// ----------------------------------------------------------------------------------------------
+// Tiled: a team computes one output tile C[TM,TN] += A[TM,TK-chunk] * B[TK-chunk,TN] with A and B
+// staged in scratch. Each thread of the team owns UM x UN register blocks of C ("micro tiles");
+// on host backends a team is one thread walking all micro tiles of its tile.
+
+/// Bytes of one SIMD register of the host target this translation unit is compiled for.
+#if defined(__AVX512F__)
+constexpr int host_simd_bytes = 64;
+#elif defined(__AVX__)
+constexpr int host_simd_bytes = 32;
+#else
+constexpr int host_simd_bytes = 16;
+#endif
+
+template <class ExecSpace, class Scalar>
+struct MicroTile {
+  static constexpr bool host = Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible;
+  // Host: 4 rows x 2 SIMD registers of accumulators (8 registers, leaving room for the operands
+  // even with SSE's 16); a wider block spills and the compiler stops vectorising along columns.
+  // Device: 4 x 4 per thread.
+  static constexpr int um = 4;
+  static constexpr int un = host ? static_cast<int>(2 * host_simd_bytes / sizeof(Scalar)) : 4;
+  static constexpr int max_team = host ? 1 : 256;
+};
+
+constexpr int round_up(int x, int to) { return (x + to - 1) / to * to; }
+
+template <class Scalar, int TMp, int TK, int TNp, int UM, int UN>
+KOKKOS_INLINE_FUNCTION void micro_tile(Scalar const* As, Scalar const* Bs, Scalar* Cs, int i0,
+                                       int j0) {
+  // As is [TK][TMp] (k-major so a micro tile's UM values are adjacent), Bs is [TK][TNp].
+  Scalar acc[UM][UN];
+  for (int a = 0; a < UM; ++a)
+    for (int b = 0; b < UN; ++b) acc[a][b] = Cs[(i0 + a) * TNp + j0 + b];
+  for (int kk = 0; kk < TK; ++kk) {
+    Scalar const* arow = As + kk * TMp + i0;
+    Scalar const* brow = Bs + kk * TNp + j0;
+    for (int a = 0; a < UM; ++a) {
+      Scalar const av = arow[a];
+      for (int b = 0; b < UN; ++b) acc[a][b] += av * brow[b];
+    }
+  }
+  for (int a = 0; a < UM; ++a)
+    for (int b = 0; b < UN; ++b) Cs[(i0 + a) * TNp + j0 + b] = acc[a][b];
+}
+
+/// Shared part of the gmm and tgmm tile kernels: scratch layout, micro-tile loop, store.
+template <class ExecSpace, class Scalar, int TM, int TK, int TN>
+struct TileCore {
+  using MT = MicroTile<ExecSpace, Scalar>;
+  static constexpr int UM = TM < MT::um ? TM : MT::um;
+  static constexpr int UN = TN < MT::un ? TN : MT::un;
+  static constexpr int TMp = round_up(TM, UM);
+  static constexpr int TNp = round_up(TN, UN);
+  static constexpr int num_micro = (TMp / UM) * (TNp / UN);
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  using ScratchView = Kokkos::View<Scalar*, typename ExecSpace::scratch_memory_space,
+                                   Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+
+  static std::size_t scratch_bytes() {
+    return ScratchView::shmem_size(TK * TMp) + ScratchView::shmem_size(TK * TNp) +
+           ScratchView::shmem_size(TMp * TNp);
+  }
+
+  struct Scratch {
+    Scalar* a;
+    Scalar* b;
+    Scalar* c;
+  };
+
+  KOKKOS_INLINE_FUNCTION static Scratch scratch(member_type const& team, int level) {
+    ScratchView a(team.team_scratch(level), TK * TMp);
+    ScratchView b(team.team_scratch(level), TK * TNp);
+    ScratchView c(team.team_scratch(level), TMp * TNp);
+    return {a.data(), b.data(), c.data()};
+  }
+
+  /// Calls f(r, c, valid) for every element of an R x C block, valid = r < rv && c < cv, with c
+  /// the fast index: host backends walk rows with a plain inner loop (vectorisable), device
+  /// backends spread the flat index over the team (coalesced along c).
+  template <class F>
+  KOKKOS_INLINE_FUNCTION static void stage(member_type const& team, int R, int C, int rv, int cv,
+                                           F const& f) {
+    if constexpr (MT::host) {
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, R), [&](int r) {
+        int const valid_cols = r < rv ? cv : 0;
+        for (int c = 0; c < valid_cols; ++c) f(r, c, true);
+        for (int c = valid_cols; c < C; ++c) f(r, c, false);
+      });
+    } else {
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, R * C), [&](int idx) {
+        int const r = idx / C, c = idx % C;
+        f(r, c, r < rv && c < cv);
+      });
+    }
+  }
+
+  KOKKOS_INLINE_FUNCTION static void clear(member_type const& team, Scratch const& s) {
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, TMp * TNp),
+                         [&](int idx) { s.c[idx] = Scalar(0); });
+  }
+
+  /// C += A * B over the micro tiles that hold part of the valid rows x cols (the padding of a
+  /// ragged tile is never stored, so it is not computed either).
+  KOKKOS_INLINE_FUNCTION static void multiply(member_type const& team, Scratch const& s, int rows,
+                                              int cols) {
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, num_micro), [&](int t) {
+      int const i0 = (t / (TNp / UN)) * UM, j0 = (t % (TNp / UN)) * UN;
+      if (i0 < rows && j0 < cols) micro_tile<Scalar, TMp, TK, TNp, UM, UN>(s.a, s.b, s.c, i0, j0);
+    });
+  }
+
+  /// out(row0 + i, col0 + j) (+)= C(i, j) for i < rows, j < cols.
+  template <class Out>
+  KOKKOS_INLINE_FUNCTION static void store(member_type const& team, Scratch const& s,
+                                           Out const& out, int64_t row0, int rows, int64_t col0,
+                                           int cols, bool accumulate) {
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows * cols), [&](int idx) {
+      int const i = idx / cols, j = idx % cols;
+      Scalar const v = s.c[i * TNp + j];
+      if (accumulate)
+        out(row0 + i, col0 + j) += v;
+      else
+        out(row0 + i, col0 + j) = v;
+    });
+  }
+
+  static int team_size() { return num_micro < MT::max_team ? num_micro : MT::max_team; }
+};
+
+template <class ExecSpace, class Scalar, int TM, int TK, int TN, bool TransB, class MemL,
+          class MemR, class MemO, class MemG>
+struct TiledGmmKernel {
+  using Core = TileCore<ExecSpace, Scalar, TM, TK, TN>;
+  using member_type = typename Core::member_type;
+  static constexpr int TMp = Core::TMp, TNp = Core::TNp;
+
+  CMat<ExecSpace, Scalar, MemL> lhs;
+  CTensor<ExecSpace, Scalar, MemR> rhs;
+  Mat<ExecSpace, Scalar, MemO> out;
+  Kokkos::View<const int64_t*, MemG> offsets;      // [G+1] of all groups
+  Kokkos::View<const int64_t*, MemG> tile_prefix;  // [G_local+1] first tile of each local group
+  int group_offset;
+  int num_local;
+  int64_t k;
+  int64_t n;
+  int n_tiles;
+  bool accumulate;
+  int level;
+
+  KOKKOS_INLINE_FUNCTION void operator()(member_type const& team) const {
+    // Tiles run group by group, n-tile by n-tile, then over the group's m-tiles, so the
+    // rhs panel [k, TN] of a group stays in cache while its row tiles stream past.
+    int64_t const t = team.league_rank();
+    int lo = 0, hi = num_local;  // the last local group g with tile_prefix(g) <= t
+    while (hi - lo > 1) {
+      int const mid = (lo + hi) / 2;
+      if (tile_prefix(mid) <= t)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    int const g = lo;
+    int64_t const local = t - tile_prefix(g);
+    int64_t const m_tiles = (tile_prefix(g + 1) - tile_prefix(g)) / n_tiles;
+    int const nt = static_cast<int>(local / m_tiles);
+    int64_t const mt = local % m_tiles;
+    int64_t const row0 = offsets(group_offset + g) + mt * TM;
+    int64_t const row_end = offsets(group_offset + g + 1);
+    int const rows = static_cast<int>(row_end - row0 < TM ? row_end - row0 : TM);
+    int64_t const col0 = int64_t(nt) * TN;
+    int const cols = static_cast<int>(n - col0 < TN ? n - col0 : TN);
+
+    auto s = Core::scratch(team, level);
+    Core::clear(team, s);
+    for (int64_t k0 = 0; k0 < k; k0 += TK) {
+      int const kc = static_cast<int>(k - k0 < TK ? k - k0 : TK);
+      Scalar* const a = s.a;
+      Scalar* const b = s.b;
+      // As[kk][i] = lhs(row0 + i, k0 + kk)
+      Core::stage(team, TMp, TK, rows, kc, [&](int i, int kk, bool valid) {
+        a[kk * TMp + i] = valid ? lhs(row0 + i, k0 + kk) : Scalar(0);
+      });
+      if (TransB) {  // Bs[kk][j] = rhs(g, col0 + j, k0 + kk)
+        Core::stage(team, TNp, TK, cols, kc, [&](int j, int kk, bool valid) {
+          b[kk * TNp + j] = valid ? rhs(g, col0 + j, k0 + kk) : Scalar(0);
+        });
+      } else {  // Bs[kk][j] = rhs(g, k0 + kk, col0 + j)
+        Core::stage(team, TK, TNp, kc, cols, [&](int kk, int j, bool valid) {
+          b[kk * TNp + j] = valid ? rhs(g, k0 + kk, col0 + j) : Scalar(0);
+        });
+      }
+      team.team_barrier();
+      Core::multiply(team, s, rows, cols);
+      team.team_barrier();
+    }
+    Core::store(team, s, out, row0, rows, col0, cols, accumulate);
+  }
+};
+
+template <class ExecSpace, class Scalar, int TM, int TK, int TN, class MemL, class MemD, class MemO,
+          class MemG>
+struct TiledTgmmKernel {
+  using Core = TileCore<ExecSpace, Scalar, TM, TK, TN>;
+  using member_type = typename Core::member_type;
+  static constexpr int TMp = Core::TMp, TNp = Core::TNp;
+
+  CMat<ExecSpace, Scalar, MemL> lhs;
+  CMat<ExecSpace, Scalar, MemD> dy;
+  Tensor<ExecSpace, Scalar, MemO> out;
+  Kokkos::View<const int64_t*, MemG> offsets;
+  int group_offset;
+  int64_t k;
+  int64_t n;
+  int k_tiles;
+  int n_tiles;
+  bool accumulate;
+  int level;
+
+  KOKKOS_INLINE_FUNCTION void operator()(member_type const& team) const {
+    int64_t const t = team.league_rank();
+    int const g = static_cast<int>(t / (int64_t(k_tiles) * n_tiles));
+    int const rest = static_cast<int>(t % (int64_t(k_tiles) * n_tiles));
+    int64_t const kcol0 = int64_t(rest / n_tiles) * TM;
+    int64_t const col0 = int64_t(rest % n_tiles) * TN;
+    int const kcols = static_cast<int>(k - kcol0 < TM ? k - kcol0 : TM);
+    int const cols = static_cast<int>(n - col0 < TN ? n - col0 : TN);
+    int64_t const r_begin = offsets(group_offset + g), r_end = offsets(group_offset + g + 1);
+
+    auto s = Core::scratch(team, level);
+    Core::clear(team, s);
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += TK) {
+      int const rc = static_cast<int>(r_end - r0 < TK ? r_end - r0 : TK);
+      // The contraction runs over the group's rows: As[kk][i] = lhs(r0 + kk, kcol0 + i).
+      Scalar* const a = s.a;
+      Scalar* const b = s.b;
+      Core::stage(team, TK, TMp, rc, kcols, [&](int kk, int i, bool valid) {
+        a[kk * TMp + i] = valid ? lhs(r0 + kk, kcol0 + i) : Scalar(0);
+      });
+      Core::stage(team, TK, TNp, rc, cols, [&](int kk, int j, bool valid) {
+        b[kk * TNp + j] = valid ? dy(r0 + kk, col0 + j) : Scalar(0);
+      });
+      team.team_barrier();
+      Core::multiply(team, s, kcols, cols);
+      team.team_barrier();
+    }
+    auto out_g = Kokkos::subview(out, g, Kokkos::ALL, Kokkos::ALL);
+    Core::store(team, s, out_g, kcol0, kcols, col0, cols, accumulate);
+  }
+};
+
+template <class ExecSpace>
+Kokkos::TeamPolicy<ExecSpace> tile_policy(ExecSpace const& space, int64_t league, int team_size,
+                                          std::size_t bytes, int& level, char const* what) {
+  moe::detail::require<ShapeError>(league <= INT_MAX, what, ": ", league,
+                                   " tiles exceed the launch limit ", INT_MAX,
+                                   "; use larger tiles");
+  level =
+      bytes <= static_cast<std::size_t>(Kokkos::TeamPolicy<ExecSpace>::scratch_size_max(0)) ? 0 : 1;
+  moe::detail::require<ShapeError>(
+      bytes <= static_cast<std::size_t>(Kokkos::TeamPolicy<ExecSpace>::scratch_size_max(level)),
+      what, ": the tiles need ", bytes, " bytes of team scratch, more than the ",
+      Kokkos::TeamPolicy<ExecSpace>::scratch_size_max(level),
+      " available; use smaller TM, TK or TN");
+  return Kokkos::TeamPolicy<ExecSpace>(space, static_cast<int>(league), team_size)
+      .set_scratch_size(level, Kokkos::PerTeam(bytes));
+}
+
+template <int TM, int TK, int TN>
+struct Impl<moe::gmm::Tiled<TM, TK, TN>> {
+  template <class E, class S, class ML, class MR, class MO, class Mem>
+  static void gmm(E const& space, CMat<E, S, ML> const& lhs, CTensor<E, S, MR> const& rhs,
+                  moe::gmm::Groups<Mem> const& groups, Mat<E, S, MO> const& out,
+                  moe::gmm::GmmOptions const& opt) {
+    using Core = TileCore<E, S, TM, TK, TN>;
+    char const* what = "moe::gmm::gmm<Tiled>";
+    int const num_local = rhs.extent(0);
+    int64_t const n = out.extent(1);
+    auto const& off = groups.offsets_host;
+    int const go = opt.group_offset;
+    if (!opt.accumulate) zero_outside(space, out, off(go), off(go + num_local));
+    if (n == 0 || off(go + num_local) == off(go)) return;
+
+    int64_t m_tiles = 0;
+    for (int g = 0; g < num_local; ++g) m_tiles += (off(go + g + 1) - off(go + g) + TM - 1) / TM;
+    int64_t const n_tiles = (n + TN - 1) / TN;
+    moe::detail::require<ShapeError>(n_tiles <= INT_MAX, what, ": n=", n, " is too large");
+
+    // First tile of each local group, computed where the offsets live (no host->device copy).
+    Kokkos::View<int64_t*, Mem> prefix(
+        Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::gmm::tiled::tile_prefix"),
+        num_local + 1);
+    auto offsets = groups.offsets;
+    Kokkos::parallel_scan(
+        "moe::gmm::tiled::tile_prefix", Kokkos::RangePolicy<E>(space, 0, num_local),
+        KOKKOS_LAMBDA(int g, int64_t& sum, bool final) {
+          if (final) prefix(g) = sum;
+          sum += (offsets(go + g + 1) - offsets(go + g) + TM - 1) / TM * n_tiles;
+          if (final && g + 1 == num_local) prefix(g + 1) = sum;
+        });
+
+    int level = 0;
+    auto policy = tile_policy(space, m_tiles * n_tiles, Core::team_size(), Core::scratch_bytes(),
+                              level, what);
+    auto launch = [&](auto trans) {
+      TiledGmmKernel<E, S, TM, TK, TN, decltype(trans)::value, ML, MR, MO, Mem> kernel{
+          lhs,
+          rhs,
+          out,
+          offsets,
+          prefix,
+          go,
+          num_local,
+          int64_t(lhs.extent(1)),
+          n,
+          static_cast<int>(n_tiles),
+          opt.accumulate,
+          level};
+      Kokkos::parallel_for("moe::gmm::gmm<Tiled>", policy, kernel);
+    };
+    if (opt.transpose_rhs)
+      launch(std::true_type{});
+    else
+      launch(std::false_type{});
+  }
+
+  template <class E, class S, class ML, class MD, class MO, class Mem>
+  static void tgmm(E const& space, CMat<E, S, ML> const& lhs, CMat<E, S, MD> const& dy,
+                   moe::gmm::Groups<Mem> const& groups, Tensor<E, S, MO> const& out,
+                   moe::gmm::GmmOptions const& opt) {
+    using Core = TileCore<E, S, TM, TK, TN>;
+    char const* what = "moe::gmm::tgmm<Tiled>";
+    int const num_local = out.extent(0);
+    int64_t const k = out.extent(1), n = out.extent(2);
+    if (num_local == 0 || k == 0 || n == 0) return;
+    int64_t const k_tiles = (k + TM - 1) / TM, n_tiles = (n + TN - 1) / TN;
+    moe::detail::require<ShapeError>(k_tiles * n_tiles <= INT_MAX, what, ": k=", k, " x n=", n,
+                                     " is too large");
+    int level = 0;
+    auto policy = tile_policy(space, num_local * k_tiles * n_tiles, Core::team_size(),
+                              Core::scratch_bytes(), level, what);
+    TiledTgmmKernel<E, S, TM, TK, TN, ML, MD, MO, Mem> kernel{lhs,
+                                                              dy,
+                                                              out,
+                                                              groups.offsets,
+                                                              opt.group_offset,
+                                                              k,
+                                                              n,
+                                                              static_cast<int>(k_tiles),
+                                                              static_cast<int>(n_tiles),
+                                                              opt.accumulate,
+                                                              level};
+    Kokkos::parallel_for("moe::gmm::tgmm<Tiled>", policy, kernel);
+  }
+};
+
+}  // namespace moe::detail::gmm_impl

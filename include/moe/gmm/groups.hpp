@@ -1,0 +1,126 @@
+#pragma once
+/// \file
+/// The interface every grouped-GEMM backend shares: the row partition of the activations into
+/// groups (one per expert, CSR offsets with a host copy) and the per-call options.
+
+#include <moe/error.hpp>
+#include <moe/gmm/pack_cache.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <cstdint>
+#include <vector>
+
+namespace moe::gmm {
+
+/// \brief Row partition of the lhs into consecutive groups, as CSR offsets.
+///
+/// offsets[0] = 0 and offsets[g+1] - offsets[g] is the size of group g. The host copy lets a
+/// launch size its grid and slice its operands without reading device memory.
+/// \tparam MemorySpace where `offsets` lives (the memory space of the execution space used)
+template <class MemorySpace>
+struct Groups {
+  /// [G+1] exclusive cumulative sum of the group sizes, on the device.
+  Kokkos::View<int64_t*, MemorySpace> offsets;
+  /// Host copy of `offsets` (same values).
+  typename Kokkos::View<int64_t*, MemorySpace>::HostMirror offsets_host;
+
+  /// \brief Number of groups G.
+  int num_groups() const {
+    return offsets_host.extent(0) == 0 ? 0 : static_cast<int>(offsets_host.extent(0) - 1);
+  }
+  /// \brief Number of grouped rows: the sum of the group sizes.
+  int64_t rows() const { return num_groups() == 0 ? 0 : offsets_host(num_groups()); }
+  /// \brief Size of group g.
+  int64_t size(int g) const { return offsets_host(g + 1) - offsets_host(g); }
+};
+
+}  // namespace moe::gmm
+
+namespace moe::detail::gmm_impl {
+
+/// Allocates the offsets of `sizes` (device view + host mirror) and fills the host copy.
+template <class MemorySpace, class... Alloc>
+moe::gmm::Groups<MemorySpace> host_groups(std::vector<int64_t> const& sizes,
+                                          Alloc const&... space) {
+  moe::gmm::Groups<MemorySpace> groups;
+  groups.offsets = Kokkos::View<int64_t*, MemorySpace>(
+      Kokkos::view_alloc(space..., Kokkos::WithoutInitializing, "moe::gmm::Groups::offsets"),
+      sizes.size() + 1);
+  groups.offsets_host = Kokkos::create_mirror_view(groups.offsets);
+  groups.offsets_host(0) = 0;
+  for (std::size_t g = 0; g < sizes.size(); ++g) {
+    moe::detail::require<ShapeError>(sizes[g] >= 0, "moe::gmm::make_groups: group size sizes[", g,
+                                     "]=", sizes[g], " is negative; group sizes must be >= 0");
+    groups.offsets_host(g + 1) = groups.offsets_host(g) + sizes[g];
+  }
+  return groups;
+}
+
+}  // namespace moe::detail::gmm_impl
+
+namespace moe::gmm {
+
+/// \brief Builds Groups from host group sizes; the copy to the device runs on `space` (the host
+/// copy stays alive in the result, so the copy may still be in flight when this returns).
+/// \param space instance that performs the copy to the device
+/// \param sizes group sizes, each >= 0
+/// \throws moe::ShapeError if a size is negative
+template <class ExecSpace, class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
+Groups<typename ExecSpace::memory_space> make_groups(ExecSpace const& space,
+                                                     std::vector<int64_t> const& sizes) {
+  auto groups = moe::detail::gmm_impl::host_groups<typename ExecSpace::memory_space>(sizes, space);
+  Kokkos::deep_copy(space, groups.offsets, groups.offsets_host);
+  return groups;
+}
+
+/// \brief Builds Groups from host group sizes; returns after the device copy is complete.
+/// \tparam MemorySpace memory space of the device offsets
+/// \throws moe::ShapeError if a size is negative
+template <class MemorySpace>
+Groups<MemorySpace> make_groups(std::vector<int64_t> const& sizes) {
+  auto groups = moe::detail::gmm_impl::host_groups<MemorySpace>(sizes);
+  Kokkos::deep_copy(groups.offsets, groups.offsets_host);
+  return groups;
+}
+
+/// \brief Builds Groups from device offsets and their host mirror, both already filled by the
+/// caller (e.g. from an exchanged count vector). Only the host copy is read.
+/// \throws moe::ShapeError if the extents differ, offsets_host(0) != 0, or offsets decrease
+template <class MemorySpace>
+Groups<MemorySpace> make_groups(
+    Kokkos::View<int64_t*, MemorySpace> const& offsets,
+    typename Kokkos::View<int64_t*, MemorySpace>::HostMirror const& offsets_host) {
+  moe::detail::require<ShapeError>(
+      offsets.extent(0) == offsets_host.extent(0) && offsets.extent(0) >= 1,
+      "moe::gmm::make_groups: offsets.extent(0)=", offsets.extent(0),
+      " and offsets_host.extent(0)=", offsets_host.extent(0),
+      " must be equal and >= 1 (G+1 CSR offsets)");
+  moe::detail::require<ShapeError>(offsets_host(0) == 0,
+                                   "moe::gmm::make_groups: offsets_host(0)=", offsets_host(0),
+                                   " must be 0");
+  for (std::size_t g = 1; g < offsets_host.extent(0); ++g)
+    moe::detail::require<ShapeError>(offsets_host(g) >= offsets_host(g - 1),
+                                     "moe::gmm::make_groups: offsets_host(", g,
+                                     ")=", offsets_host(g), " < offsets_host(", g - 1,
+                                     ")=", offsets_host(g - 1), "; group sizes must be >= 0");
+  return Groups<MemorySpace>{offsets, offsets_host};
+}
+
+/// \brief Options shared by gmm and tgmm.
+struct GmmOptions {
+  /// rhs is [G_local, n, k] and used transposed (dX = dY * W^T). gmm only.
+  bool transpose_rhs = false;
+  /// rhs[g] (gmm) or out[g] (tgmm) belongs to group group_offset + g.
+  int group_offset = 0;
+  /// out += result (rows of visited groups only) instead of out = result.
+  bool accumulate = false;
+  /// Where a backend that reorders rhs into its own layout (OneDnn with blocked kernels) keeps
+  /// the reordered copy between calls; nullptr: reorder in every call. gmm only.
+  PackCache* pack_cache = nullptr;
+  /// Version of rhs's contents for pack_cache: a call with the same rhs and version may reuse a
+  /// packed copy, so it must change whenever rhs is written (see PackCache).
+  std::uint64_t rhs_version = 0;
+};
+
+}  // namespace moe::gmm

@@ -1,0 +1,89 @@
+#pragma once
+/// \file
+/// PackCache: where a grouped-GEMM backend that reorders weights into its own layout (OneDnn on
+/// CPUs with blocked kernels) keeps the reordered copies between calls.
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <tuple>
+
+namespace moe::gmm {
+
+/// \brief Reordered ("packed") copies of rhs weight tensors, owned by the caller and passed to
+/// gmm through GmmOptions::pack_cache together with the version of the weights' contents.
+///
+/// An entry is keyed by the tensor's address, shape, scalar size and use (as is or transposed)
+/// and remembers the version it was packed from. A call with another version repacks, so a cache
+/// is only as right as the versions it is given: whoever writes the weights (optimizer step,
+/// FSDP gather, checkpoint load) must hand the next call a new version (MoeLayer::weights_changed
+/// does it for the layers). As a second guard an entry also keeps a hash of a few sampled weight
+/// values per expert and repacks when they differ (an update that forgot the version is caught
+/// whenever it changes a sampled value, which any optimizer step does).
+///
+/// Not thread-safe: one cache per layer, used from the thread that runs the layer.
+class PackCache {
+ public:
+  /// Identity of one use of one tensor.
+  struct Key {
+    void const* data = nullptr;
+    std::int64_t e0 = 0, e1 = 0, e2 = 0;
+    int scalar_bytes = 0;
+    bool transposed = false;
+    bool operator<(Key const& o) const {
+      return std::tie(data, e0, e1, e2, scalar_bytes, transposed) <
+             std::tie(o.data, o.e0, o.e1, o.e2, o.scalar_bytes, o.transposed);
+    }
+  };
+
+  /// The packed object of `key` if it was made from this version and sample hash, else nullptr.
+  std::shared_ptr<void> find(Key const& key, std::uint64_t version, std::uint64_t samples) {
+    auto it = entries_.find(key);
+    if (it == entries_.end() || it->second.version != version || it->second.samples != samples) {
+      if (it != entries_.end() && it->second.version == version) ++stale_caught_;
+      return nullptr;
+    }
+    ++hits_;
+    return it->second.packed;
+  }
+
+  /// Stores the packed object of `key` (replacing an older version's).
+  void put(Key const& key, std::uint64_t version, std::uint64_t samples,
+           std::shared_ptr<void> packed, std::size_t bytes) {
+    auto& e = entries_[key];
+    bytes_ -= e.bytes;
+    e = Entry{version, samples, std::move(packed), bytes};
+    bytes_ += bytes;
+    ++packs_;
+  }
+
+  /// Drops every packed copy.
+  void clear() {
+    entries_.clear();
+    bytes_ = 0;
+  }
+
+  /// Tensors packed so far (each repack counts).
+  std::uint64_t packs() const { return packs_; }
+  /// Calls that reused a packed tensor.
+  std::uint64_t hits() const { return hits_; }
+  /// Repacks forced by the sample hash although the version was unchanged (weights written
+  /// without a new version).
+  std::uint64_t stale_caught() const { return stale_caught_; }
+  /// Bytes held by the packed copies.
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  struct Entry {
+    std::uint64_t version = 0;
+    std::uint64_t samples = 0;
+    std::shared_ptr<void> packed;
+    std::size_t bytes = 0;
+  };
+  std::map<Key, Entry> entries_;
+  std::uint64_t packs_ = 0, hits_ = 0, stale_caught_ = 0;
+  std::size_t bytes_ = 0;
+};
+
+}  // namespace moe::gmm

@@ -1,0 +1,36 @@
+#pragma once
+/// \file
+/// Grouped-GEMM policy traits. Each backend file (gmm/backend/*.hpp) defines its policy tag and
+/// specialises the traits beside it, in the manner of Kokkos Kernels' `*_tpl_spec_avail`:
+///   is_policy<P>            P is a grouped-GEMM policy tag;
+///   is_available<P, E, S>   P has a native implementation for execution space E and scalar S
+///                           (false: the call runs on the fallback, Vendor);
+/// and `Auto` resolves to the best available backend of (E, S). Adding a backend touches its own
+/// file, the include list of gmm.hpp and, if Auto should pick it, `resolve`.
+
+#include <moe/moe_config.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <type_traits>
+
+namespace moe::gmm {
+
+/// \brief True for grouped-GEMM policy tags (specialised by each backend).
+template <class Policy>
+struct is_policy : std::false_type {};
+
+/// \brief True when `Policy` runs natively on `ExecSpace` for `Scalar`; a policy that is not
+/// available there runs as Vendor (same numbers up to rounding). Specialised by each backend.
+template <class Policy, class ExecSpace, class Scalar>
+struct is_available : std::true_type {};
+
+/// \brief Policy: the best backend of the execution space and scalar: OneDnn on host spaces for
+/// float when moe was configured with oneDNN (MOE_ENABLE_ONEDNN), else Vendor (Kokkos Kernels:
+/// BLAS on the host, cuBLAS / rocBLAS on GPUs).
+struct Auto {};
+
+template <>
+struct is_policy<Auto> : std::true_type {};
+
+}  // namespace moe::gmm

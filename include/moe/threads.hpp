@@ -1,0 +1,132 @@
+#pragma once
+/// \file
+/// Host threads under MPI: the ranks x threads rule and the one-line description of the GEMM
+/// backend a process runs.
+///
+/// Rule: a rank runs `threads = max(1, min(cores it may run on, cores of the node / ranks on the
+/// node))` host threads, so `mpirun -np N` on a node never runs more threads than cores. It sets
+/// OpenMP's default thread count (oneDNN's threads, and Kokkos' OpenMP backend when it is
+/// initialised afterwards) and OpenBLAS's. A user who sets OMP_NUM_THREADS (or, for the BLAS
+/// alone, OPENBLAS_NUM_THREADS) keeps that choice; the description then says "as set".
+/// Call apply_host_threads() after MPI_Init and before Kokkos::initialize.
+
+#include <moe/moe_config.hpp>
+
+#include <mpi.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#if MOE_HAS_ONEDNN
+#include <moe/detail/onednn.hpp>
+#endif
+
+// OpenBLAS entry points, resolved when Kokkos Kernels' BLAS TPL is OpenBLAS (weak: moe does not
+// need it at link time). OpenMP's come from <omp.h> when compiled with OpenMP (moe built with
+// oneDNN adds it), else as weak symbols resolved when some library loaded libgomp.
+#if defined(_OPENMP)
+#include <omp.h>
+#else
+extern "C" void omp_set_num_threads(int) __attribute__((weak));
+extern "C" int omp_get_max_threads(void) __attribute__((weak));
+#endif
+extern "C" void openblas_set_num_threads(int) __attribute__((weak));
+extern "C" int openblas_get_num_threads(void) __attribute__((weak));
+
+namespace moe {
+
+namespace detail {
+/// Whether OpenMP's runtime is there to be asked (always when compiled with OpenMP).
+inline bool have_openmp() {
+#if defined(_OPENMP)
+  return true;
+#else
+  return omp_set_num_threads != nullptr && omp_get_max_threads != nullptr;
+#endif
+}
+}  // namespace detail
+
+/// \brief The host threads of this rank and why.
+struct HostThreads {
+  int threads = 1;        ///< host threads per rank (OpenMP / oneDNN)
+  int blas_threads = 1;   ///< OpenBLAS threads per rank (when OpenBLAS is loaded)
+  int local_ranks = 1;    ///< ranks on this node
+  int node_cores = 1;     ///< cores of this node
+  bool from_env = false;  ///< OMP_NUM_THREADS was set by the user
+};
+
+/// \brief Cores this process may run on (its affinity mask), at least 1.
+inline int affinity_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    int const n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  unsigned const hc = std::thread::hardware_concurrency();
+  return hc > 0 ? int(hc) : 1;
+}
+
+/// \brief The rule for this rank (collective over `comm`: counts the ranks sharing its node).
+inline HostThreads host_threads_rule(MPI_Comm comm) {
+  HostThreads h;
+  MPI_Comm node;
+  MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  MPI_Comm_size(node, &h.local_ranks);
+  MPI_Comm_free(&node);
+  unsigned const hc = std::thread::hardware_concurrency();
+  h.node_cores = hc > 0 ? int(hc) : 1;
+  int const share = h.node_cores / h.local_ranks;
+  int const mine = affinity_cores();
+  h.threads = std::max(1, std::min(mine, share));
+  h.blas_threads = h.threads;
+  if (char const* env = std::getenv("OMP_NUM_THREADS"); env && std::atoi(env) > 0) {
+    h.threads = std::atoi(env);
+    h.from_env = true;
+  }
+  if (char const* env = std::getenv("OPENBLAS_NUM_THREADS"); env && std::atoi(env) > 0)
+    h.blas_threads = std::atoi(env);
+  return h;
+}
+
+/// \brief The rule last applied by apply_host_threads() in this process (defaults before).
+inline HostThreads& applied_host_threads() {
+  static HostThreads h;
+  return h;
+}
+
+/// \brief Applies host_threads_rule(comm) (see the file comment) and returns it. Collective.
+inline HostThreads apply_host_threads(MPI_Comm comm) {
+  HostThreads const h = host_threads_rule(comm);
+  if (detail::have_openmp()) omp_set_num_threads(h.threads);
+  if (openblas_set_num_threads) openblas_set_num_threads(h.blas_threads);
+  applied_host_threads() = h;
+  return h;
+}
+
+/// \brief One line naming the GEMM backend of host float GEMMs, its ISA and threads, e.g.
+/// "gemm: oneDNN 2.6.3 avx2, 1 thread per rank (2 ranks on 2 cores)".
+inline std::string describe_gemm(HostThreads const& h = applied_host_threads()) {
+  auto plural = [](int n, char const* word) {
+    return std::to_string(n) + " " + word + (n == 1 ? "" : "s");
+  };
+  std::string s = "gemm: ";
+  int threads = h.threads;
+#if MOE_HAS_ONEDNN
+  s += detail::onednn::describe();
+  if (detail::have_openmp()) threads = omp_get_max_threads();
+#else
+  s += "BLAS through Kokkos Kernels (moe built without oneDNN)";
+  if (openblas_get_num_threads) threads = openblas_get_num_threads();
+#endif
+  s += ", " + plural(threads, "thread") + " per rank";
+  s += " (" + plural(h.local_ranks, "rank") + " on " + plural(h.node_cores, "core") +
+       (h.from_env ? ", OMP_NUM_THREADS as set" : "") + ")";
+  if (threads * h.local_ranks > h.node_cores) s += ", warning: more threads than cores";
+  return s;
+}
+
+}  // namespace moe
