@@ -22,6 +22,7 @@
 
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/communicator.hpp>
+#include <moe/detail/hash.hpp>
 #include <moe/distributed/layer.hpp>
 #include <moe/threads.hpp>
 
@@ -169,16 +170,7 @@ inline std::int64_t global_index(moe::TensorBlock const& b, std::int64_t i) {
   return g;
 }
 
-inline std::uint64_t fnv1a(void const* data, std::size_t n,
-                           std::uint64_t h = 1469598103934665603ull) {
-  auto const* p = static_cast<unsigned char const*>(data);
-  for (std::size_t i = 0; i < n; ++i) {
-    h ^= p[i];
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-inline std::uint64_t fnv1a(std::string const& s) { return fnv1a(s.data(), s.size()); }
+using moe::detail::fnv1a;
 
 inline std::string fmt(char const* f, double v) {
   char buf[64];

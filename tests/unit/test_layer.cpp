@@ -1016,7 +1016,8 @@ TEST(LayerPackedWeights, NextForwardSeesEveryWrite) {
   check("first forward");
   check("same weights again");
   std::uint64_t const packs = layer.pack_cache().packs();
-  EXPECT_GT(packs, 0u);
+  bool const packing = MOE_HAS_ONEDNN;  // without oneDNN nothing is packed, results still hold
+  EXPECT_EQ(packs > 0, packing);
   check("third forward");
   EXPECT_EQ(layer.pack_cache().packs(), packs) << "unchanged weights must not be repacked";
 
@@ -1031,7 +1032,7 @@ TEST(LayerPackedWeights, NextForwardSeesEveryWrite) {
 
   write(kept, 0.25);  // the same without declaring it: the sampled values catch it
   check("after an undeclared write");
-  EXPECT_GT(layer.pack_cache().stale_caught(), 0u);
+  EXPECT_EQ(layer.pack_cache().stale_caught() > 0, packing);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 /// Collective calls are marked "Collective" in their documentation: every rank of the communicator
 /// must make them, in the same order. moe never calls MPI_Init or MPI_Finalize.
 
+#include <moe/detail/hash.hpp>
 #include <moe/error.hpp>
 
 #include <mpi.h>
@@ -182,16 +183,6 @@ inline std::string broadcast_string(Communicator const& comm, int root, std::str
              moe::detail::cat(text, " [rank ", root, " of ", comm.size(), "]"));
 }
 
-/// 64-bit FNV-1a: a stable hash of a configuration text.
-inline std::uint64_t fnv1a(std::string const& s) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
 }  // namespace detail
 
 /// \brief Collective: throws the same exception on every rank when any rank failed.
@@ -246,7 +237,7 @@ void collective_guard(Communicator const& comm, F&& f) {
 /// \param what what the value is, for the message (e.g. "layer configuration")
 inline void check_agreement(Communicator const& comm, std::string const& what,
                             std::string const& value) {
-  std::uint64_t const mine = detail::fnv1a(value);
+  std::uint64_t const mine = moe::detail::fnv1a(value);
   std::vector<std::uint64_t> all(static_cast<std::size_t>(comm.size()));
   detail::check_mpi(MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, comm.get()),
                     "MPI_Allgather");

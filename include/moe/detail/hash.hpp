@@ -9,7 +9,9 @@
 
 namespace moe::detail {
 
-inline constexpr std::uint64_t fnv1a_basis = 14695981039346656037ull;
+/// The starting value moe has always used (one digit short of FNV's published offset basis,
+/// 14695981039346656037; kept because train_moe derives parameter initialisation from it).
+inline constexpr std::uint64_t fnv1a_basis = 1469598103934665603ull;
 
 /// FNV-1a of n bytes, continuing from `h` (pass a previous result to hash several pieces).
 inline std::uint64_t fnv1a(void const* data, std::size_t n, std::uint64_t h = fnv1a_basis) {
