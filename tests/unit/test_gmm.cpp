@@ -3,6 +3,8 @@
 // the policy's own rounding, bounded by (k + 2) * eps * sum |a| |b| per output element.
 // OneDnn runs twice: as it chooses on this CPU, and forced into its packed-weight path
 // (OneDnnPacked below), whose weight cache is also tested for staleness.
+#include "reference.hpp"
+
 #include <moe/gmm/gmm.hpp>
 #include <moe/moe_config.hpp>
 
@@ -28,23 +30,14 @@ struct moe::gmm::is_available<OneDnnPacked, E, S> : moe::gmm::is_available<moe::
 };
 template <>
 struct moe::detail::gmm_impl::Impl<OneDnnPacked> {
-  struct Force {
-    Force() { set(true); }
-    ~Force() { set(false); }
-    static void set([[maybe_unused]] bool on) {
-#if MOE_HAS_ONEDNN
-      moe::detail::onednn::force_packed() = on;
-#endif
-    }
-  };
   template <class... A>
   static void gmm(A const&... a) {
-    Force f;
+    moe_ref::kk::ForcePackedOneDnn packed;
     Impl<moe::gmm::OneDnn>::gmm(a...);
   }
   template <class... A>
   static void tgmm(A const&... a) {
-    Force f;
+    moe_ref::kk::ForcePackedOneDnn packed;
     Impl<moe::gmm::OneDnn>::tgmm(a...);
   }
 };

@@ -101,7 +101,9 @@ inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float co
   // Below ~1 MB of weights a thread team costs more than it saves.
   if (k * n < (std::int64_t(1) << 18)) threads = 1;
 #endif
-  std::vector<float> partial(std::size_t(threads) * std::size_t(rows * n), 0.0f);
+  // Reused across calls (a decode step makes one call per expert): no allocation per call.
+  static thread_local std::vector<float> partial;
+  partial.assign(std::size_t(threads) * std::size_t(rows * n), 0.0f);
   auto part = [&](int t) {
     std::int64_t const c0 = k * t / threads, c1 = k * (t + 1) / threads;
     float* acc = partial.data() + std::size_t(t) * std::size_t(rows * n);
