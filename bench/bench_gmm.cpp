@@ -6,10 +6,14 @@
 //   gflops       2*T*K*D*F / seconds (the expert GEMM FLOPs), seconds = median over iterations
 //   dense_ratio  gflops / dense_gflops
 //   dense_gflops GFLOP/s of one dense [T*K, D] x [D, F] GEMM (same FLOPs) through the fastest
-//                dense GEMM of the process (oneDNN sgemm, else KokkosBlas), median of calls
+//                dense GEMM of the process (the faster of oneDNN sgemm and oneDNN's 1x1
+//                convolution on pre-packed weights, else KokkosBlas), median of calls
 //                interleaved with the benchmark's own
+//   dense_packed 1 when that dense GEMM is the packed convolution
 //   peak_ratio   gflops / FMA peak of the GEMM threads (yardsticks.hpp: fma_peak(gemm_threads()),
 //                measured once per process, on the widest vector ISA CPUID reports)
+//   pack_ms      packing the weights once more (the first call of a new weight version, after
+//                the warm-up) minus a steady call's time; 0 for backends that do not pack
 //   min_rows, max_rows  smallest and largest group
 // Decode rows only:
 //   weight_gbs   bytes of the weights touched / seconds, 1e9 B/s: experts with >= 1 row x D*F*4
@@ -66,13 +70,24 @@ void bench_gmm(benchmark::State& state, int experts, std::string const& dist, in
   auto const& w = weights(experts);
   auto const& y = outputs(rows);
   Exec space;
-  moe::gmm::gmm(space, Policy{}, x, w, groups, y);  // warm-up (BLAS threads, caches)
+  // As in a layer: the weights come with a PackCache and a version, so a backend that packs
+  // them does so in the first (warm-up) call only; pack_ms reports what that costs.
+  moe::gmm::PackCache cache;
+  moe::gmm::GmmOptions opt;
+  opt.pack_cache = &cache;
+  opt.rhs_version = 1;
+  moe::gmm::gmm(space, Policy{}, x, w, groups, y, opt);  // warm-up: threads, primitives, caches
   space.fence();
+  opt.rhs_version = 2;  // a new weight version (as after an optimizer step): packs again
+  double const w0 = now();
+  moe::gmm::gmm(space, Policy{}, x, w, groups, y, opt);
+  space.fence();
+  double const repack = now() - w0;
   DenseYardstick dense_gemm(rows, kD, kF);
   std::vector<double> times;
   for (auto _ : state) {
     double const t0 = now();
-    moe::gmm::gmm(space, Policy{}, x, w, groups, y);
+    moe::gmm::gmm(space, Policy{}, x, w, groups, y, opt);
     space.fence();
     double const dt = now() - t0;
     state.SetIterationTime(dt);
@@ -85,6 +100,7 @@ void bench_gmm(benchmark::State& state, int experts, std::string const& dist, in
   double const dense = dense_gemm.gflops();
   state.counters["dense_ratio"] = gflops / dense;
   state.counters["dense_gflops"] = dense;
+  state.counters["dense_packed"] = dense_gemm.packed();
   state.counters["peak_ratio"] = peak_ratio(gflops);
   if (decode) {
     auto const touched = std::count_if(sizes.begin(), sizes.end(), [](int64_t s) { return s > 0; });
@@ -93,6 +109,7 @@ void bench_gmm(benchmark::State& state, int experts, std::string const& dist, in
     state.counters["weight_gbs"] = gbs;
     state.counters["bw_ratio"] = bw_ratio(gbs);
   }
+  state.counters["pack_ms"] = cache.packs() > 0 ? std::max(0.0, repack - median(times)) * 1e3 : 0.0;
   state.counters["min_rows"] = double(*std::min_element(sizes.begin(), sizes.end()));
   state.counters["max_rows"] = double(*std::max_element(sizes.begin(), sizes.end()));
 }

@@ -8,7 +8,9 @@
 //                  data and weight gradients of the three)
 //   dense_ratio    gflops / dense_gflops
 //   dense_gflops   GFLOP/s of one dense [T*K, D] x [D, F] GEMM through the fastest dense GEMM of
-//                  the process (oneDNN sgemm, else KokkosBlas), calls interleaved with the layer's
+//                  the process (the faster of oneDNN sgemm and oneDNN's 1x1 convolution on
+//                  pre-packed weights, else KokkosBlas), calls interleaved with the layer's
+//   dense_packed   1 when that dense GEMM is the packed convolution
 //   peak_ratio     gflops / FMA peak of the GEMM threads (yardsticks.hpp, measured in-process)
 //   fwd_ms         median forward milliseconds
 //   bwd_over_fwd   (layer_bwd) median backward / median forward
@@ -187,6 +189,7 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
   state.counters["gflops"] = gflops;
   state.counters["dense_ratio"] = gflops / dense_gemm.gflops();
   state.counters["dense_gflops"] = dense_gemm.gflops();
+  state.counters["dense_packed"] = dense_gemm.packed();
   state.counters["peak_ratio"] = peak_ratio(gflops);
   if (decode) {
     // Experts that received at least one token, from the layer's routing.

@@ -91,7 +91,7 @@ void add_machine_context() {
 #else
   benchmark::AddCustomContext("onednn", "not built (MOE_HAS_ONEDNN=0)");
 #endif
-  benchmark::AddCustomContext("dense_yardstick", moe::bench::DenseYardstick::backend());
+  benchmark::AddCustomContext("dense_yardstick", moe::bench::DenseYardstick::candidates());
   auto const peak = moe::bench::fma_peak(threads);
   benchmark::AddCustomContext("fma_peak", fixed(peak.gflops, 1) + " GFLOP/s, " +
                                               std::to_string(peak.threads) + " threads, " +

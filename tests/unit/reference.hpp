@@ -475,19 +475,27 @@ inline Gradients finite_differences(LayerConfig const& cfg, Params const& p, Vec
 
 namespace moe_ref::kk {
 
-/// Forces gmm::OneDnn into its packed-weight path while alive (the packed layout is the plain
-/// one, copied, on CPUs where oneDNN prefers plain weights), so the packing and the PackCache
-/// run whatever the CPU. A no-op without oneDNN.
-struct ForcePackedOneDnn {
-  ForcePackedOneDnn() { set(true); }
-  ~ForcePackedOneDnn() { set(false); }
-  ForcePackedOneDnn(ForcePackedOneDnn const&) = delete;
-  ForcePackedOneDnn& operator=(ForcePackedOneDnn const&) = delete;
-  static void set([[maybe_unused]] bool on) {
+/// Forces gmm::OneDnn into one of its two modes while alive, whatever this CPU's oneDNN would
+/// choose: packed weights (reordered, cached, run on convolution primitives; the reference
+/// convolution where oneDNN has no direct kernel) or plain (sgemm on the weights in place). Both
+/// paths then run on every CPU. A no-op without oneDNN.
+struct ForceOneDnnMode {
+  explicit ForceOneDnnMode(bool packed) { set(packed ? 2 : 1); }
+  ~ForceOneDnnMode() { set(0); }
+  ForceOneDnnMode(ForceOneDnnMode const&) = delete;
+  ForceOneDnnMode& operator=(ForceOneDnnMode const&) = delete;
+  static void set([[maybe_unused]] int mode) {
 #if MOE_HAS_ONEDNN
-    moe::detail::onednn::force_packed() = on;
+    using L = moe::detail::onednn::Layout;
+    moe::detail::onednn::forced_layout() = mode == 2 ? L::packed : mode == 1 ? L::plain : L::chosen;
 #endif
   }
+};
+struct ForcePackedOneDnn : ForceOneDnnMode {
+  ForcePackedOneDnn() : ForceOneDnnMode(true) {}
+};
+struct ForcePlainOneDnn : ForceOneDnnMode {
+  ForcePlainOneDnn() : ForceOneDnnMode(false) {}
 };
 
 using MS = Kokkos::DefaultExecutionSpace::memory_space;

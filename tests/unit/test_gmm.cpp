@@ -1,8 +1,8 @@
 // Grouped GEMM (moe::gmm::gmm / tgmm) against a double-precision triple loop, for every policy in
 // float and double. Inputs are multiples of 1/64 in [-1, 1], exact in float, so the only error is
 // the policy's own rounding, bounded by (k + 2) * eps * sum |a| |b| per output element.
-// OneDnn runs twice: as it chooses on this CPU, and forced into its packed-weight path
-// (OneDnnPacked below), whose weight cache is also tested for staleness.
+// OneDnn runs three times: as it chooses on this CPU, and forced into each of its two modes
+// (OneDnnPacked, OneDnnPlain below); the packed mode's weight cache is also tested for staleness.
 #include "reference.hpp"
 
 #include <moe/gmm/gmm.hpp>
@@ -19,25 +19,29 @@
 #include <string>
 #include <vector>
 
-/// Test policy: OneDnn with the packed-weight path forced (on CPUs where oneDNN prefers plain
-/// weights the packed layout is the plain one, copied): chunking, padding and the PackCache run
-/// whatever the CPU. Defined the way a new backend would be: a tag, the traits, an Impl.
-struct OneDnnPacked {};
-template <>
-struct moe::gmm::is_policy<OneDnnPacked> : std::true_type {};
-template <class E, class S>
-struct moe::gmm::is_available<OneDnnPacked, E, S> : moe::gmm::is_available<moe::gmm::OneDnn, E, S> {
-};
-template <>
-struct moe::detail::gmm_impl::Impl<OneDnnPacked> {
+/// Test policies: OneDnn forced into its packed-weight mode (convolution primitives on weights
+/// reordered once and cached) or its plain mode (sgemm and the few-rows kernel on the weights in
+/// place), so both run whatever this CPU's oneDNN would choose. Defined the way a new backend
+/// would be: a tag, the traits, an Impl.
+template <bool Packed>
+struct OneDnnForced {};
+using OneDnnPacked = OneDnnForced<true>;
+using OneDnnPlain = OneDnnForced<false>;
+template <bool P>
+struct moe::gmm::is_policy<OneDnnForced<P>> : std::true_type {};
+template <bool P, class E, class S>
+struct moe::gmm::is_available<OneDnnForced<P>, E, S>
+    : moe::gmm::is_available<moe::gmm::OneDnn, E, S> {};
+template <bool P>
+struct moe::detail::gmm_impl::Impl<OneDnnForced<P>> {
   template <class... A>
   static void gmm(A const&... a) {
-    moe_ref::kk::ForcePackedOneDnn packed;
+    moe_ref::kk::ForceOneDnnMode mode(P);
     Impl<moe::gmm::OneDnn>::gmm(a...);
   }
   template <class... A>
   static void tgmm(A const&... a) {
-    moe_ref::kk::ForcePackedOneDnn packed;
+    moe_ref::kk::ForceOneDnnMode mode(P);
     Impl<moe::gmm::OneDnn>::tgmm(a...);
   }
 };
@@ -256,6 +260,10 @@ template <>
 std::string policy_name<OneDnnPacked>() {
   return "OneDnnPacked";
 }
+template <>
+std::string policy_name<OneDnnPlain>() {
+  return "OneDnnPlain";
+}
 template <int TM, int TK, int TN>
 struct TiledName {
   static std::string get() {
@@ -292,11 +300,12 @@ class Gmm : public ::testing::Test {
   }
 };
 
-using Cases = ::testing::Types<
-    Case<OneDnn, float>, Case<OneDnn, double>, Case<OneDnnPacked, float>, Case<Vendor, float>,
-    Case<Vendor, double>, Case<Dense, float>, Case<Dense, double>, Case<Tiled<4, 8, 4>, float>,
-    Case<Tiled<4, 8, 4>, double>, Case<Tiled<32, 32, 32>, float>, Case<Tiled<32, 32, 32>, double>,
-    Case<Tiled<5, 3, 7>, float>, Case<Tiled<5, 3, 7>, double>, Case<Tiled<64, 64, 64>, float>>;
+using Cases = ::testing::Types<Case<OneDnn, float>, Case<OneDnn, double>, Case<OneDnnPacked, float>,
+                               Case<OneDnnPlain, float>, Case<Vendor, float>, Case<Vendor, double>,
+                               Case<Dense, float>, Case<Dense, double>, Case<Tiled<4, 8, 4>, float>,
+                               Case<Tiled<4, 8, 4>, double>, Case<Tiled<32, 32, 32>, float>,
+                               Case<Tiled<32, 32, 32>, double>, Case<Tiled<5, 3, 7>, float>,
+                               Case<Tiled<5, 3, 7>, double>, Case<Tiled<64, 64, 64>, float>>;
 TYPED_TEST_SUITE(Gmm, Cases, CaseNames);
 
 // ---------------------------------------------------------------------------------------------
@@ -321,6 +330,32 @@ TYPED_TEST(Gmm, GroupsOfOneToFiveRows) {
       this->check_gmm(make_gmm_problem({1, 2, 0, 3, 4, 5, 2}, 19, 19, 300, 7, opt),
                       std::string("few rows") + (transpose ? " transposed" : "") +
                           (accumulate ? " accumulate" : ""));
+    }
+}
+
+TYPED_TEST(Gmm, FewRowsOverWeightsLargeEnoughForEveryThread) {
+  // 512 x 512 weights: OneDnn's plain few-rows kernel splits them over the thread team (below
+  // 2^18 values it runs on one thread), and the packed mode runs exact 1-3-row convolutions.
+  for (bool accumulate : {false, true}) {
+    GmmOptions opt;
+    opt.accumulate = accumulate;
+    this->check_gmm(make_gmm_problem({2, 3, 1, 0, 2}, 8, 512, 512, 5, opt),
+                    accumulate ? "few rows, large weights, accumulate" : "few rows, large weights");
+  }
+}
+
+TYPED_TEST(Gmm, RowsPastAGroupAreRightWhateverTheChunking) {
+  // Groups of 17, 20, 33 rows with rows after them: OneDnn's packed mode rounds a group's last
+  // chunk up to 16 rows where it may, so rows of later or unvisited groups are written and must
+  // come out right (rewritten, zeroed, or, when accumulating, never touched).
+  for (bool accumulate : {false, true})
+    for (int offset : {0, 1}) {
+      GmmOptions opt;
+      opt.accumulate = accumulate;
+      opt.group_offset = offset;
+      this->check_gmm(make_gmm_problem({17, 20, 33, 5}, 100, 24, 40, 2, opt),
+                      std::string("chunks, group_offset ") + std::to_string(offset) +
+                          (accumulate ? ", accumulate" : ""));
     }
 }
 
@@ -600,6 +635,7 @@ void policies_agree() {
   expect_close<S>(run_gmm<moe::gmm::Auto, S>(p), e, "Auto vs Vendor");
   expect_close<S>(run_gmm<OneDnn, S>(p), e, "OneDnn vs Vendor");
   expect_close<S>(run_gmm<OneDnnPacked, S>(p), e, "OneDnn (packed) vs Vendor");
+  expect_close<S>(run_gmm<OneDnnPlain, S>(p), e, "OneDnn (plain) vs Vendor");
 
   auto t = make_tgmm_problem(sizes, 280, 96, 80, 7, opt, 12);
   auto const tvendor = run_tgmm<Vendor, S>(t);

@@ -32,6 +32,7 @@ using MS = Exec::memory_space;
 using PolVendor = moe::Policies<moe::routing::Auto, moe::gmm::Vendor>;
 using PolOneDnn = moe::Policies<moe::routing::Auto, moe::gmm::OneDnn>;
 using moe_ref::kk::ForcePackedOneDnn;
+using moe_ref::kk::ForcePlainOneDnn;
 using PolTiled = moe::Policies<moe::routing::Auto, moe::gmm::Tiled<4, 8, 4>>;
 using PolDense = moe::Policies<moe::routing::Auto, moe::gmm::Dense>;
 
@@ -376,6 +377,12 @@ TEST_P(LayerVsReference, ForwardAndGradients) {
       {"float OneDnn packed",
        [&] {
          ForcePackedOneDnn packed;
+         return run_policy<float, PolOneDnn>(cfg, true, p, x, c.B, c.S, dy);
+       },
+       true, false},
+      {"float OneDnn plain",
+       [&] {
+         ForcePlainOneDnn plain;
          return run_policy<float, PolOneDnn>(cfg, true, p, x, c.B, c.S, dy);
        },
        true, false},

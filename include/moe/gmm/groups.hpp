@@ -115,8 +115,9 @@ struct GmmOptions {
   int group_offset = 0;
   /// out += result (rows of visited groups only) instead of out = result.
   bool accumulate = false;
-  /// Where a backend that reorders rhs into its own layout (OneDnn with blocked kernels) keeps
-  /// the reordered copy between calls; nullptr: reorder in every call. gmm only.
+  /// Where a backend that reorders rhs into its own layout (OneDnn where oneDNN has direct
+  /// convolution kernels, e.g. AVX2 and AVX-512) keeps the reordered copy between calls; nullptr:
+  /// nothing is kept, and such a backend multiplies the weights in place (no reorder). gmm only.
   PackCache* pack_cache = nullptr;
   /// Version of rhs's contents for pack_cache: a call with the same rhs and version may reuse a
   /// packed copy, so it must change whenever rhs is written (see PackCache).

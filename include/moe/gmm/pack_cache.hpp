@@ -48,6 +48,13 @@ class PackCache {
     return it->second.packed;
   }
 
+  /// The packed object `key` holds from any version (nullptr if none): a backend repacking a
+  /// new version writes into its storage, so a weight update costs a copy, not fresh pages.
+  std::shared_ptr<void> previous(Key const& key) const {
+    auto it = entries_.find(key);
+    return it == entries_.end() ? nullptr : it->second.packed;
+  }
+
   /// Stores the packed object of `key` (replacing an older version's).
   void put(Key const& key, std::uint64_t version, std::uint64_t samples,
            std::shared_ptr<void> packed, std::size_t bytes) {

@@ -3,14 +3,23 @@
 /// gmm::OneDnn: grouped GEMM on the host through oneDNN, whose kernels are chosen from the CPU's
 /// feature bits (so a CPU newer than the BLAS still gets its widest vector ISA).
 ///
-/// For each weight shape (k, n, as is or transposed) the backend asks oneDNN once which weight
-/// layout its matmul prefers for a group of rows:
-///  * a blocked layout (CPUs with AVX-512 / AMX brgemm kernels): every expert's weights are
-///    reordered into it once per weight version and kept in the caller's PackCache, and each
-///    group runs as chunks of at most 256 rows through matmul primitives made once per row
-///    bucket (multiples of 16), so a steady-state step creates no primitive and packs nothing;
-///  * the plain layout (e.g. AVX2, where oneDNN's matmul is its JIT sgemm): the weights are used
-///    in place, one oneDNN sgemm per group (no copy, nothing that can go stale).
+/// An expert projection x[rows, k] * W[k, n] is a 1x1 convolution over `rows` pixels with k input
+/// and n output channels: oneDNN's direct convolution kernels (jit 1x1 on AVX2 and AVX-512,
+/// brgemm on newer cores) read channels-last (row-major) activations in place and take the
+/// weights in a blocked layout of their own, so the weights are packed once and the per-call
+/// packing of a BLAS sgemm (a full read and write of each expert's weights on every call) is
+/// gone. For each weight shape (k, n, as is or transposed, row strides) the backend asks oneDNN
+/// once which convolution it would run:
+///  * a direct kernel (packed mode, when the call brings a PackCache: without one nothing could
+///    reuse the packed copy, so the call runs plain): every expert's weights are reordered into
+///    its layout once per weight version and kept in the caller's PackCache; each group runs as
+///    row chunks (chunk_rows: 256, then a multiple of 16, rounded up into the next group's rows
+///    where that is allowed, exact below 16) on primitives made once per chunk size,
+///    accumulation through a sum post-op: a steady-state step creates no primitive and packs
+///    nothing;
+///  * a GEMM-based or reference convolution (no direct kernel for this CPU or these strides):
+///    plain mode, the weights used in place, one oneDNN sgemm per group, and a streaming kernel
+///    (few_rows) for groups of 2-3 rows.
 /// tgmm (weight gradients: two activations, nothing to pack) is one oneDNN sgemm per group.
 /// Float only: oneDNN has no double GEMM on CPUs, so OneDnn with double runs as Vendor.
 
@@ -20,11 +29,12 @@
 #include <moe/gmm/backend/vendor.hpp>
 
 #include <algorithm>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -53,15 +63,32 @@ struct is_available<OneDnn, ExecSpace, Scalar>
 
 namespace moe::detail::onednn {
 
-/// Largest row chunk of one matmul call in the blocked mode; row buckets are multiples of 16.
+/// Largest row chunk of one convolution call in packed mode; larger chunks are multiples of 16.
 inline constexpr std::int64_t max_chunk_rows = 256;
 inline constexpr std::int64_t row_bucket = 16;
 
-/// Tests: treat every shape as blocked (the "packed" layout is then the plain one, copied), so
-/// the packing, chunking and cache paths run on CPUs whose oneDNN prefers plain weights.
-inline bool& force_packed() {
-  static bool f = false;
-  return f;
+/// Which mode OneDnn runs a weight shape in: as oneDNN's kernels decide (chosen), or forced by a
+/// test so both modes run on every CPU (forced packed on a CPU without a direct kernel runs the
+/// reference convolution on packed weights: slow, but the same packing and caching).
+enum class Layout { chosen, plain, packed };
+inline Layout& forced_layout() {
+  static Layout l = Layout::chosen;
+  return l;
+}
+
+/// Rows of the next call at row c0 of m when `left` rows of the group remain: max_chunk_rows,
+/// else the multiple of row_bucket at or above `left` when the rows past the group exist and may
+/// be overwritten (not accumulating: they belong to later groups, which are computed afterwards,
+/// or lie past the visited groups and are zeroed), else the multiple below, else all `left`
+/// (1 to 15, exact: a decode group is not padded to 16 rows). Rounding up costs < 16 rows of
+/// FLOPs; a separate call for the < 16 leftover rows would read the expert's weights again.
+/// At most 31 distinct chunk sizes.
+inline std::int64_t chunk_rows(std::int64_t left, std::int64_t c0, std::int64_t m,
+                               bool accumulate) {
+  if (left >= max_chunk_rows) return max_chunk_rows;
+  if (left < row_bucket) return left;
+  std::int64_t const up = (left + row_bucket - 1) / row_bucket * row_bucket;
+  return !accumulate && c0 + up <= m ? up : left / row_bucket * row_bucket;
 }
 
 /// Groups of 2 to few_rows_max rows run on few_rows() in the plain mode: oneDNN's sgemm copies
@@ -102,11 +129,14 @@ inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float co
   if (k * n < (std::int64_t(1) << 18)) threads = 1;
 #endif
   // Reused across calls (a decode step makes one call per expert): no allocation per call.
+  // The team's threads reach it through `sums` (a thread_local named inside the parallel region
+  // would be each thread's own, empty buffer).
   static thread_local std::vector<float> partial;
   partial.assign(std::size_t(threads) * std::size_t(rows * n), 0.0f);
+  float* const sums = partial.data();
   auto part = [&](int t) {
     std::int64_t const c0 = k * t / threads, c1 = k * (t + 1) / threads;
-    float* acc = partial.data() + std::size_t(t) * std::size_t(rows * n);
+    float* acc = sums + std::size_t(t) * std::size_t(rows * n);
     if (rows == 1)
       few_rows_part<1>(c0, c1, n, x, ldx, w, ldw, acc);
     else if (rows == 2)
@@ -129,71 +159,121 @@ inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float co
   }
 }
 
-/// How one weight shape runs: the preferred weight layout and the matmuls of the row buckets.
-class MatmulPlan {
+/// Row-major [rows, ch] with row stride ld as a channels-last 1x1 image (N=1, C=ch, H=rows, W=1).
+inline dnnl::memory::desc pixels_desc(std::int64_t rows, std::int64_t ch, std::int64_t ld) {
+  return dnnl::memory::desc(dnnl::memory::dims{1, ch, rows, 1}, dnnl::memory::data_type::f32,
+                            dnnl::memory::dims{rows * ld, 1, ld, ld});
+}
+
+/// The weights of out = x * W as 1x1 convolution weights (O=n, I=k): W row-major [k, n] with row
+/// stride ld, or (trans) row-major [n, k] used transposed.
+inline dnnl::memory::desc weights_desc(std::int64_t k, std::int64_t n, bool trans,
+                                       std::int64_t ld) {
+  return dnnl::memory::desc(
+      dnnl::memory::dims{n, k, 1, 1}, dnnl::memory::data_type::f32,
+      trans ? dnnl::memory::dims{ld, 1, 1, 1} : dnnl::memory::dims{1, ld, 1, 1});
+}
+
+/// out[rows, n] (+)= x[rows, k] * W as a forward-inference 1x1 convolution on `weights` (a
+/// concrete layout, or format_tag::any to ask oneDNN for its preferred one); accumulate adds a sum
+/// post-op (out += x * W).
+inline dnnl::convolution_forward::primitive_desc conv_pd(std::int64_t rows, std::int64_t k,
+                                                         std::int64_t n, std::int64_t lda,
+                                                         std::int64_t ldc,
+                                                         dnnl::memory::desc const& weights,
+                                                         bool accumulate) {
+  dnnl::primitive_attr attr;
+  if (accumulate) {
+    dnnl::post_ops ops;
+    ops.append_sum(1.0f);
+    attr.set_post_ops(ops);
+  }
+  dnnl::memory::dims const unit{1, 1}, none{0, 0};
+  auto const src = pixels_desc(rows, k, lda), dst = pixels_desc(rows, n, ldc);
+#if DNNL_VERSION_MAJOR >= 3
+  return dnnl::convolution_forward::primitive_desc(engine(), dnnl::prop_kind::forward_inference,
+                                                   dnnl::algorithm::convolution_direct, src,
+                                                   weights, dst, unit, none, none, attr);
+#else
+  return dnnl::convolution_forward::primitive_desc(
+      dnnl::convolution_forward::desc(dnnl::prop_kind::forward_inference,
+                                      dnnl::algorithm::convolution_direct, src, weights, dst, unit,
+                                      none, none),
+      attr, engine());
+#endif
+}
+
+/// Whether a convolution implementation name (impl_info_str) is a direct kernel with a weight
+/// layout of its own, rather than oneDNN's GEMM-based ("gemm:...") or reference ("ref:...") one.
+inline bool direct_kernel(std::string const& impl) {
+  return impl.rfind("gemm", 0) != 0 && impl.rfind("ref", 0) != 0;
+}
+
+/// How one weight shape runs: the mode, the packed weight layout, the convolution per chunk size.
+class ConvPlan {
  public:
-  using md = dnnl::memory::desc;
-  using dims = dnnl::memory::dims;
-
-  /// k: contraction, n: output columns, trans: rhs[g] is [n,k] (used transposed), lda/ldc: row
-  /// strides of lhs and out.
-  MatmulPlan(std::int64_t k, std::int64_t n, bool trans, std::int64_t lda, std::int64_t ldc)
-      : k_(k), n_(n), lda_(lda), ldc_(ldc), plain_(plain_weights(k, n, trans)) {
-    auto probe = make_pd(
-        row_bucket, md(dims{k, n}, dnnl::memory::data_type::f32, dnnl::memory::format_tag::any));
+  /// k: contraction, n: output columns, lda/ldc: row strides of lhs and out. (Whether the
+  /// weights are used transposed matters only to the reorder that packs them.)
+  ConvPlan(std::int64_t k, std::int64_t n, std::int64_t lda, std::int64_t ldc)
+      : k_(k), n_(n), lda_(lda), ldc_(ldc) {
+    dnnl::memory::desc const any(dnnl::memory::dims{n, k, 1, 1}, dnnl::memory::data_type::f32,
+                                 dnnl::memory::format_tag::any);
+    auto const probe = conv_pd(row_bucket, k, n, lda, ldc, any, false);
     packed_desc_ = probe.weights_desc();
-    blocked_ = force_packed() || !(packed_desc_ == plain_);
+    impl_ = probe.impl_info_str();
+    Layout const forced = forced_layout();
+    packed_ = forced == Layout::packed || (forced == Layout::chosen && direct_kernel(impl_));
   }
 
-  /// Whether the weights are reordered into a layout of oneDNN's (else used in place).
-  bool blocked() const { return blocked_; }
-  md const& plain_desc() const { return plain_; }
-  md const& packed_desc() const { return packed_desc_; }
+  /// Whether the weights are reordered into the convolution's layout (else used in place).
+  bool packed() const { return packed_; }
+  /// The convolution oneDNN chose for this shape (e.g. "jit_1x1:avx2").
+  std::string const& impl() const { return impl_; }
+  dnnl::memory::desc const& packed_desc() const { return packed_desc_; }
 
-  /// The matmul of `rows` (a multiple of row_bucket, <= max_chunk_rows), made on first use.
-  dnnl::matmul const& matmul(std::int64_t rows) {
-    auto it = prims_.find(rows);
-    if (it == prims_.end())
-      it = prims_.emplace(rows, dnnl::matmul(make_pd(rows, packed_desc_))).first;
-    return it->second;
+  /// The convolution of a chunk of `rows` (a chunk_rows() value), made on first use.
+  dnnl::convolution_forward const& conv(std::int64_t rows, bool accumulate) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& slot = prims_[{rows, accumulate}];
+    if (!slot)
+      slot = std::make_unique<dnnl::convolution_forward>(
+          conv_pd(rows, k_, n_, lda_, ldc_, packed_desc_, accumulate));
+    return *slot;
   }
-  md src_desc(std::int64_t rows) const {
-    return md(dims{rows, k_}, dnnl::memory::data_type::f32, dims{lda_, 1});
+  /// The reorder of one expert's weights (weights_desc(k, n, trans, ld)) into packed_desc(),
+  /// made on first use.
+  dnnl::reorder const& packer(bool trans, std::int64_t ld) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& slot = packers_[{trans, ld}];
+    if (!slot)
+      slot = std::make_unique<dnnl::reorder>(dnnl::reorder::primitive_desc(
+          engine(), weights_desc(k_, n_, trans, ld), engine(), packed_desc_));
+    return *slot;
   }
-  md dst_desc(std::int64_t rows) const {
-    return md(dims{rows, n_}, dnnl::memory::data_type::f32, dims{ldc_, 1});
-  }
-
-  /// Row-major [k,n] weights, or [n,k] used transposed (strides (1, k) as a [k,n] matrix).
-  static md plain_weights(std::int64_t k, std::int64_t n, bool trans) {
-    return md(dims{k, n}, dnnl::memory::data_type::f32, trans ? dims{1, k} : dims{n, 1});
-  }
+  dnnl::memory::desc src_desc(std::int64_t rows) const { return pixels_desc(rows, k_, lda_); }
+  dnnl::memory::desc dst_desc(std::int64_t rows) const { return pixels_desc(rows, n_, ldc_); }
 
  private:
-  dnnl::matmul::primitive_desc make_pd(std::int64_t rows, md const& weights) const {
-#if DNNL_VERSION_MAJOR >= 3
-    return dnnl::matmul::primitive_desc(engine(), src_desc(rows), weights, dst_desc(rows));
-#else
-    return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_desc(rows), weights, dst_desc(rows)),
-                                        engine());
-#endif
-  }
-
   std::int64_t k_, n_, lda_, ldc_;
-  md plain_, packed_desc_;
-  bool blocked_ = false;
-  std::map<std::int64_t, dnnl::matmul> prims_;
+  dnnl::memory::desc packed_desc_;
+  std::string impl_;
+  bool packed_ = false;
+  std::mutex mutex_;
+  std::map<std::pair<std::int64_t, bool>, std::unique_ptr<dnnl::convolution_forward>> prims_;
+  std::map<std::pair<bool, std::int64_t>, std::unique_ptr<dnnl::reorder>> packers_;
 };
 
-/// The process-wide plans, one per (k, n, trans, lda, ldc): primitives are made once.
-inline MatmulPlan& plan(std::int64_t k, std::int64_t n, bool trans, std::int64_t lda,
-                        std::int64_t ldc) {
-  using Key = std::tuple<std::int64_t, std::int64_t, bool, std::int64_t, std::int64_t, bool>;
+/// The process-wide plans, one per (k, n, trans, lda, ldc, forced layout): primitives are made
+/// once. (trans is part of the key so that a shape's plain and transposed weights, which the
+/// PackCache keeps apart, never share a mode decision made under another forced layout.)
+inline ConvPlan& plan(std::int64_t k, std::int64_t n, bool trans, std::int64_t lda,
+                      std::int64_t ldc) {
+  using Key = std::tuple<std::int64_t, std::int64_t, bool, std::int64_t, std::int64_t, Layout>;
   static std::mutex mutex;
-  static std::map<Key, std::unique_ptr<MatmulPlan>> plans;
+  static std::map<Key, std::unique_ptr<ConvPlan>> plans;
   std::lock_guard<std::mutex> lock(mutex);
-  auto& p = plans[Key{k, n, trans, lda, ldc, force_packed()}];
-  if (!p) p = std::make_unique<MatmulPlan>(k, n, trans, lda, ldc);
+  auto& p = plans[Key{k, n, trans, lda, ldc, forced_layout()}];
+  if (!p) p = std::make_unique<ConvPlan>(k, n, lda, ldc);
   return *p;
 }
 
@@ -220,7 +300,7 @@ std::uint64_t sample_hash(Tensor const& rhs) {
 /// The packed copy of rhs for `p`: from the cache when it holds this version, else reordered now
 /// (and stored when a cache was given).
 template <class Tensor>
-std::shared_ptr<PackedTensor> packed(MatmulPlan& p, Tensor const& rhs, bool trans,
+std::shared_ptr<PackedTensor> packed(ConvPlan& p, Tensor const& rhs, bool trans,
                                      moe::gmm::GmmOptions const& opt) {
   moe::gmm::PackCache::Key const key{rhs.data(),
                                      std::int64_t(rhs.extent(0)),
@@ -232,19 +312,23 @@ std::shared_ptr<PackedTensor> packed(MatmulPlan& p, Tensor const& rhs, bool tran
   if (opt.pack_cache)
     if (auto hit = opt.pack_cache->find(key, opt.rhs_version, samples))
       return std::static_pointer_cast<PackedTensor>(hit);
-  auto out = std::make_shared<PackedTensor>();
+  // A new version of a tensor packed before is written into the old copy's storage (first
+  // touch of fresh pages costs several times the reorder itself).
+  std::shared_ptr<PackedTensor> out;
+  if (opt.pack_cache) out = std::static_pointer_cast<PackedTensor>(opt.pack_cache->previous(key));
+  if (!out || out->experts.size() != rhs.extent(0) ||
+      (!out->experts.empty() && !(out->experts.front().get_desc() == p.packed_desc())))
+    out = std::make_shared<PackedTensor>();
   std::int64_t const ld = rhs.stride(1);
   std::int64_t const kk = trans ? rhs.extent(2) : rhs.extent(1);
   std::int64_t const nn = trans ? rhs.extent(1) : rhs.extent(2);
-  dnnl::memory::desc const user(dnnl::memory::dims{kk, nn}, dnnl::memory::data_type::f32,
-                                trans ? dnnl::memory::dims{1, ld} : dnnl::memory::dims{ld, 1});
-  dnnl::reorder::primitive_desc const rpd(engine(), user, engine(), p.packed_desc());
-  dnnl::reorder const reorder(rpd);
+  dnnl::memory::desc const user = weights_desc(kk, nn, trans, ld);
+  dnnl::reorder const& reorder = p.packer(trans, ld);
+  bool const fresh = out->experts.empty();
   for (std::size_t g = 0; g < rhs.extent(0); ++g) {
     dnnl::memory src(user, engine(), const_cast<float*>(rhs.data() + g * rhs.stride(0)));
-    dnnl::memory dst(p.packed_desc(), engine());
-    reorder.execute(stream(), src, dst);
-    out->experts.push_back(dst);
+    if (fresh) out->experts.emplace_back(p.packed_desc(), engine());
+    reorder.execute(stream(), src, out->experts[g]);
   }
   stream().wait();
   if (opt.pack_cache)
@@ -306,8 +390,11 @@ struct Impl<moe::gmm::OneDnn> {
              "moe::gmm::zero_rows");
     } else if (n > 0 && end > begin) {
       std::int64_t const lda = lhs.stride(0), ldc = out.stride(0), ldw = rhs.stride(1);
-      dn::MatmulPlan& p = dn::plan(k, n, trans, lda, ldc);
-      if (!p.blocked()) {
+      dn::ConvPlan& p = dn::plan(k, n, trans, lda, ldc);
+      // Packing pays only when the packed copy is kept for later calls: without a cache the
+      // call runs plain (unless a test forces the packed mode).
+      bool const pack = p.packed() && (opt.pack_cache || dn::forced_layout() == dn::Layout::packed);
+      if (!pack) {
         // Plain layout: one sgemm per group on the weights in place. Rows are padded to the
         // bucket as in Vendor (the extra rows belong to later groups or are zeroed below).
         std::int64_t const pad = acc ? 1 : dn::row_bucket;
@@ -326,62 +413,37 @@ struct Impl<moe::gmm::OneDnn> {
                     ldc);
         }
       } else {
-        blocked_gmm(p, lhs, rhs, groups, out, opt);
+        packed_gmm(p, lhs, rhs, groups, out, opt);
       }
     }
     if (!acc) zero_outside(space, out, begin, end);
     fence(space, "moe::gmm::gmm<OneDnn>: done");
   }
 
-  /// Blocked layout: packed weights, chunks of <= 256 rows on bucketed matmuls. A chunk reads
-  /// and writes lhs/out in place when its bucket fits inside them and the call does not
-  /// accumulate; otherwise it goes through a small scratch (copy in, multiply, copy or add out).
+  /// Packed layout: each group as row chunks (chunk_rows) on the plan's convolutions, reading
+  /// lhs and writing out in place (a sum post-op when accumulating). Groups run in order, so
+  /// the rows a rounded-up chunk writes past its group are rewritten by the later group.
   template <class E, class ML, class MR, class MO, class Mem>
-  static void blocked_gmm(moe::detail::onednn::MatmulPlan& p, CMat<E, float, ML> const& lhs,
-                          CTensor<E, float, MR> const& rhs, moe::gmm::Groups<Mem> const& groups,
-                          Mat<E, float, MO> const& out, moe::gmm::GmmOptions const& opt) {
+  static void packed_gmm(moe::detail::onednn::ConvPlan& p, CMat<E, float, ML> const& lhs,
+                         CTensor<E, float, MR> const& rhs, moe::gmm::Groups<Mem> const& groups,
+                         Mat<E, float, MO> const& out, moe::gmm::GmmOptions const& opt) {
     namespace dn = moe::detail::onednn;
     int const num_local = rhs.extent(0);
-    std::int64_t const m = lhs.extent(0), k = lhs.extent(1), n = out.extent(1);
-    std::int64_t const lda = lhs.stride(0), ldc = out.stride(0);
+    std::int64_t const m = lhs.extent(0), lda = lhs.stride(0), ldc = out.stride(0);
     auto const& off = groups.offsets_host;
     int const go = opt.group_offset;
-    bool const acc = opt.accumulate;
     auto const pk = dn::packed(p, rhs, opt.transpose_rhs, opt);
-    std::vector<float> src_scratch, dst_scratch;
     for (int g = 0; g < num_local; ++g) {
       std::int64_t const r1 = off(go + g + 1);
-      for (std::int64_t c0 = off(go + g); c0 < r1; c0 += dn::max_chunk_rows) {
-        std::int64_t const rows = std::min(dn::max_chunk_rows, r1 - c0);
-        std::int64_t const b = (rows + dn::row_bucket - 1) / dn::row_bucket * dn::row_bucket;
-        bool const direct = !acc && c0 + b <= m;
-        float const* src = lhs.data() + c0 * lda;
-        float* dst = out.data() + c0 * ldc;
-        if (!direct) {
-          src_scratch.assign(std::size_t(b * lda), 0.0f);
-          dst_scratch.resize(std::size_t(b * ldc));
-          for (std::int64_t r = 0; r < rows; ++r)
-            std::memcpy(src_scratch.data() + r * lda, lhs.data() + (c0 + r) * lda,
-                        sizeof(float) * std::size_t(k));
-          src = src_scratch.data();
-          dst = dst_scratch.data();
-        }
-        dnnl::memory s(p.src_desc(b), dn::engine(), const_cast<float*>(src));
-        dnnl::memory d(p.dst_desc(b), dn::engine(), dst);
-        p.matmul(b).execute(dn::stream(), {{DNNL_ARG_SRC, s},
-                                           {DNNL_ARG_WEIGHTS, pk->experts[std::size_t(g)]},
-                                           {DNNL_ARG_DST, d}});
-        if (!direct) {
-          dn::stream().wait();
-          for (std::int64_t r = 0; r < rows; ++r) {
-            float* o = out.data() + (c0 + r) * ldc;
-            float const* v = dst_scratch.data() + r * ldc;
-            if (acc)
-              for (std::int64_t j = 0; j < n; ++j) o[j] += v[j];
-            else
-              std::memcpy(o, v, sizeof(float) * std::size_t(n));
-          }
-        }
+      std::int64_t rows = 0;
+      for (std::int64_t c0 = off(go + g); c0 < r1; c0 += rows) {
+        rows = dn::chunk_rows(r1 - c0, c0, m, opt.accumulate);
+        dnnl::memory s(p.src_desc(rows), dn::engine(), const_cast<float*>(lhs.data() + c0 * lda));
+        dnnl::memory d(p.dst_desc(rows), dn::engine(), out.data() + c0 * ldc);
+        p.conv(rows, opt.accumulate)
+            .execute(dn::stream(), {{DNNL_ARG_SRC, s},
+                                    {DNNL_ARG_WEIGHTS, pk->experts[std::size_t(g)]},
+                                    {DNNL_ARG_DST, d}});
       }
     }
     dn::stream().wait();
