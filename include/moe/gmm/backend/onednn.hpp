@@ -220,15 +220,13 @@ class ConvPlan {
                                  dnnl::memory::format_tag::any);
     auto const probe = conv_pd(row_bucket, k, n, lda, ldc, any, false);
     packed_desc_ = probe.weights_desc();
-    impl_ = probe.impl_info_str();
     Layout const forced = forced_layout();
-    packed_ = forced == Layout::packed || (forced == Layout::chosen && direct_kernel(impl_));
+    packed_ = forced == Layout::packed ||
+              (forced == Layout::chosen && direct_kernel(probe.impl_info_str()));
   }
 
   /// Whether the weights are reordered into the convolution's layout (else used in place).
   bool packed() const { return packed_; }
-  /// The convolution oneDNN chose for this shape (e.g. "jit_1x1:avx2").
-  std::string const& impl() const { return impl_; }
   dnnl::memory::desc const& packed_desc() const { return packed_desc_; }
 
   /// The convolution of a chunk of `rows` (a chunk_rows() value), made on first use.
@@ -256,7 +254,6 @@ class ConvPlan {
  private:
   std::int64_t k_, n_, lda_, ldc_;
   dnnl::memory::desc packed_desc_;
-  std::string impl_;
   bool packed_ = false;
   std::mutex mutex_;
   std::map<std::pair<std::int64_t, bool>, std::unique_ptr<dnnl::convolution_forward>> prims_;
