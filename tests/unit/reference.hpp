@@ -20,6 +20,10 @@
 #include <string>
 #include <vector>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 namespace moe_ref {
 
 using Vec = std::vector<double>;
@@ -496,6 +500,27 @@ struct ForcePackedOneDnn : ForceOneDnnMode {
 };
 struct ForcePlainOneDnn : ForceOneDnnMode {
   ForcePlainOneDnn() : ForceOneDnnMode(false) {}
+};
+
+/// Sets the OpenMP thread count (oneDNN's pool and the OneDnn backend's side-by-side calls) for
+/// a scope, so a test runs its parallel paths whatever OMP_NUM_THREADS says (no-op without OpenMP).
+struct ScopedThreads {
+  explicit ScopedThreads([[maybe_unused]] int n) {
+#if defined(_OPENMP)
+    saved_ = omp_get_max_threads();
+    omp_set_num_threads(n);
+#endif
+  }
+  ~ScopedThreads() {
+#if defined(_OPENMP)
+    omp_set_num_threads(saved_);
+#endif
+  }
+  ScopedThreads(ScopedThreads const&) = delete;
+  ScopedThreads& operator=(ScopedThreads const&) = delete;
+
+ private:
+  [[maybe_unused]] int saved_ = 1;
 };
 
 using MS = Kokkos::DefaultExecutionSpace::memory_space;

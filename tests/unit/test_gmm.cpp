@@ -346,8 +346,10 @@ TYPED_TEST(Gmm, FewRowsOverWeightsLargeEnoughForEveryThread) {
 
 TYPED_TEST(Gmm, RowsPastAGroupAreRightWhateverTheChunking) {
   // Groups of 17, 20, 33 rows with rows after them: OneDnn's packed mode rounds a group's last
-  // chunk up to 16 rows where it may, so rows of later or unvisited groups are written and must
-  // come out right (rewritten, zeroed, or, when accumulating, never touched).
+  // chunk up to 16 rows where the rows exist and runs the chunks side by side on the threads, so
+  // a rounded chunk must leave the rows of later or unvisited groups alone (they are computed
+  // concurrently, zeroed, or, when accumulating, never touched).
+  moe_ref::kk::ScopedThreads threads(3);
   for (bool accumulate : {false, true})
     for (int offset : {0, 1}) {
       GmmOptions opt;
@@ -510,6 +512,19 @@ TYPED_TEST(Gmm, TgmmOneGroupSingleRowAndRagged) {
   this->check_tgmm(make_tgmm_problem({1}, 1, 7, 5, 1, {}), "tgmm single row");
   this->check_tgmm(make_tgmm_problem({33, 65, 7, 1}, 106, 37, 45, 4, {}), "tgmm ragged");
   this->check_tgmm(make_tgmm_problem({64, 32}, 96, 64, 64, 2, {}), "tgmm tile multiples");
+}
+
+TYPED_TEST(Gmm, TgmmHotGroupSplitIntoColumnBlocks) {
+  // With several threads OneDnn splits a group holding more than half a thread's share of the
+  // rows into column blocks (multiples of 16, at least 128 wide): 300 columns give blocks
+  // [0, 144) and [144, 300); the other groups run whole, side by side.
+  moe_ref::kk::ScopedThreads threads(3);
+  this->check_tgmm(make_tgmm_problem({90, 0, 7, 23}, 125, 20, 300, 4, {}), "tgmm hot group");
+  GmmOptions opt;
+  opt.accumulate = true;
+  opt.group_offset = 1;
+  this->check_tgmm(make_tgmm_problem({3, 90, 7, 23}, 125, 20, 300, 3, opt),
+                   "tgmm hot group, accumulate + offset");
 }
 
 TYPED_TEST(Gmm, TgmmEmptyExtents) {

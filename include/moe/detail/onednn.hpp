@@ -12,8 +12,16 @@
 
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include <atomic>
 #include <cstdint>
+#include <exception>
+#include <mutex>
 #include <string>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 namespace moe::detail::onednn {
 
@@ -27,6 +35,65 @@ inline dnnl::engine& engine() {
 inline dnnl::stream& stream() {
   static dnnl::stream s(engine());
   return s;
+}
+
+/// Guards the first exception of a for_each_item loop.
+inline std::mutex& error_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+/// The calling thread's own stream (a thread running primitives inside a parallel region uses
+/// its own stream, never another thread's).
+inline dnnl::stream& thread_stream() {
+  thread_local dnnl::stream s(engine());
+  return s;
+}
+
+/// A buffer of at least `count` floats owned by the calling thread (slot 0 or 1: two buffers
+/// per thread); it only grows, so a steady-state step allocates nothing. Valid until the same
+/// thread asks for the same slot again.
+inline float* thread_buffer(int slot, std::size_t count) {
+  thread_local std::vector<float> buffers[2];
+  auto& b = buffers[slot];
+  if (b.size() < count) b.resize(count);
+  return b.data();
+}
+
+/// Threads a host GEMM call may use: oneDNN's OpenMP thread pool (1 without OpenMP).
+inline int max_threads() {
+#if defined(_OPENMP)
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+/// Runs body(i) for every i in [0, n), each call on one OpenMP thread, in dynamic order (item
+/// i+1 may start before item i ends). oneDNN calls made inside run single-threaded (oneDNN runs
+/// sequentially inside a parallel region), so the items of independent experts run side by
+/// side instead of every call splitting one expert over all threads. Items must write disjoint
+/// memory. An exception thrown by an item is rethrown here after the loop (items not yet
+/// started are skipped).
+template <class Body>
+void for_each_item(std::int64_t n, Body&& body) {
+  std::exception_ptr error;
+  std::atomic<bool> failed{false};
+  auto guarded = [&](std::int64_t i) {
+    if (failed.load(std::memory_order_relaxed)) return;
+    try {
+      body(i);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex());
+      if (!error) error = std::current_exception();
+      failed = true;
+    }
+  };
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && omp_get_max_threads() > 1)
+#endif
+  for (std::int64_t i = 0; i < n; ++i) guarded(i);
+  if (error) std::rethrow_exception(error);
 }
 
 /// Throws moe::Error naming the call when a oneDNN C call fails.

@@ -62,7 +62,7 @@ KOKKOS_INLINE_FUNCTION S sigmoid(S x) {
 }
 KOKKOS_INLINE_FUNCTION float sigmoid(float x) {
   float const e = exp_neg_abs(x);
-  float const s = 1.0f / (1.0f + e);  // sigmoid(|x|)
+  float const s = 1.0f / (1.0f + e);             // sigmoid(|x|)
   std::int32_t const neg = float_bits(x) >> 31;  // all ones when the sign bit is set
   // x >= 0: s; x < 0: e * s = sigmoid(-|x|); the factor picked by bit masks, not a branch.
   return s * bits_float((neg & float_bits(e)) | (~neg & 0x3f800000));
@@ -125,26 +125,39 @@ void gated_forward(ExecSpace const& space, Activation act, std::int64_t rows,
         KOKKOS_LAMBDA(std::int64_t i) { pa[i] = detail::act(Activation::Gelu, p0[i]) * p1[i]; });
 }
 
-/// \brief Backward of gated_forward: dh0 = da * h1 * act'(h0), dh1 = da * act(h0).
-template <class ExecSpace, class Scalar, class MS>
-void gated_backward(ExecSpace const& space, Activation act, std::int64_t rows,
-                    View2<Scalar const, MS> h0, View2<Scalar const, MS> h1,
-                    View2<Scalar const, MS> da, View2<Scalar, MS> dh0, View2<Scalar, MS> dh1) {
-  std::int64_t const F = h0.extent(1);
-  Scalar const* p0 = h0.data();
-  Scalar const* p1 = h1.data();
-  Scalar const* pd = da.data();
-  Scalar* q0 = dh0.data();
-  Scalar* q1 = dh1.data();
+namespace detail {
+/// gated_backward's kernel for one activation A (a template argument, so the loop has no branch
+/// and vectorises: with the activation read inside the loop it ran 7-10x slower).
+template <Activation A, class ExecSpace, class Scalar>
+void gated_backward_kernel(char const* name, Kokkos::RangePolicy<ExecSpace> const& range,
+                           Scalar const* p0, Scalar const* p1, Scalar const* pd, Scalar* q0,
+                           Scalar* q1) {
   Kokkos::parallel_for(
-      "moe::nn::gated_backward", Kokkos::RangePolicy<ExecSpace>(space, 0, rows * F),
-      KOKKOS_LAMBDA(std::int64_t i) {
+      name, range, KOKKOS_LAMBDA(std::int64_t i) {
         Scalar f, df;
-        detail::act_and_grad(act, p0[i], f, df);
+        detail::act_and_grad(A, p0[i], f, df);
         Scalar const g = pd[i];
         q0[i] = g * p1[i] * df;
         q1[i] = g * f;
       });
+}
+}  // namespace detail
+
+/// \brief Backward of gated_forward: dh0 = da * h1 * act'(h0), dh1 = da * act(h0). dh0 may
+/// alias da (each element reads its own da before writing).
+template <class ExecSpace, class Scalar, class MS>
+void gated_backward(ExecSpace const& space, Activation act, std::int64_t rows,
+                    View2<Scalar const, MS> h0, View2<Scalar const, MS> h1,
+                    View2<Scalar const, MS> da, View2<Scalar, MS> dh0, View2<Scalar, MS> dh1) {
+  Kokkos::RangePolicy<ExecSpace> const range(space, 0, rows * std::int64_t(h0.extent(1)));
+  if (act == Activation::Silu)
+    detail::gated_backward_kernel<Activation::Silu>("moe::nn::gated_backward_silu", range,
+                                                    h0.data(), h1.data(), da.data(), dh0.data(),
+                                                    dh1.data());
+  else
+    detail::gated_backward_kernel<Activation::Gelu>("moe::nn::gated_backward_gelu", range,
+                                                    h0.data(), h1.data(), da.data(), dh0.data(),
+                                                    dh1.data());
 }
 
 }  // namespace moe::nn
