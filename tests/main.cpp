@@ -1,4 +1,5 @@
-// Shared main of the moe test binaries: MPI and Kokkos are initialised once for all tests.
+// Main of the multi-rank test binary (moe_mpi_tests, under mpirun): MPI, then Kokkos, once for all
+// tests.
 #include <moe/threads.hpp>
 
 #include <gtest/gtest.h>

@@ -8,7 +8,8 @@
 /// OpenMP's default thread count (oneDNN's threads, and Kokkos' OpenMP backend when it is
 /// initialised afterwards) and OpenBLAS's. A user who sets OMP_NUM_THREADS (or, for the BLAS
 /// alone, OPENBLAS_NUM_THREADS) keeps that choice; the description then says "as set".
-/// Call apply_host_threads() after MPI_Init and before Kokkos::initialize.
+/// Call apply_host_threads() after MPI_Init and before Kokkos::initialize (a process without
+/// MPI: apply_host_threads(host_threads_rule_for(1))).
 
 #include <moe/moe_config.hpp>
 
@@ -70,13 +71,11 @@ inline int affinity_cores() {
   return hc > 0 ? int(hc) : 1;
 }
 
-/// \brief The rule for this rank (collective over `comm`: counts the ranks sharing its node).
-inline HostThreads host_threads_rule(MPI_Comm comm) {
+/// \brief The rule for a process sharing its node with `local_ranks` ranks (itself included;
+/// 1 for a process without MPI).
+inline HostThreads host_threads_rule_for(int local_ranks) {
   HostThreads h;
-  MPI_Comm node;
-  MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
-  MPI_Comm_size(node, &h.local_ranks);
-  MPI_Comm_free(&node);
+  h.local_ranks = std::max(1, local_ranks);
   unsigned const hc = std::thread::hardware_concurrency();
   h.node_cores = hc > 0 ? int(hc) : 1;
   int const share = h.node_cores / h.local_ranks;
@@ -92,19 +91,33 @@ inline HostThreads host_threads_rule(MPI_Comm comm) {
   return h;
 }
 
+/// \brief The rule for this rank (collective over `comm`: counts the ranks sharing its node).
+inline HostThreads host_threads_rule(MPI_Comm comm) {
+  int local_ranks = 1;
+  MPI_Comm node;
+  MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  MPI_Comm_size(node, &local_ranks);
+  MPI_Comm_free(&node);
+  return host_threads_rule_for(local_ranks);
+}
+
 /// \brief The rule last applied by apply_host_threads() in this process (defaults before).
 inline HostThreads& applied_host_threads() {
   static HostThreads h;
   return h;
 }
 
-/// \brief Applies host_threads_rule(comm) (see the file comment) and returns it. Collective.
-inline HostThreads apply_host_threads(MPI_Comm comm) {
-  HostThreads const h = host_threads_rule(comm);
+/// \brief Applies a rule (see the file comment) and returns it.
+inline HostThreads apply_host_threads(HostThreads const& h) {
   if (detail::have_openmp()) omp_set_num_threads(h.threads);
   if (openblas_set_num_threads) openblas_set_num_threads(h.blas_threads);
   applied_host_threads() = h;
   return h;
+}
+
+/// \brief Applies host_threads_rule(comm) and returns it. Collective over `comm`.
+inline HostThreads apply_host_threads(MPI_Comm comm) {
+  return apply_host_threads(host_threads_rule(comm));
 }
 
 /// \brief One line naming the GEMM backend of host float GEMMs, its ISA and threads, e.g.

@@ -1,5 +1,7 @@
 // Tests of examples/train_moe/checkpoint.hpp on one rank: round trip, retention, corrupt and
 // incomplete checkpoints, argument errors, and processes killed in the middle of a save.
+#include "mpi_on_demand.hpp"
+
 #include <train_moe/checkpoint.hpp>
 
 #include <gtest/gtest.h>
@@ -110,7 +112,7 @@ void spit(std::string const& path, std::string const& text) {
 
 class Checkpoint : public ::testing::Test {
  protected:
-  moe::comm::Communicator comm{MPI_COMM_SELF};
+  moe::comm::Communicator comm{moe_test::self_comm()};
   TempDir tmp;
 
   void save(std::int64_t step, Model& model, int keep = 3) {
