@@ -76,6 +76,17 @@ inline double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
 }
 
+/// Median over i of scale * den[i] / num[i] (i < the shorter length; 0 when empty): the ratio of
+/// two rates measured in the same iterations, e.g. num = an operation's seconds, den = a
+/// yardstick's seconds, scale = operation FLOPs / yardstick FLOPs.
+inline double paired_ratio(std::vector<double> const& num, std::vector<double> const& den,
+                           double scale = 1.0) {
+  std::vector<double> r;
+  for (std::size_t i = 0; i < std::min(num.size(), den.size()); ++i)
+    r.push_back(scale * den[i] / num[i]);
+  return r.empty() ? 0.0 : median(r);
+}
+
 /// The yardstick of every benchmark: one dense row-major float GEMM C[M,N] = A[M,K] * B[K,N]
 /// through the fastest dense GEMM of the process (backend()), i.e. the same FLOPs as a grouped
 /// GEMM whose groups cover M rows. With oneDNN on host memory two candidates are timed at
@@ -143,6 +154,12 @@ class DenseYardstick {
   }
   /// GFLOP/s of the median call.
   double gflops() const { return flops_ / median(times_) * 1e-9; }
+  /// Median over iterations i of (op_flops / op_seconds[i]) / (this GEMM's rate in its i-th
+  /// call): each iteration is paired with the yardstick call made right after it, so a drift of
+  /// the machine between iterations (10-20 % over seconds on shared hosts) cancels.
+  double paired_ratio(std::vector<double> const& op_seconds, double op_flops) const {
+    return moe::bench::paired_ratio(op_seconds, times_, op_flops / flops_);
+  }
 
  private:
   static constexpr bool use_onednn =

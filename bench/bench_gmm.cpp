@@ -4,7 +4,8 @@
 // T=64/K=2 with E=64 is the decode regime (<= 2 rows per expert): weight reads, not FLOPs, bound
 // it. Counters:
 //   gflops       2*T*K*D*F / seconds (the expert GEMM FLOPs), seconds = median over iterations
-//   dense_ratio  gflops / dense_gflops
+//   dense_ratio  median over iterations of (this iteration's GFLOP/s / the dense GEMM's in the
+//                call right after it): paired, so the machine's drift between iterations cancels
 //   dense_gflops GFLOP/s of one dense [T*K, D] x [D, F] GEMM (same FLOPs) through the fastest
 //                dense GEMM of the process (the faster of oneDNN sgemm and oneDNN's 1x1
 //                convolution on pre-packed weights, else KokkosBlas), median of calls
@@ -98,7 +99,7 @@ void bench_gmm(benchmark::State& state, int experts, std::string const& dist, in
   double const gflops = flops / median(times) * 1e-9;
   state.counters["gflops"] = gflops;
   double const dense = dense_gemm.gflops();
-  state.counters["dense_ratio"] = gflops / dense;
+  state.counters["dense_ratio"] = dense_gemm.paired_ratio(times, flops);
   state.counters["dense_gflops"] = dense;
   state.counters["dense_packed"] = dense_gemm.packed();
   state.counters["peak_ratio"] = peak_ratio(gflops);

@@ -6,17 +6,18 @@
 // Counters of layer_* (seconds = median over iterations of the forward, or of the backward alone):
 //   gflops         GEMM FLOPs / seconds: 2*T*K*D*F x 3 (forward: wi_0, wi_1, wo) or x 6 (backward:
 //                  data and weight gradients of the three)
-//   dense_ratio    gflops / dense_gflops
+//   dense_ratio    median over iterations of (this iteration's GFLOP/s / the dense GEMM's in the
+//                  call right after it; paired, so the machine's drift between iterations cancels)
 //   dense_gflops   GFLOP/s of one dense [T*K, D] x [D, F] GEMM through the fastest dense GEMM of
 //                  the process (the faster of oneDNN sgemm and oneDNN's 1x1 convolution on
 //                  pre-packed weights, else KokkosBlas), calls interleaved with the layer's
 //   dense_packed   1 when that dense GEMM is the packed convolution
 //   peak_ratio     gflops / FMA peak of the GEMM threads (yardsticks.hpp, measured in-process)
 //   fwd_ms         median forward milliseconds
-//   bwd_over_fwd   (layer_bwd) median backward / median forward
+//   bwd_over_fwd   (layer_bwd) median over iterations of backward / forward (same iteration)
 //   gemms_ratio    (layer_fwd) the forward's three grouped GEMMs alone (same groups and shapes):
-//                  their GFLOP/s / dense_gflops
-//   fwd_over_gemms (layer_fwd) median forward / median of those GEMMs alone
+//                  their GFLOP/s / the dense GEMM's, paired by iteration as dense_ratio
+//   fwd_over_gemms (layer_fwd) median over iterations of forward / those GEMMs alone
 //   weight_gbs     (decode rows) expert weight bytes touched per forward / seconds, 1e9 B/s:
 //                  experts that received >= 1 token x 3 matrices x D*F*4 bytes
 //   bw_ratio       (decode rows) weight_gbs / triad bandwidth of the GEMM threads (same process)
@@ -145,8 +146,8 @@ class GemmsAlone {
   }
   /// Forgets the timings so far (the warm-up's).
   void reset() { times_.clear(); }
-  /// Median seconds of one run().
-  double seconds() const { return median(times_); }
+  /// Seconds of each run() since the last reset().
+  std::vector<double> const& times() const { return times_; }
 
  private:
   typename Layer::params_type const& p_;
@@ -197,7 +198,7 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
   double const seconds = median(backward ? bwd : fwd);
   double const gflops = gemm_flops / seconds * 1e-9;
   state.counters["gflops"] = gflops;
-  state.counters["dense_ratio"] = gflops / dense_gemm.gflops();
+  state.counters["dense_ratio"] = dense_gemm.paired_ratio(backward ? bwd : fwd, gemm_flops);
   state.counters["dense_gflops"] = dense_gemm.gflops();
   state.counters["dense_packed"] = dense_gemm.packed();
   state.counters["peak_ratio"] = peak_ratio(gflops);
@@ -213,10 +214,10 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
     state.counters["bw_ratio"] = bw_ratio(gbs);
   }
   state.counters["fwd_ms"] = median(fwd) * 1e3;
-  if (backward) state.counters["bwd_over_fwd"] = median(bwd) / median(fwd);
+  if (backward) state.counters["bwd_over_fwd"] = moe::bench::paired_ratio(fwd, bwd);
   if (gemms) {
-    state.counters["gemms_ratio"] = gemm_flops / gemms->seconds() * 1e-9 / dense_gemm.gflops();
-    state.counters["fwd_over_gemms"] = median(fwd) / gemms->seconds();
+    state.counters["gemms_ratio"] = dense_gemm.paired_ratio(gemms->times(), gemm_flops);
+    state.counters["fwd_over_gemms"] = moe::bench::paired_ratio(gemms->times(), fwd);
   }
 }
 
