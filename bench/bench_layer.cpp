@@ -280,8 +280,8 @@ bool register_all() {
           add("Vendor", moe::gmm::Vendor{}, 5);
           add("Tiled", moe::gmm::Tiled<64, 64, 64>{}, 1);
           if (moe::gmm::is_available<moe::gmm::OneDnn, Exec, float>::value)
-            add("OneDnn", moe::gmm::OneDnn{}, 3);
-          add("Auto", moe::gmm::Auto{}, 2);  // = OneDnn or Vendor: a check of the resolution
+            add("OneDnn", moe::gmm::OneDnn{}, 5);
+          add("Auto", moe::gmm::Auto{}, 5);  // = OneDnn or Vendor: a check of the resolution
         }
       }
   for (bool sort_only : {false, true})
