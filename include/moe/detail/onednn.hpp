@@ -37,12 +37,6 @@ inline dnnl::stream& stream() {
   return s;
 }
 
-/// Guards the first exception of a for_each_item loop.
-inline std::mutex& error_mutex() {
-  static std::mutex m;
-  return m;
-}
-
 /// The calling thread's own stream (a thread running primitives inside a parallel region uses
 /// its own stream, never another thread's).
 inline dnnl::stream& thread_stream() {
@@ -78,13 +72,14 @@ inline int max_threads() {
 template <class Body>
 void for_each_item(std::int64_t n, Body&& body) {
   std::exception_ptr error;
+  std::mutex error_mutex;
   std::atomic<bool> failed{false};
   auto guarded = [&](std::int64_t i) {
     if (failed.load(std::memory_order_relaxed)) return;
     try {
       body(i);
     } catch (...) {
-      std::lock_guard<std::mutex> lock(error_mutex());
+      std::lock_guard<std::mutex> lock(error_mutex);
       if (!error) error = std::current_exception();
       failed = true;
     }

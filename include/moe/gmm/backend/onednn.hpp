@@ -42,10 +42,6 @@
 #include <utility>
 #include <vector>
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
 namespace moe::gmm {
 
 /// \brief Policy: oneDNN on host execution spaces (float), with weights reordered once into
@@ -136,12 +132,8 @@ void few_rows_part(std::int64_t c0, std::int64_t c1, std::int64_t n, float const
 inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float const* x,
                      std::int64_t ldx, float const* w, std::int64_t ldw, float* out,
                      std::int64_t ldo, bool accumulate) {
-  int threads = 1;
-#if defined(_OPENMP)
-  threads = omp_get_max_threads();
   // Below ~1 MB of weights a thread team costs more than it saves.
-  if (k * n < (std::int64_t(1) << 18)) threads = 1;
-#endif
+  int const threads = k * n < (std::int64_t(1) << 18) ? 1 : max_threads();
   // Reused across calls (a decode step makes one call per expert): no allocation per call.
   // The team's threads reach it through `sums` (a thread_local named inside the parallel region
   // would be each thread's own, empty buffer).
