@@ -4,6 +4,7 @@
 
 #include <moe/config.hpp>
 #include <moe/detail/blas.hpp>
+#include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/error.hpp>
 #include <moe/gmm/gmm.hpp>
@@ -102,7 +103,7 @@ class MoeLayer {
       : cfg_(validated(cfg)),
         space_(space),
         kind_(routing::resolve(typename Policy::routing_policy{}, cfg_)),
-        rp_(cfg_, kind_),
+        router_(cfg_, kind_),
         params_(params_type::zeros(cfg_)) {}
 
   LayerConfig const& config() const { return cfg_; }
@@ -168,7 +169,7 @@ class MoeLayer {
     // Expert weights are checked through their effect: a NaN/Inf weight that any token reaches
     // makes y non-finite, and only then are all parameters scanned to name the culprit. This
     // keeps the check O(T*D) per call instead of a full pass over E*D*F weights.
-    if (cfg_.check_finite && !is_finite(y)) {
+    if (cfg_.check_finite && detail::first_nonfinite(space_, y) < std::int64_t(y.span())) {
       params_.for_each([&](char const* name, auto const& v) { require_finite(v, name); });
       require_finite(y, "y (all inputs and weights are finite: the layer overflowed)");
     }
@@ -193,7 +194,7 @@ class MoeLayer {
     std::int64_t const T = B_ * S_;
     auto dy2 = cview2(dy.data(), T, D);
     auto dx2 = view2(dx.data(), T, D);
-    int const K = cfg_.num_experts_per_tok, E = cfg_.num_experts;
+    int const K = cfg_.num_experts_per_tok;
     detail::ensure(space_, dw_, "moe::layer::d_weights", T, K);
     if (dense_path()) {
       dense_backward(dy2, dx2, grads);
@@ -201,27 +202,18 @@ class MoeLayer {
       sparse_backward(dy2, dx2, grads);
     }
     // Router backward: combine-weight gradient and load-balance term -> gate logits -> x, gate.
-    detail::ensure(space_, d_top_, "moe::layer::d_top", T, K);
-    detail::ensure(space_, d_biased_, "moe::layer::d_biased", T, E);
-    detail::ensure(space_, d_logits_, "moe::layer::d_logits", T, E);
-    double const lb_coef = cfg_.load_balance_loss_weight > 0
-                               ? cfg_.load_balance_loss_weight * E / (double(B_) * S_ * S_)
-                               : 0.0;
-    routing::route_backward(space_, rp_, rs_, cview2(dw_), S_, lb_coef, d_top_, d_biased_,
-                            d_logits_);
-    detail::gemm(space_, "T", "N", Scalar(1), x_, d_logits_, Scalar(0), grads.gate);
-    detail::gemm(space_, "N", "T", Scalar(1), d_logits_, params_.gate, Scalar(1), dx2);
-    if (cfg_.routed_bias) routing::column_sums(space_, cview2(d_biased_), grads.gate_bias);
+    router_.backward(space_, x_, params_.gate, cview2(dw_), router_.lb_coefficient(B_), dx2,
+                     grads.gate, grads.gate_bias);
     shared_backward(dy2, dx2, grads);
     have_forward_ = false;
   }
 
   /// Experts chosen by the last forward, [T,K] (T = B*S, row-major over (b, s)).
-  View2<int, memory_space> expert_ids() const { return rs_.expert_ids; }
+  View2<int, memory_space> expert_ids() const { return router_.state().expert_ids; }
   /// Combine weights of the last forward before capacity dropping, [T,K].
-  view2 weights() const { return rs_.weights; }
+  view2 weights() const { return router_.state().weights; }
   /// 1 where a slot of the last forward survived the capacity limit, [T,K].
-  View2<int, memory_space> kept() const { return rs_.kept; }
+  View2<int, memory_space> kept() const { return router_.state().kept; }
   /// Load-balance loss of the last forward (0 when load_balance_loss_weight = 0).
   double lb_loss() const { return lb_loss_; }
   /// Loss-free bias update of the last forward ([E], empty unless routed_bias_update_rate > 0).
@@ -244,37 +236,8 @@ class MoeLayer {
   }
 
   template <class V>
-  bool is_finite(V const& v) const {
-    std::int64_t const n = std::int64_t(v.span());
-    auto const* p = v.data();
-    int bad = 0;
-    Kokkos::parallel_reduce(
-        "moe::layer::is_finite", Kokkos::RangePolicy<ExecSpace>(space_, 0, n),
-        KOKKOS_LAMBDA(std::int64_t i, int& b) { b += moe::detail::isfinite(p[i]) ? 0 : 1; }, bad);
-    return bad == 0;
-  }
-
-  template <class V>
   void require_finite(V const& v, std::string const& name) const {
-    std::int64_t const n = std::int64_t(v.span());
-    auto const* p = v.data();
-    std::int64_t first = n;
-    Kokkos::parallel_reduce(
-        "moe::layer::check_finite", Kokkos::RangePolicy<ExecSpace>(space_, 0, n),
-        KOKKOS_LAMBDA(std::int64_t i, std::int64_t & m) {
-          if (!moe::detail::isfinite(p[i]) && i < m) m = i;
-        },
-        Kokkos::Min<std::int64_t>(first));
-    if (first < n) {
-      std::string where;
-      std::int64_t r = first;
-      for (int d = int(V::rank) - 1; d >= 0; --d) {
-        where = std::to_string(r % std::int64_t(v.extent(d))) + (where.empty() ? "" : ",") + where;
-        r /= std::int64_t(v.extent(d));
-      }
-      throw InputError(detail::cat(name, " holds NaN or Inf at [", where,
-                                   "]: inputs and weights must be finite"));
-    }
+    detail::require_finite(space_, v, name);
   }
 
   /// Shapes of a parameter set against the config; NaN/Inf check for parameters.
@@ -308,52 +271,16 @@ class MoeLayer {
 
   void route(ForwardOptions const& opt) {
     std::int64_t const T = B_ * S_;
-    int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
-    detail::ensure(space_, rs_.logits, "moe::layer::logits", T, E);
-    detail::gemm(space_, "N", "N", Scalar(1), x_, params_.gate, Scalar(0), rs_.logits);
-    if (cfg_.routed_score_func == ScoreFunc::None) {
-      rs_.scores = rs_.logits;
-    } else {
-      detail::ensure(space_, rs_.scores, "moe::layer::scores", T, E);
-      routing::apply_score(space_, cfg_.routed_score_func, cview2(rs_.logits), rs_.scores);
-    }
-    if (cfg_.routed_bias) {
-      detail::ensure(space_, rs_.biased, "moe::layer::biased", T, E);
-      auto s = rs_.scores;
-      auto b = rs_.biased;
-      auto bias = params_.gate_bias;
-      Kokkos::parallel_for(
-          "moe::layer::add_bias",
-          Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space_, {0, 0}, {T, E}),
-          KOKKOS_LAMBDA(std::int64_t t, int e) { b(t, e) = s(t, e) + bias(e); });
-    } else {
-      rs_.biased = rs_.scores;
-    }
-    detail::ensure(space_, rs_.expert_ids, "moe::layer::expert_ids", T, K);
-    detail::ensure(space_, rs_.top_values, "moe::layer::top_values", T, K);
-    detail::ensure(space_, rs_.weights, "moe::layer::weights", T, K);
-    detail::ensure(space_, rs_.kept, "moe::layer::kept", T, K);
-    routing::select_topk(space_, rp_, opt.token_offset, cview2(rs_.scores), cview2(rs_.biased),
-                         rs_.expert_ids, rs_.top_values, rs_.weights);
-    auto const ids = View2<int const, memory_space>(rs_.expert_ids);
-    routing::capacity_mask(space_, ids, S_, cfg_.capacity_factor > 0 ? cfg_.capacity(S_) : -1, E,
-                           rs_.kept);
-    lb_loss_ = 0;
-    if (cfg_.load_balance_loss_weight > 0) {
-      detail::ensure(space_, rs_.seq_counts, "moe::layer::seq_counts", B_, E);
-      detail::ensure(space_, rs_.seq_probs, "moe::layer::seq_probs", B_, E);
-      rs_.lb_sum = routing::lb_statistics(space_, cview2(rs_.biased), ids, S_, rs_.seq_counts,
-                                          rs_.seq_probs);
-      lb_loss_ = cfg_.load_balance_loss_weight * E * rs_.lb_sum / (double(B_) * S_ * S_);
-    }
+    int const K = cfg_.num_experts_per_tok;
+    router_.forward(space_, x_, params_.gate, params_.gate_bias, S_, {opt.token_offset}, 0);
+    lb_loss_ = cfg_.load_balance_loss_weight > 0
+                   ? cfg_.load_balance_loss_weight * cfg_.num_experts * router_.lb_sum() /
+                         (double(B_) * S_ * S_)
+                   : 0.0;
     bias_update_.clear();
-    if (cfg_.routed_bias_update_rate > 0) {
-      detail::ensure(space_, rs_.expert_counts, "moe::layer::expert_counts", E);
-      routing::expert_histogram(space_, ids, rs_.expert_counts);
-      auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), rs_.expert_counts);
-      std::vector<std::int64_t> counts(h.data(), h.data() + E);
-      bias_update_ = routing::bias_update(counts, T * K, cfg_.routed_bias_update_rate);
-    }
+    if (cfg_.routed_bias_update_rate > 0)
+      bias_update_ =
+          routing::bias_update(router_.expert_counts(), T * K, cfg_.routed_bias_update_rate);
   }
 
   // ---- sparse path: sort, grouped GEMMs, unsort -------------------------------------------
@@ -362,8 +289,9 @@ class MoeLayer {
 
   void sparse_forward(view2 y) {
     int const D = cfg_.base_emb_dim, K = cfg_.num_experts_per_tok;
-    permute::sort_by_expert(space_, View2<int const, memory_space>(rs_.expert_ids),
-                            View2<int const, memory_space>(rs_.kept), cfg_.num_experts, perm_);
+    permute::sort_by_expert(space_, View2<int const, memory_space>(router_.state().expert_ids),
+                            View2<int const, memory_space>(router_.state().kept), cfg_.num_experts,
+                            perm_);
     std::int64_t const n = perm_.rows();
     detail::ensure(space_, xs_, "moe::layer::x_sorted", n, D);
     detail::ensure(space_, ys_, "moe::layer::y_sorted", n, D);
@@ -371,7 +299,7 @@ class MoeLayer {
     ffn_.forward(space_, cfg_.mlp_activation, xs_, perm_.groups, params_.wi_0, params_.wi_1,
                  params_.wo, ys_, weights_version_);
     permute::combine(space_, cview2(ys_), View1<std::int64_t const, memory_space>(perm_.inverse),
-                     cview2(rs_.weights), false, y);
+                     cview2(router_.state().weights), false, y);
   }
 
   void sparse_backward(cview2 dy, view2 dx, params_type& g) {
@@ -379,7 +307,8 @@ class MoeLayer {
     std::int64_t const n = perm_.rows();
     View1<std::int64_t const, memory_space> perm(perm_.perm), inv(perm_.inverse);
     detail::ensure(space_, dys_, "moe::layer::d_y_sorted", n, D);
-    permute::combine_backward(space_, dy, cview2(ys_), perm, inv, cview2(rs_.weights), dys_, dw_);
+    permute::combine_backward(space_, dy, cview2(ys_), perm, inv, cview2(router_.state().weights),
+                              dys_, dw_);
     // dxs overwrites dys.
     ffn_.backward(space_, dys_, perm_.groups, params_.wi_0, params_.wi_1, params_.wo, dys_, g.wi_0,
                   g.wi_1, g.wo);
@@ -388,9 +317,10 @@ class MoeLayer {
 
   // ---- dense path: every expert on every token, masked combine weights ---------------------
   void dense_forward(view2 y) {
-    dense_.forward(space_, cfg_.mlp_activation, x_, View2<int const, memory_space>(rs_.expert_ids),
-                   View2<int const, memory_space>(rs_.kept), cview2(rs_.weights), 0, params_.wi_0,
-                   params_.wi_1, params_.wo, y);
+    dense_.forward(space_, cfg_.mlp_activation, x_,
+                   View2<int const, memory_space>(router_.state().expert_ids),
+                   View2<int const, memory_space>(router_.state().kept),
+                   cview2(router_.state().weights), 0, params_.wi_0, params_.wi_1, params_.wo, y);
   }
 
   void dense_backward(cview2 dy, view2 dx, params_type& g) {
@@ -414,7 +344,7 @@ class MoeLayer {
   LayerConfig cfg_;
   ExecSpace space_;
   routing::Kind kind_;
-  routing::RouteParams rp_;
+  routing::Router<Scalar, ExecSpace> router_;
   params_type params_;
   std::uint64_t weights_version_ = 0;
 
@@ -423,7 +353,6 @@ class MoeLayer {
   std::int64_t B_ = 0, S_ = 0;
   view2 x_copy_;
   cview2 x_;
-  routing::RoutingState<Scalar, memory_space> rs_;
   permute::Permutation<memory_space> perm_;
   double lb_loss_ = 0;
   std::vector<double> bias_update_;
@@ -432,7 +361,7 @@ class MoeLayer {
   nn::DenseExperts<Scalar, ExecSpace> dense_;
   view2 xs_, ys_;
   // backward work space
-  view2 dw_, d_top_, d_biased_, d_logits_, dys_;
+  view2 dw_, dys_;
 };
 
 }  // namespace moe

@@ -83,7 +83,7 @@ class DistributedMoeLayer {
     mesh_comm_ = std::make_unique<sharding::MeshComm>(world_.get(), mesh_);
     make_groups();
     kind_ = routing::resolve(typename Policy::routing_policy{}, cfg_);
-    rp_ = routing::RouteParams(cfg_, kind_);
+    router_ = routing::Router<Scalar, ExecSpace>(cfg_, kind_);
     params_ = alloc_params("moe::param::");
   }
 
@@ -205,9 +205,11 @@ class DistributedMoeLayer {
   /// Loss-free bias update of the last forward (global counts), [E]; empty unless enabled.
   std::vector<double> const& bias_update() const { return bias_update_; }
   /// Experts chosen for this rank's tokens, [T_local, K].
-  View2<int, memory_space> expert_ids() const { return own_rows(rs_.expert_ids); }
+  View2<int, memory_space> expert_ids() const {
+    return router_.own_rows(router_.state().expert_ids);
+  }
   /// Combine weights for this rank's tokens before capacity dropping, [T_local, K].
-  view2 weights() const { return own_rows(rs_.weights); }
+  view2 weights() const { return router_.own_rows(router_.state().weights); }
 
  private:
   // ------------------------------------------------------------------ layout ----------------
@@ -326,17 +328,11 @@ class DistributedMoeLayer {
 
   template <class V>
   bool all_finite(V const& v) const {
-    auto const* p = v.data();
-    int bad = 0;
-    Kokkos::parallel_reduce(
-        "moe::dist::is_finite", Kokkos::RangePolicy<ExecSpace>(space_, 0, std::int64_t(v.span())),
-        KOKKOS_LAMBDA(std::size_t i, int& b) { b += moe::detail::isfinite(p[i]) ? 0 : 1; }, bad);
-    return bad == 0;
+    return detail::first_nonfinite(space_, v) == std::int64_t(v.span());
   }
   template <class V>
   void require_finite(V const& v, char const* name) const {
-    detail::require<InputError>(all_finite(v), name,
-                                " holds NaN or Inf: inputs and weights must be finite");
+    detail::require_finite(space_, v, name);
   }
 
   // ------------------------------------------------------------------ weights ---------------
@@ -492,85 +488,31 @@ class DistributedMoeLayer {
   }
 
   // ------------------------------------------------------------------ routing ---------------
-  /// Rows of this rank's own tokens inside the routed (possibly EP-gathered) rows.
-  template <class V>
-  V own_rows(V const& v) const {
-    if (route_ != ExpertRoute::Ring || !v.data()) return v;
-    return V(v.data() + ep_().rank() * T_ * v.extent(1), T_, v.extent(1));
-  }
-
   void route_tokens() {
-    std::int64_t const Tw = xw_.extent(0);
     int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
-    detail::ensure(space_, rs_.logits, "moe::dist::logits", Tw, E);
-    moe::detail::gemm(space_, "N", "N", Scalar(1), cview2(xw_), cp_.gate, Scalar(0), rs_.logits);
-    if (cfg_.routed_score_func == ScoreFunc::None) {
-      rs_.scores = rs_.logits;
-    } else {
-      detail::ensure(space_, rs_.scores, "moe::dist::scores", Tw, E);
-      routing::apply_score(space_, cfg_.routed_score_func, cview2(rs_.logits), rs_.scores);
-    }
-    if (cfg_.routed_bias) {
-      detail::ensure(space_, rs_.biased, "moe::dist::biased", Tw, E);
-      auto s = rs_.scores;
-      auto b = rs_.biased;
-      auto bias = cp_.gate_bias;
-      Kokkos::parallel_for(
-          "moe::dist::add_bias", Kokkos::RangePolicy<ExecSpace>(space_, 0, Tw),
-          KOKKOS_LAMBDA(std::int64_t t) {
-            for (int e = 0; e < E; ++e) b(t, e) = s(t, e) + bias(e);
-          });
-    } else {
-      rs_.biased = rs_.scores;
-    }
-    detail::ensure(space_, rs_.expert_ids, "moe::dist::expert_ids", Tw, K);
-    detail::ensure(space_, rs_.top_values, "moe::dist::top_values", Tw, K);
-    detail::ensure(space_, rs_.weights, "moe::dist::weights", Tw, K);
-    detail::ensure(space_, rs_.kept, "moe::dist::kept", Tw, K);
-    // Random routing draws from the global token index: route each member's rows with its own
-    // offset (a member's tokens are a contiguous block of the global batch).
-    int const members = route_ == ExpertRoute::Ring ? ep_().size() : 1;
-    std::int64_t const T = Tw / members;
-    for (int m = 0; m < members; ++m) {
-      std::int64_t const off = m * T;
-      auto rows2 = [&](auto const& v) {
-        using VV = std::decay_t<decltype(v)>;
-        return VV(v.data() + off * v.extent(1), T, v.extent(1));
-      };
-      std::int64_t const member_batch =
-          route_ == ExpertRoute::Ring ? member_batch_index(m) : batch_index_;
-      routing::select_topk(space_, rp_, std::uint64_t(member_batch * T), cview2(rows2(rs_.scores)),
-                           cview2(rows2(rs_.biased)), rows2(rs_.expert_ids), rows2(rs_.top_values),
-                           rows2(rs_.weights));
-    }
-    auto const ids = View2<int const, memory_space>(rs_.expert_ids);
-    routing::capacity_mask(space_, ids, S_, cfg_.capacity_factor > 0 ? cfg_.capacity(S_) : -1, E,
-                           rs_.kept);
+    // Random routing draws from the global token index: each member's rows are routed with its
+    // own offset (a member's tokens are a contiguous block of the global batch).
+    bool const ring = route_ == ExpertRoute::Ring;
+    int const members = ring ? ep_().size() : 1;
+    std::vector<std::uint64_t> offsets(std::size_t(members), 0);
+    for (int m = 0; m < members; ++m)
+      offsets[std::size_t(m)] = std::uint64_t((ring ? member_batch_index(m) : batch_index_) * T_);
+    router_.forward(space_, cview2(xw_), cp_.gate, cp_.gate_bias, S_, offsets,
+                    ring ? ep_().rank() : 0);
     // Global load-balance loss over this rank's own sequences, summed over the batch axes.
     lb_loss_ = 0;
     if (cfg_.load_balance_loss_weight > 0) {
-      std::int64_t const b_own = T_ / S_;
-      detail::ensure(space_, rs_.seq_counts, "moe::dist::seq_counts", b_own, E);
-      detail::ensure(space_, rs_.seq_probs, "moe::dist::seq_probs", b_own, E);
-      double local =
-          routing::lb_statistics(space_, cview2(own_rows(rs_.biased)),
-                                 View2<int const, memory_space>(own_rows(rs_.expert_ids)), S_,
-                                 rs_.seq_counts, rs_.seq_probs);
       View1<double, Kokkos::HostSpace> v("moe::dist::lb_sum", 1);
-      v(0) = local;
+      v(0) = router_.lb_sum();
       distributed::all_reduce(Kokkos::DefaultHostExecutionSpace(), batch_(), v, &log_, "lb loss");
       lb_loss_ = cfg_.load_balance_loss_weight * E * v(0) / (double(B_) * S_ * S_);
     }
     bias_update_.clear();
     if (cfg_.routed_bias_update_rate > 0) {
-      detail::ensure(space_, rs_.expert_counts, "moe::dist::expert_counts", E);
-      routing::expert_histogram(space_, View2<int const, memory_space>(own_rows(rs_.expert_ids)),
-                                rs_.expert_counts);
-      View1<std::int64_t, Kokkos::HostSpace> h("moe::dist::counts", E);
-      Kokkos::deep_copy(h, rs_.expert_counts);
+      auto counts = router_.expert_counts();
+      View1<std::int64_t, Kokkos::HostSpace> h(counts.data(), counts.size());
       distributed::all_reduce(Kokkos::DefaultHostExecutionSpace(), batch_(), h, &log_,
                               "bias counts");
-      std::vector<std::int64_t> counts(h.data(), h.data() + E);
       bias_update_ = routing::bias_update(counts, B_ * S_ * K, cfg_.routed_bias_update_rate);
     }
   }
@@ -597,25 +539,8 @@ class DistributedMoeLayer {
 
   /// d_weights -> gate logits -> dx (+=) and the gate / bias gradients (compute blocks).
   void router_backward(view2 dx) {
-    int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
-    detail::ensure(space_, d_top_, "moe::dist::d_top", T_, K);
-    detail::ensure(space_, d_biased_, "moe::dist::d_biased", T_, E);
-    detail::ensure(space_, d_logits_, "moe::dist::d_logits", T_, E);
-    routing::RoutingState<Scalar, memory_space> own = rs_;
-    own.logits = own_rows(rs_.logits);
-    own.scores = own_rows(rs_.scores);
-    own.biased = own_rows(rs_.biased);
-    own.expert_ids = own_rows(rs_.expert_ids);
-    own.top_values = own_rows(rs_.top_values);
-    own.weights = own_rows(rs_.weights);
-    double const lb_coef = cfg_.load_balance_loss_weight > 0
-                               ? cfg_.load_balance_loss_weight * E / (double(B_) * S_ * S_)
-                               : 0.0;
-    routing::route_backward(space_, rp_, own, cview2(dw_), S_, lb_coef, d_top_, d_biased_,
-                            d_logits_);
-    moe::detail::gemm(space_, "T", "N", Scalar(1), cview2(x_), d_logits_, Scalar(0), gc_.gate);
-    moe::detail::gemm(space_, "N", "T", Scalar(1), d_logits_, cp_.gate, Scalar(1), dx);
-    if (cfg_.routed_bias) routing::column_sums(space_, cview2(d_biased_), gc_.gate_bias);
+    router_.backward(space_, cview2(x_), cp_.gate, cview2(dw_), router_.lb_coefficient(B_), dx,
+                     gc_.gate, gc_.gate_bias);
   }
 
   // ------------------------------------------------------------ ragged all-to-all path ------
@@ -631,8 +556,8 @@ class DistributedMoeLayer {
   void a2a_forward(view2 y) {
     int const D = cfg_.base_emb_dim, E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
     int const ep = ep_().size(), tp = tp_().size();
-    permute::sort_by_expert(space_, View2<int const, memory_space>(rs_.expert_ids),
-                            View2<int const, memory_space>(rs_.kept), E, perm_);
+    permute::sort_by_expert(space_, View2<int const, memory_space>(router_.state().expert_ids),
+                            View2<int const, memory_space>(router_.state().kept), E, perm_);
     std::int64_t const n_o = perm_.rows();
     detail::ensure(space_, xs_o_, "moe::dist::x_sorted", n_o, D);
     permute::gather_rows(space_, cview2(x_), View1<std::int64_t const, memory_space>(perm_.perm), K,
@@ -677,8 +602,8 @@ class DistributedMoeLayer {
     a2a_->reverse(space_, yr_c_, ys_o_c_);
     detail::ensure(space_, y_c_, "moe::dist::y_cols", T_, Dc);
     permute::combine(space_, cview2(ys_o_c_),
-                     View1<std::int64_t const, memory_space>(perm_.inverse), cview2(rs_.weights),
-                     false, y_c_);
+                     View1<std::int64_t const, memory_space>(perm_.inverse),
+                     cview2(router_.state().weights), false, y_c_);
     finish_output(y);
   }
 
@@ -689,9 +614,10 @@ class DistributedMoeLayer {
     detail::ensure(space_, dy_c_, "moe::dist::dy_cols", T_, Dc);
     distributed::slice_dim(space_, tp, tp_().rank(), dy, dy_c_, 1);
     detail::ensure(space_, dys_o_c_, "moe::dist::dy_sorted_cols", n_o, Dc);
-    permute::combine_backward(
-        space_, cview2(dy_c_), cview2(ys_o_c_), View1<std::int64_t const, memory_space>(perm_.perm),
-        View1<std::int64_t const, memory_space>(perm_.inverse), cview2(rs_.weights), dys_o_c_, dw_);
+    permute::combine_backward(space_, cview2(dy_c_), cview2(ys_o_c_),
+                              View1<std::int64_t const, memory_space>(perm_.perm),
+                              View1<std::int64_t const, memory_space>(perm_.inverse),
+                              cview2(router_.state().weights), dys_o_c_, dw_);
     distributed::all_reduce(space_, tp_(), dw_, &log_, "reduce d_weights (tensor)");
     detail::ensure(space_, dyr_c_, "moe::dist::dy_received_cols", a2a_->recv_total(), Dc);
     log_.add("dispatch d_y", "all-to-all", ep_axes_,
@@ -738,7 +664,7 @@ class DistributedMoeLayer {
       ffn_.forward(space_, cfg_.mlp_activation, xs_, perm_.groups, cp_.wi_0, cp_.wi_1, cp_.wo, ys_,
                    weights_version_);
       permute::combine(space_, cview2(ys_), View1<std::int64_t const, memory_space>(perm_.inverse),
-                       cview2(rs_.weights), false, yw_);
+                       cview2(router_.state().weights), false, yw_);
     }
     // Sum the expert group's partial outputs onto each rank's own tokens, then split D over tensor.
     detail::ensure(space_, yo_, "moe::dist::y_own", T_, D);
@@ -761,8 +687,8 @@ class DistributedMoeLayer {
       std::int64_t const n = perm_.rows();
       View1<std::int64_t const, memory_space> perm(perm_.perm), inv(perm_.inverse);
       detail::ensure(space_, dys_, "moe::dist::dy_local", n, D);
-      permute::combine_backward(space_, cview2(dyw_), cview2(ys_), perm, inv, cview2(rs_.weights),
-                                dys_, dww_);
+      permute::combine_backward(space_, cview2(dyw_), cview2(ys_), perm, inv,
+                                cview2(router_.state().weights), dys_, dww_);
       ffn_.backward(space_, dys_, perm_.groups, cp_.wi_0, cp_.wi_1, cp_.wo, dys_, gc_.wi_0,
                     gc_.wi_1, gc_.wo);
       permute::gather_rows_backward(space_, cview2(dys_), inv, K, false, dxw_);
@@ -806,27 +732,16 @@ class DistributedMoeLayer {
     int const e0 = int(e0_), L = int(L_);
     detail::ensure(space_, lids_, "moe::dist::local_ids", Tw, K);
     detail::ensure(space_, lkept_, "moe::dist::local_kept", Tw, K);
-    auto ids = rs_.expert_ids;
-    auto kept = rs_.kept;
-    auto li = lids_;
-    auto lk = lkept_;
-    Kokkos::parallel_for(
-        "moe::dist::local_ids", Kokkos::RangePolicy<ExecSpace>(space_, 0, Tw),
-        KOKKOS_LAMBDA(std::int64_t t) {
-          for (int k = 0; k < K; ++k) {
-            int const l = ids(t, k) - e0;
-            bool const mine = l >= 0 && l < L;
-            li(t, k) = mine ? l : 0;
-            lk(t, k) = mine && kept(t, k) ? 1 : 0;
-          }
-        });
+    permute::local_expert_ids(space_, View2<int const, memory_space>(router_.state().expert_ids),
+                              View2<int const, memory_space>(router_.state().kept), e0, L, lids_,
+                              lkept_);
   }
 
   void dense_forward() {
     dense_.forward(space_, cfg_.mlp_activation, cview2(xw_),
-                   View2<int const, memory_space>(rs_.expert_ids),
-                   View2<int const, memory_space>(rs_.kept), cview2(rs_.weights), int(e0_),
-                   cp_.wi_0, cp_.wi_1, cp_.wo, yw_);
+                   View2<int const, memory_space>(router_.state().expert_ids),
+                   View2<int const, memory_space>(router_.state().kept),
+                   cview2(router_.state().weights), int(e0_), cp_.wi_0, cp_.wi_1, cp_.wo, yw_);
   }
 
   void dense_backward() {
@@ -852,18 +767,9 @@ class DistributedMoeLayer {
       shared_tokens_reduce(ysh_, yo_, "y shared");
       detail::ensure(space_, ysh_c_, "moe::dist::y_shared_cols", T_, D / tp_().size());
       reduce_scatter_dim_(tp_(), yo_, ysh_c_, 1, "reduce-scatter y shared (tensor)");
-      add_into(ysh_c_, y_c_);
+      detail::add_into(space_, ysh_c_, y_c_);
     }
     gather_dim_(tp_(), y_c_, y, 1, "all-gather y (tensor)");
-  }
-
-  /// dst += src (same shape).
-  void add_into(view2 const& src, view2 const& dst) const {
-    Scalar const* s = src.data();
-    Scalar* d = dst.data();
-    Kokkos::parallel_for(
-        "moe::dist::add", Kokkos::RangePolicy<ExecSpace>(space_, 0, std::int64_t(dst.span())),
-        KOKKOS_LAMBDA(std::int64_t i) { d[i] += s[i]; });
   }
 
   int shared_group() const { return route_ == ExpertRoute::Replicated ? 1 : ep_().size(); }
@@ -896,7 +802,7 @@ class DistributedMoeLayer {
     distributed::all_reduce(space_, tp_(), dxsh_, &log_, "reduce d_x shared (tensor)");
     detail::ensure(space_, yo_, "moe::dist::y_own", T_, D);
     shared_tokens_reduce(dxsh_, yo_, "d_x shared");
-    add_into(yo_, dx);
+    detail::add_into(space_, yo_, dx);
   }
 
   // ------------------------------------------------------------------ members ------------------
@@ -917,7 +823,7 @@ class DistributedMoeLayer {
   ExpertRoute route_ = ExpertRoute::Local;
   distributed::Layout layout_;
   routing::Kind kind_;
-  routing::RouteParams rp_;
+  routing::Router<Scalar, ExecSpace> router_;
   params_type params_, cp_, gc_;       // stored blocks, compute blocks, compute-block gradients
   std::uint64_t weights_version_ = 0;  // of the compute blocks of the expert weights
   distributed::CommLog log_;
@@ -926,7 +832,6 @@ class DistributedMoeLayer {
   bool have_forward_ = false;
   double lb_loss_ = 0;
   std::vector<double> bias_update_;
-  routing::RoutingState<Scalar, memory_space> rs_;
   permute::Permutation<memory_space> perm_;
   permute::LocalPermutation<memory_space> lp_;
   gmm::Groups<memory_space> groups_local_;
@@ -938,7 +843,7 @@ class DistributedMoeLayer {
   nn::DenseExperts<Scalar, ExecSpace> dense_;
   View2<int, memory_space> lids_, lkept_;
   view2 x_, xw_, xs_o_, xr_, xs_, ys_, ys_c_, yr_c_, ys_o_c_, y_c_, yw_, yo_, xsh_, ysh_, ysh_c_;
-  view2 dw_, d_top_, d_biased_, d_logits_, dy_c_, dys_o_c_, dyr_c_, dys_c_, dys_, dyw_, dww_, dxw_;
+  view2 dw_, dy_c_, dys_o_c_, dyr_c_, dys_c_, dys_, dyw_, dww_, dxw_;
   view2 dysh_, dxsh_;
 };
 

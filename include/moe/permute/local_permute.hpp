@@ -294,4 +294,23 @@ void unpermute_rows(ExecSpace const& space, LocalPermutation<MS> const& lp, SrcV
                                 src, dst);
 }
 
+/// \brief Local expert ids of the dense (dropping) expert-parallel path: for a shard holding
+/// experts [e0, e0 + L), local(t,k) = ids(t,k) - e0 when the expert is local (else 0) and
+/// local_kept(t,k) = 1 iff the expert is local and the slot was kept.
+template <class ExecSpace, class MS>
+void local_expert_ids(ExecSpace const& space, View2<int const, MS> ids, View2<int const, MS> kept,
+                      int e0, int L, View2<int, MS> local, View2<int, MS> local_kept) {
+  int const K = int(ids.extent(1));
+  Kokkos::parallel_for(
+      "moe::permute::local_expert_ids", Kokkos::RangePolicy<ExecSpace>(space, 0, ids.extent(0)),
+      KOKKOS_LAMBDA(std::int64_t t) {
+        for (int k = 0; k < K; ++k) {
+          int const l = ids(t, k) - e0;
+          bool const mine = l >= 0 && l < L;
+          local(t, k) = mine ? l : 0;
+          local_kept(t, k) = mine && kept(t, k) ? 1 : 0;
+        }
+      });
+}
+
 }  // namespace moe::permute

@@ -9,6 +9,7 @@
 /// never a scatter-add, so results are deterministic on every backend.
 
 #include <moe/detail/compat.hpp>
+#include <moe/detail/counting.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/gmm/gmm.hpp>
 
@@ -18,61 +19,60 @@
 namespace moe::permute {
 
 /// \brief Counting-sort permutation of the routed slots, with per-expert groups.
+///
+/// Holds its buffers between calls: a steady-state sort_by_expert allocates nothing.
 template <class MemorySpace>
 struct Permutation {
   View1<std::int64_t, MemorySpace> perm;     ///< [rows] sorted position -> slot t*K+k
   View1<std::int64_t, MemorySpace> inverse;  ///< [T*K] slot -> sorted position, -1 if dropped
   gmm::Groups<MemorySpace> groups;           ///< E groups of consecutive sorted rows
   std::int64_t rows() const { return groups.rows(); }
+
+  // storage reused from call to call (perm views a prefix of perm_storage)
+  View1<std::int64_t, MemorySpace> perm_storage, inverse_storage, cursor;
 };
 
 /// \brief Stable counting sort of the slots by expert id, skipping slots with kept == 0.
 ///
-/// Work O(T*K + C*E) with C = ceil(T*K / max(2048, 8E)) chunks (so C*E <= T*K/8 + E): each chunk
-/// counts its slots per expert, an exclusive scan over (expert, chunk) gives every chunk its write
-/// cursor, then each chunk places its slots in order. No atomics, so the result is the same on
-/// every backend.
+/// Work O(T*K) in T*K/chunk work items (detail::counting_chunk: long chunks on host spaces,
+/// short ones on devices): each chunk counts its slots per expert, one exclusive scan over
+/// (expert, chunk) gives every chunk its write cursors, then each chunk places its slots in
+/// order. No atomics: the result is the same on every backend. One host synchronisation: the
+/// group sizes, which the grouped GEMMs' shapes need.
 template <class ExecSpace, class MS>
 void sort_by_expert(ExecSpace const& space, View2<int const, MS> ids, View2<int const, MS> kept,
                     int E, Permutation<MS>& out) {
+  moe::detail::Region region("moe::permute::sort_by_expert");
   std::int64_t const T = ids.extent(0), K = ids.extent(1), N = T * K;
-  std::int64_t const chunk = std::max<std::int64_t>(2048, 8 * std::int64_t(E));
-  std::int64_t const C = (N + chunk - 1) / chunk;
-  View2<std::int64_t, MS> hist(Kokkos::view_alloc(space, "moe::permute::chunk_hist"), C, E);
-  detail::ensure(space, out.inverse, "moe::permute::inverse", N);
+  moe::detail::CountingShape sh;
+  sh.N = N;
+  sh.seg = std::max<std::int64_t>(N, 1);
+  sh.chunk = moe::detail::counting_chunk<ExecSpace>(E);
+  sh.E = E;
+  std::int64_t const C = sh.chunks_per_segment();
+  auto cursor = moe::detail::grow(space, out.cursor, "moe::permute::cursor", sh.cursors());
+  out.inverse = moe::detail::grow(space, out.inverse_storage, "moe::permute::inverse", N);
+  out.perm = moe::detail::grow(space, out.perm_storage, "moe::permute::perm", N);
+  if (std::int64_t(out.groups.offsets.extent(0)) != E + 1) {
+    out.groups.offsets = decltype(out.groups.offsets)(
+        Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::permute::offsets"), E + 1);
+    out.groups.offsets_host = Kokkos::create_mirror_view(out.groups.offsets);
+  }
+  auto offsets = out.groups.offsets;
+  if (N == 0) {
+    Kokkos::deep_copy(space, offsets, 0);
+    Kokkos::deep_copy(out.groups.offsets_host, 0);
+    return;
+  }
+  moe::detail::counting_cursors(space, ids, kept, sh, cursor);
+  std::int64_t const last = sh.cursors() - 1;
+  Kokkos::parallel_for(
+      "moe::permute::offsets", Kokkos::RangePolicy<ExecSpace>(space, 0, E + 1),
+      KOKKOS_LAMBDA(int e) { offsets(e) = cursor(e < E ? sh.at(0, e, 0, C) : last); });
+  Kokkos::deep_copy(space, out.groups.offsets_host, offsets);
   auto inverse = out.inverse;
-  Kokkos::parallel_for(
-      "moe::permute::count", Kokkos::RangePolicy<ExecSpace>(space, 0, C),
-      KOKKOS_LAMBDA(std::int64_t c) {
-        std::int64_t const end = (c + 1) * chunk < N ? (c + 1) * chunk : N;
-        for (std::int64_t s = c * chunk; s < end; ++s)
-          if (kept(s / K, s % K)) hist(c, ids(s / K, s % K)) += 1;
-      });
-  View1<std::int64_t, MS> offsets(
-      Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::permute::offsets"), E + 1);
-  // Per expert: chunk cursors become exclusive prefix sums over chunks; totals to offsets(e+1).
-  Kokkos::parallel_for(
-      "moe::permute::chunk_scan", Kokkos::RangePolicy<ExecSpace>(space, 0, E),
-      KOKKOS_LAMBDA(int e) {
-        std::int64_t run = 0;
-        for (std::int64_t c = 0; c < C; ++c) {
-          std::int64_t const n = hist(c, e);
-          hist(c, e) = run;
-          run += n;
-        }
-        offsets(e + 1) = run;
-      });
-  Kokkos::parallel_scan(
-      "moe::permute::expert_scan", Kokkos::RangePolicy<ExecSpace>(space, 0, E + 1),
-      KOKKOS_LAMBDA(int i, std::int64_t& acc, bool final) {
-        std::int64_t const v = i == 0 ? 0 : offsets(i);
-        acc += v;
-        if (final) offsets(i) = acc;
-      });
-  auto offsets_host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), offsets);
-  std::int64_t const rows = offsets_host(E);
-  detail::ensure(space, out.perm, "moe::permute::perm", rows);
   auto perm = out.perm;
+  std::int64_t const chunk = sh.chunk;
   Kokkos::parallel_for(
       "moe::permute::place", Kokkos::RangePolicy<ExecSpace>(space, 0, C),
       KOKKOS_LAMBDA(std::int64_t c) {
@@ -82,14 +82,13 @@ void sort_by_expert(ExecSpace const& space, View2<int const, MS> ids, View2<int 
             inverse(s) = -1;
             continue;
           }
-          int const e = ids(s / K, s % K);
-          std::int64_t const pos = offsets(e) + hist(c, e)++;
+          std::int64_t const pos = cursor(sh.at(0, ids(s / K, s % K), c, C))++;
           perm(pos) = s;
           inverse(s) = pos;
         }
       });
-  out.groups.offsets = offsets;
-  out.groups.offsets_host = offsets_host;
+  moe::detail::fence(space, "moe::permute::sort_by_expert: group sizes");
+  out.perm = View1<std::int64_t, MS>(out.perm.data(), std::size_t(out.groups.offsets_host(E)));
 }
 
 /// \brief Sorted copy of the token rows: out[i] = x[perm[i] / K]  (the K-fold replication).

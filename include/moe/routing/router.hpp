@@ -7,7 +7,9 @@
 /// their results do not depend on the backend (no atomics on floating-point values).
 
 #include <moe/config.hpp>
+#include <moe/detail/blas.hpp>
 #include <moe/detail/compat.hpp>
+#include <moe/detail/counting.hpp>
 #include <moe/detail/views.hpp>
 
 #include <cstdint>
@@ -260,57 +262,108 @@ void select_topk(ExecSpace const& space, RouteParams const& p, std::uint64_t tok
       });
 }
 
+/// \brief Reusable buffers of the routing statistics (a Router keeps one, so a steady-state
+/// step allocates nothing; the overloads without it allocate per call).
+template <class MS>
+struct RoutingScratch {
+  View1<std::int64_t, MS> cursor, base;
+  View1<double, MS> partial, per_token, per_seq;
+};
+
 /// \brief Capacity mask (MaxText's per-sequence capacity): within each sequence of length S the
 /// slots are visited in (s, k) order; a slot is kept iff its 1-based position in its expert's
 /// queue is <= capacity. capacity < 0 keeps every slot (dropless); capacity 0 drops every slot.
+///
+/// Parallel over chunks of slots (detail::counting_cursors with one segment per sequence): each
+/// slot's queue position is its cursor minus the first cursor of its (sequence, expert).
 template <class ExecSpace, class MS>
 void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_t seq_len,
-                   std::int64_t capacity, int E, View2<int, MS> kept) {
+                   std::int64_t capacity, int E, View2<int, MS> kept, RoutingScratch<MS>& scratch) {
+  moe::detail::Region region("moe::routing::capacity_mask");
   std::int64_t const T = ids.extent(0), K = ids.extent(1);
   if (capacity < 0) {
     Kokkos::deep_copy(space, kept, 1);
     return;
   }
-  std::int64_t const B = T / seq_len;
-  View2<std::int64_t, MS> fill(Kokkos::view_alloc(space, "moe::routing::capacity_fill"), B, E);
+  moe::detail::CountingShape sh;
+  sh.N = T * K;
+  sh.seg = seq_len * K;
+  sh.chunk = std::min(sh.seg, moe::detail::counting_chunk<ExecSpace>(E));
+  sh.E = E;
+  std::int64_t const G = sh.segments(), C = sh.chunks_per_segment(), chunk = sh.chunk;
+  std::int64_t const seg = sh.seg;
+  auto cursor =
+      moe::detail::grow(space, scratch.cursor, "moe::routing::capacity_cursor", sh.cursors());
+  auto base = moe::detail::grow(space, scratch.base, "moe::routing::capacity_base", G * E);
+  moe::detail::counting_cursors(space, ids, View2<int const, MS>(), sh, cursor);
   Kokkos::parallel_for(
-      "moe::routing::capacity_mask", Kokkos::RangePolicy<ExecSpace>(space, 0, B),
-      KOKKOS_LAMBDA(std::int64_t b) {
-        for (std::int64_t s = 0; s < seq_len; ++s)
-          for (std::int64_t k = 0; k < K; ++k) {
-            std::int64_t const t = b * seq_len + s;
-            int const e = ids(t, k);
-            kept(t, k) = ++fill(b, e) <= capacity ? 1 : 0;
-          }
+      "moe::routing::capacity_base", Kokkos::RangePolicy<ExecSpace>(space, 0, G * E),
+      KOKKOS_LAMBDA(std::int64_t i) { base(i) = cursor(sh.at(i / E, int(i % E), 0, C)); });
+  Kokkos::parallel_for(
+      "moe::routing::capacity_mask", Kokkos::RangePolicy<ExecSpace>(space, 0, G * C),
+      KOKKOS_LAMBDA(std::int64_t gc) {
+        std::int64_t const g = gc / C, c = gc % C;
+        std::int64_t const begin = g * seg + c * chunk;
+        std::int64_t const end = moe::detail::min(begin + chunk, (g + 1) * seg);
+        for (std::int64_t s = begin; s < end; ++s) {
+          int const e = ids(s / K, s % K);
+          std::int64_t const pos = cursor(sh.at(g, e, c, C))++ - base(g * E + e);
+          kept(s / K, s % K) = pos < capacity ? 1 : 0;
+        }
       });
+}
+
+template <class ExecSpace, class MS>
+void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_t seq_len,
+                   std::int64_t capacity, int E, View2<int, MS> kept) {
+  RoutingScratch<MS> scratch;
+  capacity_mask(space, ids, seq_len, capacity, E, kept, scratch);
 }
 
 /// \brief Per-sequence statistics of the load-balance loss: counts[b,e] = slots of sequence b on
 /// expert e, probs[b,e] = sum over the sequence of softmax(biased over E). Returns (on the host)
 /// sum_b sum_e counts*probs; the loss is weight * E * that / (B_total * S^2).
+///
+/// Parallel over tokens: a softmax kernel per token, integer atomic counts (exact), and probs as
+/// fixed-order column sums (detail::segment_column_sums), so the result is the same on every
+/// backend and thread count.
 template <class ExecSpace, class Scalar, class MS>
 double lb_statistics(ExecSpace const& space, View2<Scalar const, MS> biased,
                      View2<int const, MS> ids, std::int64_t seq_len, View2<std::int64_t, MS> counts,
-                     View2<Scalar, MS> probs) {
+                     View2<Scalar, MS> probs, RoutingScratch<MS>& scratch) {
+  moe::detail::Region region("moe::routing::lb_statistics");
   std::int64_t const T = biased.extent(0), E = biased.extent(1), K = ids.extent(1);
   std::int64_t const B = T / seq_len;
-  View1<double, MS> per_seq(Kokkos::view_alloc(space, "moe::routing::lb_per_seq"), B);
+  // Per token: max and normaliser of softmax(biased(t, :)).
+  auto mz = moe::detail::grow(space, scratch.per_token, "moe::routing::lb_softmax", 2 * T);
   Kokkos::parallel_for(
-      "moe::routing::lb_statistics", Kokkos::RangePolicy<ExecSpace>(space, 0, B),
+      "moe::routing::lb_softmax", Kokkos::RangePolicy<ExecSpace>(space, 0, T),
+      KOKKOS_LAMBDA(std::int64_t t) {
+        Scalar m = biased(t, 0);
+        for (std::int64_t e = 1; e < E; ++e) m = biased(t, e) > m ? biased(t, e) : m;
+        Scalar z = 0;
+        for (std::int64_t e = 0; e < E; ++e) z += detail::exp(biased(t, e) - m);
+        mz(2 * t) = double(m);
+        mz(2 * t + 1) = double(z);
+      });
+  Kokkos::deep_copy(space, counts, 0);
+  Kokkos::parallel_for(
+      "moe::routing::lb_counts", Kokkos::RangePolicy<ExecSpace>(space, 0, T * K),
+      KOKKOS_LAMBDA(std::int64_t s) {
+        Kokkos::atomic_add(&counts(s / K / seq_len, ids(s / K, s % K)), std::int64_t(1));
+      });
+  auto softmax = KOKKOS_LAMBDA(std::int64_t t, int e) {
+    return detail::exp(biased(t, e) - Scalar(mz(2 * t))) / Scalar(mz(2 * t + 1));
+  };
+  auto store = KOKKOS_LAMBDA(std::int64_t b, int e, double v) { probs(b, e) = Scalar(v); };
+  std::int64_t const rows = std::min<std::int64_t>(256, seq_len);
+  auto partial = moe::detail::grow(space, scratch.partial, "moe::routing::lb_partial",
+                                   B * ((seq_len + rows - 1) / rows) * E);
+  moe::detail::segment_column_sums(space, T, int(E), seq_len, softmax, partial, store);
+  auto per_seq = moe::detail::grow(space, scratch.per_seq, "moe::routing::lb_per_seq", B);
+  Kokkos::parallel_for(
+      "moe::routing::lb_per_seq", Kokkos::RangePolicy<ExecSpace>(space, 0, B),
       KOKKOS_LAMBDA(std::int64_t b) {
-        for (std::int64_t e = 0; e < E; ++e) {
-          counts(b, e) = 0;
-          probs(b, e) = 0;
-        }
-        for (std::int64_t s = 0; s < seq_len; ++s) {
-          std::int64_t const t = b * seq_len + s;
-          for (std::int64_t k = 0; k < K; ++k) counts(b, ids(t, k)) += 1;
-          Scalar m = biased(t, 0);
-          for (std::int64_t e = 1; e < E; ++e) m = biased(t, e) > m ? biased(t, e) : m;
-          Scalar z = 0;
-          for (std::int64_t e = 0; e < E; ++e) z += detail::exp(biased(t, e) - m);
-          for (std::int64_t e = 0; e < E; ++e) probs(b, e) += detail::exp(biased(t, e) - m) / z;
-        }
         double acc = 0;
         for (std::int64_t e = 0; e < E; ++e) acc += double(counts(b, e)) * double(probs(b, e));
         per_seq(b) = acc;
@@ -321,6 +374,14 @@ double lb_statistics(ExecSpace const& space, View2<Scalar const, MS> biased,
   return total;
 }
 
+template <class ExecSpace, class Scalar, class MS>
+double lb_statistics(ExecSpace const& space, View2<Scalar const, MS> biased,
+                     View2<int const, MS> ids, std::int64_t seq_len, View2<std::int64_t, MS> counts,
+                     View2<Scalar, MS> probs) {
+  RoutingScratch<MS> scratch;
+  return lb_statistics(space, biased, ids, seq_len, counts, probs, scratch);
+}
+
 /// \brief Selected slots per expert over all T*K slots (before capacity dropping).
 template <class ExecSpace, class MS>
 void expert_histogram(ExecSpace const& space, View2<int const, MS> ids,
@@ -328,10 +389,10 @@ void expert_histogram(ExecSpace const& space, View2<int const, MS> ids,
   Kokkos::deep_copy(space, counts, 0);
   std::int64_t const K = ids.extent(1);
   Kokkos::parallel_for(
-      "moe::routing::expert_histogram", Kokkos::RangePolicy<ExecSpace>(space, 0, ids.extent(0)),
-      KOKKOS_LAMBDA(std::size_t t) {
-        for (std::int64_t k = 0; k < K; ++k)
-          Kokkos::atomic_add(&counts(ids(t, k)), std::int64_t(1));
+      "moe::routing::expert_histogram",
+      Kokkos::RangePolicy<ExecSpace>(space, 0, std::int64_t(ids.extent(0)) * K),
+      KOKKOS_LAMBDA(std::int64_t s) {
+        Kokkos::atomic_add(&counts(ids(s / K, s % K)), std::int64_t(1));
       });
 }
 
@@ -464,15 +525,188 @@ void route_backward(ExecSpace const& space, RouteParams const& p,
 
 /// \brief Column sums of a [T,E] view in a fixed order (the bias gradient): out[e] = sum_t m(t,e).
 template <class ExecSpace, class Scalar, class MS>
-void column_sums(ExecSpace const& space, View2<Scalar const, MS> m, View1<Scalar, MS> out) {
+void column_sums(ExecSpace const& space, View2<Scalar const, MS> m, View1<Scalar, MS> out,
+                 RoutingScratch<MS>& scratch) {
   std::int64_t const T = m.extent(0);
-  Kokkos::parallel_for(
-      "moe::routing::column_sums", Kokkos::RangePolicy<ExecSpace>(space, 0, m.extent(1)),
-      KOKKOS_LAMBDA(std::size_t e) {
-        Scalar acc = 0;
-        for (std::int64_t t = 0; t < T; ++t) acc += m(t, e);
-        out(e) = acc;
-      });
+  int const E = int(m.extent(1));
+  auto value = KOKKOS_LAMBDA(std::int64_t t, int e) { return m(t, e); };
+  auto store = KOKKOS_LAMBDA(std::int64_t, int e, double v) { out(e) = Scalar(v); };
+  std::int64_t const rows = std::min<std::int64_t>(256, std::max<std::int64_t>(T, 1));
+  auto partial = moe::detail::grow(space, scratch.partial, "moe::routing::column_partial",
+                                   ((T + rows - 1) / rows) * E);
+  if (T == 0) {
+    Kokkos::deep_copy(space, out, Scalar(0));
+    return;
+  }
+  moe::detail::segment_column_sums(space, T, E, T, value, partial, store);
 }
+
+template <class ExecSpace, class Scalar, class MS>
+void column_sums(ExecSpace const& space, View2<Scalar const, MS> m, View1<Scalar, MS> out) {
+  RoutingScratch<MS> scratch;
+  column_sums(space, m, out, scratch);
+}
+
+/// \brief scores + bias -> biased ([T,E] + [E]).
+template <class ExecSpace, class Scalar, class MS>
+void add_bias(ExecSpace const& space, View2<Scalar const, MS> scores, View1<Scalar const, MS> bias,
+              View2<Scalar, MS> biased) {
+  std::int64_t const E = scores.extent(1);
+  Kokkos::parallel_for(
+      "moe::routing::add_bias",
+      Kokkos::RangePolicy<ExecSpace>(space, 0, std::int64_t(scores.extent(0)) * E),
+      KOKKOS_LAMBDA(std::int64_t i) { biased(i / E, i % E) = scores(i / E, i % E) + bias(i % E); });
+}
+
+/// \brief The routing stage of a layer, forward and backward: gate GEMM, score function, bias,
+/// top-k, capacity mask, load-balance statistics and expert counts. MoeLayer and
+/// DistributedMoeLayer each own one: the single-rank layer routes its T tokens as one block; the
+/// distributed ring path routes the expert group's gathered tokens as one block per member (each
+/// with the global index of its first token, which random routing draws from) and keeps the
+/// statistics and the backward to its own block.
+template <class Scalar, class ExecSpace>
+class Router {
+ public:
+  using memory_space = typename ExecSpace::memory_space;
+  using view1 = View1<Scalar, memory_space>;
+  using view2 = View2<Scalar, memory_space>;
+  using cview1 = View1<Scalar const, memory_space>;
+  using cview2 = View2<Scalar const, memory_space>;
+  using state_type = RoutingState<Scalar, memory_space>;
+
+  Router() = default;
+  Router(LayerConfig const& cfg, Kind kind) : cfg_(cfg), params_(cfg, kind) {}
+
+  RouteParams const& params() const { return params_; }
+
+  /// \brief Routes the rows of x [R,D] with gate [D,E] (and bias [E] when the config has a routed
+  /// bias). The rows are `block_token_offsets.size()` equal blocks of whole sequences of
+  /// `seq_len` tokens; block m's first token has the global index block_token_offsets[m].
+  /// Statistics (lb_sum(), expert_counts()) cover block `own` only.
+  void forward(ExecSpace const& space, cview2 x, cview2 gate, cview1 bias, std::int64_t seq_len,
+               std::vector<std::uint64_t> const& block_token_offsets, int own) {
+    moe::detail::Region region("moe::route");
+    std::int64_t const R = x.extent(0);
+    int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
+    blocks_ = int(block_token_offsets.size());
+    own_ = own;
+    seq_len_ = seq_len;
+    moe::detail::ensure(space, st_.logits, "moe::routing::logits", R, E);
+    moe::detail::gemm(space, "N", "N", Scalar(1), x, gate, Scalar(0), st_.logits);
+    if (cfg_.routed_score_func == ScoreFunc::None) {
+      st_.scores = st_.logits;
+    } else {
+      moe::detail::ensure(space, st_.scores, "moe::routing::scores", R, E);
+      apply_score(space, cfg_.routed_score_func, cview2(st_.logits), st_.scores);
+    }
+    if (cfg_.routed_bias) {
+      moe::detail::ensure(space, st_.biased, "moe::routing::biased", R, E);
+      add_bias(space, cview2(st_.scores), bias, st_.biased);
+    } else {
+      st_.biased = st_.scores;
+    }
+    moe::detail::ensure(space, st_.expert_ids, "moe::routing::expert_ids", R, K);
+    moe::detail::ensure(space, st_.top_values, "moe::routing::top_values", R, K);
+    moe::detail::ensure(space, st_.weights, "moe::routing::weights", R, K);
+    moe::detail::ensure(space, st_.kept, "moe::routing::kept", R, K);
+    for (int m = 0; m < blocks_; ++m)
+      select_topk(space, params_, block_token_offsets[std::size_t(m)], cview2(block(st_.scores, m)),
+                  cview2(block(st_.biased, m)), block(st_.expert_ids, m), block(st_.top_values, m),
+                  block(st_.weights, m));
+    auto const ids = View2<int const, memory_space>(st_.expert_ids);
+    capacity_mask(space, ids, seq_len, cfg_.capacity_factor > 0 ? cfg_.capacity(seq_len) : -1, E,
+                  st_.kept, scratch_);
+    lb_sum_ = 0;
+    if (cfg_.load_balance_loss_weight > 0) {
+      std::int64_t const b_own = block_rows() / seq_len;
+      moe::detail::ensure(space, st_.seq_counts, "moe::routing::seq_counts", b_own, E);
+      moe::detail::ensure(space, st_.seq_probs, "moe::routing::seq_probs", b_own, E);
+      lb_sum_ = lb_statistics(space, cview2(block(st_.biased, own_)),
+                              View2<int const, memory_space>(block(st_.expert_ids, own_)), seq_len,
+                              st_.seq_counts, st_.seq_probs, scratch_);
+    }
+    if (cfg_.routed_bias_update_rate > 0) {
+      moe::detail::ensure(space, st_.expert_counts, "moe::routing::expert_counts", E);
+      expert_histogram(space, View2<int const, memory_space>(block(st_.expert_ids, own_)),
+                       st_.expert_counts);
+    }
+  }
+
+  /// Everything the last forward produced, all blocks.
+  state_type const& state() const { return st_; }
+  /// The last forward's state restricted to block `own` (the rows whose backward this rank runs).
+  state_type own_state() const {
+    state_type s = st_;
+    s.logits = block(st_.logits, own_);
+    s.scores = block(st_.scores, own_);
+    s.biased = block(st_.biased, own_);
+    s.expert_ids = block(st_.expert_ids, own_);
+    s.top_values = block(st_.top_values, own_);
+    s.weights = block(st_.weights, own_);
+    s.kept = block(st_.kept, own_);
+    return s;
+  }
+  /// Rows of the own block of any [R, n] view routed by the last forward.
+  template <class V>
+  V own_rows(V const& v) const {
+    return blocks_ <= 1 || !v.data() ? v : block(v, own_);
+  }
+  /// Sum over the own block's sequences and experts of seq_counts * seq_probs (the load-balance
+  /// loss is weight * E * this, summed over the batch, / (B_total * S^2)); 0 without the loss.
+  double lb_sum() const { return lb_sum_; }
+  /// Selected slots per expert over the own block (before capacity dropping), on the host; empty
+  /// unless the config has a routed bias update rate.
+  std::vector<std::int64_t> expert_counts() const {
+    if (cfg_.routed_bias_update_rate <= 0 || !st_.expert_counts.data()) return {};
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st_.expert_counts);
+    return std::vector<std::int64_t>(h.data(), h.data() + h.extent(0));
+  }
+  /// d lb_loss / d (seq_counts * seq_probs) summed as in lb_sum(): weight * E / (B_total * S^2),
+  /// or 0 without the load-balance loss.
+  double lb_coefficient(std::int64_t global_sequences) const {
+    return cfg_.load_balance_loss_weight > 0
+               ? cfg_.load_balance_loss_weight * cfg_.num_experts /
+                     (double(global_sequences) * double(seq_len_) * double(seq_len_))
+               : 0.0;
+  }
+
+  /// \brief Backward of the own block: d_weights [T,K] (and the load-balance term, lb_coef) ->
+  /// d logits -> dx (+= d_logits gate^T), dgate (= x^T d_logits, overwritten) and, with a routed
+  /// bias, dbias (column sums of d biased, overwritten). x is the own block's input rows.
+  void backward(ExecSpace const& space, cview2 x, cview2 gate, cview2 d_weights, double lb_coef,
+                view2 dx, view2 dgate, view1 dbias) {
+    moe::detail::Region region("moe::route::backward");
+    std::int64_t const T = x.extent(0);
+    int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
+    moe::detail::ensure(space, d_top_, "moe::routing::d_top", T, K);
+    moe::detail::ensure(space, d_biased_, "moe::routing::d_biased", T, E);
+    moe::detail::ensure(space, d_logits_, "moe::routing::d_logits", T, E);
+    route_backward(space, params_, own_state(), d_weights, seq_len_, lb_coef, d_top_, d_biased_,
+                   d_logits_);
+    moe::detail::gemm(space, "T", "N", Scalar(1), x, d_logits_, Scalar(0), dgate);
+    moe::detail::gemm(space, "N", "T", Scalar(1), d_logits_, gate, Scalar(1), dx);
+    if (cfg_.routed_bias) column_sums(space, cview2(d_biased_), dbias, scratch_);
+  }
+
+ private:
+  std::int64_t block_rows() const {
+    return blocks_ > 0 ? std::int64_t(st_.logits.extent(0)) / blocks_ : 0;
+  }
+  /// Rows of block m of a [R, n] view.
+  template <class V>
+  V block(V const& v, int m) const {
+    std::int64_t const rows = block_rows();
+    return V(v.data() + m * rows * std::int64_t(v.extent(1)), rows, v.extent(1));
+  }
+
+  LayerConfig cfg_;
+  RouteParams params_;
+  state_type st_;
+  RoutingScratch<memory_space> scratch_;
+  view2 d_top_, d_biased_, d_logits_;
+  int blocks_ = 1, own_ = 0;
+  std::int64_t seq_len_ = 1;
+  double lb_sum_ = 0;
+};
 
 }  // namespace moe::routing

@@ -262,8 +262,13 @@ template <class ExecSpace, class View>
 constexpr void check_view_type() {
   static_assert(Kokkos::is_view<View>::value, "moe::comm: expected a Kokkos::View");
   static_assert(View::rank >= 1 && View::rank <= 3, "moe::comm: views of rank 1 to 3 only");
-  static_assert(std::is_same_v<typename View::array_layout, Kokkos::LayoutRight>,
-                "moe::comm: views must be LayoutRight (row-major, contiguous)");
+  // Rank 1: LayoutLeft and LayoutRight are the same contiguous vector (a View declared without
+  // a layout is LayoutLeft on CUDA and HIP); rank 2 and 3 must be row-major.
+  static_assert(
+      std::is_same_v<typename View::array_layout, Kokkos::LayoutRight> ||
+          (View::rank == 1 && std::is_same_v<typename View::array_layout, Kokkos::LayoutLeft>),
+      "moe::comm: views must be LayoutRight (row-major, contiguous); rank-1 views may "
+      "also be LayoutLeft");
   static_assert(MpiType<typename View::non_const_value_type>::available,
                 "moe::comm: the value type needs an MPI datatype (float, double, int32_t, "
                 "int64_t)");

@@ -1,0 +1,67 @@
+#pragma once
+/// \file
+/// Element-wise kernels over contiguous views, shared by the layers and the example driver.
+/// Free functions on purpose: nvcc rejects an extended (KOKKOS_LAMBDA) lambda whose enclosing
+/// function is a private or protected member, and a lambda in a member function would capture
+/// `this` (a host pointer) for device code.
+
+#include <moe/detail/compat.hpp>
+#include <moe/error.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <cstdint>
+#include <string>
+
+namespace moe::detail {
+
+/// \brief Flat (row-major) index of the first NaN or Inf in the contiguous view v, or v.span()
+/// when every element is finite.
+template <class ExecSpace, class V>
+std::int64_t first_nonfinite(ExecSpace const& space, V const& v) {
+  std::int64_t const n = std::int64_t(v.span());
+  if (n == 0) return 0;
+  auto const* p = v.data();
+  std::int64_t first = n;
+  Kokkos::parallel_reduce(
+      "moe::check_finite", Kokkos::RangePolicy<ExecSpace>(space, 0, n),
+      KOKKOS_LAMBDA(std::int64_t i, std::int64_t & m) {
+        if (!moe::detail::isfinite(p[i]) && i < m) m = i;
+      },
+      Kokkos::Min<std::int64_t>(first));
+  return first < n ? first : n;  // the reducer starts from its identity (the largest int64)
+}
+
+/// \brief "[i,j,k]": the multi-index of flat index `flat` in a row-major view of v's extents.
+template <class V>
+std::string index_string(V const& v, std::int64_t flat) {
+  std::string where;
+  for (int d = int(V::rank) - 1; d >= 0; --d) {
+    std::int64_t const n = std::int64_t(v.extent(d));
+    where = std::to_string(n > 0 ? flat % n : 0) + (where.empty() ? "" : ",") + where;
+    flat = n > 0 ? flat / n : 0;
+  }
+  return "[" + where + "]";
+}
+
+/// \brief Throws InputError("<name> holds NaN or Inf at [i,j]: ...") at the first non-finite
+/// element of v (row-major index; `name` says which tensor, e.g. "wi_0" or "x").
+template <class ExecSpace, class V>
+void require_finite(ExecSpace const& space, V const& v, std::string const& name) {
+  std::int64_t const first = first_nonfinite(space, v);
+  if (first < std::int64_t(v.span()))
+    throw InputError(cat(name, " holds NaN or Inf at ", index_string(v, first),
+                         ": inputs and weights must be finite"));
+}
+
+/// \brief dst[i] += src[i] over two contiguous views of the same span.
+template <class ExecSpace, class Src, class Dst>
+void add_into(ExecSpace const& space, Src const& src, Dst const& dst) {
+  auto const* s = src.data();
+  auto* d = dst.data();
+  Kokkos::parallel_for(
+      "moe::add_into", Kokkos::RangePolicy<ExecSpace>(space, 0, std::int64_t(dst.span())),
+      KOKKOS_LAMBDA(std::int64_t i) { d[i] += s[i]; });
+}
+
+}  // namespace moe::detail
