@@ -5,10 +5,16 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 #include <Kokkos_Core.hpp>
+#include <algorithm>
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
-  moe::apply_host_threads(MPI_COMM_WORLD);  // ranks x threads <= cores
+  // ranks x threads <= cores. The harness's own rule on top: a set OMP_NUM_THREADS is the thread
+  // budget of the whole test, split over its ranks on this node (OMP_NUM_THREADS=4 ctest runs the
+  // 4-rank test with 1 thread per rank, not 16 threads on the node).
+  moe::HostThreads h = moe::host_threads_rule(MPI_COMM_WORLD);
+  if (h.from_env) h.threads = std::max(1, h.threads / h.local_ranks);
+  moe::apply_host_threads(h);
   int rc = 0;
   {
     Kokkos::ScopeGuard kokkos(argc, argv);

@@ -135,6 +135,7 @@ class MoeLayer {
   /// tensor and the index). x is copied, so it may be reused (or be y) before backward(); the
   /// parameters must stay unchanged until backward().
   void forward(cview3 x, view3 y, ForwardOptions const& opt = {}) {
+    detail::Region region("moe::layer::forward");
     int const D = cfg_.base_emb_dim;
     require_shape(x, "x", D);
     require_shape(y, "y", D);
@@ -179,6 +180,7 @@ class MoeLayer {
   /// \brief Gradients of sum(y * dy) + lb_loss w.r.t. x (into dx[B,S,D]) and every parameter
   /// (into grads, allocated here if empty; overwritten).
   void backward(cview3 dy, view3 dx, params_type& grads) {
+    detail::Region region("moe::layer::backward");
     detail::require<Error>(have_forward_, "MoeLayer::backward called without a forward");
     int const D = cfg_.base_emb_dim;
     require_shape(dy, "dy", D);

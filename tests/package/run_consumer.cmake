@@ -13,3 +13,33 @@ run(${CMAKE_COMMAND} -S ${MOE_SOURCE_DIR}/tests/package/consumer -B ${WORK_DIR}/
     -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCMAKE_CXX_COMPILER=${CMAKE_CXX_COMPILER})
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)
+execute_process(COMMAND ${WORK_DIR}/build/consumer OUTPUT_VARIABLE out)
+
+# The consumer got the Kokkos moe was built with (the package pins it)...
+string(REGEX MATCH "^([0-9]+)\\.([0-9]+)\\.([0-9]+)" _ "${EXPECT_KOKKOS_VERSION}")
+math(EXPR v1 "${CMAKE_MATCH_1}")
+math(EXPR v2 "${CMAKE_MATCH_2}")
+math(EXPR v3 "${CMAKE_MATCH_3}")
+if(NOT out MATCHES "\\(Kokkos ${v1}\\.${v2}\\.${v3}\\)")
+  message(FATAL_ERROR "the consumer reports another Kokkos than ${EXPECT_KOKKOS_VERSION}: ${out}")
+endif()
+# ... and a package whose recorded Kokkos differs from the one found is refused, naming both.
+set(cfg ${WORK_DIR}/prefix/lib/cmake/moe/moeConfig.cmake)
+if(NOT EXISTS ${cfg})
+  file(GLOB cfg ${WORK_DIR}/prefix/lib*/cmake/moe/moeConfig.cmake)
+endif()
+file(READ ${cfg} text)
+string(REPLACE "set(MOE_KOKKOS_VERSION \"${EXPECT_KOKKOS_VERSION}\")" "set(MOE_KOKKOS_VERSION \"0.0.1\")"
+       patched "${text}")
+if(patched STREQUAL text)
+  message(FATAL_ERROR "moeConfig.cmake does not record Kokkos ${EXPECT_KOKKOS_VERSION}")
+endif()
+file(WRITE ${cfg} "${patched}")
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${MOE_SOURCE_DIR}/tests/package/consumer
+                        -B ${WORK_DIR}/build-mismatch -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix
+                        -DCMAKE_CXX_COMPILER=${CMAKE_CXX_COMPILER}
+                RESULT_VARIABLE rc OUTPUT_VARIABLE mout ERROR_VARIABLE merr)
+if(rc EQUAL 0 OR NOT "${mout}${merr}" MATCHES "moe was built and tested against Kokkos 0.0.1")
+  message(FATAL_ERROR "a Kokkos version mismatch was not refused (${rc}):\n${mout}\n${merr}")
+endif()
+message(STATUS "version mismatch refused as expected")

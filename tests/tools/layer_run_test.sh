@@ -29,7 +29,12 @@ fail() {
 run() {
   local np=$1 log=$2
   shift 2
-  timeout "$LIMIT" "${MPI[@]}" -np "$np" "$RUN" "$@" >"$log" 2>&1
+  # The harness's threads rule: a set OMP_NUM_THREADS is the budget of the whole run.
+  local threads=()
+  if [ -n "${OMP_NUM_THREADS:-}" ]; then
+    threads=("OMP_NUM_THREADS=$(( OMP_NUM_THREADS / np > 0 ? OMP_NUM_THREADS / np : 1 ))")
+  fi
+  env "${threads[@]}" timeout "$LIMIT" "${MPI[@]}" -np "$np" "$RUN" "$@" >"$log" 2>&1
 }
 
 layouts() {

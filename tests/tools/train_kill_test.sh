@@ -9,6 +9,10 @@ rm -rf "$work" && mkdir -p "$work"
 common=(steps=120 log_period=1 dtype=float64 enable_checkpointing=true checkpoint_period=5
         checkpoint_keep=2)
 flags=("$@")
+# The harness's threads rule: a set OMP_NUM_THREADS is the budget of the whole test (2 ranks).
+if [ -n "${OMP_NUM_THREADS:-}" ]; then
+  export OMP_NUM_THREADS=$(( OMP_NUM_THREADS / 2 > 0 ? OMP_NUM_THREADS / 2 : 1 ))
+fi
 extra=("checkpoint_dir=$work/ref" "metrics_file=$work/ref.jsonl")
 "$mpiexec" -np 2 "${flags[@]}" "$train" "${common[@]}" "${extra[@]}" >"$work/ref.log" 2>&1 ||
   { echo "uninterrupted run failed"; cat "$work/ref.log"; exit 1; }

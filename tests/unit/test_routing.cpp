@@ -365,6 +365,28 @@ TEST(RoutingCapacity, MasksMatchReference) {
   }
 }
 
+TEST(RoutingCapacity, SequencesLongerThanACountingChunk) {
+  // S*K = 4400 slots per sequence: two or three counting chunks per sequence on a host space, so
+  // a queue position runs across chunk boundaries (and across sequences, which restart at 0).
+  int const B = 3, S = 2200, K = 2, E = 5;
+  Rng rng(9);
+  Ids ids(std::size_t(B) * S * K);
+  for (auto& e : ids) e = std::min(E - 1, int(rng.uniform(0, E) * rng.uniform(0.5, 1.0)));
+  for (std::int64_t C : {0, 1, 300, 700, 1200, 5000}) {
+    SCOPED_TRACE(::testing::Message() << "C=" << C);
+    Ids ref_kept, pos;
+    capacity_masks(ids, B, S, K, E, C, ref_kept, pos);
+    auto idv = to_view<V2<int>>(ids, B * S, K);
+    V2<int> kept("kept", B * S, K);
+    moe::routing::RoutingScratch<MS> scratch;
+    for (int rep = 0; rep < 2; ++rep) {  // the second call reuses the scratch buffers
+      Kokkos::deep_copy(kept, 7);
+      moe::routing::capacity_mask(Exec(), C2<int>(idv), S, C, E, kept, scratch);
+      EXPECT_EQ(to_ids(kept), ref_kept);
+    }
+  }
+}
+
 TEST(RoutingCapacity, CapacityFormula) {
   // C = int(max(ceil(S*K/E) * cf, cf))
   struct F {

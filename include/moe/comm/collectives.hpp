@@ -137,6 +137,7 @@ std::pair<std::int64_t, std::int64_t> check_row_pair(Communicator const& comm, c
 template <class ExecSpace, class InView, class OutView>
 void all_gather(Communicator const& comm, ExecSpace const& space, InView const& in,
                 OutView const& out) {
+  moe::detail::Region region("moe::comm::all_gather");
   using T = typename OutView::non_const_value_type;
   auto const [n, row] = detail::check_row_pair<ExecSpace>(
       comm, "moe::comm::all_gather", in, out, in, out,
@@ -157,6 +158,7 @@ template <class ExecSpace, class InView, class OutView>
 void reduce_scatter(Communicator const& comm, ExecSpace const& space, InView const& in,
                     OutView const& out,
                     moe::detail::ScratchPool<typename OutView::memory_space>* pool = nullptr) {
+  moe::detail::Region region("moe::comm::reduce_scatter");
   using T = typename OutView::non_const_value_type;
   auto const [c, row] = detail::check_row_pair<ExecSpace>(
       comm, "moe::comm::reduce_scatter", in, out, out, in,
@@ -174,6 +176,7 @@ void reduce_scatter(Communicator const& comm, ExecSpace const& space, InView con
 /// \param v any shape, the same on every rank; contiguous
 template <class ExecSpace, class View>
 void all_reduce(Communicator const& comm, ExecSpace const& space, View const& v) {
+  moe::detail::Region region("moe::comm::all_reduce");
   detail::check_view_type<ExecSpace, View>();
   using T = typename View::non_const_value_type;
   using MS = typename View::memory_space;

@@ -287,6 +287,7 @@ class RaggedAllToAll {
   /// \param recv [>= recv_total(), ...] same trailing shape; must not overlap `send`
   template <class ExecSpace, class SendView, class RecvView>
   void forward(ExecSpace const& space, SendView const& send, RecvView const& recv) const {
+    moe::detail::Region region("moe::comm::ragged_all_to_all");
     apply(space, "moe::comm::RaggedAllToAll::forward", false, send, send_.displs, kept_, recv,
           recv_.displs, recv_.counts, send_extent_, recv_total_);
   }
@@ -298,6 +299,7 @@ class RaggedAllToAll {
   /// \param out [>= send_extent(), ...] same trailing shape; must not overlap `in`
   template <class ExecSpace, class InView, class OutView>
   void reverse(ExecSpace const& space, InView const& in, OutView const& out) const {
+    moe::detail::Region region("moe::comm::ragged_all_to_all::reverse");
     apply(space, "moe::comm::RaggedAllToAll::reverse", true, in, recv_.displs, recv_.counts, out,
           send_.displs, kept_, recv_total_, send_extent_);
   }

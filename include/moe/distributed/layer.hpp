@@ -126,6 +126,7 @@ class DistributedMoeLayer {
 
   /// \brief Collective. y_local = MoE(x_local), both [B/batch_parts, S, D].
   void forward(cview3 x, view3 y) {
+    detail::Region region("moe::dist::forward");
     log_.records.clear();
     log_.in_backward = false;
     std::int64_t const D = cfg_.base_emb_dim;
@@ -173,6 +174,7 @@ class DistributedMoeLayer {
   /// \brief Collective. Gradients of sum(y * dy) + lb_loss (summed over all ranks) w.r.t. the
   /// local x block (dx) and the local parameter blocks (grads; allocated if empty).
   void backward(cview3 dy, view3 dx, params_type& grads) {
+    detail::Region region("moe::dist::backward");
     std::int64_t const D = cfg_.base_emb_dim;
     comm::collective_guard(world_, [&] {
       detail::require<Error>(have_forward_, "backward called without a forward");
@@ -398,6 +400,7 @@ class DistributedMoeLayer {
   }
 
   void gather_weights() {
+    detail::Region region("moe::dist::gather_weights");
     cp_.gate = to_compute(weight("gate"), params_.gate);
     if (cfg_.routed_bias) cp_.gate_bias = params_.gate_bias;
     cp_.wi_0 = to_compute(weight("wi_0"), params_.wi_0);
@@ -475,6 +478,7 @@ class DistributedMoeLayer {
   }
 
   void reduce_grads(params_type& g) {
+    detail::Region region("moe::dist::reduce_grads");
     to_storage(weight("gate"), gc_.gate, g.gate);
     if (cfg_.routed_bias) to_storage(weight("gate_bias"), gc_.gate_bias, g.gate_bias);
     to_storage(weight("wi_0"), gc_.wi_0, g.wi_0);
@@ -554,6 +558,7 @@ class DistributedMoeLayer {
     return n;
   }
   void a2a_forward(view2 y) {
+    detail::Region region("moe::dispatch::ragged_all_to_all");
     int const D = cfg_.base_emb_dim, E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
     int const ep = ep_().size(), tp = tp_().size();
     permute::sort_by_expert(space_, View2<int const, memory_space>(router_.state().expert_ids),
@@ -608,6 +613,7 @@ class DistributedMoeLayer {
   }
 
   void a2a_backward(cview2 dy, view2 dx) {
+    detail::Region region("moe::dispatch::ragged_all_to_all::backward");
     int const D = cfg_.base_emb_dim, K = cfg_.num_experts_per_tok, tp = tp_().size();
     std::int64_t const Dc = D / tp, n_o = perm_.rows(), n = lp_.rows();
     // This rank's column block of dy.
@@ -646,6 +652,7 @@ class DistributedMoeLayer {
   /// Local experts [e0, e0+L) on the working tokens; yw [Tw, D] partial over the expert group
   /// (only local experts) and the tensor-split hidden dim.
   void gathered_forward(view2 y) {
+    detail::Region region("moe::dispatch::gathered");
     int const D = cfg_.base_emb_dim;
     std::int64_t const Tw = xw_.extent(0);
     detail::ensure(space_, yw_, "moe::dist::y_work", Tw, D);
@@ -675,6 +682,7 @@ class DistributedMoeLayer {
   }
 
   void gathered_backward(cview2 dy, view2 dx) {
+    detail::Region region("moe::dispatch::gathered::backward");
     int const D = cfg_.base_emb_dim, K = cfg_.num_experts_per_tok;
     std::int64_t const Tw = xw_.extent(0);
     detail::ensure(space_, dyw_, "moe::dist::dy_work", Tw, D);

@@ -29,6 +29,7 @@ class ExpertFfn {
   /// `weights_version`, ys [n,D] (rows past the groups are zeroed).
   void forward(ExecSpace const& space, Activation act, view2 xs, groups_type const& groups,
                view3 wi_0, view3 wi_1, view3 wo, view2 ys, std::uint64_t weights_version) {
+    moe::detail::Region region("moe::expert_ffn");
     std::int64_t const n = xs.extent(0), F = wi_0.extent(2);
     xs_ = xs;
     act_ = act;
@@ -47,6 +48,7 @@ class ExpertFfn {
   /// weights must be the forward's (same version).
   void backward(ExecSpace const& space, view2 dys, groups_type const& groups, view3 wi_0,
                 view3 wi_1, view3 wo, view2 dxs, view3 d_wi_0, view3 d_wi_1, view3 d_wo) {
+    moe::detail::Region region("moe::expert_ffn::backward");
     std::int64_t const n = xs_.extent(0), F = wi_0.extent(2);
     moe::detail::ensure(space, da_, "moe::ffn::d_act", n, F);
     moe::detail::ensure(space, dh1_, "moe::ffn::d_h1", n, F);
@@ -91,6 +93,7 @@ class DenseMlp {
   /// x [T,D] (kept until backward), w0/w1 [D,H], wo [H,D]; out [T,D] is added to.
   void forward(ExecSpace const& space, Activation act, cview2 x, view2 w0, view2 w1, view2 wo,
                view2 out) {
+    moe::detail::Region region("moe::shared_expert");
     std::int64_t const T = x.extent(0), H = w0.extent(1);
     x_ = x;
     act_ = act;
@@ -106,6 +109,7 @@ class DenseMlp {
   /// From dout [T,D]: dx (+)= the input gradient, weight gradients overwritten.
   void backward(ExecSpace const& space, cview2 dout, view2 w0, view2 w1, view2 wo, view2 dx,
                 view2 d_w0, view2 d_w1, view2 d_wo) {
+    moe::detail::Region region("moe::shared_expert::backward");
     std::int64_t const T = x_.extent(0), H = w0.extent(1);
     moe::detail::ensure(space, da_, "moe::mlp::d_act", T, H);
     moe::detail::gemm(space, "T", "N", Scalar(1), a_, dout, Scalar(0), d_wo);
@@ -140,6 +144,7 @@ class DenseExperts {
   /// x [T,D] and the routing views are kept until backward.
   void forward(ExecSpace const& space, Activation act, cview2 x, iview2 ids, iview2 kept, cview2 w,
                int e0, view3 wi_0, view3 wi_1, view3 wo, view2 y) {
+    moe::detail::Region region("moe::expert_ffn::dense");
     x_ = x;
     ids_ = ids;
     kept_ = kept;
@@ -174,6 +179,7 @@ class DenseExperts {
   /// and the weight gradients (overwritten). Recomputes each expert's activations.
   void backward(ExecSpace const& space, cview2 dy, view3 wi_0, view3 wi_1, view3 wo, view2 dx,
                 view2 d_weights, view3 d_wi_0, view3 d_wi_1, view3 d_wo) {
+    moe::detail::Region region("moe::expert_ffn::dense::backward");
     std::int64_t const T = x_.extent(0), D = x_.extent(1), F = wi_0.extent(2);
     int const L = int(wi_0.extent(0)), K = int(ids_.extent(1)), e0 = e0_;
     moe::detail::ensure(space, dye_, "moe::dense::d_y_expert", T, D);

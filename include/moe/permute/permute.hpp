@@ -95,6 +95,7 @@ void sort_by_expert(ExecSpace const& space, View2<int const, MS> ids, View2<int 
 template <class ExecSpace, class Scalar, class MS>
 void gather_rows(ExecSpace const& space, View2<Scalar const, MS> x,
                  View1<std::int64_t const, MS> perm, int K, View2<Scalar, MS> out) {
+  moe::detail::Region region("moe::permute::gather");
   std::int64_t const D = x.extent(1), n = perm.extent(0);
   // Rows come in expert order, i.e. scattered over x: on a CPU each is a TLB and cache miss, so
   // the source row a few iterations ahead is prefetched.
@@ -114,6 +115,7 @@ template <class ExecSpace, class Scalar, class MS>
 void combine(ExecSpace const& space, View2<Scalar const, MS> ys,
              View1<std::int64_t const, MS> inverse, View2<Scalar const, MS> w, bool accumulate,
              View2<Scalar, MS> y) {
+  moe::detail::Region region("moe::combine");
   std::int64_t const D = y.extent(1), K = w.extent(1), T = y.extent(0);
   constexpr std::int64_t ahead = 4;  // tokens: their ys rows are scattered (see gather_rows)
   Kokkos::parallel_for(
@@ -142,6 +144,7 @@ void combine_backward(ExecSpace const& space, View2<Scalar const, MS> dy,
                       View2<Scalar const, MS> ys, View1<std::int64_t const, MS> perm,
                       View1<std::int64_t const, MS> inverse, View2<Scalar const, MS> w,
                       View2<Scalar, MS> dys, View2<Scalar, MS> dw) {
+  moe::detail::Region region("moe::combine::backward");
   std::int64_t const D = dy.extent(1), K = w.extent(1);
   Kokkos::parallel_for(
       "moe::permute::combine_backward_rows",
@@ -169,6 +172,7 @@ template <class ExecSpace, class Scalar, class MS>
 void gather_rows_backward(ExecSpace const& space, View2<Scalar const, MS> dxs,
                           View1<std::int64_t const, MS> inverse, int K, bool accumulate,
                           View2<Scalar, MS> dx) {
+  moe::detail::Region region("moe::permute::gather::backward");
   std::int64_t const D = dx.extent(1);
   Kokkos::parallel_for(
       "moe::permute::gather_rows_backward", Kokkos::RangePolicy<ExecSpace>(space, 0, dx.extent(0)),

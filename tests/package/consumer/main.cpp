@@ -26,7 +26,9 @@ int main(int argc, char** argv) {
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y);
   bool ok = true;
   for (std::size_t i = 0; i < h.span(); ++i) ok = ok && std::isfinite(h.data()[i]);
-  std::printf("consumer: moe %d.%d.%d, y[0]=%g %s\n", MOE_VERSION_MAJOR, MOE_VERSION_MINOR,
-              MOE_VERSION_PATCH, double(h(0, 0, 0)), ok ? "ok" : "NOT FINITE");
+  std::printf("consumer: moe %d.%d.%d (Kokkos %d.%d.%d), y[0]=%g %s\n", MOE_VERSION_MAJOR,
+              MOE_VERSION_MINOR, MOE_VERSION_PATCH, KOKKOS_VERSION / 10000,
+              KOKKOS_VERSION / 100 % 100, KOKKOS_VERSION % 100, double(h(0, 0, 0)),
+              ok ? "ok" : "NOT FINITE");
   return ok ? 0 : 1;
 }
