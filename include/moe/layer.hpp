@@ -170,7 +170,7 @@ class MoeLayer {
     // Expert weights are checked through their effect: a NaN/Inf weight that any token reaches
     // makes y non-finite, and only then are all parameters scanned to name the culprit. This
     // keeps the check O(T*D) per call instead of a full pass over E*D*F weights.
-    if (cfg_.check_finite && detail::first_nonfinite(space_, y) < std::int64_t(y.span())) {
+    if (cfg_.check_finite && !detail::all_finite(space_, y)) {
       params_.for_each([&](char const* name, auto const& v) { require_finite(v, name); });
       require_finite(y, "y (all inputs and weights are finite: the layer overflowed)");
     }
@@ -252,8 +252,9 @@ class MoeLayer {
       if (!ok) {
         std::string got, exp;
         for (std::size_t r = 0; r < want.size(); ++r) {
-          got += (r ? "," : "") + std::to_string(v.extent(r));
-          exp += (r ? "," : "") + std::to_string(want[r]);
+          if (r > 0) got += ',', exp += ',';
+          got += std::to_string(v.extent(r));
+          exp += std::to_string(want[r]);
         }
         throw ShapeError(
             detail::cat(what, " ", name, " is [", got, "] but the config needs [", exp, "]"));
@@ -275,10 +276,7 @@ class MoeLayer {
     std::int64_t const T = B_ * S_;
     int const K = cfg_.num_experts_per_tok;
     router_.forward(space_, x_, params_.gate, params_.gate_bias, S_, {opt.token_offset}, 0);
-    lb_loss_ = cfg_.load_balance_loss_weight > 0
-                   ? cfg_.load_balance_loss_weight * cfg_.num_experts * router_.lb_sum() /
-                         (double(B_) * S_ * S_)
-                   : 0.0;
+    lb_loss_ = router_.lb_loss(router_.lb_sum(), B_);
     bias_update_.clear();
     if (cfg_.routed_bias_update_rate > 0)
       bias_update_ =

@@ -1,5 +1,7 @@
 // Kokkos Tools: every stage of a layer step is a profiling region named moe::..., seen through
 // the region callbacks a tool (or a profiler connector) registers.
+#include "../mpi/layout_cases.hpp"
+
 #include <moe/layer.hpp>
 
 #include <gtest/gtest.h>
@@ -47,14 +49,9 @@ struct RegionRecorder {
 };
 
 TEST(Profiling, EveryStageOfAStepIsANamedRegion) {
-  moe::LayerConfig cfg;
-  cfg.num_experts = 4;
-  cfg.num_experts_per_tok = 2;
-  cfg.base_emb_dim = 8;
-  cfg.base_moe_mlp_dim = 6;
-  cfg.shared_experts = 1;
-  cfg.capacity_factor = 1.0;
-  cfg.load_balance_loss_weight = 0.01;
+  // The distributed tests' layer (one shared expert), dropping and with the load-balance loss,
+  // so every stage runs.
+  moe::LayerConfig const cfg = test_layer_config(0.01, {"capacity_factor=1.0"});
   moe::MoeLayer<double> layer(cfg);
   int const B = 2, S = 4, D = cfg.base_emb_dim;
   moe::View3<double> x("x", B, S, D), y("y", B, S, D), dy("dy", B, S, D), dx("dx", B, S, D);

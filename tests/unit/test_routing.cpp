@@ -378,7 +378,7 @@ TEST(RoutingCapacity, SequencesLongerThanACountingChunk) {
     capacity_masks(ids, B, S, K, E, C, ref_kept, pos);
     auto idv = to_view<V2<int>>(ids, B * S, K);
     V2<int> kept("kept", B * S, K);
-    moe::routing::RoutingScratch<MS> scratch;
+    moe::detail::ScratchPool<MS> scratch;
     for (int rep = 0; rep < 2; ++rep) {  // the second call reuses the scratch buffers
       Kokkos::deep_copy(kept, 7);
       moe::routing::capacity_mask(Exec(), C2<int>(idv), S, C, E, kept, scratch);

@@ -116,14 +116,4 @@ void segment_column_sums(ExecSpace const& space, std::int64_t T, int E, std::int
       });
 }
 
-/// Grows `v` (never shrinks) to at least n elements; returns an unmanaged view of the first n.
-/// Buffers of a steady-state step are allocated once this way.
-template <class T, class MS, class ExecSpace>
-View1<T, MS> grow(ExecSpace const& space, View1<T, MS>& v, char const* label, std::int64_t n) {
-  if (std::int64_t(v.extent(0)) < n)
-    v = View1<T, MS>(Kokkos::view_alloc(space, Kokkos::WithoutInitializing, std::string(label)),
-                     std::size_t(std::max<std::int64_t>(n, 1)));
-  return View1<T, MS>(v.data(), std::size_t(n));
-}
-
 }  // namespace moe::detail

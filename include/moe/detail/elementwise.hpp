@@ -32,13 +32,21 @@ std::int64_t first_nonfinite(ExecSpace const& space, V const& v) {
   return first < n ? first : n;  // the reducer starts from its identity (the largest int64)
 }
 
+/// \brief Whether every element of the contiguous view v is finite.
+template <class ExecSpace, class V>
+bool all_finite(ExecSpace const& space, V const& v) {
+  return first_nonfinite(space, v) == std::int64_t(v.span());
+}
+
 /// \brief "[i,j,k]": the multi-index of flat index `flat` in a row-major view of v's extents.
 template <class V>
 std::string index_string(V const& v, std::int64_t flat) {
   std::string where;
   for (int d = int(V::rank) - 1; d >= 0; --d) {
     std::int64_t const n = std::int64_t(v.extent(d));
-    where = std::to_string(n > 0 ? flat % n : 0) + (where.empty() ? "" : ",") + where;
+    std::string idx = std::to_string(n > 0 ? flat % n : 0);
+    if (!where.empty()) idx += ',';
+    where.insert(0, idx);
     flat = n > 0 ? flat / n : 0;
   }
   return "[" + where + "]";

@@ -162,7 +162,7 @@ class DistributedMoeLayer {
       gathered_forward(y2);
     }
     if (cfg_.check_finite) {
-      bool const bad = !all_finite(y2);
+      bool const bad = !detail::all_finite(space_, y2);
       comm::any_error(world_, bad,
                       "y holds NaN or Inf: an input or a weight that a token reaches is not "
                       "finite (or the layer overflowed)",
@@ -329,10 +329,6 @@ class DistributedMoeLayer {
   }
 
   template <class V>
-  bool all_finite(V const& v) const {
-    return detail::first_nonfinite(space_, v) == std::int64_t(v.span());
-  }
-  template <class V>
   void require_finite(V const& v, char const* name) const {
     detail::require_finite(space_, v, name);
   }
@@ -493,7 +489,7 @@ class DistributedMoeLayer {
 
   // ------------------------------------------------------------------ routing ---------------
   void route_tokens() {
-    int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
+    int const K = cfg_.num_experts_per_tok;
     // Random routing draws from the global token index: each member's rows are routed with its
     // own offset (a member's tokens are a contiguous block of the global batch).
     bool const ring = route_ == ExpertRoute::Ring;
@@ -509,7 +505,7 @@ class DistributedMoeLayer {
       View1<double, Kokkos::HostSpace> v("moe::dist::lb_sum", 1);
       v(0) = router_.lb_sum();
       distributed::all_reduce(Kokkos::DefaultHostExecutionSpace(), batch_(), v, &log_, "lb loss");
-      lb_loss_ = cfg_.load_balance_loss_weight * E * v(0) / (double(B_) * S_ * S_);
+      lb_loss_ = router_.lb_loss(v(0), B_);
     }
     bias_update_.clear();
     if (cfg_.routed_bias_update_rate > 0) {

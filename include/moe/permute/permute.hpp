@@ -10,6 +10,7 @@
 
 #include <moe/detail/compat.hpp>
 #include <moe/detail/counting.hpp>
+#include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/gmm/gmm.hpp>
 
@@ -28,8 +29,8 @@ struct Permutation {
   gmm::Groups<MemorySpace> groups;           ///< E groups of consecutive sorted rows
   std::int64_t rows() const { return groups.rows(); }
 
-  // storage reused from call to call (perm views a prefix of perm_storage)
-  View1<std::int64_t, MemorySpace> perm_storage, inverse_storage, cursor;
+  /// Buffers reused from call to call (perm and inverse view the pool's storage).
+  moe::detail::ScratchPool<MemorySpace> scratch;
 };
 
 /// \brief Stable counting sort of the slots by expert id, skipping slots with kept == 0.
@@ -50,9 +51,9 @@ void sort_by_expert(ExecSpace const& space, View2<int const, MS> ids, View2<int 
   sh.chunk = moe::detail::counting_chunk<ExecSpace>(E);
   sh.E = E;
   std::int64_t const C = sh.chunks_per_segment();
-  auto cursor = moe::detail::grow(space, out.cursor, "moe::permute::cursor", sh.cursors());
-  out.inverse = moe::detail::grow(space, out.inverse_storage, "moe::permute::inverse", N);
-  out.perm = moe::detail::grow(space, out.perm_storage, "moe::permute::perm", N);
+  auto cursor = out.scratch.template get<std::int64_t>("sort_cursor", sh.cursors());
+  out.inverse = out.scratch.template get<std::int64_t>("sort_inverse", N);
+  out.perm = out.scratch.template get<std::int64_t>("sort_perm", N);
   if (std::int64_t(out.groups.offsets.extent(0)) != E + 1) {
     out.groups.offsets = decltype(out.groups.offsets)(
         Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::permute::offsets"), E + 1);

@@ -10,6 +10,7 @@
 #include <moe/detail/blas.hpp>
 #include <moe/detail/compat.hpp>
 #include <moe/detail/counting.hpp>
+#include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
 
 #include <cstdint>
@@ -262,14 +263,6 @@ void select_topk(ExecSpace const& space, RouteParams const& p, std::uint64_t tok
       });
 }
 
-/// \brief Reusable buffers of the routing statistics (a Router keeps one, so a steady-state
-/// step allocates nothing; the overloads without it allocate per call).
-template <class MS>
-struct RoutingScratch {
-  View1<std::int64_t, MS> cursor, base;
-  View1<double, MS> partial, per_token, per_seq;
-};
-
 /// \brief Capacity mask (MaxText's per-sequence capacity): within each sequence of length S the
 /// slots are visited in (s, k) order; a slot is kept iff its 1-based position in its expert's
 /// queue is <= capacity. capacity < 0 keeps every slot (dropless); capacity 0 drops every slot.
@@ -278,7 +271,8 @@ struct RoutingScratch {
 /// slot's queue position is its cursor minus the first cursor of its (sequence, expert).
 template <class ExecSpace, class MS>
 void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_t seq_len,
-                   std::int64_t capacity, int E, View2<int, MS> kept, RoutingScratch<MS>& scratch) {
+                   std::int64_t capacity, int E, View2<int, MS> kept,
+                   moe::detail::ScratchPool<MS>& scratch) {
   moe::detail::Region region("moe::routing::capacity_mask");
   std::int64_t const T = ids.extent(0), K = ids.extent(1);
   if (capacity < 0) {
@@ -292,9 +286,8 @@ void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_
   sh.E = E;
   std::int64_t const G = sh.segments(), C = sh.chunks_per_segment(), chunk = sh.chunk;
   std::int64_t const seg = sh.seg;
-  auto cursor =
-      moe::detail::grow(space, scratch.cursor, "moe::routing::capacity_cursor", sh.cursors());
-  auto base = moe::detail::grow(space, scratch.base, "moe::routing::capacity_base", G * E);
+  auto cursor = scratch.template get<std::int64_t>("capacity_cursor", sh.cursors());
+  auto base = scratch.template get<std::int64_t>("capacity_base", G * E);
   moe::detail::counting_cursors(space, ids, View2<int const, MS>(), sh, cursor);
   Kokkos::parallel_for(
       "moe::routing::capacity_base", Kokkos::RangePolicy<ExecSpace>(space, 0, G * E),
@@ -316,7 +309,7 @@ void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_
 template <class ExecSpace, class MS>
 void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_t seq_len,
                    std::int64_t capacity, int E, View2<int, MS> kept) {
-  RoutingScratch<MS> scratch;
+  moe::detail::ScratchPool<MS> scratch;
   capacity_mask(space, ids, seq_len, capacity, E, kept, scratch);
 }
 
@@ -330,12 +323,12 @@ void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_
 template <class ExecSpace, class Scalar, class MS>
 double lb_statistics(ExecSpace const& space, View2<Scalar const, MS> biased,
                      View2<int const, MS> ids, std::int64_t seq_len, View2<std::int64_t, MS> counts,
-                     View2<Scalar, MS> probs, RoutingScratch<MS>& scratch) {
+                     View2<Scalar, MS> probs, moe::detail::ScratchPool<MS>& scratch) {
   moe::detail::Region region("moe::routing::lb_statistics");
   std::int64_t const T = biased.extent(0), E = biased.extent(1), K = ids.extent(1);
   std::int64_t const B = T / seq_len;
   // Per token: max and normaliser of softmax(biased(t, :)).
-  auto mz = moe::detail::grow(space, scratch.per_token, "moe::routing::lb_softmax", 2 * T);
+  auto mz = scratch.template get<double>("lb_softmax", 2 * T);
   Kokkos::parallel_for(
       "moe::routing::lb_softmax", Kokkos::RangePolicy<ExecSpace>(space, 0, T),
       KOKKOS_LAMBDA(std::int64_t t) {
@@ -357,10 +350,9 @@ double lb_statistics(ExecSpace const& space, View2<Scalar const, MS> biased,
   };
   auto store = KOKKOS_LAMBDA(std::int64_t b, int e, double v) { probs(b, e) = Scalar(v); };
   std::int64_t const rows = std::min<std::int64_t>(256, seq_len);
-  auto partial = moe::detail::grow(space, scratch.partial, "moe::routing::lb_partial",
-                                   B * ((seq_len + rows - 1) / rows) * E);
+  auto partial = scratch.template get<double>("lb_partial", B * ((seq_len + rows - 1) / rows) * E);
   moe::detail::segment_column_sums(space, T, int(E), seq_len, softmax, partial, store);
-  auto per_seq = moe::detail::grow(space, scratch.per_seq, "moe::routing::lb_per_seq", B);
+  auto per_seq = scratch.template get<double>("lb_per_seq", B);
   Kokkos::parallel_for(
       "moe::routing::lb_per_seq", Kokkos::RangePolicy<ExecSpace>(space, 0, B),
       KOKKOS_LAMBDA(std::int64_t b) {
@@ -378,7 +370,7 @@ template <class ExecSpace, class Scalar, class MS>
 double lb_statistics(ExecSpace const& space, View2<Scalar const, MS> biased,
                      View2<int const, MS> ids, std::int64_t seq_len, View2<std::int64_t, MS> counts,
                      View2<Scalar, MS> probs) {
-  RoutingScratch<MS> scratch;
+  moe::detail::ScratchPool<MS> scratch;
   return lb_statistics(space, biased, ids, seq_len, counts, probs, scratch);
 }
 
@@ -526,14 +518,13 @@ void route_backward(ExecSpace const& space, RouteParams const& p,
 /// \brief Column sums of a [T,E] view in a fixed order (the bias gradient): out[e] = sum_t m(t,e).
 template <class ExecSpace, class Scalar, class MS>
 void column_sums(ExecSpace const& space, View2<Scalar const, MS> m, View1<Scalar, MS> out,
-                 RoutingScratch<MS>& scratch) {
+                 moe::detail::ScratchPool<MS>& scratch) {
   std::int64_t const T = m.extent(0);
   int const E = int(m.extent(1));
   auto value = KOKKOS_LAMBDA(std::int64_t t, int e) { return m(t, e); };
   auto store = KOKKOS_LAMBDA(std::int64_t, int e, double v) { out(e) = Scalar(v); };
   std::int64_t const rows = std::min<std::int64_t>(256, std::max<std::int64_t>(T, 1));
-  auto partial = moe::detail::grow(space, scratch.partial, "moe::routing::column_partial",
-                                   ((T + rows - 1) / rows) * E);
+  auto partial = scratch.template get<double>("column_partial", ((T + rows - 1) / rows) * E);
   if (T == 0) {
     Kokkos::deep_copy(space, out, Scalar(0));
     return;
@@ -543,7 +534,7 @@ void column_sums(ExecSpace const& space, View2<Scalar const, MS> m, View1<Scalar
 
 template <class ExecSpace, class Scalar, class MS>
 void column_sums(ExecSpace const& space, View2<Scalar const, MS> m, View1<Scalar, MS> out) {
-  RoutingScratch<MS> scratch;
+  moe::detail::ScratchPool<MS> scratch;
   column_sums(space, m, out, scratch);
 }
 
@@ -661,6 +652,14 @@ class Router {
     auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st_.expert_counts);
     return std::vector<std::int64_t>(h.data(), h.data() + h.extent(0));
   }
+  /// The load-balance loss of `sum` (lb_sum(), or its sum over the ranks of a batch group) for
+  /// `global_sequences` sequences: weight * E * sum / (B_total * S^2); 0 without the loss.
+  double lb_loss(double sum, std::int64_t global_sequences) const {
+    return cfg_.load_balance_loss_weight > 0
+               ? cfg_.load_balance_loss_weight * cfg_.num_experts * sum /
+                     (double(global_sequences) * double(seq_len_) * double(seq_len_))
+               : 0.0;
+  }
   /// d lb_loss / d (seq_counts * seq_probs) summed as in lb_sum(): weight * E / (B_total * S^2),
   /// or 0 without the load-balance loss.
   double lb_coefficient(std::int64_t global_sequences) const {
@@ -702,7 +701,7 @@ class Router {
   LayerConfig cfg_;
   RouteParams params_;
   state_type st_;
-  RoutingScratch<memory_space> scratch_;
+  moe::detail::ScratchPool<memory_space> scratch_;  // statistics buffers, kept between steps
   view2 d_top_, d_biased_, d_logits_;
   int blocks_ = 1, own_ = 0;
   std::int64_t seq_len_ = 1;
