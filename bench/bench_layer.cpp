@@ -18,6 +18,9 @@
 //   gemms_ratio    (layer_fwd) the forward's three grouped GEMMs alone (same groups and shapes):
 //                  their GFLOP/s / the dense GEMM's, paired by iteration as dense_ratio
 //   fwd_over_gemms (layer_fwd) median over iterations of forward / those GEMMs alone
+//   nongemm_ms     (layer_fwd) median over iterations of forward - those GEMMs alone: routing,
+//                  sort, gathers, activation, combine (compare across OMP_NUM_THREADS runs)
+//   threads        the execution space's concurrency (Kokkos threads)
 //   weight_gbs     (decode rows) expert weight bytes touched per forward / seconds, 1e9 B/s:
 //                  experts that received >= 1 token x 3 matrices x D*F*4 bytes
 //   bw_ratio       (decode rows) weight_gbs / triad bandwidth of the GEMM threads (same process)
@@ -218,7 +221,12 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
   if (gemms) {
     state.counters["gemms_ratio"] = dense_gemm.paired_ratio(gemms->times(), gemm_flops);
     state.counters["fwd_over_gemms"] = moe::bench::paired_ratio(gemms->times(), fwd);
+    std::vector<double> rest;  // the forward's non-GEMM part, paired by iteration
+    for (std::size_t i = 0; i < std::min(fwd.size(), gemms->times().size()); ++i)
+      rest.push_back(fwd[i] - gemms->times()[i]);
+    state.counters["nongemm_ms"] = median(rest) * 1e3;
   }
+  state.counters["threads"] = Exec().concurrency();
 }
 
 /// permute/: the counting sort (+ the row gather of x[T,1024] unless sort_only).
@@ -250,6 +258,7 @@ void bench_permute(benchmark::State& state, int E, std::string const& dist, std:
   state.counters["ns_per_slot"] =
       benchmark::Counter(double(TK) * 1e-9, benchmark::Counter::kIsIterationInvariantRate |
                                                 benchmark::Counter::kInvert);
+  state.counters["threads"] = Exec().concurrency();
 }
 
 bool register_all() {

@@ -130,6 +130,18 @@ class MoeLayer {
     return std::is_same_v<typename Policy::gmm_policy, gmm::Dense> || !cfg_.sparse_matmul;
   }
 
+  /// \brief forward() and backward() for any View types: LayoutRight Views of this layer's
+  /// Scalar and memory space convert (e.g. non-const x); anything else, such as a LayoutLeft
+  /// View, fails to compile with a static_assert naming the rule (detail::api_view).
+  template <class XView, class YView>
+  void forward(XView const& x, YView const& y, ForwardOptions const& opt = {}) {
+    forward(detail::api_view<cview3>(x), detail::api_view<view3>(y), opt);
+  }
+  template <class DyView, class DxView>
+  void backward(DyView const& dy, DxView const& dx, params_type& grads) {
+    backward(detail::api_view<cview3>(dy), detail::api_view<view3>(dx), grads);
+  }
+
   /// \brief y[B,S,D] = MoE(x[B,S,D]). Checks shapes (ShapeError) and, with check_finite, that x,
   /// the gate and every expert weight a token reaches hold no NaN/Inf (InputError naming the
   /// tensor and the index). x is copied, so it may be reused (or be y) before backward(); the

@@ -18,7 +18,8 @@ struct Local {};
 /// \brief The policies of one layer type.
 /// \tparam Routing routing::Auto (from the config), routing::TopKSoftmax, routing::DeepSeek or
 ///         routing::Random.
-/// \tparam Gmm gmm::Auto (oneDNN on the host when moe was built with it, else Vendor),
+/// \tparam Gmm gmm::Auto (oneDNN on the host when moe was built with it, else Vendor on host
+///         spaces and gmm::DeviceTiled on device spaces),
 ///         gmm::OneDnn, gmm::Vendor (Kokkos Kernels GEMM per expert group), gmm::Tiled<TM,TK,TN>
 ///         (portable team kernel), or gmm::Dense (every expert on every token, masked: the
 ///         reference path; it is also what `sparse_matmul: false` selects at run time).

@@ -677,10 +677,25 @@ TEST(GmmPolicies, AutoResolvesToTheAvailableBackend) {
                 "oneDNN has no double GEMM: OneDnn<double> runs as Vendor");
   bool const host = Kokkos::SpaceAccessibility<Exec, Kokkos::HostSpace>::accessible;
   bool const onednn = MOE_HAS_ONEDNN && host;
+  using Fallback =
+      std::conditional_t<Kokkos::SpaceAccessibility<Exec, Kokkos::HostSpace>::accessible, Vendor,
+                         moe::gmm::DeviceTiled>;
   EXPECT_EQ((std::is_same_v<resolve_t<moe::gmm::Auto, Exec, float>, OneDnn>), onednn);
-  EXPECT_EQ((std::is_same_v<resolve_t<moe::gmm::Auto, Exec, double>, Vendor>), true);
-  EXPECT_EQ(std::string(moe::gmm::backend_name<moe::gmm::Auto, Exec, float>()),
-            onednn ? "OneDnn" : "Vendor");
+  EXPECT_EQ((std::is_same_v<resolve_t<moe::gmm::Auto, Exec, double>, Fallback>), true);
+  EXPECT_EQ(std::string(moe::gmm::backend_name<moe::gmm::Auto, Exec, float>()), onednn ? "OneDnn"
+                                                                                : host ? "Vendor"
+                                                                                       : "Tiled");
+  // Device spaces: one launch per grouped GEMM, not one vendor GEMM per expert.
+#if defined(KOKKOS_ENABLE_CUDA)
+  static_assert(
+      std::is_same_v<resolve_t<moe::gmm::Auto, Kokkos::Cuda, float>, moe::gmm::DeviceTiled>);
+#endif
+#if defined(KOKKOS_ENABLE_HIP)
+  static_assert(
+      std::is_same_v<resolve_t<moe::gmm::Auto, Kokkos::HIP, float>, moe::gmm::DeviceTiled>);
+#endif
+  static_assert(
+      std::is_same_v<resolve_t<moe::gmm::Auto, Kokkos::DefaultHostExecutionSpace, double>, Vendor>);
 }
 
 // ---------------------------------------------------------------------------------------------

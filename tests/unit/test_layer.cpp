@@ -924,7 +924,9 @@ TEST(ConfigSet, BadValuesNameKeyAndValue) {
       {"mlp_activations", "silu,gelu"},  {"seed", "-4"},
       {"load_balance_loss_weight", "a"}, {"sparse_matmul", "yes please"},
   };
-  for (auto const& [k, v] : bad) {
+  for (auto const& kv : bad) {
+    std::string const& k = kv.first;  // not a structured binding: the lambda below captures it
+    std::string const& v = kv.second;
     SCOPED_TRACE(k + "=" + v);
     LayerConfig c;
     std::vector<std::string> parts = {k};

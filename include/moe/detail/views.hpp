@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 namespace moe {
 
@@ -43,6 +44,42 @@ void ensure(ExecSpace const& space, ViewT& v, std::string const& label, Extents.
   bool same = v.data() != nullptr || total == 0;
   for (unsigned r = 0; r < sizeof...(n); ++r) same = same && v.extent(r) == want[r];
   if (!same) v = alloc<ViewT>(space, label, n...);
+}
+
+/// \brief The View type `Expected` that a public entry point takes, made from the View the
+/// caller passed. Any View of the right rank, value type and memory space in LayoutRight converts
+/// (non-const to const, unmanaged, other memory traits); anything else stops the build with a
+/// static_assert that names the rule, instead of a page of Kokkos conversion errors. moe's
+/// tensors are row-major like MaxText's: on CUDA and HIP a View declared without a layout is
+/// LayoutLeft, so callers spell Kokkos::LayoutRight (or deep_copy into such a View).
+template <class Expected, class Given>
+Expected api_view(Given const& v) {
+  static_assert(Kokkos::is_view<Given>::value, "moe: this argument must be a Kokkos::View");
+  if constexpr (Kokkos::is_view<Given>::value) {
+    constexpr bool rank_ok = unsigned(Given::rank) == unsigned(Expected::rank);
+    constexpr bool layout_ok =
+        std::is_same_v<typename Given::array_layout, Kokkos::LayoutRight> || Given::rank <= 1;
+    constexpr bool value_ok = std::is_same_v<typename Given::non_const_value_type,
+                                             typename Expected::non_const_value_type> &&
+                              (std::is_const_v<typename Expected::value_type> ||
+                               !std::is_const_v<typename Given::value_type>);
+    constexpr bool space_ok =
+        std::is_same_v<typename Given::memory_space, typename Expected::memory_space>;
+    static_assert(rank_ok, "moe: the View has the wrong rank for this argument (see its doc)");
+    static_assert(layout_ok,
+                  "moe: Views passed to moe must be Kokkos::LayoutRight (row-major, like "
+                  "MaxText's tensors); a View declared without a layout is LayoutLeft on CUDA "
+                  "and HIP: declare it with Kokkos::LayoutRight or deep_copy into one");
+    static_assert(value_ok,
+                  "moe: the View's value type must be the layer's Scalar (and not const where "
+                  "moe writes the result)");
+    static_assert(
+        space_ok,
+        "moe: the View must live in the layer's memory space (create_mirror_view_and_copy "
+        "it there first)");
+    if constexpr (rank_ok && layout_ok && value_ok && space_ok) return Expected(v);
+  }
+  return Expected();
 }
 
 /// 2-D row-major view over the same memory as a contiguous 3-D view [A,B,C] -> [A*B, C].

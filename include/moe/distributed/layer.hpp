@@ -124,6 +124,18 @@ class DistributedMoeLayer {
   /// Mesh axes the batch is split over.
   std::vector<std::string> const& batch_axes() const { return batch_axes_; }
 
+  /// \brief forward() and backward() for any View types: LayoutRight Views of this layer's
+  /// Scalar and memory space convert (e.g. non-const x); anything else, such as a LayoutLeft
+  /// View, fails to compile with a static_assert naming the rule (detail::api_view).
+  template <class XView, class YView>
+  void forward(XView const& x, YView const& y) {
+    forward(detail::api_view<cview3>(x), detail::api_view<view3>(y));
+  }
+  template <class DyView, class DxView>
+  void backward(DyView const& dy, DxView const& dx, params_type& grads) {
+    backward(detail::api_view<cview3>(dy), detail::api_view<view3>(dx), grads);
+  }
+
   /// \brief Collective. y_local = MoE(x_local), both [B/batch_parts, S, D].
   void forward(cview3 x, view3 y) {
     detail::Region region("moe::dist::forward");
@@ -582,7 +594,7 @@ class DistributedMoeLayer {
     std::copy(sizes.begin(), sizes.end(), mine.data());
     comm::all_gather(ep_().comm, Kokkos::DefaultHostExecutionSpace(), mine, all);
     std::vector<std::int64_t> G(all.data(), all.data() + E * ep);
-    lp_ = permute::local_permute(space_, G, E, ep, ep_().rank(), R);
+    permute::make_local_permutation(space_, permute::local_layout(G, E, ep, ep_().rank(), R), lp_);
     std::int64_t const n = lp_.rows();
     detail::ensure(space_, xs_, "moe::dist::x_local", n, D);
     permute::permute_rows(space_, lp_, xr_, xs_);

@@ -30,14 +30,17 @@
 namespace moe::gmm {
 
 /// \brief The policy that runs for `Policy` on (ExecSpace, Scalar): Auto becomes OneDnn where
-/// it is available and Vendor elsewhere; a policy not available there runs as Vendor.
+/// it is available, Vendor on other host spaces, and DeviceTiled (one launch per grouped GEMM)
+/// on device spaces; a policy not available there runs as Vendor.
 template <class Policy, class ExecSpace, class Scalar>
 struct resolve {
   using type = std::conditional_t<is_available<Policy, ExecSpace, Scalar>::value, Policy, Vendor>;
 };
 template <class ExecSpace, class Scalar>
 struct resolve<Auto, ExecSpace, Scalar> {
-  using type = std::conditional_t<is_available<OneDnn, ExecSpace, Scalar>::value, OneDnn, Vendor>;
+  static constexpr bool host = Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible;
+  using type = std::conditional_t<is_available<OneDnn, ExecSpace, Scalar>::value, OneDnn,
+                                  std::conditional_t<host, Vendor, DeviceTiled>>;
 };
 template <class Policy, class ExecSpace, class Scalar>
 using resolve_t = typename resolve<Policy, ExecSpace, Scalar>::type;

@@ -40,12 +40,19 @@ void for_each_row_major(V const& v, F&& f) {
   }
 }
 
+/// The extents of a View of any rank (0 included) as a shape.
+template <class V, std::size_t... I>
+std::vector<std::int64_t> view_shape(V const& v, std::index_sequence<I...>) {
+  return {static_cast<std::int64_t>(v.extent(I))...};
+}
+template <class V>
+std::vector<std::int64_t> view_shape(V const& v) {
+  return view_shape(v, std::make_index_sequence<static_cast<std::size_t>(V::rank)>());
+}
+
 template <class V>
 std::string view_extents_str(V const& v) {
-  std::vector<std::int64_t> e;
-  for (std::size_t d = 0; d < static_cast<std::size_t>(V::rank); ++d)
-    e.push_back(static_cast<std::int64_t>(v.extent(d)));
-  return shape_str(e);
+  return shape_str(view_shape(v));
 }
 
 template <class V, std::size_t... I>
@@ -63,9 +70,7 @@ Tensor to_tensor(View const& v) {
   static_assert(detail::has_dtype<T>::value,
                 "to_tensor: the View's value type must be a 32/64-bit float or signed integer");
   auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
-  std::vector<std::int64_t> shape;
-  for (std::size_t d = 0; d < static_cast<std::size_t>(View::rank); ++d)
-    shape.push_back(static_cast<std::int64_t>(v.extent(d)));
+  std::vector<std::int64_t> shape = detail::view_shape(v);
   std::vector<T> values;
   values.reserve(v.size());
   detail::for_each_row_major(host, [&](T const& x) { values.push_back(x); });
@@ -79,11 +84,7 @@ void copy_to_view(Tensor const& t, View const& v, std::string const& what = "ten
   using T = typename View::non_const_value_type;
   static_assert(std::is_same<typename View::value_type, T>::value,
                 "copy_to_view: the destination View must not be const");
-  constexpr std::size_t R = static_cast<std::size_t>(View::rank);
-  bool same = t.shape.size() == R;
-  for (std::size_t d = 0; same && d < R; ++d)
-    same = t.shape[d] >= 0 && static_cast<std::size_t>(t.shape[d]) == v.extent(d);
-  if (!same) {
+  if (t.shape != detail::view_shape(v)) {
     throw ShapeError(detail::cat(what, " has shape ", detail::shape_str(t.shape), " but the View '",
                                  v.label(), "' has extents ", detail::view_extents_str(v)));
   }

@@ -6,6 +6,7 @@
 
 #include <moe/config.hpp>
 #include <moe/detail/blas.hpp>
+#include <moe/detail/rows.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/gmm/gmm.hpp>
 #include <moe/nn/activation.hpp>
@@ -167,10 +168,10 @@ class DenseExperts {
     for (int l = 0; l < L; ++l) {
       expert(space, l, wi_0, wi_1, wo);
       auto ye = ye_;
-      Kokkos::parallel_for(
-          "moe::dense::combine", Kokkos::RangePolicy<ExecSpace>(space, 0, T),
-          KOKKOS_LAMBDA(std::int64_t t) {
-            for (std::int64_t d = 0; d < D; ++d) y(t, d) += wd(t, l) * ye(t, d);
+      moe::detail::for_each_row(
+          space, "moe::dense::combine", T,
+          KOKKOS_LAMBDA(std::int64_t t, std::int64_t lane, std::int64_t lanes) {
+            for (std::int64_t d = lane; d < D; d += lanes) y(t, d) += wd(t, l) * ye(t, d);
           });
     }
   }

@@ -18,6 +18,8 @@
 /// permutation and the row moves are Kokkos kernels on the given execution space.
 
 #include <moe/detail/compat.hpp>
+#include <moe/detail/rows.hpp>
+#include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/error.hpp>
 
@@ -147,23 +149,28 @@ struct LocalPermutation {
   std::int64_t rows() const { return layout.rows; }
   /// \brief Local experts L.
   int num_local() const { return layout.num_local; }
+
+  /// Buffers reused when make_local_permutation refills this object (perm, inverse and
+  /// expert_ids view the pool's storage; seg_host stages the block table on the host).
+  moe::detail::ScratchPool<MemorySpace> scratch;
+  View1<std::int64_t, Kokkos::HostSpace> seg_host;
 };
 
-/// \brief Builds the permutation of a layout: one kernel over the kept rows on `space`.
+/// \brief Builds the permutation of a layout into `lp`: one kernel over the kept rows on
+/// `space`. A steady-state call reuses lp's buffers (no allocation when the shapes repeat).
 template <class ExecSpace>
-LocalPermutation<typename ExecSpace::memory_space> make_local_permutation(
-    ExecSpace const& space, LocalLayout const& layout) {
+void make_local_permutation(ExecSpace const& space, LocalLayout const& layout,
+                            LocalPermutation<typename ExecSpace::memory_space>& lp) {
   using MS = typename ExecSpace::memory_space;
   int const S = layout.num_senders, L = layout.num_local, nb = S * L;
-  LocalPermutation<MS> lp;
   lp.layout = layout;
   std::int64_t const rows = layout.rows;
   // Per block in sorted (local expert major, sender minor) order b = l*S + i: its first sorted
   // row (sorted_start[b], plus the total at nb) and its first source row (source_start[b]).
-  View1<std::int64_t, MS> seg(
-      Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::permute::local::segments"),
-      2 * nb + 1);
-  auto seg_host = Kokkos::create_mirror_view(seg);
+  auto seg = lp.scratch.template get<std::int64_t>("segments", 2 * nb + 1);
+  moe::detail::ensure(Kokkos::DefaultHostExecutionSpace(), lp.seg_host,
+                      "moe::permute::local::segments", 2 * nb + 1);
+  auto const& seg_host = lp.seg_host;
   std::vector<std::int64_t> source_start(nb);
   std::int64_t run = layout.source_offset;
   for (int k = 0; k < nb; ++k) source_start[k] = run, run += layout.block_sizes[k];
@@ -178,20 +185,21 @@ LocalPermutation<typename ExecSpace::memory_space> make_local_permutation(
   seg_host(nb) = run;
   Kokkos::deep_copy(space, seg, seg_host);
 
-  lp.group_offsets = View1<std::int64_t, MS>(
-      Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::permute::local::group_offsets"),
-      L + 1);
-  lp.group_offsets_host = Kokkos::create_mirror_view(lp.group_offsets);
+  if (std::int64_t(lp.group_offsets.extent(0)) != L + 1) {
+    lp.group_offsets =
+        View1<std::int64_t, MS>(Kokkos::view_alloc(space, Kokkos::WithoutInitializing,
+                                                   "moe::permute::local::group_offsets"),
+                                L + 1);
+    lp.group_offsets_host = Kokkos::create_mirror_view(lp.group_offsets);
+  }
   lp.group_offsets_host(0) = 0;
   for (int l = 0; l < L; ++l)
     lp.group_offsets_host(l + 1) = lp.group_offsets_host(l) + layout.group_sizes[l];
   Kokkos::deep_copy(space, lp.group_offsets, lp.group_offsets_host);
 
-  lp.perm = moe::detail::alloc<View1<std::int64_t, MS>>(space, "moe::permute::local::perm", rows);
-  lp.inverse =
-      moe::detail::alloc<View1<std::int64_t, MS>>(space, "moe::permute::local::inverse", rows);
-  lp.expert_ids =
-      moe::detail::alloc<View1<int, MS>>(space, "moe::permute::local::expert_ids", rows);
+  lp.perm = lp.scratch.template get<std::int64_t>("perm", rows);
+  lp.inverse = lp.scratch.template get<std::int64_t>("inverse", rows);
+  lp.expert_ids = lp.scratch.template get<int>("expert_ids", rows);
   auto perm = lp.perm, inverse = lp.inverse;
   auto ids = lp.expert_ids;
   std::int64_t const base = layout.source_offset;
@@ -213,8 +221,16 @@ LocalPermutation<typename ExecSpace::memory_space> make_local_permutation(
         inverse(src - base) = p;
         ids(p) = lo / S;
       });
-  // `seg` is released on return; the kernel must be done with it.
+  // The host stages (seg_host, group_offsets_host) are rewritten by the next call.
   moe::detail::lperm::fence(space, "moe::permute::local: permutation built");
+}
+
+/// \brief make_local_permutation into a new object (allocates its buffers).
+template <class ExecSpace>
+LocalPermutation<typename ExecSpace::memory_space> make_local_permutation(
+    ExecSpace const& space, LocalLayout const& layout) {
+  LocalPermutation<typename ExecSpace::memory_space> lp;
+  make_local_permutation(space, layout, lp);
   return lp;
 }
 
@@ -250,14 +266,13 @@ void gather_by(ExecSpace const& space, char const* label, Map const& map, std::i
       ": source [", src.extent(0), ",", src.extent(1), "] and destination [", dst.extent(0), ",",
       dst.extent(1), "] need equal row length and at least ", rows, " destination rows");
   std::int64_t const n = dst.extent(0);
-  Kokkos::parallel_for(
-      label, Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(space, 0, n),
-      KOKKOS_LAMBDA(std::int64_t p) {
+  moe::detail::for_each_row(
+      space, label, n, KOKKOS_LAMBDA(std::int64_t p, std::int64_t lane, std::int64_t lanes) {
         if (p < rows) {
           std::int64_t const q = map(p);
-          for (std::int64_t d = 0; d < D; ++d) dst(p, d) = src(q, d);
+          for (std::int64_t d = lane; d < D; d += lanes) dst(p, d) = src(q, d);
         } else {
-          for (std::int64_t d = 0; d < D; ++d) dst(p, d) = 0;
+          for (std::int64_t d = lane; d < D; d += lanes) dst(p, d) = 0;
         }
       });
 }

@@ -10,6 +10,7 @@
 
 #include <moe/detail/compat.hpp>
 #include <moe/detail/counting.hpp>
+#include <moe/detail/rows.hpp>
 #include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/gmm/gmm.hpp>
@@ -101,12 +102,12 @@ void gather_rows(ExecSpace const& space, View2<Scalar const, MS> x,
   // Rows come in expert order, i.e. scattered over x: on a CPU each is a TLB and cache miss, so
   // the source row a few iterations ahead is prefetched.
   constexpr std::int64_t ahead = 8;
-  Kokkos::parallel_for(
-      "moe::permute::gather_rows", Kokkos::RangePolicy<ExecSpace>(space, 0, n),
-      KOKKOS_LAMBDA(std::int64_t i) {
-        if (i + ahead < n && D > 0) moe::detail::prefetch(&x(perm(i + ahead) / K, 0));
+  moe::detail::for_each_row(
+      space, "moe::permute::gather_rows", n,
+      KOKKOS_LAMBDA(std::int64_t i, std::int64_t lane, std::int64_t lanes) {
+        if (lane == 0 && i + ahead < n && D > 0) moe::detail::prefetch(&x(perm(i + ahead) / K, 0));
         std::int64_t const t = perm(i) / K;
-        for (std::int64_t d = 0; d < D; ++d) out(i, d) = x(t, d);
+        for (std::int64_t d = lane; d < D; d += lanes) out(i, d) = x(t, d);
       });
 }
 
@@ -119,21 +120,21 @@ void combine(ExecSpace const& space, View2<Scalar const, MS> ys,
   moe::detail::Region region("moe::combine");
   std::int64_t const D = y.extent(1), K = w.extent(1), T = y.extent(0);
   constexpr std::int64_t ahead = 4;  // tokens: their ys rows are scattered (see gather_rows)
-  Kokkos::parallel_for(
-      "moe::permute::combine", Kokkos::RangePolicy<ExecSpace>(space, 0, T),
-      KOKKOS_LAMBDA(std::int64_t t) {
-        if (t + ahead < T && D > 0)
+  moe::detail::for_each_row(
+      space, "moe::permute::combine", T,
+      KOKKOS_LAMBDA(std::int64_t t, std::int64_t lane, std::int64_t lanes) {
+        if (lane == 0 && t + ahead < T && D > 0)
           for (std::int64_t k = 0; k < K; ++k) {
             std::int64_t const r = inverse((t + ahead) * K + k);
             if (r >= 0) moe::detail::prefetch(&ys(r, 0));
           }
         if (!accumulate)
-          for (std::int64_t d = 0; d < D; ++d) y(t, d) = Scalar(0);
+          for (std::int64_t d = lane; d < D; d += lanes) y(t, d) = Scalar(0);
         for (std::int64_t k = 0; k < K; ++k) {
           std::int64_t const r = inverse(t * K + k);
           if (r < 0) continue;
           Scalar const wk = w(t, k);
-          for (std::int64_t d = 0; d < D; ++d) y(t, d) += wk * ys(r, d);
+          for (std::int64_t d = lane; d < D; d += lanes) y(t, d) += wk * ys(r, d);
         }
       });
 }
@@ -147,12 +148,12 @@ void combine_backward(ExecSpace const& space, View2<Scalar const, MS> dy,
                       View2<Scalar, MS> dys, View2<Scalar, MS> dw) {
   moe::detail::Region region("moe::combine::backward");
   std::int64_t const D = dy.extent(1), K = w.extent(1);
-  Kokkos::parallel_for(
-      "moe::permute::combine_backward_rows",
-      Kokkos::RangePolicy<ExecSpace>(space, 0, perm.extent(0)), KOKKOS_LAMBDA(std::int64_t i) {
+  moe::detail::for_each_row(
+      space, "moe::permute::combine_backward_rows", perm.extent(0),
+      KOKKOS_LAMBDA(std::int64_t i, std::int64_t lane, std::int64_t lanes) {
         std::int64_t const s = perm(i), t = s / K;
         Scalar const ws = w(t, s % K);
-        for (std::int64_t d = 0; d < D; ++d) dys(i, d) = ws * dy(t, d);
+        for (std::int64_t d = lane; d < D; d += lanes) dys(i, d) = ws * dy(t, d);
       });
   Kokkos::parallel_for(
       "moe::permute::combine_backward_weights",
@@ -175,15 +176,15 @@ void gather_rows_backward(ExecSpace const& space, View2<Scalar const, MS> dxs,
                           View2<Scalar, MS> dx) {
   moe::detail::Region region("moe::permute::gather::backward");
   std::int64_t const D = dx.extent(1);
-  Kokkos::parallel_for(
-      "moe::permute::gather_rows_backward", Kokkos::RangePolicy<ExecSpace>(space, 0, dx.extent(0)),
-      KOKKOS_LAMBDA(std::int64_t t) {
+  moe::detail::for_each_row(
+      space, "moe::permute::gather_rows_backward", dx.extent(0),
+      KOKKOS_LAMBDA(std::int64_t t, std::int64_t lane, std::int64_t lanes) {
         if (!accumulate)
-          for (std::int64_t d = 0; d < D; ++d) dx(t, d) = Scalar(0);
+          for (std::int64_t d = lane; d < D; d += lanes) dx(t, d) = Scalar(0);
         for (std::int64_t k = 0; k < K; ++k) {
           std::int64_t const r = inverse(t * K + k);
           if (r < 0) continue;
-          for (std::int64_t d = 0; d < D; ++d) dx(t, d) += dxs(r, d);
+          for (std::int64_t d = lane; d < D; d += lanes) dx(t, d) += dxs(r, d);
         }
       });
 }

@@ -106,7 +106,9 @@ class Mesh {
     std::vector<std::pair<std::string, int>> axes;
     for (auto const& n : axis_names) axes.emplace_back(n, 1);
     std::string fill_axis;
-    for (auto const& [name, size] : sizes) {
+    for (auto const& entry : sizes) {
+      std::string const& name = entry.first;  // named, not a structured binding: lambdas capture it
+      int const size = entry.second;
       auto it =
           std::find_if(axes.begin(), axes.end(), [&](auto const& a) { return a.first == name; });
       detail::require<ConfigError>(it != axes.end() || size == 1, "mesh axis '", name, "' (size ",
@@ -151,7 +153,9 @@ class Mesh {
   static Mesh from_ici(std::vector<std::pair<std::string, int>> const& ici, int num_ranks,
                        std::vector<std::string> const& mesh_axes = base_mesh_axes()) {
     std::vector<std::pair<std::string, int>> sizes;
-    for (auto const& [key, degree] : ici) {
+    for (auto const& entry : ici) {
+      std::string const& key = entry.first;  // named, not a structured binding: lambdas capture it
+      int const degree = entry.second;
       auto const& keys = ici_parallelism_keys();
       auto it =
           std::find_if(keys.begin(), keys.end(), [&](auto const& k) { return k.first == key; });

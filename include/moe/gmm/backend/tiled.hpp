@@ -23,6 +23,12 @@ struct Tiled {
 template <int TM, int TK, int TN>
 struct is_policy<Tiled<TM, TK, TN>> : std::true_type {};
 
+/// \brief The tile shape `Auto` runs on device execution spaces: the whole grouped GEMM is one
+/// launch over every tile of every group (a vendor GEMM per group would be one launch per
+/// expert). 64 x 64 output tiles of 4 x 4 micro tiles are 256 threads per team; chosen by
+/// shape, not tuned on a GPU.
+using DeviceTiled = Tiled<64, 16, 64>;
+
 }  // namespace moe::gmm
 
 namespace moe::detail::gmm_impl {
@@ -167,8 +173,7 @@ struct TiledGmmKernel {
   CMat<ExecSpace, Scalar, MemL> lhs;
   CTensor<ExecSpace, Scalar, MemR> rhs;
   Mat<ExecSpace, Scalar, MemO> out;
-  Kokkos::View<const int64_t*, MemG> offsets;      // [G+1] of all groups
-  Kokkos::View<const int64_t*, MemG> tile_prefix;  // [G_local+1] first tile of each local group
+  Kokkos::View<const int64_t*, MemG> offsets;  // [G+1] of all groups
   int group_offset;
   int num_local;
   int64_t k;
@@ -180,18 +185,16 @@ struct TiledGmmKernel {
   KOKKOS_INLINE_FUNCTION void operator()(member_type const& team) const {
     // Tiles run group by group, n-tile by n-tile, then over the group's m-tiles, so the
     // rhs panel [k, TN] of a group stays in cache while its row tiles stream past.
+    // The team finds its group by walking the group sizes (G_local reads, against the
+    // TM*TN*k FMAs of its tile): no tile-prefix array, so one launch and no allocation per call.
     int64_t const t = team.league_rank();
-    int lo = 0, hi = num_local;  // the last local group g with tile_prefix(g) <= t
-    while (hi - lo > 1) {
-      int const mid = (lo + hi) / 2;
-      if (tile_prefix(mid) <= t)
-        lo = mid;
-      else
-        hi = mid;
+    int64_t local = t, m_tiles = 0;
+    int g = 0;
+    for (; g < num_local; ++g) {
+      m_tiles = (offsets(group_offset + g + 1) - offsets(group_offset + g) + TM - 1) / TM;
+      if (local < m_tiles * n_tiles) break;
+      local -= m_tiles * n_tiles;
     }
-    int const g = lo;
-    int64_t const local = t - tile_prefix(g);
-    int64_t const m_tiles = (tile_prefix(g + 1) - tile_prefix(g)) / n_tiles;
     int const nt = static_cast<int>(local / m_tiles);
     int64_t const mt = local % m_tiles;
     int64_t const row0 = offsets(group_offset + g) + mt * TM;
@@ -315,18 +318,7 @@ struct Impl<moe::gmm::Tiled<TM, TK, TN>> {
     int64_t const n_tiles = (n + TN - 1) / TN;
     moe::detail::require<ShapeError>(n_tiles <= INT_MAX, what, ": n=", n, " is too large");
 
-    // First tile of each local group, computed where the offsets live (no host->device copy).
-    Kokkos::View<int64_t*, Mem> prefix(
-        Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::gmm::tiled::tile_prefix"),
-        num_local + 1);
     auto offsets = groups.offsets;
-    Kokkos::parallel_scan(
-        "moe::gmm::tiled::tile_prefix", Kokkos::RangePolicy<E>(space, 0, num_local),
-        KOKKOS_LAMBDA(int g, int64_t& sum, bool final) {
-          if (final) prefix(g) = sum;
-          sum += (offsets(go + g + 1) - offsets(go + g) + TM - 1) / TM * n_tiles;
-          if (final && g + 1 == num_local) prefix(g + 1) = sum;
-        });
 
     int level = 0;
     auto policy = tile_policy(space, m_tiles * n_tiles, Core::team_size(), Core::scratch_bytes(),
@@ -337,7 +329,6 @@ struct Impl<moe::gmm::Tiled<TM, TK, TN>> {
           rhs,
           out,
           offsets,
-          prefix,
           go,
           num_local,
           int64_t(lhs.extent(1)),
