@@ -675,11 +675,9 @@ TEST(GmmPolicies, AutoResolvesToTheAvailableBackend) {
   static_assert(std::is_same_v<resolve_t<Vendor, Exec, float>, Vendor>);
   static_assert(std::is_same_v<resolve_t<OneDnn, Exec, double>, Vendor>,
                 "oneDNN has no double GEMM: OneDnn<double> runs as Vendor");
-  bool const host = Kokkos::SpaceAccessibility<Exec, Kokkos::HostSpace>::accessible;
+  constexpr bool host = Kokkos::SpaceAccessibility<Exec, Kokkos::HostSpace>::accessible;
   bool const onednn = MOE_HAS_ONEDNN && host;
-  using Fallback =
-      std::conditional_t<Kokkos::SpaceAccessibility<Exec, Kokkos::HostSpace>::accessible, Vendor,
-                         moe::gmm::DeviceTiled>;
+  using Fallback = std::conditional_t<host, Vendor, moe::gmm::DeviceTiled>;
   EXPECT_EQ((std::is_same_v<resolve_t<moe::gmm::Auto, Exec, float>, OneDnn>), onednn);
   EXPECT_EQ((std::is_same_v<resolve_t<moe::gmm::Auto, Exec, double>, Fallback>), true);
   EXPECT_EQ(std::string(moe::gmm::backend_name<moe::gmm::Auto, Exec, float>()), onednn ? "OneDnn"

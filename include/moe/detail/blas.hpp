@@ -30,7 +30,7 @@ struct has_instance_gemm<
 /// with oneDNN (row-major operands are checked at run time).
 template <class ExecSpace, class A, class B, class C>
 constexpr bool onednn_gemm() {
-  return MOE_HAS_ONEDNN && Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible &&
+  return MOE_HAS_ONEDNN && runs_on_host<ExecSpace>() &&
          std::is_same<typename C::non_const_value_type, float>::value &&
          std::is_same<typename A::non_const_value_type, float>::value &&
          std::is_same<typename B::non_const_value_type, float>::value;
@@ -55,8 +55,7 @@ void blas_gemm(ExecSpace const& space, char const* ta, char const* tb,
 template <class ExecSpace, class A, class B, class C>
 struct BlasOrder {
   static constexpr bool needed =
-      !has_instance_gemm<ExecSpace, A, B, C>::value &&
-      !Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible;
+      !has_instance_gemm<ExecSpace, A, B, C>::value && !runs_on_host<ExecSpace>();
   ExecSpace space;
   explicit BlasOrder(ExecSpace const& s) : space(s) {
     if constexpr (needed) fence(space, "moe::blas: before default-instance BLAS");

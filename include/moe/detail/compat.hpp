@@ -52,6 +52,15 @@ template <class T>
 KOKKOS_INLINE_FUNCTION bool isnan(T x) {
   return kmath::isnan(x);
 }
+
+/// Whether ExecSpace runs on the host (Serial, OpenMP, Threads): kernels take their host shape
+/// there (long chunks, a work item per row, host BLAS and oneDNN). Device spaces (CUDA, HIP,
+/// SYCL) cannot reach host memory, even where the host can reach theirs (UVM).
+template <class ExecSpace>
+constexpr bool runs_on_host() {
+  return Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible;
+}
+
 /// Hint that *p will be read soon (host CPUs: a software prefetch, which also starts the page walk
 /// of a TLB miss; device code: nothing).
 KOKKOS_INLINE_FUNCTION void prefetch(void const* p) {

@@ -20,13 +20,6 @@
 
 namespace moe::detail {
 
-/// Whether ExecSpace runs on the host (long chunks) or on a device (short chunks, many items).
-template <class ExecSpace>
-constexpr bool runs_on_host() {
-  return Kokkos::SpaceAccessibility<Kokkos::HostSpace,
-                                    typename ExecSpace::memory_space>::accessible;
-}
-
 /// Slots per chunk of the counting passes. Host spaces take long chunks: few work items, each a
 /// cache-friendly sweep. Device spaces take short ones, so T*K/chunk work items keep a GPU busy.
 /// Never below the number of keys, so the [keys x chunks] scan stays O(T*K).

@@ -5,7 +5,6 @@
 /// device spaces threads over the columns, so consecutive threads touch consecutive features.
 
 #include <moe/detail/compat.hpp>
-#include <moe/detail/counting.hpp>
 #include <moe/error.hpp>
 
 #include <Kokkos_Core.hpp>

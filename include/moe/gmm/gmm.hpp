@@ -38,9 +38,9 @@ struct resolve {
 };
 template <class ExecSpace, class Scalar>
 struct resolve<Auto, ExecSpace, Scalar> {
-  static constexpr bool host = Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible;
-  using type = std::conditional_t<is_available<OneDnn, ExecSpace, Scalar>::value, OneDnn,
-                                  std::conditional_t<host, Vendor, DeviceTiled>>;
+  using type = std::conditional_t<
+      is_available<OneDnn, ExecSpace, Scalar>::value, OneDnn,
+      std::conditional_t<moe::detail::runs_on_host<ExecSpace>(), Vendor, DeviceTiled>>;
 };
 template <class Policy, class ExecSpace, class Scalar>
 using resolve_t = typename resolve<Policy, ExecSpace, Scalar>::type;

@@ -54,9 +54,8 @@ struct is_policy<OneDnn> : std::true_type {};
 
 template <class ExecSpace, class Scalar>
 struct is_available<OneDnn, ExecSpace, Scalar>
-    : std::integral_constant<
-          bool, MOE_HAS_ONEDNN && std::is_same<Scalar, float>::value &&
-                    Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible> {};
+    : std::integral_constant<bool, MOE_HAS_ONEDNN && std::is_same<Scalar, float>::value &&
+                                       moe::detail::runs_on_host<ExecSpace>()> {};
 
 }  // namespace moe::gmm
 

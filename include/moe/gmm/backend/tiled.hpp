@@ -49,7 +49,7 @@ constexpr int host_simd_bytes = 16;
 
 template <class ExecSpace, class Scalar>
 struct MicroTile {
-  static constexpr bool host = Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible;
+  static constexpr bool host = moe::detail::runs_on_host<ExecSpace>();
   // Host: 4 rows x 2 SIMD registers of accumulators (8 registers, leaving room for the operands
   // even with SSE's 16); a wider block spills and the compiler stops vectorising along columns.
   // Device: 4 x 4 per thread.

@@ -27,9 +27,7 @@ using moe::detail::BlasOrder;
 /// host BLAS was measured to need it, so device backends do not pad.
 template <class ExecSpace>
 struct VendorRowPad
-    : std::integral_constant<
-          int64_t, Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible ? 16 : 1> {
-};
+    : std::integral_constant<int64_t, moe::detail::runs_on_host<ExecSpace>() ? 16 : 1> {};
 
 template <>
 struct Impl<moe::gmm::Vendor> {
