@@ -16,6 +16,7 @@
 // (one rank per distinct block) and writes RESULT atomically. Errors on any rank become the same
 // one-line message and exit code 2 on every rank.
 #include <moe/distributed/layer.hpp>
+#include <moe/distributed/memory.hpp>
 #include <moe/io/safetensors.hpp>
 #include <moe/moe.hpp>
 
@@ -24,6 +25,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -76,6 +78,14 @@ Args parse_args(int argc, char** argv) {
         moe::detail::cat("--gmm ", a.gmm, " is not one of auto|onednn|vendor|tiled|dense"));
   if (!a.example && (a.config.empty() || a.in.empty() || a.out.empty()))
     throw moe::ConfigError("--config, --in and --out are required (or --example)");
+  moe::cli::require_unique_keys(a.overrides, "the command line");
+  // Every path up front: nothing is read into the layer or written before they pass.
+  if (!a.example) {
+    moe::cli::require_input_file("--config", a.config);
+    moe::cli::require_input_file("--in", a.in);
+  }
+  if (!a.out.empty())
+    moe::cli::require_output_file("--out", a.out, {{"--in", a.in}, {"--config", a.config}});
   return a;
 }
 
@@ -93,15 +103,6 @@ template <class T, class V>
 std::vector<T> read_view(V const& v) {
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
   return std::vector<T>(h.data(), h.data() + h.span());
-}
-
-std::vector<std::int64_t> shape_of(moe::io::File const& f, std::string const& name,
-                                   std::size_t rank) {
-  auto const& t = f.at(name);
-  if (t.shape.size() != rank)
-    throw moe::ShapeError(
-        moe::detail::cat("CASE tensor ", name, " has rank ", t.shape.size(), ", expected ", rank));
-  return t.shape;
 }
 
 /// Loads this rank's block of CASE tensor `name` into `v` (ShapeError when the CASE tensor does
@@ -152,68 +153,178 @@ moe::io::File example_case(moe::LayerConfig& cfg) {
   return f;
 }
 
+/// The CASE tensor names moe-layer-run reads (the README's list); every other name is an error.
+std::vector<std::string> const& case_names() {
+  static std::vector<std::string> const names = {"x",         "gate", "gate_bias",   "wi_0",
+                                                 "wi_1",      "wo",   "shared_wi_0", "shared_wi_1",
+                                                 "shared_wo", "dy"};
+  return names;
+}
+
+/// Dimensions read off CASE: D from x, E and F from wi_0, Fs from shared_wi_0 (0 without).
+struct CaseDims {
+  std::int64_t B = 0, S = 0, D = 0, E = 0, F = 0, Fs = 0;
+};
+
+/// Checks CASE's names, dtypes and shapes against each other before any value is used; every
+/// error names the tensor, the file and the rule. Returns the dimensions.
+CaseDims check_case_layout(moe::io::File const& in, std::string const& file) {
+  using moe::detail::cat;
+  using moe::io::detail::shape_str;
+  std::string const where = "CASE '" + file + "': ";
+  for (auto const& name : in.names()) {
+    auto const& known = case_names();
+    if (std::find(known.begin(), known.end(), name) == known.end())
+      throw moe::IoError(cat(where, "unknown tensor '", name, "'",
+                             moe::detail::did_you_mean(name, known),
+                             "; a CASE holds x, gate, wi_0, wi_1, wo, optional gate_bias, "
+                             "shared_wi_0, shared_wi_1, shared_wo and dy"));
+  }
+  for (char const* name : {"x", "gate", "wi_0", "wi_1", "wo"})
+    if (!in.has(name)) throw moe::IoError(cat(where, "has no tensor '", name, "' (required)"));
+  auto const dtype = in.at("x").dtype;
+  if (dtype != moe::io::DType::F64 && dtype != moe::io::DType::F32)
+    throw moe::IoError(
+        cat(where, "tensor x is ", moe::io::dtype_name(dtype), ": only F32 and F64 are supported"));
+  for (auto const& name : in.names())
+    if (in.at(name).dtype != dtype)
+      throw moe::IoError(cat(where, "tensor ", name, " is ", moe::io::dtype_name(in.at(name).dtype),
+                             " but x is ", moe::io::dtype_name(dtype),
+                             ": all tensors share one dtype"));
+  auto rank_of = [&](char const* name, std::size_t rank, char const* dims) {
+    auto const& sh = in.at(name).shape;
+    if (sh.size() != rank)
+      throw moe::ShapeError(cat(where, "tensor ", name, " has shape ", shape_str(sh), " (rank ",
+                                sh.size(), "); expected ", dims));
+    for (auto d : sh)
+      if (d < 1)
+        throw moe::ShapeError(cat(where, "tensor ", name, " has shape ", shape_str(sh),
+                                  "; every dimension of ", dims, " must be >= 1"));
+    return sh;
+  };
+  CaseDims c;
+  auto const x = rank_of("x", 3, "[B,S,D]");
+  auto const w = rank_of("wi_0", 3, "[E,D,F]");
+  c.B = x[0], c.S = x[1], c.D = x[2], c.E = w[0], c.F = w[2];
+  auto expect = [&](char const* name, std::vector<std::int64_t> const& want, char const* dims) {
+    if (!in.has(name)) return;
+    auto const& sh = in.at(name).shape;
+    if (sh != want)
+      throw moe::ShapeError(cat(where, "tensor ", name, " has shape ", shape_str(sh),
+                                " but must be ", dims, " = ", shape_str(want), " (D=", c.D,
+                                " from x ", shape_str(x), ", E=", c.E, " and F=", c.F,
+                                " from wi_0 ", shape_str(w), ")"));
+  };
+  expect("wi_0", {c.E, c.D, c.F}, "[E,D,F]");
+  expect("gate", {c.D, c.E}, "[D,E]");
+  expect("gate_bias", {c.E}, "[E]");
+  expect("wi_1", {c.E, c.D, c.F}, "[E,D,F]");
+  expect("wo", {c.E, c.F, c.D}, "[E,F,D]");
+  expect("dy", x, "[B,S,D] (the shape of x)");
+  bool const any_shared = in.has("shared_wi_0") || in.has("shared_wi_1") || in.has("shared_wo");
+  if (any_shared) {
+    for (char const* n : {"shared_wi_0", "shared_wi_1", "shared_wo"})
+      if (!in.has(n))
+        throw moe::IoError(cat(where, "has shared expert tensors but no '", n,
+                               "': give shared_wi_0, shared_wi_1 and shared_wo together"));
+    c.Fs = rank_of("shared_wi_0", 2, "[D,Fs]")[1];
+    expect("shared_wi_0", {c.D, c.Fs}, "[D,Fs]");
+    expect("shared_wi_1", {c.D, c.Fs}, "[D,Fs]");
+    expect("shared_wo", {c.Fs, c.D}, "[Fs,D]");
+    if (c.Fs % c.F != 0)
+      throw moe::ShapeError(cat(where, "shared_wi_0 has Fs=", c.Fs,
+                                " columns, not a multiple of F=", c.F,
+                                " (the shared expert is shared_experts x F wide)"));
+  }
+  return c;
+}
+
+/// Checks that every CASE tensor is finite; names the tensor, the file and the first bad index.
+void check_case_finite(moe::io::File const& in, std::string const& file) {
+  for (auto const& name : in.names()) {
+    auto const v = in.at(name).to_vector<double>();
+    for (std::size_t i = 0; i < v.size(); ++i)
+      if (!std::isfinite(v[i])) {
+        auto const& sh = in.at(name).shape;
+        std::vector<std::size_t> coord(sh.size());
+        std::size_t rest = i;
+        for (std::size_t d = sh.size(); d-- > 0;) {
+          coord[d] = rest % std::size_t(sh[d]);
+          rest /= std::size_t(sh[d]);
+        }
+        std::string idx;
+        for (std::size_t d = 0; d < coord.size(); ++d)
+          idx += (d ? "," : "") + std::to_string(coord[d]);
+        throw moe::InputError(moe::detail::cat("CASE '", file, "': tensor ", name, " holds ",
+                                               std::isnan(v[i]) ? "NaN" : "Inf", " at [", idx,
+                                               "] (element ", i,
+                                               "): inputs and weights must be finite (or set "
+                                               "check_finite=false)"));
+      }
+  }
+}
+
 /// Purely local: parses the arguments, reads CFG and CASE, routes every key to LayerConfig or
-/// ParallelConfig and checks CASE against the config.
+/// ParallelConfig and checks CASE (names, dtypes, shapes, finiteness) against the config.
 Setup prepare(int argc, char** argv) {
+  using moe::detail::cat;
   Setup s;
   s.args = parse_args(argc, argv);
   auto& cfg = s.cfg;
   auto& in = s.in;
+  std::string const file = s.args.example ? std::string("--example") : s.args.in;
   if (s.args.example) {
     in = example_case(cfg);
     // Default layout of the example: the batch split over all ranks, unless a degree is given.
     bool any_ici = false;
     for (auto const& kv : s.args.overrides) any_ici = any_ici || kv.first.rfind("ici_", 0) == 0;
     if (!any_ici) s.par.ici_data_parallelism = -1;
-  } else {
-    in = moe::io::File::read(s.args.in);
+  }
+  if (!s.args.example) in = moe::io::File::read(s.args.in);
+  CaseDims const dims = check_case_layout(in, file);
+  if (!s.args.example) {
     // Dimensions default to the CASE's; the config may restate them (and must agree).
-    auto const g = shape_of(in, "gate", 2);
-    auto const w = shape_of(in, "wi_0", 3);
-    cfg.base_emb_dim = int(g[0]);
-    cfg.num_experts = int(g[1]);
-    cfg.base_moe_mlp_dim = int(w[2]);
-    if (in.has("shared_wi_0"))
-      cfg.shared_experts = int(shape_of(in, "shared_wi_0", 2)[1] / std::max<std::int64_t>(1, w[2]));
+    cfg.base_emb_dim = int(dims.D);
+    cfg.num_experts = int(dims.E);
+    cfg.base_moe_mlp_dim = int(dims.F);
+    cfg.shared_experts = int(dims.Fs / dims.F);
     cfg.routed_bias = in.has("gate_bias");
-    moe::cli::apply(cfg, s.par, moe::cli::read_yaml(s.args.config));
+    moe::cli::apply(cfg, s.par, moe::cli::read_yaml(s.args.config, "--config"));
   }
   moe::cli::apply(cfg, s.par, s.args.overrides);
   cfg.validate();
-
-  auto const xs = shape_of(in, "x", 3);
-  s.B = xs[0];
-  s.S = xs[1];
-  if (xs[2] != cfg.base_emb_dim)
-    throw moe::ShapeError(moe::detail::cat("CASE tensor x has shape ",
-                                           moe::io::detail::shape_str(xs),
-                                           " but base_emb_dim=", cfg.base_emb_dim));
-  if (in.has("dy") && in.at("dy").shape != xs)
-    throw moe::ShapeError(
-        moe::detail::cat("CASE tensor dy has shape ", moe::io::detail::shape_str(in.at("dy").shape),
-                         " but x has shape ", moe::io::detail::shape_str(xs), ": they must agree"));
-  s.dtype = in.at("x").dtype;
-  for (auto const& name : in.names())
-    if (in.at(name).dtype != s.dtype)
-      throw moe::IoError(moe::detail::cat(
-          "CASE tensor ", name, " is ", moe::io::dtype_name(in.at(name).dtype), " but x is ",
-          moe::io::dtype_name(s.dtype), ": all tensors share one dtype"));
-  if (s.dtype != moe::io::DType::F64 && s.dtype != moe::io::DType::F32)
-    throw moe::IoError(moe::detail::cat("CASE x has dtype ", moe::io::dtype_name(s.dtype),
-                                        ": only F32 and F64 are supported"));
+  s.par.validate();
+  auto agree = [&](char const* key, std::int64_t value, std::int64_t from_case, char const* src) {
+    if (value != from_case)
+      throw moe::ConfigError(cat(key, "=", value, " but CASE '", file, "' has ", from_case, " (",
+                                 src, "): remove the key or give a matching CASE"));
+  };
+  agree("base_emb_dim", cfg.base_emb_dim, dims.D, "D of x [B,S,D]");
+  agree("num_experts", cfg.num_experts, dims.E, "E of wi_0 [E,D,F]");
+  agree("base_moe_mlp_dim", cfg.base_moe_mlp_dim, dims.F, "F of wi_0 [E,D,F]");
+  agree("shared_experts", cfg.shared_experts, dims.Fs / dims.F, "Fs/F of shared_wi_0 [D,Fs]");
   if (cfg.routed_bias && !in.has("gate_bias"))
-    throw moe::ConfigError("routed_bias=true but CASE has no gate_bias tensor");
+    throw moe::ConfigError(cat("routed_bias=true but CASE '", file, "' has no gate_bias tensor"));
   if (!cfg.routed_bias && in.has("gate_bias"))
-    throw moe::ConfigError("CASE has gate_bias but routed_bias=false: set routed_bias=true");
-  if (cfg.shared_experts > 0) {
-    for (char const* n : {"shared_wi_0", "shared_wi_1", "shared_wo"})
-      if (!in.has(n))
-        throw moe::ConfigError(moe::detail::cat("shared_experts=", cfg.shared_experts,
-                                                " but CASE has no ", n, " tensor"));
-  } else if (in.has("shared_wi_0") || in.has("shared_wi_1") || in.has("shared_wo")) {
-    throw moe::ConfigError("CASE has shared expert tensors but shared_experts=0");
-  }
+    throw moe::ConfigError(
+        cat("CASE '", file, "' has gate_bias but routed_bias=false: set routed_bias=true"));
+  if (cfg.check_finite) check_case_finite(in, file);
+  s.B = dims.B;
+  s.S = dims.S;
+  s.dtype = in.at("x").dtype;
   return s;
+}
+
+/// A canonical text of what every rank must have read the same: the config, and per CASE tensor
+/// its dtype, shape and a hash of its bytes (every rank reads the whole CASE).
+std::string case_fingerprint(Setup const& s) {
+  std::string t = "gmm=" + s.args.gmm + "|" + moe::describe(s.cfg) + "|" + s.par.describe();
+  for (auto const& name : s.in.names()) {
+    auto const& ten = s.in.at(name);
+    t += "|" + name + "=" + moe::io::dtype_name(ten.dtype) + moe::io::detail::shape_str(ten.shape) +
+         " content hash " + std::to_string(moe::detail::fnv1a(ten.bytes.data(), ten.bytes.size()));
+  }
+  return t;
 }
 
 char const* route_name(moe::ExpertRoute r) {
@@ -329,10 +440,61 @@ void print_summary(Setup const& s, Summary const& sum, moe::io::File const& out,
   if (!s.args.out.empty()) std::printf("  wrote %s\n", s.args.out.c_str());
 }
 
+/// Refuses a layer whose tensors exceed the kernels' index limits, or whose estimate (the
+/// layer's buffers, this rank's x / y / dy / dx blocks, rank 0's gathered RESULT) exceeds this
+/// rank's share of the node's available memory (host memory spaces only; MOE_SKIP_MEMORY_CHECK=1
+/// skips that comparison). CASE itself is read by then (every rank holds it).
+void check_memory(moe::comm::Communicator const& world, Setup const& s) {
+  using Exec = Kokkos::DefaultExecutionSpace;
+  std::size_t const sb = s.dtype == moe::io::DType::F64 ? 8 : 4;
+  moe::LayerConfig cfg = s.cfg;
+  if (s.args.gmm == "dense") cfg.sparse_matmul = false;  // gmm::Dense runs as the dense path
+  auto const plan = moe::make_plan(cfg, s.par, world.size(), world.rank(), s.B, s.S, sb);
+  moe::check_index_limits(plan, moe::IndexLimits::of<Exec>());
+  if (!moe::detail::runs_on_host<Exec>()) return;
+  bool const has_dy = s.in.has("dy");
+  bool const packed =
+      (s.args.gmm == "auto" || s.args.gmm == "onednn") && moe::default_packed_weights(plan);
+  auto est = moe::estimate_layer_memory(plan, cfg, has_dy, packed);
+  std::string const keys = "the batch or sequence length of CASE x, base_emb_dim";
+  std::int64_t const x = moe::checked_product(plan.tensor("x").local_shape, "the x block");
+  est.add("x, y, dy, dx blocks",
+          moe::checked_mul(x, std::int64_t(sb) * (has_dy ? 4 : 2), "the x, y, dy, dx blocks"),
+          keys);
+  if (world.rank() == 0) {
+    // RESULT: y (with dy also dx and every gradient) gathered whole, as a vector and a tensor.
+    std::int64_t g = moe::checked_product(plan.tensor("y").global_shape, "the global y");
+    if (has_dy) {
+      g = moe::checked_mul(g, 2, "the global y and dx");
+      for (auto const& t : plan.tensors)
+        if (t.name != "x" && t.name != "y")
+          g = moe::checked_add(g, moe::checked_product(t.global_shape, "global d_" + t.name),
+                               "the RESULT elements");
+    }
+    est.add("RESULT (rank 0)", moe::checked_mul(g, 2 * std::int64_t(sb), "the RESULT bytes"),
+            keys + ", num_experts, base_moe_mlp_dim");
+  }
+  // The batch and sequence come from CASE x, not from config keys: say so.
+  std::string hint;
+  auto const ks = est.keys_to_reduce();
+  for (std::size_t i = 0; i < ks.size(); ++i) {
+    std::string k = ks[i];
+    if (k == "per_device_batch_size") k = "the batch of CASE x";
+    if (k == "max_target_length") k = "the sequence length of CASE x";
+    hint += (i == 0 ? "" : i + 1 == ks.size() ? " or " : ", ") + k;
+  }
+  moe::require_fits("moe-layer-run", est, moe::available_memory_bytes(),
+                    moe::applied_host_threads().local_ranks, hint);
+}
+
 int run(int argc, char** argv) {
   moe::comm::Communicator world(MPI_COMM_WORLD);
   Setup s;
   moe::comm::collective_guard(world, [&] { s = prepare(argc, argv); });
+  // Before any collective depends on them: every rank read the same config and the same CASE.
+  moe::comm::check_agreement(world, "configuration and CASE (--config, key=value, --in)",
+                             case_fingerprint(s));
+  moe::comm::collective_guard(world, [&] { check_memory(world, s); });
   Summary sum;
   moe::io::File out = s.dtype == moe::io::DType::F64 ? run_dtype<double>(world, s, sum)
                                                      : run_dtype<float>(world, s, sum);

@@ -16,9 +16,13 @@
 // per_device_batch_size and max_target_length; any other key is an error. The number of ranks is
 // the product of the ici_* degrees (--ranks N when one is -1), the global batch
 // per_device_batch_size * ranks (or --batch), the sequence length max_target_length (or --seq).
+// The plan is followed by the layer's memory estimate for one rank (moe::estimate_layer_memory of
+// a training step: the bytes per item and the keys that scale it; "memory" in the JSON), and a
+// WARNING when a tensor exceeds the host kernels' index limits (moe::check_index_limits).
 //
 // Errors: one line on stderr, exit code 2.
 #include <moe/config.hpp>
+#include <moe/distributed/memory.hpp>
 #include <moe/distributed/parallel_config.hpp>
 #include <moe/distributed/plan.hpp>
 #include <moe/error.hpp>
@@ -187,7 +191,8 @@ Args parse_args(int argc, char** argv) {
 
 // ---- --plan: the layer's partition plan (moe::make_plan).
 int run_plan(Args const& a) {
-  moe::cli::KeyValues kv = moe::cli::read_yaml(a.plan);
+  moe::cli::KeyValues kv = moe::cli::read_yaml(a.plan, "--plan");
+  moe::cli::require_unique_keys(a.overrides, "the command line");
   kv.insert(kv.end(), a.overrides.begin(), a.overrides.end());
   moe::LayerConfig cfg;
   moe::ParallelConfig par;
@@ -252,7 +257,37 @@ int run_plan(Args const& a) {
   if (a.rank >= ranks)
     throw ConfigError(cat("--rank ", a.rank, " is outside [0, ", ranks, ") for ", ranks, " ranks"));
   auto const plan = moe::make_plan(cfg, par, ranks, a.rank, batch, seq, a.scalar_bytes);
-  std::fputs((a.json ? plan.to_json() : plan.to_text()).c_str(), stdout);
+  // The memory estimate of one training step on this rank, and the index limits of host kernels.
+  bool const packed = moe::default_packed_weights(plan);
+  auto const memory = moe::estimate_layer_memory(plan, cfg, true, packed);
+  std::string limit_error;
+  try {
+    moe::check_index_limits(plan);
+  } catch (ConfigError const& e) {
+    limit_error = e.what();
+  }
+  std::string out;
+  if (a.json) {
+    // The plan's object with one more member: "memory".
+    out = plan.to_json();
+    out.erase(out.rfind('}'));
+    out += cat(", \"memory\": {\"training\": true, \"packed_expert_weights\": ",
+               packed ? "true" : "false", ", ", memory.to_json().substr(1));
+    out.erase(out.rfind('}'));
+    out += cat(", \"index_limit_error\": ",
+               limit_error.empty() ? std::string("null") : sh::json_string(limit_error), "}}\n");
+  } else {
+    out = plan.to_text();
+    out +=
+        cat("\nmemory per rank (estimate of one training step: buffers the layer keeps, its "
+            "gradients, ",
+            packed ? "oneDNN's packed expert weights, " : "",
+            "balanced routing; the caller's x, y, dy, dx not included; keys that scale each "
+            "item):\n",
+            memory.to_text());
+    if (!limit_error.empty()) out += "WARNING: " + limit_error + "\n";
+  }
+  std::fputs(out.c_str(), stdout);
   return 0;
 }
 

@@ -11,8 +11,13 @@
 #include <yaml-cpp/yaml.h>
 #include <Kokkos_Core.hpp>
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <exception>
+#include <filesystem>
+#include <fstream>
+#include <new>
 
 #include <string>
 #include <utility>
@@ -40,23 +45,143 @@ inline std::string yaml_to_text(YAML::Node const& n, std::string const& key) {
       detail::cat("config key '", key, "' holds a mapping; expected a scalar or list"));
 }
 
-/// Reads a flat YAML mapping (MaxText config style). Throws ConfigError on unreadable files.
-inline KeyValues read_yaml(std::string const& path) {
+/// \brief Checks an input path up front: it exists, is a regular file (not a directory) and can
+/// be opened for reading. ConfigError naming `what` (the flag or key, e.g. "--in" or
+/// "dataset_path") and the path otherwise.
+inline void require_input_file(std::string const& what, std::string const& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (path.empty()) throw ConfigError(detail::cat(what, " is empty: give a file path"));
+  auto const st = fs::status(path, ec);
+  if (!fs::exists(st)) throw ConfigError(detail::cat(what, " '", path, "' does not exist"));
+  if (fs::is_directory(st))
+    throw ConfigError(detail::cat(what, " '", path, "' is a directory; expected a file"));
+  if (!fs::is_regular_file(st))
+    throw ConfigError(detail::cat(what, " '", path, "' is not a regular file"));
+  std::ifstream probe(path, std::ios::binary);
+  if (!probe) throw ConfigError(detail::cat(what, " '", path, "' cannot be opened for reading"));
+}
+
+namespace path_detail {
+
+/// The directory a new file `path` would be created in ("." for a bare name).
+inline std::filesystem::path parent_dir(std::string const& path) {
+  auto const parent = std::filesystem::path(path).parent_path();
+  return parent.empty() ? std::filesystem::path(".") : parent;
+}
+
+/// Whether two paths name the same file: the same inode when both exist, else the same
+/// normalised absolute path (links resolved as far as they exist).
+inline bool same_file(std::string const& a, std::string const& b) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(a, ec) && fs::exists(b, ec)) return fs::equivalent(a, b, ec) && !ec;
+  auto const ca = fs::weakly_canonical(fs::absolute(a, ec), ec);
+  auto const cb = fs::weakly_canonical(fs::absolute(b, ec), ec);
+  return !ec && ca == cb;
+}
+
+}  // namespace path_detail
+
+/// \brief Checks an output path up front, before anything is computed or written: not a
+/// directory, its directory exists and is writable, an existing file is writable, and it is not
+/// the same file (through links too) as any of the `inputs` ({flag or key, path}). ConfigError
+/// naming `what` and the path otherwise.
+inline void require_output_file(std::string const& what, std::string const& path,
+                                std::vector<std::pair<std::string, std::string>> const& inputs) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (path.empty()) throw ConfigError(detail::cat(what, " is empty: give a file path"));
+  auto const st = fs::status(path, ec);
+  if (fs::is_directory(st))
+    throw ConfigError(detail::cat(what, " '", path, "' is a directory; expected a file path"));
+  if (fs::exists(st) && ::access(path.c_str(), W_OK) != 0)
+    throw ConfigError(detail::cat(what, " '", path, "' exists and is not writable"));
+  auto const dir = path_detail::parent_dir(path);
+  if (!fs::is_directory(dir, ec))
+    throw ConfigError(
+        detail::cat(what, " '", path, "': directory '", dir.string(), "' does not exist"));
+  if (::access(dir.c_str(), W_OK | X_OK) != 0)
+    throw ConfigError(
+        detail::cat(what, " '", path, "': directory '", dir.string(), "' is not writable"));
+  for (auto const& [flag, in] : inputs)
+    if (!in.empty() && path_detail::same_file(path, in))
+      throw ConfigError(detail::cat(what, " '", path, "' is the same file as ", flag, " '", in,
+                                    "': writing it would destroy that input; choose another ",
+                                    what));
+}
+
+/// \brief Checks a directory the tool will write into (created when missing): an existing path
+/// must be a writable directory; a missing one needs a writable parent directory. ConfigError
+/// naming `what` and the path otherwise.
+inline void require_output_dir(std::string const& what, std::string const& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (path.empty()) throw ConfigError(detail::cat(what, " is empty: give a directory"));
+  auto const st = fs::status(path, ec);
+  if (fs::exists(st)) {
+    if (!fs::is_directory(st))
+      throw ConfigError(detail::cat(what, " '", path, "' is a file; expected a directory"));
+    if (::access(path.c_str(), W_OK | X_OK) != 0)
+      throw ConfigError(detail::cat(what, " '", path, "' is not writable"));
+    return;
+  }
+  // A missing directory is created with its missing parents: the nearest existing ancestor
+  // must be a writable directory.
+  fs::path p = fs::absolute(path, ec);
+  while (!p.empty() && !fs::exists(p, ec) && p != p.parent_path()) p = p.parent_path();
+  if (!fs::is_directory(p, ec))
+    throw ConfigError(detail::cat(what, " '", path, "': '", p.string(), "' is not a directory"));
+  if (::access(p.c_str(), W_OK | X_OK) != 0)
+    throw ConfigError(
+        detail::cat(what, " '", path, "' cannot be created: '", p.string(), "' is not writable"));
+}
+
+/// \brief Throws ConfigError when a key appears twice in `kv` (one config file, or the
+/// command-line overrides): a later value silently replacing an earlier one hides mistakes.
+/// \param source where the pairs come from, for the message ("config file 'a.yml'")
+inline void require_unique_keys(KeyValues const& kv, std::string const& source) {
+  for (std::size_t i = 0; i < kv.size(); ++i)
+    for (std::size_t j = 0; j < i; ++j)
+      if (kv[i].first == kv[j].first)
+        throw ConfigError(detail::cat(source, " sets key '", kv[i].first, "' twice ('",
+                                      kv[j].second, "', then '", kv[i].second,
+                                      "'): give each key once"));
+}
+
+/// \brief Reads a flat YAML mapping (MaxText config style): the file is checked first
+/// (require_input_file), a key given twice is an error naming both lines. ConfigError on
+/// unreadable or invalid files.
+inline KeyValues read_yaml(std::string const& path, std::string const& what = "config file") {
+  require_input_file(what, path);
   YAML::Node root;
   try {
     root = YAML::LoadFile(path);
   } catch (YAML::BadFile const&) {
-    throw ConfigError(detail::cat("cannot read config file '", path, "'"));
+    throw ConfigError(detail::cat("cannot read ", what, " '", path, "'"));
   } catch (YAML::Exception const& e) {
-    throw ConfigError(detail::cat("config file '", path, "' is not valid YAML: ", e.what()));
+    throw ConfigError(detail::cat(what, " '", path, "' is not valid YAML: ", e.what()));
   }
   KeyValues kv;
   if (root.IsNull()) return kv;
   if (!root.IsMap())
-    throw ConfigError(detail::cat("config file '", path, "' must be a mapping of key: value"));
+    throw ConfigError(detail::cat(what, " '", path, "' must be a mapping of key: value"));
+  std::vector<int> lines;
   for (auto const& it : root) {
-    std::string const key = it.first.as<std::string>();
+    std::string key;
+    try {
+      key = it.first.as<std::string>();
+    } catch (YAML::Exception const&) {
+      throw ConfigError(detail::cat(what, " '", path, "' line ", it.first.Mark().line + 1,
+                                    ": a key must be a plain scalar"));
+    }
+    for (std::size_t j = 0; j < kv.size(); ++j)
+      if (kv[j].first == key)
+        throw ConfigError(detail::cat(what, " '", path, "' sets key '", key, "' twice (lines ",
+                                      lines[j], " and ", it.first.Mark().line + 1,
+                                      "): give each key once"));
     kv.emplace_back(key, yaml_to_text(it.second, key));
+    lines.push_back(it.first.Mark().line + 1);
   }
   return kv;
 }
@@ -74,6 +199,13 @@ inline void apply(LayerConfig& cfg, KeyValues const& kv) {
   for (auto const& [k, v] : kv) cfg.set(k, v);
 }
 
+/// Every LayerConfig and ParallelConfig key.
+inline std::vector<std::string> known_keys() {
+  auto k = LayerConfig::keys();
+  for (auto const& p : ParallelConfig::keys()) k.push_back(p);
+  return k;
+}
+
 /// Applies the pairs to the struct that has each key: LayerConfig keys (num_experts, ...) or
 /// ParallelConfig keys (ici_*_parallelism, use_ring_of_experts, custom_mesh_and_rule, ...).
 /// A key neither knows raises ConfigError naming it.
@@ -88,7 +220,8 @@ inline void apply(LayerConfig& cfg, ParallelConfig& par, KeyValues const& kv) {
                                     "'): not a layer key (num_experts, base_emb_dim, ...) nor a "
                                     "parallelism key (ici_*_parallelism, use_ring_of_experts, "
                                     "ragged_buffer_factor, moe_fsdp_use_two_stage_all_gather, "
-                                    "custom_mesh_and_rule)"));
+                                    "custom_mesh_and_rule)",
+                                    detail::did_you_mean(k, known_keys())));
   }
 }
 
@@ -99,13 +232,27 @@ inline std::string one_line(std::string s) {
   return s;
 }
 
+/// Whether an exception that is not a moe::Error says that memory ran out (std::bad_alloc, or
+/// Kokkos's allocation failure, a std::runtime_error whose text says it failed to allocate).
+inline bool is_out_of_memory(std::exception const& e) {
+  if (dynamic_cast<std::bad_alloc const*>(&e)) return true;
+  std::string const w = e.what();
+  return w.find("failed to allocate") != std::string::npos ||
+         w.find("Failed to allocate") != std::string::npos ||
+         w.find("Allocation of") != std::string::npos;
+}
+
 /// The whole main() of an MPI tool: initialises MPI and applies the ranks x threads rule
 /// (moe/threads.hpp); with -h/--help prints `usage` on rank 0
 /// (before Kokkos, which would print its own help on every rank); otherwise runs `body` inside
-/// Kokkos and reports its errors the project's way: a moe::Error (raised the same on every rank)
-/// prints `TOOL: error: ...` and returns 2; any other exception is not collective, so it prints
-/// `TOOL: internal error: ...` and aborts every rank (exit 3). Finalises MPI; returns the exit
-/// code.
+/// Kokkos and reports its errors the project's way:
+/// - a moe::Error raised the same on every rank (the collective checks) prints
+///   `TOOL: error: ...` on every rank and returns 2;
+/// - a moe::CommError (an MPI call failed on this rank) and an allocation failure are not
+///   collective: the failing rank prints `TOOL: error: ...` and ends the whole job with
+///   MPI_Abort(2), so no rank waits forever in a collective;
+/// - any other exception prints `TOOL: internal error: ...` and aborts every rank (exit 3).
+/// Finalises MPI; returns the exit code.
 template <class Body>
 int tool_main(char const* tool, char const* usage, int& argc, char** argv, Body&& body) {
   MPI_Init(&argc, &argv);
@@ -120,18 +267,33 @@ int tool_main(char const* tool, char const* usage, int& argc, char** argv, Body&
       return 0;
     }
   int rc = 0;
+  auto abort_job = [&](int code) {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    if (size > 1) MPI_Abort(MPI_COMM_WORLD, code);
+    return code;
+  };
   {
     Kokkos::ScopeGuard kokkos(argc, argv);
     try {
       rc = body();
+    } catch (moe::CommError const& e) {
+      std::fprintf(stderr, "%s: error: %s\n", tool, one_line(e.what()).c_str());
+      rc = abort_job(2);
     } catch (moe::Error const& e) {
       std::fprintf(stderr, "%s: error: %s\n", tool, one_line(e.what()).c_str());
       rc = 2;
     } catch (std::exception const& e) {
-      std::fprintf(stderr, "%s: internal error: %s\n", tool, one_line(e.what()).c_str());
-      std::fflush(stderr);
-      if (size > 1) MPI_Abort(MPI_COMM_WORLD, 3);
-      rc = 3;
+      if (is_out_of_memory(e)) {
+        std::fprintf(stderr,
+                     "%s: error: out of memory on rank %d of %d: %s; use fewer tokens per rank "
+                     "(batch, sequence length) or smaller dimensions, or more ranks\n",
+                     tool, rank, size, one_line(e.what()).c_str());
+        rc = abort_job(2);
+      } else {
+        std::fprintf(stderr, "%s: internal error: %s\n", tool, one_line(e.what()).c_str());
+        rc = abort_job(3);
+      }
     }
   }
   MPI_Finalize();

@@ -115,12 +115,20 @@ struct TrainConfig {
             "metrics_file"};
   }
 
+  /// Every key set() accepts: own_keys(), LayerConfig's and ParallelConfig's.
+  static std::vector<std::string> all_keys() {
+    auto k = own_keys();
+    for (auto const& v : {moe::LayerConfig::keys(), moe::ParallelConfig::keys()})
+      k.insert(k.end(), v.begin(), v.end());
+    return k;
+  }
+
   /// \brief Sets one key from its text form. ConfigError naming the key for an unknown key or a
   /// value that does not parse. `seed` sets the driver's seed and the layer's routing seed.
   ///
-  /// Only one ici_*_parallelism degree can be -1 (fill): setting one to -1 turns a previous -1
-  /// (e.g. the default ici_expert_parallelism) into 1, so `ici_fsdp_parallelism=-1` alone
-  /// switches the default layout to FSDP.
+  /// Only one ici_*_parallelism degree can be -1 (fill): setting one to -1 turns the default's
+  /// -1 (ici_expert_parallelism, unless the user set it) into 1, so `ici_fsdp_parallelism=-1`
+  /// alone switches the default layout to FSDP; two -1s the user gave are an error (validate()).
   void set(std::string const& key, std::string const& value) {
     using namespace moe::detail;
     auto as_i64 = [&] { return std::int64_t(parse_int(key, value)); };
@@ -201,11 +209,11 @@ struct TrainConfig {
     } else if (moe::LayerConfig::has_key(key))
       layer.set(key, value);
     else if (moe::ParallelConfig::has_key(key)) {
+      // A -1 the user gave stays (two given -1s are rejected by validate(), as in every tool);
+      // only the default's -1 yields to the user's.
       if (key.rfind("ici_", 0) == 0 && trim(value) == "-1")
-        for (auto* d : {&par.ici_data_parallelism, &par.ici_fsdp_parallelism,
-                        &par.ici_fsdp_transpose_parallelism, &par.ici_expert_parallelism,
-                        &par.ici_tensor_parallelism, &par.ici_context_parallelism})
-          if (*d == -1) *d = 1;
+        for (auto const& [name, degree] : par.ici())
+          if (degree == -1 && name != key && !given.count(name)) par.set(name, "1");
       par.set(key, value);
     } else
       throw moe::ConfigError(cat("unknown config key '", key, "' (value '", value,
@@ -213,7 +221,8 @@ struct TrainConfig {
                                  "per_device_batch_size, max_target_length, vocab_size, ...; see "
                                  "the README), the layer keys (num_experts, base_emb_dim, ...) and "
                                  "the parallelism keys (ici_*_parallelism, use_ring_of_experts, "
-                                 "custom_mesh_and_rule, ...)"));
+                                 "custom_mesh_and_rule, ...)",
+                                 did_you_mean(key, all_keys())));
     given.insert(canonical);
   }
 
@@ -289,6 +298,7 @@ struct TrainConfig {
         "enable_checkpointing=true needs a checkpoint_dir");
     req(log_period >= 1, "log_period=", log_period, " must be >= 1");
     layer.validate();
+    par.validate();
   }
 
   /// The model-defining keys (a checkpoint must match them) as (key, value) text.

@@ -10,6 +10,7 @@
 //
 // The share of step time spent in communication is measured here, through the MPI profiling
 // interface: the MPI calls moe makes are wrapped and timed (PMPI_*).
+#include "memory.hpp"
 #include "train.hpp"
 
 #include <moe_cli.hpp>
@@ -141,8 +142,27 @@ int run(int argc, char** argv, moe::comm::Communicator const& world) {
     cfg.apply(parse_yaml_text(train::kDefaultYaml));
     cfg.given.clear();  // only what the user gives counts as given
     if (!file.empty()) cfg.apply(moe::cli::read_yaml(file));
+    moe::cli::require_unique_keys(overrides, "the command line");
     cfg.apply(overrides);
     cfg.validate();
+    // Every path up front, before anything is computed or written.
+    if (cfg.dataset_type == "text") moe::cli::require_input_file("dataset_path", cfg.dataset_path);
+    if (cfg.enable_checkpointing)
+      moe::cli::require_output_dir("checkpoint_dir", cfg.checkpoint_dir);
+    if (!cfg.metrics_file.empty())
+      moe::cli::require_output_file(
+          "metrics_file", cfg.metrics_file,
+          {{"the config file", file}, {"dataset_path", cfg.dataset_path}});
+  });
+  // Refuse what cannot run before the model is built: tensors past the kernels' index limits,
+  // and an estimate (train::estimate_memory) above this rank's share of the node's available
+  // memory (host memory spaces only; MOE_SKIP_MEMORY_CHECK=1 skips that comparison).
+  moe::comm::collective_guard(world, [&] {
+    using Exec = Kokkos::DefaultExecutionSpace;
+    train::check_index_limits(cfg, world.size(), moe::IndexLimits::of<Exec>());
+    if (moe::detail::runs_on_host<Exec>())
+      train::require_fits(train::estimate_memory(cfg, world.size()), moe::available_memory_bytes(),
+                          moe::applied_host_threads().local_ranks);
   });
   train::RunOptions opts;
   opts.comm_seconds = [] { return g_mpi_seconds; };

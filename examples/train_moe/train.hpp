@@ -972,6 +972,8 @@ class Trainer {
 inline TrainResult run_training(moe::comm::Communicator const& comm, TrainConfig const& cfg,
                                 RunOptions const& opts = {}) {
   moe::comm::check_agreement(comm, "train_moe configuration", cfg.describe());
+  CheckpointDirLock lock;  // one job per checkpoint_dir, held until training returns
+  if (cfg.enable_checkpointing) lock = CheckpointDirLock(comm, cfg.checkpoint_dir);
   if (cfg.dtype == "float64") return detail::Trainer<double>(comm, cfg, opts).run();
   return detail::Trainer<float>(comm, cfg, opts).run();
 }

@@ -4,6 +4,8 @@
 
 #include <moe/error.hpp>
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -54,10 +56,13 @@ struct LayerConfig {
   /// Hidden size of the shared expert (0 when there is none).
   int shared_mlp_dim() const { return shared_experts * base_moe_mlp_dim; }
 
-  /// Per-expert, per-sequence capacity C = int(max(ceil(S*K/E) * cf, cf)) for sequence length S.
+  /// Per-expert, per-sequence capacity C = int(max(ceil(S*K/E) * cf, cf)) for sequence length S,
+  /// saturated at 2^31-1 (more slots than any sequence routes to one expert), so a huge
+  /// capacity_factor neither overflows the conversion nor C * E.
   std::int64_t capacity(std::int64_t seq_len) const {
     double const base = std::ceil(double(seq_len) * num_experts_per_tok / num_experts);
-    return static_cast<std::int64_t>(std::max(base * capacity_factor, capacity_factor));
+    return static_cast<std::int64_t>(
+        std::min(std::max(base * capacity_factor, capacity_factor), 2147483647.0));
   }
 
   /// Names of every key set() accepts.
@@ -106,6 +111,48 @@ inline std::string trim(std::string s) {
   auto const b = s.find_first_not_of(" \t\r\n\"'");
   auto const e = s.find_last_not_of(" \t\r\n\"'");
   return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+}
+
+/// \brief min(cap, int(rows * factor)) for factor > 0, computed so that no huge factor
+/// overflows the conversion (the ragged receive buffer's row count).
+inline std::int64_t scaled_rows(std::int64_t rows, double factor, std::int64_t cap) {
+  double const want = static_cast<double>(rows) * factor;
+  return want < static_cast<double>(cap) ? static_cast<std::int64_t>(want) : cap;
+}
+
+/// \brief The candidate closest to `name` when it is a plausible misspelling (case-insensitive
+/// Levenshtein distance at most max(1, |name|/4), or equal ignoring case), else "".
+inline std::string nearest(std::string const& name, std::vector<std::string> const& candidates) {
+  auto lower = [](std::string s) {
+    for (auto& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
+    return s;
+  };
+  std::string const a = lower(name);
+  std::string best;
+  std::size_t best_d = std::max<std::size_t>(1, a.size() / 4) + 1;
+  for (auto const& cand : candidates) {
+    std::string const b = lower(cand);
+    std::vector<std::size_t> row(b.size() + 1);
+    for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+    for (std::size_t i = 1; i <= a.size(); ++i) {
+      std::size_t diag = row[0];
+      row[0] = i;
+      for (std::size_t j = 1; j <= b.size(); ++j) {
+        std::size_t const up = row[j];
+        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+        diag = up;
+      }
+    }
+    if (row[b.size()] < best_d) best_d = row[b.size()], best = cand;
+  }
+  return best;
+}
+
+/// \brief " (did you mean 'x'?)" for the nearest() candidate, or "" when none is close.
+inline std::string did_you_mean(std::string const& name,
+                                std::vector<std::string> const& candidates) {
+  std::string const n = nearest(name, candidates);
+  return n.empty() ? std::string() : cat(" (did you mean '", n, "'?)");
 }
 
 inline long long parse_int(std::string const& key, std::string const& v) {
@@ -234,7 +281,8 @@ inline void LayerConfig::set(std::string const& key, std::string const& value) {
   else if (key == "check_finite")
     check_finite = parse_bool(key, value);
   else
-    throw ConfigError(cat("unknown config key '", key, "' (value ", value, ")"));
+    throw ConfigError(cat("unknown config key '", key, "' (value ", value, ")",
+                          detail::did_you_mean(key, keys())));
 }
 
 inline void LayerConfig::validate() const {

@@ -14,7 +14,8 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// \brief A configuration key or value breaks a rule (unknown key, bad value, incompatible options).
+/// \brief A configuration key or value breaks a rule (unknown key, bad value, incompatible
+/// options).
 class ConfigError : public Error {
  public:
   using Error::Error;
@@ -38,17 +39,27 @@ class IoError : public Error {
   using Error::Error;
 };
 
+/// \brief An MPI call failed on this rank (moe's communicators return MPI errors instead of
+/// aborting). Not collective: the other ranks may be waiting inside a collective, so a program
+/// that catches it should report it and end the job (the moe tools call MPI_Abort).
+class CommError : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 
 /// Concatenates its arguments with operator<< into one message.
-template <class... Args> std::string cat(Args const&... args) {
+template <class... Args>
+std::string cat(Args const&... args) {
   std::ostringstream os;
   (os << ... << args);
   return os.str();
 }
 
 /// Throws E(cat(args...)) unless cond holds.
-template <class E = Error, class... Args> void require(bool cond, Args const&... args) {
+template <class E = Error, class... Args>
+void require(bool cond, Args const&... args) {
   if (!cond) throw E(cat(args...));
 }
 

@@ -1,6 +1,7 @@
 // Tests of examples/train_moe/checkpoint.hpp across ranks: blocks split over (and copied on)
 // several ranks round-trip, a checkpoint saved with one blocking loads into another (and on another
-// number of ranks), and errors are the same exception on every rank.
+// number of ranks), and errors are the same exception on every rank, a directory locked by another
+// process included.
 #include <train_moe/checkpoint.hpp>
 
 #include <gtest/gtest.h>
@@ -15,6 +16,8 @@
 #include <map>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 namespace fs = std::filesystem;
 using train::BlockRef;
@@ -344,4 +347,59 @@ TEST(CheckpointMpi, ErrorsAreTheSameOnEveryRank) {
   EXPECT_TRUE(train::load_latest_checkpoint(
       comm, tmp.ckpt(), {{"w", {{4, 2}, {4, 2}, {0, 0}}, "F32", buf.data()}}, meta, step));
   EXPECT_EQ(step, 5);
+}
+
+// A directory another process holds (here the last rank, alone) cannot be locked or saved into:
+// the same IoError, naming the holder, on every rank, and nothing is written. On one rank the
+// holder is this very process: a ConfigError.
+TEST(CheckpointMpi, LockedDirectoryFailsOnEveryRank) {
+  moe::comm::Communicator const comm(MPI_COMM_WORLD);
+  int const P = comm.size(), r = comm.rank();
+  SharedTempDir tmp(comm);
+  struct Wait {
+    double old = train::ckpt_detail::lock_wait_seconds();
+    Wait() { train::ckpt_detail::lock_wait_seconds() = 0.2; }
+    ~Wait() { train::ckpt_detail::lock_wait_seconds() = old; }
+  } const wait;
+  std::vector<float> buf(8, 1.f);
+  auto const [start, size] = part(4, P, r);
+  std::vector<BlockRef> const blocks = {{"w", {{4, 2}, {size, 2}, {start, 0}}, "F32", buf.data()}};
+  train::save_checkpoint(comm, tmp.ckpt(), 1, blocks, {}, 1);
+
+  int const holder = P - 1;
+  train::CheckpointDirLock other;
+  if (r == holder) {
+    moe::comm::Communicator const self(MPI_COMM_SELF);
+    other = train::CheckpointDirLock(self, tmp.ckpt());
+    EXPECT_TRUE(other.held());
+  }
+  long holder_pid = static_cast<long>(::getpid());
+  MPI_Bcast(&holder_pid, 1, MPI_LONG, holder, comm.get());
+  auto const lock = [&] { train::CheckpointDirLock const mine(comm, tmp.ckpt()); };
+  if (P > 1) {
+    std::string const named = "' is in use by another job (hostname=";
+    expect_same_error<moe::IoError>(comm, lock, "checkpoint_dir '" + tmp.ckpt() + named);
+    expect_same_error<moe::IoError>(comm, lock, ", pid=" + std::to_string(holder_pid) + ", since=");
+    // A save (keep = 1 would prune step 1) is refused alike.
+    expect_same_error<moe::IoError>(
+        comm, [&] { train::save_checkpoint(comm, tmp.ckpt(), 2, blocks, {}, 1); },
+        ", pid=" + std::to_string(holder_pid) + ", since=");
+  } else {
+    expect_same_error<moe::ConfigError>(comm, lock, "' is already locked by this process");
+  }
+  std::map<std::string, std::string> meta;
+  std::int64_t step = -1;
+  EXPECT_TRUE(train::load_latest_checkpoint(comm, tmp.ckpt(), blocks, meta, step));
+  EXPECT_EQ(step, 1) << "the holder's checkpoint is untouched";
+
+  // The holder lets go: the job locks the directory and saves under its lock.
+  other.release();
+  MPI_Barrier(comm.get());
+  {
+    train::CheckpointDirLock const mine(comm, tmp.ckpt());
+    EXPECT_EQ(mine.held(), r == 0);
+    train::save_checkpoint(comm, tmp.ckpt(), 2, blocks, {}, 1);
+  }
+  EXPECT_TRUE(train::load_latest_checkpoint(comm, tmp.ckpt(), blocks, meta, step));
+  EXPECT_EQ(step, 2);
 }

@@ -455,3 +455,24 @@ TEST(CollectiveErrors, BadShapesOnOneRankFailEverywhere) {
 }
 
 }  // namespace
+
+TEST(CollectiveErrors, AFailedMpiCallIsACommErrorNotAnAbort) {
+  // moe's communicators return MPI errors (MPI_ERRORS_RETURN): an invalid root is refused by
+  // MPI's argument check on every rank and comes back as moe::CommError naming the call.
+  Communicator const c = world();
+  int v = 0;
+  std::string msg;
+  try {
+    moe::comm::detail::check_mpi(MPI_Bcast(&v, 1, MPI_INT, c.size() + 5, c.get()), "MPI_Bcast");
+    ADD_FAILURE() << "no exception";
+  } catch (moe::CommError const& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("MPI_Bcast failed on world rank"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("MPI error code"), std::string::npos) << msg;
+  // The user's communicator keeps its own handler.
+  MPI_Errhandler h;
+  MPI_Comm_get_errhandler(MPI_COMM_WORLD, &h);
+  EXPECT_EQ(h, MPI_ERRORS_ARE_FATAL);
+  MPI_Errhandler_free(&h);
+}

@@ -119,7 +119,23 @@ expect_error() {
   shift 2
   rm -f out.safetensors
   run "$np" err.log "$@"
-  local rc=$? lines
+  check_error_log $? "$np" "$pattern" "$*"
+}
+
+# expect_error_mpmd PATTERN "args of rank 0" "args of rank 1": as expect_error on 2 ranks that
+# were given different arguments (one rank's bad input, or ranks that disagree).
+expect_error_mpmd() {
+  local pattern=$1
+  rm -f out.safetensors
+  # shellcheck disable=SC2086  # each rank's arguments are separate words
+  timeout "$LIMIT" "${MPI[@]}" -np 1 "$RUN" $2 : -np 1 "$RUN" $3 >err.log 2>&1
+  check_error_log $? 2 "$pattern" "MPMD [$2] [$3]"
+}
+
+check_error_log() {
+  local rc=$1 np=$2 pattern=$3
+  set -- "$4"
+  local lines
   lines=$(grep '^moe-layer-run: error: ' err.log)
   if [[ $rc -eq 124 ]]; then
     fail "np=$np $*: timed out (hang)"
@@ -148,7 +164,14 @@ errors() {
   printf 'num_experts_per_tok: 2\nici_expert_parallelism: 3\n' >mesh3.yml
   head -c 300 case.safetensors >truncated.safetensors
   "$CASE_TOOL" mix-dtype case.safetensors mixed.safetensors || exit 1
-  "$CASE_TOOL" nan-x case.safetensors nan.safetensors || exit 1
+  "$CASE_TOOL" poison case.safetensors nan.safetensors x 511 nan || exit 1
+  "$CASE_TOOL" poison case.safetensors nan_gate.safetensors gate 5 nan || exit 1
+  "$CASE_TOOL" poison case.safetensors inf_wo.safetensors wo 7 inf || exit 1
+  "$CASE_TOOL" rename case.safetensors dY.safetensors dy dY || exit 1
+  "$CASE_TOOL" transpose case.safetensors gate_t.safetensors gate || exit 1
+  "$CASE_TOOL" write case32.safetensors --dtype f32 --seed 3 || exit 1
+  printf 'num_experts_per_tok: 2\ncapacity_factor: 1.5\nnum_experts_per_tok: 1\n' >dup.yml
+  mkdir -p cfgdir
   local io=(--config cfg.yml --out out.safetensors)
   expect_error 1 "truncated.safetensors" "${io[@]}" --in truncated.safetensors
   expect_error 2 "truncated.safetensors" "${io[@]}" --in truncated.safetensors ici_data_parallelism=-1
@@ -164,6 +187,52 @@ errors() {
     ici_data_parallelism=-1
   expect_error 2 "no-such-dir" --config cfg.yml --in case.safetensors \
     --out no-such-dir/out.safetensors ici_data_parallelism=-1
+  # Every tensor is validated before use: finiteness (with the index), names, shapes.
+  expect_error 1 "tensor gate holds NaN at \[0,5\]" "${io[@]}" --in nan_gate.safetensors
+  expect_error 2 "tensor gate holds NaN at \[0,5\]" "${io[@]}" --in nan_gate.safetensors \
+    ici_fsdp_parallelism=-1
+  expect_error 2 "tensor wo holds Inf at \[0,0,7\]" "${io[@]}" --in inf_wo.safetensors \
+    ici_expert_parallelism=-1
+  expect_error 2 "unknown tensor 'dY' (did you mean 'dy'?)" "${io[@]}" --in dY.safetensors \
+    ici_data_parallelism=-1
+  expect_error 1 "tensor gate has shape \[8, 16\] but must be \[D,E\] = \[16, 8\]" "${io[@]}" \
+    --in gate_t.safetensors
+  # Config: duplicate keys, two fill degrees, a misspelt key (as train_moe rejects them).
+  expect_error 2 "sets key 'num_experts_per_tok' twice (lines 1 and 3)" --config dup.yml \
+    --in case.safetensors --out out.safetensors ici_data_parallelism=-1
+  expect_error 2 "sets key 'capacity_factor' twice" "${io[@]}" --in case.safetensors \
+    ici_data_parallelism=-1 capacity_factor=1 capacity_factor=2
+  expect_error 2 "at most one ici_\*_parallelism degree may be -1" "${io[@]}" --in case.safetensors \
+    ici_fsdp_parallelism=-1 ici_data_parallelism=-1
+  expect_error 1 "did you mean 'num_experts_per_tok'" "${io[@]}" --in case.safetensors \
+    num_experts_per_tk=2
+  # Paths: a directory as the config, the result onto the input (also through a link).
+  expect_error 2 "\-\-config 'cfgdir' is a directory" --config cfgdir --in case.safetensors \
+    --out out.safetensors ici_data_parallelism=-1
+  cp case.safetensors keep.safetensors
+  ln -sf case.safetensors link.safetensors
+  local before
+  before=$(cksum <case.safetensors)
+  for target in case.safetensors link.safetensors; do
+    run 2 err.log --config cfg.yml --in case.safetensors --out "$target" ici_data_parallelism=-1
+    local rc=$?
+    if [[ $rc -ne 2 ]] || ! grep -q "is the same file as --in 'case.safetensors'" err.log; then
+      cat err.log
+      fail "--out $target = --in: exit $rc, expected 2 and a message naming both"
+    elif [[ $(cksum <case.safetensors) != "$before" ]]; then
+      fail "--out $target = --in: the input was changed"
+    else
+      echo "ok   np=2 --out $target = --in refused, input unchanged"
+    fi
+  done
+  # One rank's bad input, and ranks that read CASEs of different dtypes: every rank reports.
+  local base="--config cfg.yml --out out.safetensors ici_data_parallelism=-1"
+  expect_error_mpmd "CASE 'nan_gate.safetensors': tensor gate holds NaN" \
+    "$base --in case.safetensors" "$base --in nan_gate.safetensors"
+  expect_error_mpmd "differs across ranks: rank 1 has \"dy=F32" "$base --in case.safetensors" \
+    "$base --in case32.safetensors"
+  expect_error_mpmd "differs across ranks: rank 1 has \"cf=1.5" "$base --in case.safetensors" \
+    "$base --in case.safetensors capacity_factor=1.5"
 }
 
 example() {

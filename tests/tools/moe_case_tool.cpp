@@ -4,7 +4,9 @@
 //                 [--shared n] [--bias] [--no-dy] [--seed n]
 //       writes a random CASE (x, gate, [gate_bias], wi_0, wi_1, wo, [shared_*], [dy])
 //   moe_case_tool mix-dtype IN OUT      copies IN with `gate` converted to the other float dtype
-//   moe_case_tool nan-x IN OUT          copies IN with the last element of x set to NaN
+//   moe_case_tool poison IN OUT T I nan|inf   copies IN with element I (flat) of tensor T bad
+//   moe_case_tool rename IN OUT OLD NEW       copies IN with tensor OLD stored as NEW
+//   moe_case_tool transpose IN OUT T          copies IN with the 2-D tensor T transposed
 //   moe_case_tool compare REF GOT RTOL  compares every tensor of two RESULT files: the same names,
 //       shapes and dtypes; integer tensors exactly; float tensors with
 //       max|got - ref| <= RTOL * max|ref| (per tensor). Exit 0 when all agree, 1 otherwise.
@@ -14,6 +16,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -28,7 +31,9 @@ int usage() {
       "usage: moe_case_tool write CASE --dtype f32|f64 [--B n] [--S n] [--D n] [--E n] [--F n]\n"
       "                     [--shared n] [--bias] [--no-dy] [--seed n]\n"
       "       moe_case_tool mix-dtype IN OUT\n"
-      "       moe_case_tool nan-x IN OUT\n"
+      "       moe_case_tool poison IN OUT TENSOR INDEX nan|inf\n"
+      "       moe_case_tool rename IN OUT OLD NEW\n"
+      "       moe_case_tool transpose IN OUT TENSOR\n"
       "       moe_case_tool compare REF GOT RTOL\n",
       stderr);
   return 2;
@@ -126,19 +131,50 @@ int cmd_mix(int argc, char** argv) {
   return 0;
 }
 
-int cmd_nan(int argc, char** argv) {
-  if (argc != 4) return usage();
+/// poison IN OUT TENSOR INDEX nan|inf: element INDEX (flat, row-major) of TENSOR becomes NaN/Inf.
+int cmd_poison(int argc, char** argv) {
+  if (argc != 7) return usage();
   File f = File::read(argv[2]);
-  Tensor x = f.at("x");
-  if (x.dtype == DType::F64) {
-    auto v = x.to_vector<double>();
-    v.back() = std::nan("");
-    f.set("x", Tensor::from<double>(x.shape, v));
-  } else {
-    auto v = x.to_vector<float>();
-    v.back() = std::nanf("");
-    f.set("x", Tensor::from<float>(x.shape, v));
-  }
+  std::string const name = argv[4];
+  std::size_t const index = std::stoul(argv[5]);
+  double const bad = std::string(argv[6]) == "inf" ? HUGE_VAL : std::nan("");
+  Tensor const t = f.at(name);
+  auto v = t.to_vector<double>();
+  if (index >= v.size()) throw std::runtime_error("poison: index beyond the tensor");
+  v[index] = bad;
+  if (t.dtype == DType::F64)
+    f.set(name, Tensor::from<double>(t.shape, v));
+  else
+    f.set(name, Tensor::from<float>(t.shape, std::vector<float>(v.begin(), v.end())));
+  f.write(argv[3]);
+  return 0;
+}
+
+/// rename IN OUT OLD NEW: tensor OLD is stored as NEW.
+int cmd_rename(int argc, char** argv) {
+  if (argc != 6) return usage();
+  File const in = File::read(argv[2]);
+  File out;
+  for (auto const& n : in.names()) out.set(n == argv[4] ? std::string(argv[5]) : n, in.at(n));
+  out.write(argv[3]);
+  return 0;
+}
+
+/// transpose IN OUT TENSOR: a 2-D tensor [a,b] becomes its transpose [b,a].
+int cmd_transpose(int argc, char** argv) {
+  if (argc != 5) return usage();
+  File f = File::read(argv[2]);
+  Tensor const t = f.at(argv[4]);
+  if (t.shape.size() != 2) throw std::runtime_error("transpose: the tensor is not 2-D");
+  auto const v = t.to_vector<double>();
+  std::int64_t const a = t.shape[0], b = t.shape[1];
+  std::vector<double> w(v.size());
+  for (std::int64_t i = 0; i < a; ++i)
+    for (std::int64_t j = 0; j < b; ++j) w[std::size_t(j * a + i)] = v[std::size_t(i * b + j)];
+  if (t.dtype == DType::F64)
+    f.set(argv[4], Tensor::from<double>({b, a}, w));
+  else
+    f.set(argv[4], Tensor::from<float>({b, a}, std::vector<float>(w.begin(), w.end())));
   f.write(argv[3]);
   return 0;
 }
@@ -202,7 +238,9 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "write") return cmd_write(argc, argv);
     if (cmd == "mix-dtype") return cmd_mix(argc, argv);
-    if (cmd == "nan-x") return cmd_nan(argc, argv);
+    if (cmd == "poison") return cmd_poison(argc, argv);
+    if (cmd == "rename") return cmd_rename(argc, argv);
+    if (cmd == "transpose") return cmd_transpose(argc, argv);
     if (cmd == "compare") return cmd_compare(argc, argv);
   } catch (std::exception const& e) {
     std::fprintf(stderr, "moe_case_tool: %s\n", e.what());

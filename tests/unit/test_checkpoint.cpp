@@ -1,5 +1,6 @@
 // Tests of examples/train_moe/checkpoint.hpp on one rank: round trip, retention, corrupt and
-// incomplete checkpoints, argument errors, and processes killed in the middle of a save.
+// incomplete checkpoints, argument errors, processes killed in the middle of a save, and the lock
+// that keeps a second process out of a checkpoint directory.
 #include "mpi_on_demand.hpp"
 
 #include <train_moe/checkpoint.hpp>
@@ -95,9 +96,11 @@ std::string step_dir(TempDir const& t, std::int64_t step) {
   return t.ckpt() + "/" + train::ckpt_detail::step_name(step);
 }
 
+/// The entries of \p dir but the lock file LOCK.
 std::set<std::string> entries(std::string const& dir) {
   std::set<std::string> out;
   for (auto const& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
+  out.erase("LOCK");
   return out;
 }
 
@@ -161,6 +164,8 @@ TEST_F(Checkpoint, RoundTripF32F64AndMetadata) {
   Model saved(1.5);
   save(7, saved);
   EXPECT_EQ(entries(tmp.ckpt()), (std::set<std::string>{"step_00000007"}));
+  EXPECT_TRUE(fs::is_regular_file(tmp.ckpt() + "/LOCK"));
+  EXPECT_EQ(fs::file_size(tmp.ckpt() + "/LOCK"), 0u) << "released (emptied) after the save";
   EXPECT_EQ(entries(step_dir(tmp, 7)), (std::set<std::string>{"index.json", "model.safetensors"}));
 
   Model loaded(0);
@@ -541,4 +546,210 @@ TEST_F(Checkpoint, KilledAtRandomMomentsNeverLeavesAPartialCheckpoint) {
   fill(99);
   train::save_checkpoint(comm, tmp.ckpt(), 99, refs(data), {}, 1);
   EXPECT_EQ(entries(tmp.ckpt()), (std::set<std::string>{"step_00000099"}));
+}
+
+namespace {
+
+/// Sets ckpt_detail::lock_wait_seconds() for a scope.
+struct LockWait {
+  double old = train::ckpt_detail::lock_wait_seconds();
+  explicit LockWait(double seconds) { train::ckpt_detail::lock_wait_seconds() = seconds; }
+  ~LockWait() { train::ckpt_detail::lock_wait_seconds() = old; }
+  LockWait(LockWait const&) = delete;
+  LockWait& operator=(LockWait const&) = delete;
+};
+
+/// Another process holding the lock of a directory (a forked child with a DirLock), until it is
+/// killed or, with \p exit_after >= 0, until it exits (_exit: the lock is not released by hand)
+/// that many seconds after taking it.
+class LockHolder {
+ public:
+  explicit LockHolder(std::string const& dir, double exit_after = -1) {
+    int ready[2];
+    if (::pipe(ready) != 0) throw std::runtime_error("pipe failed");
+    std::fflush(nullptr);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::close(ready[0]);
+      char answer = 'n';
+      try {
+        train::ckpt_detail::make_dir(dir);
+        train::ckpt_detail::DirLock const lock(dir);
+        answer = 'y';
+        if (::write(ready[1], &answer, 1) != 1) ::_exit(4);
+        if (exit_after >= 0) {
+          std::this_thread::sleep_for(std::chrono::duration<double>(exit_after));
+          ::_exit(0);
+        }
+        for (;;) ::pause();
+      } catch (...) {
+      }
+      if (::write(ready[1], &answer, 1) != 1) ::_exit(4);
+      ::_exit(3);
+    }
+    ::close(ready[1]);
+    char answer = 0;
+    locked_ = ::read(ready[0], &answer, 1) == 1 && answer == 'y';
+    ::close(ready[0]);
+  }
+  ~LockHolder() { kill(); }
+  LockHolder(LockHolder const&) = delete;
+  LockHolder& operator=(LockHolder const&) = delete;
+
+  bool locked() const { return locked_; }
+  pid_t pid() const { return pid_; }
+  /// SIGKILL, and waits for the end of the process.
+  void kill() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  bool locked_ = false;
+};
+
+std::string host_name() {
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+}  // namespace
+
+// A second job (another process) cannot lock, save into or prune a directory another job holds;
+// the error names the holder; a killed holder leaves no stale lock.
+TEST_F(Checkpoint, DirectoryLockedByAnotherProcess) {
+  LockWait const wait(0.2);
+  Model one(1), two(2);
+  save(1, one);
+  LockHolder holder(tmp.ckpt());
+  ASSERT_TRUE(holder.locked());
+  std::string const pid = std::to_string(holder.pid());
+  std::string const text = slurp(tmp.ckpt() + "/LOCK");
+  EXPECT_EQ(text.rfind("hostname=" + host_name() + "\npid=" + pid + "\nsince=", 0), 0u) << text;
+  EXPECT_NE(text.find("\ncommand="), std::string::npos) << text;
+
+  auto const t0 = std::chrono::steady_clock::now();
+  try {
+    train::CheckpointDirLock const lock(comm, tmp.ckpt());
+    ADD_FAILURE() << "a directory locked by another process was locked again";
+  } catch (moe::IoError const& e) {
+    std::string const msg = e.what();
+    EXPECT_EQ(msg.rfind("checkpoint_dir '" + tmp.ckpt() + "' is in use by another job (hostname=" +
+                            host_name() + ", pid=" + pid + ", since=",
+                        0),
+              0u)
+        << msg;
+    EXPECT_NE(msg.find("); two jobs must not share a checkpoint directory: wait for it to finish, "
+                       "or set checkpoint_dir to another directory"),
+              std::string::npos)
+        << msg;
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
+  // Saving (which would prune step 1 with keep = 1) is refused too, and writes nothing.
+  try {
+    save(2, two, 1);
+    ADD_FAILURE() << "saved into a directory locked by another process";
+  } catch (moe::IoError const& e) {
+    EXPECT_NE(std::string(e.what()).find("pid=" + pid + ","), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(entries(tmp.ckpt()), (std::set<std::string>{"step_00000001"}));
+  EXPECT_EQ(slurp(tmp.ckpt() + "/LOCK"), text) << "the holder's LOCK is left alone";
+  // Reading takes no lock.
+  Model loaded(0);
+  EXPECT_EQ(load(loaded), 1);
+  EXPECT_EQ(loaded, one);
+
+  // SIGKILL: the kernel drops the lock, and the next job takes it at once.
+  holder.kill();
+  {
+    train::CheckpointDirLock const lock(comm, tmp.ckpt());
+    EXPECT_TRUE(lock.held());
+    EXPECT_EQ(lock.dir(), tmp.ckpt());
+    EXPECT_EQ(
+        slurp(tmp.ckpt() + "/LOCK")
+            .rfind("hostname=" + host_name() + "\npid=" + std::to_string(::getpid()) + "\n", 0),
+        0u);
+    save(2, two, 1);  // under the job's lock
+    EXPECT_EQ(entries(tmp.ckpt()), (std::set<std::string>{"step_00000002"}));
+  }
+  EXPECT_EQ(slurp(tmp.ckpt() + "/LOCK"), "") << "a released LOCK names nobody";
+}
+
+// A job killed a moment ago may still hold the lock: it is waited for (lock_wait_seconds).
+TEST_F(Checkpoint, LockOfAnEndingProcessIsWaitedFor) {
+  LockWait const wait(30);
+  LockHolder holder(tmp.ckpt(), 0.3);
+  ASSERT_TRUE(holder.locked());
+  auto const t0 = std::chrono::steady_clock::now();
+  train::CheckpointDirLock const lock(comm, tmp.ckpt());
+  EXPECT_TRUE(lock.held());
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);
+}
+
+// One process locking one directory twice (by any path) is an error, not a silent success (fcntl
+// locks belong to the process); its saves use the lock it holds; moving the lock keeps it.
+TEST_F(Checkpoint, DirectoryLockedTwiceByOneProcess) {
+  LockWait const wait(0.2);
+  train::CheckpointDirLock first(comm, tmp.ckpt());
+  ASSERT_TRUE(first.held());
+  fs::create_directory_symlink(tmp.ckpt(), tmp.path() + "/alias");
+  for (std::string const& path : {tmp.ckpt(), tmp.ckpt() + "/.", tmp.path() + "/alias"}) {
+    SCOPED_TRACE(path);
+    try {
+      train::CheckpointDirLock const again(comm, path);
+      ADD_FAILURE() << "locked twice";
+    } catch (moe::ConfigError const& e) {
+      EXPECT_EQ(std::string(e.what()).rfind(
+                    "checkpoint_dir '" + path + "' is already locked by this process (pid=" +
+                        std::to_string(::getpid()) + ", as '" + tmp.ckpt() + "')",
+                    0),
+                0u)
+          << e.what();
+    }
+  }
+  Model m(1);
+  save(1, m);
+  save(2, m);
+  // Neither the failed attempts nor the saves released it: another process still cannot lock.
+  auto const child_locks = [&] {
+    return in_child([&] {
+      train::ckpt_detail::DirLock const lock(tmp.ckpt());
+      ::_exit(0);
+    });
+  };
+  int status = child_locks();
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 3) << "the child took the lock this process holds";
+  train::CheckpointDirLock moved = std::move(first);
+  EXPECT_TRUE(moved.held());
+  EXPECT_FALSE(first.held());  // NOLINT(bugprone-use-after-move): moved from holds nothing
+  status = child_locks();
+  EXPECT_EQ(WEXITSTATUS(status), 3) << "moving the lock released it";
+  moved.release();
+  EXPECT_FALSE(moved.held());
+  status = child_locks();
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "released, yet another process cannot lock";
+  train::CheckpointDirLock const again(comm, tmp.path() + "/alias");
+  EXPECT_TRUE(again.held());
+}
+
+TEST_F(Checkpoint, LockArgumentErrors) {
+  EXPECT_THROW(train::CheckpointDirLock(comm, ""), moe::ConfigError);
+  spit(tmp.path() + "/file", "x");
+  try {
+    train::CheckpointDirLock const lock(comm, tmp.path() + "/file/ckpt");
+    ADD_FAILURE() << "locked a directory that cannot exist";
+  } catch (moe::IoError const& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot create the checkpoint directory"),
+              std::string::npos)
+        << e.what();
+  }
+  train::CheckpointDirLock const none;
+  EXPECT_FALSE(none.held());
+  EXPECT_EQ(none.dir(), "");
 }

@@ -1,17 +1,26 @@
 // The layer plan (moe::make_plan): layouts of tests/mpi/test_distributed_layer.cpp at 1, 2 and 4
 // ranks against hand-computed local shapes, collective kinds, axes and bytes; the SEMANTICS §1.13
-// warning; and `moe-shard --plan` (text and JSON).
+// warning; and `moe-shard --plan` (text and JSON). Then the memory estimate and index limits
+// (moe/distributed/memory.hpp, train_moe's examples/train_moe/memory.hpp): exact bytes of weights
+// and gradients, activations linear in the batch, overflow and index-limit errors, the machine's
+// available memory, and the estimate against the Kokkos allocations of a real layer step.
+#include <moe/distributed/layer.hpp>
+#include <moe/distributed/memory.hpp>
 #include <moe/distributed/plan.hpp>
 
 #include <gtest/gtest.h>
+#include <Kokkos_Core.hpp>
+#include <Kokkos_Random.hpp>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -20,6 +29,8 @@
 #include <unistd.h>
 
 #include "../mpi/layout_cases.hpp"
+#include "mpi_on_demand.hpp"
+#include "train_moe/memory.hpp"
 
 namespace {
 
@@ -478,7 +489,13 @@ TEST(MoeShardPlan, TextAndJson) {
   // The same plan as the library's (8 sequences over 4 ranks).
   auto const want =
       moe::make_plan(layer_config(), parallel_config({"ici_expert_parallelism=4"}), 4, 0, 8, 4);
-  EXPECT_EQ(t.out, want.to_text());
+  // The plan, then the memory estimate of one training step on this rank.
+  ASSERT_GE(t.out.size(), want.to_text().size());
+  EXPECT_EQ(t.out.substr(0, want.to_text().size()), want.to_text());
+  auto const mem = moe::estimate_layer_memory(want, want.config, true);
+  EXPECT_NE(t.out.find("\nmemory per rank (estimate of one training step"), std::string::npos);
+  EXPECT_NE(t.out.find(mem.to_text()), std::string::npos) << t.out;
+  EXPECT_EQ(t.out.find("WARNING: ", t.out.find("\nmemory per rank")), std::string::npos);
 
   auto const j = run_shard("--plan '" + f.path() + "' --json --rank 3 num_experts=16");
   ASSERT_EQ(j.status, 0) << j.err;
@@ -498,6 +515,18 @@ TEST(MoeShardPlan, TextAndJson) {
       EXPECT_EQ(c["balanced_routing"], true);
     }
   EXPECT_TRUE(dispatch);
+  // The memory estimate as the library makes it.
+  auto const p3 = moe::make_plan(layer_config({"num_experts=16"}),
+                                 parallel_config({"ici_expert_parallelism=4"}), 4, 3, 8, 4);
+  auto const m3 = moe::estimate_layer_memory(p3, p3.config, true);
+  EXPECT_EQ(doc["memory"]["total_bytes"], m3.total());
+  EXPECT_EQ(doc["memory"]["training"], true);
+  EXPECT_EQ(doc["memory"]["packed_expert_weights"], moe::default_packed_weights(p3));
+  EXPECT_TRUE(doc["memory"]["index_limit_error"].is_null());
+  ASSERT_EQ(doc["memory"]["items"].size(), m3.items.size());
+  EXPECT_EQ(doc["memory"]["items"][0]["what"], "weights");
+  EXPECT_EQ(doc["memory"]["items"][0]["bytes"], m3.items[0].bytes);
+  EXPECT_EQ(doc["memory"]["items"][0]["keys"][0], "num_experts");
 
   // --ranks for a -1 degree, explicit batch / sequence, float64.
   auto const r = run_shard("--plan '" + f.path() +
@@ -535,4 +564,355 @@ TEST(MoeShardPlan, Errors) {
   check("--plan '" + f.path() + "' --rank 4", {"--rank 4"});
   check("--plan '" + f.path() + "' --dtype half", {"--dtype half"});
   check("--preset default --mesh data=2 --ranks 2", {"only valid with --plan"});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory estimate and index limits (moe/distributed/memory.hpp)
+
+namespace {
+
+/// estimate_layer_memory of the plan test's layer (E=8, K=2, D=16, F=8, one shared expert, S=4).
+moe::MemoryEstimate estimate(int ranks, Names const& layout, std::int64_t batch = 8,
+                             bool training = true, bool packed = false) {
+  auto const p = plan(ranks, layout, {}, batch);
+  return moe::estimate_layer_memory(p, p.config, training, packed);
+}
+
+}  // namespace
+
+TEST(MemoryEstimate, WeightsAndGradientsOfOneRank) {
+  // Stored blocks = whole tensors: gate 16x8, wi_0 / wi_1 / wo 8x16x8, shared 16x8, 16x8, 8x16.
+  std::int64_t const elems = 16 * 8 + 3 * 8 * 16 * 8 + 3 * 16 * 8;  // 3584
+  auto const m = estimate(1, {"ici_data_parallelism=-1"});
+  EXPECT_EQ(m.bytes("weights"), elems * 4);
+  // Stored-block gradients + compute-block gradients (nothing gathered: no intermediates).
+  EXPECT_EQ(m.bytes("weight gradients"), 2 * elems * 4);
+  EXPECT_EQ(m.bytes("gathered weights"), 0);
+  EXPECT_EQ(m.bytes("packed expert weights"), 0);
+  EXPECT_EQ(m.bytes("communication buffers"), 0);  // one rank: no collective
+  // oneDNN's packed copies: the expert weights once forward, once transposed for the backward.
+  auto const packed = estimate(1, {"ici_data_parallelism=-1"}, 8, true, true);
+  EXPECT_EQ(packed.bytes("packed expert weights"), 2 * 3 * 8 * 16 * 8 * 4);
+  auto const fwd = estimate(1, {"ici_data_parallelism=-1"}, 8, false, true);
+  EXPECT_EQ(fwd.bytes("packed expert weights"), 3 * 8 * 16 * 8 * 4);
+  EXPECT_EQ(fwd.bytes("weight gradients"), 0);
+  // Expert hidden states of the local route: T*K = 32*2 rows of F = 8, 3 forward + 2 backward.
+  EXPECT_EQ(m.bytes("expert hidden states"), 5 * 64 * 8 * 4);
+  EXPECT_EQ(fwd.bytes("expert hidden states"), 3 * 64 * 8 * 4);
+  // float64 doubles every value.
+  auto const p8 =
+      moe::make_plan(layer_config(), parallel_config({"ici_data_parallelism=-1"}), 1, 0, 8, 4, 8);
+  EXPECT_EQ(moe::estimate_layer_memory(p8, p8.config, true, false).bytes("weights"), elems * 8);
+  std::int64_t sum = 0;
+  for (auto const& i : m.items) sum += i.bytes;
+  EXPECT_EQ(m.total(), sum);
+}
+
+TEST(MemoryEstimate, FsdpGathersAndScattersBlocks) {
+  // Stored blocks at fsdp=4 (Plan.FsdpGathersWeightsAndReduceScattersGradients): gate [4,8],
+  // wi_0 / wi_1 [8,4,8], wo [8,8,4], shared_wi_0 / shared_wi_1 [4,8], shared_wo [8,4].
+  std::int64_t const stored = 32 + 3 * 256 + 3 * 32;       // 896
+  std::int64_t const computed = 128 + 3 * 1024 + 3 * 128;  // 3584: whole tensors
+  auto const m = estimate(4, {"ici_fsdp_parallelism=-1"});
+  EXPECT_EQ(m.bytes("weights"), stored * 4);
+  EXPECT_EQ(m.bytes("gathered weights"), computed * 4);
+  // Stored-block gradient, compute-block gradient, the reduce-scattered block.
+  EXPECT_EQ(m.bytes("weight gradients"), (stored + computed + stored) * 4);
+  // The pool's all-gather unpack, reduce-scatter pack and receive buffers: the largest weight.
+  EXPECT_EQ(m.bytes("communication buffers"), 3 * 1024 * 4);
+  // Two-stage gathers over one axis are one stage: the same.
+  EXPECT_EQ(estimate(4, {"ici_fsdp_parallelism=-1", "moe_fsdp_use_two_stage_all_gather=true"})
+                .bytes("gathered weights"),
+            computed * 4);
+}
+
+TEST(MemoryEstimate, ActivationsAreLinearInTheBatch) {
+  for (Names const& layout : {Names{"ici_data_parallelism=-1"}, Names{"ici_expert_parallelism=-1"},
+                              Names{"ici_expert_parallelism=-1", "use_ring_of_experts=true"},
+                              Names{"ici_tensor_parallelism=-1"}}) {
+    auto const a = estimate(2, layout, 8), b = estimate(2, layout, 16);
+    for (char const* item : {"token rows", "expert hidden states", "shared expert"}) {
+      EXPECT_GT(a.bytes(item), 0) << item << " " << layout[0];
+      EXPECT_EQ(b.bytes(item), 2 * a.bytes(item)) << item << " " << layout[0];
+    }
+    // Routing: linear but for the sort's per-chunk cursors (a few hundred bytes).
+    EXPECT_GT(b.bytes("routing"), 2 * a.bytes("routing") - 1024) << layout[0];
+    EXPECT_LE(b.bytes("routing"), 2 * a.bytes("routing")) << layout[0];
+    EXPECT_EQ(b.bytes("weights"), a.bytes("weights"));
+    EXPECT_EQ(b.bytes("weight gradients"), a.bytes("weight gradients"));
+  }
+}
+
+TEST(MemoryEstimate, TextJsonAndKeys) {
+  auto const m = estimate(2, {"ici_expert_parallelism=-1"});
+  auto const j = nlohmann::json::parse(m.to_json());
+  EXPECT_EQ(j["total_bytes"], m.total());
+  ASSERT_EQ(j["items"].size(), m.items.size());
+  for (std::size_t i = 0; i < m.items.size(); ++i) {
+    EXPECT_EQ(j["items"][i]["what"], m.items[i].what);
+    EXPECT_EQ(j["items"][i]["bytes"], m.items[i].bytes);
+    EXPECT_FALSE(j["items"][i]["keys"].empty()) << m.items[i].what;
+  }
+  EXPECT_EQ(m.text().rfind(moe::format_bytes(m.total()), 0), 0u) << m.text();
+  EXPECT_NE(m.to_text().find("total"), std::string::npos);
+  auto const keys = m.keys_to_reduce();
+  EXPECT_NE(std::find(keys.begin(), keys.end(), "per_device_batch_size"), keys.end());
+  EXPECT_EQ(moe::format_bytes(512), "512 B");
+  EXPECT_EQ(moe::format_bytes(3 * 1024 * 1024 / 2), "1.5 MiB");
+  EXPECT_EQ(moe::format_bytes(std::int64_t(93) << 30), "93.0 GiB");
+}
+
+TEST(MemoryEstimate, CheckedArithmeticNamesTheQuantity) {
+  EXPECT_EQ(moe::checked_mul(1 << 20, 1 << 20, "q"), std::int64_t(1) << 40);
+  EXPECT_EQ(moe::checked_product({2, 3, 4}, "q"), 24);
+  auto message = [](auto const& f) {
+    try {
+      f();
+    } catch (moe::ConfigError const& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  auto const m1 =
+      message([] { moe::checked_mul(std::int64_t(1) << 40, std::int64_t(1) << 30, "the answer"); });
+  EXPECT_NE(m1.find("the answer = 1099511627776 x 1073741824"), std::string::npos) << m1;
+  EXPECT_NE(m1.find("does not fit a 64-bit integer"), std::string::npos) << m1;
+  auto const m2 = message([] {
+    moe::checked_product({1 << 30, 1 << 30, 1 << 30}, "the element count of wi_0");
+  });
+  EXPECT_NE(m2.find("the element count of wi_0 = 1073741824 x 1073741824 x 1073741824"),
+            std::string::npos)
+      << m2;
+  auto const m3 = message(
+      [] { moe::checked_add(std::numeric_limits<std::int64_t>::max(), 1, "the total bytes"); });
+  EXPECT_NE(m3.find("the total bytes"), std::string::npos) << m3;
+  // A layer whose expert weights alone overflow int64 bytes: refused, not wrapped.
+  moe::LayerConfig big = layer_config();
+  big.num_experts = 1 << 30;
+  big.base_emb_dim = 1 << 30;
+  big.base_moe_mlp_dim = 1 << 30;
+  big.shared_experts = 0;
+  auto const p = moe::make_plan(big, parallel_config({"ici_data_parallelism=-1"}), 1, 0, 1, 1);
+  auto const m4 = message([&] { moe::estimate_layer_memory(p, big, true); });
+  EXPECT_NE(m4.find("the element count of"), std::string::npos) << m4;
+  EXPECT_NE(m4.find("does not fit a 64-bit integer"), std::string::npos) << m4;
+  EXPECT_NE(message([&] { moe::check_index_limits(p); }).find("does not fit a 64-bit integer"),
+            std::string::npos);
+}
+
+namespace {
+/// An execution space whose flat kernels index with 32-bit unsigned ints (as CUDA and HIP).
+struct Device32 {
+  using size_type = unsigned int;
+  static char const* name() { return "Device32"; }
+};
+}  // namespace
+
+TEST(MemoryEstimate, IndexLimits) {
+  EXPECT_NO_THROW(
+      moe::check_index_limits(plan(4, {"ici_expert_parallelism=2", "ici_fsdp_parallelism=2"})));
+  auto const dev = moe::IndexLimits::of<Device32>();
+  EXPECT_EQ(dev.max_elements, std::int64_t(UINT_MAX));
+  EXPECT_EQ(moe::IndexLimits::host().max_elements, std::numeric_limits<std::int64_t>::max());
+  // Expert parallelism over 2 ranks with D = 65536 and 2^15 tokens per rank: each dispatch
+  // sends T*K*D/2 = 2^31 elements, more than INT_MAX. moe/comm splits such messages (MPI's int
+  // counts are no limit), and host kernels index with 64 bits: accepted on the host. A device
+  // whose kernels index with 32 bits cannot reach the 2^32 elements of the sorted rows: refused,
+  // naming the tensor and the keys.
+  moe::LayerConfig wide = layer_config();
+  wide.base_emb_dim = 65536;
+  wide.shared_experts = 0;
+  auto const a2a = moe::make_plan(wide, parallel_config({"ici_expert_parallelism=-1"}), 2, 0,
+                                  std::int64_t(1) << 13, 8);
+  ASSERT_EQ(a2a.local_tokens, std::int64_t(1) << 15);
+  for (auto const& c : a2a.collectives) {
+    if (c.what == "dispatch") {
+      EXPECT_GT(c.bytes / 4, std::int64_t(INT_MAX)) << c.bytes;
+    }
+  }
+  EXPECT_NO_THROW(moe::check_index_limits(a2a));
+  try {
+    moe::check_index_limits(a2a, dev);
+    ADD_FAILURE() << "expected a ConfigError";
+  } catch (moe::ConfigError const& e) {
+    std::string const m = e.what();
+    EXPECT_NE(m.find("x_sorted [65536, 65536] holds 4294967296 elements"), std::string::npos) << m;
+    EXPECT_NE(m.find("32-bit Device32::size_type"), std::string::npos) << m;
+    EXPECT_NE(m.find("reduce per_device_batch_size, max_target_length"), std::string::npos) << m;
+  }
+  // More tokens on one rank than a 32-bit BLAS call takes as rows (the router's GEMM): refused
+  // on every space.
+  auto const tall = moe::make_plan(layer_config(), parallel_config({"ici_data_parallelism=-1"}), 1,
+                                   0, std::int64_t(1) << 20, std::int64_t(1) << 11);
+  try {
+    moe::check_index_limits(tall);
+    ADD_FAILURE() << "expected a ConfigError";
+  } catch (moe::ConfigError const& e) {
+    std::string const m = e.what();
+    EXPECT_NE(m.find("tokens routed on this rank: 2147483648 rows"), std::string::npos) << m;
+    EXPECT_NE(m.find("reduce per_device_batch_size, max_target_length"), std::string::npos) << m;
+  }
+}
+
+TEST(MemoryEstimate, AvailableMemoryAndRequireFits) {
+#ifdef __linux__
+  EXPECT_GT(moe::available_memory_bytes(), 0);
+#endif
+  EXPECT_GE(moe::ranks_on_node(moe_test::self_comm()), 1);
+  moe::MemoryEstimate m;
+  m.add("activations", std::int64_t(88) << 30, "per_device_batch_size, max_target_length");
+  m.add("weights", std::int64_t(3) << 29, "num_experts, base_emb_dim");
+  m.add("optimizer", std::int64_t(5) << 29, "num_experts, base_emb_dim");
+  m.add("weights", std::int64_t(1) << 29, "base_moe_mlp_dim");  // merged into the item
+  EXPECT_EQ(m.items.size(), 3u);
+  EXPECT_EQ(m.bytes("weights"), std::int64_t(2) << 30);
+  EXPECT_EQ(m.items[1].keys, "num_experts, base_emb_dim, base_moe_mlp_dim");
+  ::unsetenv("MOE_SKIP_MEMORY_CHECK");
+  EXPECT_NO_THROW(moe::require_fits("tool", m, std::int64_t(200) << 30, 2));
+  EXPECT_NO_THROW(moe::require_fits("tool", m, -1, 2));  // unknown: no check
+  try {
+    moe::require_fits("tool", m, std::int64_t(45) << 30, 2);
+    ADD_FAILURE() << "expected a ConfigError";
+  } catch (moe::ConfigError const& e) {
+    std::string const msg = e.what();
+    EXPECT_NE(msg.find("tool needs about 92.5 GiB per rank (activations 88.0 GiB, optimizer "
+                       "2.5 GiB, weights 2.0 GiB) but this node has 45.0 GiB available for 2 "
+                       "ranks (22.5 GiB each): reduce per_device_batch_size or "
+                       "max_target_length (or set MOE_SKIP_MEMORY_CHECK=1 to run anyway)"),
+              std::string::npos)
+        << msg;
+  }
+  try {
+    moe::require_fits("tool", m, std::int64_t(45) << 30, 1, "base_emb_dim");
+    ADD_FAILURE() << "expected a ConfigError";
+  } catch (moe::ConfigError const& e) {
+    std::string const msg = e.what();
+    EXPECT_NE(msg.find("45.0 GiB available: reduce base_emb_dim"), std::string::npos) << msg;
+  }
+  ::setenv("MOE_SKIP_MEMORY_CHECK", "1", 1);
+  EXPECT_NO_THROW(moe::require_fits("tool", m, 1, 1));
+  ::unsetenv("MOE_SKIP_MEMORY_CHECK");
+}
+
+TEST(MemoryEstimate, TrainMoeWholeModel) {
+  train::TrainConfig cfg;  // default.yml: V=16, D=64, C=4, 2 layers of E=8, F=128, K=2; float32
+  cfg.dataset_type = "synthetic";
+  auto const m = train::estimate_memory(cfg, 1, false);
+  // Non-MoE parameters: embedding [16,64], mixing [4,64], 3 norm scales [64], output [64,16].
+  std::int64_t const dense = 16 * 64 + 4 * 64 + 3 * 64 + 64 * 16;  // 2496
+  std::int64_t const moe_layer = 64 * 8 + 3 * 8 * 64 * 128;        // 197120: gate + experts
+  EXPECT_EQ(m.bytes("weights"), (dense + 2 * moe_layer) * 4);
+  // Gradients: the dense ones + per layer the stored-block and compute-block gradients.
+  EXPECT_EQ(m.bytes("gradients"), (dense + 2 * 2 * moe_layer) * 4);
+  EXPECT_EQ(m.bytes("optimizer (AdamW moments)"), 2 * (dense + 2 * moe_layer) * 4);
+  // T = 8 x 64 tokens: (3N + 7) = 13 [T,D] rows, N + 2 = 4 per-token values, 3 token-id arrays.
+  std::int64_t const T = 8 * 64;
+  EXPECT_EQ(m.bytes("activations"), 13 * T * 64 * 4 + 4 * T * 4 + 3 * T * 4);
+  EXPECT_EQ(m.bytes("logits"), 2 * T * 16 * 4);
+  auto const layer = moe::estimate_layer_memory(train::layer_plan(cfg, 1), cfg.layer, true, false);
+  EXPECT_EQ(m.bytes("MoE expert hidden states"), 2 * layer.bytes("expert hidden states"));
+  EXPECT_EQ(m.bytes("MoE token rows"), 2 * layer.bytes("token rows"));
+  // Activations double with the batch; the weights stay.
+  cfg.per_device_batch_size = 16;
+  auto const m2 = train::estimate_memory(cfg, 1, false);
+  EXPECT_EQ(m2.bytes("activations"), 2 * m.bytes("activations"));
+  EXPECT_EQ(m2.bytes("MoE expert hidden states"), 2 * m.bytes("MoE expert hidden states"));
+  EXPECT_EQ(m2.bytes("weights"), m.bytes("weights"));
+  // The brief's runaway configurations are refused with the keys to change.
+  train::TrainConfig huge;
+  huge.per_device_batch_size = 65536;
+  huge.max_target_length = 65536;
+  try {
+    train::check_index_limits(huge, 2);
+    ADD_FAILURE() << "expected a ConfigError";
+  } catch (moe::ConfigError const& e) {
+    EXPECT_NE(std::string(e.what()).find("rows on this rank exceed"), std::string::npos)
+        << e.what();
+  }
+  train::TrainConfig wide;
+  wide.layer.num_experts = 64;
+  wide.layer.base_emb_dim = 4096;
+  wide.layer.base_moe_mlp_dim = 16384;
+  EXPECT_NO_THROW(train::check_index_limits(wide, 2));
+  ::unsetenv("MOE_SKIP_MEMORY_CHECK");
+  try {
+    train::require_fits(train::estimate_memory(wide, 2), std::int64_t(22) << 30, 2);
+    ADD_FAILURE() << "expected a ConfigError";
+  } catch (moe::ConfigError const& e) {
+    std::string const msg = e.what();
+    EXPECT_EQ(msg.rfind("train_moe needs about ", 0), 0u) << msg;
+    EXPECT_NE(msg.find("available for 2 ranks (11.0 GiB each): reduce num_experts, base_emb_dim"),
+              std::string::npos)
+        << msg;
+  }
+}
+
+namespace {
+
+/// Live and peak bytes of Kokkos allocations, through the Kokkos Tools data callbacks.
+struct AllocationTracker {
+  static inline std::int64_t live = 0, peak = 0;
+  static void on_alloc(Kokkos_Profiling_SpaceHandle, char const*, void const*, std::uint64_t n) {
+    live += std::int64_t(n);
+    peak = std::max(peak, live);
+  }
+  static void on_free(Kokkos_Profiling_SpaceHandle, char const*, void const*, std::uint64_t n) {
+    live -= std::int64_t(n);
+  }
+  AllocationTracker() {
+    live = peak = 0;
+    Kokkos::Tools::Experimental::set_allocate_data_callback(&on_alloc);
+    Kokkos::Tools::Experimental::set_deallocate_data_callback(&on_free);
+  }
+  ~AllocationTracker() {
+    Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+    Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
+  }
+  AllocationTracker(AllocationTracker const&) = delete;
+  AllocationTracker& operator=(AllocationTracker const&) = delete;
+};
+
+}  // namespace
+
+// The estimate against what a layer step really allocates: the peak of the Kokkos allocations
+// of a DistributedMoeLayer (one rank) from its construction through forward and backward, with
+// its gradients (oneDNN's packed copies are not Kokkos allocations: not counted on either side).
+TEST(MemoryEstimate, MatchesTheLayersAllocations) {
+  if (Kokkos::Tools::profileLibraryLoaded()) GTEST_SKIP() << "a Kokkos Tools library is loaded";
+  moe::LayerConfig cfg;
+  cfg.num_experts = 8;
+  cfg.num_experts_per_tok = 2;
+  cfg.base_emb_dim = 64;
+  cfg.base_moe_mlp_dim = 128;
+  cfg.shared_experts = 1;
+  cfg.load_balance_loss_weight = 0.01;
+  moe::ParallelConfig par;
+  std::int64_t const B = 16, S = 64, D = 64;
+  auto const p = moe::make_plan(cfg, par, 1, 0, B, S);
+  auto const est = moe::estimate_layer_memory(p, cfg, true, false);
+  moe::View3<float> x("x", B, S, D), y("y", B, S, D), dy("dy", B, S, D), dx("dx", B, S, D);
+  Kokkos::Random_XorShift64_Pool<> pool(7);
+  Kokkos::fill_random(x, pool, -1.0f, 1.0f);
+  Kokkos::fill_random(dy, pool, -1.0f, 1.0f);
+  std::int64_t peak = 0;
+  {
+    AllocationTracker tracker;
+    {
+      moe::DistributedMoeLayer<float> layer(moe_test::self_comm(), cfg, par, B, S);
+      layer.parameters().for_each(
+          [&](char const*, auto const& v) { Kokkos::fill_random(v, pool, -0.1f, 0.1f); });
+      moe::DistributedMoeLayer<float>::params_type grads;
+      for (int step = 0; step < 2; ++step) {
+        layer.forward(x, y);
+        layer.backward(dy, dx, grads);
+      }
+      Kokkos::fence();
+    }
+    peak = AllocationTracker::peak;
+  }
+  double const ratio = double(est.total()) / double(peak);
+  std::printf("estimate %lld bytes, Kokkos peak %lld bytes, ratio %.3f\n",
+              static_cast<long long>(est.total()), static_cast<long long>(peak), ratio);
+  EXPECT_GT(ratio, 0.9) << est.to_text();
+  EXPECT_LT(ratio, 1.3) << est.to_text();
 }

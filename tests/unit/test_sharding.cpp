@@ -882,5 +882,6 @@ TEST(MoeShardTool, ErrorsAreOneLineExitTwo) {
   check("--preset default --tensor t=exp", "--mesh");
   check("--rules /nonexistent.yml --mesh data=1", "cannot read");
   check("--preset default --mesh data=2 --bogus", "unknown flag");
-  check("--plan /nonexistent/cfg.yml num_experts=4 --json", "cannot read config file");
+  check("--plan /nonexistent/cfg.yml num_experts=4 --json",
+        "--plan '/nonexistent/cfg.yml' does not exist");
 }

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moe::comm {
@@ -68,13 +69,18 @@ MPI_Datatype mpi_type() {
 
 namespace detail {
 
-/// Throws moe::Error naming the MPI call when it did not return MPI_SUCCESS.
+/// Throws moe::CommError naming the MPI call and MPI's reason when it did not return MPI_SUCCESS
+/// (moe's communicators use MPI_ERRORS_RETURN, so a failed call comes back here).
 inline void check_mpi(int rc, char const* call) {
   if (rc == MPI_SUCCESS) return;
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
-  MPI_Error_string(rc, text, &len);
-  throw Error(moe::detail::cat("moe::comm: ", call, " failed: ", std::string(text, len)));
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
+  int rank = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  throw CommError(moe::detail::cat("moe::comm: ", call, " failed on world rank ", rank, ": ",
+                                   len > 0 ? std::string(text, std::size_t(len)) : "(no text)",
+                                   " (MPI error code ", rc, ")"));
 }
 
 struct CommFree {
@@ -92,7 +98,9 @@ struct CommFree {
 /// \brief An MPI communicator owned by moe: a duplicate of the user's, freed with the last copy.
 ///
 /// Copies share the same duplicate. moe's messages travel on it with fixed private tags, so they
-/// never match the user's traffic on the original communicator.
+/// never match the user's traffic on the original communicator. Its error handler is
+/// MPI_ERRORS_RETURN: a failed MPI call raises moe::CommError on the rank where it failed (the
+/// user's communicator keeps its own handler).
 class Communicator {
  public:
   /// \brief Collective over `comm`: duplicates it (MPI_Comm_dup).
@@ -128,6 +136,9 @@ class Communicator {
   Communicator(Adopt, MPI_Comm owned) { adopt(owned); }
   void adopt(MPI_Comm owned) {
     comm_ = std::shared_ptr<MPI_Comm>(new MPI_Comm(owned), detail::CommFree{});
+    // Failed MPI calls on moe's communicators return their code (check_mpi turns it into a
+    // moe::CommError) instead of aborting the job from inside MPI.
+    detail::check_mpi(MPI_Comm_set_errhandler(owned, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     detail::check_mpi(MPI_Comm_rank(owned, &rank_), "MPI_Comm_rank");
     detail::check_mpi(MPI_Comm_size(owned, &size_), "MPI_Comm_size");
   }
@@ -229,11 +240,52 @@ void collective_guard(Communicator const& comm, F&& f) {
   any_error(comm, failed, msg, kind);
 }
 
+namespace detail {
+
+/// The fields of a canonical text: pieces between ';' or '|' (e.g. "E=8;K=2|steps=10").
+inline std::vector<std::string> agreement_fields(std::string const& text) {
+  std::vector<std::string> out(1);
+  for (char c : text) {
+    if (c == ';' || c == '|')
+      out.emplace_back();
+    else
+      out.back() += c;
+  }
+  return out;
+}
+
+/// The first difference between two canonical texts, as a pair of quotable pieces: the first
+/// differing field of each when both are field lists with the same keys, else the text around
+/// the first differing character.
+inline std::pair<std::string, std::string> first_difference(std::string const& a,
+                                                            std::string const& b) {
+  auto const fa = agreement_fields(a), fb = agreement_fields(b);
+  auto key = [](std::string const& f) { return f.substr(0, f.find('=')); };
+  if (fa.size() == fb.size())
+    for (std::size_t i = 0; i < fa.size(); ++i)
+      if (fa[i] != fb[i] && key(fa[i]) == key(fb[i]) && fa[i].find('=') != std::string::npos)
+        return {fa[i], fb[i]};
+  std::size_t p = 0;
+  while (p < a.size() && p < b.size() && a[p] == b[p]) ++p;
+  std::size_t const from = p > 40 ? p - 40 : 0;
+  auto piece = [&](std::string const& s) {
+    std::string out =
+        s.substr(from, std::min<std::size_t>(s.size() - std::min(from, s.size()), 120));
+    return (from > 0 ? "..." : "") + out + (from + out.size() < s.size() ? "..." : "");
+  };
+  return {piece(a), piece(b)};
+}
+
+}  // namespace detail
+
 /// \brief Collective: checks that `value` (a canonical text of a configuration or a shape) is the
 /// same on every rank, before any collective relies on it.
 ///
 /// Hashes are all-gathered; on a mismatch every rank throws the same ConfigError naming the first
-/// rank whose value differs from rank 0's and quoting both values.
+/// rank whose value differs from rank 0's and the first difference: for texts made of
+/// `key=value` fields separated by ';' or '|' (the form of moe's describe() texts) the first
+/// differing field on both ranks (`rank 1 has "steps=5" but rank 0 has "steps=10"`), otherwise
+/// the text around the first differing character.
 /// \param what what the value is, for the message (e.g. "layer configuration")
 inline void check_agreement(Communicator const& comm, std::string const& what,
                             std::string const& value) {
@@ -244,13 +296,12 @@ inline void check_agreement(Communicator const& comm, std::string const& what,
   int const first = static_cast<int>(
       std::find_if(all.begin(), all.end(), [&](auto h) { return h != all[0]; }) - all.begin());
   if (first == comm.size()) return;
-  auto const quote = [](std::string s) { return s.size() > 300 ? s.substr(0, 300) + "..." : s; };
   std::string const v0 = detail::broadcast_string(comm, 0, value);
   std::string const vr = detail::broadcast_string(comm, first, value);
-  throw ConfigError(moe::detail::cat("moe::comm::check_agreement: the ", what,
-                                     " differs across ranks: rank ", first, " has \"", quote(vr),
-                                     "\" but rank 0 has \"", quote(v0),
-                                     "\"; every rank must be given the same ", what));
+  auto const [dr, d0] = detail::first_difference(vr, v0);
+  throw ConfigError(moe::detail::cat(
+      "moe::comm::check_agreement: the ", what, " differs across ranks: rank ", first, " has \"",
+      dr, "\" but rank 0 has \"", d0, "\"; every rank must be given the same ", what));
 }
 
 inline Communicator Communicator::split(int color, int key) const {

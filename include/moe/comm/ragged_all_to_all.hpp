@@ -21,6 +21,7 @@
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
+#include <moe/config.hpp>
 #include <moe/error.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -158,16 +159,17 @@ inline AllToAllParams all_to_all_params_replicated(std::vector<std::int64_t> con
 
 /// \brief Rows of the dispatch receive buffer (MaxText `get_ragged_buffer_size`, §1.9 item 32.3).
 ///
-/// factor > 0: int(tk * factor) (rows beyond it are dropped); otherwise the dropless worst case
-/// int(tk * min(ep, E/K)) with E/K a real quotient, computed exactly in integers.
+/// factor > 0: int(tk * factor) (rows beyond it are dropped), at most the dropless worst case;
+/// otherwise the dropless worst case int(tk * min(ep, E/K)) with E/K a real quotient, computed
+/// exactly in integers.
 /// \param tk local routed slots T*K
 inline std::int64_t ragged_buffer_size(std::int64_t tk, int ep, int E, int K, double factor) {
   moe::detail::require<ConfigError>(
       tk >= 0 && ep >= 1 && E >= 1 && K >= 1, "moe::comm::ragged_buffer_size: tk=", tk, ", ep=", ep,
       ", E=", E, ", K=", K, " must satisfy tk >= 0 and ep, E, K >= 1");
-  if (factor > 0) return static_cast<std::int64_t>(static_cast<double>(tk) * factor);
-  if (std::int64_t(ep) * K <= E) return tk * ep;
-  return tk * E / K;
+  std::int64_t const dropless = std::int64_t(ep) * K <= E ? tk * ep : tk * E / K;
+  // A buffer beyond the dropless worst case never fills: the factor is capped there.
+  return factor > 0 ? moe::detail::scaled_rows(tk, factor, dropless) : dropless;
 }
 
 // ================================ Part 2: the plan / apply object ==============================

@@ -153,7 +153,12 @@ class DistributedMoeLayer {
           y.extent(0) == x.extent(0) && y.extent(1) == x.extent(1) && y.extent(2) == x.extent(2),
           "y must have the shape of x");
       check_param_shapes(params_, "parameter");
-      if (cfg_.check_finite) require_finite(cview2(x.data(), x.extent(0) * S_, D), "x");
+      if (cfg_.check_finite) {
+        require_finite(cview2(x.data(), x.extent(0) * S_, D), "x");
+        // The router reads every gate column for every token: scanned up front (cheap, [D,E]).
+        require_finite(params_.gate, block_name("gate"));
+        if (cfg_.routed_bias) require_finite(params_.gate_bias, block_name("gate_bias"));
+      }
     });
     T_ = std::int64_t(x.extent(0)) * S_;
     detail::ensure(space_, x_, "moe::dist::x", T_, D);
@@ -174,11 +179,22 @@ class DistributedMoeLayer {
       gathered_forward(y2);
     }
     if (cfg_.check_finite) {
+      // As the single-rank layer: only a non-finite y pays for scanning the weights, and then
+      // every rank names the first non-finite block it holds (block indices are local).
       bool const bad = !detail::all_finite(space_, y2);
-      comm::any_error(world_, bad,
-                      "y holds NaN or Inf: an input or a weight that a token reaches is not "
-                      "finite (or the layer overflowed)",
-                      comm::ErrorKind::input);
+      int any = bad ? 1 : 0, worst = 0;
+      comm::detail::check_mpi(MPI_Allreduce(&any, &worst, 1, MPI_INT, MPI_MAX, world_.get()),
+                              "MPI_Allreduce");
+      if (worst) {
+        comm::collective_guard(world_, [&] {
+          params_.for_each(
+              [&](char const* name, auto const& v) { require_finite(v, block_name(name)); });
+          detail::require<InputError>(
+              !bad,
+              "y holds NaN or Inf: every input and weight block is finite, so the layer "
+              "overflowed");
+        });
+      }
     }
     have_forward_ = true;
   }
@@ -340,8 +356,22 @@ class DistributedMoeLayer {
     });
   }
 
+  /// `name`, or "name (rank r's block at offset [..] of [..])" when this rank stores a block of
+  /// it, so that an index in a message can be found in the global tensor.
+  std::string block_name(std::string const& name) const {
+    auto const b = block(name);
+    if (b.local_shape == b.global_shape) return name;
+    return detail::cat(name, " (the block of rank ", world_.rank(), " at offset ",
+                       index_list(b.offset), " of ", index_list(b.global_shape), ")");
+  }
+  static std::string index_list(std::vector<std::int64_t> const& s) {
+    std::string out = "[";
+    for (std::size_t i = 0; i < s.size(); ++i) out += (i ? "," : "") + std::to_string(s[i]);
+    return out + "]";
+  }
+
   template <class V>
-  void require_finite(V const& v, char const* name) const {
+  void require_finite(V const& v, std::string const& name) const {
     detail::require_finite(space_, v, name);
   }
 

@@ -169,6 +169,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   using layout_detail::minus;
   using moe::detail::require;
   cfg.validate();
+  par.validate();
   Layout lay;
   auto const pre = sharding::preset(par.custom_mesh_and_rule);
   lay.mesh = sharding::Mesh::from_ici(par.ici(), world_size, pre.mesh_axes);

@@ -84,7 +84,27 @@ struct ParallelConfig {
     else if (key == "custom_mesh_and_rule")
       custom_mesh_and_rule = trim(value);
     else
-      throw ConfigError(cat("unknown config key '", key, "' (value ", value, ")"));
+      throw ConfigError(
+          cat("unknown config key '", key, "' (value ", value, ")", did_you_mean(key, keys())));
+  }
+
+  /// \brief Checks the rules between values that need no communicator (every tool calls it, so
+  /// one config is accepted or rejected the same everywhere): at most one ici_* degree is -1,
+  /// and ragged_buffer_factor is -1 (off) or > 0. The mesh checks its product against the ranks.
+  void validate() const {
+    using detail::cat;
+    std::string fill;
+    for (auto const& [k, v] : ici())
+      if (v == -1) {
+        if (!fill.empty())
+          throw ConfigError(cat(fill, "=-1 and ", k,
+                                "=-1: at most one ici_*_parallelism degree may be -1 (fill the "
+                                "rest of the ranks); give the other a degree"));
+        fill = k;
+      }
+    if (!(ragged_buffer_factor == -1.0 || ragged_buffer_factor > 0))
+      throw ConfigError(
+          cat("ragged_buffer_factor=", ragged_buffer_factor, " must be > 0 (or -1: no limit)"));
   }
 
   /// A canonical text of every field (used to check that all ranks agree).

@@ -134,8 +134,7 @@ class Schedule {
     // by the receive buffer).
     recv_ = sent_;
     if (par.ragged_buffer_factor > 0)
-      recv_ =
-          std::min<std::int64_t>(recv_, std::int64_t(double(T_ * K_) * par.ragged_buffer_factor));
+      recv_ = moe::detail::scaled_rows(T_ * K_, par.ragged_buffer_factor, recv_);
   }
 
   void run() {

@@ -1,0 +1,885 @@
+#pragma once
+/// \file
+/// Up-front memory estimate and index-limit check of one distributed MoE layer (issue #12): before
+/// anything is allocated, a tool can say how many bytes a rank will need and refuse a configuration
+/// that cannot fit, or whose tensors have more elements than the kernels can index, with a
+/// ConfigError that names the quantity and the keys to change -- instead of being ended by the OOM
+/// killer or computing on wrapped indices.
+///
+/// Pure, like moe::make_plan (no Kokkos, no collective): the estimate is made from a LayerPlan.
+/// Host only: available_memory_bytes() reads the host's memory, so a tool compares the estimate
+/// with it only when the layer's memory space is host memory (on a GPU the buffers live in device
+/// memory, which Kokkos has no portable way to query; the check is skipped there).
+///
+/// **The model** (estimate_layer_memory). Per rank, with s = bytes per value (4 or 8),
+/// T = this rank's tokens (LayerPlan::local_tokens), D = base_emb_dim, K = num_experts_per_tok,
+/// E = num_experts, tp = the tensor-parallel degree, Dc = D / tp, F = the expert hidden size of
+/// the compute block (base_moe_mlp_dim / tp), L = local experts, ep = the expert-parallel degree:
+///  * tokens the experts see: Tw = T * ep on the ring of experts, else T (the router routes Tw
+///    rows); the shared expert sees Tg = T * ep (EP-as-TP) unless the batch is replicated;
+///  * routed rows, assuming balanced routing as the plan's byte counts do: the ragged all-to-all
+///    path sorts n_o = T*K own slots (per-sequence capacity: (T/S) * min(S*K, E*C)) and receives
+///    n = n_o of them (capped by int(T*K*ragged_buffer_factor) when that is > 0); the gathered
+///    paths (ring, replicated, local) run n = Tw*K*L/E rows on their local experts.
+/// Items (every buffer the layer keeps between steps -- DistributedMoeLayer keeps them all --
+/// plus the largest temporary of its collectives):
+///  * weights: the stored blocks (LayerPlan tensor local_shape), s bytes per element;
+///  * gathered weights: every intermediate block of the FSDP all-gathers and EP-as-TP slices
+///    (one per gather stage: two stages with moe_fsdp_use_two_stage_all_gather);
+///  * packed expert weights (float with oneDNN on the host): oneDNN's reordered copies of the
+///    compute blocks of wi_0, wi_1, wo -- once for the forward, once more transposed for the
+///    backward;
+///  * weight gradients (training): the stored-block gradients, the compute-block gradients and
+///    the intermediates of their reduce-scatters / un-slicing;
+///  * routing: logits [Tw,E] (+ scores and biased [Tw,E] when a score function / bias is on),
+///    expert ids, top values, weights and kept masks [Tw,K], the sort's perm and inverse (int64
+///    per slot) and cursors, the local permutation (perm, inverse, expert id: 20 bytes per
+///    received row), the load-balance statistics; training adds d_top [T,K], d_biased and d_logits
+///    [T,E], d_weights [T,K];
+///  * token rows: the layer's copy of x [T,D], sorted / received / permuted rows [n_o|n, D] and
+///    their column blocks [*, Dc] forward and backward (or, gathered: [Tw,D] work rows);
+///  * expert hidden states: h0, h1, act [n,F] forward, d_act, d_h1 [n,F] backward (dense path:
+///    the same on [Tw,F] plus [Tw,D] and [Tw,L]);
+///  * shared expert: its gathered input / output rows [Tg,D], hidden states [Tg,Fs/(tp*ep)] x3
+///    (+1 and two [Tg,D] backward);
+///  * communication buffers: the layer's scratch pool keeps one buffer per kind of collective,
+///    grown to its largest use (the all-gather unpack along a non-leading dimension, the
+///    reduce-scatter pack, the reduce-scatter receive buffer), plus the largest all-reduce
+///    temporary (allocated and freed per call).
+/// Not included: the caller's x, y, dy, dx; MPI's and the runtime's own memory (already resident
+/// when a tool checks, so already outside MemAvailable); device staging buffers. Measured: within
+/// 1 % of the peak of a layer step's Kokkos allocations (tests/unit/test_plan.cpp) and, with the
+/// process's libraries added, of train_moe's peak resident set (the README).
+///
+/// **Index limits** (check_index_limits). Every extent is a 64-bit integer in moe, and messages
+/// over INT_MAX elements are split by moe/comm (count_limit(): point-to-point pieces), so MPI's
+/// int counts are no limit. What is: (1) rows handed to a dense GEMM (router, shared expert, the
+/// Vendor grouped GEMM's per-group rows) go to a BLAS with 32-bit int dimensions, and the reshard
+/// row copies launch one team per row (an int league): at most INT_MAX rows; (2) the flat
+/// element-wise kernels (activations, check_finite, add_into, ...) use Kokkos::RangePolicy's
+/// default index type, ExecSpace::size_type -- size_t on host spaces, but `unsigned int` on CUDA
+/// and HIP, where a kernel over more than 2^32-1 elements would wrap; (3) every element and byte
+/// count must fit int64 (checked multiplication throws a ConfigError naming the quantity).
+
+#include <moe/config.hpp>
+#include <moe/distributed/plan.hpp>
+#include <moe/error.hpp>
+#include <moe/moe_config.hpp>
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <initializer_list>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moe {
+
+// ------------------------------------------------------------------ checked arithmetic --------
+
+/// \brief a * b, or a ConfigError naming `what` when the product does not fit int64 (a, b >= 0).
+inline std::int64_t checked_mul(std::int64_t a, std::int64_t b, std::string const& what) {
+  detail::require<ConfigError>(a >= 0 && b >= 0, what, ": negative factor (", a, " x ", b, ")");
+  if (a != 0 && b > std::numeric_limits<std::int64_t>::max() / a)
+    throw ConfigError(detail::cat(what, " = ", a, " x ", b,
+                                  " does not fit a 64-bit integer (at most ",
+                                  std::numeric_limits<std::int64_t>::max(), ")"));
+  return a * b;
+}
+
+/// \brief a + b, or a ConfigError naming `what` when the sum does not fit int64 (a, b >= 0).
+inline std::int64_t checked_add(std::int64_t a, std::int64_t b, std::string const& what) {
+  detail::require<ConfigError>(a >= 0 && b >= 0, what, ": negative term (", a, " + ", b, ")");
+  if (b > std::numeric_limits<std::int64_t>::max() - a)
+    throw ConfigError(detail::cat(what, " = ", a, " + ", b,
+                                  " does not fit a 64-bit integer (at most ",
+                                  std::numeric_limits<std::int64_t>::max(), ")"));
+  return a + b;
+}
+
+/// \brief Product of `factors` (element count of a shape), checked: ConfigError naming `what`
+/// and the whole shape when it does not fit int64.
+inline std::int64_t checked_product(std::vector<std::int64_t> const& factors,
+                                    std::string const& what) {
+  std::int64_t p = 1;
+  for (auto f : factors) {
+    detail::require<ConfigError>(f >= 0, what, ": negative extent ", f);
+    if (f != 0 && p > std::numeric_limits<std::int64_t>::max() / f) {
+      std::string shape;
+      for (auto g : factors) shape += (shape.empty() ? "" : " x ") + std::to_string(g);
+      throw ConfigError(detail::cat(what, " = ", shape, " does not fit a 64-bit integer (at most ",
+                                    std::numeric_limits<std::int64_t>::max(), ")"));
+    }
+    p *= f;
+  }
+  return p;
+}
+
+/// \brief "1.5 GiB", "12.0 MiB", "3.2 KiB", "100 B".
+inline std::string format_bytes(std::int64_t bytes) {
+  char buf[64];
+  double const b = double(bytes);
+  if (bytes >= (std::int64_t(1) << 40))
+    std::snprintf(buf, sizeof buf, "%.1f TiB", b / double(std::int64_t(1) << 40));
+  else if (bytes >= (std::int64_t(1) << 30))
+    std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(std::int64_t(1) << 30));
+  else if (bytes >= (std::int64_t(1) << 20))
+    std::snprintf(buf, sizeof buf, "%.1f MiB", b / double(std::int64_t(1) << 20));
+  else if (bytes >= 1024)
+    std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
+  else
+    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
+  return buf;
+}
+
+// ------------------------------------------------------------------ the estimate --------------
+
+/// \brief One part of a memory estimate.
+struct MemoryItem {
+  std::string what;        ///< e.g. "weights", "expert hidden states"
+  std::int64_t bytes = 0;  ///< per rank
+  std::string keys;        ///< config keys that scale it, comma-separated ("a, b")
+};
+
+/// \brief Bytes one rank needs, item by item (see the file comment for the model).
+struct MemoryEstimate {
+  std::vector<MemoryItem> items;
+
+  /// Sum of the items (ConfigError if it does not fit int64).
+  std::int64_t total() const {
+    std::int64_t t = 0;
+    for (auto const& i : items) t = checked_add(t, i.bytes, "the memory estimate's total bytes");
+    return t;
+  }
+
+  /// Adds `bytes` to the item `what` (made, with `keys`, if there is none; keys are merged).
+  void add(std::string const& what, std::int64_t bytes, std::string const& keys) {
+    for (auto& i : items)
+      if (i.what == what) {
+        i.bytes = checked_add(i.bytes, bytes, "bytes of " + what);
+        i.keys = merge_keys(i.keys, keys);
+        return;
+      }
+    items.push_back({what, bytes, keys});
+  }
+
+  /// Adds every item of `other`, `times` times (e.g. once per layer).
+  void add(MemoryEstimate const& other, std::int64_t times = 1) {
+    for (auto const& i : other.items)
+      add(i.what, checked_mul(i.bytes, times, "bytes of " + i.what), i.keys);
+  }
+
+  /// The bytes of item `what` (0 when there is none).
+  std::int64_t bytes(std::string const& what) const {
+    for (auto const& i : items)
+      if (i.what == what) return i.bytes;
+    return 0;
+  }
+
+  /// Keys of the items that make up most (80 %) of the total, largest item first, each once.
+  std::vector<std::string> keys_to_reduce() const {
+    std::vector<MemoryItem> sorted = by_size();
+    std::int64_t const t = total();
+    std::int64_t covered = 0;
+    std::string keys;
+    for (auto const& i : sorted) {
+      if (i.bytes == 0) break;
+      keys = merge_keys(keys, i.keys);
+      covered += i.bytes;
+      if (double(covered) >= 0.8 * double(t)) break;
+    }
+    return split_keys(keys);
+  }
+
+  /// The items of at least 1 % of the total, largest first: "weights 1.2 GiB, optimizer 2.4 GiB,
+  /// 3 smaller items".
+  std::string breakdown() const {
+    std::int64_t const t = total();
+    std::string parts;
+    int small = 0;
+    for (auto const& i : by_size()) {
+      if (i.bytes == 0) continue;
+      if (double(i.bytes) < 0.01 * double(t)) {
+        ++small;
+        continue;
+      }
+      parts += (parts.empty() ? "" : ", ") + i.what + " " + format_bytes(i.bytes);
+    }
+    if (small > 0)
+      parts += detail::cat(parts.empty() ? "" : ", ", small, " smaller item", small > 1 ? "s" : "");
+    return parts;
+  }
+
+  /// One line: "93.1 GiB (weights 1.2 GiB, optimizer 2.4 GiB, ...)".
+  std::string text() const {
+    std::string const parts = breakdown();
+    return format_bytes(total()) + (parts.empty() ? "" : " (" + parts + ")");
+  }
+
+  /// Multi-line table, one item per line with its bytes and keys, then the total.
+  std::string to_text() const {
+    std::string o;
+    std::size_t w = 5;
+    for (auto const& i : items) w = std::max(w, i.what.size());
+    for (auto const& i : items) {
+      std::string name = i.what;
+      name.append(w - name.size() + 2, ' ');
+      std::string b = format_bytes(i.bytes);
+      if (b.size() < 10) b.insert(0, 10 - b.size(), ' ');
+      o += "  " + name + b + "  (" + i.keys + ")\n";
+    }
+    std::string name = "total";
+    name.append(w - name.size() + 2, ' ');
+    std::string b = format_bytes(total());
+    if (b.size() < 10) b.insert(0, 10 - b.size(), ' ');
+    o += "  " + name + b + detail::cat("  (", total(), " bytes)\n");
+    return o;
+  }
+
+  /// JSON object: {"total_bytes": N, "items": [{"what": ..., "bytes": N, "keys": [...]}, ...]}.
+  std::string to_json() const {
+    std::string o = detail::cat("{\"total_bytes\": ", total(), ", \"items\": [");
+    for (std::size_t n = 0; n < items.size(); ++n) {
+      auto const& i = items[n];
+      o += detail::cat(n ? ", " : "", "{\"what\": ", sharding::json_string(i.what),
+                       ", \"bytes\": ", i.bytes, ", \"keys\": [");
+      auto const ks = split_keys(i.keys);
+      for (std::size_t k = 0; k < ks.size(); ++k)
+        o += (k ? ", " : "") + sharding::json_string(ks[k]);
+      o += "]}";
+    }
+    return o + "]}";
+  }
+
+  /// "a, b" -> {"a", "b"}.
+  static std::vector<std::string> split_keys(std::string const& keys) {
+    std::vector<std::string> out;
+    std::stringstream ss(keys);
+    std::string k;
+    while (std::getline(ss, k, ',')) {
+      auto const b = k.find_first_not_of(' ');
+      if (b == std::string::npos) continue;
+      k = k.substr(b, k.find_last_not_of(' ') - b + 1);
+      if (std::find(out.begin(), out.end(), k) == out.end()) out.push_back(k);
+    }
+    return out;
+  }
+  /// Union of two key lists, in order of first appearance.
+  static std::string merge_keys(std::string const& a, std::string const& b) {
+    auto ks = split_keys(a);
+    for (auto const& k : split_keys(b))
+      if (std::find(ks.begin(), ks.end(), k) == ks.end()) ks.push_back(k);
+    std::string s;
+    for (auto const& k : ks) s += (s.empty() ? "" : ", ") + k;
+    return s;
+  }
+
+ private:
+  std::vector<MemoryItem> by_size() const {
+    std::vector<MemoryItem> v = items;
+    std::stable_sort(v.begin(), v.end(),
+                     [](MemoryItem const& a, MemoryItem const& b) { return a.bytes > b.bytes; });
+    return v;
+  }
+};
+
+/// \brief The kernels' index limits (see the file comment).
+struct IndexLimits {
+  /// Largest element count of one tensor a flat kernel may index (ExecSpace::size_type).
+  std::int64_t max_elements = std::numeric_limits<std::int64_t>::max();
+  /// Largest row count of a GEMM operand or a row-copy launch (32-bit BLAS, int league size).
+  std::int64_t max_rows = INT_MAX;
+  /// What max_elements comes from, for messages.
+  std::string element_index = "std::size_t";
+
+  /// Host execution spaces (Serial, OpenMP, Threads): 64-bit flat indices.
+  static IndexLimits host() { return IndexLimits{}; }
+  /// The limits of an execution space, from the index type of its default RangePolicy.
+  template <class ExecSpace>
+  static IndexLimits of() {
+    using I = typename ExecSpace::size_type;
+    IndexLimits l;
+    if (std::uint64_t(std::numeric_limits<I>::max()) <
+        std::uint64_t(std::numeric_limits<std::int64_t>::max())) {
+      l.max_elements = std::int64_t(std::numeric_limits<I>::max());
+      l.element_index = detail::cat(sizeof(I) * 8, "-bit ", ExecSpace::name(), "::size_type");
+    }
+    return l;
+  }
+};
+
+namespace memory_detail {
+
+using Shape = std::vector<std::int64_t>;
+
+inline constexpr char const* kTokens = "per_device_batch_size, max_target_length";
+
+/// One buffer of the layer: its item, name, shape, bytes per element, scaling keys, and whether
+/// its first extent is a GEMM / launch row count.
+struct Buffer {
+  std::string item, name;
+  Shape shape;
+  std::int64_t elem_bytes = 4;
+  std::string keys;
+  bool rows_limited = false;
+};
+
+/// Every buffer of one DistributedMoeLayer on the plan's rank, following the layer's code path by
+/// path (see the file comment). `extra` collects the scratch-pool maxima and the largest
+/// all-reduce temporary separately (they are shared, not summed).
+class LayerBuffers {
+ public:
+  LayerBuffers(LayerPlan const& plan, LayerConfig const& cfg, bool training, bool packed)
+      : plan_(plan), lay_(plan.layout), cfg_(cfg), training_(training), packed_(packed) {
+    s_ = std::int64_t(plan.scalar_bytes);
+    T_ = plan.local_tokens;
+    S_ = lay_.seq_len;
+    D_ = cfg.base_emb_dim;
+    K_ = cfg.num_experts_per_tok;
+    E_ = cfg.num_experts;
+    ep_ = lay_.ep();
+    tp_ = lay_.tp();
+    Dc_ = D_ / std::max<std::int64_t>(1, tp_);
+    L_ = lay_.local_experts;
+    Tw_ = lay_.route == ExpertRoute::Ring ? checked_mul(T_, ep_, "tokens on the ring") : T_;
+    Tg_ = lay_.route == ExpertRoute::Replicated ? T_ : checked_mul(T_, ep_, "shared-expert tokens");
+    F_ = plan.tensor("wi_0").compute_shape[2];
+    weight_keys_ = "num_experts, base_emb_dim, base_moe_mlp_dim";
+    if (cfg.shared_mlp_dim() > 0) weight_keys_ += ", shared_experts";
+    weights();
+    routing_and_rows();
+    if (cfg.shared_mlp_dim() > 0) shared();
+    comm();
+  }
+
+  std::vector<Buffer> const& buffers() const { return bufs_; }
+
+ private:
+  void add(char const* item, std::string name, Shape shape, std::int64_t elem_bytes,
+           std::string const& keys, bool rows_limited = false) {
+    bufs_.push_back({item, std::move(name), std::move(shape), elem_bytes, keys, rows_limited});
+  }
+  /// Checked element count of a shape.
+  static std::int64_t numel(Shape const& s, std::string const& what) {
+    return checked_product(s, "the element count of " + what);
+  }
+  /// Scratch-pool maxima (one buffer per key, grown to its largest use).
+  void pool_max(std::int64_t& slot, std::int64_t elems) { slot = std::max(slot, elems); }
+
+  // ---- weights, their gathered / packed copies and gradients
+  void weights() {
+    bool const two_stage = plan_.parallel.moe_fsdp_use_two_stage_all_gather;
+    for (auto const& w : lay_.weights) {
+      Shape stored, computed;
+      for (auto const& d : w.dims) stored.push_back(d.stored), computed.push_back(d.computed);
+      std::string const wkeys = w.name.rfind("shared_", 0) == 0
+                                    ? "shared_experts, base_emb_dim, base_moe_mlp_dim"
+                                : w.name.rfind("gate", 0) == 0 ? "num_experts, base_emb_dim"
+                                                               : weight_keys_;
+      add("weights", w.name, stored, s_, wkeys);
+      // Forward: to_compute (gate_bias is used as stored).
+      if (w.name != "gate_bias") {
+        Shape cur = stored;
+        for (std::size_t d = 0; d < w.dims.size(); ++d) {
+          auto const& g = w.dims[d].gather;
+          if (g.empty()) continue;
+          std::vector<std::vector<std::string>> stages{g};
+          if (two_stage && g.size() > 1) {
+            stages.clear();
+            for (auto it = g.rbegin(); it != g.rend(); ++it) stages.push_back({*it});
+          }
+          for (auto const& st : stages) {
+            std::int64_t const P = lay_.parts(st);
+            std::int64_t const A = lead(cur, d);
+            cur[d] = checked_mul(cur[d], P, "gathered extent of " + w.name);
+            add("gathered weights", "gathered " + w.name, cur, s_, wkeys);
+            if (P > 1 && A != 1) {
+              pool_max(gather_pool_, numel(cur, "gathered " + w.name));
+              launch_rows(w.name + " all-gather unpack", checked_mul(P, A, "rows of a copy"));
+            }
+          }
+        }
+        for (std::size_t d = 0; d < w.dims.size(); ++d) {
+          auto const& sl = w.dims[d].slice;
+          if (sl.empty()) continue;
+          cur[d] /= lay_.parts(sl);
+          add("gathered weights", "sliced " + w.name, cur, s_, wkeys);
+          launch_rows(w.name + " slice", lead(cur, d));
+        }
+      }
+      bool const expert = w.name == "wi_0" || w.name == "wi_1" || w.name == "wo";
+      if (packed_ && expert && s_ == 4)
+        for (int use = 0; use < (training_ ? 2 : 1); ++use)
+          add("packed expert weights", (use ? "packed transposed " : "packed ") + w.name, computed,
+              4, wkeys);
+      if (!training_) continue;
+      // Backward: compute-block gradient -> to_storage -> the caller's stored-block gradient.
+      add("weight gradients", "d_" + w.name, stored, s_, wkeys);
+      add("weight gradients", "d_" + w.name + " (compute block)", computed, s_, wkeys);
+      std::vector<std::string> gathered;
+      for (auto const& d : w.dims)
+        gathered.insert(gathered.end(), d.gather.begin(), d.gather.end());
+      all_reduce_temp(numel(computed, "d_" + w.name),
+                      lay_.parts(distributed::layout_detail::minus(w.reduce, gathered)));
+      Shape cur = computed;
+      for (std::size_t d = 0; d < w.dims.size(); ++d) {
+        auto const& sl = w.dims[d].slice;
+        if (sl.empty()) continue;
+        std::int64_t const P = lay_.parts(sl), A = lead(cur, d);
+        cur[d] = checked_mul(cur[d], P, "unsliced extent of d_" + w.name);
+        add("weight gradients", "unsliced d_" + w.name, cur, s_, wkeys);
+        if (P > 1 && A != 1) pool_max(gather_pool_, numel(cur, "unsliced d_" + w.name));
+      }
+      for (std::size_t d = 0; d < w.dims.size(); ++d) {
+        auto const& g = w.dims[d].gather;
+        if (g.empty()) continue;
+        std::int64_t const P = lay_.parts(g), A = lead(cur, d);
+        Shape next = cur;
+        next[d] /= P;
+        add("weight gradients", "scattered d_" + w.name, next, s_, wkeys);
+        auto const summed =
+            distributed::layout_detail::minus(g, distributed::layout_detail::minus(g, w.reduce));
+        std::int64_t const n = numel(cur, "d_" + w.name);
+        if (summed.size() == g.size()) {
+          if (P > 1) pool_max(parts_pool_, n);
+          if (P > 1 && A != 1) pool_max(rs_pool_, n);
+        } else {
+          all_reduce_temp(n, lay_.parts(summed));
+        }
+        cur = next;
+      }
+    }
+  }
+
+  // ---- routing, token rows, expert hidden states
+  void routing_and_rows() {
+    std::int64_t const i4 = 4, i8 = 8;
+    bool const a2a = lay_.route == ExpertRoute::RaggedA2A;
+    std::string const tk = kTokens, tke = tk + ", num_experts", tkk = tk + ", num_experts_per_tok",
+                      tkd = tk + ", num_experts_per_tok, base_emb_dim",
+                      tkf = tk + ", num_experts_per_tok, base_moe_mlp_dim";
+    std::int64_t const R = Tw_;  // rows the router routes
+    rows_check("tokens routed on this rank", R);
+    add("routing", "logits", {R, E_}, s_, tke);
+    if (cfg_.routed_score_func != ScoreFunc::None) add("routing", "scores", {R, E_}, s_, tke);
+    if (cfg_.routed_bias) add("routing", "biased scores", {R, E_}, s_, tke);
+    add("routing", "expert_ids", {R, K_}, i4, tkk);
+    add("routing", "kept", {R, K_}, i4, tkk);
+    add("routing", "top_values", {R, K_}, s_, tkk);
+    add("routing", "weights", {R, K_}, s_, tkk);
+    std::int64_t const seqs = S_ > 0 ? T_ / S_ : 0;
+    if (cfg_.load_balance_loss_weight > 0) {
+      add("routing", "seq_counts", {seqs, E_}, i8, tke);
+      add("routing", "seq_probs", {seqs, E_}, s_, tke);
+      add("routing", "lb softmax", {2, T_}, 8, tk);
+    }
+    if (cfg_.capacity_factor > 0) add("routing", "capacity cursors", {2, seqs, E_}, i8, tke);
+    if (training_) {
+      add("routing", "d_top", {T_, K_}, s_, tkk);
+      add("routing", "d_biased", {T_, E_}, s_, tke);
+      add("routing", "d_logits", {T_, E_}, s_, tke);
+      add("routing", "d_weights", {T_, K_}, s_, tkk);
+    }
+    // Slots: own (a2a) or the working tokens' (gathered paths), capacity applied per sequence.
+    std::int64_t const slots_tokens = a2a ? T_ : Tw_;
+    std::int64_t slots = checked_mul(slots_tokens, K_, "routed slots");
+    std::int64_t kept = slots;
+    if (cfg_.capacity_factor > 0 && S_ > 0)
+      kept = checked_mul(slots_tokens / S_,
+                         std::min<std::int64_t>(checked_mul(S_, K_, "slots per sequence"),
+                                                checked_mul(E_, cfg_.capacity(S_), "capacity")),
+                         "kept slots");
+
+    if (lay_.dense) {
+      dense_rows();
+      return;
+    }
+    // Counting sort over the slots (perm, inverse: int64 per slot; cursors per chunk and key).
+    int const keys = a2a ? int(E_) : int(L_);
+    std::int64_t const chunk = std::max<std::int64_t>(2048, 8 * std::int64_t(keys));
+    add("routing", "sort perm", {slots}, i8, tkk);
+    add("routing", "sort inverse", {slots}, i8, tkk);
+    add("routing", "sort cursors", {(slots + chunk - 1) / chunk + 1, keys}, i8, tkk);
+    if (a2a) {
+      std::int64_t const n_o = kept;
+      std::int64_t n = n_o;
+      if (plan_.parallel.ragged_buffer_factor > 0)
+        n = moe::detail::scaled_rows(checked_mul(T_, K_, "routed slots"),
+                                     plan_.parallel.ragged_buffer_factor, n);
+      rows_check("sorted rows", n_o, true);
+      rows_check("received rows", checked_mul(n, tp_, "received rows x tensor"), true);
+      add("routing", "local perm", {n}, i8, tkk);
+      add("routing", "local inverse", {n}, i8, tkk);
+      add("routing", "local expert ids", {n}, i4, tkk);
+      add("token rows", "x", {T_, D_}, s_, tkd);
+      add("token rows", "x_sorted", {n_o, D_}, s_, tkd);
+      add("token rows", "x_received", {n, D_}, s_, tkd);
+      add("token rows", "x_local", {n, D_}, s_, tkd);
+      add("token rows", "y_local", {n, D_}, s_, tkd);
+      add("token rows", "y_local_cols", {n, Dc_}, s_, tkd);
+      add("token rows", "y_received_cols", {n, Dc_}, s_, tkd);
+      add("token rows", "y_sorted_cols", {n_o, Dc_}, s_, tkd);
+      add("token rows", "y_cols", {T_, Dc_}, s_, tkd);
+      if (training_) {
+        add("token rows", "dy_cols", {T_, Dc_}, s_, tkd);
+        add("token rows", "dy_sorted_cols", {n_o, Dc_}, s_, tkd);
+        add("token rows", "dy_received_cols", {n, Dc_}, s_, tkd);
+        add("token rows", "dy_local_cols", {n, Dc_}, s_, tkd);
+        add("token rows", "dy_local", {n, D_}, s_, tkd);
+      }
+      hidden(n, tkf);
+      if (tp_ > 1) {
+        std::int64_t const nd = numel({n, D_}, "local rows");
+        pool_max(rs_pool_, nd);
+        pool_max(parts_pool_, nd);
+        if (training_) pool_max(gather_pool_, nd);
+        pool_max(gather_pool_, numel({T_, D_}, "y"));
+        if (training_) all_reduce_temp(numel({T_, K_}, "d_weights"), tp_);
+      }
+      return;
+    }
+    // Gathered paths: the local experts' share of the working tokens' slots (balanced routing).
+    std::int64_t const n = E_ > 0 ? checked_mul(kept, L_, "local rows") / E_ : 0;
+    rows_check("sorted rows", n, true);
+    add("routing", "local expert ids", {Tw_, K_}, i4, tkk);
+    add("routing", "local kept", {Tw_, K_}, i4, tkk);
+    gathered_rows();
+    add("token rows", "x_local", {n, D_}, s_, tkd);
+    add("token rows", "y_local", {n, D_}, s_, tkd);
+    if (training_) add("token rows", "dy_local", {n, D_}, s_, tkd);
+    hidden(n, tkf);
+  }
+
+  /// Token buffers of the gathered paths (ring, replicated, local, dense).
+  void gathered_rows() {
+    std::string const tkd = std::string(kTokens) + ", base_emb_dim";
+    add("token rows", "x", {T_, D_}, s_, tkd);
+    if (lay_.route == ExpertRoute::Ring) add("token rows", "x_work", {Tw_, D_}, s_, tkd);
+    add("token rows", "y_work", {Tw_, D_}, s_, tkd);
+    add("token rows", "y_own", {T_, D_}, s_, tkd);
+    add("token rows", "y_cols", {T_, Dc_}, s_, tkd);
+    if (training_) {
+      add("token rows", "dy_work", {Tw_, D_}, s_, tkd);
+      add("token rows", "d_weights_work", {Tw_, K_}, s_, tkd);
+      add("token rows", "dx_work", {Tw_, D_}, s_, tkd);
+    }
+    std::int64_t const work = numel({Tw_, D_}, "work rows");
+    if (lay_.route == ExpertRoute::Ring)
+      pool_max(parts_pool_, work);
+    else
+      all_reduce_temp(work, ep_);
+    if (tp_ > 1) {
+      pool_max(rs_pool_, numel({T_, D_}, "y"));
+      pool_max(parts_pool_, numel({T_, D_}, "y"));
+      pool_max(gather_pool_, numel({T_, D_}, "y"));
+      if (training_) all_reduce_temp(work, tp_);
+    }
+  }
+
+  void dense_rows() {
+    std::string const tkd = std::string(kTokens) + ", base_emb_dim",
+                      tkf = std::string(kTokens) + ", base_moe_mlp_dim",
+                      tke = std::string(kTokens) + ", num_experts";
+    rows_check("dense expert rows", Tw_);
+    gathered_rows();
+    add("expert hidden states", "dense weights", {Tw_, L_}, s_, tke);
+    for (char const* n : {"h0", "h1", "act"}) add("expert hidden states", n, {Tw_, F_}, s_, tkf);
+    add("expert hidden states", "y_expert", {Tw_, D_}, s_, tkd);
+    if (training_) {
+      add("expert hidden states", "dy_expert", {Tw_, D_}, s_, tkd);
+      for (char const* n : {"d_act", "d_h1"}) add("expert hidden states", n, {Tw_, F_}, s_, tkf);
+      add("expert hidden states", "d_dense_weights", {Tw_, L_}, s_, tke);
+    }
+  }
+
+  void hidden(std::int64_t n, std::string const& keys) {
+    for (char const* name : {"h0", "h1", "act"})
+      add("expert hidden states", name, {n, F_}, s_, keys);
+    if (training_)
+      for (char const* name : {"d_act", "d_h1"})
+        add("expert hidden states", name, {n, F_}, s_, keys);
+  }
+
+  void shared() {
+    std::string const keys = std::string(kTokens) + ", shared_experts, base_emb_dim";
+    std::int64_t const Fs = plan_.tensor("shared_wi_0").compute_shape[1];
+    rows_check("shared-expert tokens", Tg_);
+    add("shared expert", "x_shared", {Tg_, D_}, s_, keys);
+    add("shared expert", "y_shared", {Tg_, D_}, s_, keys);
+    if (lay_.route == ExpertRoute::RaggedA2A) add("shared expert", "y_own", {T_, D_}, s_, keys);
+    add("shared expert", "y_shared_cols", {T_, Dc_}, s_, keys);
+    for (char const* n : {"h0", "h1", "act"}) add("shared expert", n, {Tg_, Fs}, s_, keys);
+    if (training_) {
+      add("shared expert", "d_act", {Tg_, Fs}, s_, keys);
+      add("shared expert", "dy_shared", {Tg_, D_}, s_, keys);
+      add("shared expert", "dx_shared", {Tg_, D_}, s_, keys);
+    }
+    std::int64_t const g = numel({Tg_, D_}, "shared rows");
+    if (Tg_ != T_)
+      pool_max(parts_pool_, g);
+    else
+      all_reduce_temp(g, ep_);
+    if (tp_ > 1) {
+      pool_max(parts_pool_, numel({T_, D_}, "y"));
+      pool_max(rs_pool_, numel({T_, D_}, "y"));
+      if (training_) all_reduce_temp(g, tp_);
+    }
+  }
+
+  void comm() {
+    std::string const keys = std::string(kTokens) + ", base_emb_dim, " + weight_keys_;
+    if (gather_pool_ > 0)
+      add("communication buffers", "all-gather unpack", {gather_pool_}, s_, keys);
+    if (rs_pool_ > 0) add("communication buffers", "reduce-scatter pack", {rs_pool_}, s_, keys);
+    if (parts_pool_ > 0)
+      add("communication buffers", "reduce-scatter receive", {parts_pool_}, s_, keys);
+    if (ar_temp_ > 0) add("communication buffers", "all-reduce temporaries", {ar_temp_}, s_, keys);
+  }
+
+  /// comm::all_reduce of n elements over P ranks: mine [ceil(n/P)] and, unless P divides n, a
+  /// padded copy [P*ceil(n/P)]; freed on return (the largest counts).
+  void all_reduce_temp(std::int64_t n, std::int64_t P) {
+    if (P <= 1 || n == 0) return;
+    std::int64_t const c = (n + P - 1) / P;
+    std::int64_t const t = c + (c * P == n ? 0 : checked_mul(c, P, "all-reduce buffer"));
+    ar_temp_ = std::max(ar_temp_, t);
+  }
+  static std::int64_t lead(Shape const& s, std::size_t d) {
+    std::int64_t a = 1;
+    for (std::size_t i = 0; i < d; ++i) a = checked_mul(a, s[i], "leading extents");
+    return a;
+  }
+  /// A row count that must fit max_rows (slots: the rows scale with num_experts_per_tok too).
+  void rows_check(std::string const& what, std::int64_t rows, bool slots = false) {
+    add("", what, {rows}, 0, std::string(kTokens) + (slots ? ", num_experts_per_tok" : ""), true);
+  }
+  void launch_rows(std::string const& what, std::int64_t rows) {
+    add("", what, {rows}, 0, weight_keys_, true);
+  }
+
+  LayerPlan const& plan_;
+  distributed::Layout const& lay_;
+  LayerConfig const& cfg_;
+  bool training_, packed_;
+  std::int64_t s_ = 4, T_ = 0, S_ = 1, D_ = 0, K_ = 0, E_ = 0, ep_ = 1, tp_ = 1, Dc_ = 0, L_ = 0;
+  std::int64_t Tw_ = 0, Tg_ = 0, F_ = 0;
+  std::int64_t gather_pool_ = 0, rs_pool_ = 0, parts_pool_ = 0, ar_temp_ = 0;
+  std::string weight_keys_;
+  std::vector<Buffer> bufs_;
+};
+
+}  // namespace memory_detail
+
+/// \brief Whether oneDNN keeps packed copies of the expert weights by default: float values and
+/// moe built with oneDNN (host GEMMs). Pass false for device spaces.
+inline bool default_packed_weights(LayerPlan const& plan) {
+  return MOE_HAS_ONEDNN != 0 && plan.scalar_bytes == 4;
+}
+
+/// \brief Bytes one DistributedMoeLayer needs on the plan's rank (see the file comment for the
+/// model and what it leaves out). Buffers the layer keeps from step to step are counted whole;
+/// collective temporaries by their largest use.
+/// \param training forward + backward (gradients, backward buffers); false: forward only
+/// \param packed_weights count oneDNN's packed copies of the expert weights (float, host)
+/// \throws ConfigError naming the quantity when an element or byte count does not fit int64.
+inline MemoryEstimate estimate_layer_memory(LayerPlan const& plan, LayerConfig const& cfg,
+                                            bool training, bool packed_weights) {
+  memory_detail::LayerBuffers const lb(plan, cfg, training, packed_weights);
+  MemoryEstimate est;
+  for (char const* item :
+       {"weights", "gathered weights", "packed expert weights", "weight gradients", "routing",
+        "token rows", "expert hidden states", "shared expert", "communication buffers"}) {
+    std::int64_t bytes = 0;
+    std::string keys;
+    bool any = false;
+    for (auto const& b : lb.buffers()) {
+      if (b.item != item) continue;
+      any = true;
+      std::int64_t const n = checked_product(b.shape, "the element count of " + b.name);
+      bytes = checked_add(bytes, checked_mul(n, b.elem_bytes, "the bytes of " + b.name),
+                          std::string("the bytes of ") + item);
+      keys = MemoryEstimate::merge_keys(keys, b.keys);
+    }
+    if (any && bytes > 0) est.add(item, bytes, keys);
+  }
+  return est;
+}
+
+/// \brief estimate_layer_memory with default_packed_weights(plan).
+inline MemoryEstimate estimate_layer_memory(LayerPlan const& plan, LayerConfig const& cfg,
+                                            bool training) {
+  return estimate_layer_memory(plan, cfg, training, default_packed_weights(plan));
+}
+
+/// \brief Refuses (ConfigError naming the tensor, its size, the limit and the keys to reduce) a
+/// plan whose tensors on this rank exceed the kernels' index limits (see the file comment):
+/// more rows than a 32-bit BLAS call or a kernel launch takes, more elements than one flat kernel
+/// of the execution space indexes, or counts that do not fit int64. MPI counts are no limit
+/// (moe/comm splits larger messages). Pure; the same on every rank of a symmetric layout.
+inline void check_index_limits(LayerPlan const& plan,
+                               IndexLimits const& limits = IndexLimits::host()) {
+  memory_detail::LayerBuffers const lb(plan, plan.config, true, false);
+  auto shape_text = [](memory_detail::Shape const& s) {
+    std::string t = "[";
+    for (std::size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
+    return t + "]";
+  };
+  for (auto const& b : lb.buffers()) {
+    std::int64_t const n = checked_product(b.shape, "the element count of " + b.name);
+    if (b.rows_limited) {
+      if (b.shape[0] > limits.max_rows)
+        throw ConfigError(
+            detail::cat(b.name, ": ", b.shape[0], " rows on this rank exceed the ", limits.max_rows,
+                        " rows that one 32-bit BLAS call or kernel launch takes; reduce ", b.keys,
+                        " (or spread the batch over more ranks)"));
+      continue;
+    }
+    if (n > limits.max_elements)
+      throw ConfigError(detail::cat(b.name, " ", shape_text(b.shape), " holds ", n,
+                                    " elements on this rank, more than the ", limits.max_elements,
+                                    " that a kernel indexed by ", limits.element_index,
+                                    " reaches; reduce ", b.keys));
+    checked_mul(n, std::max<std::int64_t>(b.elem_bytes, 8), "the bytes of " + b.name);
+  }
+}
+
+// ------------------------------------------------------------------ the machine ---------------
+
+namespace memory_detail {
+
+inline std::int64_t read_number(std::string const& path) {
+  std::ifstream in(path);
+  std::string s;
+  if (!(in >> s) || s == "max") return -1;
+  char* end = nullptr;
+  long long const v = std::strtoll(s.c_str(), &end, 10);
+  return end && *end == '\0' && v >= 0 ? std::int64_t(v) : -1;
+}
+
+/// Value of `key` (first token after it) in a "key value" file such as memory.stat.
+inline std::int64_t read_field(std::string const& path, std::string const& key) {
+  std::ifstream in(path);
+  std::string k;
+  long long v = 0;
+  while (in >> k >> v)
+    if (k == key) return std::int64_t(v);
+  return -1;
+}
+
+/// Bytes the cgroup at `dir` still admits: limit - usage + inactive file pages (reclaimable), or
+/// -1 without a limit.
+inline std::int64_t cgroup_room(std::string const& dir, bool v2) {
+  std::int64_t const limit = read_number(dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes"));
+  if (limit < 0 || limit >= (std::int64_t(1) << 60)) return -1;  // none ("max", or v1's ~2^63)
+  std::int64_t const usage = read_number(dir + (v2 ? "/memory.current" : "/memory.usage_in_bytes"));
+  if (usage < 0) return -1;
+  std::int64_t inactive =
+      read_field(dir + "/memory.stat", v2 ? "inactive_file" : "total_inactive_file");
+  if (inactive < 0) inactive = 0;
+  return std::max<std::int64_t>(0, std::min(limit, limit - usage + inactive));
+}
+
+}  // namespace memory_detail
+
+/// \brief Host memory this process can still allocate, in bytes: MemAvailable of /proc/meminfo,
+/// or less when a cgroup (v2 memory.max, v1 memory.limit_in_bytes, of this process's cgroup or
+/// any ancestor) leaves less room; -1 when unknown (not Linux). Memory of the whole node (or
+/// cgroup): a caller shares it among the ranks on the node (ranks_on_node()). Host memory only
+/// (see the file comment for device spaces).
+inline std::int64_t available_memory_bytes() {
+  std::int64_t avail = -1;
+  {
+    std::ifstream in("/proc/meminfo");
+    std::string key, unit;
+    long long v = 0;
+    while (in >> key >> v) {
+      std::getline(in, unit);
+      if (key == "MemAvailable:") {
+        avail = std::int64_t(v) * 1024;
+        break;
+      }
+    }
+  }
+  // cgroups: "0::/path" (v2) or "N:ctrl,memory,...:/path" (v1).
+  std::ifstream cg("/proc/self/cgroup");
+  std::string line;
+  while (std::getline(cg, line)) {
+    auto const a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    std::string const ctrl = line.substr(a + 1, b - a - 1);
+    std::string path = line.substr(b + 1);
+    bool const v2 = line.compare(0, a, "0") == 0 && ctrl.empty();
+    bool v1 = false;
+    for (auto const& c : MemoryEstimate::split_keys(ctrl)) v1 = v1 || c == "memory";
+    if (!v2 && !v1) continue;
+    std::string const base = v2 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/memory";
+    // This cgroup and its ancestors (a cgroup namespace shows "/": the mount is its own root).
+    while (true) {
+      std::int64_t const room =
+          memory_detail::cgroup_room(base + (path == "/" ? std::string() : path), v2);
+      if (room >= 0) avail = avail < 0 ? room : std::min(avail, room);
+      if (path.empty() || path == "/") break;
+      auto const slash = path.find_last_of('/');
+      path = slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+    }
+  }
+  return avail;
+}
+
+/// \brief Collective over `comm`: how many of its ranks share this rank's node
+/// (MPI_Comm_split_type with MPI_COMM_TYPE_SHARED).
+inline int ranks_on_node(MPI_Comm comm) {
+  MPI_Comm node = MPI_COMM_NULL;
+  int n = 1;
+  if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS)
+    return 1;
+  MPI_Comm_size(node, &n);
+  MPI_Comm_free(&node);
+  return std::max(1, n);
+}
+
+/// \brief Whether MOE_SKIP_MEMORY_CHECK is set to a non-empty value other than 0 (the tools then
+/// run without comparing their estimate with the available memory).
+inline bool memory_check_skipped() {
+  char const* v = std::getenv("MOE_SKIP_MEMORY_CHECK");
+  return v != nullptr && *v != '\0' && std::string(v) != "0";
+}
+
+/// \brief Throws ConfigError when `est` does not fit this rank's share of the node's memory:
+/// "<who> needs about 93.1 GiB per rank (items...) but this node has 22.6 GiB available for 2
+/// ranks (11.3 GiB each): reduce <keys> (or set MOE_SKIP_MEMORY_CHECK=1 to run anyway)".
+/// Does nothing when `available` < 0 (unknown) or MOE_SKIP_MEMORY_CHECK is set.
+/// \param available available_memory_bytes() of the node (or cgroup)
+/// \param ranks_on_node ranks sharing it (ranks_on_node(comm)), >= 1
+/// \param keys_hint the keys to name; empty: the keys of the largest items (keys_to_reduce())
+inline void require_fits(std::string const& who, MemoryEstimate const& est, std::int64_t available,
+                         int ranks_on_node, std::string const& keys_hint = "") {
+  if (available < 0 || memory_check_skipped()) return;
+  int const ranks = std::max(1, ranks_on_node);
+  std::int64_t const share = available / ranks;
+  std::int64_t const need = est.total();
+  if (need <= share) return;
+  std::string keys = keys_hint;
+  if (keys.empty()) {
+    auto const ks = est.keys_to_reduce();
+    for (std::size_t i = 0; i < ks.size(); ++i)
+      keys += (i == 0 ? "" : i + 1 == ks.size() ? " or " : ", ") + ks[i];
+  }
+  throw ConfigError(
+      detail::cat(who, " needs about ", format_bytes(need), " per rank (", est.breakdown(),
+                  ") but this node has ", format_bytes(available), " available",
+                  ranks > 1 ? detail::cat(" for ", ranks, " ranks (", format_bytes(share), " each)")
+                            : std::string(),
+                  keys.empty() ? std::string() : ": reduce " + keys,
+                  " (or set MOE_SKIP_MEMORY_CHECK=1 to run anyway)"));
+}
+
+}  // namespace moe
