@@ -39,6 +39,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
@@ -972,6 +973,14 @@ class Trainer {
 inline TrainResult run_training(moe::comm::Communicator const& comm, TrainConfig const& cfg,
                                 RunOptions const& opts = {}) {
   moe::comm::check_agreement(comm, "train_moe configuration", cfg.describe());
+  if (cfg.dataset_type == "text") {
+    // Every rank reads dataset_path itself: the same path must hold the same bytes everywhere.
+    std::ifstream in(cfg.dataset_path, std::ios::binary);
+    std::string const bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    moe::comm::check_agreement(comm, "dataset_path file (its size and content hash)",
+                               "dataset=" + std::to_string(bytes.size()) + " bytes, hash " +
+                                   std::to_string(moe::detail::fnv1a(bytes)));
+  }
   CheckpointDirLock lock;  // one job per checkpoint_dir, held until training returns
   if (cfg.enable_checkpointing) lock = CheckpointDirLock(comm, cfg.checkpoint_dir);
   if (cfg.dtype == "float64") return detail::Trainer<double>(comm, cfg, opts).run();

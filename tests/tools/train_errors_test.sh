@@ -102,6 +102,15 @@ expect_mpmd "did you mean 'steps'" "steps=3 ${ck[*]}" "stepz=3 ${ck[*]}"
 expect_mpmd "rank 1 has \"steps=4\" but rank 0 has \"steps=3\"" "steps=3 ${ck[*]}" \
   "steps=4 ${ck[*]}"
 expect_mpmd "rank 1 has \"dtype=float64\"" "steps=3 ${ck[*]}" "steps=3 dtype=float64 ${ck[*]}"
+# Same dataset_path, different bytes (each rank starts in its own directory).
+mkdir -p ra rb
+head -c 4000 /dev/urandom >ra/text.bin
+head -c 4000 /dev/urandom >rb/text.bin
+timeout "$LIMIT" "${MPI[@]}" -np 1 --wdir ra "$train" steps=3 dataset_type=text \
+  dataset_path=text.bin : -np 1 --wdir rb "$train" steps=3 dataset_type=text \
+  dataset_path=text.bin >err.log 2>&1
+check err.log $? 2 "dataset_path file (its size and content hash) differs across ranks" \
+  "MPMD same dataset_path, different bytes"
 
 if [[ $failures -gt 0 ]]; then
   echo "$failures check(s) failed"
