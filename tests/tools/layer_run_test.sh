@@ -229,6 +229,8 @@ errors() {
   local base="--config cfg.yml --out out.safetensors ici_data_parallelism=-1"
   expect_error_mpmd "CASE 'nan_gate.safetensors': tensor gate holds NaN" \
     "$base --in case.safetensors" "$base --in nan_gate.safetensors"
+  expect_error_mpmd "\-\-in 'no-such-case.safetensors' does not exist" "$base --in case.safetensors" \
+    "$base --in no-such-case.safetensors"
   expect_error_mpmd "differs across ranks: rank 1 has \"dy=F32" "$base --in case.safetensors" \
     "$base --in case32.safetensors"
   expect_error_mpmd "differs across ranks: rank 1 has \"cf=1.5" "$base --in case.safetensors" \

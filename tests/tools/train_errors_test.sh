@@ -99,6 +99,8 @@ else
 fi
 # One rank's bad input, ranks that disagree: every rank reports, nobody hangs.
 expect_mpmd "did you mean 'steps'" "steps=3 ${ck[*]}" "stepz=3 ${ck[*]}"
+expect_mpmd "dataset_path 'none.txt' does not exist" "steps=3 dataset_type=text dataset_path=ok.yml" \
+  "steps=3 dataset_type=text dataset_path=none.txt"
 expect_mpmd "rank 1 has \"steps=4\" but rank 0 has \"steps=3\"" "steps=3 ${ck[*]}" \
   "steps=4 ${ck[*]}"
 expect_mpmd "rank 1 has \"dtype=float64\"" "steps=3 ${ck[*]}" "steps=3 dtype=float64 ${ck[*]}"
