@@ -737,6 +737,25 @@ class Trainer {
         mismatch.empty(), "checkpoint_dir='", cfg_.checkpoint_dir, "' holds step ", step,
         " of another model:", mismatch,
         "; use another checkpoint_dir or enable_checkpointing=false");
+    // The checksums prove the bytes are the ones written, not that they are usable: every value
+    // is checked before training on it (finite; second moments >= 0), on every rank's blocks.
+    moe::comm::collective_guard(comm_, [&] {
+      auto check = [&](auto const& v, std::string const& name, bool nonneg) {
+        for (std::size_t i = 0; i < v.extent(0); ++i)
+          if (!std::isfinite(double(v(i))) || (nonneg && v(i) < 0))
+            throw moe::InputError(moe::detail::cat(
+                "checkpoint step ", step, " in '", cfg_.checkpoint_dir, "': ", name, " holds ",
+                double(v(i)), " at element ", i, " of this rank's block",
+                nonneg ? ": second moments must be finite and >= 0"
+                       : ": a checkpoint must hold finite values",
+                "; use an earlier checkpoint or another checkpoint_dir"));
+      };
+      for (auto const& q : params_) {
+        check(q.p_host, "params." + q.name, false);
+        check(q.m_host, "opt_state.mu." + q.name, false);
+        check(q.v_host, "opt_state.nu." + q.name, true);
+      }
+    });
     for (auto& q : params_) {
       Kokkos::deep_copy(q.p, q.p_host);
       Kokkos::deep_copy(q.m, q.m_host);

@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -248,6 +250,59 @@ TEST(TrainLayouts, CheckpointOfAnotherModelIsRefused) {
   auto other = ckpt;
   other.push_back("context_length=2");
   EXPECT_THROW(run(MPI_COMM_WORLD, config({}, P, other)), moe::Error);
+}
+
+TEST(TrainLayouts, CheckpointHoldingNaNIsRefusedOnEveryRank) {
+  int const P = world_size();
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  TempDir dir;
+  ASSERT_FALSE(dir.path.empty());
+  std::vector<std::string> ckpt = {"enable_checkpointing=true", "steps=2",
+                                   "checkpoint_dir=" + dir.path};
+  run(MPI_COMM_WORLD, config({}, P, ckpt));
+  if (rank == 0) {
+    // A NaN in a saved weight, with the index's size and checksum made to match (as a writer
+    // with a bug would leave it): the checksums pass, the values must not.
+    std::string step_dir;
+    for (auto const& e : std::filesystem::directory_iterator(dir.path))
+      if (e.path().filename().string().rfind("step_", 0) == 0) step_dir = e.path().string();
+    ASSERT_FALSE(step_dir.empty());
+    std::string const model = step_dir + "/model.safetensors";
+    auto f = moe::io::File::read(model);
+    std::string poisoned;
+    for (auto const& n : f.names())
+      if (n.rfind("params.", 0) == 0 && poisoned.empty()) poisoned = n;
+    auto const t = f.at(poisoned);
+    auto v = t.to_vector<double>();
+    v[0] = std::nan("");
+    f.set(poisoned, t.dtype == moe::io::DType::F64
+                        ? moe::io::Tensor::from<double>(t.shape, v)
+                        : moe::io::Tensor::from<float>(t.shape, {v.begin(), v.end()}));
+    f.write(model);
+    std::uint64_t size = 0;
+    std::string const sha = train::ckpt_detail::file_sha256(model, size);
+    std::ifstream in(step_dir + "/index.json");
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto set_field = [&](std::string const& key, std::string const& value) {
+      std::size_t const from = text.find("\"" + key + "\": ") + key.size() + 4;
+      text.replace(from, text.find(',', from) - from, value);
+    };
+    set_field("bytes", std::to_string(size));
+    set_field("sha256", "\"" + sha + "\"");
+    std::ofstream(step_dir + "/index.json", std::ios::trunc) << text;
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  ckpt[1] = "steps=3";
+  std::string msg;
+  try {
+    run(MPI_COMM_WORLD, config({}, P, ckpt));
+    ADD_FAILURE() << "the checkpoint holding NaN was loaded";
+  } catch (moe::InputError const& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("holds nan at element 0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("a checkpoint must hold finite values"), std::string::npos) << msg;
 }
 
 }  // namespace
