@@ -253,8 +253,10 @@ void check_case_finite(moe::io::File const& in, std::string const& file) {
           rest /= std::size_t(sh[d]);
         }
         std::string idx;
-        for (std::size_t d = 0; d < coord.size(); ++d)
-          idx += (d ? "," : "") + std::to_string(coord[d]);
+        for (std::size_t d = 0; d < coord.size(); ++d) {
+          if (d) idx += ',';
+          idx += std::to_string(coord[d]);
+        }
         throw moe::InputError(moe::detail::cat("CASE '", file, "': tensor ", name, " holds ",
                                                std::isnan(v[i]) ? "NaN" : "Inf", " at [", idx,
                                                "] (element ", i,

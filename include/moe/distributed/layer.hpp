@@ -366,7 +366,10 @@ class DistributedMoeLayer {
   }
   static std::string index_list(std::vector<std::int64_t> const& s) {
     std::string out = "[";
-    for (std::size_t i = 0; i < s.size(); ++i) out += (i ? "," : "") + std::to_string(s[i]);
+    for (std::size_t i = 0; i < s.size(); ++i) {
+      if (i) out += ',';
+      out += std::to_string(s[i]);
+    }
     return out + "]";
   }
 
