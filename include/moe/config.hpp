@@ -113,6 +113,16 @@ inline std::string trim(std::string s) {
   return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
 }
 
+/// \brief "[a, b, c]": the text of a shape (or an offset) in messages.
+inline std::string shape_text(std::vector<std::int64_t> const& v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  return s + "]";
+}
+
 /// \brief min(cap, int(rows * factor)) for factor > 0, computed so that no huge factor
 /// overflows the conversion (the ragged receive buffer's row count).
 inline std::int64_t scaled_rows(std::int64_t rows, double factor, std::int64_t cap) {

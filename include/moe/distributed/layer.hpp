@@ -362,15 +362,8 @@ class DistributedMoeLayer {
     auto const b = block(name);
     if (b.local_shape == b.global_shape) return name;
     return detail::cat(name, " (the block of rank ", world_.rank(), " at offset ",
-                       index_list(b.offset), " of ", index_list(b.global_shape), ")");
-  }
-  static std::string index_list(std::vector<std::int64_t> const& s) {
-    std::string out = "[";
-    for (std::size_t i = 0; i < s.size(); ++i) {
-      if (i) out += ',';
-      out += std::to_string(s[i]);
-    }
-    return out + "]";
+                       detail::shape_text(b.offset), " of ", detail::shape_text(b.global_shape),
+                       ")");
   }
 
   template <class V>

@@ -727,11 +727,7 @@ inline MemoryEstimate estimate_layer_memory(LayerPlan const& plan, LayerConfig c
 inline void check_index_limits(LayerPlan const& plan,
                                IndexLimits const& limits = IndexLimits::host()) {
   memory_detail::LayerBuffers const lb(plan, plan.config, true, false);
-  auto shape_text = [](memory_detail::Shape const& s) {
-    std::string t = "[";
-    for (std::size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
-    return t + "]";
-  };
+  using moe::detail::shape_text;
   for (auto const& b : lb.buffers()) {
     std::int64_t const n = checked_product(b.shape, "the element count of " + b.name);
     if (b.rows_limited) {

@@ -337,11 +337,7 @@ inline std::string list_text(Axes const& a) {
   for (auto const& x : a) s += (s.empty() ? "" : ", ") + x;
   return s;
 }
-inline std::string shape_text(std::vector<std::int64_t> const& v) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + "]";
-}
+using moe::detail::shape_text;
 /// [a, (b,c), -] : one entry per dimension.
 inline std::string spec_text(sharding::PartitionSpec const& spec) {
   std::string s = "[";
