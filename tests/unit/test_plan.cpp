@@ -93,6 +93,59 @@ TEST(Plan, OneRankHasNoCollectives) {
   EXPECT_TRUE(p.warnings.empty());
 }
 
+/// The step plan is a data flow: every buffer a stage reads is a step input or written by an
+/// earlier stage (forward, then backward); every stage kind has its own profiling region; the
+/// plan's collective list is the stages' collectives in order; forward and backward have the
+/// stages of the route (ragged all-to-all: dispatch + experts + combine and their transposes).
+void expect_step_dataflow(LayerPlan const& p) {
+  using moe::distributed::StageKind;
+  auto const& step = p.step;
+  Names have = {"x",    "dy", "gate",        "gate_bias",   "wi_0",
+                "wi_1", "wo", "shared_wi_0", "shared_wi_1", "shared_wo"};
+  std::size_t c = 0;
+  for (auto const* phase : {&step.forward, &step.backward}) {
+    for (auto const& st : *phase) {
+      EXPECT_EQ(st.backward, phase == &step.backward) << st.region;
+      EXPECT_EQ(st.region.rfind("moe::", 0), 0u) << st.region;
+      for (auto const& r : st.reads)
+        EXPECT_NE(std::find(have.begin(), have.end(), r), have.end())
+            << st.region << " reads " << r << " before any stage writes it";
+      have.insert(have.end(), st.writes.begin(), st.writes.end());
+      for (auto const& col : st.collectives) {
+        ASSERT_LT(c, p.collectives.size());
+        EXPECT_EQ(p.collectives[c].what, col.what);
+        EXPECT_EQ(p.collectives[c].stage, st.region);
+        EXPECT_EQ(p.collectives[c].backward, st.backward);
+        ++c;
+      }
+    }
+  }
+  EXPECT_EQ(c, p.collectives.size());
+  auto kinds = [](std::vector<moe::distributed::Stage> const& v) {
+    std::vector<StageKind> k;
+    for (auto const& st : v) k.push_back(st.kind);
+    return k;
+  };
+  auto const f = kinds(step.forward), b = kinds(step.backward);
+  ASSERT_FALSE(f.empty());
+  EXPECT_EQ(f.front(), StageKind::gather_weights);
+  EXPECT_EQ(f.back(), StageKind::output);
+  EXPECT_EQ(b.back(), StageKind::reduce_grads);
+  bool const a2a = step.route == moe::ExpertRoute::RaggedA2A;
+  bool const dispatch = a2a || !step.dense;
+  EXPECT_EQ(std::count(f.begin(), f.end(), StageKind::dispatch), dispatch ? 1 : 0);
+  EXPECT_EQ(std::count(b.begin(), b.end(), StageKind::dispatch), 1);
+  EXPECT_EQ(std::count(f.begin(), f.end(), StageKind::gather_tokens),
+            step.route == moe::ExpertRoute::Ring ? 1 : 0);
+  EXPECT_EQ(std::count(f.begin(), f.end(), StageKind::shared_expert),
+            std::count(b.begin(), b.end(), StageKind::shared_expert));
+  for (auto const& w : step.weights)
+    for (auto const& op : w.to_compute)
+      EXPECT_TRUE(op.kind == moe::distributed::WeightOp::Kind::all_gather ||
+                  op.kind == moe::distributed::WeightOp::Kind::slice)
+          << w.name;
+}
+
 TEST(Plan, EveryLayoutOfTheLayerTestIsConsistent) {
   struct L {
     Names layout, layer;
@@ -159,6 +212,7 @@ TEST(Plan, EveryLayoutOfTheLayerTestIsConsistent) {
         if (n == 1) {
           EXPECT_TRUE(p.collectives.empty());
         }
+        expect_step_dataflow(p);
         EXPECT_EQ(p.to_text(), plan(n, l.layout, l.layer, l.batch, r).to_text());
       }
     }

@@ -30,6 +30,8 @@
 #include <moe/distributed/layout.hpp>
 #include <moe/distributed/parallel_config.hpp>
 #include <moe/distributed/reshard.hpp>
+#include <moe/distributed/step_plan.hpp>
+#include <moe/distributed/workspace.hpp>
 #include <moe/layer.hpp>
 #include <moe/nn/expert_ffn.hpp>
 #include <moe/permute/local_permute.hpp>
@@ -40,6 +42,7 @@
 #include <moe/sharding/rules.hpp>
 
 #include <algorithm>
+#include <exception>
 #include <map>
 #include <memory>
 #include <string>
@@ -136,12 +139,13 @@ class DistributedMoeLayer {
     backward(detail::api_view<cview3>(dy), detail::api_view<view3>(dx), grads);
   }
 
-  /// \brief Collective. y_local = MoE(x_local), both [B/batch_parts, S, D].
+  /// \brief Collective. y_local = MoE(x_local), both [B/batch_parts, S, D]: runs the forward
+  /// stages of step_plan() in order.
   void forward(cview3 x, view3 y) {
     detail::Region region("moe::dist::forward");
     log_.records.clear();
     log_.in_backward = false;
-    std::int64_t const D = cfg_.base_emb_dim;
+    std::int64_t const D = cfg_.base_emb_dim, T = plan_.tokens;
     comm::collective_guard(world_, [&] {
       auto const want = block("x").local_shape;
       detail::require<ShapeError>(
@@ -154,29 +158,19 @@ class DistributedMoeLayer {
           "y must have the shape of x");
       check_param_shapes(params_, "parameter");
       if (cfg_.check_finite) {
-        require_finite(cview2(x.data(), x.extent(0) * S_, D), "x");
+        require_finite(cview2(x.data(), T, D), "x");
         // The router reads every gate column for every token: scanned up front (cheap, [D,E]).
         require_finite(params_.gate, block_name("gate"));
         if (cfg_.routed_bias) require_finite(params_.gate_bias, block_name("gate_bias"));
       }
     });
-    T_ = std::int64_t(x.extent(0)) * S_;
-    detail::ensure(space_, x_, "moe::dist::x", T_, D);
-    Kokkos::deep_copy(space_, x_, cview2(x.data(), T_, D));
-    gather_weights();
-    auto y2 = view2(y.data(), T_, D);
-    // Tokens the experts see: own (a2a, local), or the expert group's (ring).
-    if (route_ == ExpertRoute::Ring) {
-      detail::ensure(space_, xw_, "moe::dist::x_work", T_ * ep_().size(), D);
-      gather_dim_(ep_(), x_, xw_, 0, "all-gather tokens (ring)");
-    } else {
-      xw_ = x_;
-    }
-    route_tokens();
-    if (route_ == ExpertRoute::RaggedA2A) {
-      a2a_forward(y2);
-    } else {
-      gathered_forward(y2);
+    // The step keeps its own copy of x: the backward reads it after the caller may have moved on.
+    ws_.enter(nullptr);
+    Kokkos::deep_copy(space_, ws_.make("x", T, D), cview2(x.data(), T, D));
+    auto y2 = view2(y.data(), T, D);
+    for (auto const& st : plan_.forward) {
+      StageScope scope(*this, st);
+      run_forward(st, y2);
     }
     if (cfg_.check_finite) {
       // As the single-rank layer: only a non-finite y pays for scanning the weights, and then
@@ -200,33 +194,29 @@ class DistributedMoeLayer {
   }
 
   /// \brief Collective. Gradients of sum(y * dy) + lb_loss (summed over all ranks) w.r.t. the
-  /// local x block (dx) and the local parameter blocks (grads; allocated if empty).
+  /// local x block (dx) and the local parameter blocks (grads; allocated if empty): runs the
+  /// backward stages of step_plan() in order.
   void backward(cview3 dy, view3 dx, params_type& grads) {
     detail::Region region("moe::dist::backward");
-    std::int64_t const D = cfg_.base_emb_dim;
+    std::int64_t const D = cfg_.base_emb_dim, T = plan_.tokens;
     comm::collective_guard(world_, [&] {
       detail::require<Error>(have_forward_, "backward called without a forward");
       detail::require<ShapeError>(
-          std::int64_t(dy.extent(0)) * S_ == T_ && dy.extent(1) == std::size_t(S_) &&
+          std::int64_t(dy.extent(0)) * S_ == T && dy.extent(1) == std::size_t(S_) &&
               dy.extent(2) == std::size_t(D) && dx.extent(0) == dy.extent(0) &&
               dx.extent(1) == dy.extent(1) && dx.extent(2) == dy.extent(2),
           "dy and dx must have the shape of the forward's x");
-      if (cfg_.check_finite) require_finite(cview2(dy.data(), T_, D), "dy");
+      if (cfg_.check_finite) require_finite(cview2(dy.data(), T, D), "dy");
     });
     log_.in_backward = true;
     if (!grads.gate.data()) grads = alloc_params("moe::grad::");
-    auto dy2 = cview2(dy.data(), T_, D);
-    auto dx2 = view2(dx.data(), T_, D);
     alloc_compute_grads();
-    std::int64_t const K = cfg_.num_experts_per_tok;
-    detail::ensure(space_, dw_, "moe::dist::d_weights", T_, K);
-    if (route_ == ExpertRoute::RaggedA2A) {
-      a2a_backward(dy2, dx2);
-    } else {
-      gathered_backward(dy2, dx2);
+    auto dy2 = cview2(dy.data(), T, D);
+    auto dx2 = view2(dx.data(), T, D);
+    for (auto const& st : plan_.backward) {
+      StageScope scope(*this, st);
+      run_backward(st, dy2, dx2, grads);
     }
-    router_backward(dx2);
-    reduce_grads(grads);
     have_forward_ = false;
   }
 
@@ -241,85 +231,182 @@ class DistributedMoeLayer {
   /// Combine weights for this rank's tokens before capacity dropping, [T_local, K].
   view2 weights() const { return router_.own_rows(router_.state().weights); }
 
+  /// The stages one step runs, with their buffers and collectives (what moe-shard --plan prints).
+  distributed::StepPlan const& step_plan() const { return plan_; }
+
  private:
+  using view2i = View2<int, memory_space>;
+  using ivec = View1<std::int64_t const, memory_space>;
+
+  // ------------------------------------------------------------------ stages ----------------
+  /// Runs one stage: its profiling region, its buffers and its planned collectives; at the end
+  /// every planned collective must have run (a mismatch is a moe::Error on every rank alike:
+  /// the plan's structure does not depend on the rank).
+  struct StageScope {
+    StageScope(DistributedMoeLayer& l, distributed::Stage const& st)
+        : layer(l), region(st.region.c_str()) {
+      layer.stage_ = &st;
+      layer.next_ = 0;
+      layer.ws_.enter(&st);
+    }
+    ~StageScope() noexcept(false) {
+      auto const* st = layer.stage_;
+      layer.stage_ = nullptr;
+      layer.ws_.enter(nullptr);
+      if (std::uncaught_exceptions() == 0 && layer.next_ != st->collectives.size())
+        throw Error(detail::cat("moe internal error: stage ", st->region, " ran ", layer.next_,
+                                " of its ", st->collectives.size(), " planned collectives"));
+    }
+    DistributedMoeLayer& layer;
+    detail::Region region;
+  };
+
+  void run_forward(distributed::Stage const& st, view2 y) {
+    using K = distributed::StageKind;
+    bool const a2a = route_ == ExpertRoute::RaggedA2A;
+    switch (st.kind) {
+      case K::gather_weights:
+        return gather_weights(params_, cp_);
+      case K::gather_tokens:
+        return all_gather_(ep_(), ws_.at("x"),
+                           ws_.make("x_work", plan_.work_tokens, cfg_.base_emb_dim), 0);
+      case K::route:
+        return route_tokens(route_ == ExpertRoute::Ring ? ws_.at("x_work") : ws_.at("x"));
+      case K::dispatch:
+        return a2a ? a2a_dispatch(ws_.at("x")) : local_dispatch(work_x());
+      case K::experts:
+        if (a2a) return a2a_experts(ws_.at("x_local"));
+        return plan_.dense ? dense_experts(work_x()) : local_experts(ws_.at("x_local"));
+      case K::combine:
+        return a2a ? a2a_combine(ws_.at("y_local_cols"))
+                   : gathered_combine(ws_.at(plan_.dense ? "y_work" : "y_local"));
+      case K::shared_expert:
+        return shared_forward(ws_.at("x"), ws_.at("y_cols"));
+      case K::output:
+        return all_gather_(tp_(), ws_.at("y_cols"), y, 1);
+      case K::reduce_grads:
+        break;
+    }
+    throw Error(detail::cat("moe internal error: no forward for stage ", st.region));
+  }
+
+  void run_backward(distributed::Stage const& st, cview2 dy, view2 dx, params_type& grads) {
+    using K = distributed::StageKind;
+    bool const a2a = route_ == ExpertRoute::RaggedA2A;
+    switch (st.kind) {
+      case K::output:
+        return a2a ? a2a_output_backward(dy) : gathered_output_backward(dy);
+      case K::combine:
+        return a2a ? a2a_combine_backward(ws_.at("dy_cols"))
+                   : local_combine_backward(ws_.at("dy_work"));
+      case K::experts:
+        if (a2a) return a2a_experts_backward(ws_.at("dy_local_cols"));
+        return plan_.dense ? dense_experts_backward(ws_.at("dy_work"))
+                           : local_experts_backward(ws_.at("dy_local"));
+      case K::dispatch:
+        return a2a ? a2a_dispatch_backward(ws_.at("dy_local_cols"), dx)
+                   : gathered_dispatch_backward(dx);
+      case K::shared_expert:
+        return shared_backward(dy, dx);
+      case K::route:
+        return router_.backward(space_, cview2(ws_.at("x")), cp_.gate, cview2(ws_.at("d_weights")),
+                                router_.lb_coefficient(B_), dx, gc_.gate, gc_.gate_bias);
+      case K::reduce_grads:
+        return reduce_grads(gc_, grads);
+      case K::gather_weights:
+      case K::gather_tokens:
+        break;
+    }
+    throw Error(detail::cat("moe internal error: no backward for stage ", st.region));
+  }
+
+  /// Tokens the experts see: the expert group's (ring) or this rank's own.
+  view2 work_x() const { return ws_.at(route_ == ExpertRoute::Ring ? "x_work" : "x"); }
+
+  // ------------------------------------------------------------------ collectives ------------
+  /// The comm-log name of the next collective of the running stage, after checking its kind
+  /// and group against the plan.
+  std::string const& planned(char const* kind, std::vector<std::string> const& axes) {
+    auto const& cs = stage_->collectives;
+    bool const ok = next_ < cs.size() && cs[next_].kind == kind && cs[next_].axes == axes;
+    if (!ok)
+      throw Error(detail::cat("moe internal error: stage ", stage_->region, " runs a ", kind,
+                              " over [", join(axes), "] but its plan has ",
+                              next_ < cs.size()
+                                  ? cs[next_].kind + " over [" + join(cs[next_].axes) + "]"
+                                  : std::string("no further collective")));
+    return cs[next_++].what;
+  }
+  template <class InV, class OutV>
+  void all_gather_(distributed::AxisGroup const& g, InV const& in, OutV const& out, int d) {
+    std::string const what = g.size() > 1 ? planned("all-gather", g.axes) : std::string();
+    distributed::gather_dim(space_, g, in, out, d, &log_, what, &ws_.pool());
+  }
+  template <class InV, class OutV>
+  void reduce_scatter_(distributed::AxisGroup const& g, InV const& in, OutV const& out, int d) {
+    std::string const what = g.size() > 1 ? planned("reduce-scatter", g.axes) : std::string();
+    distributed::reduce_scatter_dim(space_, g, in, out, d, &log_, what, &ws_.pool());
+  }
+  template <class V>
+  void all_reduce_(distributed::AxisGroup const& g, V const& v) {
+    all_reduce_(g, v, space_);
+  }
+  template <class V, class Space>
+  void all_reduce_(distributed::AxisGroup const& g, V const& v, Space const& space) {
+    std::string const what =
+        g.size() > 1 && v.span() > 0 ? planned("all-reduce", g.axes) : std::string();
+    distributed::all_reduce(space, g, v, &log_, what);
+  }
+  /// Logs an all-to-all of the ragged plan (rows a rank keeps for itself are copied, not sent).
+  void log_all_to_all(bool reverse, std::int64_t cols) {
+    auto const& rows = reverse ? disp_.a2a->recv_counts() : disp_.a2a->kept_send_counts();
+    std::int64_t n = 0;
+    for (std::size_t j = 0; j < rows.size(); ++j)
+      if (int(j) != disp_.a2a->comm().rank()) n += rows[j];
+    log_.add(planned("all-to-all", ep_axes_), "all-to-all", ep_axes_,
+             n * cols * std::int64_t(sizeof(Scalar)));
+  }
+
   // ------------------------------------------------------------------ layout ----------------
-  std::int64_t axis_size(std::string const& a) const { return layout_.axis_size(a); }
-  std::int64_t parts(std::vector<std::string> const& axes) const { return layout_.parts(axes); }
-  /// Row-major index of this rank over `axes` (in the given order).
-  std::int64_t shard_index(std::vector<std::string> const& axes) const {
-    return layout_.shard_index(axes);
-  }
-  static bool contains(std::vector<std::string> const& v, std::string const& a) {
-    return distributed::layout_detail::contains(v, a);
-  }
-  static std::vector<std::string> minus(std::vector<std::string> const& a,
-                                        std::vector<std::string> const& b) {
-    return distributed::layout_detail::minus(a, b);
-  }
   static std::string join(std::vector<std::string> const& v) {
     return distributed::layout_detail::join(v);
   }
 
-  distributed::WeightLayout const& weight(std::string const& name) const {
-    return layout_.weight(name);
-  }
-
   /// Resolves every spec, checks divisibility (distributed::compute_layout, a pure function of
-  /// the agreed configuration, so every rank throws the same error) and keeps what the step uses.
+  /// the agreed configuration, so every rank throws the same error) and plans the step.
   void setup_layout() {
     layout_ = distributed::compute_layout(cfg_, par_, world_.size(), world_.rank(), B_, S_,
                                           std::is_same_v<typename Policy::gmm_policy, gmm::Dense>);
     mesh_ = layout_.mesh;
-    rules_ = layout_.rules;
     batch_axes_ = layout_.batch_axes;
     ep_axes_ = layout_.ep_axes;
-    tp_axes_ = layout_.tp_axes;
-    batch_parts_ = layout_.batch_parts;
-    batch_index_ = layout_.batch_index;
     route_ = layout_.route;
-    L_ = layout_.local_experts;
-    e0_ = layout_.first_expert;
+    plan_ = distributed::make_step_plan(layout_, cfg_, par_, sizeof(Scalar));
   }
 
+  /// Every group the step uses, created in the same order on every rank (collective).
   void make_groups() {
     auto group = [&](std::vector<std::string> const& axes) {
       std::string key = join(axes);
-      auto it = groups_.find(key);
-      if (it == groups_.end()) {
+      if (groups_.find(key) == groups_.end()) {
         MPI_Comm c = axes.empty() ? MPI_COMM_SELF : mesh_comm_->group_comm(axes);
-        it = groups_.emplace(key, distributed::AxisGroup{axes, comm::Communicator(c)}).first;
+        groups_.emplace(key, distributed::AxisGroup{axes, comm::Communicator(c)});
       }
-      return &it->second;
     };
-    // Every group any rank may need, created in the same order everywhere (collective).
-    group(ep_axes_);
-    group(tp_axes_);
-    group(batch_axes_);
-    for (auto const& w : layout_.weights) {
-      for (auto const& d : w.dims) {
-        group(d.gather);
-        group(d.slice);
-        if (par_.moe_fsdp_use_two_stage_all_gather)
-          for (auto const& a : d.gather) group({a});
-        group(minus(d.gather, minus(d.gather, w.reduce)));  // gathered axes that also reduce
-      }
-      std::vector<std::string> gathered;
-      for (auto const& d : w.dims)
-        for (auto const& a : d.gather) gathered.push_back(a);
-      group(minus(w.reduce, gathered));
-    }
-    ep_g_ = &group_of(ep_axes_);
-    tp_g_ = &group_of(tp_axes_);
-    batch_g_ = &group_of(batch_axes_);
+    group(layout_.ep_axes);
+    group(layout_.tp_axes);
+    group(layout_.batch_axes);
+    for (auto const& axes : plan_.groups()) group(axes);
+    ep_g_ = &group_of(layout_.ep_axes);
+    tp_g_ = &group_of(layout_.tp_axes);
+    batch_g_ = &group_of(layout_.batch_axes);
   }
-
-  distributed::AxisGroup const& ep_() const { return *ep_g_; }
-  distributed::AxisGroup const& tp_() const { return *tp_g_; }
-  distributed::AxisGroup const& batch_() const { return *batch_g_; }
-
   distributed::AxisGroup const& group_of(std::vector<std::string> const& axes) const {
     return groups_.at(join(axes));
   }
+  distributed::AxisGroup const& ep_() const { return *ep_g_; }
+  distributed::AxisGroup const& tp_() const { return *tp_g_; }
+  distributed::AxisGroup const& batch_() const { return *batch_g_; }
 
   params_type alloc_params(std::string const& prefix) const {
     params_type p;
@@ -372,82 +459,61 @@ class DistributedMoeLayer {
   }
 
   // ------------------------------------------------------------------ weights ---------------
-  /// Compute block of a stored weight: gather over `gather` axes, slice over `slice` axes.
+  /// A view of `shape` on the pool buffer of `key` (kept from step to step; keys must differ
+  /// between views alive at the same time).
   template <class V>
-  V to_compute(distributed::WeightLayout const& w, V const& stored) {
-    // All gathers first, then the slices: a gather must combine blocks cut the same way.
-    V cur = stored;
+  V shaped(std::vector<std::int64_t> const& shape, std::string const& key) {
+    std::size_t n = 1;
+    for (auto e : shape) n *= std::size_t(e);
+    auto buf = ws_.pool().template get<Scalar>(key, n);
+    if constexpr (V::rank == 1)
+      return V(buf.data(), shape[0]);
+    else if constexpr (V::rank == 2)
+      return V(buf.data(), shape[0], shape[1]);
+    else
+      return V(buf.data(), shape[0], shape[1], shape[2]);
+  }
+
+  /// Runs weight ops (the plan's to_compute or to_storage) on `cur`; returns the last block.
+  template <class V>
+  V run_weight_ops(std::vector<distributed::WeightOp> const& ops, V cur, std::string const& key) {
+    using Op = distributed::WeightOp::Kind;
     int k = 0;  // pool key of each intermediate
-    for (std::size_t d = 0; d < w.dims.size(); ++d) {
-      auto const& dl = w.dims[d];
-      if (dl.gather.empty()) continue;
-      std::vector<std::vector<std::string>> stages{dl.gather};
-      if (par_.moe_fsdp_use_two_stage_all_gather && dl.gather.size() > 1) {
-        // one collective per axis, minor axis first, so blocks stay in row-major order
-        stages.clear();
-        for (auto it = dl.gather.rbegin(); it != dl.gather.rend(); ++it) stages.push_back({*it});
+    for (auto const& op : ops) {
+      if (op.kind == Op::all_reduce) {
+        all_reduce_(group_of(op.axes), cur);
+        continue;
       }
-      for (auto const& st : stages) {
-        auto const& g = group_of(st);
-        V next = grown(cur, d, g.size(), "gathered_" + w.name + "#" + std::to_string(k++));
-        gather_dim_(g, cur, next, int(d), "gather " + w.name);
-        cur = next;
-      }
-    }
-    for (std::size_t d = 0; d < w.dims.size(); ++d) {
-      auto const& dl = w.dims[d];
-      if (dl.slice.empty()) continue;
-      std::int64_t const P = parts(dl.slice);
-      V next = grown(cur, d, 1, "sliced_" + w.name + "#" + std::to_string(k++), P);
-      distributed::slice_dim(space_, int(P), int(shard_index(dl.slice)), cur, next, int(d));
+      V next = shaped<V>(op.shape, key + "#" + std::to_string(k++));
+      if (op.kind == Op::all_gather)
+        all_gather_(group_of(op.axes), cur, next, op.dim);
+      else if (op.kind == Op::reduce_scatter)
+        reduce_scatter_(group_of(op.axes), cur, next, op.dim);
+      else
+        distributed::slice_dim(space_, int(op.parts), int(op.index), cur, next, op.dim);
       cur = next;
     }
     return cur;
   }
 
-  /// A view like v with dimension d multiplied by mul and divided by div, on the pool buffer of
-  /// `key` (kept from step to step; keys must differ between views alive at the same time).
-  template <class V>
-  V grown(V const& v, std::size_t d, std::int64_t mul, std::string const& key,
-          std::int64_t div = 1) {
-    std::size_t ext[3] = {v.extent(0), V::rank > 1 ? v.extent(1) : 1,
-                          V::rank > 2 ? v.extent(2) : 1};
-    ext[d] = ext[d] * mul / div;
-    auto buf = pool_.template get<Scalar>(key, ext[0] * ext[1] * ext[2]);
-    if constexpr (V::rank == 1)
-      return V(buf.data(), ext[0]);
-    else if constexpr (V::rank == 2)
-      return V(buf.data(), ext[0], ext[1]);
-    else
-      return V(buf.data(), ext[0], ext[1], ext[2]);
-  }
-
-  template <class InV, class OutV>
-  void gather_dim_(distributed::AxisGroup const& g, InV const& in, OutV const& out, int d,
-                   std::string const& what) {
-    distributed::gather_dim(space_, g, in, out, d, &log_, what, &pool_);
-  }
-  template <class InV, class OutV>
-  void reduce_scatter_dim_(distributed::AxisGroup const& g, InV const& in, OutV const& out, int d,
-                           std::string const& what) {
-    distributed::reduce_scatter_dim(space_, g, in, out, d, &log_, what, &pool_);
-  }
-
-  void gather_weights() {
-    detail::Region region("moe::dist::gather_weights");
-    cp_.gate = to_compute(weight("gate"), params_.gate);
-    if (cfg_.routed_bias) cp_.gate_bias = params_.gate_bias;
-    cp_.wi_0 = to_compute(weight("wi_0"), params_.wi_0);
-    cp_.wi_1 = to_compute(weight("wi_1"), params_.wi_1);
-    cp_.wo = to_compute(weight("wo"), params_.wo);
+  /// Stored blocks -> compute blocks (the gate bias stays replicated).
+  void gather_weights(params_type const& stored, params_type& compute) {
+    auto to_compute = [&](char const* n, auto const& v) {
+      return run_weight_ops(plan_.weight(n).to_compute, v, std::string("compute.") + n);
+    };
+    compute.gate = to_compute("gate", stored.gate);
+    if (cfg_.routed_bias) compute.gate_bias = stored.gate_bias;
+    compute.wi_0 = to_compute("wi_0", stored.wi_0);
+    compute.wi_1 = to_compute("wi_1", stored.wi_1);
+    compute.wo = to_compute("wo", stored.wo);
     // A gathered (or sliced) expert weight is new data in a reused buffer: a new version.
-    if (cp_.wi_0.data() != params_.wi_0.data() || cp_.wi_1.data() != params_.wi_1.data() ||
-        cp_.wo.data() != params_.wo.data())
+    if (compute.wi_0.data() != stored.wi_0.data() || compute.wi_1.data() != stored.wi_1.data() ||
+        compute.wo.data() != stored.wo.data())
       weights_changed();
     if (cfg_.shared_mlp_dim() > 0) {
-      cp_.shared_wi_0 = to_compute(weight("shared_wi_0"), params_.shared_wi_0);
-      cp_.shared_wi_1 = to_compute(weight("shared_wi_1"), params_.shared_wi_1);
-      cp_.shared_wo = to_compute(weight("shared_wo"), params_.shared_wo);
+      compute.shared_wi_0 = to_compute("shared_wi_0", stored.shared_wi_0);
+      compute.shared_wi_1 = to_compute("shared_wi_1", stored.shared_wi_1);
+      compute.shared_wo = to_compute("shared_wo", stored.shared_wo);
     }
   }
 
@@ -474,83 +540,52 @@ class DistributedMoeLayer {
     }
   }
 
-  /// Compute-block gradient -> stored-block gradient: sum over the token axes that differ,
-  /// transposing the gathers (reduce-scatter) and the slices (all-gather).
-  template <class V>
-  void to_storage(distributed::WeightLayout const& w, V const& computed, V const& out) {
-    std::vector<std::string> gathered;
-    for (auto const& d : w.dims)
-      for (auto const& a : d.gather) gathered.push_back(a);
-    V cur = computed;
-    int k = 0;  // pool key of each intermediate
-    distributed::all_reduce(space_, group_of(minus(w.reduce, gathered)), cur, &log_,
-                            "reduce d_" + w.name);
-    // The transpose of to_compute: undo the slices (all-gather), then the gathers.
-    for (std::size_t d = 0; d < w.dims.size(); ++d) {
-      auto const& dl = w.dims[d];
-      if (dl.slice.empty()) continue;
-      auto const& g = group_of(dl.slice);
-      V next = grown(cur, d, g.size(), "unsliced_d_" + w.name + "#" + std::to_string(k++));
-      gather_dim_(g, cur, next, int(d), "unslice d_" + w.name);
-      cur = next;
-    }
-    for (std::size_t d = 0; d < w.dims.size(); ++d) {
-      auto const& dl = w.dims[d];
-      if (dl.gather.empty()) continue;
-      auto const summed = minus(dl.gather, minus(dl.gather, w.reduce));
-      std::int64_t const P = parts(dl.gather);
-      V next = grown(cur, d, 1, "scattered_d_" + w.name + "#" + std::to_string(k++), P);
-      if (summed.size() == dl.gather.size()) {
-        reduce_scatter_dim_(group_of(dl.gather), cur, next, int(d), "reduce-scatter d_" + w.name);
-      } else {
-        distributed::all_reduce(space_, group_of(summed), cur, &log_, "reduce d_" + w.name);
-        distributed::slice_dim(space_, int(P), int(shard_index(dl.gather)), cur, next, int(d));
-      }
-      cur = next;
-    }
-    Kokkos::deep_copy(space_, out, cur);
-  }
-
-  void reduce_grads(params_type& g) {
-    detail::Region region("moe::dist::reduce_grads");
-    to_storage(weight("gate"), gc_.gate, g.gate);
-    if (cfg_.routed_bias) to_storage(weight("gate_bias"), gc_.gate_bias, g.gate_bias);
-    to_storage(weight("wi_0"), gc_.wi_0, g.wi_0);
-    to_storage(weight("wi_1"), gc_.wi_1, g.wi_1);
-    to_storage(weight("wo"), gc_.wo, g.wo);
+  /// Compute-block gradients -> stored-block gradients (the transposes of gather_weights).
+  void reduce_grads(params_type const& computed, params_type& out) {
+    auto to_storage = [&](char const* n, auto const& g, auto const& o) {
+      Kokkos::deep_copy(space_, o,
+                        run_weight_ops(plan_.weight(n).to_storage, g, std::string("d.") + n));
+    };
+    to_storage("gate", computed.gate, out.gate);
+    if (cfg_.routed_bias) to_storage("gate_bias", computed.gate_bias, out.gate_bias);
+    to_storage("wi_0", computed.wi_0, out.wi_0);
+    to_storage("wi_1", computed.wi_1, out.wi_1);
+    to_storage("wo", computed.wo, out.wo);
     if (cfg_.shared_mlp_dim() > 0) {
-      to_storage(weight("shared_wi_0"), gc_.shared_wi_0, g.shared_wi_0);
-      to_storage(weight("shared_wi_1"), gc_.shared_wi_1, g.shared_wi_1);
-      to_storage(weight("shared_wo"), gc_.shared_wo, g.shared_wo);
+      to_storage("shared_wi_0", computed.shared_wi_0, out.shared_wi_0);
+      to_storage("shared_wi_1", computed.shared_wi_1, out.shared_wi_1);
+      to_storage("shared_wo", computed.shared_wo, out.shared_wo);
     }
   }
 
   // ------------------------------------------------------------------ routing ---------------
-  void route_tokens() {
+  /// Routes the working tokens xw (own, or the expert group's on the ring); the load-balance
+  /// loss and the bias update are global (statistics summed over the batch axes).
+  void route_tokens(view2 xw) {
     int const K = cfg_.num_experts_per_tok;
+    std::int64_t const T = plan_.tokens;
     // Random routing draws from the global token index: each member's rows are routed with its
     // own offset (a member's tokens are a contiguous block of the global batch).
     bool const ring = route_ == ExpertRoute::Ring;
     int const members = ring ? ep_().size() : 1;
     std::vector<std::uint64_t> offsets(std::size_t(members), 0);
     for (int m = 0; m < members; ++m)
-      offsets[std::size_t(m)] = std::uint64_t((ring ? member_batch_index(m) : batch_index_) * T_);
-    router_.forward(space_, cview2(xw_), cp_.gate, cp_.gate_bias, S_, offsets,
+      offsets[std::size_t(m)] =
+          std::uint64_t((ring ? member_batch_index(m) : layout_.batch_index) * T);
+    router_.forward(space_, cview2(xw), cp_.gate, cp_.gate_bias, S_, offsets,
                     ring ? ep_().rank() : 0);
-    // Global load-balance loss over this rank's own sequences, summed over the batch axes.
     lb_loss_ = 0;
     if (cfg_.load_balance_loss_weight > 0) {
       View1<double, Kokkos::HostSpace> v("moe::dist::lb_sum", 1);
       v(0) = router_.lb_sum();
-      distributed::all_reduce(Kokkos::DefaultHostExecutionSpace(), batch_(), v, &log_, "lb loss");
+      all_reduce_(batch_(), v, Kokkos::DefaultHostExecutionSpace());
       lb_loss_ = router_.lb_loss(v(0), B_);
     }
     bias_update_.clear();
     if (cfg_.routed_bias_update_rate > 0) {
       auto counts = router_.expert_counts();
       View1<std::int64_t, Kokkos::HostSpace> h(counts.data(), counts.size());
-      distributed::all_reduce(Kokkos::DefaultHostExecutionSpace(), batch_(), h, &log_,
-                              "bias counts");
+      all_reduce_(batch_(), h, Kokkos::DefaultHostExecutionSpace());
       bias_update_ = routing::bias_update(counts, B_ * S_ * K, cfg_.routed_bias_update_rate);
     }
   }
@@ -563,288 +598,255 @@ class DistributedMoeLayer {
     std::int64_t rem = m;
     std::vector<std::int64_t> ep_coord(ep_axes_.size());
     for (std::size_t i = ep_axes_.size(); i-- > 0;) {
-      ep_coord[i] = rem % axis_size(ep_axes_[i]);
-      rem /= axis_size(ep_axes_[i]);
+      ep_coord[i] = rem % layout_.axis_size(ep_axes_[i]);
+      rem /= layout_.axis_size(ep_axes_[i]);
     }
     for (auto const& a : batch_axes_) {
       auto it = std::find(ep_axes_.begin(), ep_axes_.end(), a);
       std::int64_t const c = it != ep_axes_.end() ? ep_coord[it - ep_axes_.begin()]
                                                   : (mesh_.has_axis(a) ? mesh_.coord(rank, a) : 0);
-      idx = idx * axis_size(a) + c;
+      idx = idx * layout_.axis_size(a) + c;
     }
     return idx;
   }
 
-  /// d_weights -> gate logits -> dx (+=) and the gate / bias gradients (compute blocks).
-  void router_backward(view2 dx) {
-    router_.backward(space_, cview2(x_), cp_.gate, cview2(dw_), router_.lb_coefficient(B_), dx,
-                     gc_.gate, gc_.gate_bias);
+  View2<int const, memory_space> expert_ids_() const {
+    return View2<int const, memory_space>(router_.state().expert_ids);
   }
+  View2<int const, memory_space> kept_() const {
+    return View2<int const, memory_space>(router_.state().kept);
+  }
+  cview2 route_weights_() const { return cview2(router_.state().weights); }
 
-  // ------------------------------------------------------------ ragged all-to-all path ------
-  /// Rows the dispatch plan (reverse: its reverse) moves from this rank to other ranks; rows a
-  /// rank keeps for itself are copied, not sent, and are not counted in the comm log.
-  std::int64_t a2a_rows_to_others(bool reverse) const {
-    auto const& rows = reverse ? a2a_->recv_counts() : a2a_->kept_send_counts();
-    std::int64_t n = 0;
-    for (std::size_t j = 0; j < rows.size(); ++j)
-      if (int(j) != a2a_->comm().rank()) n += rows[j];
-    return n;
-  }
-  void a2a_forward(view2 y) {
-    detail::Region region("moe::dispatch::ragged_all_to_all");
+  // ------------------------------------------------ strategy: ragged all-to-all -------------
+  // Rows travel to the ranks of their experts (dispatch), are regrouped by local expert, run
+  // through the grouped GEMMs, and travel back (combine) as D/tp column blocks.
+  void a2a_dispatch(view2 x) {
     int const D = cfg_.base_emb_dim, E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
-    int const ep = ep_().size(), tp = tp_().size();
-    permute::sort_by_expert(space_, View2<int const, memory_space>(router_.state().expert_ids),
-                            View2<int const, memory_space>(router_.state().kept), E, perm_);
-    std::int64_t const n_o = perm_.rows();
-    detail::ensure(space_, xs_o_, "moe::dist::x_sorted", n_o, D);
-    permute::gather_rows(space_, cview2(x_), View1<std::int64_t const, memory_space>(perm_.perm), K,
-                         xs_o_);
-    auto const& off = perm_.groups.offsets_host;
+    int const ep = ep_().size();
+    std::int64_t const L = layout_.local_experts;
+    auto& perm = disp_.perm;
+    permute::sort_by_expert(space_, expert_ids_(), kept_(), E, perm);
+    auto xs_o = ws_.make("x_sorted", perm.rows(), D);
+    permute::gather_rows(space_, cview2(x), ivec(perm.perm), K, xs_o);
+    auto const& off = perm.groups.offsets_host;
     std::vector<std::int64_t> sizes(E), send(ep);
     for (int e = 0; e < E; ++e) sizes[e] = off(e + 1) - off(e);
-    for (int j = 0; j < ep; ++j) send[j] = off((j + 1) * L_) - off(j * L_);
+    for (int j = 0; j < ep; ++j) send[j] = off((j + 1) * L) - off(j * L);
     std::int64_t const R =
         par_.ragged_buffer_factor > 0
-            ? comm::ragged_buffer_size(T_ * K, ep, E, K, par_.ragged_buffer_factor)
+            ? comm::ragged_buffer_size(plan_.tokens * K, ep, E, K, par_.ragged_buffer_factor)
             : -1;
-    a2a_ = std::make_unique<comm::RaggedAllToAll>(ep_().comm, send, R);
-    log_.add("dispatch", "all-to-all", ep_axes_,
-             a2a_rows_to_others(false) * D * std::int64_t(sizeof(Scalar)));
-    detail::ensure(space_, xr_, "moe::dist::x_received", a2a_->recv_total(), D);
-    a2a_->forward(space_, xs_o_, xr_);
+    disp_.a2a = std::make_unique<comm::RaggedAllToAll>(ep_().comm, send, R);
+    log_all_to_all(false, D);
+    auto xr = ws_.make("x_received", disp_.a2a->recv_total(), D);
+    disp_.a2a->forward(space_, xs_o, xr);
     // Everyone's group sizes -> the local regrouping of received rows by local expert.
     View1<std::int64_t, Kokkos::HostSpace> mine("moe::dist::sizes", E),
         all("moe::dist::all_sizes", E * ep);
     std::copy(sizes.begin(), sizes.end(), mine.data());
     comm::all_gather(ep_().comm, Kokkos::DefaultHostExecutionSpace(), mine, all);
     std::vector<std::int64_t> G(all.data(), all.data() + E * ep);
-    permute::make_local_permutation(space_, permute::local_layout(G, E, ep, ep_().rank(), R), lp_);
-    std::int64_t const n = lp_.rows();
-    detail::ensure(space_, xs_, "moe::dist::x_local", n, D);
-    permute::permute_rows(space_, lp_, xr_, xs_);
-    groups_local_.offsets = lp_.group_offsets;
-    groups_local_.offsets_host = lp_.group_offsets_host;
-    detail::ensure(space_, ys_, "moe::dist::y_local", n, D);
-    ffn_.forward(space_, cfg_.mlp_activation, xs_, groups_local_, cp_.wi_0, cp_.wi_1, cp_.wo, ys_,
+    permute::make_local_permutation(space_, permute::local_layout(G, E, ep, ep_().rank(), R),
+                                    disp_.lp);
+    auto xs = ws_.make("x_local", disp_.lp.rows(), D);
+    permute::permute_rows(space_, disp_.lp, xr, xs);
+    disp_.groups.offsets = disp_.lp.group_offsets;
+    disp_.groups.offsets_host = disp_.lp.group_offsets_host;
+  }
+  void a2a_experts(view2 xs) {
+    std::int64_t const D = cfg_.base_emb_dim, n = xs.extent(0);
+    auto ys = ws_.make("y_local", n, D);
+    ffn_.forward(space_, cfg_.mlp_activation, xs, disp_.groups, cp_.wi_0, cp_.wi_1, cp_.wo, ys,
                  weights_version_);
     // Partial down-projections (tensor-split hidden dim) -> column blocks of D.
-    std::int64_t const Dc = D / tp;
-    detail::ensure(space_, ys_c_, "moe::dist::y_local_cols", n, Dc);
-    reduce_scatter_dim_(tp_(), ys_, ys_c_, 1, "reduce-scatter y (tensor)");
-    detail::ensure(space_, yr_c_, "moe::dist::y_received_cols", a2a_->recv_total(), Dc);
-    permute::unpermute_rows(space_, lp_, ys_c_, yr_c_);
-    detail::ensure(space_, ys_o_c_, "moe::dist::y_sorted_cols", n_o, Dc);
-    log_.add("combine", "all-to-all", ep_axes_,
-             a2a_rows_to_others(true) * Dc * std::int64_t(sizeof(Scalar)));
-    a2a_->reverse(space_, yr_c_, ys_o_c_);
-    detail::ensure(space_, y_c_, "moe::dist::y_cols", T_, Dc);
-    permute::combine(space_, cview2(ys_o_c_),
-                     View1<std::int64_t const, memory_space>(perm_.inverse),
-                     cview2(router_.state().weights), false, y_c_);
-    finish_output(y);
+    auto ys_c = ws_.make("y_local_cols", n, D / tp_().size());
+    reduce_scatter_(tp_(), ys, ys_c, 1);
   }
-
-  void a2a_backward(cview2 dy, view2 dx) {
-    detail::Region region("moe::dispatch::ragged_all_to_all::backward");
-    int const D = cfg_.base_emb_dim, K = cfg_.num_experts_per_tok, tp = tp_().size();
-    std::int64_t const Dc = D / tp, n_o = perm_.rows(), n = lp_.rows();
-    // This rank's column block of dy.
-    detail::ensure(space_, dy_c_, "moe::dist::dy_cols", T_, Dc);
-    distributed::slice_dim(space_, tp, tp_().rank(), dy, dy_c_, 1);
-    detail::ensure(space_, dys_o_c_, "moe::dist::dy_sorted_cols", n_o, Dc);
-    permute::combine_backward(space_, cview2(dy_c_), cview2(ys_o_c_),
-                              View1<std::int64_t const, memory_space>(perm_.perm),
-                              View1<std::int64_t const, memory_space>(perm_.inverse),
-                              cview2(router_.state().weights), dys_o_c_, dw_);
-    distributed::all_reduce(space_, tp_(), dw_, &log_, "reduce d_weights (tensor)");
-    detail::ensure(space_, dyr_c_, "moe::dist::dy_received_cols", a2a_->recv_total(), Dc);
-    log_.add("dispatch d_y", "all-to-all", ep_axes_,
-             a2a_rows_to_others(false) * Dc * std::int64_t(sizeof(Scalar)));
-    a2a_->forward(space_, dys_o_c_, dyr_c_);
-    detail::ensure(space_, dys_c_, "moe::dist::dy_local_cols", n, Dc);
-    permute::permute_rows(space_, lp_, dyr_c_, dys_c_);
-    detail::ensure(space_, dys_, "moe::dist::dy_local", n, D);
-    gather_dim_(tp_(), dys_c_, dys_, 1, "all-gather d_y (tensor)");
-    // dxs (partial over the tensor-split hidden dim) overwrites dys.
-    ffn_.backward(space_, dys_, groups_local_, cp_.wi_0, cp_.wi_1, cp_.wo, dys_, gc_.wi_0, gc_.wi_1,
+  void a2a_combine(view2 ys_c) {
+    std::int64_t const Dc = ys_c.extent(1);
+    auto yr_c = ws_.make("y_received_cols", disp_.a2a->recv_total(), Dc);
+    permute::unpermute_rows(space_, disp_.lp, ys_c, yr_c);
+    auto ys_o_c = ws_.make("y_sorted_cols", disp_.perm.rows(), Dc);
+    log_all_to_all(true, Dc);
+    disp_.a2a->reverse(space_, yr_c, ys_o_c);
+    auto y_c = ws_.make("y_cols", plan_.tokens, Dc);
+    permute::combine(space_, cview2(ys_o_c), ivec(disp_.perm.inverse), route_weights_(), false,
+                     y_c);
+  }
+  void a2a_output_backward(cview2 dy) {
+    int const tp = tp_().size();
+    auto dy_c = ws_.make("dy_cols", plan_.tokens, cfg_.base_emb_dim / tp);
+    distributed::slice_dim(space_, tp, tp_().rank(), dy, dy_c, 1);
+  }
+  void a2a_combine_backward(view2 dy_c) {
+    std::int64_t const Dc = dy_c.extent(1);
+    auto dys_o_c = ws_.make("dy_sorted_cols", disp_.perm.rows(), Dc);
+    auto dw = ws_.make("d_weights", plan_.tokens, cfg_.num_experts_per_tok);
+    permute::combine_backward(space_, cview2(dy_c), cview2(ws_.at("y_sorted_cols")),
+                              ivec(disp_.perm.perm), ivec(disp_.perm.inverse), route_weights_(),
+                              dys_o_c, dw);
+    all_reduce_(tp_(), dw);
+    auto dyr_c = ws_.make("dy_received_cols", disp_.a2a->recv_total(), Dc);
+    log_all_to_all(false, Dc);
+    disp_.a2a->forward(space_, dys_o_c, dyr_c);
+    auto dys_c = ws_.make("dy_local_cols", disp_.lp.rows(), Dc);
+    permute::permute_rows(space_, disp_.lp, dyr_c, dys_c);
+  }
+  void a2a_experts_backward(view2 dys_c) {
+    auto dys = ws_.make("dy_local", dys_c.extent(0), cfg_.base_emb_dim);
+    all_gather_(tp_(), dys_c, dys, 1);
+    // dxs (partial over the tensor-split hidden dim) overwrites dys, then its column block dys_c.
+    ffn_.backward(space_, dys, disp_.groups, cp_.wi_0, cp_.wi_1, cp_.wo, dys, gc_.wi_0, gc_.wi_1,
                   gc_.wo);
-    reduce_scatter_dim_(tp_(), dys_, dys_c_, 1, "reduce-scatter d_x (tensor)");
-    permute::unpermute_rows(space_, lp_, dys_c_, dyr_c_);
-    log_.add("combine d_x", "all-to-all", ep_axes_,
-             a2a_rows_to_others(true) * Dc * std::int64_t(sizeof(Scalar)));
-    a2a_->reverse(space_, dyr_c_, dys_o_c_);
-    permute::gather_rows_backward(space_, cview2(dys_o_c_),
-                                  View1<std::int64_t const, memory_space>(perm_.inverse), K, false,
-                                  dy_c_);
-    gather_dim_(tp_(), dy_c_, dx, 1, "all-gather d_x (tensor)");
-    shared_backward(dy, dx);
+    reduce_scatter_(tp_(), dys, dys_c, 1);
+  }
+  void a2a_dispatch_backward(view2 dxs_c, view2 dx) {
+    auto dxr_c = ws_.at("dy_received_cols");
+    permute::unpermute_rows(space_, disp_.lp, dxs_c, dxr_c);
+    auto dxs_o_c = ws_.at("dy_sorted_cols");
+    log_all_to_all(true, dxs_c.extent(1));
+    disp_.a2a->reverse(space_, dxr_c, dxs_o_c);
+    auto dx_c = ws_.at("dy_cols");
+    permute::gather_rows_backward(space_, cview2(dxs_o_c), ivec(disp_.perm.inverse),
+                                  cfg_.num_experts_per_tok, false, dx_c);
+    all_gather_(tp_(), dx_c, dx, 1);
   }
 
-  // ------------------------------------------------ token-gathering paths (ring, replicated) --
-  /// Local experts [e0, e0+L) on the working tokens; yw [Tw, D] partial over the expert group
-  /// (only local experts) and the tensor-split hidden dim.
-  void gathered_forward(view2 y) {
-    detail::Region region("moe::dispatch::gathered");
-    int const D = cfg_.base_emb_dim;
-    std::int64_t const Tw = xw_.extent(0);
-    detail::ensure(space_, yw_, "moe::dist::y_work", Tw, D);
-    if (dense()) {
-      dense_forward();
-    } else {
-      local_ids();
-      int const K = cfg_.num_experts_per_tok;
-      permute::sort_by_expert(space_, View2<int const, memory_space>(lids_),
-                              View2<int const, memory_space>(lkept_), L_, perm_);
-      std::int64_t const n = perm_.rows();
-      detail::ensure(space_, xs_, "moe::dist::x_local", n, D);
-      detail::ensure(space_, ys_, "moe::dist::y_local", n, D);
-      permute::gather_rows(space_, cview2(xw_), View1<std::int64_t const, memory_space>(perm_.perm),
-                           K, xs_);
-      ffn_.forward(space_, cfg_.mlp_activation, xs_, perm_.groups, cp_.wi_0, cp_.wi_1, cp_.wo, ys_,
-                   weights_version_);
-      permute::combine(space_, cview2(ys_), View1<std::int64_t const, memory_space>(perm_.inverse),
-                       cview2(router_.state().weights), false, yw_);
-    }
+  // ------------------------------------ strategy: gathered tokens (ring, replicated, local) --
+  // Each rank runs its local experts [e0, e0+L) on the working tokens; partial outputs (only
+  // local experts, tensor-split hidden dim) are summed back onto their owners.
+  void local_dispatch(view2 xw) {
+    std::int64_t const Tw = xw.extent(0);
+    int const K = cfg_.num_experts_per_tok;
+    // Local expert ids (global id - e0) and the kept mask restricted to local experts.
+    auto lids = ws_.template make<int>("local_ids", Tw, K);
+    auto lkept = ws_.template make<int>("local_kept", Tw, K);
+    permute::local_expert_ids(space_, expert_ids_(), kept_(), int(layout_.first_expert),
+                              int(layout_.local_experts), lids, lkept);
+    permute::sort_by_expert(space_, View2<int const, memory_space>(lids),
+                            View2<int const, memory_space>(lkept), layout_.local_experts,
+                            disp_.perm);
+    auto xs = ws_.make("x_local", disp_.perm.rows(), cfg_.base_emb_dim);
+    permute::gather_rows(space_, cview2(xw), ivec(disp_.perm.perm), K, xs);
+  }
+  void local_experts(view2 xs) {
+    auto ys = ws_.make("y_local", xs.extent(0), cfg_.base_emb_dim);
+    ffn_.forward(space_, cfg_.mlp_activation, xs, disp_.perm.groups, cp_.wi_0, cp_.wi_1, cp_.wo, ys,
+                 weights_version_);
+  }
+  void dense_experts(view2 xw) {
+    auto yw = ws_.make("y_work", xw.extent(0), cfg_.base_emb_dim);
+    dense_.forward(space_, cfg_.mlp_activation, cview2(xw), expert_ids_(), kept_(),
+                   route_weights_(), int(layout_.first_expert), cp_.wi_0, cp_.wi_1, cp_.wo, yw);
+  }
+  void gathered_combine(view2 ys) {
+    std::int64_t const D = cfg_.base_emb_dim;
+    view2 yw = plan_.dense ? ys : ws_.make("y_work", plan_.work_tokens, D);
+    if (!plan_.dense)
+      permute::combine(space_, cview2(ys), ivec(disp_.perm.inverse), route_weights_(), false, yw);
     // Sum the expert group's partial outputs onto each rank's own tokens, then split D over tensor.
-    detail::ensure(space_, yo_, "moe::dist::y_own", T_, D);
-    tokens_reduce(yw_, yo_, "y");
-    detail::ensure(space_, y_c_, "moe::dist::y_cols", T_, D / tp_().size());
-    reduce_scatter_dim_(tp_(), yo_, y_c_, 1, "reduce-scatter y (tensor)");
-    finish_output(y);
+    auto yo = ws_.make("y_own", plan_.tokens, D);
+    tokens_reduce(yw, yo);
+    auto y_c = ws_.make("y_cols", plan_.tokens, D / tp_().size());
+    reduce_scatter_(tp_(), yo, y_c, 1);
   }
-
-  void gathered_backward(cview2 dy, view2 dx) {
-    detail::Region region("moe::dispatch::gathered::backward");
-    int const D = cfg_.base_emb_dim, K = cfg_.num_experts_per_tok;
-    std::int64_t const Tw = xw_.extent(0);
-    detail::ensure(space_, dyw_, "moe::dist::dy_work", Tw, D);
-    tokens_gather(dy, dyw_, "d_y");
-    detail::ensure(space_, dww_, "moe::dist::d_weights_work", Tw, K);
-    detail::ensure(space_, dxw_, "moe::dist::dx_work", Tw, D);
-    if (dense()) {
-      dense_backward();
-    } else {
-      std::int64_t const n = perm_.rows();
-      View1<std::int64_t const, memory_space> perm(perm_.perm), inv(perm_.inverse);
-      detail::ensure(space_, dys_, "moe::dist::dy_local", n, D);
-      permute::combine_backward(space_, cview2(dyw_), cview2(ys_), perm, inv,
-                                cview2(router_.state().weights), dys_, dww_);
-      ffn_.backward(space_, dys_, perm_.groups, cp_.wi_0, cp_.wi_1, cp_.wo, dys_, gc_.wi_0,
-                    gc_.wi_1, gc_.wo);
-      permute::gather_rows_backward(space_, cview2(dys_), inv, K, false, dxw_);
-    }
+  void gathered_output_backward(cview2 dy) {
+    auto dyw = ws_.make("dy_work", plan_.work_tokens, cfg_.base_emb_dim);
+    if (route_ == ExpertRoute::Ring)
+      all_gather_(ep_(), dy, dyw, 0);
+    else
+      Kokkos::deep_copy(space_, dyw, dy);
+  }
+  void local_combine_backward(view2 dyw) {
+    auto dys = ws_.make("dy_local", disp_.perm.rows(), cfg_.base_emb_dim);
+    auto dww = ws_.make("d_weights_work", plan_.work_tokens, cfg_.num_experts_per_tok);
+    permute::combine_backward(space_, cview2(dyw), cview2(ws_.at("y_local")), ivec(disp_.perm.perm),
+                              ivec(disp_.perm.inverse), route_weights_(), dys, dww);
+  }
+  void local_experts_backward(view2 dys) {
+    // dxs overwrites dys.
+    ffn_.backward(space_, dys, disp_.perm.groups, cp_.wi_0, cp_.wi_1, cp_.wo, dys, gc_.wi_0,
+                  gc_.wi_1, gc_.wo);
+  }
+  void dense_experts_backward(view2 dyw) {
+    auto dxw = ws_.make("dx_work", plan_.work_tokens, cfg_.base_emb_dim);
+    auto dww = ws_.make("d_weights_work", plan_.work_tokens, cfg_.num_experts_per_tok);
+    dense_.backward(space_, cview2(dyw), cp_.wi_0, cp_.wi_1, cp_.wo, dxw, dww, gc_.wi_0, gc_.wi_1,
+                    gc_.wo);
+  }
+  void gathered_dispatch_backward(view2 dx) {
+    view2 dxw =
+        plan_.dense ? ws_.at("dx_work") : ws_.make("dx_work", plan_.work_tokens, cfg_.base_emb_dim);
+    if (!plan_.dense)
+      permute::gather_rows_backward(space_, cview2(ws_.at("dy_local")), ivec(disp_.perm.inverse),
+                                    cfg_.num_experts_per_tok, false, dxw);
     // ys and dxs are partial over the tensor-split hidden dim; the expert group's partial
     // d_weights / dx go back to the ranks that own the tokens.
-    distributed::all_reduce(space_, tp_(), dww_, &log_, "reduce d_weights (tensor)");
-    tokens_reduce(dww_, dw_, "d_weights");
-    distributed::all_reduce(space_, tp_(), dxw_, &log_, "reduce d_x (tensor)");
-    tokens_reduce(dxw_, dx, "d_x");
-    shared_backward(dy, dx);
+    auto dww = ws_.at("d_weights_work");
+    all_reduce_(tp_(), dww);
+    tokens_reduce(dww, ws_.make("d_weights", plan_.tokens, cfg_.num_experts_per_tok));
+    all_reduce_(tp_(), dxw);
+    tokens_reduce(dxw, dx);
   }
 
   /// Working tokens -> own tokens: reduce-scatter (ring) or all-reduce (replicated) over the
   /// expert group; a copy without expert parallelism.
-  void tokens_reduce(view2 work, view2 own, char const* what) {
+  void tokens_reduce(view2 work, view2 own) {
     if (route_ == ExpertRoute::Ring) {
-      reduce_scatter_dim_(ep_(), work, own, 0, std::string("reduce-scatter ") + what + " (expert)");
+      reduce_scatter_(ep_(), work, own, 0);
     } else {
-      distributed::all_reduce(space_, ep_(), work, &log_,
-                              std::string("reduce ") + what + " (expert)");
-      Kokkos::deep_copy(space_, own, work);
-    }
-  }
-  /// Own tokens -> working tokens (the transpose of tokens_reduce).
-  void tokens_gather(cview2 own, view2 work, char const* what) {
-    if (route_ == ExpertRoute::Ring)
-      gather_dim_(ep_(), own, work, 0, std::string("all-gather ") + what + " (expert)");
-    else
-      Kokkos::deep_copy(space_, work, own);
-  }
-
-  bool dense() const {
-    return std::is_same_v<typename Policy::gmm_policy, gmm::Dense> || !cfg_.sparse_matmul;
-  }
-
-  /// Local expert ids (global id - e0) and the kept mask restricted to local experts.
-  void local_ids() {
-    std::int64_t const Tw = xw_.extent(0);
-    int const K = cfg_.num_experts_per_tok;
-    int const e0 = int(e0_), L = int(L_);
-    detail::ensure(space_, lids_, "moe::dist::local_ids", Tw, K);
-    detail::ensure(space_, lkept_, "moe::dist::local_kept", Tw, K);
-    permute::local_expert_ids(space_, View2<int const, memory_space>(router_.state().expert_ids),
-                              View2<int const, memory_space>(router_.state().kept), e0, L, lids_,
-                              lkept_);
-  }
-
-  void dense_forward() {
-    dense_.forward(space_, cfg_.mlp_activation, cview2(xw_),
-                   View2<int const, memory_space>(router_.state().expert_ids),
-                   View2<int const, memory_space>(router_.state().kept),
-                   cview2(router_.state().weights), int(e0_), cp_.wi_0, cp_.wi_1, cp_.wo, yw_);
-  }
-
-  void dense_backward() {
-    dense_.backward(space_, cview2(dyw_), cp_.wi_0, cp_.wi_1, cp_.wo, dxw_, dww_, gc_.wi_0,
-                    gc_.wi_1, gc_.wo);
-  }
-
-  // ------------------------------------------------------------------ shared + output ----------
-  /// y = all-gather over tensor of (expert column block + shared column block).
-  void finish_output(view2 y) {
-    int const D = cfg_.base_emb_dim;
-    if (cfg_.shared_mlp_dim() > 0) {
-      // EP-as-TP: the shared expert runs on the expert group's tokens with its hidden dim split
-      // over tensor x expert; partial outputs go back to their tokens' owners, then to D columns.
-      std::int64_t const Tg = T_ * shared_group();
-      detail::ensure(space_, xsh_, "moe::dist::x_shared", Tg, D);
-      shared_tokens_gather(cview2(x_), xsh_, "x");
-      detail::ensure(space_, ysh_, "moe::dist::y_shared", Tg, D);
-      Kokkos::deep_copy(space_, ysh_, Scalar(0));
-      shared_.forward(space_, cfg_.mlp_activation, cview2(xsh_), cp_.shared_wi_0, cp_.shared_wi_1,
-                      cp_.shared_wo, ysh_);
-      detail::ensure(space_, yo_, "moe::dist::y_own", T_, D);
-      shared_tokens_reduce(ysh_, yo_, "y shared");
-      detail::ensure(space_, ysh_c_, "moe::dist::y_shared_cols", T_, D / tp_().size());
-      reduce_scatter_dim_(tp_(), yo_, ysh_c_, 1, "reduce-scatter y shared (tensor)");
-      detail::add_into(space_, ysh_c_, y_c_);
-    }
-    gather_dim_(tp_(), y_c_, y, 1, "all-gather y (tensor)");
-  }
-
-  int shared_group() const { return route_ == ExpertRoute::Replicated ? 1 : ep_().size(); }
-  void shared_tokens_gather(cview2 own, view2 work, char const* what) {
-    if (shared_group() > 1)
-      gather_dim_(ep_(), own, work, 0, std::string("all-gather ") + what + " (shared, expert)");
-    else
-      Kokkos::deep_copy(space_, work, own);
-  }
-  void shared_tokens_reduce(view2 work, view2 own, char const* what) {
-    if (shared_group() > 1) {
-      reduce_scatter_dim_(ep_(), work, own, 0, std::string("reduce-scatter ") + what + " (expert)");
-    } else {
-      distributed::all_reduce(space_, ep_(), work, &log_,
-                              std::string("reduce ") + what + " (expert)");
+      all_reduce_(ep_(), work);
       Kokkos::deep_copy(space_, own, work);
     }
   }
 
+  // ------------------------------------------------------------------ shared expert ---------
+  /// EP-as-TP: the shared expert runs on the expert group's tokens with its hidden dim split over
+  /// tensor x expert; partial outputs go back to their tokens' owners, then to the D/tp columns
+  /// of y_c (added).
+  void shared_forward(view2 x, view2 y_c) {
+    std::int64_t const D = cfg_.base_emb_dim, Tg = plan_.shared_tokens;
+    auto xsh = ws_.make("x_shared", Tg, D);
+    shared_tokens_gather(cview2(x), xsh);
+    auto ysh = ws_.make("y_shared", Tg, D);
+    Kokkos::deep_copy(space_, ysh, Scalar(0));
+    shared_.forward(space_, cfg_.mlp_activation, cview2(xsh), cp_.shared_wi_0, cp_.shared_wi_1,
+                    cp_.shared_wo, ysh);
+    auto yo = ws_.make("y_own", plan_.tokens, D);
+    shared_tokens_reduce(ysh, yo);
+    auto ysh_c = ws_.make("y_shared_cols", plan_.tokens, D / tp_().size());
+    reduce_scatter_(tp_(), yo, ysh_c, 1);
+    detail::add_into(space_, ysh_c, y_c);
+  }
+  /// The transpose of shared_forward: dx += the shared expert's input gradient.
   void shared_backward(cview2 dy, view2 dx) {
-    if (cfg_.shared_mlp_dim() == 0) return;
-    int const D = cfg_.base_emb_dim;
-    std::int64_t const Tg = T_ * shared_group();
-    detail::ensure(space_, dysh_, "moe::dist::dy_shared", Tg, D);
-    shared_tokens_gather(dy, dysh_, "d_y");
-    detail::ensure(space_, dxsh_, "moe::dist::dx_shared", Tg, D);
-    Kokkos::deep_copy(space_, dxsh_, Scalar(0));
-    shared_.backward(space_, cview2(dysh_), cp_.shared_wi_0, cp_.shared_wi_1, cp_.shared_wo, dxsh_,
+    std::int64_t const D = cfg_.base_emb_dim, Tg = plan_.shared_tokens;
+    auto dysh = ws_.make("dy_shared", Tg, D);
+    shared_tokens_gather(dy, dysh);
+    auto dxsh = ws_.make("dx_shared", Tg, D);
+    Kokkos::deep_copy(space_, dxsh, Scalar(0));
+    shared_.backward(space_, cview2(dysh), cp_.shared_wi_0, cp_.shared_wi_1, cp_.shared_wo, dxsh,
                      gc_.shared_wi_0, gc_.shared_wi_1, gc_.shared_wo);
-    distributed::all_reduce(space_, tp_(), dxsh_, &log_, "reduce d_x shared (tensor)");
-    detail::ensure(space_, yo_, "moe::dist::y_own", T_, D);
-    shared_tokens_reduce(dxsh_, yo_, "d_x shared");
-    detail::add_into(space_, yo_, dx);
+    all_reduce_(tp_(), dxsh);
+    auto yo = ws_.make("y_own", plan_.tokens, D);
+    shared_tokens_reduce(dxsh, yo);
+    detail::add_into(space_, yo, dx);
+  }
+  bool shared_spans_group() const { return plan_.shared_tokens > plan_.tokens; }
+  void shared_tokens_gather(cview2 own, view2 work) {
+    if (shared_spans_group())
+      all_gather_(ep_(), own, work, 0);
+    else
+      Kokkos::deep_copy(space_, work, own);
+  }
+  void shared_tokens_reduce(view2 work, view2 own) {
+    if (shared_spans_group()) {
+      reduce_scatter_(ep_(), work, own, 0);
+    } else {
+      all_reduce_(ep_(), work);
+      Kokkos::deep_copy(space_, own, work);
+    }
   }
 
   // ------------------------------------------------------------------ members ------------------
@@ -852,41 +854,42 @@ class DistributedMoeLayer {
   LayerConfig cfg_;
   ParallelConfig par_;
   ExecSpace space_;
-  std::int64_t B_ = 0, S_ = 0, T_ = 0;
+  std::int64_t B_ = 0, S_ = 0;
   sharding::Mesh mesh_;
-  sharding::LogicalRules rules_;
   std::unique_ptr<sharding::MeshComm> mesh_comm_;
   std::map<std::string, distributed::AxisGroup> groups_;
   distributed::AxisGroup const* ep_g_ = nullptr;
   distributed::AxisGroup const* tp_g_ = nullptr;
   distributed::AxisGroup const* batch_g_ = nullptr;
-  std::vector<std::string> batch_axes_, ep_axes_, tp_axes_;
-  std::int64_t batch_parts_ = 1, batch_index_ = 0, L_ = 0, e0_ = 0;
+  std::vector<std::string> batch_axes_, ep_axes_;
   ExpertRoute route_ = ExpertRoute::Local;
   distributed::Layout layout_;
+  distributed::StepPlan plan_;
+  // Components the stages run (each keeps what its own backward needs).
   routing::Kind kind_;
   routing::Router<Scalar, ExecSpace> router_;
-  params_type params_, cp_, gc_;       // stored blocks, compute blocks, compute-block gradients
-  std::uint64_t weights_version_ = 0;  // of the compute blocks of the expert weights
-  distributed::CommLog log_;
-  moe::detail::ScratchPool<memory_space> pool_;  // per-step temporaries, kept between steps
-
-  bool have_forward_ = false;
-  double lb_loss_ = 0;
-  std::vector<double> bias_update_;
-  permute::Permutation<memory_space> perm_;
-  permute::LocalPermutation<memory_space> lp_;
-  gmm::Groups<memory_space> groups_local_;
-  std::unique_ptr<comm::RaggedAllToAll> a2a_;
   using gmm_policy = std::conditional_t<std::is_same_v<typename Policy::gmm_policy, gmm::Dense>,
                                         gmm::Auto, typename Policy::gmm_policy>;
   nn::ExpertFfn<Scalar, gmm_policy, ExecSpace> ffn_;
   nn::DenseMlp<Scalar, ExecSpace> shared_;
   nn::DenseExperts<Scalar, ExecSpace> dense_;
-  View2<int, memory_space> lids_, lkept_;
-  view2 x_, xw_, xs_o_, xr_, xs_, ys_, ys_c_, yr_c_, ys_o_c_, y_c_, yw_, yo_, xsh_, ysh_, ysh_c_;
-  view2 dw_, dy_c_, dys_o_c_, dyr_c_, dys_c_, dys_, dyw_, dww_, dxw_;
-  view2 dysh_, dxsh_;
+  // Parameters: stored blocks, compute blocks, compute-block gradients.
+  params_type params_, cp_, gc_;
+  std::uint64_t weights_version_ = 0;  // of the compute blocks of the expert weights
+  /// Where the dispatch put the rows, kept from the forward for the backward.
+  struct DispatchState {
+    permute::Permutation<memory_space> perm;     ///< token slots sorted by expert
+    permute::LocalPermutation<memory_space> lp;  ///< received rows regrouped (all-to-all)
+    gmm::Groups<memory_space> groups;            ///< local expert groups (all-to-all)
+    std::unique_ptr<comm::RaggedAllToAll> a2a;   ///< the ragged exchange (all-to-all)
+  } disp_;
+  distributed::StepWorkspace<Scalar, memory_space> ws_;  // the step's buffers, by plan name
+  distributed::Stage const* stage_ = nullptr;            // the stage running
+  std::size_t next_ = 0;                                 // its next planned collective
+  distributed::CommLog log_;
+  bool have_forward_ = false;
+  double lb_loss_ = 0;
+  std::vector<double> bias_update_;
 };
 
 }  // namespace moe

@@ -6,8 +6,9 @@
 /// no MPI call, so a plan for any rank of any mesh can be made (and printed) on one process.
 ///
 /// The plan is built from distributed::compute_layout, the layout DistributedMoeLayer itself runs
-/// on; its collective list follows the layer's step record for record (same names, kinds, axes
-/// and order as DistributedMoeLayer::comm_log()). Bytes are exact where they follow from shapes.
+/// on, and holds the layer's own step plan (distributed::make_step_plan): the stages the layer
+/// executes, so its collective list is the layer's comm_log() record for record (same names,
+/// kinds, axes and order). Bytes are exact where they follow from shapes.
 /// Where they depend on routing -- the token all-to-alls and the tensor-axis collectives on the
 /// rows they deliver -- they assume balanced routing (every expert gets T_local*K/E slots of
 /// each rank), so each dispatch and each combine sends T_local*K*D*sizeof*(ep-1)/ep bytes.
@@ -18,6 +19,7 @@
 #include <moe/config.hpp>
 #include <moe/distributed/layout.hpp>
 #include <moe/distributed/parallel_config.hpp>
+#include <moe/distributed/step_plan.hpp>
 #include <moe/error.hpp>
 #include <moe/sharding/rules.hpp>
 
@@ -58,6 +60,7 @@ struct PlanCollective {
   std::vector<std::string> axes;  ///< mesh axes of the group
   std::int64_t bytes = 0;         ///< bytes this rank sends
   bool balanced = false;          ///< bytes assume balanced routing (else exact)
+  std::string stage;              ///< the step-plan stage that runs it (its profiling region)
 };
 
 /// \brief The partition plan of one rank (see the file comment); make it with make_plan().
@@ -69,7 +72,8 @@ struct LayerPlan {
   LayerConfig config;
   ParallelConfig parallel;
   std::vector<PlanTensor> tensors;
-  std::vector<PlanCollective> collectives;    ///< in the order one step runs them
+  distributed::StepPlan step;                 ///< the stages the layer runs, in order
+  std::vector<PlanCollective> collectives;    ///< the stages' collectives, in order
   sharding::LogicalAxes dispatch_logical;     ///< the dense dispatch tensor's logical names
   sharding::PartitionSpec dispatch_joint;     ///< resolved jointly (MaxText's default)
   sharding::PartitionSpec dispatch_repaired;  ///< with moe_dispatch_no_expert_sharding
@@ -102,229 +106,6 @@ namespace plan_detail {
 
 using Axes = std::vector<std::string>;
 using distributed::layout_detail::contains;
-using distributed::layout_detail::minus;
-
-inline std::int64_t product(std::vector<std::int64_t> const& v) {
-  std::int64_t p = 1;
-  for (auto e : v) p *= e;
-  return p;
-}
-
-/// The collectives of one step, in the order DistributedMoeLayer runs them.
-class Schedule {
- public:
-  Schedule(distributed::Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
-           std::int64_t scalar_bytes, std::vector<PlanCollective>& out)
-      : lay_(lay), cfg_(cfg), par_(par), s_(scalar_bytes), out_(out) {
-    T_ = lay.block("x").local_shape[0] * lay.seq_len;
-    D_ = cfg.base_emb_dim;
-    K_ = cfg.num_experts_per_tok;
-    E_ = cfg.num_experts;
-    ep_ = lay.ep();
-    tp_ = lay.tp();
-    Dc_ = D_ / tp_;
-    Tw_ = lay.route == ExpertRoute::Ring ? T_ * ep_ : T_;
-    // Balanced routing: every expert gets T*K/E of this rank's slots; per-sequence capacity
-    // keeps at most C of them per expert and sequence.
-    sent_ = T_ * K_;
-    if (cfg.capacity_factor > 0)
-      sent_ = (T_ / lay.seq_len) *
-              std::min<std::int64_t>(lay.seq_len * K_, E_ * cfg.capacity(lay.seq_len));
-    // Every rank of the expert group sends the same: this rank receives what it sends (capped
-    // by the receive buffer).
-    recv_ = sent_;
-    if (par.ragged_buffer_factor > 0)
-      recv_ = moe::detail::scaled_rows(T_ * K_, par.ragged_buffer_factor, recv_);
-  }
-
-  void run() {
-    backward_ = false;
-    gather_weights();
-    if (lay_.route == ExpertRoute::Ring)
-      all_gather("all-gather tokens (ring)", lay_.ep_axes, T_ * D_, s_);
-    route_tokens();
-    if (lay_.route == ExpertRoute::RaggedA2A)
-      a2a_forward();
-    else
-      gathered_forward();
-    backward_ = true;
-    if (lay_.route == ExpertRoute::RaggedA2A)
-      a2a_backward();
-    else
-      gathered_backward();
-    reduce_grads();
-  }
-
- private:
-  void add(std::string what, char const* kind, Axes const& axes, std::int64_t bytes,
-           bool balanced = false) {
-    out_.push_back({backward_, std::move(what), kind, axes, bytes, balanced});
-  }
-  // Byte counts as distributed::gather_dim / reduce_scatter_dim / all_reduce log them.
-  void all_gather(std::string what, Axes const& axes, std::int64_t in_elems, std::int64_t es,
-                  bool balanced = false) {
-    std::int64_t const P = lay_.parts(axes);
-    if (P > 1) add(std::move(what), "all-gather", axes, in_elems * es * (P - 1), balanced);
-  }
-  void reduce_scatter(std::string what, Axes const& axes, std::int64_t out_elems, std::int64_t es,
-                      bool balanced = false) {
-    std::int64_t const P = lay_.parts(axes);
-    if (P > 1) add(std::move(what), "reduce-scatter", axes, out_elems * es * (P - 1), balanced);
-  }
-  void all_reduce(std::string what, Axes const& axes, std::int64_t elems, std::int64_t es) {
-    std::int64_t const P = lay_.parts(axes);
-    if (P > 1 && elems > 0) add(std::move(what), "all-reduce", axes, 2 * elems * es * (P - 1) / P);
-  }
-  void all_to_all(std::string what, std::int64_t rows, std::int64_t cols) {
-    add(std::move(what), "all-to-all", lay_.ep_axes, rows * cols * s_ * (ep_ - 1) / ep_, true);
-  }
-
-  // -------- weights
-  static std::vector<std::int64_t> stored(distributed::WeightLayout const& w) {
-    std::vector<std::int64_t> v;
-    for (auto const& d : w.dims) v.push_back(d.stored);
-    return v;
-  }
-  static std::vector<std::int64_t> computed(distributed::WeightLayout const& w) {
-    std::vector<std::int64_t> v;
-    for (auto const& d : w.dims) v.push_back(d.computed);
-    return v;
-  }
-  void to_compute(std::string const& name) {
-    auto const& w = lay_.weight(name);
-    auto cur = stored(w);
-    for (std::size_t d = 0; d < w.dims.size(); ++d) {
-      auto const& g = w.dims[d].gather;
-      if (g.empty()) continue;
-      std::vector<Axes> stages{g};
-      if (par_.moe_fsdp_use_two_stage_all_gather && g.size() > 1) {
-        stages.clear();
-        for (auto it = g.rbegin(); it != g.rend(); ++it) stages.push_back({*it});
-      }
-      for (auto const& st : stages) {
-        all_gather("gather " + name, st, product(cur), s_);
-        cur[d] *= lay_.parts(st);
-      }
-    }
-  }
-  void gather_weights() {
-    to_compute("gate");
-    for (char const* n : {"wi_0", "wi_1", "wo"}) to_compute(n);
-    if (cfg_.shared_mlp_dim() > 0)
-      for (char const* n : {"shared_wi_0", "shared_wi_1", "shared_wo"}) to_compute(n);
-  }
-  void to_storage(std::string const& name) {
-    auto const& w = lay_.weight(name);
-    Axes gathered;
-    for (auto const& d : w.dims) gathered.insert(gathered.end(), d.gather.begin(), d.gather.end());
-    auto cur = computed(w);
-    all_reduce("reduce d_" + name, minus(w.reduce, gathered), product(cur), s_);
-    for (std::size_t d = 0; d < w.dims.size(); ++d) {
-      auto const& sl = w.dims[d].slice;
-      if (sl.empty()) continue;
-      all_gather("unslice d_" + name, sl, product(cur), s_);
-      cur[d] *= lay_.parts(sl);
-    }
-    for (std::size_t d = 0; d < w.dims.size(); ++d) {
-      auto const& g = w.dims[d].gather;
-      if (g.empty()) continue;
-      auto const summed = minus(g, minus(g, w.reduce));
-      auto next = cur;
-      next[d] /= lay_.parts(g);
-      if (summed.size() == g.size())
-        reduce_scatter("reduce-scatter d_" + name, g, product(next), s_);
-      else
-        all_reduce("reduce d_" + name, summed, product(cur), s_);
-      cur = next;
-    }
-  }
-  void reduce_grads() {
-    to_storage("gate");
-    if (cfg_.routed_bias) to_storage("gate_bias");
-    for (char const* n : {"wi_0", "wi_1", "wo"}) to_storage(n);
-    if (cfg_.shared_mlp_dim() > 0)
-      for (char const* n : {"shared_wi_0", "shared_wi_1", "shared_wo"}) to_storage(n);
-  }
-
-  // -------- routing statistics
-  void route_tokens() {
-    if (cfg_.load_balance_loss_weight > 0) all_reduce("lb loss", lay_.batch_axes, 1, 8);
-    if (cfg_.routed_bias_update_rate > 0) all_reduce("bias counts", lay_.batch_axes, E_, 8);
-  }
-
-  // -------- ragged all-to-all path
-  void a2a_forward() {
-    all_to_all("dispatch", sent_, D_);
-    reduce_scatter("reduce-scatter y (tensor)", lay_.tp_axes, recv_ * Dc_, s_, true);
-    all_to_all("combine", recv_, Dc_);
-    finish_output();
-  }
-  void a2a_backward() {
-    all_reduce("reduce d_weights (tensor)", lay_.tp_axes, T_ * K_, s_);
-    all_to_all("dispatch d_y", sent_, Dc_);
-    all_gather("all-gather d_y (tensor)", lay_.tp_axes, recv_ * Dc_, s_, true);
-    reduce_scatter("reduce-scatter d_x (tensor)", lay_.tp_axes, recv_ * Dc_, s_, true);
-    all_to_all("combine d_x", recv_, Dc_);
-    all_gather("all-gather d_x (tensor)", lay_.tp_axes, T_ * Dc_, s_);
-    shared_backward();
-  }
-
-  // -------- token-gathering paths (ring, replicated, local)
-  void tokens_reduce(std::string const& what, std::int64_t own_elems, std::int64_t work_elems) {
-    if (lay_.route == ExpertRoute::Ring)
-      reduce_scatter("reduce-scatter " + what + " (expert)", lay_.ep_axes, own_elems, s_);
-    else
-      all_reduce("reduce " + what + " (expert)", lay_.ep_axes, work_elems, s_);
-  }
-  void gathered_forward() {
-    tokens_reduce("y", T_ * D_, Tw_ * D_);
-    reduce_scatter("reduce-scatter y (tensor)", lay_.tp_axes, T_ * Dc_, s_);
-    finish_output();
-  }
-  void gathered_backward() {
-    if (lay_.route == ExpertRoute::Ring)
-      all_gather("all-gather d_y (expert)", lay_.ep_axes, T_ * D_, s_);
-    all_reduce("reduce d_weights (tensor)", lay_.tp_axes, Tw_ * K_, s_);
-    tokens_reduce("d_weights", T_ * K_, Tw_ * K_);
-    all_reduce("reduce d_x (tensor)", lay_.tp_axes, Tw_ * D_, s_);
-    tokens_reduce("d_x", T_ * D_, Tw_ * D_);
-    shared_backward();
-  }
-
-  // -------- shared expert (EP-as-TP) and the output columns
-  std::int64_t shared_group() const { return lay_.route == ExpertRoute::Replicated ? 1 : ep_; }
-  void shared_tokens_reduce(std::string const& what) {
-    if (shared_group() > 1)
-      reduce_scatter("reduce-scatter " + what + " (expert)", lay_.ep_axes, T_ * D_, s_);
-    else
-      all_reduce("reduce " + what + " (expert)", lay_.ep_axes, T_ * D_, s_);
-  }
-  void finish_output() {
-    if (cfg_.shared_mlp_dim() > 0) {
-      if (shared_group() > 1)
-        all_gather("all-gather x (shared, expert)", lay_.ep_axes, T_ * D_, s_);
-      shared_tokens_reduce("y shared");
-      reduce_scatter("reduce-scatter y shared (tensor)", lay_.tp_axes, T_ * Dc_, s_);
-    }
-    all_gather("all-gather y (tensor)", lay_.tp_axes, T_ * Dc_, s_);
-  }
-  void shared_backward() {
-    if (cfg_.shared_mlp_dim() == 0) return;
-    if (shared_group() > 1)
-      all_gather("all-gather d_y (shared, expert)", lay_.ep_axes, T_ * D_, s_);
-    all_reduce("reduce d_x shared (tensor)", lay_.tp_axes, T_ * shared_group() * D_, s_);
-    shared_tokens_reduce("d_x shared");
-  }
-
-  distributed::Layout const& lay_;
-  LayerConfig const& cfg_;
-  ParallelConfig const& par_;
-  std::int64_t s_;
-  std::vector<PlanCollective>& out_;
-  bool backward_ = false;
-  std::int64_t T_ = 0, Tw_ = 0, D_ = 0, Dc_ = 0, K_ = 0, E_ = 0, ep_ = 1, tp_ = 1;
-  std::int64_t sent_ = 0, recv_ = 0;
-};
 
 inline std::string axes_text(Axes const& a) {
   if (a.empty()) return "-";
@@ -456,7 +237,12 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
     p.tensors.push_back(std::move(t));
   }
 
-  plan_detail::Schedule(lay, cfg, par, std::int64_t(scalar_bytes), p.collectives).run();
+  p.step = distributed::make_step_plan(lay, cfg, par, scalar_bytes);
+  for (auto const* phase : {&p.step.forward, &p.step.backward})
+    for (auto const& st : *phase)
+      for (auto const& c : st.collectives)
+        p.collectives.push_back(
+            {st.backward, c.what, c.kind, c.axes, c.bytes, c.balanced, st.region});
 
   std::int64_t const ep = lay.ep();
   if (lay.route == ExpertRoute::RaggedA2A)
@@ -554,17 +340,18 @@ inline std::string LayerPlan::to_text() const {
                      per_dim_text(t.sliced), " | gradient summed over: ", axes_text(t.reduced)));
   }
   line("");
-  line("collectives of one training step (bytes this rank sends; ~ = assumes balanced routing):");
+  line("step: the stages the layer runs, in order (reads -> writes), each with its collectives");
+  line("(bytes this rank sends; ~ = assumes balanced routing):");
   for (bool bw : {false, true}) {
     line(bw ? "  backward:" : "  forward:");
-    bool any = false;
-    for (auto const& c : collectives) {
-      if (c.backward != bw) continue;
-      any = true;
-      line(detail::cat("    ", pad(c.kind, 15), pad("[" + axes_text(c.axes) + "]", 20),
-                       pad(c.what, 34), c.balanced ? "~" : " ", c.bytes, " B"));
+    int i = 0;
+    for (auto const& st : bw ? step.backward : step.forward) {
+      line(detail::cat("    ", ++i, ". ", pad(distributed::to_string(st.kind), 18),
+                       list_text(st.reads), " -> ", list_text(st.writes)));
+      for (auto const& c : st.collectives)
+        line(detail::cat("         ", pad(c.kind, 15), pad("[" + axes_text(c.axes) + "]", 20),
+                         pad(c.what, 34), c.balanced ? "~" : " ", c.bytes, " B"));
     }
-    if (!any) line("    (none)");
   }
   line(detail::cat("  bytes: forward ", bytes(false), ", backward ", bytes(true), ", step ",
                    step_bytes()));
@@ -626,8 +413,21 @@ inline std::string LayerPlan::to_json() const {
     o += detail::cat(i ? ", " : "", "{\"phase\": ", c.backward ? "\"backward\"" : "\"forward\"",
                      ", \"what\": ", json_string(c.what), ", \"kind\": ", json_string(c.kind),
                      ", \"axes\": ", json_strings(c.axes), ", \"bytes\": ", c.bytes,
-                     ", \"balanced_routing\": ", c.balanced ? "true" : "false", "}");
+                     ", \"balanced_routing\": ", c.balanced ? "true" : "false",
+                     ", \"stage\": ", json_string(c.stage), "}");
   }
+  o += "], \"stages\": [";
+  bool first = true;
+  for (auto const* phase : {&step.forward, &step.backward})
+    for (auto const& st : *phase) {
+      o += detail::cat(
+          first ? "" : ", ", "{\"phase\": ", st.backward ? "\"backward\"" : "\"forward\"",
+          ", \"kind\": ", json_string(distributed::to_string(st.kind)),
+          ", \"region\": ", json_string(st.region), ", \"reads\": ", json_strings(st.reads),
+          ", \"writes\": ", json_strings(st.writes), ", \"collectives\": ", st.collectives.size(),
+          "}");
+      first = false;
+    }
   o += detail::cat("], \"bytes\": {\"forward\": ", bytes(false), ", \"backward\": ", bytes(true),
                    ", \"step\": ", step_bytes(),
                    "}, \"dispatch\": {\"logical\": ", json_logical(dispatch_logical),
