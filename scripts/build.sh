@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # Configures and builds moe (Release, -j2) into ${MOE_BUILD_DIR:-build}. Used by the README commands.
+# Extra arguments go to cmake's configure step. Prints one "[moe] ..." line per phase and a compact
+# build progress line; cmake's and the compiler's output go to ${MOE_BUILD_DIR:-build}/moe-setup.log
+# (MOE_VERBOSE=1 shows it too). On failure: the log's last lines, its path, a non-zero exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib.sh
+moe_log_init
 bash scripts/install-deps.sh
 BUILD_DIR=${MOE_BUILD_DIR:-build}
-cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
-cmake --build "$BUILD_DIR" -j2
+moe_phase "configuring (cmake, Release) in $BUILD_DIR/" \
+  cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release "$@"
+moe_phase "building tools, tests and benchmarks (cmake --build $BUILD_DIR -j2; minutes the first time)" \
+  --filter moe_filter_build cmake --build "$BUILD_DIR" -j2
