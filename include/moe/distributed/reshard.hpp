@@ -4,9 +4,9 @@
 /// over a group of mesh axes, with a log of every byte moved. Built on moe::comm (rank-order
 /// deterministic) and used by the distributed layer for weight gathers and gradient reductions.
 
-#include <moe/comm/bytes.hpp>
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/communicator.hpp>
+#include <moe/comm/sent_bytes.hpp>
 #include <moe/detail/views.hpp>
 
 #include <cstdint>
@@ -123,7 +123,8 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
     return;
   }
   auto const s = detail::split_at(in, d);
-  if (log) log->add(what, "all-gather", g.axes, comm::bytes::all_gather(detail::bytes_of(in), P));
+  if (log)
+    log->add(what, "all-gather", g.axes, comm::sent_bytes::all_gather(detail::bytes_of(in), P));
   View1<T const, MS> src(in.data(), in.span());
   if (s.A == 1) {
     comm::all_gather(g.comm, space, src, View1<T, MS>(out.data(), out.span()));
@@ -154,7 +155,8 @@ void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& i
   }
   auto const s = detail::split_at(out, d);
   if (log)
-    log->add(what, "reduce-scatter", g.axes, comm::bytes::reduce_scatter(detail::bytes_of(out), P));
+    log->add(what, "reduce-scatter", g.axes,
+             comm::sent_bytes::reduce_scatter(detail::bytes_of(out), P));
   View1<T, MS> dst(out.data(), out.span());
   if (s.A == 1) {
     comm::reduce_scatter(g.comm, space, View1<T const, MS>(in.data(), in.span()), dst, pool);
@@ -192,7 +194,8 @@ void all_reduce(ExecSpace const& space, AxisGroup const& g, V const& v, CommLog*
   using T = typename V::non_const_value_type;
   using MS = typename V::memory_space;
   if (log)
-    log->add(what, "all-reduce", g.axes, comm::bytes::all_reduce(detail::bytes_of(v), g.size()));
+    log->add(what, "all-reduce", g.axes,
+             comm::sent_bytes::all_reduce(detail::bytes_of(v), g.size()));
   comm::all_reduce(g.comm, space, View1<T, MS>(v.data(), v.span()));
 }
 

@@ -20,7 +20,7 @@
 /// strategy: dispatch, experts, combine and their transposes) and its stage functions in the
 /// layer, plus a case in tests/mpi/layout_cases.hpp.
 
-#include <moe/comm/bytes.hpp>
+#include <moe/comm/sent_bytes.hpp>
 #include <moe/config.hpp>
 #include <moe/distributed/layout.hpp>
 #include <moe/distributed/parallel_config.hpp>
@@ -243,7 +243,7 @@ class Builder {
                   bool balanced = false) {
     std::int64_t const P = lay_.parts(axes);
     if (P > 1)
-      add(st, std::move(what), "all-gather", axes, comm::bytes::all_gather(in_elems * s_, P),
+      add(st, std::move(what), "all-gather", axes, comm::sent_bytes::all_gather(in_elems * s_, P),
           balanced);
   }
   void reduce_scatter(Stage& st, std::string what, Axes const& axes, std::int64_t out_elems,
@@ -251,17 +251,17 @@ class Builder {
     std::int64_t const P = lay_.parts(axes);
     if (P > 1)
       add(st, std::move(what), "reduce-scatter", axes,
-          comm::bytes::reduce_scatter(out_elems * s_, P), balanced);
+          comm::sent_bytes::reduce_scatter(out_elems * s_, P), balanced);
   }
   void all_reduce(Stage& st, std::string what, Axes const& axes, std::int64_t elems,
                   std::int64_t es) {
     std::int64_t const P = lay_.parts(axes);
     if (P > 1 && elems > 0)
-      add(st, std::move(what), "all-reduce", axes, comm::bytes::all_reduce(elems * es, P));
+      add(st, std::move(what), "all-reduce", axes, comm::sent_bytes::all_reduce(elems * es, P));
   }
   void all_to_all(Stage& st, std::string what, std::int64_t rows, std::int64_t cols) {
     add(st, std::move(what), "all-to-all", lay_.ep_axes,
-        comm::bytes::all_to_all_balanced(rows * cols * s_, ep_), true);
+        comm::sent_bytes::all_to_all_balanced(rows * cols * s_, ep_), true);
   }
 
   // ---------------------------------------------------------------- weights
@@ -351,11 +351,12 @@ class Builder {
     if (o.kind == K::slice) return;
     std::int64_t const in = product(before), out = product(o.shape);
     if (o.kind == K::all_gather)
-      add(st, o.what, "all-gather", o.axes, comm::bytes::all_gather(in * s_, o.parts));
+      add(st, o.what, "all-gather", o.axes, comm::sent_bytes::all_gather(in * s_, o.parts));
     else if (o.kind == K::reduce_scatter)
-      add(st, o.what, "reduce-scatter", o.axes, comm::bytes::reduce_scatter(out * s_, o.parts));
+      add(st, o.what, "reduce-scatter", o.axes,
+          comm::sent_bytes::reduce_scatter(out * s_, o.parts));
     else
-      add(st, o.what, "all-reduce", o.axes, comm::bytes::all_reduce(in * s_, o.parts));
+      add(st, o.what, "all-reduce", o.axes, comm::sent_bytes::all_reduce(in * s_, o.parts));
   }
   std::vector<char const*> moved() const {
     // gate_bias stays replicated: it is never gathered, only its gradient is summed.

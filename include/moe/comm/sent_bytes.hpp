@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-namespace moe::comm::bytes {
+namespace moe::comm::sent_bytes {
 
 /// All-gather over P ranks of an input block of `in_bytes`: every other rank gets the block.
 constexpr std::int64_t all_gather(std::int64_t in_bytes, std::int64_t P) {
@@ -28,4 +28,4 @@ constexpr std::int64_t all_to_all_balanced(std::int64_t bytes, std::int64_t P) {
   return P > 1 ? bytes * (P - 1) / P : 0;
 }
 
-}  // namespace moe::comm::bytes
+}  // namespace moe::comm::sent_bytes
