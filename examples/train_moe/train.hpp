@@ -15,7 +15,6 @@
 // deterministic, so a run is bitwise reproducible and every layout computes the same losses up to
 // floating-point reassociation.
 
-#include "checkpoint.hpp"
 #include "config.hpp"
 #include "data.hpp"
 #include "model.hpp"
@@ -24,6 +23,7 @@
 #include <moe/comm/communicator.hpp>
 #include <moe/detail/hash.hpp>
 #include <moe/distributed/layer.hpp>
+#include <moe/io/checkpoint.hpp>
 #include <moe/threads.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -662,9 +662,11 @@ class Trainer {
   }
 
   // ------------------------------------------------------------------ checkpoints -------------
-  std::vector<BlockRef> block_refs() {
+  // What a checkpoint of train_moe holds: every parameter and both AdamW moments, as blocks of the
+  // global tensors (moe/io/checkpoint.hpp gathers them into global tensors and cuts them out).
+  std::vector<moe::io::BlockRef> block_refs() {
     std::string const dt = std::is_same_v<Scalar, float> ? "F32" : "F64";
-    std::vector<BlockRef> refs;
+    std::vector<moe::io::BlockRef> refs;
     for (auto& q : params_) refs.push_back({"params." + q.name, q.block, dt, q.p_host.data()});
     for (auto& q : params_)
       refs.push_back({"opt_state.mu." + q.name, q.block, dt, q.m_host.data()});
@@ -692,8 +694,8 @@ class Trainer {
       Kokkos::deep_copy(q.m_host, q.m);
       Kokkos::deep_copy(q.v_host, q.v);
     }
-    save_checkpoint(comm_, cfg_.checkpoint_dir, step, block_refs(), metadata(step),
-                    cfg_.checkpoint_keep);
+    moe::io::save_checkpoint(comm_, cfg_.checkpoint_dir, step, block_refs(), metadata(step),
+                             cfg_.checkpoint_keep);
     if (auto* o = out())
       *o << "saved checkpoint: step " << step << " in " << cfg_.checkpoint_dir << "\n";
   }
@@ -702,7 +704,7 @@ class Trainer {
   std::int64_t resume(TrainResult& res) {
     std::map<std::string, std::string> md;
     std::int64_t step = 0;
-    if (!load_latest_checkpoint(comm_, cfg_.checkpoint_dir, block_refs(), md, step)) {
+    if (!moe::io::load_latest_checkpoint(comm_, cfg_.checkpoint_dir, block_refs(), md, step)) {
       // Nothing loadable. Step directories that are there anyway belong to another model or are
       // damaged (the loader said why): training from scratch next to them would mix two runs.
       std::string found;
@@ -1000,8 +1002,8 @@ inline TrainResult run_training(moe::comm::Communicator const& comm, TrainConfig
                                "dataset=" + std::to_string(bytes.size()) + " bytes, hash " +
                                    std::to_string(moe::detail::fnv1a(bytes)));
   }
-  CheckpointDirLock lock;  // one job per checkpoint_dir, held until training returns
-  if (cfg.enable_checkpointing) lock = CheckpointDirLock(comm, cfg.checkpoint_dir);
+  moe::io::CheckpointDirLock lock;  // one job per checkpoint_dir, held until training returns
+  if (cfg.enable_checkpointing) lock = moe::io::CheckpointDirLock(comm, cfg.checkpoint_dir);
   if (cfg.dtype == "float64") return detail::Trainer<double>(comm, cfg, opts).run();
   return detail::Trainer<float>(comm, cfg, opts).run();
 }

@@ -1,6 +1,7 @@
 // Built with -std=c++20 in every build of the test suite (Kokkos 5 requires C++20): the whole
 // public API, single-rank and distributed, compiles under both standards. Never run.
 #include <moe/distributed/layer.hpp>
+#include <moe/io/checkpoint.hpp>
 #include <moe/moe.hpp>
 
 namespace moe_cxx20 {

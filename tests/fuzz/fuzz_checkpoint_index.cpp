@@ -1,6 +1,6 @@
-// Fuzz target: the checkpoint index reader of train_moe (examples/train_moe/checkpoint.hpp):
-// ckpt_detail::read_index, and ckpt_detail::verify, which checks a checkpoint directory against
-// its index before a run resumes from it.
+// Fuzz target: the checkpoint index reader (moe/io/checkpoint_index.hpp):
+// moe::io::read_checkpoint_index, and moe::io::verify_checkpoint, which checks a checkpoint
+// directory against its index before a run resumes from it.
 //
 // The input is the text of index.json. A scratch step directory holds it next to a fixed, valid
 // model.safetensors (written once; the seed corpus's indexes record its size and SHA-256, so
@@ -10,7 +10,8 @@
 
 #include "fuzz_common.hpp"
 
-#include <train_moe/checkpoint.hpp>
+#include <moe/io/checkpoint_index.hpp>
+#include <moe/io/safetensors.hpp>
 
 #include <cstdint>
 #include <map>
@@ -18,7 +19,6 @@
 
 namespace {
 
-namespace cd = train::ckpt_detail;
 namespace io = moe::io;
 using moe_fuzz::expect_moe_errors;
 using moe_fuzz::require;
@@ -31,7 +31,7 @@ std::string const& step_dir() {
     model.set("w", io::Tensor::from<float>({2, 3}, {0, 1, 2, 3, 4, 5}));
     model.set("b", io::Tensor::from<std::int64_t>({3}, {-1, 0, 1}));
     model.set("empty", io::Tensor::from<double>({0, 4}, {}));
-    model.write(moe_fuzz::scratch_dir() + "/" + cd::kModelFile);
+    model.write(moe_fuzz::scratch_dir() + "/" + io::kCheckpointModelFile);
     return moe_fuzz::scratch_dir();
   }();
   return dir;
@@ -41,23 +41,24 @@ std::string const& step_dir() {
 
 extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size) {
   std::string const& dir = step_dir();
-  moe_fuzz::write_file(dir + "/" + cd::kIndexFile, data, size);
-  cd::Index ix;
-  if (!expect_moe_errors("read_index", [&] { ix = cd::read_index(dir); })) return 0;
+  moe_fuzz::write_file(dir + "/" + io::kCheckpointIndexFile, data, size);
+  io::CheckpointIndex ix;
+  if (!expect_moe_errors("read_index", [&] { ix = io::read_checkpoint_index(dir); })) return 0;
   require(ix.step >= 0 && ix.bytes >= 0, "read_index accepted a negative step or size");
-  for (cd::IndexEntry const& e : ix.tensors)
+  for (io::CheckpointIndexEntry const& e : ix.tensors)
     for (std::int64_t d : e.shape) require(d >= 0, "read_index accepted a negative dimension");
 
   // The tensors train_moe would request: the model's own, and one it does not have.
-  std::map<std::string, cd::TensorSpec> requested;
-  requested["w"] = cd::TensorSpec{io::DType::F32, {2, 3}, 0};
-  requested["b"] = cd::TensorSpec{io::DType::I64, {3}, 1};
+  std::map<std::string, io::TensorSpec> requested;
+  requested["w"] = io::TensorSpec{io::DType::F32, {2, 3}, 0};
+  requested["b"] = io::TensorSpec{io::DType::I64, {3}, 1};
   expect_moe_errors("verify", [&] {
-    io::File const f = cd::verify(dir, ix.step, requested);
+    io::File const f = io::verify_checkpoint(dir, ix.step, requested);
     require(f.has("w") && f.has("b"), "verify accepted a file without the requested tensors");
   });
-  requested["missing"] = cd::TensorSpec{io::DType::F64, {1}, 0};
-  bool const ok = expect_moe_errors("verify", [&] { cd::verify(dir, ix.step, requested); });
+  requested["missing"] = io::TensorSpec{io::DType::F64, {1}, 0};
+  bool const ok =
+      expect_moe_errors("verify", [&] { io::verify_checkpoint(dir, ix.step, requested); });
   require(!ok, "verify accepted a checkpoint without a requested tensor");
   return 0;
 }

@@ -1,8 +1,9 @@
-// Tests of examples/train_moe/checkpoint.hpp across ranks: blocks split over (and copied on)
+// Tests of moe/io/checkpoint.hpp across ranks: blocks split over (and copied on)
 // several ranks round-trip, a checkpoint saved with one blocking loads into another (and on another
 // number of ranks), and errors are the same exception on every rank, a directory locked by another
 // process included.
-#include <train_moe/checkpoint.hpp>
+#include <moe/comm/detail/exchange.hpp>
+#include <moe/io/checkpoint.hpp>
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -20,7 +21,7 @@
 #include <unistd.h>
 
 namespace fs = std::filesystem;
-using train::BlockRef;
+using moe::io::BlockRef;
 
 namespace {
 
@@ -177,13 +178,13 @@ TEST(CheckpointMpi, SplitAndCopiedBlocksRoundTrip) {
   std::vector<Block> saved = layout(true);
   std::map<std::string, std::string> const meta{
       {"step", "12"}, {"rng", "seed=5;draws=77"}, {"long", std::string(100000, 'x')}};
-  train::save_checkpoint(comm, tmp.ckpt(), 12, refs(saved), meta, 2);
+  moe::io::save_checkpoint(comm, tmp.ckpt(), 12, refs(saved), meta, 2);
 
   std::vector<Block> loaded = layout(false);
   ASSERT_GT(mismatches(loaded), 0);
   std::map<std::string, std::string> got_meta;
   std::int64_t step = -1;
-  ASSERT_TRUE(train::load_latest_checkpoint(comm, tmp.ckpt(), refs(loaded), got_meta, step));
+  ASSERT_TRUE(moe::io::load_latest_checkpoint(comm, tmp.ckpt(), refs(loaded), got_meta, step));
   EXPECT_EQ(step, 12);
   EXPECT_EQ(got_meta, meta);
   EXPECT_EQ(mismatches(loaded), 0) << "rank " << r;
@@ -206,22 +207,22 @@ TEST(CheckpointMpi, SmallMessagePieces) {
   moe::comm::Communicator const comm(MPI_COMM_WORLD);
   int const P = comm.size(), r = comm.rank();
   SharedTempDir tmp(comm);
-  struct Pieces {
-    std::size_t old = train::ckpt_detail::piece_bytes();
-    Pieces() { train::ckpt_detail::piece_bytes() = 13; }
-    ~Pieces() { train::ckpt_detail::piece_bytes() = old; }
+  struct Pieces {  // moe/comm/bytes.hpp sends at most count_limit() bytes per MPI call
+    std::int64_t old = moe::comm::detail::count_limit();
+    Pieces() { moe::comm::detail::count_limit() = 13; }
+    ~Pieces() { moe::comm::detail::count_limit() = old; }
   } const pieces;
   std::vector<Block> saved;
   saved.emplace_back("a", 1, "F64", rows_of(3 * P, 5, P, r), true);
   saved.emplace_back("b", 2, "F32", cols_of(2, 4 * P + 1, P, r), true);
   std::map<std::string, std::string> const meta{{"m", std::string(1001, 'y')}};
-  train::save_checkpoint(comm, tmp.ckpt(), 1, refs(saved), meta, 1);
+  moe::io::save_checkpoint(comm, tmp.ckpt(), 1, refs(saved), meta, 1);
   std::vector<Block> loaded;
   loaded.emplace_back("a", 1, "F64", cols_of(3 * P, 5, P, r), false);
   loaded.emplace_back("b", 2, "F32", all_of(2, 4 * P + 1), false);
   std::map<std::string, std::string> got;
   std::int64_t step = 0;
-  ASSERT_TRUE(train::load_latest_checkpoint(comm, tmp.ckpt(), refs(loaded), got, step));
+  ASSERT_TRUE(moe::io::load_latest_checkpoint(comm, tmp.ckpt(), refs(loaded), got, step));
   EXPECT_EQ(got, meta);
   EXPECT_EQ(mismatches(loaded), 0) << "rank " << r;
 }
@@ -235,12 +236,12 @@ TEST(CheckpointMpi, ReshardingOnLoad) {
   std::vector<Block> saved;
   saved.emplace_back("w", 1, "F32", rows_of(R, 7, P, r), true);
   saved.emplace_back("v", 2, "F64", cols_of(5, C, P, r), true);
-  train::save_checkpoint(comm, tmp.ckpt(), 3, refs(saved), {{"k", "v"}}, 1);
+  moe::io::save_checkpoint(comm, tmp.ckpt(), 3, refs(saved), {{"k", "v"}}, 1);
 
   auto load_into = [&](moe::comm::Communicator const& c, std::vector<Block>& blocks) {
     std::map<std::string, std::string> meta;
     std::int64_t step = -1;
-    ASSERT_TRUE(train::load_latest_checkpoint(c, tmp.ckpt(), refs(blocks), meta, step));
+    ASSERT_TRUE(moe::io::load_latest_checkpoint(c, tmp.ckpt(), refs(blocks), meta, step));
     EXPECT_EQ(step, 3);
     EXPECT_EQ(meta, (std::map<std::string, std::string>{{"k", "v"}}));
     EXPECT_EQ(mismatches(blocks), 0) << "rank " << r;
@@ -285,7 +286,7 @@ TEST(CheckpointMpi, ErrorsAreTheSameOnEveryRank) {
   std::vector<float> buf(64, static_cast<float>(r));
   auto save = [&](std::vector<BlockRef> const& blocks,
                   std::map<std::string, std::string> const& meta = {}) {
-    return [&, blocks, meta] { train::save_checkpoint(comm, tmp.ckpt(), 1, blocks, meta, 1); };
+    return [&, blocks, meta] { moe::io::save_checkpoint(comm, tmp.ckpt(), 1, blocks, meta, 1); };
   };
 
   // A row nobody holds.
@@ -305,8 +306,9 @@ TEST(CheckpointMpi, ErrorsAreTheSameOnEveryRank) {
       comm,
       [&] {
         auto const [start, size] = part(4, P, r);
-        train::save_checkpoint(comm, tmp.path() + "/file/ckpt", 1,
-                               {{"w", {{4, 2}, {size, 2}, {start, 0}}, "F32", buf.data()}}, {}, 1);
+        moe::io::save_checkpoint(comm, tmp.path() + "/file/ckpt", 1,
+                                 {{"w", {{4, 2}, {size, 2}, {start, 0}}, "F32", buf.data()}}, {},
+                                 1);
       },
       "cannot create the checkpoint directory");
   if (P > 1) {
@@ -330,21 +332,21 @@ TEST(CheckpointMpi, ErrorsAreTheSameOnEveryRank) {
         [&] {
           BlockRef const b = r == 0 ? BlockRef{"w", {{4, 2}, {4, 2}, {0, 0}}, "F32", buf.data()}
                                     : BlockRef{"w", {{4, 2}, {4, 2}, {0, 0}}, "F64", dbuf.data()};
-          train::load_latest_checkpoint(comm, tmp.ckpt(), {b}, meta, step);
+          moe::io::load_latest_checkpoint(comm, tmp.ckpt(), {b}, meta, step);
         },
         "every block of a tensor must give the same dtype and global shape");
   }
   // Nothing was written; loading finds nothing on every rank.
   std::map<std::string, std::string> meta;
   std::int64_t step = -1;
-  EXPECT_FALSE(train::load_latest_checkpoint(
+  EXPECT_FALSE(moe::io::load_latest_checkpoint(
       comm, tmp.ckpt(), {{"w", {{4, 2}, {4, 2}, {0, 0}}, "F32", buf.data()}}, meta, step));
   // And a valid save after all these errors works.
   std::fill(buf.begin(), buf.end(), 1.f);
   auto const [start, size] = part(4, P, r);
-  train::save_checkpoint(comm, tmp.ckpt(), 5,
-                         {{"w", {{4, 2}, {size, 2}, {start, 0}}, "F32", buf.data()}}, {}, 1);
-  EXPECT_TRUE(train::load_latest_checkpoint(
+  moe::io::save_checkpoint(comm, tmp.ckpt(), 5,
+                           {{"w", {{4, 2}, {size, 2}, {start, 0}}, "F32", buf.data()}}, {}, 1);
+  EXPECT_TRUE(moe::io::load_latest_checkpoint(
       comm, tmp.ckpt(), {{"w", {{4, 2}, {4, 2}, {0, 0}}, "F32", buf.data()}}, meta, step));
   EXPECT_EQ(step, 5);
 }
@@ -357,49 +359,49 @@ TEST(CheckpointMpi, LockedDirectoryFailsOnEveryRank) {
   int const P = comm.size(), r = comm.rank();
   SharedTempDir tmp(comm);
   struct Wait {
-    double old = train::ckpt_detail::lock_wait_seconds();
-    Wait() { train::ckpt_detail::lock_wait_seconds() = 0.2; }
-    ~Wait() { train::ckpt_detail::lock_wait_seconds() = old; }
+    double old = moe::io::detail::ckpt::lock_wait_seconds();
+    Wait() { moe::io::detail::ckpt::lock_wait_seconds() = 0.2; }
+    ~Wait() { moe::io::detail::ckpt::lock_wait_seconds() = old; }
   } const wait;
   std::vector<float> buf(8, 1.f);
   auto const [start, size] = part(4, P, r);
   std::vector<BlockRef> const blocks = {{"w", {{4, 2}, {size, 2}, {start, 0}}, "F32", buf.data()}};
-  train::save_checkpoint(comm, tmp.ckpt(), 1, blocks, {}, 1);
+  moe::io::save_checkpoint(comm, tmp.ckpt(), 1, blocks, {}, 1);
 
   int const holder = P - 1;
-  train::CheckpointDirLock other;
+  moe::io::CheckpointDirLock other;
   if (r == holder) {
     moe::comm::Communicator const self(MPI_COMM_SELF);
-    other = train::CheckpointDirLock(self, tmp.ckpt());
+    other = moe::io::CheckpointDirLock(self, tmp.ckpt());
     EXPECT_TRUE(other.held());
   }
   long holder_pid = static_cast<long>(::getpid());
   MPI_Bcast(&holder_pid, 1, MPI_LONG, holder, comm.get());
-  auto const lock = [&] { train::CheckpointDirLock const mine(comm, tmp.ckpt()); };
+  auto const lock = [&] { moe::io::CheckpointDirLock const mine(comm, tmp.ckpt()); };
   if (P > 1) {
     std::string const named = "' is in use by another job (hostname=";
     expect_same_error<moe::IoError>(comm, lock, "checkpoint_dir '" + tmp.ckpt() + named);
     expect_same_error<moe::IoError>(comm, lock, ", pid=" + std::to_string(holder_pid) + ", since=");
     // A save (keep = 1 would prune step 1) is refused alike.
     expect_same_error<moe::IoError>(
-        comm, [&] { train::save_checkpoint(comm, tmp.ckpt(), 2, blocks, {}, 1); },
+        comm, [&] { moe::io::save_checkpoint(comm, tmp.ckpt(), 2, blocks, {}, 1); },
         ", pid=" + std::to_string(holder_pid) + ", since=");
   } else {
     expect_same_error<moe::ConfigError>(comm, lock, "' is already locked by this process");
   }
   std::map<std::string, std::string> meta;
   std::int64_t step = -1;
-  EXPECT_TRUE(train::load_latest_checkpoint(comm, tmp.ckpt(), blocks, meta, step));
+  EXPECT_TRUE(moe::io::load_latest_checkpoint(comm, tmp.ckpt(), blocks, meta, step));
   EXPECT_EQ(step, 1) << "the holder's checkpoint is untouched";
 
   // The holder lets go: the job locks the directory and saves under its lock.
   other.release();
   MPI_Barrier(comm.get());
   {
-    train::CheckpointDirLock const mine(comm, tmp.ckpt());
+    moe::io::CheckpointDirLock const mine(comm, tmp.ckpt());
     EXPECT_EQ(mine.held(), r == 0);
-    train::save_checkpoint(comm, tmp.ckpt(), 2, blocks, {}, 1);
+    moe::io::save_checkpoint(comm, tmp.ckpt(), 2, blocks, {}, 1);
   }
-  EXPECT_TRUE(train::load_latest_checkpoint(comm, tmp.ckpt(), blocks, meta, step));
+  EXPECT_TRUE(moe::io::load_latest_checkpoint(comm, tmp.ckpt(), blocks, meta, step));
   EXPECT_EQ(step, 2);
 }

@@ -281,7 +281,7 @@ TEST(TrainLayouts, CheckpointHoldingNaNIsRefusedOnEveryRank) {
                         : moe::io::Tensor::from<float>(t.shape, {v.begin(), v.end()}));
     f.write(model);
     std::uint64_t size = 0;
-    std::string const sha = train::ckpt_detail::file_sha256(model, size);
+    std::string const sha = moe::io::file_sha256(model, size);
     std::ifstream in(step_dir + "/index.json");
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     auto set_field = [&](std::string const& key, std::string const& value) {

@@ -1,9 +1,9 @@
-// Tests of examples/train_moe/checkpoint.hpp on one rank: round trip, retention, corrupt and
+// Tests of moe/io/checkpoint.hpp on one rank: round trip, retention, corrupt and
 // incomplete checkpoints, argument errors, processes killed in the middle of a save, and the lock
 // that keeps a second process out of a checkpoint directory.
 #include "mpi_on_demand.hpp"
 
-#include <train_moe/checkpoint.hpp>
+#include <moe/io/checkpoint.hpp>
 
 #include <gtest/gtest.h>
 
@@ -29,7 +29,7 @@
 #include <unistd.h>
 
 namespace fs = std::filesystem;
-using train::BlockRef;
+using moe::io::BlockRef;
 
 namespace {
 
@@ -93,7 +93,7 @@ std::map<std::string, std::string> meta_of(std::int64_t step) {
 }
 
 std::string step_dir(TempDir const& t, std::int64_t step) {
-  return t.ckpt() + "/" + train::ckpt_detail::step_name(step);
+  return t.ckpt() + "/" + moe::io::checkpoint_step_name(step);
 }
 
 /// The entries of \p dir but the lock file LOCK.
@@ -119,7 +119,7 @@ class Checkpoint : public ::testing::Test {
   TempDir tmp;
 
   void save(std::int64_t step, Model& model, int keep = 3) {
-    train::save_checkpoint(comm, tmp.ckpt(), step, model.refs(), meta_of(step), keep);
+    moe::io::save_checkpoint(comm, tmp.ckpt(), step, model.refs(), meta_of(step), keep);
   }
 
   /// Loads into a fresh model; returns the step (-1 if none) and the captured stderr.
@@ -127,7 +127,7 @@ class Checkpoint : public ::testing::Test {
     std::map<std::string, std::string> meta{{"untouched", "yes"}};
     std::int64_t step = -1;
     ::testing::internal::CaptureStderr();
-    bool const found = train::load_latest_checkpoint(comm, tmp.ckpt(), into.refs(), meta, step);
+    bool const found = moe::io::load_latest_checkpoint(comm, tmp.ckpt(), into.refs(), meta, step);
     std::string const text = ::testing::internal::GetCapturedStderr();
     if (err) *err = text;
     if (!found) {
@@ -143,7 +143,7 @@ class Checkpoint : public ::testing::Test {
 }  // namespace
 
 TEST(CheckpointSha256, KnownVectors) {
-  using train::ckpt_detail::sha256_hex;
+  using moe::io::sha256_hex;
   EXPECT_EQ(sha256_hex("", 0), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
   EXPECT_EQ(sha256_hex("abc", 3),
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
@@ -154,7 +154,7 @@ TEST(CheckpointSha256, KnownVectors) {
   EXPECT_EQ(sha256_hex(million.data(), million.size()),
             "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
   // Fed in uneven pieces, the digest is the same.
-  train::ckpt_detail::Sha256 h;
+  moe::io::Sha256 h;
   for (std::size_t at = 0, k = 1; at < million.size(); at += k, k = k * 3 % 1031 + 1)
     h.update(million.data() + at, std::min(k, million.size() - at));
   EXPECT_EQ(h.hex_digest(), "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
@@ -183,7 +183,7 @@ TEST_F(Checkpoint, RoundTripF32F64AndMetadata) {
   EXPECT_EQ(f.at("scale").shape, std::vector<std::int64_t>{});
   EXPECT_EQ(f.at("empty").shape, (std::vector<std::int64_t>{0, 4}));
   std::uint64_t size = 0;
-  std::string const sha = train::ckpt_detail::file_sha256(model, size);
+  std::string const sha = moe::io::file_sha256(model, size);
   std::string const index = slurp(step_dir(tmp, 7) + "/index.json");
   EXPECT_NE(index.find("\"sha256\": \"" + sha + "\""), std::string::npos) << index;
   EXPECT_NE(index.find("\"bytes\": " + std::to_string(size)), std::string::npos) << index;
@@ -293,7 +293,7 @@ TEST_F(Checkpoint, BrokenNewestCheckpointIsSkipped) {
            text.replace(from, to - from, value);
          };
          set_field("bytes", "16");
-         set_field("sha256", "\"" + train::ckpt_detail::sha256_hex(bad.data(), 16) + "\"");
+         set_field("sha256", "\"" + moe::io::sha256_hex(bad.data(), 16) + "\"");
          spit(d + "/index.json", text);
        },
        "truncated file?"},
@@ -347,18 +347,18 @@ TEST_F(Checkpoint, CheckpointWithOtherTensorsIsSkipped) {
     std::vector<double> big(35);
     void* data = std::string(dtype) == "F64" ? static_cast<void*>(big.data()) : w.data();
     ::testing::internal::CaptureStderr();
-    EXPECT_FALSE(train::load_latest_checkpoint(comm, tmp.ckpt(), {{"layer.w", block, dtype, data}},
-                                               meta, step));
+    EXPECT_FALSE(moe::io::load_latest_checkpoint(comm, tmp.ckpt(),
+                                                 {{"layer.w", block, dtype, data}}, meta, step));
     std::string const err = ::testing::internal::GetCapturedStderr();
     EXPECT_NE(err.find(reason), std::string::npos) << err;
   }
   ::testing::internal::CaptureStderr();
-  EXPECT_FALSE(train::load_latest_checkpoint(comm, tmp.ckpt(),
-                                             {{"other", whole({2}), "F32", w.data()}}, meta, step));
+  EXPECT_FALSE(moe::io::load_latest_checkpoint(
+      comm, tmp.ckpt(), {{"other", whole({2}), "F32", w.data()}}, meta, step));
   std::string const err = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("it has no tensor 'other' (requested by rank 0)"), std::string::npos) << err;
   // A subset of the tensors is fine.
-  EXPECT_TRUE(train::load_latest_checkpoint(
+  EXPECT_TRUE(moe::io::load_latest_checkpoint(
       comm, tmp.ckpt(), {{"layer.w", whole({5, 7}), "F32", w.data()}}, meta, step));
   EXPECT_EQ(w, a.w);
 }
@@ -371,7 +371,7 @@ TEST_F(Checkpoint, BlocksOfOneRankAndResharding) {
       {"g", {{6, 8}, {3, 8}, {0, 0}}, "F64", top.data()},
       {"g", {{6, 8}, {3, 8}, {3, 0}}, "F64", bottom.data()},
       {"g", {{6, 8}, {3, 8}, {3, 0}}, "F64", bottom.data()}};  // a copy of a block is fine
-  train::save_checkpoint(comm, tmp.ckpt(), 1, halves, {}, 1);
+  moe::io::save_checkpoint(comm, tmp.ckpt(), 1, halves, {}, 1);
   std::vector<std::vector<double>> q(4, std::vector<double>(9 + 3));
   std::vector<BlockRef> quads;
   for (int k = 0; k < 4; ++k) {
@@ -380,7 +380,7 @@ TEST_F(Checkpoint, BlocksOfOneRankAndResharding) {
   }
   std::map<std::string, std::string> meta{{"x", "y"}};
   std::int64_t step = 0;
-  ASSERT_TRUE(train::load_latest_checkpoint(comm, tmp.ckpt(), quads, meta, step));
+  ASSERT_TRUE(moe::io::load_latest_checkpoint(comm, tmp.ckpt(), quads, meta, step));
   EXPECT_TRUE(meta.empty());
   for (int k = 0; k < 4; ++k) {
     for (int i = 0; i < 3; ++i) {
@@ -397,7 +397,7 @@ TEST_F(Checkpoint, BadArgumentsAndBlocksAreConfigErrors) {
   auto const bad = [&](std::vector<BlockRef> const& blocks, char const* what, std::int64_t step = 1,
                        int keep = 2) {
     try {
-      train::save_checkpoint(comm, tmp.ckpt(), step, blocks, {}, keep);
+      moe::io::save_checkpoint(comm, tmp.ckpt(), step, blocks, {}, keep);
       ADD_FAILURE() << "no ConfigError for " << what;
     } catch (moe::ConfigError const& e) {
       EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
@@ -419,7 +419,7 @@ TEST_F(Checkpoint, BadArgumentsAndBlocksAreConfigErrors) {
   bad({{"__metadata__", whole({4}), "F32", v.data()}}, "reserved");
   bad({}, "keep = 0", 1, 0);
   bad({}, "step -1 is negative", -1, 1);
-  EXPECT_THROW(train::save_checkpoint(comm, tmp.ckpt(), 1, {}, {{"k", "\xff"}}, 1),
+  EXPECT_THROW(moe::io::save_checkpoint(comm, tmp.ckpt(), 1, {}, {{"k", "\xff"}}, 1),
                moe::ConfigError);
   EXPECT_FALSE(fs::exists(tmp.ckpt())) << "nothing is written on an error";
 }
@@ -427,11 +427,11 @@ TEST_F(Checkpoint, BadArgumentsAndBlocksAreConfigErrors) {
 TEST_F(Checkpoint, UnwritableDirectoryIsAnIoError) {
   spit(tmp.path() + "/file", "x");
   Model m(1);
-  EXPECT_THROW(train::save_checkpoint(comm, tmp.path() + "/file/ckpt", 1, m.refs(), {}, 1),
+  EXPECT_THROW(moe::io::save_checkpoint(comm, tmp.path() + "/file/ckpt", 1, m.refs(), {}, 1),
                moe::IoError);
   std::map<std::string, std::string> meta;
   std::int64_t step = 0;
-  EXPECT_THROW(train::load_latest_checkpoint(comm, tmp.path() + "/file", m.refs(), meta, step),
+  EXPECT_THROW(moe::io::load_latest_checkpoint(comm, tmp.path() + "/file", m.refs(), meta, step),
                moe::IoError);
 }
 
@@ -503,7 +503,7 @@ TEST_F(Checkpoint, KilledAtRandomMomentsNeverLeavesAPartialCheckpoint) {
   };
   fill(1);
   auto const t0 = std::chrono::steady_clock::now();
-  train::save_checkpoint(comm, tmp.ckpt(), 1, refs(data), {{"step", "1"}}, 2);
+  moe::io::save_checkpoint(comm, tmp.ckpt(), 1, refs(data), {{"step", "1"}}, 2);
   double const full_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 
@@ -516,8 +516,8 @@ TEST_F(Checkpoint, KilledAtRandomMomentsNeverLeavesAPartialCheckpoint) {
     pid_t pid = 0;
     in_child(
         [&] {
-          train::save_checkpoint(comm, tmp.ckpt(), step, refs(data),
-                                 {{"step", std::to_string(step)}}, 2);
+          moe::io::save_checkpoint(comm, tmp.ckpt(), step, refs(data),
+                                   {{"step", std::to_string(step)}}, 2);
         },
         &pid, false);
     std::this_thread::sleep_for(std::chrono::microseconds(static_cast<long>(when(rng) * 1000)));
@@ -528,7 +528,7 @@ TEST_F(Checkpoint, KilledAtRandomMomentsNeverLeavesAPartialCheckpoint) {
     std::map<std::string, std::string> meta;
     std::int64_t got = -1;
     ::testing::internal::CaptureStderr();
-    ASSERT_TRUE(train::load_latest_checkpoint(comm, tmp.ckpt(), refs(back), meta, got));
+    ASSERT_TRUE(moe::io::load_latest_checkpoint(comm, tmp.ckpt(), refs(back), meta, got));
     std::string const err = ::testing::internal::GetCapturedStderr();
     EXPECT_EQ(err, "") << "step " << step;
     ASSERT_TRUE(got == step || got == latest) << "loaded " << got << " while saving " << step;
@@ -544,17 +544,17 @@ TEST_F(Checkpoint, KilledAtRandomMomentsNeverLeavesAPartialCheckpoint) {
               completed, interrupted);
   // Whatever was left behind, the next save works and leaves only complete checkpoints.
   fill(99);
-  train::save_checkpoint(comm, tmp.ckpt(), 99, refs(data), {}, 1);
+  moe::io::save_checkpoint(comm, tmp.ckpt(), 99, refs(data), {}, 1);
   EXPECT_EQ(entries(tmp.ckpt()), (std::set<std::string>{"step_00000099"}));
 }
 
 namespace {
 
-/// Sets ckpt_detail::lock_wait_seconds() for a scope.
+/// Sets moe::io::detail::ckpt::lock_wait_seconds() for a scope.
 struct LockWait {
-  double old = train::ckpt_detail::lock_wait_seconds();
-  explicit LockWait(double seconds) { train::ckpt_detail::lock_wait_seconds() = seconds; }
-  ~LockWait() { train::ckpt_detail::lock_wait_seconds() = old; }
+  double old = moe::io::detail::ckpt::lock_wait_seconds();
+  explicit LockWait(double seconds) { moe::io::detail::ckpt::lock_wait_seconds() = seconds; }
+  ~LockWait() { moe::io::detail::ckpt::lock_wait_seconds() = old; }
   LockWait(LockWait const&) = delete;
   LockWait& operator=(LockWait const&) = delete;
 };
@@ -573,8 +573,8 @@ class LockHolder {
       ::close(ready[0]);
       char answer = 'n';
       try {
-        train::ckpt_detail::make_dir(dir);
-        train::ckpt_detail::DirLock const lock(dir);
+        moe::io::detail::ckpt::make_dir(dir);
+        moe::io::detail::ckpt::DirLock const lock(dir);
         answer = 'y';
         if (::write(ready[1], &answer, 1) != 1) ::_exit(4);
         if (exit_after >= 0) {
@@ -634,7 +634,7 @@ TEST_F(Checkpoint, DirectoryLockedByAnotherProcess) {
 
   auto const t0 = std::chrono::steady_clock::now();
   try {
-    train::CheckpointDirLock const lock(comm, tmp.ckpt());
+    moe::io::CheckpointDirLock const lock(comm, tmp.ckpt());
     ADD_FAILURE() << "a directory locked by another process was locked again";
   } catch (moe::IoError const& e) {
     std::string const msg = e.what();
@@ -666,7 +666,7 @@ TEST_F(Checkpoint, DirectoryLockedByAnotherProcess) {
   // SIGKILL: the kernel drops the lock, and the next job takes it at once.
   holder.kill();
   {
-    train::CheckpointDirLock const lock(comm, tmp.ckpt());
+    moe::io::CheckpointDirLock const lock(comm, tmp.ckpt());
     EXPECT_TRUE(lock.held());
     EXPECT_EQ(lock.dir(), tmp.ckpt());
     EXPECT_EQ(
@@ -685,7 +685,7 @@ TEST_F(Checkpoint, LockOfAnEndingProcessIsWaitedFor) {
   LockHolder holder(tmp.ckpt(), 0.3);
   ASSERT_TRUE(holder.locked());
   auto const t0 = std::chrono::steady_clock::now();
-  train::CheckpointDirLock const lock(comm, tmp.ckpt());
+  moe::io::CheckpointDirLock const lock(comm, tmp.ckpt());
   EXPECT_TRUE(lock.held());
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);
 }
@@ -694,13 +694,13 @@ TEST_F(Checkpoint, LockOfAnEndingProcessIsWaitedFor) {
 // locks belong to the process); its saves use the lock it holds; moving the lock keeps it.
 TEST_F(Checkpoint, DirectoryLockedTwiceByOneProcess) {
   LockWait const wait(0.2);
-  train::CheckpointDirLock first(comm, tmp.ckpt());
+  moe::io::CheckpointDirLock first(comm, tmp.ckpt());
   ASSERT_TRUE(first.held());
   fs::create_directory_symlink(tmp.ckpt(), tmp.path() + "/alias");
   for (std::string const& path : {tmp.ckpt(), tmp.ckpt() + "/.", tmp.path() + "/alias"}) {
     SCOPED_TRACE(path);
     try {
-      train::CheckpointDirLock const again(comm, path);
+      moe::io::CheckpointDirLock const again(comm, path);
       ADD_FAILURE() << "locked twice";
     } catch (moe::ConfigError const& e) {
       EXPECT_EQ(std::string(e.what()).rfind(
@@ -717,14 +717,14 @@ TEST_F(Checkpoint, DirectoryLockedTwiceByOneProcess) {
   // Neither the failed attempts nor the saves released it: another process still cannot lock.
   auto const child_locks = [&] {
     return in_child([&] {
-      train::ckpt_detail::DirLock const lock(tmp.ckpt());
+      moe::io::detail::ckpt::DirLock const lock(tmp.ckpt());
       ::_exit(0);
     });
   };
   int status = child_locks();
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 3) << "the child took the lock this process holds";
-  train::CheckpointDirLock moved = std::move(first);
+  moe::io::CheckpointDirLock moved = std::move(first);
   EXPECT_TRUE(moved.held());
   EXPECT_FALSE(first.held());  // NOLINT(bugprone-use-after-move): moved from holds nothing
   status = child_locks();
@@ -734,22 +734,22 @@ TEST_F(Checkpoint, DirectoryLockedTwiceByOneProcess) {
   status = child_locks();
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0) << "released, yet another process cannot lock";
-  train::CheckpointDirLock const again(comm, tmp.path() + "/alias");
+  moe::io::CheckpointDirLock const again(comm, tmp.path() + "/alias");
   EXPECT_TRUE(again.held());
 }
 
 TEST_F(Checkpoint, LockArgumentErrors) {
-  EXPECT_THROW(train::CheckpointDirLock(comm, ""), moe::ConfigError);
+  EXPECT_THROW(moe::io::CheckpointDirLock(comm, ""), moe::ConfigError);
   spit(tmp.path() + "/file", "x");
   try {
-    train::CheckpointDirLock const lock(comm, tmp.path() + "/file/ckpt");
+    moe::io::CheckpointDirLock const lock(comm, tmp.path() + "/file/ckpt");
     ADD_FAILURE() << "locked a directory that cannot exist";
   } catch (moe::IoError const& e) {
     EXPECT_NE(std::string(e.what()).find("cannot create the checkpoint directory"),
               std::string::npos)
         << e.what();
   }
-  train::CheckpointDirLock const none;
+  moe::io::CheckpointDirLock const none;
   EXPECT_FALSE(none.held());
   EXPECT_EQ(none.dir(), "");
 }

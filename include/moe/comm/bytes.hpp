@@ -1,0 +1,114 @@
+#pragma once
+/// \file
+/// Host bytes of any length between ranks: point-to-point (send_bytes / recv_bytes), broadcast
+/// (broadcast_bytes) and all-gather of one string per rank (all_gather_bytes). For moe's own
+/// host-side traffic of variable size, such as the blocks and descriptions a checkpoint moves
+/// (moe/io/checkpoint.hpp); tensors in Kokkos Views go through moe/comm/collectives.hpp.
+///
+/// Transfers longer than detail::count_limit() bytes (INT_MAX; tests lower it) travel in pieces,
+/// so no count handed to MPI overflows int. The memory must be host memory. Point-to-point
+/// messages use a fixed private tag on moe's communicator: a send and its receive must be posted
+/// in the same order on both sides, with the same length.
+
+#include <moe/comm/communicator.hpp>
+#include <moe/comm/detail/exchange.hpp>
+#include <moe/error.hpp>
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moe::comm {
+namespace detail {
+
+/// Tag of send_bytes / recv_bytes, distinct from exchange_tag.
+inline constexpr int bytes_tag = 0x636b;
+
+/// Bytes per MPI call: count_limit(), the same on every rank.
+inline std::size_t byte_piece() {
+  return static_cast<std::size_t>(std::max<std::int64_t>(1, count_limit()));
+}
+
+}  // namespace detail
+
+/// \brief Sends \p n bytes at \p data to rank \p dest (blocking; matched by recv_bytes).
+inline void send_bytes(Communicator const& comm, int dest, void const* data, std::size_t n) {
+  auto const* c = static_cast<char const*>(data);
+  for (std::size_t done = 0; done < n;) {
+    std::size_t const k = std::min(detail::byte_piece(), n - done);
+    detail::check_mpi(
+        MPI_Send(c + done, static_cast<int>(k), MPI_BYTE, dest, detail::bytes_tag, comm.get()),
+        "MPI_Send");
+    done += k;
+  }
+}
+
+/// \brief Receives \p n bytes from rank \p src into \p data (blocking; matches send_bytes of the
+/// same length).
+inline void recv_bytes(Communicator const& comm, int src, void* data, std::size_t n) {
+  auto* c = static_cast<char*>(data);
+  for (std::size_t done = 0; done < n;) {
+    std::size_t const k = std::min(detail::byte_piece(), n - done);
+    detail::check_mpi(MPI_Recv(c + done, static_cast<int>(k), MPI_BYTE, src, detail::bytes_tag,
+                               comm.get(), MPI_STATUS_IGNORE),
+                      "MPI_Recv");
+    done += k;
+  }
+}
+
+/// \brief Collective: the \p n bytes at \p data on \p root are copied into \p data on every rank
+/// (\p n must be the same on every rank).
+inline void broadcast_bytes(Communicator const& comm, int root, void* data, std::size_t n) {
+  auto* c = static_cast<char*>(data);
+  for (std::size_t done = 0; done < n;) {
+    std::size_t const k = std::min(detail::byte_piece(), n - done);
+    detail::check_mpi(MPI_Bcast(c + done, static_cast<int>(k), MPI_BYTE, root, comm.get()),
+                      "MPI_Bcast");
+    done += k;
+  }
+}
+
+/// \brief Collective: \p root's \p bytes, of any length, on every rank (the others' argument is
+/// ignored). Unlike the error path's detail::broadcast_string, nothing is cut.
+inline std::string broadcast_bytes(Communicator const& comm, int root, std::string bytes) {
+  std::int64_t len = static_cast<std::int64_t>(bytes.size());
+  detail::check_mpi(MPI_Bcast(&len, 1, MPI_INT64_T, root, comm.get()), "MPI_Bcast");
+  bytes.resize(static_cast<std::size_t>(len));
+  if (len > 0) broadcast_bytes(comm, root, &bytes[0], bytes.size());
+  return bytes;
+}
+
+/// \brief Collective: every rank's \p mine, indexed by rank, on every rank.
+/// \throws moe::ConfigError on every rank when the strings of all ranks together exceed 2 GiB
+///         (MPI_Allgatherv's displacements are int); \p what names them in the message
+inline std::vector<std::string> all_gather_bytes(Communicator const& comm, std::string const& mine,
+                                                 std::string const& what) {
+  int const P = comm.size();
+  std::int64_t const len = static_cast<std::int64_t>(mine.size());
+  std::vector<std::int64_t> lens(static_cast<std::size_t>(P));
+  detail::check_mpi(MPI_Allgather(&len, 1, MPI_INT64_T, lens.data(), 1, MPI_INT64_T, comm.get()),
+                    "MPI_Allgather");
+  std::int64_t total = 0;
+  for (std::int64_t l : lens) total += l;
+  if (total > INT_MAX) throw ConfigError(moe::detail::cat(what, " exceed 2 GiB"));
+  std::vector<int> counts(static_cast<std::size_t>(P)), displs(static_cast<std::size_t>(P));
+  for (int r = 0, at = 0; r < P; ++r) {
+    counts[r] = static_cast<int>(lens[r]);
+    displs[r] = at;
+    at += counts[r];
+  }
+  std::string buf(static_cast<std::size_t>(total), '\0');
+  detail::check_mpi(MPI_Allgatherv(mine.data(), static_cast<int>(len), MPI_CHAR, &buf[0],
+                                   counts.data(), displs.data(), MPI_CHAR, comm.get()),
+                    "MPI_Allgatherv");
+  std::vector<std::string> out(static_cast<std::size_t>(P));
+  for (int r = 0; r < P; ++r) out[r] = buf.substr(displs[r], counts[r]);
+  return out;
+}
+
+}  // namespace moe::comm

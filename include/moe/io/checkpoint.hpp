@@ -1,0 +1,381 @@
+#pragma once
+/// \file
+/// Checkpoints of a distributed run: save_checkpoint and load_latest_checkpoint, the public entry
+/// points of the checkpoint format (moe::io). The pieces: moe/io/checkpoint_index.hpp (one step on
+/// disk and its verification, no MPI), moe/io/checkpoint_lock.hpp (one writer per directory),
+/// moe/io/sha256.hpp, and the internals in moe/io/detail/checkpoint_*.hpp.
+///
+/// Every rank describes the tensors it holds as blocks (moe::TensorBlock: the global shape, the
+/// shape of the local block and its offset) of host memory, F32 or F64, row-major. A checkpoint
+/// stores the *global* tensors, so it does not depend on how they were split: a run may resume on
+/// another number of ranks or with another sharding (resharding), because every rank fills its
+/// blocks from the global tensors, whatever they are.
+///
+/// On-disk format (`dir` is the checkpoint directory; N the step, printed with at least 8 digits):
+///
+///     dir/step_<NNNNNNNN>/model.safetensors   every global tensor, plus the caller's metadata as
+///                                             the safetensors "__metadata__" (string -> string)
+///     dir/step_<NNNNNNNN>/index.json          written last (checkpoint_index_text): format
+///                                             "moe-checkpoint", version 1, step, file name,
+///                                             bytes (file size), sha256 (64 hex digits) and
+///                                             the tensors' names, dtypes and shapes
+///
+/// The SHA-256 is the plain digest of model.safetensors, so `sha256sum` checks it too. Temporary
+/// entries of the directory start with a dot (".tmp_step_*", ".trash_step_*") and are never read.
+///
+/// Saving (collective). Every rank checks its blocks (dtype F32/F64, offset + local shape within
+/// the global shape, data present) and the ranks compare their step, keep, directory and
+/// metadata, which must be identical. The block descriptions are all-gathered, so every rank
+/// builds the same plan and raises the same ConfigError when: two blocks of one tensor disagree
+/// on dtype or global shape; two distinct blocks overlap partially (blocks must be identical or
+/// disjoint); the blocks do not cover the whole tensor; or two copies of one block hold different
+/// bytes (compared by a 64-bit hash of each copy). A rank need not hold every tensor, may hold
+/// several blocks of one tensor, and a tensor may be held whole by one rank. Of identical blocks
+/// only the lowest rank's copy is sent: rank 0 receives each distinct block (point-to-point, in a
+/// fixed order, in pieces of at most 1 GiB), assembles the global tensors in memory (rank 0 needs
+/// memory for the whole model) and writes:
+///
+///   1. "dir/.tmp_step_<N>.<pid>/": model.safetensors (temporary file, fsync, rename, fsync of the
+///      directory), then index.json with the size and SHA-256 of the file read back from disk
+///      (same atomic write);
+///   2. renames the temporary directory to "dir/step_<N>" and fsyncs "dir". An existing
+///      "step_<N>" (a step saved again) is swapped atomically with renameat2(RENAME_EXCHANGE);
+///      where the file system cannot exchange, it is first moved aside, so a crash between the two
+///      renames loses that step's old copy (never an older checkpoint);
+///   3. keeps the last `keep` complete checkpoints: of the directories with a readable index and a
+///      step below N, the newest keep - 1 stay and the others are renamed to ".trash_step_*" and
+///      removed. Checkpoints with a step above N (left by a run that was rolled back) are never
+///      deleted, and a failure to delete is a warning on stderr, not an error.
+///
+/// A process killed at any moment (SIGKILL, power loss after the fsyncs) thus leaves either the
+/// previous checkpoints and no new "step_<N>" (only a hidden temporary directory, removed by the
+/// next save), or the new checkpoint complete. Errors raise the same exception on every rank
+/// (moe::ConfigError for bad arguments or blocks, moe::IoError for the file system) and remove
+/// the temporary directory.
+///
+/// One writer per directory: a save runs under the exclusive lock of "dir/LOCK" (an fcntl lock
+/// that dies with its process), taken for the save unless this process holds it already; a job
+/// takes it for its whole life with CheckpointDirLock (train_moe does, before resuming). A second
+/// job fails with a moe::IoError naming the holder instead of destroying the first's checkpoints.
+///
+/// Loading (collective). Rank 0 lists "step_<digits>" directories, newest first, and takes the
+/// first that verifies: index.json parses and names this step, the file has the recorded size and
+/// SHA-256, moe::io::File::read validates it, its tensors are those of the index, and every
+/// tensor some rank requests exists with the requested dtype and global shape. Each rejected
+/// directory is reported on stderr as "checkpoint: skipping <dir>: <reason>". The choice, the step
+/// and the metadata are broadcast; rank 0 then cuts every rank's blocks out of the global tensors
+/// and sends them (only rank 0 reads the file). A missing directory or no valid checkpoint returns
+/// false on every rank and leaves `metadata` and `step` unchanged.
+///
+/// Test hook: when the environment variable MOE_CHECKPOINT_TEST_CRASH names a point of the save
+/// ("model_written", "index_written", "installed", "retention"), rank 0 calls _exit(86) there.
+///
+/// POSIX (Linux for the atomic exchange) is required. The format is stable: a checkpoint written
+/// before this code moved into moe/io (tests/data/checkpoint_v1) loads and is tested.
+
+#include <moe/comm/bytes.hpp>
+#include <moe/comm/communicator.hpp>
+#include <moe/detail/hash.hpp>
+#include <moe/distributed/layout.hpp>
+#include <moe/error.hpp>
+#include <moe/io/checkpoint_index.hpp>
+#include <moe/io/checkpoint_lock.hpp>
+#include <moe/io/detail/checkpoint_files.hpp>
+#include <moe/io/detail/checkpoint_plan.hpp>
+#include <moe/io/json.hpp>
+#include <moe/io/safetensors.hpp>
+#include <moe/io/sha256.hpp>
+
+#include <mpi.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace moe::io {
+
+/// \brief One block of a global tensor held by this rank, in host memory, row-major.
+struct BlockRef {
+  std::string name;        ///< tensor name (the same on every rank holding a block of it)
+  moe::TensorBlock block;  ///< global shape, local shape and offset of the block
+  std::string dtype;       ///< "F32" (float) or "F64" (double)
+  void* data = nullptr;    ///< numel(local_shape) elements; read by save, written by load
+};
+
+namespace detail::ckpt {
+
+/// Checks one block of this rank; throws ConfigError. Fills the description (hash included when
+/// \p with_hash).
+inline Desc describe(BlockRef const& b, std::size_t i, int rank, bool with_hash) {
+  std::string const what = cat("checkpoint: block ", i, " ('", b.name, "') of rank ", rank, ": ");
+  Desc d;
+  d.rank = rank;
+  d.index = i;
+  d.name = b.name;
+  require<ConfigError>(!b.name.empty(), what, "the tensor name is empty");
+  require<ConfigError>(b.name != "__metadata__", what, "the name \"__metadata__\" is reserved");
+  require<ConfigError>(valid_utf8(b.name), what, "the name is not valid UTF-8");
+  require<ConfigError>(
+      parse_dtype(b.dtype, d.dtype) && (d.dtype == DType::F32 || d.dtype == DType::F64), what,
+      "dtype '", b.dtype, "' is not supported (use \"F32\" or \"F64\")");
+  auto const& t = b.block;
+  require<ConfigError>(
+      t.local_shape.size() == t.global_shape.size() && t.offset.size() == t.global_shape.size(),
+      what, "global shape ", shape_str(t.global_shape), ", local shape ", shape_str(t.local_shape),
+      " and offset ", shape_str(t.offset), " must have the same number of dimensions");
+  for (std::size_t a = 0; a < t.global_shape.size(); ++a) {
+    std::int64_t const g = t.global_shape[a], l = t.local_shape[a], o = t.offset[a];
+    require<ConfigError>(g >= 0 && l >= 0 && o >= 0 && l <= g && o <= g - l, what,
+                         "the block (offset ", shape_str(t.offset), ", shape ",
+                         shape_str(t.local_shape), ") does not lie within the global shape ",
+                         shape_str(t.global_shape), " (axis ", a, ")");
+  }
+  std::int64_t global_numel = 0;
+  try {
+    global_numel = checked_numel(t.global_shape, "");
+  } catch (IoError const& e) {
+    throw ConfigError(cat(what, e.what()));
+  }
+  std::int64_t const esz = static_cast<std::int64_t>(dtype_size(d.dtype));
+  require<ConfigError>(global_numel <= INT64_MAX / esz, what, "the global tensor is too large");
+  d.global = t.global_shape;
+  d.local = t.local_shape;
+  d.offset = t.offset;
+  d.numel = checked_numel(t.local_shape, "");
+  require<ConfigError>(d.numel == 0 || b.data != nullptr, what, "data is null but the block has ",
+                       d.numel, " elements");
+  if (with_hash && d.numel > 0) {
+    d.hash = ::moe::detail::fnv1a(b.data, static_cast<std::size_t>(d.numel * esz));
+  }
+  return d;
+}
+
+}  // namespace detail::ckpt
+
+/// \brief Collective. Saves step \p step into \p dir (see the file comment for the format and the
+/// guarantees) and keeps the last \p keep complete checkpoints.
+/// \param blocks this rank's blocks; together the ranks' blocks must cover every tensor, and
+///        copies of a block must be identical
+/// \param metadata stored in the file; must be the same on every rank
+/// \param keep number of complete checkpoints kept (>= 1), the new one included
+/// \throws moe::ConfigError (bad arguments or blocks), moe::IoError (file system), the same on
+///         every rank
+inline void save_checkpoint(moe::comm::Communicator const& comm, std::string const& dir,
+                            std::int64_t step, std::vector<BlockRef> const& blocks,
+                            std::map<std::string, std::string> const& metadata, int keep) {
+  namespace cd = detail::ckpt;
+  namespace fs = std::filesystem;
+  using moe::detail::cat;
+  using moe::detail::require;
+  std::string mine;
+  moe::comm::collective_guard(comm, [&] {
+    require<moe::ConfigError>(!dir.empty(), "checkpoint: the checkpoint directory is empty");
+    require<moe::ConfigError>(step >= 0, "checkpoint: step ", step, " is negative");
+    require<moe::ConfigError>(keep >= 1, "checkpoint: keep = ", keep,
+                              "; at least the new checkpoint must be kept (keep >= 1)");
+    for (auto const& kv : metadata) {
+      require<moe::ConfigError>(detail::valid_utf8(kv.first) && detail::valid_utf8(kv.second),
+                                "checkpoint: metadata key '", kv.first,
+                                "' or its value is not valid UTF-8");
+    }
+    std::vector<cd::Desc> descs;
+    for (std::size_t i = 0; i < blocks.size(); ++i)
+      descs.push_back(cd::describe(blocks[i], i, comm.rank(), true));
+    mine = cd::encode(descs);
+  });
+  moe::comm::check_agreement(comm, "checkpoint directory, step and keep",
+                             cat(dir, "\n", step, "\n", keep));
+  moe::comm::check_agreement(comm, "checkpoint metadata", cd::map_text(metadata));
+  std::vector<std::vector<cd::Desc>> const all =
+      cd::decode(moe::comm::all_gather_bytes(comm, mine, "checkpoint: the block descriptions"));
+  std::map<std::string, cd::TensorPlan> plan;
+  moe::comm::collective_guard(comm, [&] { plan = cd::save_plan(all); });
+
+  // Rank 0: the directory, the temporary directory and the global tensors.
+  bool const root = comm.rank() == 0;
+  std::string const tmp =
+      cd::join(dir, cat(".tmp_", checkpoint_step_name(step), ".", static_cast<long>(::getpid())));
+  std::map<std::string, Tensor> tensors;
+  cd::DirLock save_lock;  // for this save, when this process does not hold the lock already
+  moe::comm::collective_guard(comm, [&] {
+    if (!root) return;
+    cd::make_dir(dir);
+    if (!cd::holds_lock(dir)) save_lock = cd::DirLock(dir);
+    cd::remove_leftovers(dir);
+    if (::mkdir(tmp.c_str(), 0777) != 0) {
+      throw moe::IoError(cat("checkpoint: cannot create '", tmp,
+                             "' in the checkpoint directory: ", std::strerror(errno)));
+    }
+    try {
+      for (auto const& kv : plan) {
+        Tensor& t = tensors[kv.first];
+        t.dtype = kv.second.spec.dtype;
+        t.shape = kv.second.spec.global;
+        t.bytes.resize(static_cast<std::size_t>(detail::checked_numel(t.shape, "")) *
+                       dtype_size(t.dtype));
+      }
+    } catch (...) {
+      tensors.clear();
+      ::rmdir(tmp.c_str());
+      throw;
+    }
+  });
+
+  // Every distinct block travels from its owner to rank 0, in plan order.
+  std::vector<unsigned char> buf;
+  for (auto const& kv : plan) {
+    for (cd::Piece const& p : kv.second.pieces) {
+      cd::Desc const& d = *p.owner;
+      std::size_t const esz = dtype_size(d.dtype);
+      void* const data = d.rank == comm.rank() ? blocks[d.index].data : nullptr;
+      if (root) {
+        auto* src = static_cast<unsigned char*>(data);
+        if (d.rank != 0) {
+          buf.resize(cd::nbytes(d));
+          moe::comm::recv_bytes(comm, d.rank, buf.data(), buf.size());
+          src = buf.data();
+        }
+        cd::copy_box(tensors[kv.first].bytes.data(), d.global, src, d.local, d.offset, esz, true);
+      } else if (d.rank == comm.rank()) {
+        moe::comm::send_bytes(comm, 0, data, cd::nbytes(d));
+      }
+    }
+  }
+  buf = std::vector<unsigned char>();
+
+  moe::comm::collective_guard(comm, [&] {
+    if (!root) return;
+    try {
+      File file;
+      file.metadata = metadata;
+      for (auto& kv : tensors) {
+        cd::swap_to_le(kv.second.bytes.data(), kv.second.bytes.size(), dtype_size(kv.second.dtype));
+        file.set(kv.first, std::move(kv.second));
+      }
+      tensors.clear();
+      std::string const model = cd::join(tmp, kCheckpointModelFile);
+      file.write(model);
+      cd::crash_point("model_written");
+      std::uint64_t size = 0;
+      std::string const sha = file_sha256(model, size);
+      write_atomic(cd::join(tmp, kCheckpointIndexFile),
+                   checkpoint_index_text(step, size, sha, file));
+      cd::crash_point("index_written");
+      cd::install(dir, tmp, cd::join(dir, checkpoint_step_name(step)));
+      cd::crash_point("installed");
+    } catch (...) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      throw;
+    }
+    cd::retain(dir, step, keep);
+  });
+}
+
+/// \brief Collective. Loads the newest complete, verified checkpoint of \p dir into \p blocks
+/// (any blocking: the checkpoint holds global tensors) and sets \p metadata and \p step.
+/// \return false on every rank, with metadata and step unchanged, when there is none
+/// \throws moe::ConfigError (bad blocks, ranks disagreeing on a tensor), moe::IoError (the
+///         directory cannot be listed), the same on every rank
+inline bool load_latest_checkpoint(moe::comm::Communicator const& comm, std::string const& dir,
+                                   std::vector<BlockRef> const& blocks,
+                                   std::map<std::string, std::string>& metadata,
+                                   std::int64_t& step) {
+  namespace cd = detail::ckpt;
+  namespace fs = std::filesystem;
+  using moe::detail::cat;
+  std::string mine;
+  moe::comm::collective_guard(comm, [&] {
+    moe::detail::require<moe::ConfigError>(!dir.empty(),
+                                           "checkpoint: the checkpoint directory is empty");
+    std::vector<cd::Desc> descs;
+    for (std::size_t i = 0; i < blocks.size(); ++i)
+      descs.push_back(cd::describe(blocks[i], i, comm.rank(), false));
+    mine = cd::encode(descs);
+  });
+  moe::comm::check_agreement(comm, "checkpoint directory", dir);
+  std::vector<std::vector<cd::Desc>> const all =
+      cd::decode(moe::comm::all_gather_bytes(comm, mine, "checkpoint: the block descriptions"));
+  std::map<std::string, TensorSpec> specs;
+  moe::comm::collective_guard(comm, [&] { specs = cd::tensor_specs(all); });
+
+  bool const root = comm.rank() == 0;
+  File file;
+  std::int64_t found[2] = {0, 0};  // found, step
+  moe::comm::collective_guard(comm, [&] {
+    if (!root) return;
+    std::error_code ec;
+    bool const exists = fs::exists(dir, ec);
+    if (ec) {
+      throw moe::IoError(
+          cat("checkpoint: cannot access the checkpoint directory '", dir, "': ", ec.message()));
+    }
+    if (!exists) return;
+    if (!fs::is_directory(dir, ec))
+      throw moe::IoError(cat("checkpoint: '", dir, "' is not a directory"));
+    for (auto const& [s, path] : cd::list_steps(dir)) {
+      try {
+        file = verify_checkpoint(path, s, specs);
+        found[0] = 1, found[1] = s;
+        return;
+      } catch (std::exception const& e) {
+        std::cerr << ("checkpoint: skipping " + path + ": " + e.what() + "\n");
+      }
+    }
+  });
+  moe::comm::detail::check_mpi(MPI_Bcast(found, 2, MPI_INT64_T, 0, comm.get()), "MPI_Bcast");
+  if (!found[0]) return false;
+  std::string const meta =
+      moe::comm::broadcast_bytes(comm, 0, root ? cd::encode_map(file.metadata) : "");
+
+  // Rank 0 cuts every block out of the global tensors: its own by copy, the others' by message.
+  if (root) {
+    std::map<std::string, std::vector<unsigned char>> native;  // big-endian hosts only
+    auto global_of = [&](cd::Desc const& d) -> unsigned char* {
+      Tensor const& t = file.at(d.name);
+      auto* p = const_cast<unsigned char*>(t.bytes.data());
+      if (detail::host_is_little_endian()) return p;
+      auto it = native.find(d.name);
+      if (it == native.end()) {
+        it = native.emplace(d.name, t.bytes).first;
+        cd::swap_to_le(it->second.data(), it->second.size(), dtype_size(t.dtype));
+      }
+      return it->second.data();
+    };
+    std::vector<unsigned char> buf;
+    for (auto const& rank_descs : all) {
+      for (cd::Desc const& d : rank_descs) {
+        if (d.numel == 0) continue;
+        std::size_t const esz = dtype_size(d.dtype);
+        if (d.rank == 0) {
+          cd::copy_box(global_of(d), d.global, static_cast<unsigned char*>(blocks[d.index].data),
+                       d.local, d.offset, esz, false);
+          continue;
+        }
+        buf.resize(cd::nbytes(d));
+        cd::copy_box(global_of(d), d.global, buf.data(), d.local, d.offset, esz, false);
+        moe::comm::send_bytes(comm, d.rank, buf.data(), buf.size());
+      }
+    }
+  } else {
+    for (cd::Desc const& d : all[static_cast<std::size_t>(comm.rank())]) {
+      if (d.numel > 0) moe::comm::recv_bytes(comm, 0, blocks[d.index].data, cd::nbytes(d));
+    }
+  }
+  metadata = cd::decode_map(meta);
+  step = found[1];
+  return true;
+}
+
+}  // namespace moe::io

@@ -1,0 +1,333 @@
+#pragma once
+/// \file
+/// One writer per checkpoint directory: CheckpointDirLock, the exclusive lock a job holds on the
+/// directory it saves into, and the process-local lock under it (an fcntl lock on "<dir>/LOCK").
+/// save_checkpoint (moe/io/checkpoint.hpp) takes it for one save when the process does not hold
+/// it already. POSIX.
+
+#include <moe/comm/communicator.hpp>
+#include <moe/error.hpp>
+#include <moe/io/detail/checkpoint_files.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace moe::io {
+namespace detail::ckpt {
+
+/// The lock file of a checkpoint directory.
+inline constexpr char const* kLockFile = "LOCK";
+
+/// Seconds a lock held by another process is waited for before giving up: a job killed a moment
+/// ago may not have released it yet. A test hook (only rank 0 reads it).
+inline double& lock_wait_seconds() {
+  static double seconds = 2.0;
+  return seconds;
+}
+
+/// A directory, by device and inode (whatever path names it).
+using DirKey = std::pair<std::uint64_t, std::uint64_t>;
+
+/// The key of the existing directory \p dir; throws IoError.
+inline DirKey dir_key(std::string const& dir) {
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0) {
+    throw IoError(cat("checkpoint: cannot stat the checkpoint directory '", dir,
+                      "': ", std::strerror(errno)));
+  }
+  return {static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
+}
+
+/// A lock this process holds: the process (a forked child inherits the table, not the lock) and
+/// the path it was taken under.
+struct HeldLock {
+  long pid = 0;
+  std::string dir;
+};
+
+/// The directories whose lock this process holds (fcntl locks belong to the process: a second
+/// F_SETLK of the same process succeeds silently, so the table is what detects it).
+inline std::map<DirKey, HeldLock>& held_locks() {
+  static std::map<DirKey, HeldLock> table;
+  return table;
+}
+/// Guards held_locks().
+inline std::mutex& held_locks_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+/// Whether this process holds the lock of \p dir (an existing directory).
+inline bool holds_lock(std::string const& dir) {
+  DirKey const key = dir_key(dir);
+  std::lock_guard<std::mutex> const guard(held_locks_mutex());
+  auto const it = held_locks().find(key);
+  return it != held_locks().end() && it->second.pid == static_cast<long>(::getpid());
+}
+
+/// Who this process is, as written into LOCK: "key=value" lines.
+inline std::string holder_identity() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "?");
+  std::time_t const now = std::time(nullptr);
+  std::tm utc{};
+  char since[32] = "?";
+  if (::gmtime_r(&now, &utc)) std::strftime(since, sizeof(since), "%Y-%m-%dT%H:%M:%SZ", &utc);
+  std::string text =
+      cat("hostname=", host, "\npid=", static_cast<long>(::getpid()), "\nsince=", since, "\n");
+  for (char const* var : {"SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "JOB_ID"}) {
+    if (char const* v = std::getenv(var)) {
+      text += cat("job=", var, "=", v, "\n");
+      break;
+    }
+  }
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  std::string cmd((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  while (!cmd.empty() && cmd.back() == '\0') cmd.pop_back();
+  std::replace(cmd.begin(), cmd.end(), '\0', ' ');
+  if (cmd.size() > 400) cmd = cmd.substr(0, 400) + "...";
+  if (!cmd.empty()) text += cat("command=", cmd, "\n");
+  return text;
+}
+
+/// The holder named by the text of LOCK, on one line ("hostname=h, pid=1, since=..., ...").
+inline std::string describe_holder(std::string const& text, long lock_pid) {
+  std::string out;
+  std::size_t at = 0;
+  while (at < text.size() && out.size() < 1000) {
+    std::size_t end = text.find('\n', at);
+    if (end == std::string::npos) end = text.size();
+    std::string line = text.substr(at, end - at);
+    at = end + 1;
+    for (char& c : line) {
+      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+    }
+    if (!line.empty()) out += (out.empty() ? "" : ", ") + line;
+  }
+  if (!out.empty()) return out;
+  if (lock_pid > 0) return cat("pid=", lock_pid, " per the lock; it has not written its name yet");
+  return "unknown: LOCK names no holder";
+}
+
+/// \brief The exclusive lock of a checkpoint directory, held by this process (rank-local).
+///
+/// An fcntl (POSIX record) write lock on all of "<dir>/LOCK", whose text names the holder. The
+/// kernel drops the lock when the process ends, however it ends (SIGKILL included), so a dead
+/// job never leaves a stale lock; the text of an unlocked LOCK means nothing. fcntl locks belong
+/// to the process and closing *any* descriptor of the file drops them: LOCK is opened nowhere
+/// else, and a table of the directories locked by this process makes a second lock of the same
+/// directory (by any path) an error instead of a silent success. Never delete LOCK while a job
+/// runs: a new LOCK is another file, which a second job could lock.
+class DirLock {
+ public:
+  DirLock() = default;
+
+  /// Locks the existing directory \p dir, waiting up to lock_wait_seconds() for another holder.
+  /// \throws IoError when another process holds it (the message names the holder) or LOCK
+  ///         cannot be opened; ConfigError when this process already holds it
+  explicit DirLock(std::string const& dir) {
+    DirKey const key = dir_key(dir);
+    long const self = static_cast<long>(::getpid());
+    std::lock_guard<std::mutex> const guard(held_locks_mutex());
+    auto const it = held_locks().find(key);
+    if (it != held_locks().end() && it->second.pid == self) {
+      throw ConfigError(cat("checkpoint_dir '", dir, "' is already locked by this process (pid=",
+                            self, ", as '", it->second.dir,
+                            "'): one writer per checkpoint directory; release that lock "
+                            "first, or use another checkpoint_dir"));
+    }
+    std::string const path = join(dir, kLockFile);
+    std::string const identity = holder_identity();
+    int const fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      throw IoError(
+          cat("checkpoint: cannot open the lock file '", path, "': ", std::strerror(errno)));
+    }
+    auto const deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration<double>(std::max(0.0, lock_wait_seconds()));
+    bool locked = false;
+    for (;;) {
+      struct flock fl {};
+      fl.l_type = F_WRLCK;
+      fl.l_whence = SEEK_SET;
+      fl.l_start = 0;
+      fl.l_len = 0;  // the whole file
+      if (::fcntl(fd, F_SETLK, &fl) == 0) {
+        locked = true;
+        break;
+      }
+      int const e = errno;
+      if (e == EINTR) continue;
+      if (e != EACCES && e != EAGAIN) {
+        // ENOLCK, EOPNOTSUPP, ...: the file system keeps no locks. Not fatal (checkpoints still
+        // work), but nothing keeps a second job out; said once per directory and process.
+        static std::set<DirKey> warned;
+        if (warned.insert(key).second) {
+          warn(cat("cannot lock '", path, "' (", std::strerror(e), "): this file system keeps no ",
+                   "fcntl locks, so nothing stops another job from writing into '", dir, "'"));
+        }
+        break;
+      }
+      if (std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        continue;
+      }
+      // Held by another process: read who (the same descriptor; this process holds no lock on
+      // the file, so closing it drops nothing).
+      std::string text(4096, '\0');
+      ssize_t const got = ::pread(fd, &text[0], text.size(), 0);
+      text.resize(got > 0 ? static_cast<std::size_t>(got) : 0);
+      struct flock probe {};
+      probe.l_type = F_WRLCK;
+      probe.l_whence = SEEK_SET;
+      long lock_pid = 0;
+      if (::fcntl(fd, F_GETLK, &probe) == 0 && probe.l_type != F_UNLCK)
+        lock_pid = static_cast<long>(probe.l_pid);
+      ::close(fd);
+      throw IoError(cat("checkpoint_dir '", dir, "' is in use by another job (",
+                        describe_holder(text, lock_pid),
+                        "); two jobs must not share a checkpoint directory: wait for it to "
+                        "finish, or set checkpoint_dir to another directory"));
+    }
+    if (locked) {
+      ssize_t const size = static_cast<ssize_t>(identity.size());
+      bool const written =
+          ::ftruncate(fd, 0) == 0 && ::pwrite(fd, identity.data(), identity.size(), 0) == size;
+      if (!written) warn(cat("cannot write the holder into '", path, "': ", std::strerror(errno)));
+    }
+    held_locks()[key] = HeldLock{self, dir};
+    fd_ = fd;
+    locked_ = locked;
+    pid_ = self;
+    key_ = key;
+  }
+
+  DirLock(DirLock&& o) noexcept { swap(o); }
+  DirLock& operator=(DirLock&& o) noexcept {
+    if (this != &o) {
+      release();
+      swap(o);
+    }
+    return *this;
+  }
+  DirLock(DirLock const&) = delete;
+  DirLock& operator=(DirLock const&) = delete;
+  ~DirLock() { release(); }
+
+  /// Whether this object holds a lock (false once released or moved from).
+  bool held() const { return fd_ >= 0; }
+
+  /// Unlocks (LOCK is emptied first, so that it names nobody, and stays).
+  void release() noexcept {
+    if (fd_ < 0) return;
+    if (pid_ == static_cast<long>(::getpid())) {  // not in a forked child, which holds nothing
+      {
+        std::lock_guard<std::mutex> const guard(held_locks_mutex());
+        auto const it = held_locks().find(key_);
+        if (it != held_locks().end() && it->second.pid == pid_) held_locks().erase(it);
+      }
+      if (locked_ && ::ftruncate(fd_, 0) != 0) {
+        // the lock goes anyway; the text of an unlocked LOCK means nothing
+      }
+    }
+    ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  void swap(DirLock& o) noexcept {
+    std::swap(fd_, o.fd_);
+    std::swap(locked_, o.locked_);
+    std::swap(pid_, o.pid_);
+    std::swap(key_, o.key_);
+  }
+
+  int fd_ = -1;
+  bool locked_ = false;  ///< false where the file system keeps no locks (see the warning)
+  long pid_ = 0;
+  DirKey key_{};
+};
+
+}  // namespace detail::ckpt
+
+/// \brief One writer per checkpoint directory: the exclusive lock a job takes on the directory it
+/// will save into, held for as long as the object lives (normally the job's lifetime).
+///
+/// Collective. Creates the directory when missing (as save_checkpoint does), then rank 0 takes an
+/// fcntl write lock on "<dir>/LOCK" and writes its identity into it (hostname, pid, start time in
+/// UTC, the batch job id when SLURM_JOB_ID, PBS_JOBID, LSB_JOBID, FLUX_JOB_ID or JOB_ID is set,
+/// and the command line). When another process holds it (after a grace of
+/// detail::ckpt::lock_wait_seconds(), 2 s, for a job killed a moment ago), every rank throws the
+/// same moe::IoError, "checkpoint_dir '<dir>' is in use by another job (hostname=..., pid=...,
+/// since=..., command=...); two jobs must not share a checkpoint directory: ...", before the job
+/// has read or written anything there; when this process already holds it (by any path),
+/// moe::ConfigError. The kernel releases the lock when the holding process ends, however it ends,
+/// so a job killed with SIGKILL leaves no stale lock; a normal end (or release()) also empties
+/// LOCK. The file LOCK stays in the directory; never delete it while a job runs.
+///
+/// Who takes it: a job that will save into the directory, before it resumes from it (train_moe
+/// does, when enable_checkpointing is set), so that it never loads a checkpoint another job is
+/// rotating away, and a second job fails within seconds. save_checkpoint also takes the lock for
+/// the time of one save when this process does not hold it already, so savers that never took it
+/// still cannot write at the same time (but only a lock held for the whole job keeps another job
+/// from pruning the checkpoints between saves). load_latest_checkpoint takes no lock: a read-only
+/// use (inspecting a directory, resharding into another one) may read a directory a job is
+/// writing; it never sees a partial checkpoint, but the writer's retention may remove the one it is
+/// reading (it is then skipped with a message, or the load fails).
+///
+/// fcntl locks depend on the file system: local file systems and NFS (v4, or v3 with lockd) keep
+/// them across hosts; where the file system keeps none (some FUSE or Lustre mounts without
+/// flock), the lock cannot be taken and a warning on stderr says so, and nothing stops a second
+/// job. A lock is per process: a forked child does not inherit it.
+class CheckpointDirLock {
+ public:
+  /// Holds nothing.
+  CheckpointDirLock() = default;
+
+  /// Collective: locks \p dir (the same on every rank) for this job. Throws the same moe::IoError
+  /// or moe::ConfigError on every rank (see the class comment).
+  CheckpointDirLock(moe::comm::Communicator const& comm, std::string const& dir) : dir_(dir) {
+    moe::comm::collective_guard(comm, [&] {
+      moe::detail::require<ConfigError>(!dir.empty(),
+                                        "checkpoint: the checkpoint directory is empty");
+    });
+    moe::comm::check_agreement(comm, "checkpoint directory", dir);
+    moe::comm::collective_guard(comm, [&] {
+      if (comm.rank() != 0) return;
+      detail::ckpt::make_dir(dir);
+      lock_ = detail::ckpt::DirLock(dir);
+    });
+  }
+
+  /// The directory (empty when default-constructed).
+  std::string const& dir() const { return dir_; }
+
+  /// Whether this rank holds the lock: true on rank 0 of a locked directory, false elsewhere.
+  bool held() const { return lock_.held(); }
+
+  /// Releases the lock (not collective); the destructor does it too.
+  void release() noexcept { lock_.release(); }
+
+ private:
+  std::string dir_;
+  detail::ckpt::DirLock lock_;
+};
+
+}  // namespace moe::io

@@ -1,0 +1,195 @@
+#pragma once
+/// \file
+/// Internals of moe/io/checkpoint.hpp: the file-system steps of a save (directory creation and
+/// fsync, installing a finished step with an atomic rename or exchange, retention of the last
+/// checkpoints, removal of leftovers) and the listing of the step directories a load tries.
+/// POSIX; Linux for renameat2(RENAME_EXCHANGE).
+
+#include <moe/error.hpp>
+#include <moe/io/checkpoint_index.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace moe::io::detail::ckpt {
+
+namespace fs = std::filesystem;
+
+/// Test hook: rank 0 ends with _exit(86) at the point of the save named by the environment
+/// variable MOE_CHECKPOINT_TEST_CRASH ("model_written", "index_written", "installed", "retention").
+inline void crash_point(char const* name) {
+  char const* want = std::getenv("MOE_CHECKPOINT_TEST_CRASH");
+  if (want && std::strcmp(want, name) == 0) ::_exit(86);
+}
+
+/// "<dir>/<name>".
+inline std::string join(std::string const& dir, std::string const& name) {
+  return (fs::path(dir) / name).string();
+}
+
+/// fsync of a directory; file systems that cannot sync directories are not an error.
+inline void sync_dir(std::string const& dir) {
+  int const fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  int const rc = ::fsync(fd);
+  int const e = errno;
+  ::close(fd);
+  if (rc != 0 && e != EINVAL && e != ENOTSUP) {
+    throw IoError(cat("checkpoint: fsync of the directory '", dir, "' failed: ", std::strerror(e)));
+  }
+}
+
+/// "step_<digits>" directories of \p dir, newest first. Throws IoError if \p dir cannot be listed.
+inline std::vector<std::pair<std::int64_t, std::string>> list_steps(std::string const& dir) {
+  std::vector<std::pair<std::int64_t, std::string>> out;
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec), end;
+  if (ec) {
+    throw IoError(
+        cat("checkpoint: cannot list the checkpoint directory '", dir, "': ", ec.message()));
+  }
+  for (; it != end; it.increment(ec)) {
+    std::string const name = it->path().filename().string();
+    if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 || name.size() > 5 + 18) continue;
+    if (!std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      continue;
+    std::error_code dec;
+    if (!it->is_directory(dec)) continue;
+    out.emplace_back(std::stoll(name.substr(5)), it->path().string());
+  }
+  if (ec) {
+    throw IoError(
+        cat("checkpoint: cannot list the checkpoint directory '", dir, "': ", ec.message()));
+  }
+  std::sort(out.begin(), out.end(), [](auto const& a, auto const& b) {
+    return a.first != b.first ? a.first > b.first : a.second > b.second;
+  });
+  return out;
+}
+
+/// A problem that does not fail the save, on stderr.
+inline void warn(std::string const& msg) { std::cerr << ("checkpoint: warning: " + msg + "\n"); }
+
+/// Removes leftovers of interrupted saves (".tmp_step_*", ".trash_step_*").
+inline void remove_leftovers(std::string const& dir) {
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::string const name = it->path().filename().string();
+    if (name.rfind(".tmp_step_", 0) == 0 || name.rfind(".trash_step_", 0) == 0)
+      stale.push_back(it->path());
+  }
+  for (fs::path const& p : stale) {
+    std::error_code rec;
+    fs::remove_all(p, rec);
+    if (rec) warn(cat("cannot remove '", p.string(), "': ", rec.message()));
+  }
+}
+
+/// Renames the complete temporary directory \p tmp to \p final_dir (replacing an existing one).
+inline void install(std::string const& dir, std::string const& tmp, std::string const& final_dir) {
+  struct stat st {};
+  if (::lstat(final_dir.c_str(), &st) != 0) {
+    if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+      throw IoError(cat("checkpoint: cannot rename '", tmp, "' to '", final_dir,
+                        "': ", std::strerror(errno)));
+    }
+    sync_dir(dir);
+    return;
+  }
+  std::string old = tmp;  // where the replaced checkpoint ends up
+  bool exchanged = false;
+#ifdef RENAME_EXCHANGE
+  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+    exchanged = true;
+  } else if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) {
+    throw IoError(cat("checkpoint: cannot exchange '", tmp, "' and '", final_dir,
+                      "': ", std::strerror(errno)));
+  }
+#endif
+  if (!exchanged) {
+    old = join(dir, cat(".trash_", fs::path(final_dir).filename().string(), ".",
+                        static_cast<long>(::getpid())));
+    if (::rename(final_dir.c_str(), old.c_str()) != 0) {
+      throw IoError(cat("checkpoint: cannot move '", final_dir, "' aside: ", std::strerror(errno)));
+    }
+    if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+      int const e = errno;
+      ::rename(old.c_str(), final_dir.c_str());  // put the old one back
+      throw IoError(
+          cat("checkpoint: cannot rename '", tmp, "' to '", final_dir, "': ", std::strerror(e)));
+    }
+  }
+  sync_dir(dir);
+  std::error_code ec;
+  fs::remove_all(old, ec);
+  if (ec) warn(cat("cannot remove the replaced checkpoint '", old, "': ", ec.message()));
+}
+
+/// Keeps the checkpoint of \p step and the keep - 1 newest complete ones before it.
+inline void retain(std::string const& dir, std::int64_t step, int keep) {
+  std::vector<std::pair<std::int64_t, std::string>> steps;
+  try {
+    steps = list_steps(dir);
+  } catch (IoError const& e) {
+    warn(e.what());
+    return;
+  }
+  int kept = 1;  // the new checkpoint
+  for (auto const& [s, path] : steps) {
+    if (s >= step) continue;
+    try {
+      if (read_checkpoint_index(path).step != s) continue;
+    } catch (std::exception const&) {
+      continue;  // incomplete: not counted, not deleted
+    }
+    if (kept < keep) {
+      ++kept;
+      continue;
+    }
+    std::string const trash = join(dir, cat(".trash_", fs::path(path).filename().string(), ".",
+                                            static_cast<long>(::getpid())));
+    if (::rename(path.c_str(), trash.c_str()) != 0) {
+      warn(cat("cannot remove the old checkpoint '", path, "': ", std::strerror(errno)));
+      continue;
+    }
+    crash_point("retention");
+    std::error_code ec;
+    fs::remove_all(trash, ec);
+    if (ec) warn(cat("cannot remove '", trash, "': ", ec.message()));
+  }
+  try {
+    sync_dir(dir);
+  } catch (IoError const& e) {
+    warn(e.what());
+  }
+}
+
+/// Creates \p dir and its parents when missing (fsyncing the parent of a new one). Throws IoError.
+inline void make_dir(std::string const& dir) {
+  std::error_code ec;
+  bool const created = fs::create_directories(dir, ec);
+  if (ec || !fs::is_directory(dir, ec)) {
+    throw IoError(cat("checkpoint: cannot create the checkpoint directory '", dir,
+                      "': ", ec ? ec.message() : std::string("not a directory")));
+  }
+  if (created) sync_dir(fs::absolute(dir, ec).parent_path().string());
+}
+
+}  // namespace moe::io::detail::ckpt
