@@ -4,6 +4,7 @@
 //   mpirun -np N moe-layer-run --config CFG.yml --in CASE.safetensors --out RESULT.safetensors
 //                              [--gmm auto|onednn|vendor|tiled|dense] [key=value ...]
 //   mpirun -np N moe-layer-run --example [key=value ...]   (built-in case, readable summary)
+//   moe-layer-run --keys   (every key: type, default, meaning, rules; from the config tables)
 //
 // CASE holds global tensors x[B,S,D], gate[D,E], optional gate_bias[E], wi_0/wi_1[E,D,F],
 // wo[E,F,D], optional shared_wi_0/shared_wi_1[D,Fs], shared_wo[Fs,D], optional dy[B,S,D], all
@@ -44,10 +45,16 @@ char const* const kUsage =
     "                    --out RESULT.safetensors [--gmm auto|onednn|vendor|tiled|dense] "
     "[key=value ...]\n"
     "       mpirun -np N moe-layer-run --example [key=value ...]\n"
-    "keys: LayerConfig keys (num_experts, ...) and ParallelConfig keys (ici_data_parallelism,\n"
-    "      ici_fsdp_parallelism, ici_fsdp_transpose_parallelism, ici_expert_parallelism,\n"
-    "      ici_tensor_parallelism, ici_context_parallelism, use_ring_of_experts,\n"
-    "      ragged_buffer_factor, moe_fsdp_use_two_stage_all_gather, custom_mesh_and_rule)\n";
+    "       moe-layer-run --keys\n"
+    "keys: LayerConfig keys (num_experts, ...) and ParallelConfig keys (ici_*_parallelism,\n"
+    "      use_ring_of_experts, ...); --keys lists each with its type, default and meaning\n";
+
+/// --keys: every key moe-layer-run takes, from the config tables.
+std::string key_listing() {
+  return "layer keys (LayerConfig):\n" + moe::LayerConfig::table().listing(moe::LayerConfig()) +
+         "parallelism keys (ParallelConfig):\n" +
+         moe::ParallelConfig::table().listing(moe::ParallelConfig());
+}
 
 Args parse_args(int argc, char** argv) {
   Args a;
@@ -491,6 +498,11 @@ void check_memory(moe::comm::Communicator const& world, Setup const& s) {
 
 int run(int argc, char** argv) {
   moe::comm::Communicator world(MPI_COMM_WORLD);
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--keys") {
+      if (world.rank() == 0) std::fputs(key_listing().c_str(), stdout);
+      return 0;
+    }
   Setup s;
   moe::comm::collective_guard(world, [&] { s = prepare(argc, argv); });
   // Before any collective depends on them: every rank read the same config and the same CASE.

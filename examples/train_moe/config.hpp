@@ -81,45 +81,20 @@ struct TrainConfig {
     return p;
   }
 
-  /// The driver's own keys (LayerConfig and ParallelConfig keys are accepted too).
-  static std::vector<std::string> own_keys() {
-    return {"steps",
-            "per_device_batch_size",
-            "max_target_length",
-            "vocab_size",
-            "context_length",
-            "base_num_decoder_layers",
-            "dtype",
-            "normalization_layer_epsilon",
-            "learning_rate",
-            "warmup_steps",
-            "warmup_steps_fraction",
-            "learning_rate_schedule_steps",
-            "cosine_learning_rate_final_fraction",
-            "adam_b1",
-            "adam_b2",
-            "adam_eps",
-            "adam_weight_decay",
-            "weight_decay",
-            "gradient_clipping_threshold",
-            "grad_clip",
-            "dataset_type",
-            "dataset_path",
-            "markov_order",
-            "markov_branching",
-            "enable_checkpointing",
-            "checkpoint_period",
-            "checkpoint_dir",
-            "checkpoint_keep",
-            "log_period",
-            "metrics_file"};
-  }
+  /// \brief The table of the driver's own keys (LayerConfig and ParallelConfig keys are accepted
+  /// too, through their tables): parsing, describe() and the rules of validate().
+  static inline moe::ConfigTable<TrainConfig> const& table();
 
-  /// Every key set() accepts: own_keys(), LayerConfig's and ParallelConfig's.
+  /// The driver's own keys (and aliases); LayerConfig and ParallelConfig keys are accepted too.
+  static std::vector<std::string> own_keys() { return table().keys(); }
+
+  /// Every key set() accepts: own_keys(), then LayerConfig's and ParallelConfig's not among them
+  /// (`seed` is the driver's: it sets the layer's routing seed too).
   static std::vector<std::string> all_keys() {
     auto k = own_keys();
     for (auto const& v : {moe::LayerConfig::keys(), moe::ParallelConfig::keys()})
-      k.insert(k.end(), v.begin(), v.end());
+      for (auto const& key : v)
+        if (std::find(k.begin(), k.end(), key) == k.end()) k.push_back(key);
     return k;
   }
 
@@ -131,91 +106,20 @@ struct TrainConfig {
   /// alone switches the default layout to FSDP; two -1s the user gave are an error (validate()).
   void set(std::string const& key, std::string const& value) {
     using namespace moe::detail;
-    auto as_i64 = [&] { return std::int64_t(parse_int(key, value)); };
-    auto as_int = [&] {
-      long long const r = parse_int(key, value);
-      if (r < -2147483647LL || r > 2147483647LL)
-        throw moe::ConfigError(cat(key, "=", value, " does not fit in 32 bits"));
-      return int(r);
-    };
-    auto as_double = [&] { return parse_double(key, value); };
     std::string canonical = key;
-    if (key == "steps")
-      steps = as_i64();
-    else if (key == "per_device_batch_size")
-      per_device_batch_size = as_double();
-    else if (key == "max_target_length")
-      max_target_length = as_i64();
-    else if (key == "vocab_size")
-      vocab_size = as_int();
-    else if (key == "context_length")
-      context_length = as_int();
-    else if (key == "base_num_decoder_layers")
-      base_num_decoder_layers = as_int();
-    else if (key == "dtype") {
-      dtype = trim(value);
-      if (dtype != "float32" && dtype != "float64")
-        throw moe::ConfigError(cat("dtype=", value, " is not supported (float32 | float64)"));
-    } else if (key == "normalization_layer_epsilon")
-      normalization_layer_epsilon = as_double();
-    else if (key == "learning_rate")
-      learning_rate = as_double();
-    else if (key == "warmup_steps")
-      warmup_steps = as_i64();
-    else if (key == "warmup_steps_fraction")
-      warmup_steps_fraction = as_double();
-    else if (key == "learning_rate_schedule_steps")
-      learning_rate_schedule_steps = as_i64();
-    else if (key == "cosine_learning_rate_final_fraction")
-      cosine_learning_rate_final_fraction = as_double();
-    else if (key == "adam_b1")
-      adam_b1 = as_double();
-    else if (key == "adam_b2")
-      adam_b2 = as_double();
-    else if (key == "adam_eps")
-      adam_eps = as_double();
-    else if (key == "adam_weight_decay" || key == "weight_decay") {
-      adam_weight_decay = as_double();
-      canonical = "adam_weight_decay";
-    } else if (key == "gradient_clipping_threshold" || key == "grad_clip") {
-      gradient_clipping_threshold = as_double();
-      canonical = "gradient_clipping_threshold";
-    } else if (key == "dataset_type") {
-      dataset_type = trim(value);
-      if (dataset_type != "markov" && dataset_type != "synthetic" && dataset_type != "text")
-        throw moe::ConfigError(
-            cat("dataset_type=", value, " is not supported (markov | synthetic | text)"));
-    } else if (key == "dataset_path")
-      dataset_path = trim(value);
-    else if (key == "markov_order")
-      markov_order = as_int();
-    else if (key == "markov_branching")
-      markov_branching = as_int();
-    else if (key == "enable_checkpointing")
-      enable_checkpointing = parse_bool(key, value);
-    else if (key == "checkpoint_period")
-      checkpoint_period = as_i64();
-    else if (key == "checkpoint_dir")
-      checkpoint_dir = trim(value);
-    else if (key == "checkpoint_keep")
-      checkpoint_keep = as_int();
-    else if (key == "log_period")
-      log_period = as_i64();
-    else if (key == "metrics_file")
-      metrics_file = trim(value);
-    else if (key == "seed") {
+    if (auto const* f = table().find(key)) {
+      f->parse(*this, key, value);
+      canonical = f->key;
+    } else if (moe::LayerConfig::has_key(key)) {
       layer.set(key, value);
-      seed = layer.seed;
-    } else if (moe::LayerConfig::has_key(key))
-      layer.set(key, value);
-    else if (moe::ParallelConfig::has_key(key)) {
+    } else if (moe::ParallelConfig::has_key(key)) {
       // A -1 the user gave stays (two given -1s are rejected by validate(), as in every tool);
       // only the default's -1 yields to the user's.
       if (key.rfind("ici_", 0) == 0 && trim(value) == "-1")
         for (auto const& [name, degree] : par.ici())
           if (degree == -1 && name != key && !given.count(name)) par.set(name, "1");
       par.set(key, value);
-    } else
+    } else {
       throw moe::ConfigError(cat("unknown config key '", key, "' (value '", value,
                                  "'): train_moe takes its own keys (steps, "
                                  "per_device_batch_size, max_target_length, vocab_size, ...; see "
@@ -223,6 +127,7 @@ struct TrainConfig {
                                  "the parallelism keys (ici_*_parallelism, use_ring_of_experts, "
                                  "custom_mesh_and_rule, ...)",
                                  did_you_mean(key, all_keys())));
+    }
     given.insert(canonical);
   }
 
@@ -243,60 +148,10 @@ struct TrainConfig {
   /// Vocabulary in effect (dataset_type=text: 256 bytes).
   int vocab() const { return dataset_type == "text" ? 256 : vocab_size; }
 
-  /// \brief Checks every value and rule; ConfigError naming the key.
+  /// \brief Checks every value and rule (the table's, then the layer's and the parallelism's);
+  /// ConfigError naming the key.
   void validate() const {
-    using moe::detail::cat;
-    auto req = [](bool ok, auto const&... msg) {
-      if (!ok) throw moe::ConfigError(cat(msg...));
-    };
-    req(steps >= 0, "steps=", steps, " must be >= 0");
-    req(per_device_batch_size > 0, "per_device_batch_size=", per_device_batch_size, " must be > 0");
-    req(max_target_length >= 1, "max_target_length=", max_target_length, " must be >= 1");
-    req(context_length >= 1, "context_length=", context_length, " must be >= 1");
-    req(base_num_decoder_layers >= 1, "base_num_decoder_layers=", base_num_decoder_layers,
-        " must be >= 1");
-    req(normalization_layer_epsilon > 0,
-        "normalization_layer_epsilon=", normalization_layer_epsilon, " must be > 0");
-    req(learning_rate >= 0, "learning_rate=", learning_rate, " must be >= 0");
-    req(warmup_steps >= -1, "warmup_steps=", warmup_steps, " must be >= 0 (or -1: use ",
-        "warmup_steps_fraction)");
-    req(warmup_steps_fraction >= 0 && warmup_steps_fraction <= 1,
-        "warmup_steps_fraction=", warmup_steps_fraction, " must be in [0, 1]");
-    req(learning_rate_schedule_steps == -1 || learning_rate_schedule_steps >= 1,
-        "learning_rate_schedule_steps=", learning_rate_schedule_steps,
-        " must be >= 1 (or -1: steps)");
-    req(cosine_learning_rate_final_fraction >= 0 && cosine_learning_rate_final_fraction <= 1,
-        "cosine_learning_rate_final_fraction=", cosine_learning_rate_final_fraction,
-        " must be in [0, 1]");
-    req(adam_b1 >= 0 && adam_b1 < 1, "adam_b1=", adam_b1, " must be in [0, 1)");
-    req(adam_b2 >= 0 && adam_b2 < 1, "adam_b2=", adam_b2, " must be in [0, 1)");
-    req(adam_eps > 0, "adam_eps=", adam_eps, " must be > 0");
-    req(adam_weight_decay >= 0, "adam_weight_decay=", adam_weight_decay, " must be >= 0");
-    req(gradient_clipping_threshold >= 0,
-        "gradient_clipping_threshold=", gradient_clipping_threshold,
-        " must be >= 0 (0: no clipping)");
-    if (dataset_type == "text") {
-      req(!dataset_path.empty(), "dataset_type=text needs dataset_path (a file whose bytes are ",
-          "the tokens)");
-      req(!given.count("vocab_size") || vocab_size == 256, "vocab_size=", vocab_size,
-          " does not fit dataset_type=text, whose tokens are bytes (vocab_size 256)");
-    } else {
-      req(vocab_size >= 2, "vocab_size=", vocab_size, " must be >= 2");
-    }
-    if (dataset_type == "markov") {
-      req(markov_order >= 1 && markov_order <= 8, "markov_order=", markov_order,
-          " must be in [1, 8]");
-      req(markov_branching >= 1 && markov_branching <= vocab_size,
-          "markov_branching=", markov_branching, " must be in [1, vocab_size=", vocab_size, "]");
-      req(std::pow(double(vocab_size), markov_order) <= double(1 << 22), "vocab_size^markov_order",
-          " = ", std::pow(double(vocab_size), markov_order),
-          " contexts is too many for the markov source (at most 2^22)");
-    }
-    req(checkpoint_period >= 1, "checkpoint_period=", checkpoint_period, " must be >= 1");
-    req(checkpoint_keep >= 1, "checkpoint_keep=", checkpoint_keep, " must be >= 1");
-    req(!enable_checkpointing || !checkpoint_dir.empty(),
-        "enable_checkpointing=true needs a checkpoint_dir");
-    req(log_period >= 1, "log_period=", log_period, " must be >= 1");
+    table().validate(*this);
     layer.validate();
     par.validate();
   }
@@ -331,27 +186,135 @@ struct TrainConfig {
 
   /// A canonical text of every field (ranks must agree on it).
   std::string describe() const {
-    std::string s = moe::describe(layer) + "|" + par.describe();
-    auto add = [&](char const* k, auto const& v) {
-      std::ostringstream os;
-      os.precision(17);
-      os << v;
-      s += std::string("|") + k + "=" + os.str();
-    };
-    add("steps", steps), add("pdbs", per_device_batch_size), add("S", max_target_length);
-    add("V", vocab_size), add("C", context_length), add("L", base_num_decoder_layers);
-    add("dtype", dtype), add("eps", normalization_layer_epsilon), add("seed", seed);
-    add("lr", learning_rate), add("warmup", warmup_steps), add("warmup_f", warmup_steps_fraction);
-    add("sched", learning_rate_schedule_steps), add("final", cosine_learning_rate_final_fraction);
-    add("b1", adam_b1), add("b2", adam_b2), add("aeps", adam_eps), add("wd", adam_weight_decay);
-    add("clip", gradient_clipping_threshold), add("data", dataset_type), add("path", dataset_path);
-    add("order", markov_order), add("branch", markov_branching);
-    add("ckpt", enable_checkpointing), add("period", checkpoint_period);
-    add("dir", checkpoint_dir), add("keep", checkpoint_keep), add("log", log_period);
-    add("metrics", metrics_file);
-    return s;
+    return moe::describe(layer) + "|" + par.describe() + "|" + table().describe(*this);
   }
 };
+
+inline moe::ConfigTable<TrainConfig> const& TrainConfig::table() {
+  using C = TrainConfig;
+  static moe::ConfigTable<C> const t = [] {
+    using moe::detail::cat;
+    moe::ConfigTable<C> t(moe::DescribeNumbers::Precise, "|");
+    // Fields, in describe() order.
+    t.field("steps", &C::steps, "steps", "optimizer steps (the run stops there)");
+    t.field("per_device_batch_size", &C::per_device_batch_size, "pdbs",
+            "sequences per rank; global batch = this x ranks (must be whole)");
+    t.field("max_target_length", &C::max_target_length, "S",
+            "tokens predicted per sequence (S; each sequence has S + 1 tokens)");
+    t.field("vocab_size", &C::vocab_size, "V", "V (dataset_type=text: 256)");
+    t.field("context_length", &C::context_length, "C", "window C of the causal token mixing");
+    t.field("base_num_decoder_layers", &C::base_num_decoder_layers, "L", "MoE blocks");
+    t.choice("dtype", &C::dtype, "dtype",
+             {{"float32", std::string("float32")}, {"float64", std::string("float64")}},
+             "every layer computes in it");
+    t.field("normalization_layer_epsilon", &C::normalization_layer_epsilon, "eps",
+            "RMSNorm epsilon");
+    t.field("seed", &C::seed, "seed", "initialisation, data and random routing")
+        .parse_with([](C& c, std::string const& key, std::string const& value) {
+          c.layer.set(key, value);  // the layer's routing seed too
+          c.seed = c.layer.seed;
+        });
+    t.field("learning_rate", &C::learning_rate, "lr", "peak learning rate");
+    t.field("warmup_steps", &C::warmup_steps, "warmup",
+            "warm-up steps (-1: warmup_steps_fraction of the schedule)");
+    t.field("warmup_steps_fraction", &C::warmup_steps_fraction, "warmup_f",
+            "warm-up as a fraction of the schedule (when warmup_steps=-1)");
+    t.field("learning_rate_schedule_steps", &C::learning_rate_schedule_steps, "sched",
+            "schedule length (-1: steps)");
+    t.field("cosine_learning_rate_final_fraction", &C::cosine_learning_rate_final_fraction, "final",
+            "final learning rate / peak");
+    t.field("adam_b1", &C::adam_b1, "b1", "AdamW first moment decay");
+    t.field("adam_b2", &C::adam_b2, "b2", "AdamW second moment decay");
+    t.field("adam_eps", &C::adam_eps, "aeps", "AdamW epsilon");
+    t.field("adam_weight_decay", &C::adam_weight_decay, "wd",
+            "decoupled weight decay, not on norm scales and gate_bias")
+        .alias("weight_decay");
+    t.field("gradient_clipping_threshold", &C::gradient_clipping_threshold, "clip",
+            "global-norm gradient clipping (0: off)")
+        .alias("grad_clip");
+    t.choice("dataset_type", &C::dataset_type, "data",
+             {{"markov", std::string("markov")},
+              {"synthetic", std::string("synthetic")},
+              {"text", std::string("text")}},
+             "the token source");
+    t.field("dataset_path", &C::dataset_path, "path", "the file of dataset_type=text");
+    t.field("markov_order", &C::markov_order, "order", "Markov source: context length");
+    t.field("markov_branching", &C::markov_branching, "branch",
+            "Markov source: next tokens per context");
+    t.field("enable_checkpointing", &C::enable_checkpointing, "ckpt", "save and resume");
+    t.field("checkpoint_period", &C::checkpoint_period, "period", "steps between checkpoints");
+    t.field("checkpoint_dir", &C::checkpoint_dir, "dir", "directory of the checkpoints");
+    t.field("checkpoint_keep", &C::checkpoint_keep, "keep", "checkpoints kept");
+    t.field("log_period", &C::log_period, "log", "steps between printed lines");
+    t.field("metrics_file", &C::metrics_file, "metrics", "JSON-lines metrics (rank 0)");
+
+    // Rules, in the order validate() checks them (then the layer's and the parallelism's).
+    auto in01 = [](double v) { return v >= 0 && v <= 1; };
+    t.at_least(&C::steps, 0);
+    t.greater_than(&C::per_device_batch_size, 0.0);
+    t.at_least(&C::max_target_length, 1);
+    t.at_least(&C::context_length, 1);
+    t.at_least(&C::base_num_decoder_layers, 1);
+    t.greater_than(&C::normalization_layer_epsilon, 0.0);
+    t.at_least(&C::learning_rate, 0.0);
+    t.rule(&C::warmup_steps, "must be >= 0 (or -1: use warmup_steps_fraction)",
+           [](std::int64_t v) { return v >= -1; });
+    t.rule(&C::warmup_steps_fraction, "must be in [0, 1]", in01);
+    t.rule(&C::learning_rate_schedule_steps, "must be >= 1 (or -1: steps)",
+           [](std::int64_t v) { return v == -1 || v >= 1; });
+    t.rule(&C::cosine_learning_rate_final_fraction, "must be in [0, 1]", in01);
+    t.rule(&C::adam_b1, "must be in [0, 1)", [](double v) { return v >= 0 && v < 1; });
+    t.rule(&C::adam_b2, "must be in [0, 1)", [](double v) { return v >= 0 && v < 1; });
+    t.greater_than(&C::adam_eps, 0.0);
+    t.at_least(&C::adam_weight_decay, 0.0);
+    t.rule(&C::gradient_clipping_threshold, "must be >= 0 (0: no clipping)",
+           [](double v) { return v >= 0; });
+    t.check(&C::dataset_path, "dataset_type=text needs it", [](C const& c) {
+      moe::detail::require<moe::ConfigError>(
+          c.dataset_type != "text" || !c.dataset_path.empty(),
+          "dataset_type=text needs dataset_path (a file whose bytes are the tokens)");
+    });
+    t.check(&C::vocab_size, ">= 2; 256 (or not given) with dataset_type=text", [](C const& c) {
+      if (c.dataset_type == "text")
+        moe::detail::require<moe::ConfigError>(
+            !c.given.count("vocab_size") || c.vocab_size == 256, "vocab_size=", c.vocab_size,
+            " does not fit dataset_type=text, whose tokens are bytes (vocab_size 256)");
+      else
+        moe::detail::require<moe::ConfigError>(c.vocab_size >= 2, "vocab_size=", c.vocab_size,
+                                               " must be >= 2");
+    });
+    t.check(&C::markov_order, "dataset_type=markov: in [1, 8], vocab_size^markov_order <= 2^22",
+            [](C const& c) {
+              if (c.dataset_type != "markov") return;
+              moe::detail::require<moe::ConfigError>(c.markov_order >= 1 && c.markov_order <= 8,
+                                                     "markov_order=", c.markov_order,
+                                                     " must be in [1, 8]");
+            });
+    t.check(&C::markov_branching, "dataset_type=markov: in [1, vocab_size]", [](C const& c) {
+      if (c.dataset_type != "markov") return;
+      moe::detail::require<moe::ConfigError>(
+          c.markov_branching >= 1 && c.markov_branching <= c.vocab_size,
+          "markov_branching=", c.markov_branching, " must be in [1, vocab_size=", c.vocab_size,
+          "]");
+    });
+    t.check(&C::markov_order, "", [](C const& c) {
+      if (c.dataset_type != "markov") return;
+      double const contexts = std::pow(double(c.vocab_size), c.markov_order);
+      moe::detail::require<moe::ConfigError>(
+          contexts <= double(1 << 22), "vocab_size^markov_order = ", contexts,
+          " contexts is too many for the markov source (at most 2^22)");
+    });
+    t.at_least(&C::checkpoint_period, 1);
+    t.at_least(&C::checkpoint_keep, 1);
+    t.check(&C::checkpoint_dir, "needed by enable_checkpointing=true", [](C const& c) {
+      moe::detail::require<moe::ConfigError>(!c.enable_checkpointing || !c.checkpoint_dir.empty(),
+                                             "enable_checkpointing=true needs a checkpoint_dir");
+    });
+    t.at_least(&C::log_period, 1);
+    return t;
+  }();
+  return t;
+}
 
 /// Learning rate of step `step` (0-based): linear warm-up to learning_rate over warmup() steps,
 /// then cosine decay to cosine_learning_rate_final_fraction x learning_rate at schedule_steps().

@@ -8,7 +8,7 @@
 #   f32: rel 1e-4; expert_ids exactly).
 # MODE errors: bad inputs give exit code 2 and the same one-line error on every rank, no hang,
 #   and no RESULT file.
-# MODE example: --example on 1 and 2 ranks prints the same routing summary.
+# MODE example: --example on 1 and 2 ranks prints the same routing summary; --keys lists the keys.
 set -uo pipefail
 
 MODE=$1 RUN=$2 CASE_TOOL=$3 WORK=$4
@@ -245,6 +245,11 @@ example() {
   if [[ $(grep 'tokens per expert' ex1.log) != $(grep 'tokens per expert' ex2.log) ]]; then
     fail "--example routes differently on 1 and 2 ranks"
   fi
+  # --keys: every key from the config tables, with its type, default and meaning.
+  run 1 keys.log --keys || { cat keys.log; fail "--keys"; return; }
+  grep -q '^num_experts: int, default 8 -- ' keys.log || fail "--keys does not list num_experts"
+  grep -q '^ici_expert_parallelism: int, default 1 -- ' keys.log ||
+    fail "--keys does not list ici_expert_parallelism"
 }
 
 case $MODE in

@@ -3,6 +3,7 @@
 /// ParallelConfig: how one MoE layer is laid out over MPI ranks, under MaxText's key names.
 
 #include <moe/config.hpp>
+#include <moe/config_table.hpp>
 #include <moe/error.hpp>
 
 #include <string>
@@ -32,106 +33,81 @@ struct ParallelConfig {
   /// Preset of mesh axes + rules ("" = the library's default rules).
   std::string custom_mesh_and_rule;
 
-  /// (key, degree) pairs of the ici_* keys.
+  /// (key, degree) pairs of the ici_* keys, in table order.
   std::vector<std::pair<std::string, int>> ici() const {
-    return {{"ici_data_parallelism", ici_data_parallelism},
-            {"ici_fsdp_parallelism", ici_fsdp_parallelism},
-            {"ici_fsdp_transpose_parallelism", ici_fsdp_transpose_parallelism},
-            {"ici_expert_parallelism", ici_expert_parallelism},
-            {"ici_tensor_parallelism", ici_tensor_parallelism},
-            {"ici_context_parallelism", ici_context_parallelism}};
+    std::vector<std::pair<std::string, int>> out;
+    for (auto const& f : table().fields())
+      if (f.key.rfind("ici_", 0) == 0) out.emplace_back(f.key, table().get<int>(*this, f));
+    return out;
   }
 
-  static std::vector<std::string> keys() {
-    return {"ici_data_parallelism",   "ici_fsdp_parallelism",   "ici_fsdp_transpose_parallelism",
-            "ici_expert_parallelism", "ici_tensor_parallelism", "ici_context_parallelism",
-            "use_ring_of_experts",    "ragged_buffer_factor",   "moe_fsdp_use_two_stage_all_gather",
-            "custom_mesh_and_rule"};
-  }
-  static bool has_key(std::string const& key) {
-    for (auto const& k : keys())
-      if (k == key) return true;
-    return false;
-  }
+  /// The field table: every key, its type, describe() name, doc line and the rules.
+  static inline ConfigTable<ParallelConfig> const& table();
+
+  static std::vector<std::string> keys() { return table().keys(); }
+  static bool has_key(std::string const& key) { return table().has_key(key); }
 
   /// \brief Sets one key from its text form; ConfigError for an unknown key or a bad value.
-  void set(std::string const& key, std::string const& value) {
-    using namespace detail;
-    auto degree = [&]() {
-      long long const v = parse_int(key, value);
-      if (v != -1 && (v < 1 || v > 1 << 20))
-        throw ConfigError(cat(key, "=", value, " must be -1 (fill) or a positive degree"));
-      return int(v);
-    };
-    if (key == "ici_data_parallelism")
-      ici_data_parallelism = degree();
-    else if (key == "ici_fsdp_parallelism")
-      ici_fsdp_parallelism = degree();
-    else if (key == "ici_fsdp_transpose_parallelism")
-      ici_fsdp_transpose_parallelism = degree();
-    else if (key == "ici_expert_parallelism")
-      ici_expert_parallelism = degree();
-    else if (key == "ici_tensor_parallelism")
-      ici_tensor_parallelism = degree();
-    else if (key == "ici_context_parallelism")
-      ici_context_parallelism = degree();
-    else if (key == "use_ring_of_experts")
-      use_ring_of_experts = parse_bool(key, value);
-    else if (key == "ragged_buffer_factor")
-      ragged_buffer_factor = parse_double(key, value);
-    else if (key == "moe_fsdp_use_two_stage_all_gather")
-      moe_fsdp_use_two_stage_all_gather = parse_bool(key, value);
-    else if (key == "custom_mesh_and_rule")
-      custom_mesh_and_rule = trim(value);
-    else
-      throw ConfigError(
-          cat("unknown config key '", key, "' (value ", value, ")", did_you_mean(key, keys())));
-  }
+  void set(std::string const& key, std::string const& value) { table().set(*this, key, value); }
 
   /// \brief Checks the rules between values that need no communicator (every tool calls it, so
   /// one config is accepted or rejected the same everywhere): at most one ici_* degree is -1,
   /// and ragged_buffer_factor is -1 (off) or > 0. The mesh checks its product against the ranks.
-  void validate() const {
-    using detail::cat;
-    std::string fill;
-    for (auto const& [k, v] : ici())
-      if (v == -1) {
-        if (!fill.empty())
-          throw ConfigError(cat(fill, "=-1 and ", k,
-                                "=-1: at most one ici_*_parallelism degree may be -1 (fill the "
-                                "rest of the ranks); give the other a degree"));
-        fill = k;
-      }
-    if (!(ragged_buffer_factor == -1.0 || ragged_buffer_factor > 0))
-      throw ConfigError(
-          cat("ragged_buffer_factor=", ragged_buffer_factor, " must be > 0 (or -1: no limit)"));
-  }
+  void validate() const { table().validate(*this); }
 
   /// A canonical text of every field (used to check that all ranks agree).
-  std::string describe() const {
-    std::string s;
-    for (auto const& [k, v] : ici()) s += k + "=" + std::to_string(v) + ";";
-    s += "ring=" + std::to_string(use_ring_of_experts) +
-         ";rbf=" + std::to_string(ragged_buffer_factor) +
-         ";two_stage=" + std::to_string(moe_fsdp_use_two_stage_all_gather) +
-         ";preset=" + custom_mesh_and_rule;
-    return s;
-  }
+  std::string describe() const { return table().describe(*this); }
 };
 
-/// A canonical text of every LayerConfig field (used to check that all ranks agree).
-inline std::string describe(LayerConfig const& c) {
-  auto n = [](auto v) { return std::to_string(v); };
-  return "E=" + n(c.num_experts) + ";K=" + n(c.num_experts_per_tok) + ";D=" + n(c.base_emb_dim) +
-         ";F=" + n(c.base_moe_mlp_dim) + ";block=" + n(int(c.decoder_block)) +
-         ";score=" + n(int(c.routed_score_func)) + ";bias=" + n(c.routed_bias) +
-         ";scale=" + n(c.routed_scaling_factor) + ";groups=" + n(c.n_routing_groups) + "/" +
-         n(c.topk_routing_group) + ";norm=" + n(c.norm_topk_prob) +
-         ";random=" + n(c.use_random_routing) + ";seed=" + n(c.seed) +
-         ";cf=" + n(c.capacity_factor) + ";lb=" + n(c.load_balance_loss_weight) +
-         ";rate=" + n(c.routed_bias_update_rate) + ";act=" + n(int(c.mlp_activation)) +
-         ";shared=" + n(c.shared_experts) + ";sparse=" + n(c.sparse_matmul) +
-         ";finite=" + n(c.check_finite);
+inline ConfigTable<ParallelConfig> const& ParallelConfig::table() {
+  using C = ParallelConfig;
+  static ConfigTable<C> const t = [] {
+    using detail::cat;
+    ConfigTable<C> t(DescribeNumbers::ToString, ";");
+    // A mesh degree: a positive integer, or -1 (fill the ranks the other axes leave).
+    auto degree = [&t](char const* key, int C::*m, char const* axis) {
+      t.field(key, m, key,
+              cat("degree of the ", axis, " mesh axis (-1: the ranks the others leave)"))
+          .parse_with([m](C& c, std::string const& k, std::string const& v) {
+            long long const d = detail::parse_int(k, v);
+            if (d != -1 && (d < 1 || d > 1 << 20))
+              throw ConfigError(cat(k, "=", v, " must be -1 (fill) or a positive degree"));
+            c.*m = int(d);
+          });
+    };
+    degree("ici_data_parallelism", &C::ici_data_parallelism, "data");
+    degree("ici_fsdp_parallelism", &C::ici_fsdp_parallelism, "fsdp");
+    degree("ici_fsdp_transpose_parallelism", &C::ici_fsdp_transpose_parallelism, "fsdp_transpose");
+    degree("ici_expert_parallelism", &C::ici_expert_parallelism, "expert");
+    degree("ici_tensor_parallelism", &C::ici_tensor_parallelism, "tensor");
+    degree("ici_context_parallelism", &C::ici_context_parallelism, "context");
+    t.field("use_ring_of_experts", &C::use_ring_of_experts, "ring",
+            "ring of experts: all-gather tokens over the expert axis, reduce-scatter the outputs");
+    t.field("ragged_buffer_factor", &C::ragged_buffer_factor, "rbf",
+            "> 0: the expert-parallel receive buffer holds int(T*K*factor) rows, later rows are "
+            "dropped (-1: no limit)");
+    t.field("moe_fsdp_use_two_stage_all_gather", &C::moe_fsdp_use_two_stage_all_gather, "two_stage",
+            "gather FSDP-sharded weight dims one mesh axis at a time");
+    t.field("custom_mesh_and_rule", &C::custom_mesh_and_rule, "preset",
+            "preset of mesh axes and logical-axis rules (\"\": the library's default rules)");
+
+    // Rules, in the order validate() checks them.
+    t.check("at most one ici_*_parallelism degree is -1", [](C const& c) {
+      std::string fill;
+      for (auto const& [k, v] : c.ici())
+        if (v == -1) {
+          if (!fill.empty())
+            throw ConfigError(cat(fill, "=-1 and ", k,
+                                  "=-1: at most one ici_*_parallelism degree may be -1 (fill the "
+                                  "rest of the ranks); give the other a degree"));
+          fill = k;
+        }
+    });
+    t.rule(&C::ragged_buffer_factor, "must be > 0 (or -1: no limit)",
+           [](double v) { return v == -1.0 || v > 0; });
+    return t;
+  }();
+  return t;
 }
 
 }  // namespace moe

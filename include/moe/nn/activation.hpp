@@ -3,7 +3,7 @@
 /// Gated expert activations: a = act(h0) * h1 (SwiGLU with silu, GeGLU with gelu), and backward.
 /// gelu is the tanh approximation (flax.linen.gelu's default, which MaxText uses).
 
-#include <moe/config.hpp>
+#include <moe/config_types.hpp>
 #include <moe/detail/compat.hpp>
 #include <moe/detail/views.hpp>
 

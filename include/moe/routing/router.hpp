@@ -6,12 +6,13 @@
 /// All kernels run one token per work item over its E scores, so their cost is O(T * E * K) and
 /// their results do not depend on the backend (no atomics on floating-point values).
 
-#include <moe/config.hpp>
+#include <moe/config_types.hpp>
 #include <moe/detail/blas.hpp>
 #include <moe/detail/compat.hpp>
 #include <moe/detail/counting.hpp>
 #include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
+#include <moe/error.hpp>
 
 #include <cstdint>
 #include <vector>

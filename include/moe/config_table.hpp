@@ -1,0 +1,517 @@
+#pragma once
+/// \file
+/// Config field tables: one descriptor per key (name, aliases, the member it sets, its type, its
+/// name in describe(), a doc line) and the rules between the values, in one table per config
+/// struct. Parsing (`set`), the key list (`keys`, unknown keys with the nearest one suggested),
+/// the canonical text the ranks compare (`describe`) and `validate` all come from the table, so a
+/// field is added in one place. LayerConfig (moe/config.hpp), ParallelConfig
+/// (moe/distributed/parallel_config.hpp) and train_moe's TrainConfig each build one.
+
+#include <moe/error.hpp>
+
+#include <algorithm>
+#include <any>
+#include <cctype>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace moe {
+namespace detail {
+
+inline std::string trim(std::string s) {
+  auto const b = s.find_first_not_of(" \t\r\n\"'");
+  auto const e = s.find_last_not_of(" \t\r\n\"'");
+  return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+}
+
+/// \brief The candidate closest to `name` when it is a plausible misspelling (case-insensitive
+/// Levenshtein distance at most max(1, |name|/4), or equal ignoring case), else "".
+inline std::string nearest(std::string const& name, std::vector<std::string> const& candidates) {
+  auto lower = [](std::string s) {
+    for (auto& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
+    return s;
+  };
+  std::string const a = lower(name);
+  std::string best;
+  std::size_t best_d = std::max<std::size_t>(1, a.size() / 4) + 1;
+  for (auto const& cand : candidates) {
+    std::string const b = lower(cand);
+    std::vector<std::size_t> row(b.size() + 1);
+    for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+    for (std::size_t i = 1; i <= a.size(); ++i) {
+      std::size_t diag = row[0];
+      row[0] = i;
+      for (std::size_t j = 1; j <= b.size(); ++j) {
+        std::size_t const up = row[j];
+        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+        diag = up;
+      }
+    }
+    if (row[b.size()] < best_d) best_d = row[b.size()], best = cand;
+  }
+  return best;
+}
+
+/// \brief " (did you mean 'x'?)" for the nearest() candidate, or "" when none is close.
+inline std::string did_you_mean(std::string const& name,
+                                std::vector<std::string> const& candidates) {
+  std::string const n = nearest(name, candidates);
+  return n.empty() ? std::string() : cat(" (did you mean '", n, "'?)");
+}
+
+inline long long parse_int(std::string const& key, std::string const& v) {
+  std::string const t = trim(v);
+  std::size_t pos = 0;
+  long long r = 0;
+  try {
+    r = std::stoll(t, &pos);
+  } catch (...) {
+    pos = std::string::npos;
+  }
+  if (t.empty() || pos != t.size()) throw ConfigError(cat(key, "=", v, " is not an integer"));
+  return r;
+}
+
+inline double parse_double(std::string const& key, std::string const& v) {
+  std::string const t = trim(v);
+  std::size_t pos = 0;
+  double r = 0;
+  try {
+    r = std::stod(t, &pos);
+  } catch (...) {
+    pos = std::string::npos;
+  }
+  if (t.empty() || pos != t.size() || !std::isfinite(r))
+    throw ConfigError(cat(key, "=", v, " is not a finite number"));
+  return r;
+}
+
+inline bool parse_bool(std::string const& key, std::string const& v) {
+  std::string t = trim(v);
+  for (auto& c : t) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (t == "true" || t == "1" || t == "yes" || t == "on") return true;
+  if (t == "false" || t == "0" || t == "no" || t == "off") return false;
+  throw ConfigError(cat(key, "=", v, " is not a boolean (true or false)"));
+}
+
+inline std::vector<std::string> split_list(std::string const& v) {
+  std::string t = trim(v);
+  if (!t.empty() && t.front() == '[') t = t.substr(1);
+  if (!t.empty() && t.back() == ']') t.pop_back();
+  std::vector<std::string> out;
+  std::stringstream ss(t);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(trim(item));
+  return out;
+}
+
+template <class T>
+struct type_identity {
+  using type = T;
+};
+template <class T>
+using type_identity_t = typename type_identity<T>::type;
+template <class T>
+inline constexpr bool always_false = false;
+
+/// `v` with 17 significant digits (doubles round-trip exactly); enums as their integer.
+template <class T>
+std::string precise_text(T const& v) {
+  std::ostringstream os;
+  os.precision(17);
+  if constexpr (std::is_enum_v<T>)
+    os << static_cast<long long>(v);
+  else
+    os << v;
+  return os.str();
+}
+
+}  // namespace detail
+
+/// \brief Value type of one config field: what set() parses and what a key listing shows.
+enum class FieldType {
+  Int,     ///< 32-bit signed integer
+  Int64,   ///< 64-bit signed integer
+  UInt64,  ///< 64-bit integer >= 0 (seeds)
+  Double,  ///< finite number
+  Bool,    ///< true | false (also 1/0, yes/no, on/off)
+  String,  ///< text (surrounding blanks and quotes are removed)
+  Choice   ///< one of ConfigField::choices
+};
+
+/// Name of a FieldType in key listings.
+inline char const* type_name(FieldType t) {
+  switch (t) {
+    case FieldType::Int:
+      return "int";
+    case FieldType::Int64:
+      return "int64";
+    case FieldType::UInt64:
+      return "uint64";
+    case FieldType::Double:
+      return "float";
+    case FieldType::Bool:
+      return "bool";
+    case FieldType::String:
+      return "string";
+    case FieldType::Choice:
+      return "choice";
+  }
+  return "?";
+}
+
+/// \brief How describe() writes numbers: std::to_string (integers; 6 decimals for floats) or 17
+/// significant digits. Booleans are 1/0 and enums their integer in both.
+enum class DescribeNumbers { ToString, Precise };
+
+/// \brief One key of a config struct `C`.
+template <class C>
+struct ConfigField {
+  std::string key;                   ///< the canonical key (MaxText's name where it has one)
+  std::vector<std::string> aliases;  ///< other keys that set the same field
+  std::string tag;  ///< its name in describe(); "" when another field's text covers it
+  FieldType type = FieldType::Int;
+  std::vector<std::string> choices;  ///< Choice: the accepted values, as error messages list them
+  std::string doc;                   ///< one line: what the value means
+  std::any member;                   ///< the `T C::*` the field sets
+  /// Sets the field from text (the key as given, for messages); ConfigError for a bad value.
+  std::function<void(C&, std::string const& key, std::string const& value)> parse;
+  /// The value in set()'s syntax: set(key, text(c)) leaves the field as it is.
+  std::function<std::string(C const&)> text;
+  /// The value in describe()'s form.
+  std::function<std::string(C const&, DescribeNumbers)> describe;
+
+  /// Whether `name` is this field's key or one of its aliases.
+  bool answers(std::string const& name) const {
+    return name == key || std::find(aliases.begin(), aliases.end(), name) != aliases.end();
+  }
+};
+
+/// \brief One validation rule of a config struct: `check` throws ConfigError naming the values.
+template <class C>
+struct ConfigRule {
+  std::string key;  ///< the field the rule is about ("" for a rule over several fields)
+  std::string doc;  ///< the rule in words, e.g. "must be >= 1"
+  std::function<void(C const&)> check;
+};
+
+/// \brief The field table of config struct `C`: built once (a function-local static), then used
+/// by C's set(), keys(), describe() and validate().
+///
+/// Building it checks that no key (or alias) and no member is listed twice and that every rule
+/// names a field of the table; a mistake there throws std::logic_error on first use.
+template <class C>
+class ConfigTable {
+ public:
+  /// `numbers`: how describe() writes numbers; `separator`: what it puts between fields.
+  explicit ConfigTable(DescribeNumbers numbers = DescribeNumbers::ToString,
+                       std::string separator = ";")
+      : numbers_(numbers), separator_(std::move(separator)) {}
+
+  // ---- building --------------------------------------------------------------------------------
+
+  /// \brief A field of type int, std::int64_t, std::uint64_t, double, bool or std::string, parsed
+  /// by its type (`key=value is not an integer`, `... does not fit in 32 bits`, ...).
+  template <class T>
+  ConfigTable& field(std::string key, T C::*m, std::string tag, std::string doc) {
+    ConfigField<C>& f = add(std::move(key), m, std::move(tag), std::move(doc));
+    f.type = type_of<T>();
+    f.parse = [m](C& c, std::string const& k, std::string const& v) { c.*m = parse_as<T>(k, v); };
+    f.text = [m](C const& c) { return text_of(c.*m); };
+    return *this;
+  }
+
+  /// \brief A field that takes one of a few values: (spelling, value) pairs, several spellings
+  /// may give one value (the first is the value's canonical text). Any other text is
+  /// `key=value is not supported (a | b | ...)`.
+  template <class T>
+  ConfigTable& choice(std::string key, T C::*m, std::string tag,
+                      std::vector<std::pair<std::string, T>> spellings, std::string doc) {
+    ConfigField<C>& f = add(std::move(key), m, std::move(tag), std::move(doc));
+    f.type = FieldType::Choice;
+    std::vector<T> seen;
+    for (auto const& [s, v] : spellings)
+      if (std::find(seen.begin(), seen.end(), v) == seen.end()) {
+        seen.push_back(v);
+        f.choices.push_back(s);
+      }
+    std::string list;
+    for (auto const& s : f.choices) list += (list.empty() ? "" : " | ") + (s.empty() ? "\"\"" : s);
+    f.parse = [m, spellings, list](C& c, std::string const& k, std::string const& v) {
+      std::string const t = detail::trim(v);
+      for (auto const& [s, value] : spellings)
+        if (s == t) {
+          c.*m = value;
+          return;
+        }
+      throw ConfigError(detail::cat(k, "=", v, " is not supported (", list, ")"));
+    };
+    f.text = [m, spellings](C const& c) {
+      for (auto const& [s, value] : spellings)
+        if (value == c.*m) return s;
+      if constexpr (std::is_enum_v<T>)
+        return std::to_string(static_cast<long long>(c.*m));
+      else
+        return text_of(c.*m);
+    };
+    return *this;
+  }
+
+  /// Another key for the last field (e.g. a short name).
+  ConfigTable& alias(std::string name) {
+    require_unused(name);
+    last().aliases.push_back(std::move(name));
+    return *this;
+  }
+
+  /// Replaces how the last field is parsed (the field's own type checks are then `f`'s job).
+  ConfigTable& parse_with(
+      std::function<void(C&, std::string const& key, std::string const& value)> f) {
+    last().parse = std::move(f);
+    return *this;
+  }
+
+  /// Replaces the last field's value text in describe().
+  ConfigTable& describe_with(std::function<std::string(C const&, DescribeNumbers)> f) {
+    last().describe = std::move(f);
+    return *this;
+  }
+
+  /// \brief Rule `ok(value)` on field `m`; when it fails: `key=value <must>`. Rules run in the
+  /// order they are added.
+  template <class T, class Pred>
+  ConfigTable& rule(T C::*m, std::string must, Pred ok) {
+    std::string const key = field_of(m).key;
+    rules_.push_back({key, must, [m, key, must, ok](C const& c) {
+                        if (!ok(c.*m)) throw ConfigError(detail::cat(key, "=", c.*m, " ", must));
+                      }});
+    return *this;
+  }
+  /// `key=value must be >= min`.
+  template <class T>
+  ConfigTable& at_least(T C::*m, detail::type_identity_t<T> min) {
+    return rule(m, detail::cat("must be >= ", min), [min](T const& v) { return v >= min; });
+  }
+  /// `key=value must be > min`.
+  template <class T>
+  ConfigTable& greater_than(T C::*m, detail::type_identity_t<T> min) {
+    return rule(m, detail::cat("must be > ", min), [min](T const& v) { return v > min; });
+  }
+  /// A rule about field `m` that may read the others; `check` throws ConfigError itself.
+  template <class T>
+  ConfigTable& check(T C::*m, std::string doc, std::function<void(C const&)> check) {
+    rules_.push_back({field_of(m).key, std::move(doc), std::move(check)});
+    return *this;
+  }
+  /// A rule over several fields; `check` throws ConfigError itself.
+  ConfigTable& check(std::string doc, std::function<void(C const&)> check) {
+    rules_.push_back({std::string(), std::move(doc), std::move(check)});
+    return *this;
+  }
+
+  // ---- use -------------------------------------------------------------------------------------
+
+  std::vector<ConfigField<C>> const& fields() const { return fields_; }
+  std::vector<ConfigRule<C>> const& rules() const { return rules_; }
+
+  /// The field `key` (or one of its aliases) names, or nullptr.
+  ConfigField<C> const* find(std::string const& key) const {
+    for (auto const& f : fields_)
+      if (f.answers(key)) return &f;
+    return nullptr;
+  }
+  /// The field of member `m`; std::logic_error when the table has none.
+  template <class T>
+  ConfigField<C> const& field_of(T C::*m) const {
+    for (auto const& f : fields_)
+      if (auto const* p = std::any_cast<T C::*>(&f.member); p && *p == m) return f;
+    throw std::logic_error("config table: a rule names a member that is not a field");
+  }
+  /// The value of field `f` (whose member has type T) in `c`.
+  template <class T>
+  T const& get(C const& c, ConfigField<C> const& f) const {
+    return c.*std::any_cast<T C::*>(f.member);
+  }
+
+  /// Every key set() accepts: each field's key, then its aliases, in table order.
+  std::vector<std::string> keys() const {
+    std::vector<std::string> k;
+    for (auto const& f : fields_) {
+      k.push_back(f.key);
+      k.insert(k.end(), f.aliases.begin(), f.aliases.end());
+    }
+    return k;
+  }
+  bool has_key(std::string const& key) const { return find(key) != nullptr; }
+
+  /// Sets `key` from text when it is one of keys(); returns false (and changes nothing) else.
+  bool try_set(C& c, std::string const& key, std::string const& value) const {
+    ConfigField<C> const* f = find(key);
+    if (!f) return false;
+    f->parse(c, key, value);
+    return true;
+  }
+  /// Sets `key` from text; ConfigError for a bad value or an unknown key (naming the nearest).
+  void set(C& c, std::string const& key, std::string const& value) const {
+    if (!try_set(c, key, value))
+      throw ConfigError(detail::cat("unknown config key '", key, "' (value ", value, ")",
+                                    detail::did_you_mean(key, keys())));
+  }
+
+  /// The value of `key` in set()'s syntax.
+  std::string text(C const& c, std::string const& key) const {
+    ConfigField<C> const* f = find(key);
+    if (!f) throw std::logic_error("config table: no key '" + key + "'");
+    return f->text(c);
+  }
+
+  /// The canonical text of every field: `tag=value` joined by the separator, in table order.
+  std::string describe(C const& c) const {
+    std::string s;
+    for (auto const& f : fields_) {
+      if (f.tag.empty()) continue;
+      if (!s.empty()) s += separator_;
+      s += f.tag + "=" + f.describe(c, numbers_);
+    }
+    return s;
+  }
+
+  /// Runs every rule in order; the first that fails throws its ConfigError.
+  void validate(C const& c) const {
+    for (auto const& r : rules_) r.check(c);
+  }
+
+  /// \brief One line per key: `key (alias a): type, default <text of defaults> -- doc; rules`.
+  std::string listing(C const& defaults) const {
+    std::string s;
+    for (auto const& f : fields_) {
+      s += f.key;
+      for (auto const& a : f.aliases) s += " (alias " + a + ")";
+      s += ": ";
+      s += type_name(f.type);
+      if (f.type == FieldType::Choice) {
+        std::string list;
+        for (auto const& c : f.choices) list += (list.empty() ? "" : " | ") + quoted(c);
+        s += " (" + list + ")";
+      }
+      s += ", default " + quoted(f.text(defaults)) + " -- " + f.doc;
+      for (auto const& r : rules_)
+        if (r.key == f.key && !r.doc.empty()) s += "; " + r.doc;
+      s += "\n";
+    }
+    return s;
+  }
+
+ private:
+  DescribeNumbers numbers_;
+  std::string separator_;
+  std::vector<ConfigField<C>> fields_;
+  std::vector<ConfigRule<C>> rules_;
+
+  static std::string quoted(std::string const& s) { return s.empty() ? "\"\"" : s; }
+
+  ConfigField<C>& last() {
+    if (fields_.empty()) throw std::logic_error("config table: no field to modify yet");
+    return fields_.back();
+  }
+
+  void require_unused(std::string const& key) const {
+    if (key.empty()) throw std::logic_error("config table: empty key");
+    if (find(key)) throw std::logic_error("config table: key '" + key + "' is listed twice");
+  }
+
+  template <class T>
+  ConfigField<C>& add(std::string key, T C::*m, std::string tag, std::string doc) {
+    require_unused(key);
+    for (auto const& f : fields_)
+      if (auto const* p = std::any_cast<T C::*>(&f.member); p && *p == m)
+        throw std::logic_error("config table: keys '" + f.key + "' and '" + key +
+                               "' set the same member");
+    for (auto const& f : fields_)
+      if (!tag.empty() && f.tag == tag)
+        throw std::logic_error("config table: describe() name '" + tag + "' is used twice");
+    ConfigField<C> f;
+    f.key = std::move(key);
+    f.tag = std::move(tag);
+    f.doc = std::move(doc);
+    f.member = m;
+    f.describe = [m](C const& c, DescribeNumbers n) { return describe_of(c.*m, n); };
+    fields_.push_back(std::move(f));
+    return fields_.back();
+  }
+
+  template <class T>
+  static constexpr FieldType type_of() {
+    if constexpr (std::is_same_v<T, bool>)
+      return FieldType::Bool;
+    else if constexpr (std::is_same_v<T, int>)
+      return FieldType::Int;
+    else if constexpr (std::is_same_v<T, std::int64_t>)
+      return FieldType::Int64;
+    else if constexpr (std::is_same_v<T, std::uint64_t>)
+      return FieldType::UInt64;
+    else if constexpr (std::is_same_v<T, double>)
+      return FieldType::Double;
+    else if constexpr (std::is_same_v<T, std::string>)
+      return FieldType::String;
+    else
+      static_assert(detail::always_false<T>,
+                    "config fields are int, std::int64_t, std::uint64_t, double, bool or "
+                    "std::string (use choice() for enums)");
+  }
+
+  template <class T>
+  static T parse_as(std::string const& key, std::string const& value) {
+    constexpr FieldType t = type_of<T>();
+    if constexpr (t == FieldType::Bool) {
+      return detail::parse_bool(key, value);
+    } else if constexpr (t == FieldType::Int) {
+      long long const r = detail::parse_int(key, value);
+      if (r < -2147483647LL || r > 2147483647LL)
+        throw ConfigError(detail::cat(key, "=", value, " does not fit in 32 bits"));
+      return static_cast<int>(r);
+    } else if constexpr (t == FieldType::Int64) {
+      return static_cast<std::int64_t>(detail::parse_int(key, value));
+    } else if constexpr (t == FieldType::UInt64) {
+      long long const r = detail::parse_int(key, value);
+      if (r < 0) throw ConfigError(detail::cat(key, "=", value, " must be >= 0"));
+      return static_cast<std::uint64_t>(r);
+    } else if constexpr (t == FieldType::Double) {
+      return detail::parse_double(key, value);
+    } else {
+      return detail::trim(value);
+    }
+  }
+
+  template <class T>
+  static std::string text_of(T const& v) {
+    if constexpr (std::is_same_v<T, bool>)
+      return v ? "true" : "false";
+    else if constexpr (std::is_same_v<T, std::string>)
+      return v;
+    else if constexpr (std::is_floating_point_v<T>)
+      return detail::precise_text(v);
+    else
+      return std::to_string(v);
+  }
+
+  template <class T>
+  static std::string describe_of(T const& v, DescribeNumbers n) {
+    if constexpr (std::is_same_v<T, std::string>)
+      return v;
+    else if constexpr (std::is_enum_v<T>)
+      return n == DescribeNumbers::Precise ? detail::precise_text(v)
+                                           : std::to_string(static_cast<int>(v));
+    else
+      return n == DescribeNumbers::Precise ? detail::precise_text(v) : std::to_string(v);
+  }
+};
+
+}  // namespace moe
