@@ -120,8 +120,8 @@ void load_block(moe::io::File const& f, std::string const& name, moe::TensorBloc
   auto const& t = f.at(name);
   if (t.shape != b.global_shape)
     throw moe::ShapeError(
-        moe::detail::cat("CASE tensor ", name, " has shape ", moe::io::detail::shape_str(t.shape),
-                         " but the config needs ", moe::io::detail::shape_str(b.global_shape)));
+        moe::detail::cat("CASE tensor ", name, " has shape ", moe::io::detail::shape_text(t.shape),
+                         " but the config needs ", moe::io::detail::shape_text(b.global_shape)));
   fill_view(v, moe::cli::take_block(f.get<T>(name), b));
 }
 
@@ -177,7 +177,7 @@ struct CaseDims {
 /// error names the tensor, the file and the rule. Returns the dimensions.
 CaseDims check_case_layout(moe::io::File const& in, std::string const& file) {
   using moe::detail::cat;
-  using moe::io::detail::shape_str;
+  using moe::io::detail::shape_text;
   std::string const where = "CASE '" + file + "': ";
   for (auto const& name : in.names()) {
     auto const& known = case_names();
@@ -201,11 +201,11 @@ CaseDims check_case_layout(moe::io::File const& in, std::string const& file) {
   auto rank_of = [&](char const* name, std::size_t rank, char const* dims) {
     auto const& sh = in.at(name).shape;
     if (sh.size() != rank)
-      throw moe::ShapeError(cat(where, "tensor ", name, " has shape ", shape_str(sh), " (rank ",
+      throw moe::ShapeError(cat(where, "tensor ", name, " has shape ", shape_text(sh), " (rank ",
                                 sh.size(), "); expected ", dims));
     for (auto d : sh)
       if (d < 1)
-        throw moe::ShapeError(cat(where, "tensor ", name, " has shape ", shape_str(sh),
+        throw moe::ShapeError(cat(where, "tensor ", name, " has shape ", shape_text(sh),
                                   "; every dimension of ", dims, " must be >= 1"));
     return sh;
   };
@@ -217,10 +217,10 @@ CaseDims check_case_layout(moe::io::File const& in, std::string const& file) {
     if (!in.has(name)) return;
     auto const& sh = in.at(name).shape;
     if (sh != want)
-      throw moe::ShapeError(cat(where, "tensor ", name, " has shape ", shape_str(sh),
-                                " but must be ", dims, " = ", shape_str(want), " (D=", c.D,
-                                " from x ", shape_str(x), ", E=", c.E, " and F=", c.F,
-                                " from wi_0 ", shape_str(w), ")"));
+      throw moe::ShapeError(cat(where, "tensor ", name, " has shape ", shape_text(sh),
+                                " but must be ", dims, " = ", shape_text(want), " (D=", c.D,
+                                " from x ", shape_text(x), ", E=", c.E, " and F=", c.F,
+                                " from wi_0 ", shape_text(w), ")"));
   };
   expect("wi_0", {c.E, c.D, c.F}, "[E,D,F]");
   expect("gate", {c.D, c.E}, "[D,E]");
@@ -330,7 +330,7 @@ std::string case_fingerprint(Setup const& s) {
   std::string t = "gmm=" + s.args.gmm + "|" + moe::describe(s.cfg) + "|" + s.par.describe();
   for (auto const& name : s.in.names()) {
     auto const& ten = s.in.at(name);
-    t += "|" + name + "=" + moe::io::dtype_name(ten.dtype) + moe::io::detail::shape_str(ten.shape) +
+    t += "|" + name + "=" + moe::io::dtype_name(ten.dtype) + moe::io::detail::shape_text(ten.shape) +
          " content hash " + std::to_string(moe::detail::fnv1a(ten.bytes.data(), ten.bytes.size()));
   }
   return t;

@@ -6,6 +6,7 @@
 
 #include <moe/config_table.hpp>
 #include <moe/config_types.hpp>
+#include <moe/detail/text.hpp>
 #include <moe/error.hpp>
 
 #include <algorithm>
@@ -20,16 +21,6 @@
 namespace moe {
 
 namespace detail {
-
-/// \brief "[a, b, c]": the text of a shape (or an offset) in messages.
-inline std::string shape_text(std::vector<std::int64_t> const& v) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < v.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(v[i]);
-  }
-  return s + "]";
-}
 
 /// \brief min(cap, int(rows * factor)) for factor > 0, computed so that no huge factor
 /// overflows the conversion (the ragged receive buffer's row count).

@@ -199,8 +199,8 @@ int cmd_compare(int argc, char** argv) {
     Tensor const& g = got.at(name);
     if (r.dtype != g.dtype || r.shape != g.shape) {
       std::printf("%-14s dtype/shape differ: %s%s vs %s%s\n", name.c_str(),
-                  moe::io::dtype_name(r.dtype), moe::io::detail::shape_str(r.shape).c_str(),
-                  moe::io::dtype_name(g.dtype), moe::io::detail::shape_str(g.shape).c_str());
+                  moe::io::dtype_name(r.dtype), moe::io::detail::shape_text(r.shape).c_str(),
+                  moe::io::dtype_name(g.dtype), moe::io::detail::shape_text(g.shape).c_str());
       ok = false;
       continue;
     }

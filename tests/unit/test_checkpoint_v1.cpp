@@ -180,7 +180,7 @@ TEST(CheckpointV1, LoadsWholeAndInBlocks) {
         for (std::int64_t d = 0; d < b.local_shape[2]; ++d, ++k) {
           std::int64_t const g = ((b.offset[0] + a) * 8 + (b.offset[1] + c)) * 8 + b.offset[2] + d;
           ASSERT_EQ(p.data[k], whole[t][static_cast<std::size_t>(g)])
-              << p.name << " block at " << moe::io::detail::shape_str(b.offset) << ", element "
+              << p.name << " block at " << moe::io::detail::shape_text(b.offset) << ", element "
               << k;
         }
   }

@@ -132,14 +132,15 @@ inline Desc describe(BlockRef const& b, std::size_t i, int rank, bool with_hash)
   auto const& t = b.block;
   require<ConfigError>(
       t.local_shape.size() == t.global_shape.size() && t.offset.size() == t.global_shape.size(),
-      what, "global shape ", shape_str(t.global_shape), ", local shape ", shape_str(t.local_shape),
-      " and offset ", shape_str(t.offset), " must have the same number of dimensions");
+      what, "global shape ", shape_text(t.global_shape), ", local shape ",
+      shape_text(t.local_shape), " and offset ", shape_text(t.offset),
+      " must have the same number of dimensions");
   for (std::size_t a = 0; a < t.global_shape.size(); ++a) {
     std::int64_t const g = t.global_shape[a], l = t.local_shape[a], o = t.offset[a];
     require<ConfigError>(g >= 0 && l >= 0 && o >= 0 && l <= g && o <= g - l, what,
-                         "the block (offset ", shape_str(t.offset), ", shape ",
-                         shape_str(t.local_shape), ") does not lie within the global shape ",
-                         shape_str(t.global_shape), " (axis ", a, ")");
+                         "the block (offset ", shape_text(t.offset), ", shape ",
+                         shape_text(t.local_shape), ") does not lie within the global shape ",
+                         shape_text(t.global_shape), " (axis ", a, ")");
   }
   std::int64_t global_numel = 0;
   try {

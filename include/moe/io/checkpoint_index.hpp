@@ -96,7 +96,7 @@ inline std::string checkpoint_index_text(std::int64_t step, std::uint64_t bytes,
     first = false;
     detail::append_json_string(s, kv.first);
     s += cat(", \"dtype\": \"", dtype_name(kv.second.dtype),
-             "\", \"shape\": ", detail::shape_str(kv.second.shape), "}");
+             "\", \"shape\": ", detail::shape_text(kv.second.shape), "}");
   }
   s += first ? "]\n}\n" : "\n  ]\n}\n";
   return s;
@@ -201,8 +201,8 @@ inline File verify_checkpoint(std::string const& step_dir, std::int64_t step,
     Tensor const& t = file.at(kv.first);
     if (t.dtype != kv.second.dtype || t.shape != kv.second.global) {
       throw IoError(cat("tensor '", kv.first, "' is ", dtype_name(t.dtype), " ",
-                        detail::shape_str(t.shape), " but ", dtype_name(kv.second.dtype), " ",
-                        detail::shape_str(kv.second.global), " was requested"));
+                        detail::shape_text(t.shape), " but ", dtype_name(kv.second.dtype), " ",
+                        detail::shape_text(kv.second.global), " was requested"));
     }
   }
   return file;

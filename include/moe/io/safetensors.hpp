@@ -19,6 +19,7 @@
 /// from Kokkos Views. The JSON header is parsed by moe's own small parser (moe/io/json.hpp, which
 /// says why), so consumers need no JSON library. POSIX is required for the atomic write.
 
+#include <moe/detail/text.hpp>
 #include <moe/error.hpp>
 #include <moe/io/json.hpp>
 
@@ -170,11 +171,7 @@ void store_le(T v, unsigned char* p) {
 }
 
 /// "[2, 3]"
-inline std::string shape_str(std::vector<std::int64_t> const& shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
+using moe::detail::shape_text;
 
 /// Product of \p shape; throws IoError (prefixed by \p where) on a negative dimension or when the
 /// product does not fit in int64. A zero dimension makes the product 0 whatever the others are.
@@ -182,7 +179,7 @@ inline std::int64_t checked_numel(std::vector<std::int64_t> const& shape,
                                   std::string const& where) {
   for (std::size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] < 0) {
-      throw IoError(cat(where, "shape ", shape_str(shape), " has a negative dimension ", shape[i],
+      throw IoError(cat(where, "shape ", shape_text(shape), " has a negative dimension ", shape[i],
                         " at axis ", i, "; dimensions must be >= 0"));
     }
   }
@@ -193,7 +190,7 @@ inline std::int64_t checked_numel(std::vector<std::int64_t> const& shape,
   for (std::int64_t d : shape) {
     if (n > std::numeric_limits<std::int64_t>::max() / d) {
       throw IoError(
-          cat(where, "shape ", shape_str(shape),
+          cat(where, "shape ", shape_text(shape),
               " has more elements than fit in a 64-bit integer (shape product overflow)"));
     }
     n *= d;
@@ -264,7 +261,7 @@ struct Tensor {
     if (static_cast<std::uint64_t>(n) > std::numeric_limits<std::uint64_t>::max() / esz ||
         static_cast<std::uint64_t>(n) * esz != bytes.size()) {
       throw IoError(detail::cat("a ", dtype_name(dtype), " tensor of shape ",
-                                detail::shape_str(shape), " needs ", n, " * ", esz,
+                                detail::shape_text(shape), " needs ", n, " * ", esz,
                                 " bytes but holds ", bytes.size()));
     }
   }
@@ -314,7 +311,7 @@ struct Tensor {
     t.shape = std::move(shape);
     std::int64_t const n = t.numel();
     if (static_cast<std::uint64_t>(n) != values.size()) {
-      throw IoError(detail::cat("Tensor::from: shape ", detail::shape_str(t.shape), " holds ", n,
+      throw IoError(detail::cat("Tensor::from: shape ", detail::shape_text(t.shape), " holds ", n,
                                 " elements but ", values.size(), " values were given"));
     }
     t.bytes.resize(values.size() * sizeof(T));
@@ -629,7 +626,7 @@ inline File File::read(std::string const& path) {
     std::int64_t const numel = detail::checked_numel(e.tensor.shape, ctx);
     std::uint64_t const esz = dtype_size(e.tensor.dtype);
     if (static_cast<std::uint64_t>(numel) > std::numeric_limits<std::uint64_t>::max() / esz) {
-      throw IoError(cat(ctx, "shape ", detail::shape_str(e.tensor.shape), " of ",
+      throw IoError(cat(ctx, "shape ", detail::shape_text(e.tensor.shape), " of ",
                         dtype_name(e.tensor.dtype), " needs more bytes than fit in 64 bits"));
     }
     std::uint64_t const nbytes = static_cast<std::uint64_t>(numel) * esz;
@@ -648,7 +645,7 @@ inline File File::read(std::string const& path) {
     e.begin = static_cast<std::uint64_t>(range[0]);
     e.end = static_cast<std::uint64_t>(range[1]);
     if (e.end - e.begin != nbytes) {
-      throw IoError(cat(ctx, "header lies about sizes: shape ", detail::shape_str(e.tensor.shape),
+      throw IoError(cat(ctx, "header lies about sizes: shape ", detail::shape_text(e.tensor.shape),
                         " of ", dtype_name(e.tensor.dtype), " needs ", nbytes,
                         " bytes but data_offsets [", e.begin, ", ", e.end, "] span ",
                         e.end - e.begin));

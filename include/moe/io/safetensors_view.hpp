@@ -52,7 +52,7 @@ std::vector<std::int64_t> view_shape(V const& v) {
 
 template <class V>
 std::string view_extents_str(V const& v) {
-  return shape_str(view_shape(v));
+  return shape_text(view_shape(v));
 }
 
 template <class V, std::size_t... I>
@@ -85,8 +85,9 @@ void copy_to_view(Tensor const& t, View const& v, std::string const& what = "ten
   static_assert(std::is_same<typename View::value_type, T>::value,
                 "copy_to_view: the destination View must not be const");
   if (t.shape != detail::view_shape(v)) {
-    throw ShapeError(detail::cat(what, " has shape ", detail::shape_str(t.shape), " but the View '",
-                                 v.label(), "' has extents ", detail::view_extents_str(v)));
+    throw ShapeError(detail::cat(what, " has shape ", detail::shape_text(t.shape),
+                                 " but the View '", v.label(), "' has extents ",
+                                 detail::view_extents_str(v)));
   }
   std::vector<T> values;
   try {
@@ -107,7 +108,7 @@ View to_view(Tensor const& t, std::string const& label) {
   constexpr std::size_t R = static_cast<std::size_t>(View::rank);
   constexpr std::size_t RD = static_cast<std::size_t>(View::rank_dynamic);
   if (t.shape.size() != R) {
-    throw ShapeError(detail::cat(label, " has shape ", detail::shape_str(t.shape), " (rank ",
+    throw ShapeError(detail::cat(label, " has shape ", detail::shape_text(t.shape), " (rank ",
                                  t.shape.size(), ") but the View type has rank ", R));
   }
   try {

@@ -188,9 +188,9 @@ inline std::map<std::string, TensorSpec> tensor_specs(std::vector<std::vector<De
       }
       TensorSpec const& s = it->second;
       require<ConfigError>(s.dtype == d.dtype && s.global == d.global, "checkpoint: tensor '",
-                           d.name, "' is ", dtype_name(s.dtype), " ", shape_str(s.global),
+                           d.name, "' is ", dtype_name(s.dtype), " ", shape_text(s.global),
                            " on rank ", s.rank, " but ", dtype_name(d.dtype), " ",
-                           shape_str(d.global), " on rank ", d.rank,
+                           shape_text(d.global), " on rank ", d.rank,
                            "; every block of a tensor must give the same dtype and global shape");
     }
   }
@@ -222,8 +222,8 @@ inline std::map<std::string, TensorPlan> save_plan(std::vector<std::vector<Desc>
         Desc const& o = *p.owner;
         if (o.offset == d.offset && o.local == d.local) {
           require<ConfigError>(o.hash == d.hash, "checkpoint: tensor '", d.name,
-                               "': the copies of the block at ", "offset ", shape_str(d.offset),
-                               " shape ", shape_str(d.local), " on rank ", o.rank, " and rank ",
+                               "': the copies of the block at ", "offset ", shape_text(d.offset),
+                               " shape ", shape_text(d.local), " on rank ", o.rank, " and rank ",
                                d.rank, " differ; copies of a block must be identical");
           same = true;
           break;
@@ -234,9 +234,9 @@ inline std::map<std::string, TensorPlan> save_plan(std::vector<std::vector<Desc>
                     o.offset[a] < d.offset[a] + d.local[a];
         }
         require<ConfigError>(!overlap, "checkpoint: tensor '", d.name, "': the block at offset ",
-                             shape_str(o.offset), " shape ", shape_str(o.local), " (rank ", o.rank,
-                             ") and the block at offset ", shape_str(d.offset), " shape ",
-                             shape_str(d.local), " (rank ", d.rank,
+                             shape_text(o.offset), " shape ", shape_text(o.local), " (rank ",
+                             o.rank, ") and the block at offset ", shape_text(d.offset), " shape ",
+                             shape_text(d.local), " (rank ", d.rank,
                              ") overlap partially; blocks must be identical or disjoint");
       }
       if (!same) tp.pieces.push_back(Piece{&d});
@@ -247,7 +247,7 @@ inline std::map<std::string, TensorPlan> save_plan(std::vector<std::vector<Desc>
     for (Piece const& p : kv.second.pieces) covered += p.owner->numel;
     std::int64_t const total = checked_numel(kv.second.spec.global, "");
     require<ConfigError>(covered == total, "checkpoint: tensor '", kv.first, "' ",
-                         shape_str(kv.second.spec.global), ": the ranks' blocks cover ", covered,
+                         shape_text(kv.second.spec.global), ": the ranks' blocks cover ", covered,
                          " of its ", total,
                          " elements; every element must be held by at least one rank");
   }
