@@ -25,6 +25,7 @@
 
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/communicator.hpp>
+#include <moe/comm/mesh_comm.hpp>
 #include <moe/comm/ragged_all_to_all.hpp>
 #include <moe/config.hpp>
 #include <moe/distributed/layout.hpp>
@@ -80,7 +81,7 @@ class DistributedMoeLayer {
     comm::check_agreement(world_, "global batch shape",
                           "B=" + std::to_string(global_batch) + ";S=" + std::to_string(seq_len));
     comm::collective_guard(world_, [&] { setup_layout(); });
-    mesh_comm_ = std::make_unique<sharding::MeshComm>(world_.get(), mesh_);
+    mesh_comm_ = std::make_unique<comm::MeshComm>(world_, mesh_);
     make_groups();
     kind_ = routing::resolve(typename Policy::routing_policy{}, cfg_);
     router_ = routing::Router<Scalar, ExecSpace>(cfg_, kind_);
@@ -282,15 +283,7 @@ class DistributedMoeLayer {
   }
 
   void make_groups() {
-    auto group = [&](std::vector<std::string> const& axes) {
-      std::string key = join(axes);
-      auto it = groups_.find(key);
-      if (it == groups_.end()) {
-        MPI_Comm c = axes.empty() ? MPI_COMM_SELF : mesh_comm_->group_comm(axes);
-        it = groups_.emplace(key, distributed::AxisGroup{axes, comm::Communicator(c)}).first;
-      }
-      return &it->second;
-    };
+    auto group = [&](std::vector<std::string> const& axes) { mesh_comm_->group(axes); };
     // Every group any rank may need, created in the same order everywhere (collective).
     group(ep_axes_);
     group(tp_axes_);
@@ -317,8 +310,9 @@ class DistributedMoeLayer {
   distributed::AxisGroup const& tp_() const { return *tp_g_; }
   distributed::AxisGroup const& batch_() const { return *batch_g_; }
 
+  /// A group make_groups() made (MeshComm's cache; the const lookup never communicates).
   distributed::AxisGroup const& group_of(std::vector<std::string> const& axes) const {
-    return groups_.at(join(axes));
+    return static_cast<comm::MeshComm const&>(*mesh_comm_).group(axes);
   }
 
   params_type alloc_params(std::string const& prefix) const {
@@ -855,8 +849,7 @@ class DistributedMoeLayer {
   std::int64_t B_ = 0, S_ = 0, T_ = 0;
   sharding::Mesh mesh_;
   sharding::LogicalRules rules_;
-  std::unique_ptr<sharding::MeshComm> mesh_comm_;
-  std::map<std::string, distributed::AxisGroup> groups_;
+  std::unique_ptr<comm::MeshComm> mesh_comm_;  // the one cache of the axis groups
   distributed::AxisGroup const* ep_g_ = nullptr;
   distributed::AxisGroup const* tp_g_ = nullptr;
   distributed::AxisGroup const* batch_g_ = nullptr;

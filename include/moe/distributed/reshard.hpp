@@ -7,6 +7,7 @@
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/comm_log.hpp>
 #include <moe/comm/communicator.hpp>
+#include <moe/comm/mesh_comm.hpp>
 #include <moe/detail/views.hpp>
 
 #include <cstdint>
@@ -15,17 +16,10 @@
 
 namespace moe::distributed {
 
-// The log lives in moe::comm; these names keep existing code compiling.
+// The log and the group live in moe::comm; these names keep existing code compiling.
+using comm::AxisGroup;
 using comm::CommLog;
 using comm::CommRecord;
-
-/// \brief A communicator over an ordered group of mesh axes (size 1: every call is a no-op).
-struct AxisGroup {
-  std::vector<std::string> axes;  ///< ordered as in the tensor spec (row-major shard index)
-  comm::Communicator comm;
-  int size() const { return comm.size(); }
-  int rank() const { return comm.rank(); }
-};
 
 namespace detail {
 
