@@ -1,6 +1,8 @@
 // Exact vectors of the expert-parallel all-to-all parameters, receive-buffer sizes, truncation and
-// local permute (SEMANTICS.md §7.4-7.7), plus hand-computed truncation cases.
+// local permute (SEMANTICS.md §7.4-7.7), plus hand-computed truncation cases (the one prefix-clamp
+// rule, moe::detail::clamp_prefix, both use).
 #include <moe/comm/ragged_all_to_all.hpp>
+#include <moe/detail/counting.hpp>
 #include <moe/detail/scratch.hpp>
 #include <moe/permute/local_permute.hpp>
 
@@ -80,6 +82,26 @@ TEST(CommParams, RaggedBufferSizeExactValues) {
   EXPECT_EQ(ragged_buffer_size(100, 2, 6, 4, -1), 150);
   EXPECT_EQ(ragged_buffer_size(101, 2, 6, 4, -1), 151);  // int(151.5)
   EXPECT_THROW(ragged_buffer_size(-1, 4, 8, 2, -1), moe::ConfigError);
+}
+
+TEST(CommParams, ClampPrefixHandComputed) {
+  using moe::detail::clamp_prefix;
+  // sizes 3, 2, 4, 1: prefix sums 0, 3, 5, 9, 10.
+  Vec const sizes = {3, 2, 4, 1};
+  // R = 6: clamped 0, 3, 5, 6, 6 -> the third block is cut to 1 row, the fourth keeps none.
+  EXPECT_EQ(clamp_prefix(sizes, 6), (Vec{3, 2, 1, 0}));
+  // R = 5 ends exactly on a block boundary.
+  EXPECT_EQ(clamp_prefix(sizes, 5), (Vec{3, 2, 0, 0}));
+  // R = 1 cuts the first block.
+  EXPECT_EQ(clamp_prefix(sizes, 1), (Vec{1, 0, 0, 0}));
+  EXPECT_EQ(clamp_prefix(sizes, 0), (Vec{0, 0, 0, 0}));
+  // R >= the total keeps everything; R < 0 means no cap.
+  EXPECT_EQ(clamp_prefix(sizes, 10), sizes);
+  EXPECT_EQ(clamp_prefix(sizes, 1000), sizes);
+  EXPECT_EQ(clamp_prefix(sizes, -1), sizes);
+  // Empty blocks keep nothing and do not move the cut: prefix sums 0, 0, 5, 5, 7 clamped to 4.
+  EXPECT_EQ(clamp_prefix({0, 5, 0, 2}, 4), (Vec{0, 4, 0, 0}));
+  EXPECT_EQ(clamp_prefix({}, 3), Vec{});
 }
 
 TEST(CommParams, TruncateMatrixHandComputed) {

@@ -22,6 +22,7 @@
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
 #include <moe/config.hpp>
+#include <moe/detail/counting.hpp>
 #include <moe/error.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -95,22 +96,20 @@ inline AllToAllParams all_to_all_params(std::vector<std::int64_t> const& M, int 
 }
 
 /// \brief Receiver-side truncation of the traffic matrix to a buffer of R rows (§1.9 item 32.4):
-/// per receiver column j, the prefix sums over senders are clamped to R and differenced, so
-/// lower-rank senders keep their rows and higher-rank senders lose theirs first.
+/// per receiver column j, the prefix sums over senders are clamped to R and differenced
+/// (moe::detail::clamp_prefix), so lower-rank senders keep their rows and higher-rank senders
+/// lose theirs first.
 /// \return Mt [ep*ep], Mt[i*ep+j] <= M[i*ep+j], sum_i Mt[i*ep+j] = min(R, sum_i M[i*ep+j])
 inline std::vector<std::int64_t> truncate_matrix(std::vector<std::int64_t> const& M, int ep,
                                                  std::int64_t R) {
   detail::check_matrix("moe::comm::truncate_matrix", M, ep, 0);
   moe::detail::require<ConfigError>(R >= 0, "moe::comm::truncate_matrix: R=", R,
                                     " must be >= 0 (the receive buffer rows)");
-  std::vector<std::int64_t> Mt(M.size());
+  std::vector<std::int64_t> Mt(M.size()), column(static_cast<std::size_t>(ep));
   for (int j = 0; j < ep; ++j) {
-    std::int64_t before = 0;
-    for (int i = 0; i < ep; ++i) {
-      std::int64_t const after = std::min(R, before + M[i * ep + j]);
-      Mt[i * ep + j] = after - before;
-      before = after;
-    }
+    for (int i = 0; i < ep; ++i) column[i] = M[i * ep + j];
+    column = moe::detail::clamp_prefix(std::move(column), R);
+    for (int i = 0; i < ep; ++i) Mt[i * ep + j] = column[i];
   }
   return Mt;
 }
@@ -231,14 +230,7 @@ class RaggedAllToAll {
     kept_ = send_counts;
     if (any_capped) {
       // Each receiver truncates its column and tells every sender how many rows it keeps.
-      std::int64_t before = 0;
-      for (int i = 0; i < P; ++i) {
-        std::int64_t const after = recv_capacity >= 0
-                                       ? std::min(recv_capacity, before + recv_.counts[i])
-                                       : before + recv_.counts[i];
-        recv_.counts[i] = after - before;
-        before = after;
-      }
+      recv_.counts = moe::detail::clamp_prefix(std::move(recv_.counts), recv_capacity);
       detail::check_mpi(MPI_Alltoall(recv_.counts.data(), 1, MPI_INT64_T, kept_.data(), 1,
                                      MPI_INT64_T, comm_.get()),
                         "MPI_Alltoall");

@@ -25,6 +25,7 @@
 
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/communicator.hpp>
+#include <moe/comm/mesh_comm.hpp>
 #include <moe/comm/ragged_all_to_all.hpp>
 #include <moe/config.hpp>
 #include <moe/distributed/layout.hpp>
@@ -83,7 +84,7 @@ class DistributedMoeLayer {
     comm::check_agreement(world_, "global batch shape",
                           "B=" + std::to_string(global_batch) + ";S=" + std::to_string(seq_len));
     comm::collective_guard(world_, [&] { setup_layout(); });
-    mesh_comm_ = std::make_unique<sharding::MeshComm>(world_.get(), mesh_);
+    mesh_comm_ = std::make_unique<comm::MeshComm>(world_, mesh_);
     make_groups();
     kind_ = routing::resolve(typename Policy::routing_policy{}, cfg_);
     router_ = routing::Router<Scalar, ExecSpace>(cfg_, kind_);
@@ -386,13 +387,7 @@ class DistributedMoeLayer {
 
   /// Every group the step uses, created in the same order on every rank (collective).
   void make_groups() {
-    auto group = [&](std::vector<std::string> const& axes) {
-      std::string key = join(axes);
-      if (groups_.find(key) == groups_.end()) {
-        MPI_Comm c = axes.empty() ? MPI_COMM_SELF : mesh_comm_->group_comm(axes);
-        groups_.emplace(key, distributed::AxisGroup{axes, comm::Communicator(c)});
-      }
-    };
+    auto group = [&](std::vector<std::string> const& axes) { mesh_comm_->group(axes); };
     group(layout_.ep_axes);
     group(layout_.tp_axes);
     group(layout_.batch_axes);
@@ -401,8 +396,9 @@ class DistributedMoeLayer {
     tp_g_ = &group_of(layout_.tp_axes);
     batch_g_ = &group_of(layout_.batch_axes);
   }
+  /// A group make_groups() made (MeshComm's cache; the const lookup never communicates).
   distributed::AxisGroup const& group_of(std::vector<std::string> const& axes) const {
-    return groups_.at(join(axes));
+    return static_cast<comm::MeshComm const&>(*mesh_comm_).group(axes);
   }
   distributed::AxisGroup const& ep_() const { return *ep_g_; }
   distributed::AxisGroup const& tp_() const { return *tp_g_; }
@@ -856,8 +852,7 @@ class DistributedMoeLayer {
   ExecSpace space_;
   std::int64_t B_ = 0, S_ = 0;
   sharding::Mesh mesh_;
-  std::unique_ptr<sharding::MeshComm> mesh_comm_;
-  std::map<std::string, distributed::AxisGroup> groups_;
+  std::unique_ptr<comm::MeshComm> mesh_comm_;  // the one cache of the axis groups
   distributed::AxisGroup const* ep_g_ = nullptr;
   distributed::AxisGroup const* tp_g_ = nullptr;
   distributed::AxisGroup const* batch_g_ = nullptr;

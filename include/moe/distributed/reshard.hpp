@@ -5,7 +5,9 @@
 /// deterministic) and used by the distributed layer for weight gathers and gradient reductions.
 
 #include <moe/comm/collectives.hpp>
+#include <moe/comm/comm_log.hpp>
 #include <moe/comm/communicator.hpp>
+#include <moe/comm/mesh_comm.hpp>
 #include <moe/comm/sent_bytes.hpp>
 #include <moe/detail/views.hpp>
 
@@ -15,39 +17,10 @@
 
 namespace moe::distributed {
 
-/// \brief One collective a step ran: what, over which mesh axes, and the bytes this rank sent.
-struct CommRecord {
-  std::string what;               ///< e.g. "gather wi_0", "dispatch", "reduce-scatter d_wo"
-  std::string kind;               ///< all-gather | reduce-scatter | all-reduce | all-to-all
-  std::vector<std::string> axes;  ///< mesh axes of the group
-  std::int64_t bytes = 0;         ///< bytes this rank sends
-  bool backward = false;          ///< run by backward() (else by forward())
-};
-
-/// \brief The records of one forward + backward step.
-struct CommLog {
-  std::vector<CommRecord> records;
-  bool in_backward = false;  ///< phase that add() tags new records with
-  void add(std::string what, std::string kind, std::vector<std::string> axes, std::int64_t bytes) {
-    records.push_back({std::move(what), std::move(kind), std::move(axes), bytes, in_backward});
-  }
-  /// Bytes this rank sent in the forward (backward = false) or backward phase.
-  std::int64_t bytes(bool backward) const {
-    std::int64_t s = 0;
-    for (auto const& r : records)
-      if (r.backward == backward) s += r.bytes;
-    return s;
-  }
-  std::int64_t total_bytes() const { return bytes(false) + bytes(true); }
-};
-
-/// \brief A communicator over an ordered group of mesh axes (size 1: every call is a no-op).
-struct AxisGroup {
-  std::vector<std::string> axes;  ///< ordered as in the tensor spec (row-major shard index)
-  comm::Communicator comm;
-  int size() const { return comm.size(); }
-  int rank() const { return comm.rank(); }
-};
+// The log and the group live in moe::comm; these names keep existing code compiling.
+using comm::AxisGroup;
+using comm::CommLog;
+using comm::CommRecord;
 
 namespace detail {
 

@@ -18,6 +18,7 @@
 /// permutation and the row moves are Kokkos kernels on the given execution space.
 
 #include <moe/detail/compat.hpp>
+#include <moe/detail/counting.hpp>
 #include <moe/detail/rows.hpp>
 #include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
@@ -27,6 +28,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -53,17 +55,14 @@ namespace moe::detail::lperm {
 
 using moe::detail::fence;
 
-/// Clamps the row-major prefix sums of `sizes` to R (R < 0: no cap) and differences them.
+/// Truncates the row-major block sizes to R rows (moe::detail::clamp_prefix; R < 0: no cap) and
+/// fills the per-expert sizes and the kept / dropped counts.
 inline void truncate_blocks(moe::permute::LocalLayout& lay, std::int64_t R) {
-  std::int64_t before = 0, total = 0;
-  for (auto& b : lay.block_sizes) {
-    total += b;
-    std::int64_t const after = R >= 0 ? std::min(R, before + b) : before + b;
-    b = after - before;
-    before = after;
-  }
-  lay.rows = before;
-  lay.dropped = total - before;
+  std::int64_t const total =
+      std::accumulate(lay.block_sizes.begin(), lay.block_sizes.end(), std::int64_t(0));
+  lay.block_sizes = moe::detail::clamp_prefix(std::move(lay.block_sizes), R);
+  lay.rows = std::accumulate(lay.block_sizes.begin(), lay.block_sizes.end(), std::int64_t(0));
+  lay.dropped = total - lay.rows;
   lay.group_sizes.assign(lay.num_local, 0);
   for (int i = 0; i < lay.num_senders; ++i)
     for (int l = 0; l < lay.num_local; ++l)

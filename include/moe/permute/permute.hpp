@@ -13,7 +13,7 @@
 #include <moe/detail/rows.hpp>
 #include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
-#include <moe/gmm/gmm.hpp>
+#include <moe/gmm/groups.hpp>
 
 #include <algorithm>
 #include <cstdint>

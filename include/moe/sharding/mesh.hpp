@@ -1,7 +1,7 @@
 #pragma once
 /// \file
-/// Mesh: ordered named axes with sizes laid over the ranks of a communicator, and MeshComm, the
-/// per-axis and per-axis-group sub-communicators of one rank.
+/// Mesh: ordered named axes with sizes laid over the ranks of a communicator. Pure (no MPI): the
+/// communicators of a mesh's groups are moe::comm::MeshComm's (moe/comm/mesh_comm.hpp).
 ///
 /// Vocabulary:
 ///  - *axis*: a named mesh dimension (`data`, `fsdp`, `expert`, ...) with a size >= 1.
@@ -20,13 +20,9 @@
 
 #include <moe/error.hpp>
 
-#include <mpi.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <map>
-#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -327,133 +323,6 @@ class Mesh {
   }
 
   std::vector<std::pair<std::string, int>> axes_;
-};
-
-/// \brief Shared ownership of a communicator: MPI_Comm_free runs when the last copy goes (unless
-/// MPI is already finalized). A default-constructed handle holds MPI_COMM_NULL.
-class SharedComm {
- public:
-  SharedComm() = default;
-  /// \brief Takes ownership of `comm` (which must be freeable: not MPI_COMM_WORLD/SELF).
-  static SharedComm adopt(MPI_Comm comm) {
-    SharedComm s;
-    s.comm_ = std::shared_ptr<MPI_Comm>(new MPI_Comm(comm), [](MPI_Comm* c) {
-      int finalized = 0;
-      MPI_Finalized(&finalized);
-      if (!finalized && *c != MPI_COMM_NULL) MPI_Comm_free(c);
-      delete c;
-    });
-    return s;
-  }
-  /// \brief The communicator (MPI_COMM_NULL when empty).
-  MPI_Comm get() const { return comm_ ? *comm_ : MPI_COMM_NULL; }
-  /// \brief Size of the communicator.
-  int size() const {
-    int n = 0;
-    MPI_Comm_size(get(), &n);
-    return n;
-  }
-  /// \brief This process's rank in the communicator.
-  int rank() const {
-    int r = 0;
-    MPI_Comm_rank(get(), &r);
-    return r;
-  }
-
- private:
-  std::shared_ptr<MPI_Comm> comm_;
-};
-
-/// \brief A Mesh laid over an MPI communicator: this rank's coordinates and sub-communicators.
-///
-/// The constructor is collective over `comm`; it duplicates `comm` (the library never calls
-/// MPI_Init and never frees the user's communicator) and splits one sub-communicator per mesh axis.
-/// group_comm() is collective over comm() the first time a given axis list is requested (every
-/// rank must then request it, in the same order relative to other first requests); later calls
-/// return the cached communicator without communicating.
-class MeshComm {
- public:
-  /// \brief Lays `mesh` over `comm`. Collective.
-  ///
-  /// All ranks first agree on the mesh (one MPI_Allreduce of a fingerprint), then check that its
-  /// product equals the communicator size; either failure throws the same ConfigError on every
-  /// rank, before any other communication, so nothing hangs.
-  MeshComm(MPI_Comm comm, Mesh mesh) : mesh_(std::move(mesh)) {
-    std::uint64_t const h = fingerprint(mesh_);
-    std::uint64_t in[2] = {h, ~h}, out[2] = {0, 0};
-    MPI_Allreduce(in, out, 2, MPI_UINT64_T, MPI_MAX, comm);
-    if (out[0] != h || out[1] != ~h)
-      throw ConfigError(detail::cat("ranks disagree on the mesh (this rank has ", mesh_.to_string(),
-                                    "); every rank must build the same mesh"));
-    int size = 0;
-    MPI_Comm_size(comm, &size);
-    detail::require<ConfigError>(mesh_.num_ranks() == size, "mesh product ", mesh_.to_string(),
-                                 " = ", mesh_.num_ranks(), " does not equal the communicator size ",
-                                 size);
-    MPI_Comm dup = MPI_COMM_NULL;
-    MPI_Comm_dup(comm, &dup);
-    comm_ = SharedComm::adopt(dup);
-    rank_ = comm_.rank();
-    coords_ = mesh_.coords(rank_);
-    for (int i = 0; i < mesh_.num_axes(); ++i) axis_comms_.push_back(split({mesh_.name(i)}));
-  }
-
-  /// \brief The mesh.
-  Mesh const& mesh() const { return mesh_; }
-  /// \brief The duplicated parent communicator (rank order = mesh rank order).
-  MPI_Comm comm() const { return comm_.get(); }
-  /// \brief This rank in comm().
-  int rank() const { return rank_; }
-  /// \brief This rank's coordinates, mesh order.
-  std::vector<int> const& coords() const { return coords_; }
-  /// \brief This rank's coordinate on the named axis (0 for an axis the mesh does not have).
-  int coord(std::string const& axis) const {
-    int const i = mesh_.index(axis);
-    return i < 0 ? 0 : coords_[static_cast<std::size_t>(i)];
-  }
-  /// \brief Sub-communicator of the ranks that differ from this one only on `axis`; rank in it =
-  /// coordinate on `axis`. Not collective. Throws ConfigError for an axis the mesh does not have.
-  MPI_Comm axis_comm(std::string const& axis) const {
-    int const i = mesh_.index(axis);
-    detail::require<ConfigError>(i >= 0, "mesh ", mesh_.to_string(), " has no axis '", axis, "'");
-    return axis_comms_[static_cast<std::size_t>(i)].get();
-  }
-  /// \brief Sub-communicator of the group of `axes` containing this rank (ranks ordered row-major
-  /// over `axes` in the given order, see Mesh). Collective over comm() on the first request of a
-  /// given list; cached afterwards. An empty list gives a communicator of this rank alone.
-  MPI_Comm group_comm(std::vector<std::string> const& axes) {
-    std::string key;
-    for (auto const& a : axes) key += a + '\n';
-    auto it = group_comms_.find(key);
-    if (it == group_comms_.end()) it = group_comms_.emplace(key, split(axes)).first;
-    return it->second.get();
-  }
-
- private:
-  SharedComm split(std::vector<std::string> const& axes) const {
-    int const color = mesh_.group_index(rank_, axes);
-    int const key = mesh_.rank_in_group(rank_, axes);
-    MPI_Comm out = MPI_COMM_NULL;
-    MPI_Comm_split(comm_.get(), color, key, &out);
-    return SharedComm::adopt(out);
-  }
-  static std::uint64_t fingerprint(Mesh const& m) {
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a
-    auto mix = [&](unsigned char c) { h = (h ^ c) * 1099511628211ull; };
-    for (auto const& [name, size] : m.axes()) {
-      for (char c : name) mix(static_cast<unsigned char>(c));
-      mix(0);
-      for (int b = 0; b < 4; ++b) mix(static_cast<unsigned char>(size >> (8 * b)));
-    }
-    return h;
-  }
-
-  Mesh mesh_;
-  SharedComm comm_;
-  int rank_ = 0;
-  std::vector<int> coords_;
-  std::vector<SharedComm> axis_comms_;
-  std::map<std::string, SharedComm> group_comms_;
 };
 
 }  // namespace moe::sharding

@@ -1,0 +1,128 @@
+#pragma once
+/// \file
+/// MeshComm: a sharding::Mesh laid over a moe communicator, and the one cache of the
+/// communicators of its axis groups (AxisGroup). The mesh itself (coordinates, group membership
+/// and order) is pure and lives in moe/sharding/mesh.hpp; this header adds the MPI side.
+
+#include <moe/comm/communicator.hpp>
+#include <moe/error.hpp>
+#include <moe/sharding/mesh.hpp>
+
+#include <mpi.h>
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moe::comm {
+
+/// \brief A communicator over an ordered group of mesh axes (size 1: every call is a no-op).
+struct AxisGroup {
+  std::vector<std::string> axes;  ///< ordered as in the tensor spec (row-major shard index)
+  Communicator comm;              ///< ranks ordered row-major over `axes` (see sharding::Mesh)
+  int size() const { return comm.size(); }
+  int rank() const { return comm.rank(); }
+};
+
+/// \brief A sharding::Mesh laid over a communicator: this rank's coordinates and the cached
+/// communicators of its axis groups.
+///
+/// group(axes) is the one place groups are made: collective over comm() the first time a given
+/// ordered axis list is requested, a lookup afterwards. Every rank must therefore request the same
+/// lists in the same order (it is checked on each first request: ranks that ask for different
+/// lists get the same ConfigError instead of mismatched groups). Copies share the groups made
+/// before the copy; each copy caches later ones on its own.
+class MeshComm {
+ public:
+  /// \brief Lays `mesh` over a duplicate of `comm` (moe never frees the user's communicator).
+  /// Collective over `comm`; see MeshComm(Communicator, Mesh).
+  MeshComm(MPI_Comm comm, sharding::Mesh mesh) : MeshComm(Communicator(comm), std::move(mesh)) {}
+
+  /// \brief Lays `mesh` over `comm` (shared, not duplicated). Collective over `comm`.
+  ///
+  /// All ranks first agree on the mesh (check_agreement), then check that the product of its axis
+  /// sizes equals the communicator size; either failure throws the same ConfigError on every
+  /// rank before any other communication, so nothing hangs. Makes no group yet.
+  MeshComm(Communicator comm, sharding::Mesh mesh)
+      : comm_(std::move(comm)), mesh_(std::move(mesh)) {
+    check_agreement(comm_, "mesh", canonical(mesh_));
+    moe::detail::require<ConfigError>(mesh_.num_ranks() == comm_.size(), "mesh product ",
+                                      mesh_.to_string(), " = ", mesh_.num_ranks(),
+                                      " does not equal the communicator size ", comm_.size());
+    coords_ = mesh_.coords(comm_.rank());
+  }
+
+  /// \brief The mesh.
+  sharding::Mesh const& mesh() const { return mesh_; }
+  /// \brief The parent communicator (rank order = mesh rank order).
+  Communicator const& comm() const { return comm_; }
+  /// \brief This rank in comm().
+  int rank() const { return comm_.rank(); }
+  /// \brief This rank's coordinates, mesh order.
+  std::vector<int> const& coords() const { return coords_; }
+  /// \brief This rank's coordinate on the named axis (0 for an axis the mesh does not have).
+  int coord(std::string const& axis) const {
+    int const i = mesh_.index(axis);
+    return i < 0 ? 0 : coords_[static_cast<std::size_t>(i)];
+  }
+
+  /// \brief The group of `axes` containing this rank: the ranks whose coordinates differ only on
+  /// `axes`, ordered row-major over `axes` in the given order (see sharding::Mesh).
+  ///
+  /// Collective over comm() the first time this ordered list is requested: every rank must make
+  /// the same first requests in the same order (ranks that disagree on the list throw the same
+  /// ConfigError). Later calls return the cached group without communicating. An empty list, and
+  /// a list of axes the mesh does not have (size 1), give a group of this rank alone. A list that
+  /// names an axis twice throws ConfigError on every rank. The reference stays valid for the
+  /// lifetime of this MeshComm.
+  AxisGroup const& group(std::vector<std::string> const& axes) {
+    auto it = groups_.find(axes);
+    if (it != groups_.end()) return it->second;
+    check_agreement(comm_, "axis list of a first MeshComm::group request", describe(axes));
+    // Every rank now holds the same list, so a list that repeats an axis throws the same
+    // ConfigError everywhere, before the split.
+    int const color = mesh_.group_index(comm_.rank(), axes);
+    int const key = mesh_.rank_in_group(comm_.rank(), axes);
+    return groups_.emplace(axes, AxisGroup{axes, comm_.split(color, key)}).first->second;
+  }
+
+  /// \brief The cached group of `axes` (not collective). Throws moe::Error naming the axes when
+  /// the non-const group(axes) was never called for this ordered list.
+  AxisGroup const& group(std::vector<std::string> const& axes) const {
+    auto it = groups_.find(axes);
+    if (it == groups_.end())
+      throw Error(moe::detail::cat("moe::comm::MeshComm::group: the group of the axes ",
+                                   describe(axes), " on mesh ", mesh_.to_string(),
+                                   " was never made; request it first with the (collective) "
+                                   "non-const group() on every rank"));
+    return it->second;
+  }
+
+  /// \brief Whether the group of `axes` (this ordered list) has been made.
+  bool has_group(std::vector<std::string> const& axes) const {
+    return groups_.find(axes) != groups_.end();
+  }
+
+ private:
+  /// "[fsdp, expert]", "[]" for the empty list.
+  static std::string describe(std::vector<std::string> const& axes) {
+    std::string s = "[";
+    for (std::size_t i = 0; i < axes.size(); ++i) s += (i ? ", " : "") + axes[i];
+    return s + "]";
+  }
+  /// "data=2;fsdp=4": key=value fields, so a disagreement quotes the differing axis.
+  static std::string canonical(sharding::Mesh const& m) {
+    std::string s;
+    for (std::size_t i = 0; i < m.axes().size(); ++i)
+      s += (i ? ";" : "") + m.axes()[i].first + "=" + std::to_string(m.axes()[i].second);
+    return s;
+  }
+
+  Communicator comm_;
+  sharding::Mesh mesh_;
+  std::vector<int> coords_;
+  std::map<std::vector<std::string>, AxisGroup> groups_;
+};
+
+}  // namespace moe::comm
