@@ -44,7 +44,6 @@
 
 #include <algorithm>
 #include <exception>
-#include <map>
 #include <memory>
 #include <string>
 #include <vector>

@@ -11,6 +11,7 @@
 #include <moe/sharding/mesh.hpp>
 #include <moe/sharding/presets.hpp>
 #include <moe/sharding/rules.hpp>
+#include <moe/tensor_block.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -19,11 +20,6 @@
 #include <vector>
 
 namespace moe {
-
-/// \brief The block of a global tensor one rank holds: global[offset + i] for i < local_shape.
-struct TensorBlock {
-  std::vector<std::int64_t> global_shape, local_shape, offset;
-};
 
 /// \brief How the routed experts are reached.
 enum class ExpertRoute {

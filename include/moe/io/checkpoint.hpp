@@ -76,7 +76,6 @@
 #include <moe/comm/bytes.hpp>
 #include <moe/comm/communicator.hpp>
 #include <moe/detail/hash.hpp>
-#include <moe/distributed/layout.hpp>
 #include <moe/error.hpp>
 #include <moe/io/checkpoint_index.hpp>
 #include <moe/io/checkpoint_lock.hpp>
@@ -85,6 +84,7 @@
 #include <moe/io/json.hpp>
 #include <moe/io/safetensors.hpp>
 #include <moe/io/sha256.hpp>
+#include <moe/tensor_block.hpp>
 
 #include <mpi.h>
 
