@@ -330,24 +330,11 @@ std::string case_fingerprint(Setup const& s) {
   std::string t = "gmm=" + s.args.gmm + "|" + moe::describe(s.cfg) + "|" + s.par.describe();
   for (auto const& name : s.in.names()) {
     auto const& ten = s.in.at(name);
-    t += "|" + name + "=" + moe::io::dtype_name(ten.dtype) + moe::io::detail::shape_text(ten.shape) +
-         " content hash " + std::to_string(moe::detail::fnv1a(ten.bytes.data(), ten.bytes.size()));
+    t += "|" + name + "=" + moe::io::dtype_name(ten.dtype) +
+         moe::io::detail::shape_text(ten.shape) + " content hash " +
+         std::to_string(moe::detail::fnv1a(ten.bytes.data(), ten.bytes.size()));
   }
   return t;
-}
-
-char const* route_name(moe::ExpertRoute r) {
-  switch (r) {
-    case moe::ExpertRoute::Local:
-      return "local";
-    case moe::ExpertRoute::RaggedA2A:
-      return "ragged-all-to-all";
-    case moe::ExpertRoute::Ring:
-      return "ring";
-    case moe::ExpertRoute::Replicated:
-      return "replicated";
-  }
-  return "?";
 }
 
 struct Summary {
@@ -366,7 +353,7 @@ moe::io::File run_case(moe::comm::Communicator const& world, Setup const& s, Sum
   for (auto const& [axis, size] : layer.mesh().axes())
     if (size > 1) sum.mesh += (sum.mesh.empty() ? "" : " x ") + axis + "=" + std::to_string(size);
   if (sum.mesh.empty()) sum.mesh = "(one rank)";
-  sum.route = route_name(layer.expert_route());
+  sum.route = moe::to_string(layer.expert_route());  // as train_moe prints it
 
   auto const xb = layer.block("x");
   std::int64_t const b = xb.local_shape[0], S = s.S, D = cfg.base_emb_dim;

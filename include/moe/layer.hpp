@@ -67,6 +67,32 @@ struct Parameters {
   }
 };
 
+/// \brief A layer's parameters with a version that counts writes; MoeLayer and
+/// DistributedMoeLayer expose it. The non-const parameters() counts as a write (it calls
+/// weights_changed()); code that keeps the reference (or the views' pointers) and writes through
+/// it later must call weights_changed() after each write.
+template <class Params>
+class ParameterStore {
+ public:
+  /// Trainable parameters (filled by the user, e.g. from a checkpoint); counts as a write.
+  Params& parameters() {
+    weights_changed();
+    return params_;
+  }
+  Params const& parameters() const { return params_; }
+
+  /// \brief Declares the parameters written (optimizer step, checkpoint load, resharding): the
+  /// next forward repacks the expert weights for GEMM backends that keep packed copies
+  /// (gmm::OneDnn on CPUs with blocked kernels). Cheap; call it after every update.
+  void weights_changed() { ++weights_version_; }
+  /// Version of the parameters' contents (increases with every weights_changed()).
+  std::uint64_t weights_version() const { return weights_version_; }
+
+ protected:
+  Params params_;
+  std::uint64_t weights_version_ = 0;
+};
+
 /// \brief Per-call options of MoeLayer::forward.
 struct ForwardOptions {
   /// Global index of this call's first token: random routing draws from (seed, token, slot).
@@ -85,7 +111,10 @@ struct ForwardOptions {
 /// \tparam ExecSpace Kokkos execution space; all views live in its memory space.
 template <class Scalar, class Policy = DefaultPolicies,
           class ExecSpace = Kokkos::DefaultExecutionSpace>
-class MoeLayer {
+class MoeLayer : public ParameterStore<Parameters<Scalar, typename ExecSpace::memory_space>> {
+  using store = ParameterStore<Parameters<Scalar, typename ExecSpace::memory_space>>;
+  using store::params_;
+  using store::weights_version_;
   static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
                 "MoeLayer computes in float or double");
 
@@ -103,25 +132,11 @@ class MoeLayer {
       : cfg_(validated(cfg)),
         space_(space),
         kind_(routing::resolve(typename Policy::routing_policy{}, cfg_)),
-        router_(cfg_, kind_),
-        params_(params_type::zeros(cfg_)) {}
+        router_(cfg_, kind_) {
+    params_ = params_type::zeros(cfg_);
+  }
 
   LayerConfig const& config() const { return cfg_; }
-  /// Trainable parameters (filled by the user, e.g. from a checkpoint). The non-const access
-  /// counts as a write: it calls weights_changed(). Code that keeps the reference (or the views'
-  /// pointers) and writes through it later must call weights_changed() after each write.
-  params_type& parameters() {
-    weights_changed();
-    return params_;
-  }
-  params_type const& parameters() const { return params_; }
-
-  /// \brief Declares the parameters written (optimizer step, checkpoint load, resharding): the
-  /// next forward repacks the expert weights for GEMM backends that keep packed copies
-  /// (gmm::OneDnn on CPUs with blocked kernels). Cheap; call it after every update.
-  void weights_changed() { ++weights_version_; }
-  /// Version of the parameters' contents (increases with every weights_changed()).
-  std::uint64_t weights_version() const { return weights_version_; }
   /// The packed copies of the expert weights kept by the GEMM backend (statistics, tests).
   gmm::PackCache const& pack_cache() const { return ffn_.pack_cache(); }
 
@@ -357,8 +372,6 @@ class MoeLayer {
   ExecSpace space_;
   routing::Kind kind_;
   routing::Router<Scalar, ExecSpace> router_;
-  params_type params_;
-  std::uint64_t weights_version_ = 0;
 
   // state of the last forward
   bool have_forward_ = false;

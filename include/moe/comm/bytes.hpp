@@ -34,43 +34,45 @@ inline std::size_t byte_piece() {
   return static_cast<std::size_t>(std::max<std::int64_t>(1, count_limit()));
 }
 
+/// Calls call(offset, count) for consecutive pieces of at most byte_piece() of n bytes.
+template <class Call>
+void for_pieces(std::size_t n, Call&& call) {
+  for (std::size_t done = 0; done < n;) {
+    std::size_t const k = std::min(byte_piece(), n - done);
+    call(done, static_cast<int>(k));
+    done += k;
+  }
+}
+
 }  // namespace detail
 
 /// \brief Sends \p n bytes at \p data to rank \p dest (blocking; matched by recv_bytes).
 inline void send_bytes(Communicator const& comm, int dest, void const* data, std::size_t n) {
   auto const* c = static_cast<char const*>(data);
-  for (std::size_t done = 0; done < n;) {
-    std::size_t const k = std::min(detail::byte_piece(), n - done);
-    detail::check_mpi(
-        MPI_Send(c + done, static_cast<int>(k), MPI_BYTE, dest, detail::bytes_tag, comm.get()),
-        "MPI_Send");
-    done += k;
-  }
+  detail::for_pieces(n, [&](std::size_t at, int k) {
+    detail::check_mpi(MPI_Send(c + at, k, MPI_BYTE, dest, detail::bytes_tag, comm.get()),
+                      "MPI_Send");
+  });
 }
 
 /// \brief Receives \p n bytes from rank \p src into \p data (blocking; matches send_bytes of the
 /// same length).
 inline void recv_bytes(Communicator const& comm, int src, void* data, std::size_t n) {
   auto* c = static_cast<char*>(data);
-  for (std::size_t done = 0; done < n;) {
-    std::size_t const k = std::min(detail::byte_piece(), n - done);
-    detail::check_mpi(MPI_Recv(c + done, static_cast<int>(k), MPI_BYTE, src, detail::bytes_tag,
-                               comm.get(), MPI_STATUS_IGNORE),
-                      "MPI_Recv");
-    done += k;
-  }
+  detail::for_pieces(n, [&](std::size_t at, int k) {
+    detail::check_mpi(
+        MPI_Recv(c + at, k, MPI_BYTE, src, detail::bytes_tag, comm.get(), MPI_STATUS_IGNORE),
+        "MPI_Recv");
+  });
 }
 
 /// \brief Collective: the \p n bytes at \p data on \p root are copied into \p data on every rank
 /// (\p n must be the same on every rank).
 inline void broadcast_bytes(Communicator const& comm, int root, void* data, std::size_t n) {
   auto* c = static_cast<char*>(data);
-  for (std::size_t done = 0; done < n;) {
-    std::size_t const k = std::min(detail::byte_piece(), n - done);
-    detail::check_mpi(MPI_Bcast(c + done, static_cast<int>(k), MPI_BYTE, root, comm.get()),
-                      "MPI_Bcast");
-    done += k;
-  }
+  detail::for_pieces(n, [&](std::size_t at, int k) {
+    detail::check_mpi(MPI_Bcast(c + at, k, MPI_BYTE, root, comm.get()), "MPI_Bcast");
+  });
 }
 
 /// \brief Collective: \p root's \p bytes, of any length, on every rank (the others' argument is

@@ -20,6 +20,16 @@ struct CommRecord {
   bool backward = false;          ///< run by backward() (else by forward())
 };
 
+/// Sum of `bytes` over the records (CommRecord, or a plan's predicted collectives) whose
+/// `backward` flag is `backward`.
+template <class Records>
+std::int64_t phase_bytes(Records const& records, bool backward) {
+  std::int64_t s = 0;
+  for (auto const& r : records)
+    if (r.backward == backward) s += r.bytes;
+  return s;
+}
+
 /// \brief The records of one forward + backward step.
 struct CommLog {
   std::vector<CommRecord> records;
@@ -28,12 +38,7 @@ struct CommLog {
     records.push_back({std::move(what), std::move(kind), std::move(axes), bytes, in_backward});
   }
   /// Bytes this rank sent in the forward (backward = false) or backward phase.
-  std::int64_t bytes(bool backward) const {
-    std::int64_t s = 0;
-    for (auto const& r : records)
-      if (r.backward == backward) s += r.bytes;
-    return s;
-  }
+  std::int64_t bytes(bool backward) const { return phase_bytes(records, backward); }
   std::int64_t total_bytes() const { return bytes(false) + bytes(true); }
 };
 

@@ -60,8 +60,14 @@ namespace moe {
 /// \tparam Policy moe::Policies<Routing, Gmm>; the partition is decided at run time by the mesh.
 template <class Scalar, class Policy = DefaultPolicies,
           class ExecSpace = Kokkos::DefaultExecutionSpace>
-class DistributedMoeLayer {
+class DistributedMoeLayer
+    : public ParameterStore<Parameters<Scalar, typename ExecSpace::memory_space>> {
+  using store = ParameterStore<Parameters<Scalar, typename ExecSpace::memory_space>>;
+  using store::params_;
+  using store::weights_version_;
+
  public:
+  using store::weights_changed;
   using memory_space = typename ExecSpace::memory_space;
   using params_type = Parameters<Scalar, memory_space>;
   using view1 = View1<Scalar, memory_space>;
@@ -95,21 +101,9 @@ class DistributedMoeLayer {
   sharding::Mesh const& mesh() const { return mesh_; }
   /// How the routed experts are reached on this layout.
   ExpertRoute expert_route() const { return route_; }
-  /// Local parameter blocks (storage layout); see block(). The non-const access counts as a
-  /// write (weights_changed()); code that keeps the reference or the views' pointers and writes
-  /// through them later must call weights_changed() after each write.
-  params_type& parameters() {
-    weights_changed();
-    return params_;
-  }
-  params_type const& parameters() const { return params_; }
-
-  /// \brief Declares the local parameter blocks written (optimizer step, checkpoint load,
-  /// resharding): packed copies of the expert weights are remade on the next forward. Weights
-  /// gathered over FSDP axes get a new version at every gather anyway.
-  void weights_changed() { ++weights_version_; }
-  /// Version of the expert weights the last forward computed with.
-  std::uint64_t weights_version() const { return weights_version_; }
+  // parameters() (local blocks in storage layout, see block()), weights_changed() and
+  // weights_version() come from ParameterStore. Gathered or sliced expert weights are new data in
+  // reused buffers: every such gather is a new version.
   /// The packed copies of the expert weights kept by the GEMM backend (statistics, tests).
   gmm::PackCache const& pack_cache() const { return ffn_.pack_cache(); }
 
@@ -868,8 +862,7 @@ class DistributedMoeLayer {
   nn::DenseMlp<Scalar, ExecSpace> shared_;
   nn::DenseExperts<Scalar, ExecSpace> dense_;
   // Parameters: stored blocks, compute blocks, compute-block gradients.
-  params_type params_, cp_, gc_;
-  std::uint64_t weights_version_ = 0;  // of the compute blocks of the expert weights
+  params_type cp_, gc_;  // (params_ in ParameterStore)
   /// Where the dispatch put the rows, kept from the forward for the backward.
   struct DispatchState {
     permute::Permutation<memory_space> perm;     ///< token slots sorted by expert

@@ -16,6 +16,7 @@
 /// It also flags the failure that motivated MaxText's `moe_dispatch_no_expert_sharding`
 /// (SEMANTICS.md §1.13): a dense dispatch tensor whose batch dimension claims the `expert` axis.
 
+#include <moe/comm/comm_log.hpp>
 #include <moe/config.hpp>
 #include <moe/distributed/layout.hpp>
 #include <moe/distributed/parallel_config.hpp>
@@ -81,12 +82,7 @@ struct LayerPlan {
   std::vector<std::string> warnings;          ///< layout problems worth fixing
 
   /// Bytes this rank sends in the forward (backward = false) or the backward pass.
-  std::int64_t bytes(bool backward) const {
-    std::int64_t s = 0;
-    for (auto const& c : collectives)
-      if (c.backward == backward) s += c.bytes;
-    return s;
-  }
+  std::int64_t bytes(bool backward) const { return comm::phase_bytes(collectives, backward); }
   /// Bytes this rank sends in one training step.
   std::int64_t step_bytes() const { return bytes(false) + bytes(true); }
   /// The tensor named `name` (ConfigError when the plan has none).

@@ -9,6 +9,7 @@
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/mesh_comm.hpp>
 #include <moe/comm/sent_bytes.hpp>
+#include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
 
 #include <cstdint>
@@ -75,6 +76,22 @@ struct Identity {
   KOKKOS_INLINE_FUNCTION std::int64_t operator()(std::int64_t i) const { return i; }
 };
 
+/// A group of one: out = in, no communication (returns true).
+template <class ExecSpace, class InV, class OutV>
+bool copy_if_alone(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV const& out) {
+  if (g.size() > 1) return false;
+  Kokkos::deep_copy(space, out, in);
+  return true;
+}
+
+/// A temporary of n T's: the pool's buffer `key` when there is a pool, else a new View.
+template <class T, class ExecSpace, class MS>
+View1<T, MS> temporary(ExecSpace const& space, moe::detail::ScratchPool<MS>* pool, char const* key,
+                       std::size_t n) {
+  if (pool) return pool->template get<T>(key, n);
+  return View1<T, MS>(Kokkos::view_alloc(space, Kokkos::WithoutInitializing, key), n);
+}
+
 template <class V>
 std::int64_t bytes_of(V const& v) {
   return std::int64_t(v.span()) * std::int64_t(sizeof(typename V::value_type));
@@ -90,11 +107,8 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
                 moe::detail::ScratchPool<typename OutV::memory_space>* pool = nullptr) {
   using T = typename OutV::non_const_value_type;
   using MS = typename OutV::memory_space;
+  if (detail::copy_if_alone(space, g, in, out)) return;
   int const P = g.size();
-  if (P == 1) {
-    Kokkos::deep_copy(space, out, in);
-    return;
-  }
   auto const s = detail::split_at(in, d);
   if (log)
     log->add(what, "all-gather", g.axes, comm::sent_bytes::all_gather(detail::bytes_of(in), P));
@@ -103,10 +117,7 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
     comm::all_gather(g.comm, space, src, View1<T, MS>(out.data(), out.span()));
     return;
   }
-  View1<T, MS> buf = pool ? pool->template get<T>("moe::reshard::gather", out.span())
-                          : View1<T, MS>(Kokkos::view_alloc(space, Kokkos::WithoutInitializing,
-                                                            "moe::reshard::gather"),
-                                         out.span());
+  auto buf = detail::temporary<T>(space, pool, "moe::reshard::gather", out.span());
   comm::all_gather(g.comm, space, src, buf);
   // buf is [P, A, n*C]; out is [A, P, n*C]
   detail::copy_rows(space, "moe::reshard::gather_unpack", buf.data(), out.data(), P * s.A,
@@ -121,11 +132,8 @@ void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& i
                         moe::detail::ScratchPool<typename OutV::memory_space>* pool = nullptr) {
   using T = typename OutV::non_const_value_type;
   using MS = typename OutV::memory_space;
+  if (detail::copy_if_alone(space, g, in, out)) return;
   int const P = g.size();
-  if (P == 1) {
-    Kokkos::deep_copy(space, out, in);
-    return;
-  }
   auto const s = detail::split_at(out, d);
   if (log)
     log->add(what, "reduce-scatter", g.axes,
@@ -135,11 +143,7 @@ void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& i
     comm::reduce_scatter(g.comm, space, View1<T const, MS>(in.data(), in.span()), dst, pool);
     return;
   }
-  View1<T, MS> buf =
-      pool
-          ? pool->template get<T>("moe::reshard::rs", in.span())
-          : View1<T, MS>(Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::reshard::rs"),
-                         in.span());
+  auto buf = detail::temporary<T>(space, pool, "moe::reshard::rs", in.span());
   // in is [A, P, n*C]; buf is [P, A, n*C]
   detail::copy_rows(space, "moe::reshard::rs_pack", in.data(), buf.data(), P * s.A, s.n * s.C,
                     detail::PaToAp{P, s.A}, detail::Identity{});

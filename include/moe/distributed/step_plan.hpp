@@ -56,29 +56,14 @@ enum class StageKind {
   reduce_grads     ///< compute-block gradients -> stored-block gradients (backward only)
 };
 
-/// Name of a stage kind as printed by the plan.
+/// Name of a stage kind as printed by the plan (in the order of StageKind).
 inline char const* to_string(StageKind k) {
-  switch (k) {
-    case StageKind::gather_weights:
-      return "gather weights";
-    case StageKind::gather_tokens:
-      return "gather tokens";
-    case StageKind::route:
-      return "route";
-    case StageKind::dispatch:
-      return "dispatch";
-    case StageKind::experts:
-      return "experts";
-    case StageKind::combine:
-      return "combine";
-    case StageKind::shared_expert:
-      return "shared expert";
-    case StageKind::output:
-      return "output";
-    case StageKind::reduce_grads:
-      return "reduce gradients";
-  }
-  return "?";
+  static char const* const names[] = {"gather weights", "gather tokens", "route",
+                                      "dispatch",       "experts",       "combine",
+                                      "shared expert",  "output",        "reduce gradients"};
+  static_assert(sizeof(names) / sizeof(names[0]) == int(StageKind::reduce_grads) + 1,
+                "one name per StageKind");
+  return names[static_cast<int>(k)];
 }
 
 /// \brief One stage of a step. Buffer names are the keys of the layer's step workspace;
