@@ -89,7 +89,7 @@ template <class T, class ExecSpace, class MS>
 View1<T, MS> temporary(ExecSpace const& space, moe::detail::ScratchPool<MS>* pool, char const* key,
                        std::size_t n) {
   if (pool) return pool->template get<T>(key, n);
-  return View1<T, MS>(Kokkos::view_alloc(space, Kokkos::WithoutInitializing, key), n);
+  return View1<T, MS>(Kokkos::view_alloc(space, Kokkos::WithoutInitializing, std::string(key)), n);
 }
 
 template <class V>
