@@ -1,7 +1,8 @@
 // moe::make_plan predicts the step DistributedMoeLayer runs: for every layout of
 // test_distributed_layer.cpp at this rank count, the plan's blocks are the layer's blocks and its
-// collectives are the layer's comm_log() records (names, kinds, axes in order; bytes exactly,
-// including the all-to-alls when the routing is balanced, which the inputs here arrange).
+// collectives are the layer's comm_log() records (names, kinds, axes, stages and phases in order;
+// bytes exactly, including the all-to-alls when the routing is balanced, which the inputs here
+// arrange).
 #include <moe/distributed/layer.hpp>
 #include <moe/distributed/plan.hpp>
 
@@ -108,6 +109,8 @@ void run_case(Case const& c) {
     EXPECT_EQ(got.what, want.what);
     EXPECT_EQ(got.kind, want.kind);
     EXPECT_EQ(got.axes, want.axes);
+    EXPECT_EQ(got.stage, want.stage);
+    EXPECT_EQ(got.backward, want.backward);
     if (!want.balanced || c.balanced) {
       EXPECT_EQ(got.bytes, want.bytes);
     } else {

@@ -18,6 +18,7 @@ struct CommRecord {
   std::vector<std::string> axes;  ///< mesh axes of the group
   std::int64_t bytes = 0;         ///< bytes this rank sends
   bool backward = false;          ///< run by backward() (else by forward())
+  std::string stage;              ///< the step-plan stage (its profiling region) that ran it
 };
 
 /// Sum of `bytes` over the records (CommRecord, or a plan's predicted collectives) whose
@@ -34,8 +35,10 @@ std::int64_t phase_bytes(Records const& records, bool backward) {
 struct CommLog {
   std::vector<CommRecord> records;
   bool in_backward = false;  ///< phase that add() tags new records with
+  std::string stage;         ///< stage that add() tags new records with ("" outside a step plan)
   void add(std::string what, std::string kind, std::vector<std::string> axes, std::int64_t bytes) {
-    records.push_back({std::move(what), std::move(kind), std::move(axes), bytes, in_backward});
+    records.push_back(
+        {std::move(what), std::move(kind), std::move(axes), bytes, in_backward, stage});
   }
   /// Bytes this rank sent in the forward (backward = false) or backward phase.
   std::int64_t bytes(bool backward) const { return phase_bytes(records, backward); }

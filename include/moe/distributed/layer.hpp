@@ -241,12 +241,14 @@ class DistributedMoeLayer
         : layer(l), region(st.region.c_str()) {
       layer.stage_ = &st;
       layer.next_ = 0;
+      layer.log_.stage = st.region;
       layer.ws_.enter(&st);
     }
     ~StageScope() noexcept(false) {
       auto const* st = layer.stage_;
       layer.stage_ = nullptr;
       layer.ws_.enter(nullptr);
+      layer.log_.stage.clear();
       if (std::uncaught_exceptions() == 0 && layer.next_ != st->collectives.size())
         throw Error(detail::cat("moe internal error: stage ", st->region, " ran ", layer.next_,
                                 " of its ", st->collectives.size(), " planned collectives"));
