@@ -89,18 +89,18 @@ class DistributedMoeLayer
     comm::check_agreement(world_, "global batch shape",
                           "B=" + std::to_string(global_batch) + ";S=" + std::to_string(seq_len));
     comm::collective_guard(world_, [&] { setup_layout(); });
-    mesh_comm_ = std::make_unique<comm::MeshComm>(world_, mesh_);
+    mesh_comm_ = std::make_unique<comm::MeshComm>(world_, layout_.mesh);
     make_groups();
-    kind_ = routing::resolve(typename Policy::routing_policy{}, cfg_);
-    router_ = routing::Router<Scalar, ExecSpace>(cfg_, kind_);
+    router_ = routing::Router<Scalar, ExecSpace>(
+        cfg_, routing::resolve(typename Policy::routing_policy{}, cfg_));
     params_ = alloc_params("moe::param::");
   }
 
   LayerConfig const& config() const { return cfg_; }
   ParallelConfig const& parallel_config() const { return par_; }
-  sharding::Mesh const& mesh() const { return mesh_; }
+  sharding::Mesh const& mesh() const { return layout_.mesh; }
   /// How the routed experts are reached on this layout.
-  ExpertRoute expert_route() const { return route_; }
+  ExpertRoute expert_route() const { return layout_.route; }
   // parameters() (local blocks in storage layout, see block()), weights_changed() and
   // weights_version() come from ParameterStore. Gathered or sliced expert weights are new data in
   // reused buffers: every such gather is a new version.
@@ -119,7 +119,7 @@ class DistributedMoeLayer
   /// The whole layout (mesh, axes, route, weights); see moe::make_plan for a printable form.
   distributed::Layout const& layout() const { return layout_; }
   /// Mesh axes the batch is split over.
-  std::vector<std::string> const& batch_axes() const { return batch_axes_; }
+  std::vector<std::string> const& batch_axes() const { return layout_.batch_axes; }
 
   /// \brief forward() and backward() for any View types: LayoutRight Views of this layer's
   /// Scalar and memory space convert (e.g. non-const x); anything else, such as a LayoutLeft
@@ -259,7 +259,7 @@ class DistributedMoeLayer
 
   void run_forward(distributed::Stage const& st, view2 y) {
     using K = distributed::StageKind;
-    bool const a2a = route_ == ExpertRoute::RaggedA2A;
+    bool const a2a = layout_.route == ExpertRoute::RaggedA2A;
     switch (st.kind) {
       case K::gather_weights:
         return gather_weights(params_, cp_);
@@ -267,7 +267,7 @@ class DistributedMoeLayer
         return all_gather_(ep_(), ws_.at("x"),
                            ws_.make("x_work", plan_.work_tokens, cfg_.base_emb_dim), 0);
       case K::route:
-        return route_tokens(route_ == ExpertRoute::Ring ? ws_.at("x_work") : ws_.at("x"));
+        return route_tokens(layout_.route == ExpertRoute::Ring ? ws_.at("x_work") : ws_.at("x"));
       case K::dispatch:
         return a2a ? a2a_dispatch(ws_.at("x")) : local_dispatch(work_x());
       case K::experts:
@@ -288,7 +288,7 @@ class DistributedMoeLayer
 
   void run_backward(distributed::Stage const& st, cview2 dy, view2 dx, params_type& grads) {
     using K = distributed::StageKind;
-    bool const a2a = route_ == ExpertRoute::RaggedA2A;
+    bool const a2a = layout_.route == ExpertRoute::RaggedA2A;
     switch (st.kind) {
       case K::output:
         return a2a ? a2a_output_backward(dy) : gathered_output_backward(dy);
@@ -317,7 +317,7 @@ class DistributedMoeLayer
   }
 
   /// Tokens the experts see: the expert group's (ring) or this rank's own.
-  view2 work_x() const { return ws_.at(route_ == ExpertRoute::Ring ? "x_work" : "x"); }
+  view2 work_x() const { return ws_.at(layout_.route == ExpertRoute::Ring ? "x_work" : "x"); }
 
   // ------------------------------------------------------------------ collectives ------------
   /// The comm-log name of the next collective of the running stage, after checking its kind
@@ -359,7 +359,7 @@ class DistributedMoeLayer
     std::int64_t n = 0;
     for (std::size_t j = 0; j < rows.size(); ++j)
       if (int(j) != disp_.a2a->comm().rank()) n += rows[j];
-    log_.add(planned("all-to-all", ep_axes_), "all-to-all", ep_axes_,
+    log_.add(planned("all-to-all", layout_.ep_axes), "all-to-all", layout_.ep_axes,
              n * cols * std::int64_t(sizeof(Scalar)));
   }
 
@@ -373,10 +373,6 @@ class DistributedMoeLayer
   void setup_layout() {
     layout_ = distributed::compute_layout(cfg_, par_, world_.size(), world_.rank(), B_, S_,
                                           std::is_same_v<typename Policy::gmm_policy, gmm::Dense>);
-    mesh_ = layout_.mesh;
-    batch_axes_ = layout_.batch_axes;
-    ep_axes_ = layout_.ep_axes;
-    route_ = layout_.route;
     plan_ = distributed::make_step_plan(layout_, cfg_, par_, sizeof(Scalar));
   }
 
@@ -557,7 +553,7 @@ class DistributedMoeLayer
     std::int64_t const T = plan_.tokens;
     // Random routing draws from the global token index: each member's rows are routed with its
     // own offset (a member's tokens are a contiguous block of the global batch).
-    bool const ring = route_ == ExpertRoute::Ring;
+    bool const ring = layout_.route == ExpertRoute::Ring;
     int const members = ring ? ep_().size() : 1;
     std::vector<std::uint64_t> offsets(std::size_t(members), 0);
     for (int m = 0; m < members; ++m)
@@ -587,15 +583,17 @@ class DistributedMoeLayer
     std::int64_t idx = 0;
     int const rank = world_.rank();
     std::int64_t rem = m;
-    std::vector<std::int64_t> ep_coord(ep_axes_.size());
-    for (std::size_t i = ep_axes_.size(); i-- > 0;) {
-      ep_coord[i] = rem % layout_.axis_size(ep_axes_[i]);
-      rem /= layout_.axis_size(ep_axes_[i]);
+    auto const& ep_axes = layout_.ep_axes;
+    auto const& mesh = layout_.mesh;
+    std::vector<std::int64_t> ep_coord(ep_axes.size());
+    for (std::size_t i = ep_axes.size(); i-- > 0;) {
+      ep_coord[i] = rem % layout_.axis_size(ep_axes[i]);
+      rem /= layout_.axis_size(ep_axes[i]);
     }
-    for (auto const& a : batch_axes_) {
-      auto it = std::find(ep_axes_.begin(), ep_axes_.end(), a);
-      std::int64_t const c = it != ep_axes_.end() ? ep_coord[it - ep_axes_.begin()]
-                                                  : (mesh_.has_axis(a) ? mesh_.coord(rank, a) : 0);
+    for (auto const& a : layout_.batch_axes) {
+      auto it = std::find(ep_axes.begin(), ep_axes.end(), a);
+      std::int64_t const c = it != ep_axes.end() ? ep_coord[it - ep_axes.begin()]
+                                                 : (mesh.has_axis(a) ? mesh.coord(rank, a) : 0);
       idx = idx * layout_.axis_size(a) + c;
     }
     return idx;
@@ -744,7 +742,7 @@ class DistributedMoeLayer
   }
   void gathered_output_backward(cview2 dy) {
     auto dyw = ws_.make("dy_work", plan_.work_tokens, cfg_.base_emb_dim);
-    if (route_ == ExpertRoute::Ring)
+    if (layout_.route == ExpertRoute::Ring)
       all_gather_(ep_(), dy, dyw, 0);
     else
       Kokkos::deep_copy(space_, dyw, dy);
@@ -784,7 +782,7 @@ class DistributedMoeLayer
   /// Working tokens -> own tokens: reduce-scatter (ring) or all-reduce (replicated) over the
   /// expert group; a copy without expert parallelism.
   void tokens_reduce(view2 work, view2 own) {
-    if (route_ == ExpertRoute::Ring) {
+    if (layout_.route == ExpertRoute::Ring) {
       reduce_scatter_(ep_(), work, own, 0);
     } else {
       all_reduce_(ep_(), work);
@@ -846,17 +844,13 @@ class DistributedMoeLayer
   ParallelConfig par_;
   ExecSpace space_;
   std::int64_t B_ = 0, S_ = 0;
-  sharding::Mesh mesh_;
   std::unique_ptr<comm::MeshComm> mesh_comm_;  // the one cache of the axis groups
   distributed::AxisGroup const* ep_g_ = nullptr;
   distributed::AxisGroup const* tp_g_ = nullptr;
   distributed::AxisGroup const* batch_g_ = nullptr;
-  std::vector<std::string> batch_axes_, ep_axes_;
-  ExpertRoute route_ = ExpertRoute::Local;
   distributed::Layout layout_;
   distributed::StepPlan plan_;
   // Components the stages run (each keeps what its own backward needs).
-  routing::Kind kind_;
   routing::Router<Scalar, ExecSpace> router_;
   using gmm_policy = std::conditional_t<std::is_same_v<typename Policy::gmm_policy, gmm::Dense>,
                                         gmm::Auto, typename Policy::gmm_policy>;

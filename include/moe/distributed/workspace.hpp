@@ -51,8 +51,6 @@ class StepWorkspace {
 
   /// The pool behind the buffers, for the temporaries of collectives and weight gathers.
   moe::detail::ScratchPool<MemorySpace>& pool() { return pool_; }
-  /// Bytes held.
-  std::size_t bytes() const { return pool_.bytes(); }
 
  private:
   void declared(std::string const& name, bool write) const {
