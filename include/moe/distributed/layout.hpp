@@ -166,6 +166,17 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   using moe::detail::require;
   cfg.validate();
   par.validate();
+  // Keys accepted by the parser whose layouts are not built yet: refused, never ignored.
+  require<ConfigError>(!par.moe_dispatch_no_expert_sharding,
+                       "moe_dispatch_no_expert_sharding=true is not implemented yet");
+  require<ConfigError>(!par.shard_exp_on_fsdp, "shard_exp_on_fsdp=true is not implemented yet");
+  require<ConfigError>(!par.use_2d_fsdp_sharding,
+                       "use_2d_fsdp_sharding=true is not implemented yet");
+  require<ConfigError>(par.expert_shard_attention_option == "fsdp",
+                       "expert_shard_attention_option=", par.expert_shard_attention_option,
+                       " is not implemented yet");
+  require<ConfigError>(par.num_moe_emb_chunks == 0, "num_moe_emb_chunks=", par.num_moe_emb_chunks,
+                       " is not implemented yet");
   Layout lay;
   auto const pre = sharding::preset(par.custom_mesh_and_rule);
   lay.mesh = sharding::Mesh::from_ici(par.ici(), world_size, pre.mesh_axes);

@@ -32,6 +32,21 @@ struct ParallelConfig {
   bool moe_fsdp_use_two_stage_all_gather = false;
   /// Preset of mesh axes + rules ("" = the library's default rules).
   std::string custom_mesh_and_rule;
+  /// Dense (sparse_matmul=false) path with an expert axis: peel `expert` off the dispatch batch
+  /// dimension so the experts stay expert-parallel (all-to-all) instead of the all-gather /
+  /// reduce-scatter fallback (MaxText PR #4179; default false).
+  bool moe_dispatch_no_expert_sharding = false;
+  /// Store the expert dimension of the expert weights on `fsdp` too (MaxText's flag beside the
+  /// shard-exp-on-fsdp preset).
+  bool shard_exp_on_fsdp = false;
+  /// Shard the expert weights on both `fsdp` and `fsdp_transpose`.
+  bool use_2d_fsdp_sharding = false;
+  /// What the expert axis shards outside the routed experts: "fsdp" (the batch, default),
+  /// "context", or "tp" (the embedding dimension of the layer's input and output, EP-TP).
+  std::string expert_shard_attention_option = "fsdp";
+  /// > 0: the ring's token all-gather runs in this many chunks of the embedding dimension, each
+  /// overlapped with the grouped GEMM of the previous chunk (0: off).
+  int num_moe_emb_chunks = 0;
 
   /// (key, degree) pairs of the ici_* keys, in table order.
   std::vector<std::pair<std::string, int>> ici() const {
@@ -90,6 +105,20 @@ inline ConfigTable<ParallelConfig> const& ParallelConfig::table() {
             "gather FSDP-sharded weight dims one mesh axis at a time");
     t.field("custom_mesh_and_rule", &C::custom_mesh_and_rule, "preset",
             "preset of mesh axes and logical-axis rules (\"\": the library's default rules)");
+    t.field("moe_dispatch_no_expert_sharding", &C::moe_dispatch_no_expert_sharding, "no_exp_batch",
+            "dense path with an expert axis: expert-parallel all-to-all instead of the all-gather "
+            "/ reduce-scatter fallback");
+    t.field("shard_exp_on_fsdp", &C::shard_exp_on_fsdp, "exp_on_fsdp",
+            "store the expert dimension of the expert weights on fsdp too");
+    t.field("use_2d_fsdp_sharding", &C::use_2d_fsdp_sharding, "fsdp2d",
+            "shard the expert weights on fsdp and fsdp_transpose");
+    t.choice("expert_shard_attention_option", &C::expert_shard_attention_option, "exp_attn",
+             {{"fsdp", "fsdp"}, {"context", "context"}, {"tp", "tp"}},
+             "what the expert axis shards outside the routed experts: fsdp (the batch), context, "
+             "or tp (the embedding dimension of the layer's input and output)");
+    t.field("num_moe_emb_chunks", &C::num_moe_emb_chunks, "emb_chunks",
+            "> 0: overlap the ring's token all-gather with the grouped GEMM in this many chunks of "
+            "the embedding dimension (0: off)");
 
     // Rules, in the order validate() checks them.
     t.check("at most one ici_*_parallelism degree is -1", [](C const& c) {
@@ -103,6 +132,7 @@ inline ConfigTable<ParallelConfig> const& ParallelConfig::table() {
           fill = k;
         }
     });
+    t.at_least(&C::num_moe_emb_chunks, 0);
     t.rule(&C::ragged_buffer_factor, "must be > 0 (or -1: no limit)",
            [](double v) { return v == -1.0 || v > 0; });
     return t;
