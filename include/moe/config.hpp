@@ -20,17 +20,6 @@
 
 namespace moe {
 
-namespace detail {
-
-/// \brief min(cap, int(rows * factor)) for factor > 0, computed so that no huge factor
-/// overflows the conversion (the ragged receive buffer's row count).
-inline std::int64_t scaled_rows(std::int64_t rows, double factor, std::int64_t cap) {
-  double const want = static_cast<double>(rows) * factor;
-  return want < static_cast<double>(cap) ? static_cast<std::int64_t>(want) : cap;
-}
-
-}  // namespace detail
-
 inline ConfigTable<LayerConfig> const& LayerConfig::table() {
   using C = LayerConfig;
   static ConfigTable<C> const t = [] {

@@ -21,7 +21,6 @@
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
-#include <moe/config.hpp>
 #include <moe/detail/counting.hpp>
 #include <moe/error.hpp>
 

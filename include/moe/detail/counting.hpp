@@ -7,10 +7,10 @@
 ///    (one segment per sequence) place their slots with it.
 ///  * segment_column_sums(): per-segment column sums of a [T,E] function, summed over fixed row
 ///    chunks and then over the chunks in order.
-///  * clamp_prefix(): the host rule by which a buffer of R rows keeps rows in order.
 /// Work items are proportional to T*K (and T*E/256), not to the number of segments or keys.
 
 #include <moe/detail/compat.hpp>
+#include <moe/detail/row_caps.hpp>
 #include <moe/detail/views.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -21,25 +21,6 @@
 #include <vector>
 
 namespace moe::detail {
-
-/// \brief What a buffer of `R` rows keeps of blocks of `sizes` rows taken in order: the prefix
-/// sums of `sizes` clamped to R, differenced.
-///
-/// kept[k] = min(R, S[k+1]) - min(R, S[k]) with S[k] = sizes[0] + ... + sizes[k-1]: earlier
-/// blocks keep all their rows, the block that crosses R keeps what is left, later blocks keep
-/// none. R < 0 means no cap (kept == sizes). Sizes must be >= 0. This one rule is the receiver's
-/// truncation of the ragged all-to-all (per receiver, over senders in rank order) and the local
-/// permute's (over (sender, local expert) blocks, row-major), so the two drop the same rows.
-/// \return kept, with sum(kept) = min(R, sum(sizes)) (sum(sizes) when R < 0)
-inline std::vector<std::int64_t> clamp_prefix(std::vector<std::int64_t> sizes, std::int64_t R) {
-  std::int64_t before = 0;
-  for (auto& b : sizes) {
-    std::int64_t const after = R >= 0 ? std::min(R, before + b) : before + b;
-    b = after - before;
-    before = after;
-  }
-  return sizes;
-}
 
 /// Slots per chunk of the counting passes. Host spaces take long chunks: few work items, each a
 /// cache-friendly sweep. Device spaces take short ones, so T*K/chunk work items keep a GPU busy.

@@ -22,6 +22,7 @@
 
 #include <moe/comm/sent_bytes.hpp>
 #include <moe/config.hpp>
+#include <moe/detail/row_caps.hpp>
 #include <moe/distributed/layout.hpp>
 #include <moe/distributed/parallel_config.hpp>
 #include <moe/error.hpp>

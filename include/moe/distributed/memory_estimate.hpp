@@ -1,0 +1,257 @@
+#pragma once
+/// \file
+/// The report of an up-front memory estimate (moe/distributed/memory.hpp makes it): items of
+/// bytes per rank with the config keys that scale them, printed as text or JSON; the checked
+/// int64 arithmetic every estimate is computed with (a ConfigError names the quantity that would
+/// overflow); and the index limits of the kernels of an execution space. Pure: no Kokkos call,
+/// no MPI.
+
+#include <moe/error.hpp>
+#include <moe/sharding/rules.hpp>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moe {
+
+// ------------------------------------------------------------------ checked arithmetic --------
+
+/// \brief a * b, or a ConfigError naming `what` when the product does not fit int64 (a, b >= 0).
+inline std::int64_t checked_mul(std::int64_t a, std::int64_t b, std::string const& what) {
+  detail::require<ConfigError>(a >= 0 && b >= 0, what, ": negative factor (", a, " x ", b, ")");
+  if (a != 0 && b > std::numeric_limits<std::int64_t>::max() / a)
+    throw ConfigError(detail::cat(what, " = ", a, " x ", b,
+                                  " does not fit a 64-bit integer (at most ",
+                                  std::numeric_limits<std::int64_t>::max(), ")"));
+  return a * b;
+}
+
+/// \brief a + b, or a ConfigError naming `what` when the sum does not fit int64 (a, b >= 0).
+inline std::int64_t checked_add(std::int64_t a, std::int64_t b, std::string const& what) {
+  detail::require<ConfigError>(a >= 0 && b >= 0, what, ": negative term (", a, " + ", b, ")");
+  if (b > std::numeric_limits<std::int64_t>::max() - a)
+    throw ConfigError(detail::cat(what, " = ", a, " + ", b,
+                                  " does not fit a 64-bit integer (at most ",
+                                  std::numeric_limits<std::int64_t>::max(), ")"));
+  return a + b;
+}
+
+/// \brief Product of `factors` (element count of a shape), checked: ConfigError naming `what`
+/// and the whole shape when it does not fit int64.
+inline std::int64_t checked_product(std::vector<std::int64_t> const& factors,
+                                    std::string const& what) {
+  std::int64_t p = 1;
+  for (auto f : factors) {
+    detail::require<ConfigError>(f >= 0, what, ": negative extent ", f);
+    if (f != 0 && p > std::numeric_limits<std::int64_t>::max() / f) {
+      std::string shape;
+      for (auto g : factors) shape += (shape.empty() ? "" : " x ") + std::to_string(g);
+      throw ConfigError(detail::cat(what, " = ", shape, " does not fit a 64-bit integer (at most ",
+                                    std::numeric_limits<std::int64_t>::max(), ")"));
+    }
+    p *= f;
+  }
+  return p;
+}
+
+/// \brief "1.5 GiB", "12.0 MiB", "3.2 KiB", "100 B".
+inline std::string format_bytes(std::int64_t bytes) {
+  char buf[64];
+  double const b = double(bytes);
+  if (bytes >= (std::int64_t(1) << 40))
+    std::snprintf(buf, sizeof buf, "%.1f TiB", b / double(std::int64_t(1) << 40));
+  else if (bytes >= (std::int64_t(1) << 30))
+    std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(std::int64_t(1) << 30));
+  else if (bytes >= (std::int64_t(1) << 20))
+    std::snprintf(buf, sizeof buf, "%.1f MiB", b / double(std::int64_t(1) << 20));
+  else if (bytes >= 1024)
+    std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
+  else
+    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
+  return buf;
+}
+
+// ------------------------------------------------------------------ the estimate --------------
+
+/// \brief One part of a memory estimate.
+struct MemoryItem {
+  std::string what;        ///< e.g. "weights", "expert hidden states"
+  std::int64_t bytes = 0;  ///< per rank
+  std::string keys;        ///< config keys that scale it, comma-separated ("a, b")
+};
+
+/// \brief Bytes one rank needs, item by item (see the file comment for the model).
+struct MemoryEstimate {
+  std::vector<MemoryItem> items;
+
+  /// Sum of the items (ConfigError if it does not fit int64).
+  std::int64_t total() const {
+    std::int64_t t = 0;
+    for (auto const& i : items) t = checked_add(t, i.bytes, "the memory estimate's total bytes");
+    return t;
+  }
+
+  /// Adds `bytes` to the item `what` (made, with `keys`, if there is none; keys are merged).
+  void add(std::string const& what, std::int64_t bytes, std::string const& keys) {
+    for (auto& i : items)
+      if (i.what == what) {
+        i.bytes = checked_add(i.bytes, bytes, "bytes of " + what);
+        i.keys = merge_keys(i.keys, keys);
+        return;
+      }
+    items.push_back({what, bytes, keys});
+  }
+
+  /// Adds every item of `other`, `times` times (e.g. once per layer).
+  void add(MemoryEstimate const& other, std::int64_t times = 1) {
+    for (auto const& i : other.items)
+      add(i.what, checked_mul(i.bytes, times, "bytes of " + i.what), i.keys);
+  }
+
+  /// The bytes of item `what` (0 when there is none).
+  std::int64_t bytes(std::string const& what) const {
+    for (auto const& i : items)
+      if (i.what == what) return i.bytes;
+    return 0;
+  }
+
+  /// Keys of the items that make up most (80 %) of the total, largest item first, each once.
+  std::vector<std::string> keys_to_reduce() const {
+    std::vector<MemoryItem> sorted = by_size();
+    std::int64_t const t = total();
+    std::int64_t covered = 0;
+    std::string keys;
+    for (auto const& i : sorted) {
+      if (i.bytes == 0) break;
+      keys = merge_keys(keys, i.keys);
+      covered += i.bytes;
+      if (double(covered) >= 0.8 * double(t)) break;
+    }
+    return split_keys(keys);
+  }
+
+  /// The items of at least 1 % of the total, largest first: "weights 1.2 GiB, optimizer 2.4 GiB,
+  /// 3 smaller items".
+  std::string breakdown() const {
+    std::int64_t const t = total();
+    std::string parts;
+    int small = 0;
+    for (auto const& i : by_size()) {
+      if (i.bytes == 0) continue;
+      if (double(i.bytes) < 0.01 * double(t)) {
+        ++small;
+        continue;
+      }
+      parts += (parts.empty() ? "" : ", ") + i.what + " " + format_bytes(i.bytes);
+    }
+    if (small > 0)
+      parts += detail::cat(parts.empty() ? "" : ", ", small, " smaller item", small > 1 ? "s" : "");
+    return parts;
+  }
+
+  /// One line: "93.1 GiB (weights 1.2 GiB, optimizer 2.4 GiB, ...)".
+  std::string text() const {
+    std::string const parts = breakdown();
+    return format_bytes(total()) + (parts.empty() ? "" : " (" + parts + ")");
+  }
+
+  /// Multi-line table, one item per line with its bytes and keys, then the total.
+  std::string to_text() const {
+    std::string o;
+    std::size_t w = 5;
+    for (auto const& i : items) w = std::max(w, i.what.size());
+    for (auto const& i : items) {
+      std::string name = i.what;
+      name.append(w - name.size() + 2, ' ');
+      std::string b = format_bytes(i.bytes);
+      if (b.size() < 10) b.insert(0, 10 - b.size(), ' ');
+      o += "  " + name + b + "  (" + i.keys + ")\n";
+    }
+    std::string name = "total";
+    name.append(w - name.size() + 2, ' ');
+    std::string b = format_bytes(total());
+    if (b.size() < 10) b.insert(0, 10 - b.size(), ' ');
+    o += "  " + name + b + detail::cat("  (", total(), " bytes)\n");
+    return o;
+  }
+
+  /// JSON object: {"total_bytes": N, "items": [{"what": ..., "bytes": N, "keys": [...]}, ...]}.
+  std::string to_json() const {
+    std::string o = detail::cat("{\"total_bytes\": ", total(), ", \"items\": [");
+    for (std::size_t n = 0; n < items.size(); ++n) {
+      auto const& i = items[n];
+      o += detail::cat(n ? ", " : "", "{\"what\": ", sharding::json_string(i.what),
+                       ", \"bytes\": ", i.bytes, ", \"keys\": [");
+      auto const ks = split_keys(i.keys);
+      for (std::size_t k = 0; k < ks.size(); ++k)
+        o += (k ? ", " : "") + sharding::json_string(ks[k]);
+      o += "]}";
+    }
+    return o + "]}";
+  }
+
+  /// "a, b" -> {"a", "b"}.
+  static std::vector<std::string> split_keys(std::string const& keys) {
+    std::vector<std::string> out;
+    std::stringstream ss(keys);
+    std::string k;
+    while (std::getline(ss, k, ',')) {
+      auto const b = k.find_first_not_of(' ');
+      if (b == std::string::npos) continue;
+      k = k.substr(b, k.find_last_not_of(' ') - b + 1);
+      if (std::find(out.begin(), out.end(), k) == out.end()) out.push_back(k);
+    }
+    return out;
+  }
+  /// Union of two key lists, in order of first appearance.
+  static std::string merge_keys(std::string const& a, std::string const& b) {
+    auto ks = split_keys(a);
+    for (auto const& k : split_keys(b))
+      if (std::find(ks.begin(), ks.end(), k) == ks.end()) ks.push_back(k);
+    std::string s;
+    for (auto const& k : ks) s += (s.empty() ? "" : ", ") + k;
+    return s;
+  }
+
+ private:
+  std::vector<MemoryItem> by_size() const {
+    std::vector<MemoryItem> v = items;
+    std::stable_sort(v.begin(), v.end(),
+                     [](MemoryItem const& a, MemoryItem const& b) { return a.bytes > b.bytes; });
+    return v;
+  }
+};
+
+/// \brief The kernels' index limits (see the file comment).
+struct IndexLimits {
+  /// Largest element count of one tensor a flat kernel may index (ExecSpace::size_type).
+  std::int64_t max_elements = std::numeric_limits<std::int64_t>::max();
+  /// Largest row count of a GEMM operand or a row-copy launch (32-bit BLAS, int league size).
+  std::int64_t max_rows = INT_MAX;
+  /// What max_elements comes from, for messages.
+  std::string element_index = "std::size_t";
+
+  /// Host execution spaces (Serial, OpenMP, Threads): 64-bit flat indices.
+  static IndexLimits host() { return IndexLimits{}; }
+  /// The limits of an execution space, from the index type of its default RangePolicy.
+  template <class ExecSpace>
+  static IndexLimits of() {
+    using I = typename ExecSpace::size_type;
+    IndexLimits l;
+    if (std::uint64_t(std::numeric_limits<I>::max()) <
+        std::uint64_t(std::numeric_limits<std::int64_t>::max())) {
+      l.max_elements = std::int64_t(std::numeric_limits<I>::max());
+      l.element_index = detail::cat(sizeof(I) * 8, "-bit ", ExecSpace::name(), "::size_type");
+    }
+    return l;
+  }
+};
+
+}  // namespace moe

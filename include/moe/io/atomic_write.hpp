@@ -1,0 +1,108 @@
+#pragma once
+/// \file
+/// Atomic file writes (POSIX): the bytes go to a temporary file beside the target, which is
+/// fsync'ed and renamed over it, then the directory is fsync'ed, so a reader sees the old file or
+/// the new one and a failure never leaves a half-written file. The safetensors writer and the
+/// checkpoint index use it.
+
+#include <moe/detail/text.hpp>
+#include <moe/error.hpp>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+namespace moe::io {
+
+namespace detail {
+using moe::detail::cat;
+
+/// The text of an errno value.
+inline std::string errno_text(int e) { return std::strerror(e); }
+
+}  // namespace detail
+
+// ---- atomic write ----------------------------------------------------------------------------
+
+/// \brief A borrowed run of bytes, one piece of a file written by write_atomic.
+struct ByteSpan {
+  void const* data = nullptr;
+  std::size_t size = 0;
+};
+
+/// Writes the concatenation of \p pieces to \p path atomically: the bytes go to
+/// "<path>.tmp.<pid>", which is fsync'ed and renamed over \p path, then the directory is fsync'ed.
+/// Readers see the old file or the new one, never a mix; on failure the temporary file is removed,
+/// an existing \p path is left untouched, and IoError says which step failed and why.
+inline void write_atomic(std::string const& path, std::vector<ByteSpan> const& pieces) {
+  using detail::cat;
+  using detail::errno_text;
+  if (path.empty()) throw IoError("write_atomic: the output path is empty");
+  std::string const tmp = cat(path, ".tmp.", static_cast<long>(::getpid()));
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) {
+    int const e = errno;
+    throw IoError(cat("cannot write '", path, "': cannot create the temporary file '", tmp,
+                      "': ", errno_text(e)));
+  }
+  auto fail = [&](std::string const& step, int e) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    throw IoError(cat("cannot write '", path, "': ", step, " failed: ", errno_text(e)));
+  };
+  for (ByteSpan const& piece : pieces) {
+    auto const* p = static_cast<unsigned char const*>(piece.data);
+    std::size_t left = piece.size;
+    while (left > 0) {
+      std::size_t const chunk = std::min<std::size_t>(left, std::size_t{1} << 30);
+      ssize_t const w = ::write(fd, p, chunk);
+      if (w < 0) {
+        int const e = errno;
+        if (e == EINTR) continue;
+        fail(cat("writing '", tmp, "'"), e);
+      }
+      p += w;
+      left -= static_cast<std::size_t>(w);
+    }
+  }
+  if (::fsync(fd) != 0) {
+    int const e = errno;
+    fail(cat("fsync of '", tmp, "'"), e);
+  }
+  int const closed = ::close(fd);
+  int const close_errno = errno;
+  fd = -1;
+  if (closed != 0) fail(cat("closing '", tmp, "'"), close_errno);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    int const e = errno;
+    fail(cat("renaming '", tmp, "' to '", path, "'"), e);
+  }
+  // Make the rename durable. A directory that cannot be opened for reading (no read permission)
+  // or a file system that cannot sync directories (EINVAL) is not an error: the file is in place.
+  std::size_t const slash = path.find_last_of('/');
+  std::string const dir =
+      slash == std::string::npos ? std::string(".") : (slash == 0 ? "/" : path.substr(0, slash));
+  int const dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    int const synced = ::fsync(dfd);
+    int const e = errno;
+    ::close(dfd);
+    if (synced != 0 && e != EINVAL && e != ENOTSUP) {
+      throw IoError(cat("wrote '", path, "' but the fsync of its directory '", dir,
+                        "' failed: ", errno_text(e)));
+    }
+  }
+}
+
+/// write_atomic of one string of bytes.
+inline void write_atomic(std::string const& path, std::string const& bytes) {
+  write_atomic(path, std::vector<ByteSpan>{{bytes.data(), bytes.size()}});
+}
+}  // namespace moe::io

@@ -1,0 +1,293 @@
+#pragma once
+/// \file
+/// A named tensor as moe writes it to disk: element types (safetensors' names "F32", "F64",
+/// "I32", "I64"), a row-major shape and little-endian bytes, with checked conversions to and from
+/// C++ element types. Host only, no Kokkos; moe/io/safetensors.hpp stores these in files.
+
+#include <moe/detail/text.hpp>
+#include <moe/error.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace moe::io {
+
+/// \brief Element types moe reads and writes. The names are safetensors' ("F32", ...).
+enum class DType { F32, F64, I32, I64 };
+
+/// The safetensors name of \p d ("F32", "F64", "I32", "I64").
+inline char const* dtype_name(DType d) {
+  switch (d) {
+    case DType::F32:
+      return "F32";
+    case DType::F64:
+      return "F64";
+    case DType::I32:
+      return "I32";
+    case DType::I64:
+      return "I64";
+  }
+  return "?";
+}
+
+/// Bytes per element of \p d.
+inline std::size_t dtype_size(DType d) {
+  switch (d) {
+    case DType::F32:
+    case DType::I32:
+      return 4;
+    case DType::F64:
+    case DType::I64:
+      return 8;
+  }
+  return 0;
+}
+
+/// Parses a safetensors dtype name; false when \p name is not one moe supports.
+inline bool parse_dtype(std::string const& name, DType& out) {
+  static constexpr DType all[] = {DType::F32, DType::F64, DType::I32, DType::I64};
+  for (DType d : all) {
+    if (name == dtype_name(d)) {
+      out = d;
+      return true;
+    }
+  }
+  return false;
+}
+
+namespace detail {
+
+using ::moe::detail::cat;
+
+// ---- element types ---------------------------------------------------------------------------
+
+/// dtype_of<T>::value is the DType that stores T: 32/64-bit IEEE floats and 32/64-bit signed
+/// integers (any spelling: int, long, long long, ...). Other types have no `value`.
+template <class T, class = void>
+struct dtype_of {};
+template <class T>
+struct dtype_of<T, std::enable_if_t<std::is_floating_point<T>::value &&
+                                    std::numeric_limits<T>::is_iec559 && sizeof(T) == 4>> {
+  static constexpr DType value = DType::F32;
+};
+template <class T>
+struct dtype_of<T, std::enable_if_t<std::is_floating_point<T>::value &&
+                                    std::numeric_limits<T>::is_iec559 && sizeof(T) == 8>> {
+  static constexpr DType value = DType::F64;
+};
+template <class T>
+struct dtype_of<
+    T, std::enable_if_t<std::is_integral<T>::value && std::is_signed<T>::value && sizeof(T) == 4>> {
+  static constexpr DType value = DType::I32;
+};
+template <class T>
+struct dtype_of<
+    T, std::enable_if_t<std::is_integral<T>::value && std::is_signed<T>::value && sizeof(T) == 8>> {
+  static constexpr DType value = DType::I64;
+};
+
+template <class T, class = void>
+struct has_dtype : std::false_type {};
+template <class T>
+struct has_dtype<T, std::void_t<decltype(dtype_of<T>::value)>> : std::true_type {};
+
+/// A readable name of T for messages.
+template <class T>
+std::string type_label() {
+  if (std::is_same<T, float>::value) return "float";
+  if (std::is_same<T, double>::value) return "double";
+  return cat(std::is_floating_point<T>::value ? "float"
+             : std::is_signed<T>::value       ? "int"
+                                              : "uint",
+             8 * sizeof(T));
+}
+
+inline bool host_is_little_endian() {
+  std::uint16_t const one = 1;
+  unsigned char first = 0;
+  std::memcpy(&first, &one, 1);
+  return first == 1;
+}
+
+/// Reads a T stored little-endian at \p p.
+template <class T>
+T load_le(unsigned char const* p) {
+  unsigned char buf[sizeof(T)];
+  if (host_is_little_endian()) {
+    std::memcpy(buf, p, sizeof(T));
+  } else {
+    for (std::size_t i = 0; i < sizeof(T); ++i) buf[i] = p[sizeof(T) - 1 - i];
+  }
+  T v;
+  std::memcpy(&v, buf, sizeof(T));
+  return v;
+}
+
+/// Stores \p v little-endian at \p p.
+template <class T>
+void store_le(T v, unsigned char* p) {
+  unsigned char buf[sizeof(T)];
+  std::memcpy(buf, &v, sizeof(T));
+  if (host_is_little_endian()) {
+    std::memcpy(p, buf, sizeof(T));
+  } else {
+    for (std::size_t i = 0; i < sizeof(T); ++i) p[i] = buf[sizeof(T) - 1 - i];
+  }
+}
+
+/// "[2, 3]"
+using moe::detail::shape_text;
+
+/// Product of \p shape; throws IoError (prefixed by \p where) on a negative dimension or when the
+/// product does not fit in int64. A zero dimension makes the product 0 whatever the others are.
+inline std::int64_t checked_numel(std::vector<std::int64_t> const& shape,
+                                  std::string const& where) {
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] < 0) {
+      throw IoError(cat(where, "shape ", shape_text(shape), " has a negative dimension ", shape[i],
+                        " at axis ", i, "; dimensions must be >= 0"));
+    }
+  }
+  for (std::int64_t d : shape) {
+    if (d == 0) return 0;
+  }
+  std::int64_t n = 1;
+  for (std::int64_t d : shape) {
+    if (n > std::numeric_limits<std::int64_t>::max() / d) {
+      throw IoError(
+          cat(where, "shape ", shape_text(shape),
+              " has more elements than fit in a 64-bit integer (shape product overflow)"));
+    }
+    n *= d;
+  }
+  return n;
+}
+
+/// Whether the integer \p v is representable as the integer type T.
+template <class T, class S>
+bool int_fits(S v) {
+  static_assert(std::is_integral<S>::value && std::is_signed<S>::value, "source is signed");
+  if (v < 0) {
+    if constexpr (!std::is_signed<T>::value) {
+      return false;
+    } else {
+      return static_cast<std::intmax_t>(v) >=
+             static_cast<std::intmax_t>(std::numeric_limits<T>::min());
+    }
+  }
+  return static_cast<std::uintmax_t>(v) <=
+         static_cast<std::uintmax_t>(std::numeric_limits<T>::max());
+}
+
+/// Converts \p n elements of type S stored little-endian at \p src into \p out.
+template <class S, class T>
+void convert_elements(unsigned char const* src, std::size_t n, DType d, std::vector<T>& out) {
+  out.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    S const v = load_le<S>(src + i * sizeof(S));
+    if constexpr (std::is_floating_point<T>::value) {
+      out[i] = static_cast<T>(v);
+    } else if constexpr (std::is_floating_point<S>::value) {
+      // Rejected before the loop (float -> integer is never implicit).
+      (void)d;
+      out[i] = T{};
+    } else {
+      if (!int_fits<T>(v)) {
+        throw IoError(cat("element ", i, " of a ", dtype_name(d), " tensor is ", v,
+                          ", which does not fit in ", type_label<T>()));
+      }
+      out[i] = static_cast<T>(v);
+    }
+  }
+}
+
+}  // namespace detail
+
+// ---- Tensor ----------------------------------------------------------------------------------
+
+/// \brief One named entry of a safetensors file: dtype, row-major shape and little-endian bytes.
+///
+/// A scalar has shape {} (one element); a tensor with a zero dimension has no bytes.
+struct Tensor {
+  DType dtype = DType::F32;
+  std::vector<std::int64_t> shape;
+  std::vector<unsigned char>
+      bytes;  ///< numel() * dtype_size(dtype) bytes, little-endian, row-major
+
+  /// Number of elements (1 for a scalar). Throws IoError on a negative dimension or overflow.
+  std::int64_t numel() const { return detail::checked_numel(shape, ""); }
+
+  /// Throws IoError unless the shape is valid and bytes.size() == numel() * dtype_size(dtype).
+  void validate() const {
+    std::int64_t const n = numel();
+    std::size_t const esz = dtype_size(dtype);
+    if (static_cast<std::uint64_t>(n) > std::numeric_limits<std::uint64_t>::max() / esz ||
+        static_cast<std::uint64_t>(n) * esz != bytes.size()) {
+      throw IoError(detail::cat("a ", dtype_name(dtype), " tensor of shape ",
+                                detail::shape_text(shape), " needs ", n, " * ", esz,
+                                " bytes but holds ", bytes.size()));
+    }
+  }
+
+  /// The elements, in row-major order, converted to T. Float <-> double and integer -> floating
+  /// conversions are plain casts; integer -> integer conversions are range-checked; a floating
+  /// tensor is never converted to an integer type. Violations throw IoError.
+  template <class T>
+  std::vector<T> to_vector() const {
+    static_assert(std::is_arithmetic<T>::value && !std::is_same<T, bool>::value,
+                  "Tensor::to_vector<T>: T must be an arithmetic type other than bool");
+    validate();
+    std::size_t const n = static_cast<std::size_t>(numel());
+    if (!std::is_floating_point<T>::value && (dtype == DType::F32 || dtype == DType::F64)) {
+      throw IoError(detail::cat("cannot convert a ", dtype_name(dtype), " tensor to ",
+                                detail::type_label<T>(),
+                                " (floating values are never converted to integers; read it as "
+                                "float or double)"));
+    }
+    std::vector<T> out;
+    switch (dtype) {
+      case DType::F32:
+        detail::convert_elements<float>(bytes.data(), n, dtype, out);
+        break;
+      case DType::F64:
+        detail::convert_elements<double>(bytes.data(), n, dtype, out);
+        break;
+      case DType::I32:
+        detail::convert_elements<std::int32_t>(bytes.data(), n, dtype, out);
+        break;
+      case DType::I64:
+        detail::convert_elements<std::int64_t>(bytes.data(), n, dtype, out);
+        break;
+    }
+    return out;
+  }
+
+  /// A tensor of dtype dtype_of<T> (F32 for float, F64 for double, I32/I64 for 32/64-bit signed
+  /// integers) holding \p values in row-major order. Throws IoError if the shape is invalid or
+  /// does not hold values.size() elements.
+  template <class T>
+  static Tensor from(std::vector<std::int64_t> shape, std::vector<T> const& values) {
+    static_assert(detail::has_dtype<T>::value,
+                  "Tensor::from<T>: T must be a 32/64-bit float or a 32/64-bit signed integer");
+    Tensor t;
+    t.dtype = detail::dtype_of<T>::value;
+    t.shape = std::move(shape);
+    std::int64_t const n = t.numel();
+    if (static_cast<std::uint64_t>(n) != values.size()) {
+      throw IoError(detail::cat("Tensor::from: shape ", detail::shape_text(t.shape), " holds ", n,
+                                " elements but ", values.size(), " values were given"));
+    }
+    t.bytes.resize(values.size() * sizeof(T));
+    for (std::size_t i = 0; i < values.size(); ++i)
+      detail::store_le<T>(values[i], t.bytes.data() + i * sizeof(T));
+    return t;
+  }
+};
+}  // namespace moe::io
