@@ -21,6 +21,7 @@ modes=(
   "DP=4|4|ici_expert_parallelism=1 ici_data_parallelism=-1"
   "EP=2 × FSDP=2|4|ici_expert_parallelism=2 ici_fsdp_parallelism=2"
   "shard-exp-on-fsdp, FSDP=4|4|ici_expert_parallelism=1 custom_mesh_and_rule=shard-exp-on-fsdp ici_fsdp_parallelism=-1"
+  "ep-tp, EP=4|4|custom_mesh_and_rule=ep-tp ici_expert_parallelism=-1"
 )
 {
   echo "| mode | final loss f64 / f32 | tokens/s/device f64 / f32 | step time (f64): GEMMs / comm / rest |"

@@ -356,7 +356,8 @@ moe::io::File run_case(moe::comm::Communicator const& world, Setup const& s, Sum
   sum.route = moe::to_string(layer.expert_route());  // as train_moe prints it
 
   auto const xb = layer.block("x");
-  std::int64_t const b = xb.local_shape[0], S = s.S, D = cfg.base_emb_dim;
+  // D columns of this rank's tokens: base_emb_dim, or base_emb_dim / ep with EP-TP.
+  std::int64_t const b = xb.local_shape[0], S = s.S, D = xb.local_shape[2];
   std::int64_t const K = cfg.num_experts_per_tok;
   moe::View3<T, Mem> x("x", b, S, D), y("y", b, S, D), dy("dy", has_dy ? b : 0, S, D),
       dx("dx", has_dy ? b : 0, S, D);

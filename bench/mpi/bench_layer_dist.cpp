@@ -3,6 +3,12 @@
 // time. Every rank runs the same fixed iterations; the time is the slowest rank's.
 //
 //   layer_dist/<strategy>/np=N/<fwd|bwd>/E=8/T=<global tokens>/K=2
+//
+// EP-TP (ep_tp, and ep_tp_dense: every local expert on every token, the yardstick of expert work
+// that grows with the gathered tokens) also reports the rows after its all-gather
+// (gathered_rows, the same at every EP) and the rows its local experts computed
+// (routed_rows_max, the most over the ranks): with EP=2 and EP=4 the second halves, the first
+// stays; the time follows the routed rows.
 #include <moe/distributed/layer.hpp>
 
 #include <benchmark/benchmark.h>
@@ -23,6 +29,7 @@ constexpr std::int64_t kB = 8, kS = 256;  // 2048 global tokens
 struct Strategy {
   std::string name;
   std::vector<std::string> keys;
+  std::vector<std::string> layer = {};  ///< LayerConfig key=value
 };
 
 template <class V>
@@ -40,6 +47,10 @@ void bm_layer(benchmark::State& state, Strategy const& s, bool backward) {
   cfg.num_experts_per_tok = kK;
   cfg.base_emb_dim = kD;
   cfg.base_moe_mlp_dim = kF;
+  for (auto const& kv : s.layer) {
+    auto const eq = kv.find('=');
+    cfg.set(kv.substr(0, eq), kv.substr(eq + 1));
+  }
   moe::ParallelConfig par;
   for (auto const& kv : s.keys) {
     auto const eq = kv.find('=');
@@ -76,6 +87,19 @@ void bm_layer(benchmark::State& state, Strategy const& s, bool backward) {
   state.counters["gflops_per_rank"] = flops / (total / state.iterations()) * 1e-9;
   state.counters["comm_MB_per_rank"] = bytes / 1e6;
   state.counters["comm_records"] = double(layer.comm_log().records.size());
+  if (layer.expert_route() == moe::ExpertRoute::EpTp) {
+    // Every expert rank routes the same (gathered) tokens; its experts compute only their slots.
+    auto const ids = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), layer.expert_ids());
+    auto const& lay = layer.layout();
+    double rows = 0, worst = 0;
+    for (std::size_t i = 0; i < ids.span(); ++i)
+      rows +=
+          ids.data()[i] >= lay.first_expert && ids.data()[i] < lay.first_expert + lay.local_experts;
+    MPI_Allreduce(&rows, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    state.counters["gathered_rows"] = double(ids.extent(0));
+    state.counters["routed_rows_max"] =
+        layer.step_plan().dense ? double(ids.extent(0)) * double(lay.local_experts) : worst;
+  }
 }
 
 bool register_all() {
@@ -86,6 +110,10 @@ bool register_all() {
       {"ep_ring", {"ici_expert_parallelism=-1", "use_ring_of_experts=true"}},
       {"tp", {"ici_tensor_parallelism=-1"}},
       {"shard_exp_on_fsdp", {"custom_mesh_and_rule=shard-exp-on-fsdp", "ici_fsdp_parallelism=-1"}},
+      {"ep_tp", {"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=-1"}},
+      {"ep_tp_dense",
+       {"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=-1"},
+       {"sparse_matmul=false"}},
   };
   for (auto const& s : strategies)
     for (bool bwd : {false, true}) {

@@ -366,6 +366,13 @@ class Trainer {
     auto const& axes = layers_[0]->batch_axes();
     batch_comm_ = std::make_unique<moe::comm::Communicator>(
         comm_.split(mesh.group_index(rank_, axes), mesh.rank_in_group(rank_, axes)));
+    // EP-TP: the layers take and give D / ep columns of the tokens; the driver slices its full-D
+    // activations and all-gathers the layers' outputs over the axes the columns are split over.
+    Dl_ = xb.local_shape[2];
+    if (Dl_ != D_) {
+      mesh_comm_ = std::make_unique<moe::comm::MeshComm>(comm_, mesh);
+      emb_group_ = &mesh_comm_->group(layers_[0]->layout().emb_axes);
+    }
     make_params();
     make_buffers();
     if (auto* o = out()) {
@@ -558,14 +565,40 @@ class Trainer {
     dz_ = mat("train::d_final_normed", D_);
     dx_ = mat("train::d_residual", D_);
     dn_ = mat("train::d_normed", D_);
+    if (Dl_ != D_)
+      for (char const* n : {"train::moe_in_cols", "train::moe_out_cols"})
+        cols_.push_back(mat(n, Dl_));
     de_ = mat("train::d_embedded", D_);
   }
 
   // ------------------------------------------------------------------ one step ----------------
+  /// Layer l: ys_[l] = MoE(ns_[l]) (EP-TP: through this rank's D columns, outputs all-gathered).
+  void moe_forward(Exec const& space, int l) {
+    if (Dl_ == D_) {
+      layers_[l]->forward(layer_view(ns_[l]), layer_view(ys_[l]));
+      return;
+    }
+    moe::distributed::slice_dim(space, emb_group_->size(), emb_group_->rank(), ns_[l], cols_[0], 1);
+    layers_[l]->forward(layer_view(cols_[0]), layer_view(cols_[1]));
+    moe::distributed::gather_dim(space, *emb_group_, cols_[1], ys_[l], 1, nullptr, "");
+  }
+  /// Layer l's backward: dn_ from dx_ (EP-TP: through this rank's D columns, as moe_forward).
+  void moe_backward(Exec const& space, int l) {
+    if (Dl_ == D_) {
+      layers_[l]->backward(layer_view(dx_), layer_view(dn_), grads_[l]);
+      return;
+    }
+    moe::distributed::slice_dim(space, emb_group_->size(), emb_group_->rank(), dx_, cols_[0], 1);
+    layers_[l]->backward(layer_view(cols_[0]), layer_view(cols_[1]), grads_[l]);
+    moe::distributed::gather_dim(space, *emb_group_, cols_[1], dn_, 1, nullptr, "");
+  }
+  typename Layer::view3 layer_view(view2 const& v) const {
+    return typename Layer::view3(v.data(), b_local_, S_, v.extent(1));
+  }
+
   StepMetrics train_step(std::int64_t step) {
     double const t0 = now();
     Exec const space;
-    auto view3 = [&](view2 const& v) { return typename Layer::view3(v.data(), b_local_, S_, D_); };
     // This rank's sequences: S + 1 tokens each, inputs [0, S) and targets [1, S].
     dataset_->fill(step, first_seq_, b_local_, S_ + 1, tokens_host_.data());
     for (std::int64_t b = 0; b < b_local_; ++b)
@@ -582,7 +615,7 @@ class Trainer {
     for (int l = 0; l < L_; ++l) {
       Ops::rms_forward(space, xs_[l], norm_[l], eps, ns_[l], inv_[l]);
       GemmClock::active = true;
-      layers_[l]->forward(view3(ns_[l]), view3(ys_[l]));
+      moe_forward(space, l);
       GemmClock::active = false;
       Kokkos::deep_copy(space, xs_[l + 1], xs_[l]);
       Ops::add_into(space, ys_[l], xs_[l + 1]);
@@ -596,7 +629,7 @@ class Trainer {
     Ops::rms_backward(space, xs_[L_], final_norm_, inv_f_, dz_, dx_, false, d_final_norm_);
     for (int l = L_ - 1; l >= 0; --l) {
       GemmClock::active = true;
-      layers_[l]->backward(view3(dx_), view3(dn_), grads_[l]);
+      moe_backward(space, l);
       GemmClock::active = false;
       Ops::rms_backward(space, xs_[l], norm_[l], inv_[l], dn_, dx_, true, d_norm_[l]);
     }
@@ -964,6 +997,10 @@ class Trainer {
   RunOptions opts_;
   int P_ = 1, rank_ = 0;
   std::int64_t B_ = 0, S_ = 0, D_ = 0, V_ = 0, C_ = 0, T_ = 0, b_local_ = 0, first_seq_ = 0;
+  std::int64_t Dl_ = 0;  ///< columns of the layers' tokens (EP-TP: D / ep)
+  std::unique_ptr<moe::comm::MeshComm> mesh_comm_;          // EP-TP only
+  moe::distributed::AxisGroup const* emb_group_ = nullptr;  // the axes D is split over
+  std::vector<view2> cols_;  // EP-TP: a layer's input and output columns
   int L_ = 0;
   std::unique_ptr<Dataset> dataset_;
   std::vector<std::unique_ptr<Layer>> layers_;

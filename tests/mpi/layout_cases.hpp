@@ -113,3 +113,51 @@ inline std::vector<LayoutCase> layout_cases(int n) {
   }
   return v;
 }
+
+/// EP-TP layouts (the tokens split on D over the expert axis): every count has the single
+/// strategy (the preset, expert_shard_attention_option=tp on the default rules, the dense path,
+/// skewed routing with the load-balance loss and a routed bias); 4 and 8 ranks add DP x EP and
+/// FSDP x EP mixtures. Run by their own tests (the 8-rank ctest registration runs only those).
+inline std::vector<LayoutCase> ep_tp_cases(int n) {
+  std::vector<std::string> const preset = {"custom_mesh_and_rule=ep-tp"};
+  auto with = [&](std::vector<std::string> v) {
+    v.insert(v.begin(), preset.begin(), preset.end());
+    return v;
+  };
+  std::vector<LayoutCase> v = {
+      {"ep_tp", with({"ici_expert_parallelism=-1"}), {}},
+      {"ep_tp_option", {"expert_shard_attention_option=tp", "ici_expert_parallelism=-1"}, {}},
+      {"ep_tp_dense", with({"ici_expert_parallelism=-1"}), {"sparse_matmul=false"}},
+      {"ep_tp_deepseek",
+       with({"ici_expert_parallelism=-1"}),
+       {"decoder_block=deepseek", "routed_score_func=sigmoid", "routed_bias=true",
+        "n_routing_groups=4", "topk_routing_group=2", "routed_bias_update_rate=0.01",
+        "routed_scaling_factor=2.0", "load_balance_loss_weight=0.01"}},
+      {"ep_tp_capacity", with({"ici_expert_parallelism=-1"}), {"capacity_factor=1.0"}},
+      {"ep_tp_all_to_first_experts",
+       with({"ici_expert_parallelism=-1"}),
+       {"routed_bias=true"},
+       8,
+       {50.0, 40.0}},
+  };
+  if (n == 4) {
+    std::vector<LayoutCase> mix = {
+        {"ep_tp2_dp2", with({"ici_expert_parallelism=2", "ici_data_parallelism=2"}), {}},
+        {"ep_tp2_fsdp2", with({"ici_expert_parallelism=2", "ici_fsdp_parallelism=2"}), {}},
+        {"ep_tp2_fsdp2_option",
+         {"expert_shard_attention_option=tp", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2"},
+         {}},
+    };
+    v.insert(v.end(), mix.begin(), mix.end());
+  }
+  if (n == 8) {
+    std::vector<LayoutCase> mix = {
+        {"ep_tp4_dp2", with({"ici_expert_parallelism=4", "ici_data_parallelism=2"}), {}},
+        {"ep_tp2_fsdp2_dp2",
+         with({"ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "ici_data_parallelism=2"}),
+         {}},
+    };
+    v.insert(v.end(), mix.begin(), mix.end());
+  }
+  return v;
+}

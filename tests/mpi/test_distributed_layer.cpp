@@ -139,10 +139,10 @@ void run_case(Case const& c, int steps = 1) {
     typename Single::params_type rg;
     ref.backward(dy, dx, rg);
 
-    auto const xb = layer.block("x");
-    moe::View3<Scalar, Mem> lx("lx", xb.local_shape[0], S, D), ly("ly", xb.local_shape[0], S, D);
-    moe::View3<Scalar, Mem> ldy("ldy", xb.local_shape[0], S, D);
-    moe::View3<Scalar, Mem> ldx("ldx", xb.local_shape[0], S, D);
+    auto const xb = layer.block("x");  // [B/batch parts, S, D] (EP-TP: D / ep columns)
+    std::int64_t const bl = xb.local_shape[0], Dl = xb.local_shape[2];
+    moe::View3<Scalar, Mem> lx("lx", bl, S, Dl), ly("ly", bl, S, Dl);
+    moe::View3<Scalar, Mem> ldy("ldy", bl, S, Dl), ldx("ldx", bl, S, Dl);
     fill(lx, take(g.t["x"], xb));
     fill(ldy, take(g.t["dy"], xb));
     layer.forward(lx, ly);
@@ -187,6 +187,25 @@ TEST(DistributedLayer, EveryLayoutMatchesTheSingleRankLayerInFloat) {
   int n = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &n);
   for (auto const& c : cases(n)) {
+    SCOPED_TRACE(c.name);
+    run_case<float>(c, 2);
+  }
+}
+
+// EP-TP: the tokens split on D over the expert axis (ctest also runs these alone at 8 ranks).
+TEST(DistributedLayer, EpTpMatchesTheSingleRankLayer) {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  for (auto const& c : ep_tp_cases(n)) {
+    SCOPED_TRACE(c.name);
+    run_case<double>(c, 2);
+  }
+}
+
+TEST(DistributedLayer, EpTpMatchesTheSingleRankLayerInFloat) {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  for (auto const& c : ep_tp_cases(n)) {
     SCOPED_TRACE(c.name);
     run_case<float>(c, 2);
   }

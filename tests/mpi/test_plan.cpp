@@ -91,9 +91,9 @@ void run_case(Case const& c) {
     fill_block(v, b, global);
   });
   auto const xb = layer.block("x");
-  std::int64_t const b_local = xb.local_shape[0];
-  moe::View3<double, Mem> lx("lx", b_local, S, D), ly("ly", b_local, S, D);
-  moe::View3<double, Mem> ldy("ldy", b_local, S, D), ldx("ldx", b_local, S, D);
+  std::int64_t const b_local = xb.local_shape[0], Dl = xb.local_shape[2];
+  moe::View3<double, Mem> lx("lx", b_local, S, Dl), ly("ly", b_local, S, Dl);
+  moe::View3<double, Mem> ldy("ldy", b_local, S, Dl), ldx("ldx", b_local, S, Dl);
   fill_block(lx, xb, x);
   Kokkos::deep_copy(ldy, 1.0);
   layer.forward(lx, ly);
@@ -130,6 +130,15 @@ TEST(DistributedPlan, PredictsTheLayersCommLog) {
   int n = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &n);
   for (auto const& c : cases(n)) {
+    SCOPED_TRACE(c.name);
+    run_case(c);
+  }
+}
+
+TEST(DistributedPlan, EpTpPredictsTheLayersCommLog) {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  for (auto const& c : ep_tp_cases(n)) {
     SCOPED_TRACE(c.name);
     run_case(c);
   }

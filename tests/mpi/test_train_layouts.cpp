@@ -90,7 +90,8 @@ std::vector<Layout> layouts() {
       {"dense_fsdp", {"ici_fsdp_parallelism=-1", "sparse_matmul=false"}},
       {"dense_ep", {"ici_expert_parallelism=-1", "sparse_matmul=false"}},
       {"tp", {"ici_tensor_parallelism=-1"}},
-      {"shard_exp_on_fsdp", {"custom_mesh_and_rule=shard-exp-on-fsdp", "ici_fsdp_parallelism=-1"}}};
+      {"shard_exp_on_fsdp", {"custom_mesh_and_rule=shard-exp-on-fsdp", "ici_fsdp_parallelism=-1"}},
+      {"ep_tp", {"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=-1"}}};
 }
 
 int world_size() {

@@ -136,7 +136,7 @@ void expect_step_dataflow(LayerPlan const& p) {
   EXPECT_EQ(std::count(f.begin(), f.end(), StageKind::dispatch), dispatch ? 1 : 0);
   EXPECT_EQ(std::count(b.begin(), b.end(), StageKind::dispatch), 1);
   EXPECT_EQ(std::count(f.begin(), f.end(), StageKind::gather_tokens),
-            step.route == moe::ExpertRoute::Ring ? 1 : 0);
+            step.route == moe::ExpertRoute::Ring || step.route == moe::ExpertRoute::EpTp ? 1 : 0);
   EXPECT_EQ(std::count(f.begin(), f.end(), StageKind::shared_expert),
             std::count(b.begin(), b.end(), StageKind::shared_expert));
   for (auto const& w : step.weights)
@@ -184,6 +184,17 @@ TEST(Plan, EveryLayoutOfTheLayerTestIsConsistent) {
        8,
        4},
       {{"ici_expert_parallelism=2", "ici_tensor_parallelism=2"}, {"sparse_matmul=false"}, 8, 4},
+      {{"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=-1"}, {}, 8, 0},
+      {{"expert_shard_attention_option=tp", "ici_expert_parallelism=-1"}, {}, 8, 0},
+      {{"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=-1"}, {"sparse_matmul=false"}, 8, 0},
+      {{"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=2", "ici_data_parallelism=2"},
+       {},
+       8,
+       4},
+      {{"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2"},
+       {},
+       8,
+       4},
   };
   Names const kinds = {"all-gather", "reduce-scatter", "all-reduce", "all-to-all"};
   for (int n : {1, 2, 4}) {
@@ -335,6 +346,87 @@ TEST(Plan, RingAndDenseGatherTokens) {
     EXPECT_EQ(bytes_of(p, "reduce-scatter d_weights (expert)", true), 16 * 2 * 4);
     for (auto const& c : p.collectives) EXPECT_FALSE(c.balanced) << c.what;
   }
+}
+
+// EP-TP: x / y split on D over expert; the full-D tokens are all-gathered on D, the partial
+// outputs (routed and shared) and dx reduce-scattered on D, d_weights summed over the group.
+TEST(Plan, EpTpSplitsTheTokensOnD) {
+  for (auto const& p :
+       {plan(4, {"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=-1"}, {}, 8, 2),
+        plan(4, {"expert_shard_attention_option=tp", "ici_expert_parallelism=-1"}, {}, 8, 2)}) {
+    SCOPED_TRACE(p.to_text());
+    EXPECT_EQ(p.layout.route, moe::ExpertRoute::EpTp);
+    EXPECT_EQ(p.layout.emb_axes, Names{"expert"});
+    EXPECT_TRUE(p.layout.batch_axes.empty());
+    expect_shapes(p, "x", {8, 4, 4}, {8, 4, 16});
+    EXPECT_EQ(p.tensor("x").offset, (std::vector<std::int64_t>{0, 0, 8}));
+    EXPECT_EQ(p.tensor("y").gathered[2], Names{"expert"});
+    EXPECT_EQ(p.step.work_tokens, 32);
+    EXPECT_EQ(p.step.token_cols, 4);
+    auto const s = signature(p);
+    auto has = [&](std::string const& r) { return std::find(s.begin(), s.end(), r) != s.end(); };
+    for (char const* r : {"F all-gather [expert] all-gather tokens (ep-tp)",
+                          "F reduce-scatter [expert] reduce-scatter y (ep-tp)",
+                          "F reduce-scatter [expert] reduce-scatter y shared (ep-tp)",
+                          "B all-gather [expert] all-gather d_y (ep-tp)",
+                          "B all-reduce [expert] reduce d_weights (expert)",
+                          "B reduce-scatter [expert] reduce-scatter d_x (ep-tp)",
+                          "B reduce-scatter [expert] reduce-scatter d_x shared (ep-tp)"})
+      EXPECT_TRUE(has(r)) << r;
+    // T = 32 tokens of D/4 = 4 columns, float: 3 other ranks get 32*4*4 bytes each.
+    EXPECT_EQ(bytes_of(p, "all-gather tokens (ep-tp)"), 32 * 4 * 4 * 3);
+    EXPECT_EQ(bytes_of(p, "reduce-scatter d_x (ep-tp)", true), 32 * 4 * 4 * 3);
+    EXPECT_EQ(bytes_of(p, "reduce d_weights (expert)", true), 2 * 32 * 2 * 4 * 3 / 4);
+    // No token travels by all-to-all; the expert-rank tokens are the same, so nothing reduces
+    // the expert weights' gradients over `expert`.
+    for (auto const& c : p.collectives) {
+      EXPECT_NE(c.kind, "all-to-all") << c.what;
+      EXPECT_FALSE(c.balanced) << c.what;
+    }
+    EXPECT_TRUE(p.tensor("wi_0").reduced.empty());
+    EXPECT_TRUE(p.tensor("shared_wi_0").reduced.empty());
+  }
+  // The preset stores the shared expert's hidden dim over expert (no per-step slice).
+  auto const q = plan(2, {"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=-1"});
+  EXPECT_EQ(q.tensor("shared_wi_0").storage[1], Names{"expert"});
+  EXPECT_TRUE(q.tensor("shared_wi_0").sliced[1].empty());
+  // DP x EP and FSDP x EP: the batch over data / fsdp, D over expert.
+  auto const dp =
+      plan(4, {"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=2", "ici_data_parallelism=2"},
+           {}, 8, 3);
+  EXPECT_EQ(dp.layout.batch_axes, Names{"data"});
+  expect_shapes(dp, "x", {4, 4, 8}, {8, 4, 16});
+  EXPECT_EQ(dp.tensor("x").offset, (std::vector<std::int64_t>{4, 0, 8}));
+  EXPECT_EQ(dp.tensor("wi_0").reduced, Names{"data"});
+  auto const fs =
+      plan(4, {"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2"});
+  EXPECT_EQ(fs.layout.batch_axes, Names{"fsdp"});
+  EXPECT_EQ(fs.tensor("wi_0").gathered[1], Names{"fsdp"});
+}
+
+TEST(Plan, EpTpErrors) {
+  auto expect_error = [](auto f, Names const& frags) {
+    try {
+      f();
+      ADD_FAILURE() << "no ConfigError";
+    } catch (moe::ConfigError const& e) {
+      for (auto const& s : frags)
+        EXPECT_NE(std::string(e.what()).find(s), std::string::npos) << e.what();
+    }
+  };
+  expect_error(
+      [] {
+        plan(4, {"expert_shard_attention_option=tp", "ici_expert_parallelism=2",
+                 "ici_tensor_parallelism=2"});
+      },
+      {"EP-TP", "tensor parallelism over [tensor]", "set those ici_* degrees to 1"});
+  expect_error(
+      [] {
+        plan(4, {"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=-1"}, {"base_emb_dim=18"});
+      },
+      {"base_emb_dim=18", "not divisible", "[expert] = 4"});
+  expect_error([] { plan(2, {"expert_shard_attention_option=context"}); },
+               {"expert_shard_attention_option=context", "not supported", "context"});
 }
 
 TEST(Plan, TensorParallel) {

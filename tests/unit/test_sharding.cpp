@@ -432,6 +432,17 @@ std::vector<Cell> table_cells() {
       {"pipeline-large-moe", Row::WiBias, "expert | tensor"},
       {"pipeline-large-moe", Row::DenseDispatch, "expert | data,fsdp | . | tensor"},
       {"pipeline-large-moe", Row::DenseMask, "data,fsdp | context | . | ."},
+      // ep-tp (this library's rules: MaxText's snapshot has no file for it)
+      {"ep-tp", Row::WiStorage, "expert | fsdp | ."},
+      {"ep-tp", Row::WoStorage, "expert | . | fsdp"},
+      {"ep-tp", Row::GateKernel, "fsdp | ."},
+      {"ep-tp", Row::WiInSpec, "expert | . | ."},
+      {"ep-tp", Row::WoInSpec, "expert | . | ."},
+      {"ep-tp", Row::XInSpec, "data,fsdp | . | ."},
+      {"ep-tp", Row::Output, "data,fsdp | . | expert"},
+      {"ep-tp", Row::WiBias, "expert | ."},
+      {"ep-tp", Row::DenseDispatch, "expert | data,fsdp | . | ."},
+      {"ep-tp", Row::DenseMask, "data,fsdp | . | . | ."},
   };
 }
 
@@ -493,6 +504,7 @@ TEST(ShardingPresets, MeshAxesPerPreset) {
       (std::vector<std::string>{"data", "stage", "fsdp", "fsdp_transpose", "context", "expert"}));
   EXPECT_EQ(sh::preset("pipeline-large-moe").mesh_axes,
             (std::vector<std::string>{"data", "stage", "fsdp", "context", "tensor", "expert"}));
+  EXPECT_EQ(sh::preset("ep-tp").mesh_axes, (std::vector<std::string>{"data", "fsdp", "expert"}));
   // Every axis a preset's rules name is one of its mesh axes.
   for (auto const& name : sh::preset_names()) {
     auto const p = sh::preset(name);
@@ -511,10 +523,24 @@ TEST(ShardingPresets, ScanDimensionAndExtras) {
   EXPECT_SPEC(sh::preset("ep-as-cp").rules.resolve(la("mlp")), ".");
 }
 
+TEST(ShardingPresets, ExpertShardsEmbedMovesExpertFromBatchToEmbed) {
+  auto const r = sh::expert_shards_embed(sh::default_rules());
+  EXPECT_SPEC(r.resolve(la("activation_batch,activation_norm_length,activation_embed")),
+              "data,fsdp,fsdp_transpose | " + kNorm + " | tensor,expert");
+  EXPECT_SPEC(r.resolve(la("activation_batch_moe,activation_embed_moe")),
+              "data,fsdp,fsdp_transpose | tensor,expert");
+  // Weight rules are kept; a rule set without embed rules gets them.
+  EXPECT_SPEC(r.resolve(la("exp,embed_moe,mlp_moe")), "expert | " + kFcc + " | " + kMlp);
+  auto const f = sh::expert_shards_embed(sh::preset("pure-fsdp").rules);
+  EXPECT_SPEC(f.resolve(la("activation_batch,activation_embed")), "fsdp | expert");
+  // The ep-tp preset already splits the embedding over expert: applying it again changes nothing.
+  EXPECT_EQ(sh::expert_shards_embed(sh::preset("ep-tp").rules), sh::preset("ep-tp").rules);
+}
+
 TEST(ShardingPresets, UnknownPresetListsKnownOnes) {
   expect_config_error([] { sh::preset("ep-as-tp"); },
                       {"'ep-as-tp'", "default", "pure-fsdp", "ep-as-dp", "ep-as-cp", "cp-as-ep",
-                       "shard-exp-on-fsdp", "pipeline-large-moe"});
+                       "shard-exp-on-fsdp", "pipeline-large-moe", "ep-tp"});
 }
 
 // ---------------------------------------------------------------------------------------------

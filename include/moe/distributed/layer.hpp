@@ -139,7 +139,7 @@ class DistributedMoeLayer
     detail::Region region("moe::dist::forward");
     log_.records.clear();
     log_.in_backward = false;
-    std::int64_t const D = cfg_.base_emb_dim, T = plan_.tokens;
+    std::int64_t const D = plan_.token_cols, T = plan_.tokens;
     comm::collective_guard(world_, [&] {
       auto const want = block("x").local_shape;
       detail::require<ShapeError>(
@@ -192,7 +192,7 @@ class DistributedMoeLayer
   /// backward stages of step_plan() in order.
   void backward(cview3 dy, view3 dx, params_type& grads) {
     detail::Region region("moe::dist::backward");
-    std::int64_t const D = cfg_.base_emb_dim, T = plan_.tokens;
+    std::int64_t const D = plan_.token_cols, T = plan_.tokens;
     comm::collective_guard(world_, [&] {
       detail::require<Error>(have_forward_, "backward called without a forward");
       detail::require<ShapeError>(
@@ -260,24 +260,27 @@ class DistributedMoeLayer
   void run_forward(distributed::Stage const& st, view2 y) {
     using K = distributed::StageKind;
     bool const a2a = layout_.route == ExpertRoute::RaggedA2A;
+    bool const ep_tp = layout_.route == ExpertRoute::EpTp;
     switch (st.kind) {
       case K::gather_weights:
         return gather_weights(params_, cp_);
-      case K::gather_tokens:
+      case K::gather_tokens:  // the expert group's tokens (ring), or full-D tokens (EP-TP)
         return all_gather_(ep_(), ws_.at("x"),
-                           ws_.make("x_work", plan_.work_tokens, cfg_.base_emb_dim), 0);
+                           ws_.make("x_work", plan_.work_tokens, cfg_.base_emb_dim), ep_tp ? 1 : 0);
       case K::route:
-        return route_tokens(layout_.route == ExpertRoute::Ring ? ws_.at("x_work") : ws_.at("x"));
+        return route_tokens(work_x());
       case K::dispatch:
         return a2a ? a2a_dispatch(ws_.at("x")) : local_dispatch(work_x());
       case K::experts:
         if (a2a) return a2a_experts(ws_.at("x_local"));
         return plan_.dense ? dense_experts(work_x()) : local_experts(ws_.at("x_local"));
       case K::combine:
-        return a2a ? a2a_combine(ws_.at("y_local_cols"))
-                   : gathered_combine(ws_.at(plan_.dense ? "y_work" : "y_local"));
+        if (a2a) return a2a_combine(ws_.at("y_local_cols"));
+        return ep_tp ? ep_tp_combine(ws_.at(plan_.dense ? "y_work" : "y_local"))
+                     : gathered_combine(ws_.at(plan_.dense ? "y_work" : "y_local"));
       case K::shared_expert:
-        return shared_forward(ws_.at("x"), ws_.at("y_cols"));
+        return ep_tp ? ep_tp_shared_forward(ws_.at("x_work"), ws_.at("y_cols"))
+                     : shared_forward(ws_.at("x"), ws_.at("y_cols"));
       case K::output:
         return all_gather_(tp_(), ws_.at("y_cols"), y, 1);
       case K::reduce_grads:
@@ -289,8 +292,10 @@ class DistributedMoeLayer
   void run_backward(distributed::Stage const& st, cview2 dy, view2 dx, params_type& grads) {
     using K = distributed::StageKind;
     bool const a2a = layout_.route == ExpertRoute::RaggedA2A;
+    bool const ep_tp = layout_.route == ExpertRoute::EpTp;
     switch (st.kind) {
       case K::output:
+        if (ep_tp) return ep_tp_output_backward(dy);
         return a2a ? a2a_output_backward(dy) : gathered_output_backward(dy);
       case K::combine:
         return a2a ? a2a_combine_backward(ws_.at("dy_cols"))
@@ -300,11 +305,13 @@ class DistributedMoeLayer
         return plan_.dense ? dense_experts_backward(ws_.at("dy_work"))
                            : local_experts_backward(ws_.at("dy_local"));
       case K::dispatch:
+        if (ep_tp) return ep_tp_dispatch_backward(dx);
         return a2a ? a2a_dispatch_backward(ws_.at("dy_local_cols"), dx)
                    : gathered_dispatch_backward(dx);
       case K::shared_expert:
-        return shared_backward(dy, dx);
+        return ep_tp ? ep_tp_shared_backward(ws_.at("dy_work"), dx) : shared_backward(dy, dx);
       case K::route:
+        if (ep_tp) return ep_tp_route_backward(dx);
         return router_.backward(space_, cview2(ws_.at("x")), cp_.gate, cview2(ws_.at("d_weights")),
                                 router_.lb_coefficient(B_), dx, gc_.gate, gc_.gate_bias);
       case K::reduce_grads:
@@ -316,8 +323,12 @@ class DistributedMoeLayer
     throw Error(detail::cat("moe internal error: no backward for stage ", st.region));
   }
 
-  /// Tokens the experts see: the expert group's (ring) or this rank's own.
-  view2 work_x() const { return ws_.at(layout_.route == ExpertRoute::Ring ? "x_work" : "x"); }
+  /// Tokens the router and the experts see: the expert group's (ring), the full-D tokens (EP-TP)
+  /// or this rank's own.
+  view2 work_x() const {
+    bool const work = layout_.route == ExpertRoute::Ring || layout_.route == ExpertRoute::EpTp;
+    return ws_.at(work ? "x_work" : "x");
+  }
 
   // ------------------------------------------------------------------ collectives ------------
   /// The comm-log name of the next collective of the running stage, after checking its kind
@@ -788,6 +799,65 @@ class DistributedMoeLayer
       all_reduce_(ep_(), work);
       Kokkos::deep_copy(space_, own, work);
     }
+  }
+
+  // ------------------------------------------------------- strategy: EP-TP ------------------
+  // The tokens are split on D over the expert axes; x_work holds the full-D tokens, the same on
+  // every expert rank. Dispatch and experts are the gathered path's (local experts, routed rows
+  // only); partial outputs are reduce-scattered back to this rank's D columns.
+  void ep_tp_combine(view2 ys) {
+    std::int64_t const D = cfg_.base_emb_dim;
+    view2 yw = plan_.dense ? ys : ws_.make("y_work", plan_.tokens, D);
+    if (!plan_.dense)
+      permute::combine(space_, cview2(ys), ivec(disp_.perm.inverse), route_weights_(), false, yw);
+    reduce_scatter_(ep_(), yw, ws_.make("y_cols", plan_.tokens, plan_.token_cols), 1);
+  }
+  void ep_tp_output_backward(cview2 dy) {
+    all_gather_(ep_(), dy, ws_.make("dy_work", plan_.tokens, cfg_.base_emb_dim), 1);
+  }
+  void ep_tp_dispatch_backward(view2 dx) {
+    view2 dxw =
+        plan_.dense ? ws_.at("dx_work") : ws_.make("dx_work", plan_.tokens, cfg_.base_emb_dim);
+    if (!plan_.dense)
+      permute::gather_rows_backward(space_, cview2(ws_.at("dy_local")), ivec(disp_.perm.inverse),
+                                    cfg_.num_experts_per_tok, false, dxw);
+    // Every expert rank holds the same tokens: d_weights (only the local experts' slots) summed,
+    // dx (only the local experts' rows) summed and split on D.
+    auto dw = ws_.make("d_weights", plan_.tokens, cfg_.num_experts_per_tok);
+    Kokkos::deep_copy(space_, dw, ws_.at("d_weights_work"));
+    all_reduce_(ep_(), dw);
+    reduce_scatter_(ep_(), dxw, dx, 1);
+  }
+  /// The router's backward on the full-D tokens: dx += d_logits gate^T for this rank's D columns
+  /// only (the rows of the gate this rank's columns multiply); d_gate is the full, same on every
+  /// expert rank.
+  void ep_tp_route_backward(view2 dx) {
+    std::int64_t const E = cfg_.num_experts, Dl = plan_.token_cols;
+    cview2 gate_rows(cp_.gate.data() + layout_.block("x").offset[2] * E, Dl, E);
+    router_.backward(space_, cview2(ws_.at("x_work")), gate_rows, cview2(ws_.at("d_weights")),
+                     router_.lb_coefficient(B_), dx, gc_.gate, gc_.gate_bias);
+  }
+  /// The shared expert on the full-D tokens, hidden dim split over the expert axes: partial
+  /// outputs reduce-scattered to this rank's D columns and added to y_c.
+  void ep_tp_shared_forward(view2 xw, view2 y_c) {
+    std::int64_t const D = cfg_.base_emb_dim, T = plan_.tokens;
+    auto ysh = ws_.make("y_shared", T, D);
+    Kokkos::deep_copy(space_, ysh, Scalar(0));
+    shared_.forward(space_, cfg_.mlp_activation, cview2(xw), cp_.shared_wi_0, cp_.shared_wi_1,
+                    cp_.shared_wo, ysh);
+    auto ysh_c = ws_.make("y_shared_cols", T, plan_.token_cols);
+    reduce_scatter_(ep_(), ysh, ysh_c, 1);
+    detail::add_into(space_, ysh_c, y_c);
+  }
+  void ep_tp_shared_backward(view2 dyw, view2 dx) {
+    std::int64_t const D = cfg_.base_emb_dim, T = plan_.tokens;
+    auto dxsh = ws_.make("dx_shared", T, D);
+    Kokkos::deep_copy(space_, dxsh, Scalar(0));
+    shared_.backward(space_, cview2(dyw), cp_.shared_wi_0, cp_.shared_wi_1, cp_.shared_wo, dxsh,
+                     gc_.shared_wi_0, gc_.shared_wi_1, gc_.shared_wo);
+    auto dxsh_c = ws_.make("dx_shared_cols", T, plan_.token_cols);
+    reduce_scatter_(ep_(), dxsh, dxsh_c, 1);
+    detail::add_into(space_, dxsh_c, dx);
   }
 
   // ------------------------------------------------------------------ shared expert ---------

@@ -23,13 +23,15 @@ namespace moe {
 
 /// \brief How the routed experts are reached.
 enum class ExpertRoute {
-  Local,      ///< no expert parallelism
-  RaggedA2A,  ///< batch split over the expert axis: rows travel by ragged all-to-all
-  Ring,       ///< tokens all-gathered over the expert axis, outputs reduce-scattered
-  Replicated  ///< every expert-axis rank holds the same tokens: outputs all-reduced
+  Local,       ///< no expert parallelism
+  RaggedA2A,   ///< batch split over the expert axis: rows travel by ragged all-to-all
+  Ring,        ///< tokens all-gathered over the expert axis, outputs reduce-scattered
+  Replicated,  ///< every expert-axis rank holds the same tokens: outputs all-reduced
+  EpTp  ///< tokens split on D over the expert axis: all-gathered on D, outputs reduce-scattered on
+        ///< D
 };
 
-/// \brief Stable name of a route: "local", "ragged_all_to_all", "ring", "replicated".
+/// \brief Stable name of a route: "local", "ragged_all_to_all", "ring", "replicated", "ep_tp".
 inline char const* to_string(ExpertRoute r) {
   switch (r) {
     case ExpertRoute::RaggedA2A:
@@ -38,6 +40,8 @@ inline char const* to_string(ExpertRoute r) {
       return "ring";
     case ExpertRoute::Replicated:
       return "replicated";
+    case ExpertRoute::EpTp:
+      return "ep_tp";
     default:
       return "local";
   }
@@ -96,6 +100,7 @@ struct Layout {
   std::vector<std::string> batch_axes;  ///< mesh axes (size > 1) the batch is split over
   std::vector<std::string> ep_axes;     ///< expert-parallel axes (size > 1)
   std::vector<std::string> tp_axes;     ///< tensor axes splitting the expert hidden dim
+  std::vector<std::string> emb_axes;    ///< mesh axes D of x / y is split over (EP-TP: ep_axes)
   std::int64_t batch_parts = 1, batch_index = 0;
   std::int64_t local_experts = 0, first_expert = 0;  ///< L = E / ep and this rank's first expert
   ExpertRoute route = ExpertRoute::Local;
@@ -135,11 +140,14 @@ struct Layout {
     throw ConfigError(moe::detail::cat("no tensor named '", name, "' in this layer"));
   }
 
-  /// \brief The block of `name` this rank holds: "x", "y", "dy", "dx" ([B,S,D]) or a weight.
+  /// \brief The block of `name` this rank holds: "x", "y", "dy", "dx" ([B,S,D]; split on B over
+  /// the batch axes and, EP-TP, on D over emb_axes) or a weight.
   TensorBlock block(std::string const& name) const {
     if (name == "x" || name == "y" || name == "dx" || name == "dy") {
-      std::int64_t const b = global_batch / batch_parts;
-      return {{global_batch, seq_len, emb_dim}, {b, seq_len, emb_dim}, {batch_index * b, 0, 0}};
+      std::int64_t const b = global_batch / batch_parts, d = emb_dim / parts(emb_axes);
+      return {{global_batch, seq_len, emb_dim},
+              {b, seq_len, d},
+              {batch_index * b, 0, shard_index(emb_axes) * d}};
     }
     TensorBlock tb;
     for (auto const& d : weight(name).dims) {
@@ -172,9 +180,10 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   require<ConfigError>(!par.shard_exp_on_fsdp, "shard_exp_on_fsdp=true is not implemented yet");
   require<ConfigError>(!par.use_2d_fsdp_sharding,
                        "use_2d_fsdp_sharding=true is not implemented yet");
-  require<ConfigError>(par.expert_shard_attention_option == "fsdp",
-                       "expert_shard_attention_option=", par.expert_shard_attention_option,
-                       " is not implemented yet");
+  require<ConfigError>(par.expert_shard_attention_option != "context",
+                       "expert_shard_attention_option=context is not supported: it splits the "
+                       "sequence over the expert axis, and the MoE layer has no sequence "
+                       "(context) parallelism; use fsdp or tp");
   require<ConfigError>(par.num_moe_emb_chunks == 0, "num_moe_emb_chunks=", par.num_moe_emb_chunks,
                        " is not implemented yet");
   Layout lay;
@@ -183,7 +192,9 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   require<ConfigError>(rank >= 0 && rank < world_size, "rank ", rank, " is outside [0, ",
                        world_size, ")");
   lay.preset = pre.name;
-  lay.rules = pre.rules;
+  // expert_shard_attention_option=tp: the expert axis splits the tokens' embedding dim (EP-TP).
+  lay.rules = par.expert_shard_attention_option == "tp" ? sharding::expert_shards_embed(pre.rules)
+                                                        : pre.rules;
   lay.rank = rank;
   lay.global_batch = global_batch;
   lay.seq_len = seq_len;
@@ -201,6 +212,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
                        "]: sequence (context) parallelism is not supported by the MoE "
                        "layer; set those ici_* degrees to 1");
   lay.batch_axes = dimaxes(xs, 0);
+  auto const emb_over = dimaxes(xs, 2);  // the tensor axes there are ignored, as ever
   // Expert weights.
   sharding::LogicalAxes const wi_l = {"exp", "embed_moe", "mlp_moe"};
   sharding::LogicalAxes const wo_l = {"exp", "mlp_moe", "embed_moe"};
@@ -230,6 +242,24 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   divisible(F, "base_moe_mlp_dim", dimaxes(wi_st, 2));
   divisible(F, "base_moe_mlp_dim", lay.tp_axes);
   divisible(D, "base_emb_dim", lay.tp_axes);  // partial outputs are reduce-scattered over D
+  // EP-TP: the tokens' embedding dim resolves to expert axes. They must be all the expert axes
+  // (the all-gather over them gives full tokens for the gate) and the expert axes must not split
+  // the batch as well.
+  for (auto const& a : emb_over)
+    if (contains(ep_axes, a)) lay.emb_axes.push_back(a);
+  if (!lay.emb_axes.empty()) {
+    require<ConfigError>(lay.emb_axes == ep_axes,
+                         "the embedding dimension of the tokens resolves "
+                         "to the expert axes [",
+                         join(lay.emb_axes),
+                         "] but the experts are "
+                         "split over [",
+                         join(ep_axes), "]: EP-TP needs them to be the same");
+    require<ConfigError>(lay.tp_axes.empty(), "EP-TP (the tokens' embedding dimension over [",
+                         join(ep_axes), "]) does not compose with tensor parallelism over [",
+                         join(lay.tp_axes), "]: set those ici_* degrees to 1");
+    divisible(D, "base_emb_dim", lay.emb_axes);
+  }
   // Batch: split over its axes; a batch that does not divide over them and includes the
   // expert axis is replicated over the expert axes (decode).
   auto& batch_axes = lay.batch_axes;
@@ -252,6 +282,8 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   lay.dense = dense_gmm || !cfg.sparse_matmul;
   if (ep == 1)
     lay.route = ExpertRoute::Local;
+  else if (!lay.emb_axes.empty())
+    lay.route = ExpertRoute::EpTp;
   else if (!tokens_over_ep)
     lay.route = ExpertRoute::Replicated;
   else if (par.use_ring_of_experts || lay.dense)
@@ -308,8 +340,8 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
     auto hidden = lay.tp_axes;
     for (auto const& a : ep_axes) hidden.push_back(a);
     sharding::PartitionSpec const cp_in = {{}, hidden}, cp_out = {hidden, {}};
-    auto const sh_reduce =
-        lay.route == ExpertRoute::Replicated ? batch_axes : minus(batch_axes, ep_axes);
+    bool const same_tokens = lay.route == ExpertRoute::Replicated || lay.route == ExpertRoute::EpTp;
+    auto const sh_reduce = same_tokens ? batch_axes : minus(batch_axes, ep_axes);
     sharding::LogicalAxes const in_l = {"embed", "mlp"}, out_l = {"mlp", "embed"};
     make("shared_wi_0", in_l, resolve(in_l), cp_in, {D, Fs}, sh_reduce);
     make("shared_wi_1", in_l, resolve(in_l), cp_in, {D, Fs}, sh_reduce);

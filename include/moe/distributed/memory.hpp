@@ -113,7 +113,10 @@ class LayerBuffers {
     Dc_ = D_ / std::max<std::int64_t>(1, tp_);
     L_ = lay_.local_experts;
     Tw_ = lay_.route == ExpertRoute::Ring ? checked_mul(T_, ep_, "tokens on the ring") : T_;
-    Tg_ = lay_.route == ExpertRoute::Replicated ? T_ : checked_mul(T_, ep_, "shared-expert tokens");
+    // Replicated batch and EP-TP: every expert rank already holds the group's tokens.
+    Tg_ = lay_.route == ExpertRoute::Replicated || lay_.route == ExpertRoute::EpTp
+              ? T_
+              : checked_mul(T_, ep_, "shared-expert tokens");
     F_ = plan.tensor("wi_0").compute_shape[2];
     weight_keys_ = "num_experts, base_emb_dim, base_moe_mlp_dim";
     if (cfg.shared_mlp_dim() > 0) weight_keys_ += ", shared_experts";
@@ -324,8 +327,9 @@ class LayerBuffers {
   /// Token buffers of the gathered paths (ring, replicated, local, dense).
   void gathered_rows() {
     std::string const tkd = std::string(kTokens) + ", base_emb_dim";
-    add("token rows", "x", {T_, D_}, s_, tkd);
-    if (lay_.route == ExpertRoute::Ring) add("token rows", "x_work", {Tw_, D_}, s_, tkd);
+    bool const ep_tp = lay_.route == ExpertRoute::EpTp;
+    add("token rows", "x", {T_, ep_tp ? D_ / ep_ : D_}, s_, tkd);
+    if (lay_.route == ExpertRoute::Ring || ep_tp) add("token rows", "x_work", {Tw_, D_}, s_, tkd);
     add("token rows", "y_work", {Tw_, D_}, s_, tkd);
     add("token rows", "y_own", {T_, D_}, s_, tkd);
     add("token rows", "y_cols", {T_, Dc_}, s_, tkd);

@@ -200,7 +200,7 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
     t.name = name;
     t.logical = lay.token_logical;
     t.spec = lay.token_spec;
-    t.storage = {lay.batch_axes, {}, {}};
+    t.storage = {lay.batch_axes, {}, lay.emb_axes};
     t.gathered = {{}, {}, {}};
     t.sliced = {{}, {}, {}};
     auto const b = lay.block(name);
@@ -211,6 +211,10 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
     if (lay.route == ExpertRoute::Ring) {
       t.gathered[0] = lay.ep_axes;
       t.compute_shape[0] *= lay.ep();
+    }
+    if (lay.route == ExpertRoute::EpTp) {
+      t.gathered[2] = lay.emb_axes;
+      t.compute_shape[2] *= lay.ep();
     }
     p.tensors.push_back(std::move(t));
   }
@@ -316,6 +320,11 @@ inline std::string LayerPlan::to_text() const {
       break;
     case ExpertRoute::Replicated:
       route = "replicated batch over " + axes_text(lay.ep_axes) + ", outputs all-reduced";
+      break;
+    case ExpertRoute::EpTp:
+      route = "ep-tp: tokens split on D over " + axes_text(lay.ep_axes) +
+              ", all-gathered on D, local experts on their routed rows, outputs reduce-scattered "
+              "on D";
       break;
   }
   line(detail::cat("expert route: ", route, "; E=", config.num_experts,

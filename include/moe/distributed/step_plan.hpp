@@ -47,7 +47,7 @@ struct PlannedCollective {
 /// What a stage does; the layer runs one function per kind and phase.
 enum class StageKind {
   gather_weights,  ///< stored weight blocks -> compute blocks (FSDP all-gathers, EP-as-TP slices)
-  gather_tokens,   ///< own tokens -> the expert group's tokens (ring of experts)
+  gather_tokens,   ///< own tokens -> the expert group's tokens (ring) or full-D tokens (EP-TP)
   route,           ///< gate logits, top-k, capacity; load-balance and bias statistics
   dispatch,        ///< routed rows to the ranks and rows of their experts
   experts,         ///< grouped expert FFN (or the dense masked experts)
@@ -103,6 +103,7 @@ struct StepPlan {
   bool dense = false;                ///< dense masked experts (no sort, no grouped GEMM)
   std::int64_t tokens = 0;           ///< T: tokens of this rank's batch block
   std::int64_t work_tokens = 0;      ///< tokens the experts see (ring: T x ep)
+  std::int64_t token_cols = 0;       ///< columns of x / y on this rank: D (EP-TP: D / ep)
   std::int64_t shared_tokens = 0;    ///< tokens the shared expert sees (EP-as-TP: T x ep)
   std::vector<WeightSteps> weights;  ///< weights that are moved, in gather order
   std::vector<Stage> forward, backward;
@@ -155,8 +156,10 @@ class Builder {
     ep_ = lay.ep();
     tp_ = lay.tp();
     Dc_ = D_ / tp_;
+    Dl_ = lay.block("x").local_shape[2];
     Tw_ = lay.route == ExpertRoute::Ring ? T_ * ep_ : T_;
-    shared_group_ = lay.route == ExpertRoute::Replicated ? 1 : ep_;
+    shared_group_ =
+        lay.route == ExpertRoute::Replicated || lay.route == ExpertRoute::EpTp ? 1 : ep_;
     // Balanced routing: every expert gets T*K/E of this rank's slots; per-sequence capacity
     // keeps at most C of them per expert and sequence. Every rank of the expert group sends the
     // same, so this rank receives what it sends (capped by the receive buffer).
@@ -175,9 +178,11 @@ class Builder {
     p.dense = lay_.dense;
     p.tokens = T_;
     p.work_tokens = Tw_;
+    p.token_cols = Dl_;
     p.shared_tokens = T_ * shared_group_;
     weights(p);
     bool const a2a = lay_.route == ExpertRoute::RaggedA2A;
+    bool const ep_tp = lay_.route == ExpertRoute::EpTp;
     bool const shared = cfg_.shared_mlp_dim() > 0;
     // ---- forward
     p.forward.push_back(gather_weights(p));
@@ -186,12 +191,15 @@ class Builder {
           stage(p.forward, StageKind::gather_tokens, "moe::dist::gather_tokens", {"x"}, {"x_work"});
       all_gather(st, "all-gather tokens (ring)", lay_.ep_axes, T_ * D_);
     }
+    if (ep_tp) ep_tp_gather(p.forward);
     p.forward.push_back(route());
     if (a2a)
       a2a_forward(p.forward);
+    else if (ep_tp)
+      ep_tp_forward(p.forward);
     else
       gathered_forward(p.forward);
-    if (shared) shared_forward(p.forward);
+    if (shared) ep_tp ? ep_tp_shared_forward(p.forward) : shared_forward(p.forward);
     auto& out = stage(p.forward, StageKind::output, "moe::dist::output", {"y_cols"}, {"y"});
     all_gather(out, "all-gather y (tensor)", lay_.tp_axes, T_ * Dc_);
     backward_ = true;
@@ -199,11 +207,14 @@ class Builder {
     // dx sums path + shared + router in this order on every layout), then the weight gradients.
     if (a2a)
       a2a_backward(p.backward);
+    else if (ep_tp)
+      ep_tp_backward(p.backward);
     else
       gathered_backward(p.backward);
-    if (shared) shared_backward(p.backward);
+    if (shared) ep_tp ? ep_tp_shared_backward(p.backward) : shared_backward(p.backward);
+    // (EP-TP: the router's dx for this rank's D columns, from the full-D tokens.)
     stage(p.backward, StageKind::route, "moe::dist::route::backward",
-          {"x", "d_weights", "compute.gate"}, {"dx", "d.gate", "d.gate_bias"});
+          {ep_tp ? "x_work" : "x", "d_weights", "compute.gate"}, {"dx", "d.gate", "d.gate_bias"});
     p.backward.push_back(reduce_grads(p));
     return p;
   }
@@ -388,9 +399,9 @@ class Builder {
   // ---------------------------------------------------------------- routing
   Stage route() {
     std::vector<Stage> one;
-    bool const ring = lay_.route == ExpertRoute::Ring;
+    bool const work = lay_.route == ExpertRoute::Ring || lay_.route == ExpertRoute::EpTp;
     auto& st = stage(one, StageKind::route, "moe::dist::route",
-                     {ring ? "x_work" : "x", "compute.gate", "gate_bias"}, {"routing"});
+                     {work ? "x_work" : "x", "compute.gate", "gate_bias"}, {"routing"});
     // Statistics are host doubles / int64: 8 bytes whatever the Scalar.
     if (cfg_.load_balance_loss_weight > 0) all_reduce(st, "lb loss", lay_.batch_axes, 1, 8);
     if (cfg_.routed_bias_update_rate > 0) all_reduce(st, "bias counts", lay_.batch_axes, E_, 8);
@@ -440,8 +451,9 @@ class Builder {
     else
       all_reduce(st, "reduce " + what + " (expert)", lay_.ep_axes, Tw_ * cols, s_);
   }
-  void gathered_forward(std::vector<Stage>& f) {
-    std::string const xw = lay_.route == ExpertRoute::Ring ? "x_work" : "x";
+  /// Dispatch and experts on the working tokens xw: sort the rows routed to the local experts and
+  /// run the grouped GEMMs on them (or the dense masked experts on every token).
+  void local_experts_forward(std::vector<Stage>& f, std::string const& xw) {
     if (!lay_.dense) {
       stage(f, StageKind::dispatch, "moe::dispatch::gathered", {xw, "routing"},
             {"local_ids", "local_kept", "x_local"});
@@ -451,6 +463,9 @@ class Builder {
       stage(f, StageKind::experts, "moe::dist::experts",
             {xw, "routing", "compute.wi_0", "compute.wi_1", "compute.wo"}, {"y_work"});
     }
+  }
+  void gathered_forward(std::vector<Stage>& f) {
+    local_experts_forward(f, lay_.route == ExpertRoute::Ring ? "x_work" : "x");
     auto& c = stage(f, StageKind::combine, "moe::dist::combine",
                     {lay_.dense ? "y_work" : "y_local", "routing"}, {"y_work", "y_own", "y_cols"});
     tokens_reduce(c, "y", D_);
@@ -460,6 +475,19 @@ class Builder {
     auto& o = stage(b, StageKind::output, "moe::dist::output::backward", {"dy"}, {"dy_work"});
     if (lay_.route == ExpertRoute::Ring)
       all_gather(o, "all-gather d_y (expert)", lay_.ep_axes, T_ * D_);
+    local_experts_backward(b);
+    // The transpose of routing on gathered tokens: the expert group's partial d_weights and dx
+    // (partial over the tensor-split hidden dim too) go back to the ranks that own the tokens.
+    auto& d = stage(b, StageKind::dispatch, "moe::dispatch::gathered::backward",
+                    {lay_.dense ? "dx_work" : "dy_local", "d_weights_work"},
+                    {"dx_work", "d_weights", "dx"});
+    all_reduce(d, "reduce d_weights (tensor)", lay_.tp_axes, Tw_ * K_, s_);
+    tokens_reduce(d, "d_weights", K_);
+    all_reduce(d, "reduce d_x (tensor)", lay_.tp_axes, Tw_ * D_, s_);
+    tokens_reduce(d, "d_x", D_);
+  }
+  /// The transposes of local_experts_forward, from dy_work.
+  void local_experts_backward(std::vector<Stage>& b) {
     if (!lay_.dense) {
       stage(b, StageKind::combine, "moe::dist::combine::backward",
             {"dy_work", "y_local", "routing"}, {"dy_local", "d_weights_work"});
@@ -471,15 +499,49 @@ class Builder {
             {"dy_work", "compute.wi_0", "compute.wi_1", "compute.wo"},
             {"dx_work", "d_weights_work", "d.wi_0", "d.wi_1", "d.wo"});
     }
-    // The transpose of routing on gathered tokens: the expert group's partial d_weights and dx
-    // (partial over the tensor-split hidden dim too) go back to the ranks that own the tokens.
+  }
+
+  // ---------------------------------------------------------------- EP-TP
+  // The tokens are split on D over the expert axes (the expert axis acts as tensor parallelism
+  // outside the routed experts): every expert rank all-gathers its D columns into the full-D
+  // tokens (the same on every expert rank), routes them, runs only its local experts on only the
+  // rows routed to them (sorted, grouped GEMMs: the work grows with the routed rows, not with the
+  // gathered tokens), and reduce-scatters the partial outputs back to D columns. The transposes:
+  // dy all-gathered on D, dx reduce-scattered on D, d_weights summed over the expert group.
+  void ep_tp_gather(std::vector<Stage>& f) {
+    auto& st = stage(f, StageKind::gather_tokens, "moe::dist::gather_tokens", {"x"}, {"x_work"});
+    all_gather(st, "all-gather tokens (ep-tp)", lay_.ep_axes, T_ * Dl_);
+  }
+  void ep_tp_forward(std::vector<Stage>& f) {
+    local_experts_forward(f, "x_work");
+    auto& c = stage(f, StageKind::combine, "moe::dist::combine",
+                    {lay_.dense ? "y_work" : "y_local", "routing"}, {"y_work", "y_cols"});
+    reduce_scatter(c, "reduce-scatter y (ep-tp)", lay_.ep_axes, T_ * Dl_);
+  }
+  void ep_tp_backward(std::vector<Stage>& b) {
+    auto& o = stage(b, StageKind::output, "moe::dist::output::backward", {"dy"}, {"dy_work"});
+    all_gather(o, "all-gather d_y (ep-tp)", lay_.ep_axes, T_ * Dl_);
+    local_experts_backward(b);
     auto& d = stage(b, StageKind::dispatch, "moe::dispatch::gathered::backward",
                     {lay_.dense ? "dx_work" : "dy_local", "d_weights_work"},
                     {"dx_work", "d_weights", "dx"});
-    all_reduce(d, "reduce d_weights (tensor)", lay_.tp_axes, Tw_ * K_, s_);
-    tokens_reduce(d, "d_weights", K_);
-    all_reduce(d, "reduce d_x (tensor)", lay_.tp_axes, Tw_ * D_, s_);
-    tokens_reduce(d, "d_x", D_);
+    all_reduce(d, "reduce d_weights (expert)", lay_.ep_axes, T_ * K_, s_);
+    reduce_scatter(d, "reduce-scatter d_x (ep-tp)", lay_.ep_axes, T_ * Dl_);
+  }
+  // The shared expert on the full-D tokens with its hidden dim split over the expert axes: its
+  // partial outputs are reduce-scattered on D like the routed ones.
+  void ep_tp_shared_forward(std::vector<Stage>& f) {
+    auto& st = stage(f, StageKind::shared_expert, "moe::dist::shared_expert",
+                     {"x_work", "compute.shared_wi_0", "compute.shared_wi_1", "compute.shared_wo"},
+                     {"y_shared", "y_shared_cols", "y_cols"});
+    reduce_scatter(st, "reduce-scatter y shared (ep-tp)", lay_.ep_axes, T_ * Dl_);
+  }
+  void ep_tp_shared_backward(std::vector<Stage>& b) {
+    auto& st = stage(
+        b, StageKind::shared_expert, "moe::dist::shared_expert::backward",
+        {"dy_work", "compute.shared_wi_0", "compute.shared_wi_1", "compute.shared_wo"},
+        {"dx_shared", "dx_shared_cols", "dx", "d.shared_wi_0", "d.shared_wi_1", "d.shared_wo"});
+    reduce_scatter(st, "reduce-scatter d_x shared (ep-tp)", lay_.ep_axes, T_ * Dl_);
   }
 
   // ---------------------------------------------------------------- shared expert (EP-as-TP)
@@ -513,7 +575,7 @@ class Builder {
   LayerConfig const& cfg_;
   ParallelConfig const& par_;
   std::int64_t s_;
-  std::int64_t T_ = 0, Tw_ = 0, D_ = 0, Dc_ = 0, K_ = 0, E_ = 0, ep_ = 1, tp_ = 1;
+  std::int64_t T_ = 0, Tw_ = 0, D_ = 0, Dc_ = 0, Dl_ = 0, K_ = 0, E_ = 0, ep_ = 1, tp_ = 1;
   std::int64_t shared_group_ = 1, sent_ = 0, recv_ = 0;
   bool backward_ = false;  ///< phase of the stages being added
 };

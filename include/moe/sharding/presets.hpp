@@ -20,6 +20,7 @@
 #include <moe/sharding/mesh.hpp>
 #include <moe/sharding/rules.hpp>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -65,8 +66,30 @@ inline LogicalRules default_rules() {
 
 /// \brief Names accepted by preset(), "default" first.
 inline std::vector<std::string> preset_names() {
-  return {"default",  "pure-fsdp",         "ep-as-dp",          "ep-as-cp",
-          "cp-as-ep", "shard-exp-on-fsdp", "pipeline-large-moe"};
+  return {"default",  "pure-fsdp",         "ep-as-dp",           "ep-as-cp",
+          "cp-as-ep", "shard-exp-on-fsdp", "pipeline-large-moe", "ep-tp"};
+}
+
+/// \brief `expert_shard_attention_option=tp` applied to `rules`: the expert axis leaves the token
+/// batch rules (`activation_batch`, `activation_batch_moe`) and joins the token embedding rules
+/// (`activation_embed`, `activation_embed_moe`, added when missing), so that the layer's input and
+/// output are sharded on D over `expert` (EP-TP). Weight rules are kept.
+inline LogicalRules expert_shards_embed(LogicalRules const& rules) {
+  LogicalRules out;
+  bool embed = false, embed_moe = false;
+  for (auto r : rules.rules()) {
+    if (r.name == "activation_batch" || r.name == "activation_batch_moe")
+      r.axes.erase(std::remove(r.axes.begin(), r.axes.end(), "expert"), r.axes.end());
+    if (r.name == "activation_embed" || r.name == "activation_embed_moe") {
+      (r.name == "activation_embed" ? embed : embed_moe) = true;
+      if (std::find(r.axes.begin(), r.axes.end(), "expert") == r.axes.end())
+        r.axes.push_back("expert");
+    }
+    out.add(r.name, r.axes);
+  }
+  if (!embed) out.add("activation_embed", {"expert"});
+  if (!embed_moe) out.add("activation_embed_moe", {"expert"});
+  return out;
 }
 
 /// \brief The mesh-and-rule set selected by `custom_mesh_and_rule`. "" and "default" give the base
@@ -182,6 +205,36 @@ inline Preset preset(std::string const& name) {
                 {"layers", {"stage"}},
                 {"exp", {"expert"}},
                 {"mlp_moe", {"tensor"}},
+                {"embed_moe", {"fsdp"}},
+                {"exp_with_fsdp", {"fsdp"}},
+            }};
+  // EP-TP (MaxText PR #3600; no file in MaxText's snapshot, so the rules are this library's):
+  // outside the routed experts the expert axis acts as tensor parallelism. The token activations
+  // are split on the embedding dimension over `expert` and on the batch over data and fsdp; the
+  // routed experts are stored over `expert`; the shared expert's hidden dim (`mlp`) is stored over
+  // `expert` (the layer computes it split that way: TP-style, no per-step slice); the embed
+  // dims of the weights go on fsdp (FSDP-gathered per step).
+  if (name == "ep-tp")
+    return {name,
+            {"data", "fsdp", "expert"},
+            {
+                {"activation_batch", {"data", "fsdp"}},
+                {"activation_batch_moe", {"data", "fsdp"}},
+                {"activation_length", {}},
+                {"activation_length_moe", {}},
+                {"activation_norm_length", {}},
+                {"activation_norm_length_moe", {}},
+                // activation_exp before the embed rules: a dispatch tensor [E, B, C, D] keeps
+                // its expert dimension on `expert`.
+                {"activation_exp", {"expert"}},
+                {"activation_embed", {"expert"}},
+                {"activation_embed_moe", {"expert"}},
+                {"activation_mlp", {}},
+                {"activation_mlp_moe", {}},
+                {"mlp", {"expert"}},
+                {"embed", {"fsdp"}},
+                {"exp", {"expert"}},
+                {"mlp_moe", {}},
                 {"embed_moe", {"fsdp"}},
                 {"exp_with_fsdp", {"fsdp"}},
             }};
