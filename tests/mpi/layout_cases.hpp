@@ -81,10 +81,33 @@ inline std::vector<LayoutCase> layout_cases(int n) {
        {0, 0, 0, 0, 0, 0, 50.0, 40.0}},
   };
   // A receive cap large enough for every row (MaxText allows the cap only with EP > 1).
-  if (n > 1)
+  if (n > 1) {
     v.push_back({"ep_ragged_buffer_no_drop",
                  {"ici_expert_parallelism=-1", "ragged_buffer_factor=8.0"},
                  {}});
+    // The ring's token gather in D-chunks overlapped with the grouped GEMM (needs EP > 1).
+    std::vector<LayoutCase> chunks = {
+        {"ring_emb_chunks2",
+         {"ici_expert_parallelism=-1", "use_ring_of_experts=true", "num_moe_emb_chunks=2"},
+         {}},
+        {"ring_emb_chunks4_deepseek",
+         {"ici_expert_parallelism=-1", "use_ring_of_experts=true", "num_moe_emb_chunks=4"},
+         {"decoder_block=deepseek", "routed_score_func=sigmoid", "routed_bias=true",
+          "n_routing_groups=4", "topk_routing_group=2", "routed_bias_update_rate=0.01"}},
+        {"ring_emb_chunks2_all_to_first_experts",
+         {"ici_expert_parallelism=-1", "use_ring_of_experts=true", "num_moe_emb_chunks=2"},
+         {"routed_bias=true"},
+         8,
+         {50.0, 40.0}},
+        {"ring_emb_chunks4_random",
+         {"ici_expert_parallelism=-1", "use_ring_of_experts=true", "num_moe_emb_chunks=4"},
+         {"use_random_routing=true", "seed=5"},
+         8,
+         {},
+         false},
+    };
+    v.insert(v.end(), chunks.begin(), chunks.end());
+  }
   if (n == 4) {
     std::vector<LayoutCase> mix = {
         {"ep2_fsdp2", {"ici_expert_parallelism=2", "ici_fsdp_parallelism=2"}, {}},
@@ -105,6 +128,14 @@ inline std::vector<LayoutCase> layout_cases(int n) {
         {"dense_ep2_tp2",
          {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"},
          {"sparse_matmul=false"}},
+        {"ring2_dp2_emb_chunks4",
+         {"ici_expert_parallelism=2", "ici_data_parallelism=2", "use_ring_of_experts=true",
+          "num_moe_emb_chunks=4"},
+         {}},
+        {"ring2_tp2_emb_chunks2",
+         {"ici_expert_parallelism=2", "ici_tensor_parallelism=2", "use_ring_of_experts=true",
+          "num_moe_emb_chunks=2"},
+         {"capacity_factor=1.0"}},
         {"ep2_tp2_capacity_half",
          {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"},
          {"capacity_factor=0.5"}},

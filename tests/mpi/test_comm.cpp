@@ -3,6 +3,7 @@
 // counts, and collective errors (same exception on every rank, no hang).
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/communicator.hpp>
+#include <moe/comm/iall_gather.hpp>
 #include <moe/comm/ragged_all_to_all.hpp>
 
 #include <gtest/gtest.h>
@@ -129,6 +130,42 @@ TEST(Collectives, AllGatherConcatenatesInRankOrder) {
     auto const gi = host(all);
     for (int r = 0; r < P; ++r) EXPECT_EQ(gi[2 * r + 1], r + 10);
   });
+}
+
+// The non-blocking all-gather gives the blocking one's result; several may be in flight at once
+// (completed in any order), test() drives them, and destroying a request that was never waited
+// for is safe.
+TEST(Collectives, NonBlockingAllGatherEqualsAllGather) {
+  Communicator const c = world();
+  int const P = c.size();
+  with_both_paths([&] {
+    for (std::int64_t n : {0, 1, 5}) {
+      Kokkos::View<double**, Kokkos::LayoutRight, MS> a("a", n, 3), b("b", n, 2);
+      Kokkos::View<double**, Kokkos::LayoutRight, MS> ga("ga", P * n, 3), gb("gb", P * n, 2);
+      Kokkos::View<double**, Kokkos::LayoutRight, MS> want("want", P * n, 3);
+      fill(a, c.rank(), 1);
+      fill(b, c.rank(), 2);
+      moe::comm::all_gather(c, Exec(), a, want);
+      auto ra = moe::comm::iall_gather(c, Exec(), a, ga);
+      auto rb = moe::comm::iall_gather(c, Exec(), b, gb);
+      EXPECT_TRUE(ra.pending());
+      while (!rb.test()) {
+      }
+      rb.wait(Exec());
+      ra.wait(Exec());
+      EXPECT_FALSE(ra.pending());
+      EXPECT_TRUE(bitwise_equal(host(ga), host(want)));
+      auto const gotb = host(gb);
+      for (int r = 0; r < P; ++r)
+        for (std::int64_t e = 0; e < n * 2; ++e) ASSERT_EQ(gotb[r * n * 2 + e], value(r, e, 2));
+      // Moved, then dropped without a wait: the destructor completes it.
+      auto rc = moe::comm::iall_gather(c, Exec(), a, ga);
+      auto moved = std::move(rc);
+      EXPECT_FALSE(rc.pending());
+    }
+  });
+  Kokkos::View<float**, Kokkos::LayoutRight, MS> in("in", 2, 3), bad("bad", 2 * P + 1, 3);
+  EXPECT_THROW(moe::comm::iall_gather(c, Exec(), in, bad), moe::ShapeError);
 }
 
 template <class T>

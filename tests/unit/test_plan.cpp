@@ -135,8 +135,12 @@ void expect_step_dataflow(LayerPlan const& p) {
   bool const dispatch = a2a || !step.dense;
   EXPECT_EQ(std::count(f.begin(), f.end(), StageKind::dispatch), dispatch ? 1 : 0);
   EXPECT_EQ(std::count(b.begin(), b.end(), StageKind::dispatch), 1);
+  // The chunked ring gathers its tokens inside the experts stage (by D-chunks).
   EXPECT_EQ(std::count(f.begin(), f.end(), StageKind::gather_tokens),
-            step.route == moe::ExpertRoute::Ring || step.route == moe::ExpertRoute::EpTp ? 1 : 0);
+            (step.route == moe::ExpertRoute::Ring && step.emb_chunks == 0) ||
+                    step.route == moe::ExpertRoute::EpTp
+                ? 1
+                : 0);
   EXPECT_EQ(std::count(f.begin(), f.end(), StageKind::shared_expert),
             std::count(b.begin(), b.end(), StageKind::shared_expert));
   for (auto const& w : step.weights)
@@ -192,6 +196,13 @@ TEST(Plan, EveryLayoutOfTheLayerTestIsConsistent) {
        8,
        4},
       {{"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2"},
+       {},
+       8,
+       4},
+      {{"ici_expert_parallelism=2", "use_ring_of_experts=true", "num_moe_emb_chunks=2"}, {}, 8, 2},
+      {{"ici_expert_parallelism=4", "use_ring_of_experts=true", "num_moe_emb_chunks=4"}, {}, 8, 4},
+      {{"ici_expert_parallelism=2", "ici_tensor_parallelism=2", "use_ring_of_experts=true",
+        "num_moe_emb_chunks=8"},
        {},
        8,
        4},
@@ -427,6 +438,91 @@ TEST(Plan, EpTpErrors) {
       {"base_emb_dim=18", "not divisible", "[expert] = 4"});
   expect_error([] { plan(2, {"expert_shard_attention_option=context"}); },
                {"expert_shard_attention_option=context", "not supported", "context"});
+}
+
+// num_moe_emb_chunks=n: the logits are gathered for the routing, then the tokens in n chunks
+// of D/n columns inside the experts stage (bytes summing to the one-piece gather's); combine and
+// the backward are the ring's.
+TEST(Plan, ChunkedRingGathersTokensByChunks) {
+  Names const ring = {"ici_expert_parallelism=-1", "use_ring_of_experts=true"};
+  for (int ranks : {2, 4}) {
+    for (int n : {1, 2, 4, 16}) {
+      auto layout = ring;
+      layout.push_back("num_moe_emb_chunks=" + std::to_string(n));
+      auto const p = plan(ranks, layout);
+      auto const one = plan(ranks, ring);
+      SCOPED_TRACE(p.to_text());
+      EXPECT_EQ(p.step.emb_chunks, n);
+      EXPECT_EQ(one.step.emb_chunks, 0);
+      std::int64_t const T = 32 / ranks, D = 16, E = 8, s = 4;
+      EXPECT_EQ(bytes_of(p, "all-gather logits (ring)"), T * E * s * (ranks - 1));
+      std::int64_t chunks = 0;
+      Names stages;
+      for (auto const& c : p.collectives)
+        if (c.what.rfind("all-gather tokens (ring, chunk ", 0) == 0) {
+          EXPECT_EQ(c.what, "all-gather tokens (ring, chunk " + std::to_string(chunks + 1) + "/" +
+                                std::to_string(n) + ")");
+          EXPECT_EQ(c.stage, "moe::dist::experts::chunked");
+          EXPECT_EQ(c.axes, Names{"expert"});
+          EXPECT_EQ(c.bytes, T * (D / n) * s * (ranks - 1));
+          chunks += c.bytes;
+        }
+      EXPECT_EQ(chunks, bytes_of(one, "all-gather tokens (ring)"));
+      // Everything else is the unchunked ring's, in order (the logits gather comes first).
+      auto sig = signature(p), sig1 = signature(one);
+      sig.erase(std::remove_if(sig.begin(), sig.end(),
+                               [](std::string const& x) {
+                                 return x.find("all-gather tokens (ring") != std::string::npos ||
+                                        x.find("all-gather logits (ring)") != std::string::npos;
+                               }),
+                sig.end());
+      sig1.erase(
+          std::remove(sig1.begin(), sig1.end(), "F all-gather [expert] all-gather tokens (ring)"),
+          sig1.end());
+      EXPECT_EQ(sig, sig1);
+      EXPECT_EQ(p.step_bytes() - bytes_of(p, "all-gather logits (ring)"), one.step_bytes());
+      expect_step_dataflow(p);
+    }
+  }
+}
+
+TEST(Plan, ChunkedRingErrors) {
+  auto expect_error = [](Names const& layout, Names const& layer, int ranks, Names const& frags) {
+    try {
+      plan(ranks, layout, layer);
+      ADD_FAILURE() << "no ConfigError";
+    } catch (moe::ConfigError const& e) {
+      for (auto const& f : frags)
+        EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
+    }
+  };
+  Names const ring = {"ici_expert_parallelism=-1", "use_ring_of_experts=true"};
+  auto with = [](Names v, std::string const& kv) {
+    v.push_back(kv);
+    return v;
+  };
+  expect_error(with(ring, "num_moe_emb_chunks=3"), {}, 2,
+               {"num_moe_emb_chunks=3", "does not divide base_emb_dim=16"});
+  expect_error(with(ring, "num_moe_emb_chunks=32"), {}, 2,
+               {"num_moe_emb_chunks=32", "does not divide base_emb_dim=16"});
+  expect_error({"ici_expert_parallelism=-1", "num_moe_emb_chunks=2"}, {}, 2,
+               {"num_moe_emb_chunks=2", "needs the ring of experts", "ragged_all_to_all",
+                "without use_ring_of_experts"});
+  expect_error(with(ring, "num_moe_emb_chunks=2"), {}, 1,
+               {"num_moe_emb_chunks=2", "needs the ring of experts", "local"});
+  expect_error(with(ring, "num_moe_emb_chunks=2"), {"sparse_matmul=false"}, 2,
+               {"num_moe_emb_chunks=2", "dense experts"});
+  expect_error({"ici_data_parallelism=-1", "num_moe_emb_chunks=2"}, {}, 2,
+               {"num_moe_emb_chunks=2", "needs the ring of experts"});
+  // Decode: the batch does not split over the expert axis (replicated, not the ring).
+  try {
+    moe::make_plan(layer_config(), parallel_config(with(ring, "num_moe_emb_chunks=2")), 2, 0, 1, 4);
+    ADD_FAILURE() << "no ConfigError";
+  } catch (moe::ConfigError const& e) {
+    EXPECT_NE(std::string(e.what()).find("replicated"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(parallel_config({"num_moe_emb_chunks=-1"}), moe::ConfigError);
+  EXPECT_THROW(parallel_config({"num_moe_emb_chunks=two"}), moe::ConfigError);
 }
 
 TEST(Plan, TensorParallel) {

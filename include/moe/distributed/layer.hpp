@@ -268,11 +268,14 @@ class DistributedMoeLayer
         return all_gather_(ep_(), ws_.at("x"),
                            ws_.make("x_work", plan_.work_tokens, cfg_.base_emb_dim), ep_tp ? 1 : 0);
       case K::route:
+        if (plan_.emb_chunks > 0) return route_gathered_logits(ws_.at("x"));
         return route_tokens(work_x());
       case K::dispatch:
+        if (plan_.emb_chunks > 0) return local_sort();
         return a2a ? a2a_dispatch(ws_.at("x")) : local_dispatch(work_x());
       case K::experts:
         if (a2a) return a2a_experts(ws_.at("x_local"));
+        if (plan_.emb_chunks > 0) return chunked_ring_experts(ws_.at("x"));
         return plan_.dense ? dense_experts(work_x()) : local_experts(ws_.at("x_local"));
       case K::combine:
         if (a2a) return a2a_combine(ws_.at("y_local_cols"));
@@ -560,18 +563,38 @@ class DistributedMoeLayer
   /// Routes the working tokens xw (own, or the expert group's on the ring); the load-balance
   /// loss and the bias update are global (statistics summed over the batch axes).
   void route_tokens(view2 xw) {
-    int const K = cfg_.num_experts_per_tok;
-    std::int64_t const T = plan_.tokens;
     // Random routing draws from the global token index: each member's rows are routed with its
     // own offset (a member's tokens are a contiguous block of the global batch).
+    bool const ring = layout_.route == ExpertRoute::Ring;
+    router_.forward(space_, cview2(xw), cp_.gate, cp_.gate_bias, S_, member_token_offsets(),
+                    ring ? ep_().rank() : 0);
+    route_statistics();
+  }
+  /// Global token index of the first token of each member of the routed block (random routing
+  /// draws from it): the expert group's members on the ring, else this rank's block.
+  std::vector<std::uint64_t> member_token_offsets() const {
     bool const ring = layout_.route == ExpertRoute::Ring;
     int const members = ring ? ep_().size() : 1;
     std::vector<std::uint64_t> offsets(std::size_t(members), 0);
     for (int m = 0; m < members; ++m)
       offsets[std::size_t(m)] =
-          std::uint64_t((ring ? member_batch_index(m) : layout_.batch_index) * T);
-    router_.forward(space_, cview2(xw), cp_.gate, cp_.gate_bias, S_, offsets,
-                    ring ? ep_().rank() : 0);
+          std::uint64_t((ring ? member_batch_index(m) : layout_.batch_index) * plan_.tokens);
+    return offsets;
+  }
+  /// Chunked ring: routes the expert group's tokens from their gate logits, computed on each
+  /// member's own tokens (full D) and all-gathered; the tokens themselves come later by chunks.
+  void route_gathered_logits(view2 x) {
+    std::int64_t const T = plan_.tokens;
+    auto lo = ws_.make("logits_own", T, cfg_.num_experts);
+    detail::gemm(space_, "N", "N", Scalar(1), cview2(x), cp_.gate, Scalar(0), lo);
+    all_gather_(ep_(), lo, router_.logits_rows(space_, plan_.work_tokens), 0);
+    router_.forward_logits(space_, cp_.gate_bias, S_, member_token_offsets(), ep_().rank());
+    route_statistics();
+  }
+  /// The global load-balance loss and bias update of the last routing (statistics summed over
+  /// the batch axes).
+  void route_statistics() {
+    int const K = cfg_.num_experts_per_tok;
     lb_loss_ = 0;
     if (cfg_.load_balance_loss_weight > 0) {
       View1<double, Kokkos::HostSpace> v("moe::dist::lb_sum", 1);
@@ -717,7 +740,13 @@ class DistributedMoeLayer
   // Each rank runs its local experts [e0, e0+L) on the working tokens; partial outputs (only
   // local experts, tensor-split hidden dim) are summed back onto their owners.
   void local_dispatch(view2 xw) {
-    std::int64_t const Tw = xw.extent(0);
+    local_sort();
+    auto xs = ws_.make("x_local", disp_.perm.rows(), cfg_.base_emb_dim);
+    permute::gather_rows(space_, cview2(xw), ivec(disp_.perm.perm), cfg_.num_experts_per_tok, xs);
+  }
+  /// The working tokens' slots on local experts, sorted by local expert (disp_.perm).
+  void local_sort() {
+    std::int64_t const Tw = plan_.work_tokens;
     int const K = cfg_.num_experts_per_tok;
     // Local expert ids (global id - e0) and the kept mask restricted to local experts.
     auto lids = ws_.template make<int>("local_ids", Tw, K);
@@ -727,13 +756,61 @@ class DistributedMoeLayer
     permute::sort_by_expert(space_, View2<int const, memory_space>(lids),
                             View2<int const, memory_space>(lkept), layout_.local_experts,
                             disp_.perm);
-    auto xs = ws_.make("x_local", disp_.perm.rows(), cfg_.base_emb_dim);
-    permute::gather_rows(space_, cview2(xw), ivec(disp_.perm.perm), K, xs);
   }
   void local_experts(view2 xs) {
     auto ys = ws_.make("y_local", xs.extent(0), cfg_.base_emb_dim);
     ffn_.forward(space_, cfg_.mlp_activation, xs, disp_.perm.groups, cp_.wi_0, cp_.wi_1, cp_.wo, ys,
                  weights_version_);
+  }
+  /// Starts the all-gather of D-chunk c of the own tokens into its rows of `got`.
+  auto start_chunk_gather(view2 own, view2 got, std::int64_t c) {
+    std::int64_t const T = plan_.tokens, Tw = plan_.work_tokens, Dc = own.extent(1);
+    std::string const what = planned("all-gather", ep_().axes);
+    return distributed::start_gather_rows(space_, ep_(), view2(own.data() + c * T * Dc, T, Dc),
+                                          view2(got.data() + c * Tw * Dc, Tw, Dc), &log_, what);
+  }
+  /// Chunked ring (num_moe_emb_chunks = nc): the expert group's tokens arrive in nc chunks of
+  /// Dc = D/nc columns, each by a non-blocking all-gather started before the first grouped GEMMs
+  /// of the previous chunk run (one GEMM piece per local expert, MPI progressed between pieces),
+  /// so the transfer of chunk c+1 overlaps the GEMMs of chunk c. Each chunk's sorted rows go to
+  /// the GEMMs and into their columns of x_local (kept for the backward).
+  void chunked_ring_experts(view2 x) {
+    std::int64_t const D = cfg_.base_emb_dim, T = plan_.tokens, Tw = plan_.work_tokens;
+    std::int64_t const nc = plan_.emb_chunks, Dc = D / nc, n = disp_.perm.rows();
+    std::int64_t const L = layout_.local_experts, F = cp_.wi_0.extent(2);
+    int const K = cfg_.num_experts_per_tok;
+    // Own tokens chunk-major: rows [c*T, (c+1)*T) are columns [c*Dc, (c+1)*Dc) of x.
+    auto own = ws_.make("x_chunks_own", nc * T, Dc);
+    distributed::detail::copy_rows(space_, "moe::dist::chunk_pack", x.data(), own.data(), T * nc,
+                                   Dc, distributed::detail::Identity{},
+                                   distributed::detail::PaToAp{T, nc});
+    auto got = ws_.make("x_chunks", nc * Tw, Dc);
+    auto xs = ws_.make("x_local", n, D);
+    auto xs_c = ws_.make("x_local_chunk", n, Dc);
+    auto rows = [](view2 const& v, std::int64_t r0, std::int64_t r) {
+      return view2(v.data() + r0 * std::int64_t(v.extent(1)), r, v.extent(1));
+    };
+    using request = decltype(start_chunk_gather(own, got, 0));
+    request next = start_chunk_gather(own, got, 0);
+    ffn_.forward_begin(space_, cfg_.mlp_activation, xs, F, weights_version_);
+    for (std::int64_t c = 0; c < nc; ++c) {
+      request cur = std::move(next);
+      cur.wait(space_);
+      if (c + 1 < nc) next = start_chunk_gather(own, got, c + 1);
+      permute::gather_rows(space_, cview2(rows(got, c * Tw, Tw)), ivec(disp_.perm.perm), K, xs_c);
+      distributed::detail::copy_rows(space_, "moe::dist::chunk_unpack", xs_c.data(), xs.data(), n,
+                                     Dc, distributed::detail::Identity{},
+                                     distributed::detail::Block{nc, c});
+      // Rows [c*Dc, (c+1)*Dc) of expert l's [D, F] weights: a contiguous [1, Dc, F] block.
+      for (std::int64_t l = 0; l < L; ++l) {
+        std::int64_t const at = (l * D + c * Dc) * F;
+        ffn_.forward_chunk(space_, xs_c, disp_.perm.groups, view3(cp_.wi_0.data() + at, 1, Dc, F),
+                           view3(cp_.wi_1.data() + at, 1, Dc, F), int(l));
+        if (c + 1 < nc) next.test();
+      }
+    }
+    auto ys = ws_.make("y_local", n, D);
+    ffn_.forward_end(space_, disp_.perm.groups, cp_.wo, ys);
   }
   void dense_experts(view2 xw) {
     auto yw = ws_.make("y_work", xw.extent(0), cfg_.base_emb_dim);

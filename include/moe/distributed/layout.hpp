@@ -184,8 +184,6 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
                        "expert_shard_attention_option=context is not supported: it splits the "
                        "sequence over the expert axis, and the MoE layer has no sequence "
                        "(context) parallelism; use fsdp or tp");
-  require<ConfigError>(par.num_moe_emb_chunks == 0, "num_moe_emb_chunks=", par.num_moe_emb_chunks,
-                       " is not implemented yet");
   Layout lay;
   auto const pre = sharding::preset(par.custom_mesh_and_rule);
   lay.mesh = sharding::Mesh::from_ici(par.ici(), world_size, pre.mesh_axes);
@@ -290,6 +288,20 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
     lay.route = ExpertRoute::Ring;
   else
     lay.route = ExpertRoute::RaggedA2A;
+  if (par.num_moe_emb_chunks > 0) {
+    // The chunked token gather overlaps the grouped GEMM of the ring of experts (MaxText:
+    // validate_num_moe_emb_chunks, and 0 whenever EP is 1).
+    require<ConfigError>(par.use_ring_of_experts && lay.route == ExpertRoute::Ring && !lay.dense,
+                         "num_moe_emb_chunks=", par.num_moe_emb_chunks,
+                         " needs the ring of experts with the grouped GEMM "
+                         "(use_ring_of_experts=true, expert parallelism > 1 over the batch, "
+                         "sparse_matmul=true); this layout reaches its experts by ",
+                         to_string(lay.route), lay.dense ? " (dense experts)" : "",
+                         par.use_ring_of_experts ? "" : " without use_ring_of_experts");
+    require<ConfigError>(D % par.num_moe_emb_chunks == 0,
+                         "num_moe_emb_chunks=", par.num_moe_emb_chunks,
+                         " does not divide base_emb_dim=", D);
+  }
   require<ConfigError>(!(par.ragged_buffer_factor > 0 && lay.route != ExpertRoute::RaggedA2A),
                        "ragged_buffer_factor=", par.ragged_buffer_factor,
                        " needs the ragged all-to-all path (expert parallelism without "

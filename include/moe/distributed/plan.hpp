@@ -258,6 +258,14 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
         cfg.capacity_factor > 0 ? "; per-sequence capacity keeps min(S*K, E*C) slots" : "",
         par.ragged_buffer_factor > 0 ? "; the receive buffer caps the rows at int(T*K*factor)"
                                      : ""));
+  if (p.step.emb_chunks > 0)
+    p.notes.push_back(detail::cat(
+        "num_moe_emb_chunks=", p.step.emb_chunks,
+        ": the ring gathers the gate logits for the "
+        "routing, then the tokens in ",
+        p.step.emb_chunks, " non-blocking chunks of ", cfg.base_emb_dim / p.step.emb_chunks,
+        " columns (together the bytes of one token gather), chunk i+1 in flight while the "
+        "first grouped GEMMs of chunk i run; the backward is the ring's"));
   p.notes.push_back(
       "all-reduce bytes are 2*(P-1)/P of the buffer (ring algorithm); count exchanges and error "
       "checks (a few integers per collective call) are not listed");

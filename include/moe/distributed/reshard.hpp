@@ -7,6 +7,7 @@
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/comm_log.hpp>
 #include <moe/comm/communicator.hpp>
+#include <moe/comm/iall_gather.hpp>
 #include <moe/comm/mesh_comm.hpp>
 #include <moe/comm/sent_bytes.hpp>
 #include <moe/detail/scratch.hpp>
@@ -122,6 +123,22 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
   // buf is [P, A, n*C]; out is [A, P, n*C]
   detail::copy_rows(space, "moe::reshard::gather_unpack", buf.data(), out.data(), P * s.A,
                     s.n * s.C, detail::Identity{}, detail::PaToAp{P, s.A});
+}
+
+/// \brief Starts out = in gathered along dimension 0 over the group without blocking (see
+/// comm::iall_gather: call test() on the request while computing, wait() before reading out) and
+/// logs it as the all-gather `what`, with the bytes gather_dim would send.
+template <class ExecSpace, class InV, class OutV>
+auto start_gather_rows(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV const& out,
+                       CommLog* log, std::string const& what) {
+  using T = typename OutV::non_const_value_type;
+  using MS = typename OutV::memory_space;
+  if (log && g.size() > 1)
+    log->add(what, "all-gather", g.axes,
+             comm::sent_bytes::all_gather(detail::bytes_of(in), g.size()));
+  return comm::iall_gather(g.comm, space,
+                           View1<T const, typename InV::memory_space>(in.data(), in.span()),
+                           View1<T, MS>(out.data(), out.span()));
 }
 
 /// \brief out (one block along d) = sum over the group of in's blocks along d (rank order).

@@ -100,11 +100,14 @@ struct WeightSteps {
 /// make_step_plan().
 struct StepPlan {
   ExpertRoute route = ExpertRoute::Local;
-  bool dense = false;                ///< dense masked experts (no sort, no grouped GEMM)
-  std::int64_t tokens = 0;           ///< T: tokens of this rank's batch block
-  std::int64_t work_tokens = 0;      ///< tokens the experts see (ring: T x ep)
-  std::int64_t token_cols = 0;       ///< columns of x / y on this rank: D (EP-TP: D / ep)
-  std::int64_t shared_tokens = 0;    ///< tokens the shared expert sees (EP-as-TP: T x ep)
+  bool dense = false;              ///< dense masked experts (no sort, no grouped GEMM)
+  std::int64_t tokens = 0;         ///< T: tokens of this rank's batch block
+  std::int64_t work_tokens = 0;    ///< tokens the experts see (ring: T x ep)
+  std::int64_t token_cols = 0;     ///< columns of x / y on this rank: D (EP-TP: D / ep)
+  std::int64_t shared_tokens = 0;  ///< tokens the shared expert sees (EP-as-TP: T x ep)
+  /// > 0: the ring forward gathers the tokens in this many D-chunks, overlapped with the first
+  /// grouped GEMMs (num_moe_emb_chunks; see Builder::chunked_ring_forward); 0: one gather.
+  std::int64_t emb_chunks = 0;
   std::vector<WeightSteps> weights;  ///< weights that are moved, in gather order
   std::vector<Stage> forward, backward;
 
@@ -133,6 +136,11 @@ struct StepPlan {
   }
 };
 
+/// Comm-log name of the gather of D-chunk c (0-based) of n on the chunked ring.
+inline std::string chunk_gather_name(std::int64_t c, std::int64_t n) {
+  return "all-gather tokens (ring, chunk " + std::to_string(c + 1) + "/" + std::to_string(n) + ")";
+}
+
 namespace step_detail {
 
 using Axes = std::vector<std::string>;
@@ -160,6 +168,7 @@ class Builder {
     Tw_ = lay.route == ExpertRoute::Ring ? T_ * ep_ : T_;
     shared_group_ =
         lay.route == ExpertRoute::Replicated || lay.route == ExpertRoute::EpTp ? 1 : ep_;
+    chunks_ = lay.route == ExpertRoute::Ring ? par.num_moe_emb_chunks : 0;
     // Balanced routing: every expert gets T*K/E of this rank's slots; per-sequence capacity
     // keeps at most C of them per expert and sequence. Every rank of the expert group sends the
     // same, so this rank receives what it sends (capped by the receive buffer).
@@ -180,13 +189,14 @@ class Builder {
     p.work_tokens = Tw_;
     p.token_cols = Dl_;
     p.shared_tokens = T_ * shared_group_;
+    p.emb_chunks = chunks_;
     weights(p);
     bool const a2a = lay_.route == ExpertRoute::RaggedA2A;
     bool const ep_tp = lay_.route == ExpertRoute::EpTp;
     bool const shared = cfg_.shared_mlp_dim() > 0;
     // ---- forward
     p.forward.push_back(gather_weights(p));
-    if (lay_.route == ExpertRoute::Ring) {
+    if (lay_.route == ExpertRoute::Ring && chunks_ == 0) {
       auto& st =
           stage(p.forward, StageKind::gather_tokens, "moe::dist::gather_tokens", {"x"}, {"x_work"});
       all_gather(st, "all-gather tokens (ring)", lay_.ep_axes, T_ * D_);
@@ -197,6 +207,8 @@ class Builder {
       a2a_forward(p.forward);
     else if (ep_tp)
       ep_tp_forward(p.forward);
+    else if (chunks_ > 0)
+      chunked_ring_forward(p.forward);
     else
       gathered_forward(p.forward);
     if (shared) ep_tp ? ep_tp_shared_forward(p.forward) : shared_forward(p.forward);
@@ -400,8 +412,17 @@ class Builder {
   Stage route() {
     std::vector<Stage> one;
     bool const work = lay_.route == ExpertRoute::Ring || lay_.route == ExpertRoute::EpTp;
-    auto& st = stage(one, StageKind::route, "moe::dist::route",
-                     {work ? "x_work" : "x", "compute.gate", "gate_bias"}, {"routing"});
+    if (chunks_ > 0) {
+      // Chunked ring: each rank's gate logits (full D, own tokens) are gathered instead of its
+      // tokens, which arrive later by chunks; the routing is that of the gathered tokens.
+      auto& st = stage(one, StageKind::route, "moe::dist::route",
+                       {"x", "compute.gate", "gate_bias"}, {"logits_own", "routing"});
+      all_gather(st, "all-gather logits (ring)", lay_.ep_axes, T_ * E_);
+    } else {
+      stage(one, StageKind::route, "moe::dist::route",
+            {work ? "x_work" : "x", "compute.gate", "gate_bias"}, {"routing"});
+    }
+    auto& st = one.back();
     // Statistics are host doubles / int64: 8 bytes whatever the Scalar.
     if (cfg_.load_balance_loss_weight > 0) all_reduce(st, "lb loss", lay_.batch_axes, 1, 8);
     if (cfg_.routed_bias_update_rate > 0) all_reduce(st, "bias counts", lay_.batch_axes, E_, 8);
@@ -468,6 +489,25 @@ class Builder {
     local_experts_forward(f, lay_.route == ExpertRoute::Ring ? "x_work" : "x");
     auto& c = stage(f, StageKind::combine, "moe::dist::combine",
                     {lay_.dense ? "y_work" : "y_local", "routing"}, {"y_work", "y_own", "y_cols"});
+    tokens_reduce(c, "y", D_);
+    reduce_scatter(c, "reduce-scatter y (tensor)", lay_.tp_axes, T_ * Dc_);
+  }
+  // Ring with num_moe_emb_chunks = n (MaxText's moe_emb_chunking): routing comes from the
+  // gathered logits (route()); the dispatch sorts the expert group's slots; one overlapped stage
+  // gathers the tokens in n chunks of D/n columns (non-blocking, chunk i+1 in flight while the
+  // first grouped GEMMs of chunk i accumulate), then runs the activation and the down
+  // projection. The chunk gathers send exactly the bytes of the one-piece gather; combine and
+  // the whole backward are those of the ring (gathered_backward).
+  void chunked_ring_forward(std::vector<Stage>& f) {
+    stage(f, StageKind::dispatch, "moe::dispatch::gathered", {"routing"},
+          {"local_ids", "local_kept"});
+    auto& e = stage(f, StageKind::experts, "moe::dist::experts::chunked",
+                    {"x", "routing", "compute.wi_0", "compute.wi_1", "compute.wo"},
+                    {"x_chunks_own", "x_chunks", "x_local_chunk", "x_local", "y_local"});
+    for (std::int64_t c = 0; c < chunks_; ++c)
+      all_gather(e, chunk_gather_name(c, chunks_), lay_.ep_axes, T_ * (D_ / chunks_));
+    auto& c = stage(f, StageKind::combine, "moe::dist::combine", {"y_local", "routing"},
+                    {"y_work", "y_own", "y_cols"});
     tokens_reduce(c, "y", D_);
     reduce_scatter(c, "reduce-scatter y (tensor)", lay_.tp_axes, T_ * Dc_);
   }
@@ -577,7 +617,8 @@ class Builder {
   std::int64_t s_;
   std::int64_t T_ = 0, Tw_ = 0, D_ = 0, Dc_ = 0, Dl_ = 0, K_ = 0, E_ = 0, ep_ = 1, tp_ = 1;
   std::int64_t shared_group_ = 1, sent_ = 0, recv_ = 0;
-  bool backward_ = false;  ///< phase of the stages being added
+  std::int64_t chunks_ = 0;  ///< D-chunks of the ring's token gather (0: one gather)
+  bool backward_ = false;    ///< phase of the stages being added
 };
 
 }  // namespace step_detail

@@ -45,6 +45,42 @@ class ExpertFfn {
     gmm::gmm(space, Gmm{}, a_, wo, groups, ys, fw);
   }
 
+  /// \brief forward() with the first two GEMMs summed over chunks of D (the columns of xs may
+  /// arrive one chunk at a time): forward_begin(), then forward_chunk() for every chunk and
+  /// every group of the chunk (any order, any split of the groups), then forward_end(). The
+  /// result equals forward()'s up to the order of the sums over D. xs [n,D] is kept for
+  /// backward (its columns must all be written by forward_end()).
+  void forward_begin(ExecSpace const& space, Activation act, view2 xs, std::int64_t F,
+                     std::uint64_t weights_version) {
+    std::int64_t const n = xs.extent(0);
+    xs_ = xs;
+    act_ = act;
+    version_ = weights_version;
+    moe::detail::ensure(space, h0_, "moe::ffn::h0", n, F);
+    moe::detail::ensure(space, h1_, "moe::ffn::h1", n, F);
+    moe::detail::ensure(space, a_, "moe::ffn::act", n, F);
+    Kokkos::deep_copy(space, h0_, Scalar(0));
+    Kokkos::deep_copy(space, h1_, Scalar(0));
+  }
+  /// h0 += xs_c . wi_0_c[g], h1 += xs_c . wi_1_c[g] for the groups [g0, g0 + G) that the
+  /// [G, Dc, F] blocks wi_0_c, wi_1_c (rows of one D-chunk of each expert's weight) cover;
+  /// xs_c [n, Dc] is the same chunk of xs's columns.
+  void forward_chunk(ExecSpace const& space, view2 xs_c, groups_type const& groups, view3 wi_0_c,
+                     view3 wi_1_c, int g0) {
+    moe::detail::Region region("moe::expert_ffn::chunk");
+    gmm::GmmOptions o = options(false, true);
+    o.group_offset = g0;
+    gmm::gmm(space, Gmm{}, xs_c, wi_0_c, groups, h0_, o);
+    gmm::gmm(space, Gmm{}, xs_c, wi_1_c, groups, h1_, o);
+  }
+  /// The activation and the down projection of a chunked forward: ys [n,D].
+  void forward_end(ExecSpace const& space, groups_type const& groups, view3 wo, view2 ys) {
+    moe::detail::Region region("moe::expert_ffn");
+    std::int64_t const n = xs_.extent(0);
+    gated_forward(space, act_, n, cview2(h0_), cview2(h1_), a_);
+    gmm::gmm(space, Gmm{}, a_, wo, groups, ys, options(false, false));
+  }
+
   /// From dys [n,D]: dxs [n,D] (may alias dys) and the weight gradients (overwritten). The
   /// weights must be the forward's (same version).
   void backward(ExecSpace const& space, view2 dys, groups_type const& groups, view3 wi_0,

@@ -578,13 +578,34 @@ class Router {
   void forward(ExecSpace const& space, cview2 x, cview2 gate, cview1 bias, std::int64_t seq_len,
                std::vector<std::uint64_t> const& block_token_offsets, int own) {
     moe::detail::Region region("moe::route");
-    std::int64_t const R = x.extent(0);
+    moe::detail::gemm(space, "N", "N", Scalar(1), x, gate, Scalar(0),
+                      logits_rows(space, x.extent(0)));
+    route_logits(space, bias, seq_len, block_token_offsets, own);
+  }
+
+  /// \brief The buffer of the raw gate logits, shaped [R,E]: fill it (e.g. all-gather rows
+  /// computed elsewhere) and call forward_logits() to route those rows.
+  view2 logits_rows(ExecSpace const& space, std::int64_t R) {
+    moe::detail::ensure(space, st_.logits, "moe::routing::logits", R, cfg_.num_experts);
+    return st_.logits;
+  }
+
+  /// \brief forward() from the logits already in logits_rows(): the same routing, statistics
+  /// and state as forward() on rows whose x . gate are those logits.
+  void forward_logits(ExecSpace const& space, cview1 bias, std::int64_t seq_len,
+                      std::vector<std::uint64_t> const& block_token_offsets, int own) {
+    moe::detail::Region region("moe::route");
+    route_logits(space, bias, seq_len, block_token_offsets, own);
+  }
+
+ private:
+  void route_logits(ExecSpace const& space, cview1 bias, std::int64_t seq_len,
+                    std::vector<std::uint64_t> const& block_token_offsets, int own) {
+    std::int64_t const R = st_.logits.extent(0);
     int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
     blocks_ = int(block_token_offsets.size());
     own_ = own;
     seq_len_ = seq_len;
-    moe::detail::ensure(space, st_.logits, "moe::routing::logits", R, E);
-    moe::detail::gemm(space, "N", "N", Scalar(1), x, gate, Scalar(0), st_.logits);
     if (cfg_.routed_score_func == ScoreFunc::None) {
       st_.scores = st_.logits;
     } else {
@@ -624,6 +645,7 @@ class Router {
     }
   }
 
+ public:
   /// Everything the last forward produced, all blocks.
   state_type const& state() const { return st_; }
   /// The last forward's state restricted to block `own` (the rows whose backward this rank runs).

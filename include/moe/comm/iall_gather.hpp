@@ -1,0 +1,163 @@
+#pragma once
+/// \file
+/// Non-blocking all-gather on Kokkos views: iall_gather starts it and returns an AllGatherRequest
+/// that test() drives and wait() completes. The data moved and the order of the blocks are those
+/// of moe::comm::all_gather (rank order), so a gather split into non-blocking pieces gives the
+/// blocking gather's bytes exactly.
+///
+/// Progress: Open MPI (and most MPIs) run a non-blocking collective only inside MPI calls unless an
+/// asynchronous progress thread is configured, so code that computes while a gather is in flight
+/// should call test() between pieces of its work; that is what lets the transfer overlap it.
+///
+/// Device memory is staged through host buffers unless MOE_ENABLE_GPU_AWARE_MPI is 1 (the send
+/// side is copied when the gather starts, the receive side back when wait() returns).
+
+#include <moe/comm/collectives.hpp>
+#include <moe/comm/communicator.hpp>
+#include <moe/comm/detail/exchange.hpp>
+
+#include <mpi.h>
+#include <Kokkos_Core.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace moe::comm {
+
+/// \brief One all-gather in flight (see iall_gather). Move-only; destroying a request that was
+/// not waited for waits for it (MPI must not write into freed memory), without unstaging.
+template <class T, class InMS, class OutMS>
+class AllGatherRequest {
+ public:
+  AllGatherRequest() = default;
+  AllGatherRequest(AllGatherRequest const&) = delete;
+  AllGatherRequest& operator=(AllGatherRequest const&) = delete;
+  AllGatherRequest(AllGatherRequest&& o) noexcept { *this = std::move(o); }
+  AllGatherRequest& operator=(AllGatherRequest&& o) noexcept {
+    if (this != &o) {
+      abandon();
+      reqs_ = std::move(o.reqs_);
+      o.reqs_.clear();
+      send_ = std::move(o.send_);
+      recv_ = std::move(o.recv_);
+      pending_ = o.pending_;
+      o.pending_ = false;
+    }
+    return *this;
+  }
+  ~AllGatherRequest() { abandon(); }
+
+  /// \brief Lets MPI progress the gather; true once it has completed (then wait() only unstages).
+  bool test() {
+    if (!pending_ || reqs_.empty()) return true;
+    int flag = 0;
+    detail::check_mpi(
+        MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE),
+        "MPI_Testall");
+    if (flag) reqs_.clear();
+    return flag != 0;
+  }
+
+  /// \brief Completes the gather: `out` holds every rank's block when this returns (fenced).
+  template <class ExecSpace>
+  void wait(ExecSpace const& space) {
+    if (!pending_) return;
+    if (!reqs_.empty())
+      detail::check_mpi(
+          MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE),
+          "MPI_Waitall");
+    reqs_.clear();
+    pending_ = false;
+    if (recv_ && recv_->is_staged()) {
+      recv_->finish(space);
+      detail::fence(space, "moe::comm::iall_gather: unstaged");
+    }
+    send_.reset();
+    recv_.reset();
+  }
+
+  /// Whether the gather was started and not yet waited for.
+  bool pending() const { return pending_; }
+
+  /// Internal: started by iall_gather (n rows of `row` elements per rank).
+  template <class ExecSpace>
+  void start(Communicator const& comm, ExecSpace const& space, T const* in, T* out, std::int64_t n,
+             std::int64_t row) {
+    int const P = comm.size();
+    std::int64_t const count = n * row, limit = detail::count_limit();
+    detail::fence(space, "moe::comm::iall_gather: input ready");
+    send_.emplace(
+        detail::MpiRange<T, InMS>::send(space, in, count, "moe::comm::iall_gather::send"));
+    recv_.emplace(detail::MpiRange<T, OutMS>::recv(out, P * count, "moe::comm::iall_gather::recv"));
+    if (send_->is_staged()) detail::fence(space, "moe::comm::iall_gather: staged");
+    T const* s = send_->data();
+    T* r = recv_->data();
+    pending_ = true;
+    MPI_Datatype const type = mpi_type<T>();
+    if (count <= limit && P * count <= limit) {
+      reqs_.resize(1);
+      detail::check_mpi(MPI_Iallgather(s, static_cast<int>(count), type, r, static_cast<int>(count),
+                                       type, comm.get(), reqs_.data()),
+                        "MPI_Iallgather");
+      return;
+    }
+    // Large counts: point-to-point pieces of at most count_limit() elements (self included).
+    auto post = [&](bool is_send, int peer, std::int64_t base) {
+      for (std::int64_t off = 0; off < count; off += limit) {
+        int const len = static_cast<int>(count - off < limit ? count - off : limit);
+        reqs_.emplace_back();
+        if (is_send)
+          detail::check_mpi(
+              MPI_Isend(s + off, len, type, peer, detail::exchange_tag, comm.get(), &reqs_.back()),
+              "MPI_Isend");
+        else
+          detail::check_mpi(MPI_Irecv(r + base + off, len, type, peer, detail::exchange_tag,
+                                      comm.get(), &reqs_.back()),
+                            "MPI_Irecv");
+      }
+    };
+    for (int i = 0; i < P; ++i) post(false, i, i * count);
+    for (int j = 0; j < P; ++j) post(true, j, 0);
+  }
+
+ private:
+  void abandon() noexcept {
+    if (pending_ && !reqs_.empty())
+      MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE);
+    reqs_.clear();
+    pending_ = false;
+  }
+
+  std::vector<MPI_Request> reqs_;
+  // The ranges MPI reads and writes (their staging buffers, when staged, live until wait()).
+  std::optional<detail::MpiRange<T, InMS>> send_;
+  std::optional<detail::MpiRange<T, OutMS>> recv_;
+  bool pending_ = false;
+};
+
+/// \brief Collective (every rank must start it, in the same order as its other collectives):
+/// starts concatenating every rank's `in` along dim 0, in rank order, into `out`, as
+/// moe::comm::all_gather does; `out` is defined once the returned request's wait() returns.
+/// `in` and `out` must stay alive and unchanged (in) / untouched (out) until then.
+/// \param in  [n, ...] on every rank (same shape everywhere; checked collectively, a bad shape
+///            is the same ShapeError on every rank)
+/// \param out [size*n, ...]; must not overlap `in`
+template <class ExecSpace, class InView, class OutView>
+AllGatherRequest<typename OutView::non_const_value_type, typename InView::memory_space,
+                 typename OutView::memory_space>
+iall_gather(Communicator const& comm, ExecSpace const& space, InView const& in,
+            OutView const& out) {
+  moe::detail::Region region("moe::comm::iall_gather");
+  using T = typename OutView::non_const_value_type;
+  auto const [n, row] = detail::check_row_pair<ExecSpace>(
+      comm, "moe::comm::iall_gather", in, out, in, out,
+      "out must be [size*n, ...] with the trailing extents of in, both contiguous and not "
+      "overlapping");
+  AllGatherRequest<T, typename InView::memory_space, typename OutView::memory_space> req;
+  req.start(comm, space, in.data(), out.data(), n, row);
+  return req;
+}
+
+}  // namespace moe::comm
