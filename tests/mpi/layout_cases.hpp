@@ -79,6 +79,18 @@ inline std::vector<LayoutCase> layout_cases(int n) {
        {"routed_bias=true"},
        8,
        {0, 0, 0, 0, 0, 0, 50.0, 40.0}},
+      // The dense path with `expert` peeled off the dispatch batch dimension: all-to-all.
+      {"dense_ep_no_exp_batch",
+       {"ici_expert_parallelism=-1", "moe_dispatch_no_expert_sharding=true"},
+       {"sparse_matmul=false"}},
+      {"dense_ep_no_exp_batch_skewed",
+       {"ici_expert_parallelism=-1", "moe_dispatch_no_expert_sharding=true"},
+       {"sparse_matmul=false", "routed_bias=true"},
+       8,
+       {50.0, 40.0}},
+      // MaxText's shard_exp_on_fsdp / use_2d_fsdp_sharding kernel axes.
+      {"shard_exp_on_fsdp_key", {"ici_fsdp_parallelism=-1", "shard_exp_on_fsdp=true"}, {}},
+      {"fsdp_2d", {"ici_fsdp_parallelism=-1", "use_2d_fsdp_sharding=true"}, {}},
   };
   // A receive cap large enough for every row (MaxText allows the cap only with EP > 1).
   if (n > 1) {
@@ -139,6 +151,34 @@ inline std::vector<LayoutCase> layout_cases(int n) {
         {"ep2_tp2_capacity_half",
          {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"},
          {"capacity_factor=0.5"}},
+        {"dense_ep2_tp2_no_exp_batch",
+         {"ici_expert_parallelism=2", "ici_tensor_parallelism=2",
+          "moe_dispatch_no_expert_sharding=true"},
+         {"sparse_matmul=false"}},
+        {"dense_ep2_fsdp2_no_exp_batch_capacity",
+         {"ici_expert_parallelism=2", "ici_fsdp_parallelism=2",
+          "moe_dispatch_no_expert_sharding=true"},
+         {"sparse_matmul=false", "capacity_factor=1.0"}},
+        {"dense_ep2_dp2_no_exp_batch_deepseek",
+         {"ici_expert_parallelism=2", "ici_data_parallelism=2",
+          "moe_dispatch_no_expert_sharding=true"},
+         {"sparse_matmul=false", "decoder_block=deepseek", "routed_score_func=sigmoid",
+          "routed_bias=true", "n_routing_groups=4", "topk_routing_group=2",
+          "routed_bias_update_rate=0.01"}},
+        {"shard_exp_on_fsdp_key_fsdp2_fsdpt2",
+         {"ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=2", "shard_exp_on_fsdp=true"},
+         {}},
+        {"shard_exp_on_fsdp_key_fsdp2_tp2_dense",
+         {"ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "shard_exp_on_fsdp=true"},
+         {"sparse_matmul=false"}},
+        {"fsdp2_fsdpt2_2d",
+         {"ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=2",
+          "use_2d_fsdp_sharding=true"},
+         {}},
+        {"fsdp2_fsdpt2_2d_two_stage",
+         {"ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=2", "use_2d_fsdp_sharding=true",
+          "moe_fsdp_use_two_stage_all_gather=true"},
+         {}},
     };
     v.insert(v.end(), mix.begin(), mix.end());
   }

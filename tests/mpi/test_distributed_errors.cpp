@@ -117,6 +117,19 @@ TEST(DistributedErrors, MlpDimNotDivisibleByTensorDegree) {
                      "[tensor] = " + std::to_string(n)});
 }
 
+TEST(DistributedErrors, ExpertWeightsWholeOnEveryRankNeedNoExpertAxis) {
+  int const n = world_size();
+  if (n < 2) GTEST_SKIP() << "needs an expert degree > 1";
+  for (char const* key : {"shard_exp_on_fsdp", "use_2d_fsdp_sharding"}) {
+    moe::ParallelConfig par;
+    par.ici_expert_parallelism = -1;
+    par.set(key, "true");
+    expect_everywhere(construct(small_config(), par, 8), "ConfigError",
+                      {std::string(key) + "=true", "expert mesh axis of size 1",
+                       "(it is " + std::to_string(n) + ")"});
+  }
+}
+
 TEST(DistributedErrors, GlobalBatchNotDivisibleByItsAxes) {
   int const n = world_size();
   if (n < 2) GTEST_SKIP() << "needs a batch split > 1";

@@ -55,6 +55,10 @@ LayerPlan plan(int ranks, Names const& layout, Names const& layer = {}, std::int
   return moe::make_plan(layer_config(layer), parallel_config(layout), ranks, rank, batch, 4);
 }
 
+std::string sharding_json(moe::sharding::PartitionSpec const& s) {
+  return moe::sharding::to_json(s);
+}
+
 /// "F all-gather [fsdp] gather wi_0" per collective.
 Names signature(LayerPlan const& p) {
   Names out;
@@ -203,6 +207,24 @@ TEST(Plan, EveryLayoutOfTheLayerTestIsConsistent) {
       {{"ici_expert_parallelism=4", "use_ring_of_experts=true", "num_moe_emb_chunks=4"}, {}, 8, 4},
       {{"ici_expert_parallelism=2", "ici_tensor_parallelism=2", "use_ring_of_experts=true",
         "num_moe_emb_chunks=8"},
+       {},
+       8,
+       4},
+      {{"ici_expert_parallelism=-1", "moe_dispatch_no_expert_sharding=true"},
+       {"sparse_matmul=false"},
+       8,
+       0},
+      {{"ici_expert_parallelism=2", "ici_tensor_parallelism=2",
+        "moe_dispatch_no_expert_sharding=true"},
+       {"sparse_matmul=false"},
+       8,
+       4},
+      {{"ici_fsdp_parallelism=-1", "shard_exp_on_fsdp=true"}, {}, 8, 0},
+      {{"ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "shard_exp_on_fsdp=true"},
+       {"sparse_matmul=false"},
+       8,
+       4},
+      {{"ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=2", "use_2d_fsdp_sharding=true"},
        {},
        8,
        4},
@@ -560,6 +582,181 @@ TEST(Plan, ShardExpOnFsdpGathersTheExpertDim) {
   EXPECT_EQ(bytes_of(p, "reduce-scatter d_wi_0", true), 4 * 16 * 8 * 4);
 }
 
+// moe_dispatch_no_expert_sharding on the shapes of the models MaxText's PR #4179 targets (and
+// DeepSeek-V3, which it leaves alone): the key moves the dense path from the all-gather /
+// reduce-scatter fallback to the expert-parallel all-to-all and touches no other spec.
+struct ModelShape {
+  char const* name;
+  int E, K, D, F;
+};
+class DispatchKey : public ::testing::TestWithParam<ModelShape> {};
+
+TEST_P(DispatchKey, ShardsTheExpertDimNotTheBatch) {
+  auto const m = GetParam();
+  moe::LayerConfig cfg;
+  cfg.num_experts = m.E;
+  cfg.num_experts_per_tok = m.K;
+  cfg.base_emb_dim = m.D;
+  cfg.base_moe_mlp_dim = m.F;
+  moe::LayerConfig sparse = cfg;
+  cfg.sparse_matmul = false;
+  // 8-way expert parallelism, alone and beside 2-way FSDP.
+  for (Names layout : {Names{"ici_expert_parallelism=8"},
+                       Names{"ici_expert_parallelism=8", "ici_fsdp_parallelism=2"}}) {
+    int const ranks = layout.size() == 1 ? 8 : 16;
+    SCOPED_TRACE(layout.back());
+    auto const off = parallel_config(layout);
+    layout.push_back("moe_dispatch_no_expert_sharding=true");
+    auto const on = parallel_config(layout);
+    for (int r : {0, ranks - 1}) {
+      auto const a = moe::make_plan(cfg, off, ranks, r, 2 * ranks, 16);
+      auto const b = moe::make_plan(cfg, on, ranks, r, 2 * ranks, 16);
+      // Unset: the joint resolution, batch double-mapping `expert`, expert dim unsharded.
+      EXPECT_EQ(sharding_json(a.layout.dispatch_spec),
+                "[null, [\"data\", \"fsdp\", \"fsdp_transpose\", \"expert\"], null, "
+                "\"tensor\"]");
+      EXPECT_EQ(a.layout.dispatch_spec, a.layout.rules.resolve(a.dispatch_logical));
+      EXPECT_EQ(a.layout.route, moe::ExpertRoute::Ring);
+      EXPECT_FALSE(a.warnings.empty());
+      // Set: expert dim on `expert`, batch dim without it.
+      EXPECT_EQ(b.layout.dispatch_spec[0], Names{"expert"});
+      EXPECT_EQ(
+          std::count(b.layout.dispatch_spec[1].begin(), b.layout.dispatch_spec[1].end(), "expert"),
+          0);
+      EXPECT_EQ(b.layout.dispatch_spec, b.dispatch_repaired);
+      EXPECT_EQ(b.layout.route, moe::ExpertRoute::RaggedA2A);
+      EXPECT_TRUE(b.warnings.empty()) << b.warnings[0];
+      // Every other spec and block is the same either way.
+      EXPECT_EQ(a.layout.token_spec, b.layout.token_spec);
+      EXPECT_EQ(a.layout.batch_axes, b.layout.batch_axes);
+      EXPECT_EQ(a.layout.ep_axes, b.layout.ep_axes);
+      ASSERT_EQ(a.tensors.size(), b.tensors.size());
+      for (std::size_t i = 0; i < a.tensors.size(); ++i) {
+        auto const &ta = a.tensors[i], &tb = b.tensors[i];
+        SCOPED_TRACE(ta.name);
+        EXPECT_EQ(ta.spec, tb.spec);
+        EXPECT_EQ(ta.local_shape, tb.local_shape);
+        EXPECT_EQ(ta.offset, tb.offset);
+        if (ta.name != "x" && ta.name != "y") {
+          EXPECT_EQ(ta.compute_shape, tb.compute_shape);
+        }
+      }
+      // The all-to-all path is the sparse path's, collective for collective; the fallback
+      // all-gathers the tokens instead.
+      auto const sb = moe::make_plan(sparse, on, ranks, r, 2 * ranks, 16);
+      EXPECT_EQ(signature(b), signature(sb));
+      for (std::size_t i = 0; i < b.collectives.size(); ++i)
+        EXPECT_EQ(b.collectives[i].bytes, sb.collectives[i].bytes) << b.collectives[i].what;
+      EXPECT_EQ(signature(sb), signature(moe::make_plan(sparse, off, ranks, r, 2 * ranks, 16)));
+      auto const has = [](LayerPlan const& p, std::string const& what) {
+        return std::any_of(p.collectives.begin(), p.collectives.end(),
+                           [&](auto const& c) { return c.what == what; });
+      };
+      EXPECT_TRUE(has(b, "dispatch") && has(b, "combine"));
+      EXPECT_FALSE(has(b, "all-gather tokens (ring)"));
+      EXPECT_TRUE(has(a, "all-gather tokens (ring)"));
+      EXPECT_FALSE(has(a, "dispatch"));
+      EXPECT_NE(a.step_bytes(), b.step_bytes());
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, DispatchKey,
+                         ::testing::Values(ModelShape{"mixtral_8x7b", 8, 2, 4096, 14336},
+                                           ModelShape{"mixtral_8x22b", 8, 2, 6144, 16384},
+                                           ModelShape{"deepseek3_671b", 256, 8, 7168, 2048}),
+                         [](auto const& info) { return std::string(info.param.name); });
+
+TEST(Plan, DispatchKeyLeavesOtherLayoutsAlone) {
+  // Without expert parallelism, on the sparse path, on the ring and with a replicated (decode)
+  // batch the key changes nothing but the printed spec in effect.
+  std::vector<std::pair<Names, Names>> const same = {
+      {{"ici_fsdp_parallelism=-1"}, {"sparse_matmul=false"}},
+      {{"ici_expert_parallelism=-1"}, {}},
+      {{"ici_expert_parallelism=-1", "use_ring_of_experts=true"}, {}},
+      {{"ici_expert_parallelism=2", "ici_tensor_parallelism=2"}, {}},
+  };
+  for (auto const& [layout, layer] : same) {
+    auto with = layout;
+    with.push_back("moe_dispatch_no_expert_sharding=true");
+    auto const a = plan(4, layout, layer), b = plan(4, with, layer);
+    EXPECT_EQ(a.layout.route, b.layout.route) << layout[0];
+    EXPECT_EQ(signature(a), signature(b)) << layout[0];
+    EXPECT_EQ(a.step_bytes(), b.step_bytes()) << layout[0];
+  }
+  auto const a = plan(4, {"ici_expert_parallelism=-1"}, {"sparse_matmul=false"}, 1);
+  auto const b = plan(4, {"ici_expert_parallelism=-1", "moe_dispatch_no_expert_sharding=true"},
+                      {"sparse_matmul=false"}, 1);
+  EXPECT_EQ(b.layout.route, moe::ExpertRoute::Replicated);
+  EXPECT_EQ(signature(a), signature(b));
+  // The text and JSON name the spec in effect.
+  auto const p = plan(2, {"ici_expert_parallelism=-1", "moe_dispatch_no_expert_sharding=true"},
+                      {"sparse_matmul=false"});
+  EXPECT_NE(p.to_text().find("in effect [expert, (data,fsdp,fsdp_transpose), -, tensor]"),
+            std::string::npos)
+      << p.to_text();
+  auto const j = nlohmann::json::parse(p.to_json());
+  EXPECT_EQ(j["dispatch"]["in_effect"][0], "expert");
+  EXPECT_EQ(j["expert_route"], "ragged_all_to_all");
+}
+
+TEST(Plan, ShardExpOnFsdpKeyStoresTheExpertDimUnderEmbedMoe) {
+  // MaxText's kernel axes (embed_moe, None, mlp_moe): E on fsdp (embed_moe's fallback, as
+  // mlp_moe holds fsdp_transpose), every expert computed on every rank.
+  auto const p = plan(4, {"ici_fsdp_parallelism=-1", "shard_exp_on_fsdp=true"});
+  EXPECT_EQ(p.tensor("wi_0").logical,
+            (moe::sharding::LogicalAxes{"embed_moe", std::nullopt, "mlp_moe"}));
+  EXPECT_EQ(p.tensor("wo").logical,
+            (moe::sharding::LogicalAxes{"embed_moe", "mlp_moe", std::nullopt}));
+  EXPECT_EQ(p.layout.route, moe::ExpertRoute::Local);
+  expect_shapes(p, "wi_0", {2, 16, 8}, {8, 16, 8});
+  expect_shapes(p, "wo", {2, 8, 16}, {8, 8, 16});
+  EXPECT_EQ(p.tensor("wi_0").gathered, (std::vector<Names>{{"fsdp"}, {}, {}}));
+  EXPECT_EQ(bytes_of(p, "gather wi_0"), 2 * 16 * 8 * 4 * 3);
+  EXPECT_EQ(bytes_of(p, "reduce-scatter d_wi_0", true), 2 * 16 * 8 * 4 * 3);
+  // The default kernel axes gather D instead: same bytes, other dimension.
+  auto const d = plan(4, {"ici_fsdp_parallelism=-1"});
+  EXPECT_EQ(d.tensor("wi_0").gathered, (std::vector<Names>{{}, {"fsdp"}, {}}));
+  // With fsdp_transpose the F dim is gathered over it as well; tensor slices F in compute.
+  auto const t = plan(
+      4, {"ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=2", "shard_exp_on_fsdp=true"});
+  expect_shapes(t, "wi_0", {4, 16, 4}, {8, 16, 8});
+  EXPECT_EQ(t.tensor("wi_0").gathered, (std::vector<Names>{{"fsdp"}, {}, {"fsdp_transpose"}}));
+  auto const tp =
+      plan(4, {"ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "shard_exp_on_fsdp=true"});
+  expect_shapes(tp, "wi_0", {4, 16, 4}, {8, 16, 4});
+  EXPECT_EQ(tp.layout.tp_axes, Names{"tensor"});
+  EXPECT_EQ(tp.tensor("wi_0").gathered, (std::vector<Names>{{"fsdp"}, {}, {}}));
+}
+
+TEST(Plan, TwoDimFsdpKeyShardsExpertsOnFsdpAndTheInnerDimOnFsdpTranspose) {
+  // MaxText's use_2d_fsdp_sharding kernel axes (embed_moe, mlp_moe, None) for wi and wo alike.
+  auto const p = plan(4, {"ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=2",
+                          "use_2d_fsdp_sharding=true"});
+  expect_shapes(p, "wi_0", {4, 8, 8}, {8, 16, 8});
+  expect_shapes(p, "wo", {4, 4, 16}, {8, 8, 16});
+  EXPECT_EQ(p.tensor("wi_0").gathered, (std::vector<Names>{{"fsdp"}, {"fsdp_transpose"}, {}}));
+  EXPECT_EQ(p.tensor("wo").gathered, (std::vector<Names>{{"fsdp"}, {"fsdp_transpose"}, {}}));
+  // Each expert-weight dimension is gathered over one axis: two-stage gathering changes nothing
+  // for them (the gate, on (fsdp, fsdp_transpose), is gathered in two stages).
+  auto const two = plan(4, {"ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=2",
+                            "use_2d_fsdp_sharding=true", "moe_fsdp_use_two_stage_all_gather=true"});
+  for (char const* w : {"wi_0", "wi_1", "wo"}) {
+    auto const &a = p.step.weight(w), &b = two.step.weight(w);
+    ASSERT_EQ(a.to_compute.size(), 2u) << w;
+    ASSERT_EQ(b.to_compute.size(), 2u) << w;
+    for (std::size_t i = 0; i < 2; ++i) EXPECT_EQ(a.to_compute[i].axes, b.to_compute[i].axes) << w;
+  }
+  EXPECT_EQ(two.step_bytes(), p.step_bytes());
+  // shard_exp_on_fsdp wins when both are set (MaxText's if / elif).
+  auto const both =
+      plan(4, {"ici_fsdp_parallelism=-1", "shard_exp_on_fsdp=true", "use_2d_fsdp_sharding=true"});
+  EXPECT_EQ(both.tensor("wo").logical,
+            (moe::sharding::LogicalAxes{"embed_moe", "mlp_moe", std::nullopt}));
+  EXPECT_EQ(both.tensor("wi_0").logical,
+            (moe::sharding::LogicalAxes{"embed_moe", std::nullopt, "mlp_moe"}));
+}
+
 TEST(Plan, FourRankMixes) {
   auto const ep_tp = plan(4, {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"});
   EXPECT_EQ(ep_tp.layout.route, moe::ExpertRoute::RaggedA2A);
@@ -595,6 +792,9 @@ TEST(Plan, FourRankMixes) {
 }
 
 TEST(Plan, DispatchWarningOfSemantics113) {
+  // With the key set the repair is in effect: nothing to warn about.
+  EXPECT_TRUE(plan(2, {"ici_expert_parallelism=-1", "moe_dispatch_no_expert_sharding=true"})
+                  .warnings.empty());
   auto const p = plan(2, {"ici_expert_parallelism=-1"});
   ASSERT_EQ(p.warnings.size(), 1u);
   auto const& w = p.warnings[0];
@@ -634,6 +834,40 @@ TEST(Plan, ErrorsAreTheLayersErrors) {
   expect_error([] { plan(2, {"ici_data_parallelism=-1"}, {}, 8, 2); }, {"rank 2"});
   expect_error([] { moe::make_plan(layer_config(), moe::ParallelConfig(), 1, 0, 8, 4, 2); },
                {"scalar_bytes=2"});
+  // Every expert computed on every rank leaves no expert axis to route over.
+  expect_error(
+      [] {
+        plan(4, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "shard_exp_on_fsdp=true"});
+      },
+      {"shard_exp_on_fsdp=true", "expert mesh axis of size 1", "(it is 2)"});
+  expect_error(
+      [] {
+        plan(2, {"ici_expert_parallelism=-1", "use_2d_fsdp_sharding=true"});
+      },
+      {"use_2d_fsdp_sharding=true", "expert mesh axis of size 1"});
+  // use_2d_fsdp_sharding computes wi's embedding dimension over mlp_no_fsdp (tensor).
+  expect_error(
+      [] {
+        plan(4,
+             {"ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "use_2d_fsdp_sharding=true"});
+      },
+      {"use_2d_fsdp_sharding=true", "embedding dimension over mesh axes [tensor]",
+       "set those ici_* degrees to 1"});
+  // The experts' dimension is stored over fsdp: E must divide.
+  expect_error(
+      [] {
+        plan(16, {"ici_fsdp_parallelism=-1", "shard_exp_on_fsdp=true"}, {}, 16);
+      },
+      {"num_experts=8", "not divisible", "[fsdp] = 16"});
+  // The dense all-to-all has no receive buffer to cap (MaxText's dense path has none).
+  expect_error(
+      [] {
+        plan(2,
+             {"ici_expert_parallelism=-1", "moe_dispatch_no_expert_sharding=true",
+              "ragged_buffer_factor=2.0"},
+             {"sparse_matmul=false"});
+      },
+      {"ragged_buffer_factor=2", "sparse_matmul=true"});
 }
 
 TEST(Plan, JsonAndTextAgree) {

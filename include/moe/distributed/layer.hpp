@@ -12,13 +12,16 @@
 ///    axis instead (decode).
 ///  * Weights are stored in the blocks their resolved specs give (keeping what MaxText keeps) and,
 ///    per step, gathered over the axes the compute spec drops (FSDP, fsdp_transpose, the fsdp part
-///    of shard-exp-on-fsdp) and sliced over axes the compute spec adds (EP-as-TP for the shared
+///    of shard-exp-on-fsdp, the expert dimension under shard_exp_on_fsdp / use_2d_fsdp_sharding)
+///    and sliced over axes the compute spec adds (EP-as-TP for the shared
 ///    expert). Their gradients take the transposed path: all-gather <-> reduce-scatter, slice <->
 ///    all-gather; contributions of ranks that hold other tokens are summed.
 ///  * Routed experts: with the batch split over the expert axis the rows travel by ragged
 ///    all-to-all (dispatch, local permute, grouped GEMMs, reverse); with `use_ring_of_experts`,
-///    a replicated batch, or the dense path the tokens are all-gathered over the expert axis and
-///    the partial outputs reduce-scattered back. Tensor parallelism splits the expert hidden dim;
+///    a replicated batch, or the dense path whose dispatch spec lets the batch claim `expert`
+///    (the default; `moe_dispatch_no_expert_sharding` peels it off and the dense path takes the
+///    all-to-all) the tokens are all-gathered over the expert axis and the partial outputs
+///    reduce-scattered back. Tensor parallelism splits the expert hidden dim;
 ///    partial down-projections are reduce-scattered over `tensor`.
 ///  * The load-balance loss and the bias update are global: their statistics are summed over all
 ///    ranks that hold different tokens.

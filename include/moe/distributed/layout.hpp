@@ -86,6 +86,44 @@ inline std::string join(std::vector<std::string> const& v) {
   return s.empty() ? "none" : s;
 }
 
+/// Logical names of the dense-path dispatch tensor [E, B, C, D] (MaxText's `dispatch_axis`).
+inline sharding::LogicalAxes dispatch_logical() {
+  return {"activation_exp", "activation_batch_moe", std::nullopt, "activation_embed_moe"};
+}
+
+/// Logical axes of the expert weights as stored (MaxText's kernel axes) and as computed (the
+/// shard_map in-specs), and the mesh axes stripped from the latter.
+struct ExpertWeightAxes {
+  sharding::LogicalAxes wi, wo, wi_compute, wo_compute;
+  std::vector<std::string> strip;
+};
+/// MaxText's choice (layers/moe.py): `shard_exp_on_fsdp` stores the expert dimension under
+/// `embed_moe` ([E, D, F] as (embed_moe, None, mlp_moe)) and computes every expert with F on
+/// `mlp_no_fsdp`; otherwise `use_2d_fsdp_sharding` stores (embed_moe, mlp_moe, None) for wi and
+/// wo alike and computes (None, mlp_no_fsdp, None); by default (exp, embed_moe, mlp_moe) is
+/// computed as (exp, None, mlp_no_fsdp) with `fsdp` stripped (MaxText strips `fsdp` only:
+/// `fsdp_transpose` never resolves into these in-specs with its rules).
+inline ExpertWeightAxes expert_weight_axes(ParallelConfig const& par) {
+  using std::nullopt;
+  if (par.shard_exp_on_fsdp)
+    return {{"embed_moe", nullopt, "mlp_moe"},
+            {"embed_moe", "mlp_moe", nullopt},
+            {nullopt, nullopt, "mlp_no_fsdp"},
+            {nullopt, "mlp_no_fsdp", nullopt},
+            {}};
+  if (par.use_2d_fsdp_sharding)
+    return {{"embed_moe", "mlp_moe", nullopt},
+            {"embed_moe", "mlp_moe", nullopt},
+            {nullopt, "mlp_no_fsdp", nullopt},
+            {nullopt, "mlp_no_fsdp", nullopt},
+            {}};
+  return {{"exp", "embed_moe", "mlp_moe"},
+          {"exp", "mlp_moe", "embed_moe"},
+          {"exp", nullopt, "mlp_no_fsdp"},
+          {"exp", "mlp_no_fsdp", nullopt},
+          {"fsdp"}};
+}
+
 }  // namespace layout_detail
 
 /// \brief Everything about one rank's share of the layer that follows from the configuration.
@@ -105,6 +143,14 @@ struct Layout {
   std::int64_t local_experts = 0, first_expert = 0;  ///< L = E / ep and this rank's first expert
   ExpertRoute route = ExpertRoute::Local;
   bool dense = false;  ///< dense masked expert path (every local expert on every token)
+  /// The dense-path dispatch tensor `(activation_exp, activation_batch_moe, None,
+  /// activation_embed_moe)` as MaxText resolves it: jointly, or with
+  /// `moe_dispatch_no_expert_sharding` per dimension with `expert` peeled off the batch dimension
+  /// (sharding::resolve_dispatch). With expert parallelism the dense path follows it: expert
+  /// dimension on the expert axes and batch dimension off them -> the expert-parallel all-to-all
+  /// (ExpertRoute::RaggedA2A); the batch dimension claiming an expert axis -> the all-gather /
+  /// reduce-scatter fallback (ExpertRoute::Ring).
+  sharding::PartitionSpec dispatch_spec;
   std::vector<WeightLayout> weights;
 
   /// Size of a mesh axis (1 for an axis the mesh does not have).
@@ -175,11 +221,6 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   cfg.validate();
   par.validate();
   // Keys accepted by the parser whose layouts are not built yet: refused, never ignored.
-  require<ConfigError>(!par.moe_dispatch_no_expert_sharding,
-                       "moe_dispatch_no_expert_sharding=true is not implemented yet");
-  require<ConfigError>(!par.shard_exp_on_fsdp, "shard_exp_on_fsdp=true is not implemented yet");
-  require<ConfigError>(!par.use_2d_fsdp_sharding,
-                       "use_2d_fsdp_sharding=true is not implemented yet");
   require<ConfigError>(par.expert_shard_attention_option != "context",
                        "expert_shard_attention_option=context is not supported: it splits the "
                        "sequence over the expert axis, and the MoE layer has no sequence "
@@ -211,15 +252,31 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
                        "layer; set those ici_* degrees to 1");
   lay.batch_axes = dimaxes(xs, 0);
   auto const emb_over = dimaxes(xs, 2);  // the tensor axes there are ignored, as ever
-  // Expert weights.
-  sharding::LogicalAxes const wi_l = {"exp", "embed_moe", "mlp_moe"};
-  sharding::LogicalAxes const wo_l = {"exp", "mlp_moe", "embed_moe"};
+  // Expert weights: stored under their kernel axes, computed under the shard_map in-specs.
+  auto const ew = layout_detail::expert_weight_axes(par);
+  auto const& wi_l = ew.wi;
+  auto const& wo_l = ew.wo;
   auto const wi_st = resolve(wi_l);
   auto const wo_st = resolve(wo_l);
-  auto const wi_cp =
-      sharding::remove_mesh_axes(resolve({"exp", std::nullopt, "mlp_no_fsdp"}), {"fsdp"});
-  auto const wo_cp =
-      sharding::remove_mesh_axes(resolve({"exp", "mlp_no_fsdp", std::nullopt}), {"fsdp"});
+  auto const wi_cp = sharding::remove_mesh_axes(resolve(ew.wi_compute), ew.strip);
+  auto const wo_cp = sharding::remove_mesh_axes(resolve(ew.wo_compute), ew.strip);
+  if (par.shard_exp_on_fsdp || par.use_2d_fsdp_sharding) {
+    // The compute specs leave the expert dimension whole: there is no expert axis to route over
+    // (MaxText's validate_shard_expert_on_fsdp requires ici_expert_parallelism = 1 too).
+    char const* const key =
+        par.shard_exp_on_fsdp ? "shard_exp_on_fsdp=true" : "use_2d_fsdp_sharding=true";
+    auto const expert = lay.mesh.size("expert");
+    require<ConfigError>(expert == 1, key, " needs an expert mesh axis of size 1 (it is ", expert,
+                         "): the expert weights are computed with every expert on every rank "
+                         "(in-spec ",
+                         sharding::to_json(wi_cp), "), so no expert axis is left to route over");
+    // use_2d_fsdp_sharding computes wi as (None, mlp_no_fsdp, None): the tensor axis would split
+    // wi's embedding dimension, which the layer's input keeps whole.
+    require<ConfigError>(par.shard_exp_on_fsdp || dimaxes(wi_cp, 1).empty(), key,
+                         " splits wi's embedding dimension over mesh axes [",
+                         join(dimaxes(wi_cp, 1)), "] (in-spec ", sharding::to_json(wi_cp),
+                         ") while the layer's input keeps it whole; set those ici_* degrees to 1");
+  }
   lay.ep_axes = dimaxes(wi_cp, 0);
   lay.tp_axes = dimaxes(wi_cp, 2);
   auto const& ep_axes = lay.ep_axes;
@@ -278,13 +335,21 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   lay.batch_index = lay.shard_index(batch_axes);
   bool const tokens_over_ep = all_ep_in_batch();
   lay.dense = dense_gmm || !cfg.sparse_matmul;
+  lay.dispatch_spec = sharding::resolve_dispatch(lay.rules, layout_detail::dispatch_logical(),
+                                                 par.moe_dispatch_no_expert_sharding);
+  // The dense path goes expert-parallel when its dispatch spec puts the expert dimension on the
+  // expert axes and keeps them off the batch dimension; else it falls back to gathering tokens.
+  bool const dense_a2a = lay.big(lay.dispatch_spec[0]) == ep_axes &&
+                         std::none_of(ep_axes.begin(), ep_axes.end(), [&](auto const& a) {
+                           return contains(lay.dispatch_spec[1], a);
+                         });
   if (ep == 1)
     lay.route = ExpertRoute::Local;
   else if (!lay.emb_axes.empty())
     lay.route = ExpertRoute::EpTp;
   else if (!tokens_over_ep)
     lay.route = ExpertRoute::Replicated;
-  else if (par.use_ring_of_experts || lay.dense)
+  else if (par.use_ring_of_experts || (lay.dense && !dense_a2a))
     lay.route = ExpertRoute::Ring;
   else
     lay.route = ExpertRoute::RaggedA2A;
@@ -302,10 +367,11 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
                          "num_moe_emb_chunks=", par.num_moe_emb_chunks,
                          " does not divide base_emb_dim=", D);
   }
-  require<ConfigError>(!(par.ragged_buffer_factor > 0 && lay.route != ExpertRoute::RaggedA2A),
-                       "ragged_buffer_factor=", par.ragged_buffer_factor,
-                       " needs the ragged all-to-all path (expert parallelism without "
-                       "use_ring_of_experts, sparse_matmul=true)");
+  require<ConfigError>(
+      !(par.ragged_buffer_factor > 0 && (lay.route != ExpertRoute::RaggedA2A || lay.dense)),
+      "ragged_buffer_factor=", par.ragged_buffer_factor,
+      " needs the ragged all-to-all path (expert parallelism without "
+      "use_ring_of_experts, sparse_matmul=true)");
   // Weight layouts.
   auto make = [&](std::string name, sharding::LogicalAxes logical,
                   sharding::PartitionSpec const& st, sharding::PartitionSpec const& cp,

@@ -264,7 +264,7 @@ class LayerBuffers {
                                                 checked_mul(E_, cfg_.capacity(S_), "capacity")),
                          "kept slots");
 
-    if (lay_.dense) {
+    if (lay_.dense && !a2a) {  // the dense path on the all-to-all sorts like the sparse one
       dense_rows();
       return;
     }

@@ -78,6 +78,7 @@ struct LayerPlan {
   sharding::LogicalAxes dispatch_logical;     ///< the dense dispatch tensor's logical names
   sharding::PartitionSpec dispatch_joint;     ///< resolved jointly (MaxText's default)
   sharding::PartitionSpec dispatch_repaired;  ///< with moe_dispatch_no_expert_sharding
+  sharding::PartitionSpec dispatch_spec;      ///< the one in effect (the layout's, by the key)
   std::vector<std::string> notes;             ///< assumptions behind the byte counts
   std::vector<std::string> warnings;          ///< layout problems worth fixing
 
@@ -273,13 +274,13 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
   // SEMANTICS §1.13: the dense dispatch tensor resolved jointly lets the batch dimension claim
   // `expert` (activation_batch_moe precedes activation_exp), leaving the expert dimension
   // unsharded.
-  p.dispatch_logical = {"activation_exp", "activation_batch_moe", std::nullopt,
-                        "activation_embed_moe"};
+  p.dispatch_logical = distributed::layout_detail::dispatch_logical();
   p.dispatch_joint = sharding::resolve_dispatch(lay.rules, p.dispatch_logical, false);
   p.dispatch_repaired = sharding::resolve_dispatch(lay.rules, p.dispatch_logical, true);
+  p.dispatch_spec = lay.dispatch_spec;
   int const expert_size = lay.mesh.size("expert");
-  if (expert_size > 1 && contains(p.dispatch_joint[1], "expert") &&
-      lay.big(p.dispatch_joint[0]).empty())
+  if (!par.moe_dispatch_no_expert_sharding && expert_size > 1 &&
+      contains(p.dispatch_joint[1], "expert") && lay.big(p.dispatch_joint[0]).empty())
     p.warnings.push_back(detail::cat(
         "dense dispatch tensor ", plan_detail::logical_text(p.dispatch_logical),
         " resolves jointly to ", sharding::to_json(p.dispatch_joint),
@@ -287,7 +288,8 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
         ") and its expert dimension is unsharded, so the dense-path dispatch (sparse_matmul=false)"
         " would become an all-gather + reduce-scatter over 'expert' instead of splitting the "
         "experts (SEMANTICS 1.13); moe_dispatch_no_expert_sharding=true (resolve each dimension "
-        "on its own, then strip 'expert' from the batch dimension) fixes it: ",
+        "on its own, then strip 'expert' from the batch dimension; the dense path then runs the "
+        "expert-parallel all-to-all) fixes it: ",
         sharding::to_json(p.dispatch_repaired)));
   return p;
 }
@@ -384,7 +386,7 @@ inline std::string LayerPlan::to_text() const {
   line("");
   line(detail::cat("dense dispatch ", logical_text(dispatch_logical), ": joint ",
                    spec_text(dispatch_joint), ", with moe_dispatch_no_expert_sharding ",
-                   spec_text(dispatch_repaired)));
+                   spec_text(dispatch_repaired), "; in effect ", spec_text(dispatch_spec)));
   for (auto const& n : notes) line("note: " + n);
   for (auto const& w : warnings) line("WARNING: " + w);
   return o;
@@ -446,6 +448,7 @@ inline std::string LayerPlan::to_json() const {
                    "}, \"dispatch\": {\"logical\": ", json_logical(dispatch_logical),
                    ", \"joint\": ", sharding::to_json(dispatch_joint),
                    ", \"repaired\": ", sharding::to_json(dispatch_repaired),
+                   ", \"in_effect\": ", sharding::to_json(dispatch_spec),
                    "}, \"notes\": ", json_strings(notes),
                    ", \"warnings\": ", json_strings(warnings), "}\n");
   return o;
