@@ -478,17 +478,17 @@ TEST(Plan, ChunkedRingGathersTokensByChunks) {
       EXPECT_EQ(one.step.emb_chunks, 0);
       std::int64_t const T = 32 / ranks, D = 16, E = 8, s = 4;
       EXPECT_EQ(bytes_of(p, "all-gather logits (ring)"), T * E * s * (ranks - 1));
-      std::int64_t chunks = 0;
-      Names stages;
+      std::int64_t chunks = 0, seen = 0;
       for (auto const& c : p.collectives)
         if (c.what.rfind("all-gather tokens (ring, chunk ", 0) == 0) {
-          EXPECT_EQ(c.what, "all-gather tokens (ring, chunk " + std::to_string(chunks + 1) + "/" +
+          EXPECT_EQ(c.what, "all-gather tokens (ring, chunk " + std::to_string(++seen) + "/" +
                                 std::to_string(n) + ")");
           EXPECT_EQ(c.stage, "moe::dist::experts::chunked");
           EXPECT_EQ(c.axes, Names{"expert"});
           EXPECT_EQ(c.bytes, T * (D / n) * s * (ranks - 1));
           chunks += c.bytes;
         }
+      EXPECT_EQ(seen, n);
       EXPECT_EQ(chunks, bytes_of(one, "all-gather tokens (ring)"));
       // Everything else is the unchunked ring's, in order (the logits gather comes first).
       auto sig = signature(p), sig1 = signature(one);
@@ -543,7 +543,7 @@ TEST(Plan, ChunkedRingErrors) {
   } catch (moe::ConfigError const& e) {
     EXPECT_NE(std::string(e.what()).find("replicated"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(parallel_config({"num_moe_emb_chunks=-1"}), moe::ConfigError);
+  expect_error(with(ring, "num_moe_emb_chunks=-1"), {}, 2, {"num_moe_emb_chunks"});
   EXPECT_THROW(parallel_config({"num_moe_emb_chunks=two"}), moe::ConfigError);
 }
 
