@@ -304,14 +304,15 @@ TEST(ConfigTable, TablesListEveryMemberOnce) {
   EXPECT_TRUE(unique(moe::ParallelConfig::keys()));
   EXPECT_TRUE(unique(train::TrainConfig::all_keys()));
   EXPECT_EQ(member_count<moe::LayerConfig>(), moe::LayerConfig::table().fields().size());
-  EXPECT_EQ(member_count<moe::ParallelConfig>(), moe::ParallelConfig::table().fields().size());
+  // ParallelConfig: its table, plus `sharding` (the files' rules; not a key).
+  EXPECT_EQ(member_count<moe::ParallelConfig>(), moe::ParallelConfig::table().fields().size() + 1);
   // TrainConfig's own table, plus its members layer, par and given.
   EXPECT_EQ(member_count<train::TrainConfig>(), train::TrainConfig::table().fields().size() + 3);
   EXPECT_EQ(moe::LayerConfig::keys().size(), 20u);
-  EXPECT_EQ(moe::ParallelConfig::keys().size(), 10u);
+  EXPECT_EQ(moe::ParallelConfig::keys().size(), 15u);
   // train_moe: its own keys (two aliases), then the layer's and the parallelism's (seed is its).
   EXPECT_EQ(train::TrainConfig::own_keys().size(), 31u);
-  EXPECT_EQ(train::TrainConfig::all_keys().size(), 31u + 20u - 1u + 10u);
+  EXPECT_EQ(train::TrainConfig::all_keys().size(), 31u + 20u - 1u + 15u);
   // ParallelConfig::ici() comes from the table: the ici_* keys in order.
   moe::ParallelConfig p;
   p.ici_tensor_parallelism = 4;
@@ -438,7 +439,8 @@ TEST(ConfigTable, DescribeTextsStayTheSame) {
   EXPECT_EQ(moe::ParallelConfig().describe(),
             "ici_data_parallelism=1;ici_fsdp_parallelism=1;ici_fsdp_transpose_parallelism=1;"
             "ici_expert_parallelism=1;ici_tensor_parallelism=1;ici_context_parallelism=1;ring=0;"
-            "rbf=-1.000000;two_stage=0;preset=");
+            "rbf=-1.000000;two_stage=0;preset=;no_exp_batch=0;exp_on_fsdp=0;fsdp2d=0;"
+            "exp_attn=fsdp;emb_chunks=0");
   train::TrainConfig const t;
   std::string const own =
       "|steps=400|pdbs=8|S=64|V=16|C=4|L=2|dtype=float32|eps=1.0000000000000001e-05|seed=0|"

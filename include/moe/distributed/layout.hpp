@@ -178,7 +178,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   require<ConfigError>(par.num_moe_emb_chunks == 0, "num_moe_emb_chunks=", par.num_moe_emb_chunks,
                        " is not implemented yet");
   Layout lay;
-  auto const pre = sharding::preset(par.custom_mesh_and_rule);
+  auto const pre = par.effective_preset();  // the file's mesh_axes / rules, or the preset
   lay.mesh = sharding::Mesh::from_ici(par.ici(), world_size, pre.mesh_axes);
   require<ConfigError>(rank >= 0 && rank < world_size, "rank ", rank, " is outside [0, ",
                        world_size, ")");
