@@ -11,6 +11,10 @@
 // float32 or all float64; the layer computes in that dtype. Dimensions the config leaves unset are
 // taken from CASE. The config (YAML + key=value overrides) holds LayerConfig keys and
 // ParallelConfig keys (ici_*_parallelism, use_ring_of_experts, custom_mesh_and_rule, ...).
+// --config may be given several times: the files are read in order, then the overrides, later
+// wins, as MaxText reads them (moe_maxtext_config.hpp: MaxText's base.yml and model files as they
+// are, model_name=NAME, the files' mesh_axes / logical_axis_rules as the layout's rules; MaxText's
+// other keys are summarised in one line on rank 0).
 //
 // Every rank reads CASE and CFG, builds the DistributedMoeLayer for the global batch [B,S] and
 // loads its blocks; forward (+ backward with dy) runs over all ranks; rank 0 gathers the blocks
@@ -23,6 +27,7 @@
 
 #include <moe_blocks.hpp>
 #include <moe_cli.hpp>
+#include <moe_maxtext_config.hpp>
 
 #include <mpi.h>
 
@@ -35,7 +40,8 @@
 namespace {
 
 struct Args {
-  std::string config, in, out, gmm = "auto";
+  std::vector<std::string> configs;  ///< --config files, in order
+  std::string in, out, gmm = "auto";
   bool example = false;
   moe::cli::KeyValues overrides;
 };
@@ -46,6 +52,7 @@ char const* const kUsage =
     "[key=value ...]\n"
     "       mpirun -np N moe-layer-run --example [key=value ...]\n"
     "       moe-layer-run --keys\n"
+    "--config may repeat (files read in order, then the overrides; MaxText files as they are)\n"
     "keys: LayerConfig keys (num_experts, ...) and ParallelConfig keys (ici_*_parallelism,\n"
     "      use_ring_of_experts, ...); --keys lists each with its type, default and meaning\n";
 
@@ -65,7 +72,7 @@ Args parse_args(int argc, char** argv) {
       return std::string(argv[++i]);
     };
     if (s == "--config")
-      a.config = value("--config");
+      a.configs.push_back(value("--config"));
     else if (s == "--in")
       a.in = value("--in");
     else if (s == "--out")
@@ -83,16 +90,19 @@ Args parse_args(int argc, char** argv) {
       a.gmm != "dense")
     throw moe::ConfigError(
         moe::detail::cat("--gmm ", a.gmm, " is not one of auto|onednn|vendor|tiled|dense"));
-  if (!a.example && (a.config.empty() || a.in.empty() || a.out.empty()))
+  if (!a.example && (a.configs.empty() || a.in.empty() || a.out.empty()))
     throw moe::ConfigError("--config, --in and --out are required (or --example)");
   moe::cli::require_unique_keys(a.overrides, "the command line");
   // Every path up front: nothing is read into the layer or written before they pass.
+  for (auto const& c : a.configs) moe::cli::require_input_file("--config", c);
   if (!a.example) {
-    moe::cli::require_input_file("--config", a.config);
     moe::cli::require_input_file("--in", a.in);
   }
-  if (!a.out.empty())
-    moe::cli::require_output_file("--out", a.out, {{"--in", a.in}, {"--config", a.config}});
+  if (!a.out.empty()) {
+    std::vector<std::pair<std::string, std::string>> inputs = {{"--in", a.in}};
+    for (auto const& c : a.configs) inputs.emplace_back("--config", c);
+    moe::cli::require_output_file("--out", a.out, inputs);
+  }
   return a;
 }
 
@@ -133,6 +143,7 @@ struct Setup {
   moe::io::File in;
   moe::io::DType dtype = moe::io::DType::F32;
   std::int64_t B = 0, S = 0;
+  moe::cli::maxtext::Loaded loaded;  ///< what the config files and overrides said
 };
 
 /// The built-in example: a small Mixtral-style layer with random weights, float32.
@@ -298,9 +309,16 @@ Setup prepare(int argc, char** argv) {
     cfg.base_moe_mlp_dim = int(dims.F);
     cfg.shared_experts = int(dims.Fs / dims.F);
     cfg.routed_bias = in.has("gate_bias");
-    moe::cli::apply(cfg, s.par, moe::cli::read_yaml(s.args.config, "--config"));
   }
-  moe::cli::apply(cfg, s.par, s.args.overrides);
+  // The --config files in order, then the overrides, read as MaxText reads them.
+  s.loaded = moe::cli::maxtext::load(
+      s.args.configs, s.args.overrides,
+      [](std::string const& k) {
+        return moe::LayerConfig::has_key(k) || moe::ParallelConfig::has_key(k);
+      },
+      moe::cli::known_keys(), "--config");
+  moe::cli::apply(cfg, s.par, s.loaded.apply);
+  s.loaded.apply_sharding(s.par);
   cfg.validate();
   s.par.validate();
   auto agree = [&](char const* key, std::int64_t value, std::int64_t from_case, char const* src) {
@@ -497,6 +515,7 @@ int run(int argc, char** argv) {
   moe::comm::check_agreement(world, "configuration and CASE (--config, key=value, --in)",
                              case_fingerprint(s));
   moe::comm::collective_guard(world, [&] { check_memory(world, s); });
+  moe::cli::maxtext::print_ignored(s.loaded, "moe-layer-run", world.rank() == 0);
   Summary sum;
   moe::io::File out = s.dtype == moe::io::DType::F64 ? run_dtype<double>(world, s, sum)
                                                      : run_dtype<float>(world, s, sum);

@@ -2,7 +2,7 @@
 //
 //   moe-shard [--rules FILE.yml] [--preset NAME] --mesh axis=size,...
 //             --tensor NAME=logical1,logical2,... [--tensor ...] [--drop-size-one]
-//   moe-shard --plan CFG.yml [key=value ...] [--json] [--ranks N] [--rank R] [--batch B]
+//   moe-shard --plan [CFG.yml ...] [key=value ...] [--json] [--ranks N] [--rank R] [--batch B]
 //             [--seq S] [--dtype float32|float64]
 //
 // Prints {"mesh": {axis: size, ...}, "tensors": {NAME: [null | "axis" | ["a", "b"], ...]}}.
@@ -12,8 +12,13 @@
 // --drop-size-one. A dimension without a logical name is written None.
 //
 // --plan prints the layer's partition plan (moe::make_plan, DESIGN.md §4) as text, or as JSON with
-// --json. CFG.yml (then the key=value overrides) holds LayerConfig and ParallelConfig keys plus
-// per_device_batch_size and max_target_length; any other key is an error. The number of ranks is
+// --json. The config is zero or more YAML files in order, then the key=value overrides, read as
+// MaxText reads them (moe_maxtext_config.hpp: MaxText's base.yml and model files as they are,
+// model_name=NAME for a published model's MoE shapes, the files' mesh_axes and
+// logical_axis_rules as the layout's rules): LayerConfig and ParallelConfig keys plus
+// per_device_batch_size and max_target_length are applied, MaxText's other keys are ignored
+// (one summary line on stderr), any other key is an error. With no file, per_device_batch_size and
+// max_target_length default to base.yml's (12 and 2048). The number of ranks is
 // the product of the ici_* degrees (--ranks N when one is -1), the global batch
 // per_device_batch_size * ranks (or --batch), the sequence length max_target_length (or --seq).
 // The plan is followed by the layer's memory estimate for one rank (moe::estimate_layer_memory of
@@ -31,6 +36,7 @@
 #include <moe/sharding/rules.hpp>
 
 #include <moe_cli.hpp>
+#include <moe_maxtext_config.hpp>
 #include <moe_sharding_yaml.hpp>
 
 #include <cmath>
@@ -55,7 +61,8 @@ struct Args {
   std::vector<std::pair<std::string, sh::LogicalAxes>> tensors;
   bool drop_size_one = false;
   // --plan mode (see run_plan).
-  std::string plan;
+  bool plan = false;
+  std::vector<std::string> plan_files;
   bool json = false;
   moe::cli::KeyValues overrides;
   int ranks = 0, rank = 0;          // 0: implied by the ici_* degrees
@@ -114,11 +121,12 @@ void usage() {
   std::puts(
       "usage: moe-shard [--rules FILE.yml] [--preset NAME] --mesh axis=size,...\n"
       "                 --tensor NAME=logical1,logical2,... [--tensor ...] [--drop-size-one]\n"
-      "       moe-shard --plan CFG.yml [key=value ...] [--json] [--ranks N] [--rank R]\n"
+      "       moe-shard --plan [CFG.yml ...] [key=value ...] [--json] [--ranks N] [--rank R]\n"
       "                 [--batch B] [--seq S] [--dtype float32|float64]\n"
       "A dimension without a logical name is written None. --rules is optional with --preset.\n"
-      "--plan: CFG.yml holds LayerConfig and ParallelConfig keys, per_device_batch_size and\n"
-      "max_target_length; ranks default to the product of the ici_* degrees.");
+      "--plan: the config files (MaxText's base.yml and model files as they are), then the\n"
+      "overrides, later wins; model_name=NAME gives a published model's MoE shapes. Ranks default\n"
+      "to the product of the ici_* degrees.");
 }
 
 Args parse_args(int argc, char** argv) {
@@ -142,7 +150,7 @@ Args parse_args(int argc, char** argv) {
     else if (s == "--drop-size-one")
       a.drop_size_one = true;
     else if (s == "--plan")
-      a.plan = value("--plan");
+      a.plan = true;
     else if (s == "--json")
       a.json = true;
     else if (s == "--ranks" || s == "--rank" || s == "--batch" || s == "--seq") {
@@ -173,12 +181,14 @@ Args parse_args(int argc, char** argv) {
       std::exit(0);
     } else if (s.rfind("--", 0) == 0)
       throw ConfigError(cat("unknown flag '", s, "'"));
-    else if (!a.plan.empty() || s.find('=') != std::string::npos)
+    else if (s.find('=') != std::string::npos)
       a.overrides.push_back(moe::cli::parse_override(s));
+    else if (a.plan)
+      a.plan_files.push_back(s);  // read in order, then the overrides
     else
       throw ConfigError(cat("unexpected argument '", s, "'"));
   }
-  if (!a.plan.empty()) return a;
+  if (a.plan) return a;
   if (!a.overrides.empty() || a.json || !a.plan_flags.empty())
     throw ConfigError(cat("key=value overrides, --json", a.plan_flags.empty() ? "" : ", ",
                           a.plan_flags.empty() ? "" : a.plan_flags.front(),
@@ -191,15 +201,22 @@ Args parse_args(int argc, char** argv) {
 
 // ---- --plan: the layer's partition plan (moe::make_plan).
 int run_plan(Args const& a) {
-  moe::cli::KeyValues kv = moe::cli::read_yaml(a.plan, "--plan");
-  moe::cli::require_unique_keys(a.overrides, "the command line");
-  kv.insert(kv.end(), a.overrides.begin(), a.overrides.end());
   moe::LayerConfig cfg;
   moe::ParallelConfig par;
-  double per_device_batch = 0;
-  std::int64_t max_target_length = 0;
-  std::vector<std::string> unknown;
-  for (auto const& [key, value] : kv) {
+  // Without a config file the plan is MaxText's with base.yml: its per_device_batch_size and
+  // max_target_length (a file or an override replaces them).
+  double per_device_batch = a.plan_files.empty() ? 12.0 : 0;
+  std::int64_t max_target_length = a.plan_files.empty() ? 2048 : 0;
+  auto const tool_has_key = [](std::string const& key) {
+    return moe::LayerConfig::has_key(key) || moe::ParallelConfig::has_key(key) ||
+           key == "per_device_batch_size" || key == "max_target_length";
+  };
+  auto tool_keys = moe::cli::known_keys();
+  tool_keys.push_back("per_device_batch_size");
+  tool_keys.push_back("max_target_length");
+  auto const loaded =
+      moe::cli::maxtext::load(a.plan_files, a.overrides, tool_has_key, tool_keys, "--plan");
+  for (auto const& [key, value] : loaded.apply) {
     if (moe::LayerConfig::has_key(key)) {
       cfg.set(key, value);
     } else if (moe::ParallelConfig::has_key(key)) {
@@ -208,23 +225,13 @@ int run_plan(Args const& a) {
       per_device_batch = moe::detail::parse_double(key, value);
       if (per_device_batch <= 0)
         throw ConfigError(cat("per_device_batch_size=", value, " must be > 0"));
-    } else if (key == "max_target_length") {
+    } else {
       max_target_length = moe::detail::parse_int(key, value);
       if (max_target_length < 1)
         throw ConfigError(cat("max_target_length=", value, " must be >= 1"));
-    } else {
-      unknown.push_back("'" + key + "'");
     }
   }
-  if (!unknown.empty()) {
-    std::string names;
-    for (auto const& u : unknown) names += (names.empty() ? "" : ", ") + u;
-    throw ConfigError(cat("--plan ", a.plan, ": unknown config key",
-                          unknown.size() > 1 ? "s " : " ", names,
-                          "; a plan config holds LayerConfig keys (num_experts, ...), "
-                          "ParallelConfig keys (ici_*_parallelism, custom_mesh_and_rule, ...), "
-                          "per_device_batch_size and max_target_length"));
-  }
+  loaded.apply_sharding(par);
   int ranks = a.ranks;
   if (ranks == 0) {
     std::int64_t product = 1;
@@ -287,6 +294,7 @@ int run_plan(Args const& a) {
             memory.to_text());
     if (!limit_error.empty()) out += "WARNING: " + limit_error + "\n";
   }
+  moe::cli::maxtext::print_ignored(loaded, "moe-shard", true);  // stderr: --json stays JSON
   std::fputs(out.c_str(), stdout);
   return 0;
 }
@@ -334,7 +342,7 @@ int run_resolve(Args const& a) {
 int main(int argc, char** argv) {
   try {
     Args const a = parse_args(argc, argv);
-    return a.plan.empty() ? run_resolve(a) : run_plan(a);
+    return a.plan ? run_plan(a) : run_resolve(a);
   } catch (std::exception const& e) {
     std::string msg = e.what();
     for (char& c : msg)

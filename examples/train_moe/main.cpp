@@ -1,9 +1,13 @@
 // train_moe: trains a small MoE language model under mpirun (DESIGN.md section 7).
 //
-//   mpirun -np N train_moe [CFG.yml] [key=value ...]
+//   mpirun -np N train_moe [CFG.yml ...] [key=value ...]
 //
-// The configuration is examples/train_moe/default.yml (compiled in), then CFG.yml, then the
-// key=value overrides. Rank 0 prints one line per logged step,
+// The configuration is examples/train_moe/default.yml (compiled in), then the CFG.yml files in
+// order, then the key=value overrides (later wins), read as MaxText reads them
+// (moe_maxtext_config.hpp): MaxText's base.yml and model files as they are, model_name=NAME for a
+// published model's MoE shapes, the files' mesh_axes / logical_axis_rules as the layout's rules;
+// MaxText keys train_moe does not use are summarised in one line on rank 0. Rank 0 prints one line
+// per logged step,
 //   completed step: N, seconds: S, tokens/s/device: R, loss: L, perplexity: P
 // and a closing summary. Errors on any rank become the same one-line message on every rank and
 // exit code 2.
@@ -14,6 +18,7 @@
 #include "train.hpp"
 
 #include <moe_cli.hpp>
+#include <moe_maxtext_config.hpp>
 #include <train_moe_default_yml.hpp>
 
 #include <mpi.h>
@@ -105,9 +110,10 @@ int MPI_Waitall(int n, MPI_Request r[], MPI_Status st[]) {
 namespace {
 
 char const* const kUsage =
-    "usage: mpirun -np N train_moe [CFG.yml] [key=value ...]\n"
+    "usage: mpirun -np N train_moe [CFG.yml ...] [key=value ...]\n"
     "Trains a small MoE language model; the defaults (examples/train_moe/default.yml) are built\n"
-    "in, CFG.yml and the key=value overrides are applied after them. Keys: see the README\n"
+    "in, the CFG.yml files (MaxText's base.yml and model files as they are) and the key=value\n"
+    "overrides are applied after them, later wins. Keys: see the README\n"
     "(steps, per_device_batch_size, max_target_length, base_emb_dim, num_experts, dtype,\n"
     "ici_*_parallelism, dataset_type, enable_checkpointing, metrics_file, ...).\n";
 
@@ -125,7 +131,7 @@ moe::cli::KeyValues parse_yaml_text(char const* text) {
 int run(int argc, char** argv, moe::comm::Communicator const& world) {
   train::TrainConfig cfg;
   moe::comm::collective_guard(world, [&] {
-    std::string file;
+    std::vector<std::string> files;
     moe::cli::KeyValues overrides;
     for (int i = 1; i < argc; ++i) {
       std::string const a = argv[i];
@@ -133,26 +139,31 @@ int run(int argc, char** argv, moe::comm::Communicator const& world) {
         overrides.push_back(moe::cli::parse_override(a));
       else if (a.rfind("--", 0) == 0)
         throw moe::ConfigError(moe::detail::cat("unknown flag '", a, "'"));
-      else if (file.empty())
-        file = a;
       else
-        throw moe::ConfigError(moe::detail::cat("a second config file '", a, "' (after '", file,
-                                                "'): give one CFG.yml and key=value overrides"));
+        files.push_back(a);  // the files are read in order, then the overrides (MaxText's)
     }
     cfg.apply(parse_yaml_text(train::kDefaultYaml));
     cfg.given.clear();  // only what the user gives counts as given
-    if (!file.empty()) cfg.apply(moe::cli::read_yaml(file));
-    moe::cli::require_unique_keys(overrides, "the command line");
-    cfg.apply(overrides);
+    auto const tool_has_key = [](std::string const& key) {
+      return train::TrainConfig::table().find(key) != nullptr || moe::LayerConfig::has_key(key) ||
+             moe::ParallelConfig::has_key(key);
+    };
+    auto const loaded =
+        moe::cli::maxtext::load(files, overrides, tool_has_key, train::TrainConfig::all_keys());
+    cfg.apply(loaded.apply);
+    loaded.apply_sharding(cfg.par);
     cfg.validate();
     // Every path up front, before anything is computed or written.
     if (cfg.dataset_type == "text") moe::cli::require_input_file("dataset_path", cfg.dataset_path);
     if (cfg.enable_checkpointing)
       moe::cli::require_output_dir("checkpoint_dir", cfg.checkpoint_dir);
-    if (!cfg.metrics_file.empty())
-      moe::cli::require_output_file(
-          "metrics_file", cfg.metrics_file,
-          {{"the config file", file}, {"dataset_path", cfg.dataset_path}});
+    if (!cfg.metrics_file.empty()) {
+      std::vector<std::pair<std::string, std::string>> inputs = {
+          {"dataset_path", cfg.dataset_path}};
+      for (auto const& f : files) inputs.emplace_back("the config file", f);
+      moe::cli::require_output_file("metrics_file", cfg.metrics_file, inputs);
+    }
+    moe::cli::maxtext::print_ignored(loaded, "train_moe", world.rank() == 0);
   });
   // Refuse what cannot run before the model is built: tensors past the kernels' index limits,
   // and an estimate (train::estimate_memory) above this rank's share of the node's available

@@ -304,7 +304,8 @@ TEST(ConfigTable, TablesListEveryMemberOnce) {
   EXPECT_TRUE(unique(moe::ParallelConfig::keys()));
   EXPECT_TRUE(unique(train::TrainConfig::all_keys()));
   EXPECT_EQ(member_count<moe::LayerConfig>(), moe::LayerConfig::table().fields().size());
-  EXPECT_EQ(member_count<moe::ParallelConfig>(), moe::ParallelConfig::table().fields().size());
+  // ParallelConfig: its table, plus `sharding` (the files' rules; not a key).
+  EXPECT_EQ(member_count<moe::ParallelConfig>(), moe::ParallelConfig::table().fields().size() + 1);
   // TrainConfig's own table, plus its members layer, par and given.
   EXPECT_EQ(member_count<train::TrainConfig>(), train::TrainConfig::table().fields().size() + 3);
   EXPECT_EQ(moe::LayerConfig::keys().size(), 20u);

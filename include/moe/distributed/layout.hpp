@@ -226,7 +226,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
                        "sequence over the expert axis, and the MoE layer has no sequence "
                        "(context) parallelism; use fsdp or tp");
   Layout lay;
-  auto const pre = sharding::preset(par.custom_mesh_and_rule);
+  auto const pre = par.effective_preset();  // the file's mesh_axes / rules, or the preset
   lay.mesh = sharding::Mesh::from_ici(par.ici(), world_size, pre.mesh_axes);
   require<ConfigError>(rank >= 0 && rank < world_size, "rank ", rank, " is outside [0, ",
                        world_size, ")");

@@ -5,7 +5,9 @@
 #include <moe/config.hpp>
 #include <moe/config_table.hpp>
 #include <moe/error.hpp>
+#include <moe/sharding/presets.hpp>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -47,6 +49,13 @@ struct ParallelConfig {
   /// > 0: the ring's token all-gather runs in this many chunks of the embedding dimension, each
   /// overlapped with the grouped GEMM of the previous chunk (0: off).
   int num_moe_emb_chunks = 0;
+  /// \brief Mesh axes and logical-axis rules read from a config file (MaxText's `mesh_axes` and
+  /// `logical_axis_rules`), used by the layout instead of the `custom_mesh_and_rule` preset.
+  ///
+  /// Not a key: the tools set it when their config files carry those keys and name no preset
+  /// (moe_maxtext_config.hpp); unset, the preset (or the library's default rules) is used, as
+  /// before. Part of describe() only when set, so the ranks agree on it.
+  std::optional<sharding::Preset> sharding;
 
   /// (key, degree) pairs of the ici_* keys, in table order.
   std::vector<std::pair<std::string, int>> ici() const {
@@ -71,7 +80,26 @@ struct ParallelConfig {
   void validate() const { table().validate(*this); }
 
   /// A canonical text of every field (used to check that all ranks agree).
-  std::string describe() const { return table().describe(*this); }
+  std::string describe() const {
+    std::string d = table().describe(*this);
+    if (sharding) {
+      d += ";sharding=[";
+      for (auto const& a : sharding->mesh_axes) d += a + ",";
+      d += "]";
+      for (auto const& r : sharding->rules.rules()) {
+        d += "(" + r.name + ":";
+        for (auto const& a : r.axes) d += a + ",";
+        d += ")";
+      }
+    }
+    return d;
+  }
+
+  /// The mesh axes and rules the layout uses: `sharding` when set, else the preset named by
+  /// custom_mesh_and_rule (ConfigError for an unknown name).
+  sharding::Preset effective_preset() const {
+    return sharding ? *sharding : sharding::preset(custom_mesh_and_rule);
+  }
 };
 
 inline ConfigTable<ParallelConfig> const& ParallelConfig::table() {

@@ -1,0 +1,105 @@
+#pragma once
+/// \file
+/// The MoE shapes of published models, by MaxText's `model_name`: what `model_name=X` sets in
+/// the tools (MaxText loads configs/models/X.yml on top of base.yml; moe gives the MoE layer's keys
+/// of that file from this table). Pure data, no YAML; every value is a published fact of the model
+/// and was checked against MaxText's model file of the same name.
+///
+/// Only the keys that shape or route the MoE layer are listed (LayerConfig keys, and one
+/// ParallelConfig key where MaxText's model file sets it); attention, vocabulary and the decoder
+/// stack are not the layer's. Where MaxText's model file and the model's own release differ, the
+/// table follows MaxText (the layer must compute what MaxText computes): deepseek3-671b has no
+/// group-limited routing (MaxText's file leaves n_routing_groups at -1, the release uses 8 groups,
+/// top 4). MaxText's `qwen3_moe` decoder block routes with the generic top-k path, which moe calls
+/// decoder_block=mixtral (softmax over the K values, then norm_topk_prob).
+
+#include <moe/config_table.hpp>
+#include <moe/error.hpp>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moe {
+
+/// \brief The MoE layer of one published model, under MaxText's key names.
+struct ModelFacts {
+  std::string name;               ///< MaxText's model_name
+  int num_experts;                ///< E
+  int num_experts_per_tok;        ///< K
+  int base_emb_dim;               ///< D
+  int base_moe_mlp_dim;           ///< F
+  int shared_experts;             ///< shared expert hidden size = this x F
+  std::string decoder_block;      ///< moe's routing path: mixtral (generic top-k) or deepseek
+  std::string routed_score_func;  ///< "" (softmax over the K values) | sigmoid | ...
+  bool routed_bias;
+  int n_routing_groups;  ///< -1: no group-limited routing
+  int topk_routing_group;
+  double routed_scaling_factor;
+  bool norm_topk_prob;
+  std::string mlp_activations;           ///< "[silu, linear]"
+  double load_balance_loss_weight;       ///< < 0: the model file does not set it
+  bool moe_dispatch_no_expert_sharding;  ///< set by the model file (ParallelConfig key)
+  std::string maxtext_decoder_block;     ///< MaxText's decoder_block of the model (documentation)
+
+  /// The (key, value) pairs `model_name=name` sets, in LayerConfig / ParallelConfig text form.
+  std::vector<std::pair<std::string, std::string>> key_values() const {
+    using detail::cat;
+    std::vector<std::pair<std::string, std::string>> kv = {
+        {"num_experts", cat(num_experts)},
+        {"num_experts_per_tok", cat(num_experts_per_tok)},
+        {"base_emb_dim", cat(base_emb_dim)},
+        {"base_moe_mlp_dim", cat(base_moe_mlp_dim)},
+        {"shared_experts", cat(shared_experts)},
+        {"decoder_block", decoder_block},
+        {"routed_score_func", routed_score_func},
+        {"routed_bias", routed_bias ? "true" : "false"},
+        {"n_routing_groups", cat(n_routing_groups)},
+        {"topk_routing_group", cat(topk_routing_group)},
+        {"routed_scaling_factor", cat(routed_scaling_factor)},
+        {"norm_topk_prob", norm_topk_prob ? "true" : "false"},
+        {"mlp_activations", mlp_activations},
+    };
+    if (load_balance_loss_weight >= 0)
+      kv.emplace_back("load_balance_loss_weight", cat(load_balance_loss_weight));
+    if (moe_dispatch_no_expert_sharding) kv.emplace_back("moe_dispatch_no_expert_sharding", "true");
+    return kv;
+  }
+};
+
+/// \brief Every model of the table, in a fixed order.
+inline std::vector<ModelFacts> const& model_table() {
+  // clang-format off
+  static std::vector<ModelFacts> const t = {
+      // name             E    K  D     F      sh block       score      bias   grp tkg scale norm   act               lb     noexp  MaxText block
+      {"mixtral-8x7b",    8,   2, 4096, 14336, 0, "mixtral",  "",        false, -1, -1, 1.0, false, "[silu, linear]", -1,    false, "mixtral"},
+      {"mixtral-8x22b",   8,   2, 6144, 16384, 0, "mixtral",  "",        false, -1, -1, 1.0, false, "[silu, linear]", -1,    false, "mixtral"},
+      {"deepseek3-671b",  256, 8, 7168, 2048,  1, "deepseek", "sigmoid", true,  -1, -1, 2.5, false, "[silu, linear]", -1,    false, "deepseek"},
+      {"qwen3-30b-a3b",   128, 8, 2048, 768,   0, "mixtral",  "",        false, -1, -1, 1.0, true,  "[silu, linear]", -1,    false, "qwen3_moe"},
+      {"qwen3-30b-a3b-base", 128, 8, 2048, 768, 0, "mixtral", "",        false, -1, -1, 1.0, true,  "[silu, linear]", -1,    false, "qwen3_moe"},
+      {"qwen3-235b-a22b", 128, 8, 4096, 1536,  0, "mixtral",  "",        false, -1, -1, 1.0, true,  "[silu, linear]", 0.001, false, "qwen3_moe"},
+      {"qwen3-480b-a35b", 160, 8, 6144, 2560,  0, "mixtral",  "",        false, -1, -1, 1.0, true,  "[silu, linear]", -1,    false, "qwen3_moe"},
+  };
+  // clang-format on
+  return t;
+}
+
+/// The names of model_table(), in order.
+inline std::vector<std::string> model_names() {
+  std::vector<std::string> n;
+  for (auto const& m : model_table()) n.push_back(m.name);
+  return n;
+}
+
+/// \brief The facts of model `name`. ConfigError listing the known names (and the nearest one)
+/// otherwise.
+inline ModelFacts const& model_facts(std::string const& name) {
+  for (auto const& m : model_table())
+    if (m.name == name) return m;
+  std::string known;
+  for (auto const& n : model_names()) known += (known.empty() ? "" : ", ") + n;
+  throw ConfigError(detail::cat("model_name=", name, " is not a MoE model moe knows (", known, ")",
+                                detail::did_you_mean(name, model_names())));
+}
+
+}  // namespace moe
