@@ -149,10 +149,12 @@ inline void require_unique_keys(KeyValues const& kv, std::string const& source) 
                                       "'): give each key once"));
 }
 
-/// \brief Reads a flat YAML mapping (MaxText config style): the file is checked first
-/// (require_input_file), a key given twice is an error naming both lines. ConfigError on
-/// unreadable or invalid files.
-inline KeyValues read_yaml(std::string const& path, std::string const& what = "config file") {
+/// \brief Walks a YAML mapping file (MaxText config style): the file is checked first
+/// (require_input_file), then `f(key, value node)` runs for each top-level key in file order. A
+/// key given twice is an error naming both lines; ConfigError on unreadable or invalid files, a
+/// file that is not a mapping, or a key that is not a plain scalar. An empty file has no keys.
+template <class F>
+void for_each_yaml_key(std::string const& path, std::string const& what, F&& f) {
   require_input_file(what, path);
   YAML::Node root;
   try {
@@ -162,27 +164,35 @@ inline KeyValues read_yaml(std::string const& path, std::string const& what = "c
   } catch (YAML::Exception const& e) {
     throw ConfigError(detail::cat(what, " '", path, "' is not valid YAML: ", e.what()));
   }
-  KeyValues kv;
-  if (root.IsNull()) return kv;
+  if (root.IsNull()) return;
   if (!root.IsMap())
     throw ConfigError(detail::cat(what, " '", path, "' must be a mapping of key: value"));
-  std::vector<int> lines;
+  std::vector<std::pair<std::string, int>> seen;  // key, line
   for (auto const& it : root) {
+    int const line = it.first.Mark().line + 1;
     std::string key;
     try {
       key = it.first.as<std::string>();
     } catch (YAML::Exception const&) {
-      throw ConfigError(detail::cat(what, " '", path, "' line ", it.first.Mark().line + 1,
-                                    ": a key must be a plain scalar"));
+      throw ConfigError(
+          detail::cat(what, " '", path, "' line ", line, ": a key must be a plain scalar"));
     }
-    for (std::size_t j = 0; j < kv.size(); ++j)
-      if (kv[j].first == key)
-        throw ConfigError(detail::cat(what, " '", path, "' sets key '", key, "' twice (lines ",
-                                      lines[j], " and ", it.first.Mark().line + 1,
-                                      "): give each key once"));
-    kv.emplace_back(key, yaml_to_text(it.second, key));
-    lines.push_back(it.first.Mark().line + 1);
+    for (auto const& [k, l] : seen)
+      if (k == key)
+        throw ConfigError(detail::cat(what, " '", path, "' sets key '", key, "' twice (lines ", l,
+                                      " and ", line, "): give each key once"));
+    seen.emplace_back(key, line);
+    f(key, it.second);
   }
+}
+
+/// \brief Reads a flat YAML mapping (for_each_yaml_key) as (key, text) pairs: lists are joined
+/// with commas, nested lists and mappings are refused.
+inline KeyValues read_yaml(std::string const& path, std::string const& what = "config file") {
+  KeyValues kv;
+  for_each_yaml_key(path, what, [&](std::string const& key, YAML::Node const& value) {
+    kv.emplace_back(key, yaml_to_text(value, key));
+  });
   return kv;
 }
 

@@ -311,36 +311,10 @@ inline Entry entry_of(std::string const& key, YAML::Node const& n) {
 }
 
 inline Source read_file(std::string const& path, std::string const& what) {
-  require_input_file(what, path);
-  YAML::Node root;
-  try {
-    root = YAML::LoadFile(path);
-  } catch (YAML::BadFile const&) {
-    throw ConfigError(detail::cat("cannot read ", what, " '", path, "'"));
-  } catch (YAML::Exception const& e) {
-    throw ConfigError(detail::cat(what, " '", path, "' is not valid YAML: ", e.what()));
-  }
   Source s{detail::cat(what, " '", path, "'"), false, {}};
-  if (root.IsNull()) return s;
-  if (!root.IsMap())
-    throw ConfigError(detail::cat(what, " '", path, "' must be a mapping of key: value"));
-  std::vector<int> lines;
-  for (auto const& it : root) {
-    std::string key;
-    try {
-      key = it.first.as<std::string>();
-    } catch (YAML::Exception const&) {
-      throw ConfigError(detail::cat(what, " '", path, "' line ", it.first.Mark().line + 1,
-                                    ": a key must be a plain scalar"));
-    }
-    for (std::size_t j = 0; j < s.entries.size(); ++j)
-      if (s.entries[j].key == key)
-        throw ConfigError(detail::cat(what, " '", path, "' sets key '", key, "' twice (lines ",
-                                      lines[j], " and ", it.first.Mark().line + 1,
-                                      "): give each key once"));
-    s.entries.push_back(entry_of(key, it.second));
-    lines.push_back(it.first.Mark().line + 1);
-  }
+  for_each_yaml_key(path, what, [&](std::string const& key, YAML::Node const& value) {
+    s.entries.push_back(entry_of(key, value));
+  });
   return s;
 }
 

@@ -925,9 +925,7 @@ class DistributedMoeLayer
     Kokkos::deep_copy(space_, ysh, Scalar(0));
     shared_.forward(space_, cfg_.mlp_activation, cview2(xw), cp_.shared_wi_0, cp_.shared_wi_1,
                     cp_.shared_wo, ysh);
-    auto ysh_c = ws_.make("y_shared_cols", T, plan_.token_cols);
-    reduce_scatter_(ep_(), ysh, ysh_c, 1);
-    detail::add_into(space_, ysh_c, y_c);
+    scatter_cols_into(ysh, "y_shared_cols", y_c);
   }
   void ep_tp_shared_backward(view2 dyw, view2 dx) {
     std::int64_t const D = cfg_.base_emb_dim, T = plan_.tokens;
@@ -935,9 +933,14 @@ class DistributedMoeLayer
     Kokkos::deep_copy(space_, dxsh, Scalar(0));
     shared_.backward(space_, cview2(dyw), cp_.shared_wi_0, cp_.shared_wi_1, cp_.shared_wo, dxsh,
                      gc_.shared_wi_0, gc_.shared_wi_1, gc_.shared_wo);
-    auto dxsh_c = ws_.make("dx_shared_cols", T, plan_.token_cols);
-    reduce_scatter_(ep_(), dxsh, dxsh_c, 1);
-    detail::add_into(space_, dxsh_c, dx);
+    scatter_cols_into(dxsh, "dx_shared_cols", dx);
+  }
+  /// Reduce-scatters partial full-D rows over the expert axes to this rank's D columns (the
+  /// workspace buffer `cols`) and adds them to `into`.
+  void scatter_cols_into(view2 full, char const* cols, view2 into) {
+    auto c = ws_.make(cols, plan_.tokens, plan_.token_cols);
+    reduce_scatter_(ep_(), full, c, 1);
+    detail::add_into(space_, c, into);
   }
 
   // ------------------------------------------------------------------ shared expert ---------
