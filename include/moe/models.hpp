@@ -39,7 +39,10 @@ struct ModelFacts {
   bool norm_topk_prob;
   std::string mlp_activations;           ///< "[silu, linear]"
   double load_balance_loss_weight;       ///< < 0: the model file does not set it
-  bool moe_dispatch_no_expert_sharding;  ///< set by the model file (ParallelConfig key)
+  /// ParallelConfig key the model opts into. mixtral-8x7b sets it, as MaxText PR #4179 made
+  /// mixtral-8x7b's model config do (issue #14); the MaxText snapshot read for this table
+  /// (e591f30) no longer has the line. Only the dense path with an expert axis is affected.
+  bool moe_dispatch_no_expert_sharding;
   std::string maxtext_decoder_block;     ///< MaxText's decoder_block of the model (documentation)
 
   /// The (key, value) pairs `model_name=name` sets, in LayerConfig / ParallelConfig text form.
@@ -72,7 +75,7 @@ inline std::vector<ModelFacts> const& model_table() {
   // clang-format off
   static std::vector<ModelFacts> const t = {
       // name             E    K  D     F      sh block       score      bias   grp tkg scale norm   act               lb     noexp  MaxText block
-      {"mixtral-8x7b",    8,   2, 4096, 14336, 0, "mixtral",  "",        false, -1, -1, 1.0, false, "[silu, linear]", -1,    false, "mixtral"},
+      {"mixtral-8x7b",    8,   2, 4096, 14336, 0, "mixtral",  "",        false, -1, -1, 1.0, false, "[silu, linear]", -1,    true,  "mixtral"},
       {"mixtral-8x22b",   8,   2, 6144, 16384, 0, "mixtral",  "",        false, -1, -1, 1.0, false, "[silu, linear]", -1,    false, "mixtral"},
       {"deepseek3-671b",  256, 8, 7168, 2048,  1, "deepseek", "sigmoid", true,  -1, -1, 2.5, false, "[silu, linear]", -1,    false, "deepseek"},
       {"qwen3-30b-a3b",   128, 8, 2048, 768,   0, "mixtral",  "",        false, -1, -1, 1.0, true,  "[silu, linear]", -1,    false, "qwen3_moe"},

@@ -288,6 +288,13 @@ TEST(MaxTextConfig, ModelNameGivesThePublishedShapes) {
   EXPECT_EQ(c3.load_balance_loss_weight, 0.001);
   EXPECT_EQ(c3.base_emb_dim, 4096);
   EXPECT_EQ(c3.decoder_block, moe::DecoderBlock::Mixtral);
+  // mixtral-8x7b opts into the dispatch key (MaxText PR #4179); the other models do not.
+  moe::LayerConfig c4;
+  moe::ParallelConfig p4;
+  apply(load({}, {{"model_name", "mixtral-8x7b"}}), c4, p4);
+  EXPECT_TRUE(p4.moe_dispatch_no_expert_sharding);
+  EXPECT_FALSE(p2.moe_dispatch_no_expert_sharding);
+  EXPECT_FALSE(p3.moe_dispatch_no_expert_sharding);
   // "default" is MaxText's base.yml value: no model.
   EXPECT_TRUE(load({}, {{"model_name", "default"}}).apply.empty());
   auto const bad = error_of([&] { load({}, {{"model_name", "mixtral-8x7"}}); });
