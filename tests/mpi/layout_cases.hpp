@@ -88,6 +88,11 @@ inline std::vector<LayoutCase> layout_cases(int n) {
        {"sparse_matmul=false", "routed_bias=true"},
        8,
        {50.0, 40.0}},
+      // A preset whose activation_batch_moe leaves out `expert`: its dense dispatch spec is
+      // expert-parallel without the key.
+      {"dense_ep_pipeline_preset",
+       {"custom_mesh_and_rule=pipeline-large-moe", "ici_expert_parallelism=-1"},
+       {"sparse_matmul=false"}},
       // MaxText's shard_exp_on_fsdp / use_2d_fsdp_sharding kernel axes.
       {"shard_exp_on_fsdp_key", {"ici_fsdp_parallelism=-1", "shard_exp_on_fsdp=true"}, {}},
       {"fsdp_2d", {"ici_fsdp_parallelism=-1", "use_2d_fsdp_sharding=true"}, {}},
