@@ -84,6 +84,18 @@ void expect_shapes(LayerPlan const& p, std::string const& name, Shape const& loc
   EXPECT_EQ(t.compute_shape, compute) << name;
 }
 
+/// f() throws a moe::ConfigError whose message holds every fragment of `frags`.
+template <class F>
+void expect_error(F&& f, Names const& frags) {
+  try {
+    f();
+    ADD_FAILURE() << "no ConfigError";
+  } catch (moe::ConfigError const& e) {
+    for (auto const& s : frags)
+      EXPECT_NE(std::string(e.what()).find(s), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 
 TEST(Plan, OneRankHasNoCollectives) {
@@ -442,15 +454,6 @@ TEST(Plan, EpTpSplitsTheTokensOnD) {
 }
 
 TEST(Plan, EpTpErrors) {
-  auto expect_error = [](auto f, Names const& frags) {
-    try {
-      f();
-      ADD_FAILURE() << "no ConfigError";
-    } catch (moe::ConfigError const& e) {
-      for (auto const& s : frags)
-        EXPECT_NE(std::string(e.what()).find(s), std::string::npos) << e.what();
-    }
-  };
   expect_error(
       [] {
         plan(4, {"expert_shard_attention_option=tp", "ici_expert_parallelism=2",
@@ -818,15 +821,6 @@ TEST(Plan, DispatchWarningOfSemantics113) {
 }
 
 TEST(Plan, ErrorsAreTheLayersErrors) {
-  auto expect_error = [](auto f, Names const& frags) {
-    try {
-      f();
-      ADD_FAILURE() << "no ConfigError";
-    } catch (moe::ConfigError const& e) {
-      for (auto const& s : frags)
-        EXPECT_NE(std::string(e.what()).find(s), std::string::npos) << e.what();
-    }
-  };
   expect_error([] { plan(2, {"ici_data_parallelism=4"}); },
                {"mesh product", "does not equal the communicator size 2"});
   expect_error([] { plan(4, {"ici_expert_parallelism=-1"}, {"num_experts=6"}); },

@@ -855,12 +855,17 @@ class DistributedMoeLayer
     dense_.backward(space_, cview2(dyw), cp_.wi_0, cp_.wi_1, cp_.wo, dxw, dww, gc_.wi_0, gc_.wi_1,
                     gc_.wo);
   }
+  /// dx of the working tokens, [work_tokens, D]: the dense experts' own, or the sorted rows'
+  /// gradients (dy_local) scattered back to their tokens.
+  view2 work_dx() {
+    if (plan_.dense) return ws_.at("dx_work");
+    auto dxw = ws_.make("dx_work", plan_.work_tokens, cfg_.base_emb_dim);
+    permute::gather_rows_backward(space_, cview2(ws_.at("dy_local")), ivec(disp_.perm.inverse),
+                                  cfg_.num_experts_per_tok, false, dxw);
+    return dxw;
+  }
   void gathered_dispatch_backward(view2 dx) {
-    view2 dxw =
-        plan_.dense ? ws_.at("dx_work") : ws_.make("dx_work", plan_.work_tokens, cfg_.base_emb_dim);
-    if (!plan_.dense)
-      permute::gather_rows_backward(space_, cview2(ws_.at("dy_local")), ivec(disp_.perm.inverse),
-                                    cfg_.num_experts_per_tok, false, dxw);
+    view2 dxw = work_dx();
     // ys and dxs are partial over the tensor-split hidden dim; the expert group's partial
     // d_weights / dx go back to the ranks that own the tokens.
     auto dww = ws_.at("d_weights_work");
@@ -896,11 +901,7 @@ class DistributedMoeLayer
     all_gather_(ep_(), dy, ws_.make("dy_work", plan_.tokens, cfg_.base_emb_dim), 1);
   }
   void ep_tp_dispatch_backward(view2 dx) {
-    view2 dxw =
-        plan_.dense ? ws_.at("dx_work") : ws_.make("dx_work", plan_.tokens, cfg_.base_emb_dim);
-    if (!plan_.dense)
-      permute::gather_rows_backward(space_, cview2(ws_.at("dy_local")), ivec(disp_.perm.inverse),
-                                    cfg_.num_experts_per_tok, false, dxw);
+    view2 dxw = work_dx();  // EP-TP: work_tokens == tokens (full-D rows of this rank's batch)
     // Every expert rank holds the same tokens: d_weights (only the local experts' slots) summed,
     // dx (only the local experts' rows) summed and split on D.
     auto dw = ws_.make("d_weights", plan_.tokens, cfg_.num_experts_per_tok);
