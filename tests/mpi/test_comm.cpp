@@ -166,6 +166,30 @@ TEST(Collectives, NonBlockingAllGatherEqualsAllGather) {
   });
   Kokkos::View<float**, Kokkos::LayoutRight, MS> in("in", 2, 3), bad("bad", 2 * P + 1, 3);
   EXPECT_THROW(moe::comm::iall_gather(c, Exec(), in, bad), moe::ShapeError);
+
+  // A gather in pieces agrees on the shape once: two column chunks of [4, 6], each gathered as
+  // [4, 3] pieces, give the blocking gathers of the chunks.
+  using V2 = Kokkos::View<double**, Kokkos::LayoutRight, MS>;
+  V2 own("own", 2 * 4, 3), got("got", 2 * P * 4, 3), want0("want0", P * 4, 3),
+      want1("want1", P * 4, 3);
+  fill(own, c.rank(), 4);
+  auto piece = [&](V2 const& v, std::int64_t k, std::int64_t rows) {
+    return V2(v.data() + k * rows * 3, rows, 3);
+  };
+  moe::comm::all_gather(c, Exec(), piece(own, 0, 4), want0);
+  moe::comm::all_gather(c, Exec(), piece(own, 1, 4), want1);
+  moe::comm::AllGatherPieces<double, MS, MS> const pieces(c, Exec(), piece(own, 0, 4),
+                                                          piece(got, 0, P * 4));
+  auto r0 = pieces.start(Exec(), piece(own, 0, 4), piece(got, 0, P * 4));
+  auto r1 = pieces.start(Exec(), piece(own, 1, 4), piece(got, 1, P * 4));
+  r1.wait(Exec());
+  r0.wait(Exec());
+  EXPECT_TRUE(bitwise_equal(host(piece(got, 0, P * 4)), host(want0)));
+  EXPECT_TRUE(bitwise_equal(host(piece(got, 1, P * 4)), host(want1)));
+  // A piece that is not the agreed shape is refused before anything is posted.
+  EXPECT_THROW(pieces.start(Exec(), piece(own, 0, 3), piece(got, 0, P * 3)), moe::ShapeError);
+  // The agreement itself is collective: a bad shape is the same ShapeError on every rank.
+  EXPECT_THROW((moe::comm::AllGatherPieces<float, MS, MS>(c, Exec(), in, bad)), moe::ShapeError);
 }
 
 template <class T>

@@ -1118,6 +1118,26 @@ TEST(MemoryEstimate, ActivationsAreLinearInTheBatch) {
   }
 }
 
+TEST(MemoryEstimate, EmbChunksCountTheirBuffers) {
+  // num_moe_emb_chunks=n on the ring: x_chunks replaces x_work (same [Tw, D]); added are the own
+  // tokens repacked chunk-major [T, D], one chunk of the sorted rows [n_rows, D/n] and the own
+  // gate logits [T, E] gathered into the routing's.
+  Names const ring{"ici_expert_parallelism=2", "use_ring_of_experts=true"};
+  std::int64_t const D = 16, E = 8, K = 2, s = 4;
+  auto const one = estimate(2, ring);
+  for (std::int64_t nc : {2, 4}) {
+    Names chunked = ring;
+    chunked.push_back("num_moe_emb_chunks=" + std::to_string(nc));
+    auto const p = plan(2, chunked);
+    ASSERT_EQ(p.step.emb_chunks, nc);
+    std::int64_t const T = p.local_tokens, rows = 2 * T * K / 2;  // Tw*K slots, half local
+    auto const m = estimate(2, chunked);
+    EXPECT_EQ(m.bytes("token rows") - one.bytes("token rows"), (T * D + rows * (D / nc)) * s);
+    EXPECT_EQ(m.bytes("routing") - one.bytes("routing"), T * E * s);
+    EXPECT_EQ(m.bytes("expert hidden states"), one.bytes("expert hidden states"));
+  }
+}
+
 TEST(MemoryEstimate, TextJsonAndKeys) {
   auto const m = estimate(2, {"ici_expert_parallelism=-1"});
   auto const j = nlohmann::json::parse(m.to_json());

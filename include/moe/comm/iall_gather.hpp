@@ -137,10 +137,52 @@ class AllGatherRequest {
   bool pending_ = false;
 };
 
+/// \brief The agreed shape of an all-gather started in pieces (e.g. one piece per D-chunk of the
+/// tokens, num_moe_emb_chunks): made collectively once from the first piece's views, which checks
+/// the shapes on every rank at once (a bad shape is the same ShapeError everywhere), it then
+/// starts each piece without another collective check. Every piece must have the first one's
+/// extents (checked locally: a piece that differs is a caller's bug, not a rank's bad input).
+template <class T, class InMS, class OutMS>
+class AllGatherPieces {
+ public:
+  /// Collective. `in` [n, ...] and `out` [size*n, ...] as in iall_gather.
+  template <class ExecSpace, class InView, class OutView>
+  AllGatherPieces(Communicator const& comm, ExecSpace const&, InView const& in, OutView const& out)
+      : comm_(&comm) {
+    auto const nr = detail::check_row_pair<ExecSpace>(
+        comm, "moe::comm::iall_gather", in, out, in, out,
+        "out must be [size*n, ...] with the trailing extents of in, both contiguous and not "
+        "overlapping");
+    n_ = nr.first;
+    row_ = nr.second;
+  }
+
+  /// \brief Starts gathering every rank's piece `in` into `out` (see iall_gather).
+  template <class ExecSpace, class InView, class OutView>
+  AllGatherRequest<T, InMS, OutMS> start(ExecSpace const& space, InView const& in,
+                                         OutView const& out) const {
+    auto const [n, row] = detail::rows_of(in);
+    auto const [m, row_out] = detail::rows_of(out);
+    moe::detail::require<ShapeError>(
+        n == n_ && row == row_ && m == comm_->size() * n_ && row_out == row_ &&
+            in.span_is_contiguous() && out.span_is_contiguous(),
+        "moe::comm::AllGatherPieces: a piece in ", detail::shape_of(in), " / out ",
+        detail::shape_of(out), " differs from the agreed ", n_, " rows of ", row_, " elements");
+    AllGatherRequest<T, InMS, OutMS> req;
+    req.start(*comm_, space, in.data(), out.data(), n_, row_);
+    return req;
+  }
+
+ private:
+  Communicator const* comm_;
+  std::int64_t n_ = 0, row_ = 0;
+};
+
 /// \brief Collective (every rank must start it, in the same order as its other collectives):
 /// starts concatenating every rank's `in` along dim 0, in rank order, into `out`, as
 /// moe::comm::all_gather does; `out` is defined once the returned request's wait() returns.
-/// `in` and `out` must stay alive and unchanged (in) / untouched (out) until then.
+/// `in` and `out` must stay alive and unchanged (in) / untouched (out) until then. A gather
+/// started as several pieces agrees on their shape once: AllGatherPieces.
 /// \param in  [n, ...] on every rank (same shape everywhere; checked collectively, a bad shape
 ///            is the same ShapeError on every rank)
 /// \param out [size*n, ...]; must not overlap `in`
@@ -150,14 +192,9 @@ AllGatherRequest<typename OutView::non_const_value_type, typename InView::memory
 iall_gather(Communicator const& comm, ExecSpace const& space, InView const& in,
             OutView const& out) {
   moe::detail::Region region("moe::comm::iall_gather");
-  using T = typename OutView::non_const_value_type;
-  auto const [n, row] = detail::check_row_pair<ExecSpace>(
-      comm, "moe::comm::iall_gather", in, out, in, out,
-      "out must be [size*n, ...] with the trailing extents of in, both contiguous and not "
-      "overlapping");
-  AllGatherRequest<T, typename InView::memory_space, typename OutView::memory_space> req;
-  req.start(comm, space, in.data(), out.data(), n, row);
-  return req;
+  return AllGatherPieces<typename OutView::non_const_value_type, typename InView::memory_space,
+                         typename OutView::memory_space>(comm, space, in, out)
+      .start(space, in, out);
 }
 
 }  // namespace moe::comm

@@ -113,6 +113,7 @@ class LayerBuffers {
     Dc_ = D_ / std::max<std::int64_t>(1, tp_);
     L_ = lay_.local_experts;
     Tw_ = lay_.route == ExpertRoute::Ring ? checked_mul(T_, ep_, "tokens on the ring") : T_;
+    chunks_ = plan.step.emb_chunks;
     // Replicated batch and EP-TP: every expert rank already holds the group's tokens.
     Tg_ = lay_.route == ExpertRoute::Replicated || lay_.route == ExpertRoute::EpTp
               ? T_
@@ -235,6 +236,7 @@ class LayerBuffers {
     std::int64_t const R = Tw_;  // rows the router routes
     rows_check("tokens routed on this rank", R);
     add("routing", "logits", {R, E_}, s_, tke);
+    if (chunks_ > 0) add("routing", "logits_own", {T_, E_}, s_, tke);  // gathered into logits
     if (cfg_.routed_score_func != ScoreFunc::None) add("routing", "scores", {R, E_}, s_, tke);
     if (cfg_.routed_bias) add("routing", "biased scores", {R, E_}, s_, tke);
     add("routing", "expert_ids", {R, K_}, i4, tkk);
@@ -319,6 +321,7 @@ class LayerBuffers {
     add("routing", "local kept", {Tw_, K_}, i4, tkk);
     gathered_rows();
     add("token rows", "x_local", {n, D_}, s_, tkd);
+    if (chunks_ > 0) add("token rows", "x_local_chunk", {n, D_ / chunks_}, s_, tkd);
     add("token rows", "y_local", {n, D_}, s_, tkd);
     if (training_) add("token rows", "dy_local", {n, D_}, s_, tkd);
     hidden(n, tkf);
@@ -329,7 +332,14 @@ class LayerBuffers {
     std::string const tkd = std::string(kTokens) + ", base_emb_dim";
     bool const ep_tp = lay_.route == ExpertRoute::EpTp;
     add("token rows", "x", {T_, ep_tp ? D_ / ep_ : D_}, s_, tkd);
-    if (lay_.route == ExpertRoute::Ring || ep_tp) add("token rows", "x_work", {Tw_, D_}, s_, tkd);
+    // num_moe_emb_chunks: the expert group's tokens arrive chunk-major into x_chunks (in place of
+    // x_work), gathered from the own tokens repacked chunk-major.
+    if (chunks_ > 0) {
+      add("token rows", "x_chunks_own", {T_, D_}, s_, tkd);
+      add("token rows", "x_chunks", {Tw_, D_}, s_, tkd);
+    } else if (lay_.route == ExpertRoute::Ring || ep_tp) {
+      add("token rows", "x_work", {Tw_, D_}, s_, tkd);
+    }
     add("token rows", "y_work", {Tw_, D_}, s_, tkd);
     add("token rows", "y_own", {T_, D_}, s_, tkd);
     add("token rows", "y_cols", {T_, Dc_}, s_, tkd);
@@ -437,7 +447,7 @@ class LayerBuffers {
   LayerConfig const& cfg_;
   bool training_, packed_;
   std::int64_t s_ = 4, T_ = 0, S_ = 1, D_ = 0, K_ = 0, E_ = 0, ep_ = 1, tp_ = 1, Dc_ = 0, L_ = 0;
-  std::int64_t Tw_ = 0, Tg_ = 0, F_ = 0;
+  std::int64_t Tw_ = 0, Tg_ = 0, F_ = 0, chunks_ = 0;
   std::int64_t gather_pool_ = 0, rs_pool_ = 0, parts_pool_ = 0, ar_temp_ = 0;
   std::string weight_keys_;
   std::vector<Buffer> bufs_;

@@ -127,18 +127,15 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
 
 /// \brief Starts out = in gathered along dimension 0 over the group without blocking (see
 /// comm::iall_gather: call test() on the request while computing, wait() before reading out) and
-/// logs it as the all-gather `what`, with the bytes gather_dim would send.
-template <class ExecSpace, class InV, class OutV>
-auto start_gather_rows(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV const& out,
-                       CommLog* log, std::string const& what) {
-  using T = typename OutV::non_const_value_type;
-  using MS = typename OutV::memory_space;
+/// logs it as the all-gather `what`, with the bytes gather_dim would send. `pieces` is the shape
+/// the group agreed on for the gather's pieces (comm::AllGatherPieces, made once per gather).
+template <class ExecSpace, class Pieces, class InV, class OutV>
+auto start_gather_rows(ExecSpace const& space, AxisGroup const& g, Pieces const& pieces,
+                       InV const& in, OutV const& out, CommLog* log, std::string const& what) {
   if (log && g.size() > 1)
     log->add(what, "all-gather", g.axes,
              comm::sent_bytes::all_gather(detail::bytes_of(in), g.size()));
-  return comm::iall_gather(g.comm, space,
-                           View1<T const, typename InV::memory_space>(in.data(), in.span()),
-                           View1<T, MS>(out.data(), out.span()));
+  return pieces.start(space, in, out);
 }
 
 /// \brief out (one block along d) = sum over the group of in's blocks along d (rank order).
