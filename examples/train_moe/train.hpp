@@ -446,25 +446,8 @@ class Trainer {
       auto& layer = *layers_[std::size_t(l)];
       auto& g = grads_[std::size_t(l)];
       auto const& p = layer.parameters();
-      auto like = [](auto const& v, std::string const& label) {
-        using V = std::decay_t<decltype(v)>;
-        if constexpr (V::rank == 1)
-          return V(label, v.extent(0));
-        else if constexpr (V::rank == 2)
-          return V(label, v.extent(0), v.extent(1));
-        else
-          return V(label, v.extent(0), v.extent(1), v.extent(2));
-      };
-      g.gate = like(p.gate, "train::d_gate");
-      if (p.gate_bias.data()) g.gate_bias = like(p.gate_bias, "train::d_gate_bias");
-      g.wi_0 = like(p.wi_0, "train::d_wi_0");
-      g.wi_1 = like(p.wi_1, "train::d_wi_1");
-      g.wo = like(p.wo, "train::d_wo");
-      if (p.shared_wo.data()) {
-        g.shared_wi_0 = like(p.shared_wi_0, "train::d_shared_wi_0");
-        g.shared_wi_1 = like(p.shared_wi_1, "train::d_shared_wi_1");
-        g.shared_wo = like(p.shared_wo, "train::d_shared_wo");
-      }
+      g = std::decay_t<decltype(g)>::allocated(
+          layer.config(), "train::d_", [&](char const* n) { return layer.block(n).local_shape; });
       std::vector<Scalar*> gp;
       g.for_each([&](char const*, auto const& v) { gp.push_back(v.data()); });
       std::size_t i = 0;

@@ -15,7 +15,9 @@
 #include <moe/routing/router.hpp>
 
 #include <cstdint>
+#include <map>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace moe {
@@ -33,22 +35,80 @@ struct Parameters {
   View2<Scalar, MemorySpace> shared_wi_1;  ///< [D,Fs]
   View2<Scalar, MemorySpace> shared_wo;    ///< [Fs,D]
 
+  /// \brief The shape of tensor `name` under `cfg` (MaxText layouts, see the members).
+  static std::vector<std::int64_t> shape(LayerConfig const& cfg, std::string const& name) {
+    std::int64_t const D = cfg.base_emb_dim, E = cfg.num_experts, F = cfg.base_moe_mlp_dim;
+    std::int64_t const Fs = cfg.shared_mlp_dim();
+    if (name == "gate") return {D, E};
+    if (name == "gate_bias") return {E};
+    if (name == "wi_0" || name == "wi_1") return {E, D, F};
+    if (name == "wo") return {E, F, D};
+    if (name == "shared_wi_0" || name == "shared_wi_1") return {D, Fs};
+    if (name == "shared_wo") return {Fs, D};
+    throw ConfigError(detail::cat("moe::Parameters: no tensor named '", name, "'"));
+  }
+
   /// Zero-filled parameters of the shapes `cfg` asks for.
   static Parameters zeros(LayerConfig const& cfg) {
+    return allocated(cfg, "moe::param::", [&](char const* n) { return shape(cfg, n); });
+  }
+
+  /// \brief Zero-filled tensors named `prefix` + name, of the shapes shape_of(name) gives
+  /// (e.g. one rank's blocks), for every tensor `cfg` has.
+  template <class ShapeOf>
+  static Parameters allocated(LayerConfig const& cfg, std::string const& prefix,
+                              ShapeOf&& shape_of) {
     Parameters p;
-    int const D = cfg.base_emb_dim, E = cfg.num_experts, F = cfg.base_moe_mlp_dim;
-    int const Fs = cfg.shared_mlp_dim();
-    p.gate = View2<Scalar, MemorySpace>("moe::param::gate", D, E);
-    if (cfg.routed_bias) p.gate_bias = View1<Scalar, MemorySpace>("moe::param::gate_bias", E);
-    p.wi_0 = View3<Scalar, MemorySpace>("moe::param::wi_0", E, D, F);
-    p.wi_1 = View3<Scalar, MemorySpace>("moe::param::wi_1", E, D, F);
-    p.wo = View3<Scalar, MemorySpace>("moe::param::wo", E, F, D);
-    if (Fs > 0) {
-      p.shared_wi_0 = View2<Scalar, MemorySpace>("moe::param::shared_wi_0", D, Fs);
-      p.shared_wi_1 = View2<Scalar, MemorySpace>("moe::param::shared_wi_1", D, Fs);
-      p.shared_wo = View2<Scalar, MemorySpace>("moe::param::shared_wo", Fs, D);
-    }
+    for_each_field(cfg, [&](char const* n, auto m) {
+      using V = std::decay_t<decltype(p.*m)>;
+      std::vector<std::int64_t> const s = shape_of(n);
+      if constexpr (V::rank == 1)
+        p.*m = V(prefix + n, s[0]);
+      else if constexpr (V::rank == 2)
+        p.*m = V(prefix + n, s[0], s[1]);
+      else
+        p.*m = V(prefix + n, s[0], s[1], s[2]);
+    });
     return p;
+  }
+
+  /// \brief Calls f(name, member pointer) for every tensor `cfg` has, in for_each's order, so
+  /// that code walking several parameter sets at once (stored, compute and gradient blocks)
+  /// names each tensor once: `a.*m = op(b.*m)`.
+  template <class F>
+  static void for_each_field(LayerConfig const& cfg, F&& f) {
+    f("gate", &Parameters::gate);
+    if (cfg.routed_bias) f("gate_bias", &Parameters::gate_bias);
+    f("wi_0", &Parameters::wi_0);
+    f("wi_1", &Parameters::wi_1);
+    f("wo", &Parameters::wo);
+    if (cfg.shared_mlp_dim() > 0) {
+      f("shared_wi_0", &Parameters::shared_wi_0);
+      f("shared_wi_1", &Parameters::shared_wi_1);
+      f("shared_wo", &Parameters::shared_wo);
+    }
+  }
+
+  /// \brief Throws ShapeError "`what` name is [..] but `needs` [..]" for the first tensor `cfg`
+  /// has whose extents are not want(name) (e.g. Parameters::shape, or one rank's block).
+  template <class Want>
+  void check_shapes(LayerConfig const& cfg, char const* what, char const* needs,
+                    Want&& want) const {
+    for_each_field(cfg, [&](char const* n, auto m) {
+      auto const& v = this->*m;
+      std::vector<std::int64_t> const w = want(n);
+      std::int64_t numel = 1;
+      bool ok = true;
+      std::string got, exp;
+      for (std::size_t r = 0; r < w.size(); ++r) {
+        ok = ok && std::int64_t(v.extent(r)) == w[r];
+        numel *= w[r];
+        got += (r > 0 ? "," : "") + std::to_string(v.extent(r));
+        exp += (r > 0 ? "," : "") + std::to_string(w[r]);
+      }
+      if (!ok || (v.data() == nullptr && numel > 0))
+        throw ShapeError(detail::cat(what, " ", n, " is [", got, "] but ", needs, " [", exp, "]"));
+    });
   }
 
   /// Calls f(name, view) for every allocated tensor, in a fixed order (MaxText names).
@@ -269,34 +329,10 @@ class MoeLayer : public ParameterStore<Parameters<Scalar, typename ExecSpace::me
     detail::require_finite(space_, v, name);
   }
 
-  /// Shapes of a parameter set against the config; NaN/Inf check for parameters.
+  /// Shapes of a parameter set against the config (ShapeError naming the tensor).
   void check_parameters(params_type const& p, char const* what) const {
-    int const D = cfg_.base_emb_dim, E = cfg_.num_experts, F = cfg_.base_moe_mlp_dim;
-    int const Fs = cfg_.shared_mlp_dim();
-    auto shape = [&](auto const& v, std::string const& name, std::vector<std::size_t> want) {
-      bool ok = v.data() != nullptr || want.empty();
-      for (std::size_t r = 0; r < want.size(); ++r) ok = ok && v.extent(r) == want[r];
-      if (!ok) {
-        std::string got, exp;
-        for (std::size_t r = 0; r < want.size(); ++r) {
-          if (r > 0) got += ',', exp += ',';
-          got += std::to_string(v.extent(r));
-          exp += std::to_string(want[r]);
-        }
-        throw ShapeError(
-            detail::cat(what, " ", name, " is [", got, "] but the config needs [", exp, "]"));
-      }
-    };
-    shape(p.gate, "gate", {std::size_t(D), std::size_t(E)});
-    if (cfg_.routed_bias) shape(p.gate_bias, "gate_bias", {std::size_t(E)});
-    shape(p.wi_0, "wi_0", {std::size_t(E), std::size_t(D), std::size_t(F)});
-    shape(p.wi_1, "wi_1", {std::size_t(E), std::size_t(D), std::size_t(F)});
-    shape(p.wo, "wo", {std::size_t(E), std::size_t(F), std::size_t(D)});
-    if (Fs > 0) {
-      shape(p.shared_wi_0, "shared_wi_0", {std::size_t(D), std::size_t(Fs)});
-      shape(p.shared_wi_1, "shared_wi_1", {std::size_t(D), std::size_t(Fs)});
-      shape(p.shared_wo, "shared_wo", {std::size_t(Fs), std::size_t(D)});
-    }
+    p.check_shapes(cfg_, what, "the config needs",
+                   [&](char const* n) { return params_type::shape(cfg_, n); });
   }
 
   void route(ForwardOptions const& opt) {

@@ -413,38 +413,13 @@ class DistributedMoeLayer
   distributed::AxisGroup const& batch_() const { return *batch_g_; }
 
   params_type alloc_params(std::string const& prefix) const {
-    params_type p;
-    auto shape = [&](char const* n) { return block(n).local_shape; };
-    auto v2 = [&](char const* n) {
-      auto s = shape(n);
-      return view2(prefix + n, s[0], s[1]);
-    };
-    auto v3 = [&](char const* n) {
-      auto s = shape(n);
-      return view3(prefix + n, s[0], s[1], s[2]);
-    };
-    p.gate = v2("gate");
-    if (cfg_.routed_bias) p.gate_bias = view1(prefix + "gate_bias", cfg_.num_experts);
-    p.wi_0 = v3("wi_0");
-    p.wi_1 = v3("wi_1");
-    p.wo = v3("wo");
-    if (cfg_.shared_mlp_dim() > 0) {
-      p.shared_wi_0 = v2("shared_wi_0");
-      p.shared_wi_1 = v2("shared_wi_1");
-      p.shared_wo = v2("shared_wo");
-    }
-    return p;
+    return params_type::allocated(cfg_, prefix,
+                                  [&](char const* n) { return block(n).local_shape; });
   }
 
   void check_param_shapes(params_type const& p, char const* what) const {
-    p.for_each([&](char const* name, auto const& v) {
-      auto const want = block(name).local_shape;
-      bool ok = v.data() != nullptr || v.span() == 0;
-      for (std::size_t r = 0; r < want.size(); ++r) ok = ok && std::int64_t(v.extent(r)) == want[r];
-      if (!ok)
-        throw ShapeError(
-            detail::cat(what, " ", name, " has a block of the wrong shape on this rank"));
-    });
+    p.check_shapes(cfg_, what, "this rank's block is",
+                   [&](char const* n) { return block(n).local_shape; });
   }
 
   /// `name`, or "name (rank r's block at offset [..] of [..])" when this rank stores a block of
@@ -500,30 +475,24 @@ class DistributedMoeLayer
     return cur;
   }
 
-  /// Stored blocks -> compute blocks (the gate bias stays replicated).
+  /// Stored blocks -> compute blocks (the plan's to_compute ops; the gate bias has none).
   void gather_weights(params_type const& stored, params_type& compute) {
-    auto to_compute = [&](char const* n, auto const& v) {
-      return run_weight_ops(plan_.weight(n).to_compute, v, std::string("compute.") + n);
-    };
-    compute.gate = to_compute("gate", stored.gate);
-    if (cfg_.routed_bias) compute.gate_bias = stored.gate_bias;
-    compute.wi_0 = to_compute("wi_0", stored.wi_0);
-    compute.wi_1 = to_compute("wi_1", stored.wi_1);
-    compute.wo = to_compute("wo", stored.wo);
+    params_type::for_each_field(cfg_, [&](char const* n, auto m) {
+      compute.*m =
+          run_weight_ops(plan_.weight(n).to_compute, stored.*m, std::string("compute.") + n);
+    });
     // A gathered (or sliced) expert weight is new data in a reused buffer: a new version.
     if (compute.wi_0.data() != stored.wi_0.data() || compute.wi_1.data() != stored.wi_1.data() ||
         compute.wo.data() != stored.wo.data())
       weights_changed();
-    if (cfg_.shared_mlp_dim() > 0) {
-      compute.shared_wi_0 = to_compute("shared_wi_0", stored.shared_wi_0);
-      compute.shared_wi_1 = to_compute("shared_wi_1", stored.shared_wi_1);
-      compute.shared_wo = to_compute("shared_wo", stored.shared_wo);
-    }
   }
 
   /// Zeroed compute-block gradients, allocated once and reused while the shapes stay.
   void alloc_compute_grads() {
-    auto zeroed = [&](auto& g, auto const& like, char const* label) {
+    params_type::for_each_field(cfg_, [&](char const* n, auto m) {
+      auto& g = gc_.*m;
+      auto const& like = cp_.*m;
+      std::string const label = std::string("moe::dist::d_") + n;
       if constexpr (std::decay_t<decltype(g)>::rank == 1)
         detail::ensure(space_, g, label, like.extent(0));
       else if constexpr (std::decay_t<decltype(g)>::rank == 2)
@@ -531,35 +500,16 @@ class DistributedMoeLayer
       else
         detail::ensure(space_, g, label, like.extent(0), like.extent(1), like.extent(2));
       Kokkos::deep_copy(space_, g, Scalar(0));
-    };
-    zeroed(gc_.gate, cp_.gate, "moe::dist::d_gate");
-    if (cfg_.routed_bias) zeroed(gc_.gate_bias, cp_.gate_bias, "moe::dist::d_gate_bias");
-    zeroed(gc_.wi_0, cp_.wi_0, "moe::dist::d_wi_0");
-    zeroed(gc_.wi_1, cp_.wi_1, "moe::dist::d_wi_1");
-    zeroed(gc_.wo, cp_.wo, "moe::dist::d_wo");
-    if (cfg_.shared_mlp_dim() > 0) {
-      zeroed(gc_.shared_wi_0, cp_.shared_wi_0, "moe::dist::d_shared_wi_0");
-      zeroed(gc_.shared_wi_1, cp_.shared_wi_1, "moe::dist::d_shared_wi_1");
-      zeroed(gc_.shared_wo, cp_.shared_wo, "moe::dist::d_shared_wo");
-    }
+    });
   }
 
   /// Compute-block gradients -> stored-block gradients (the transposes of gather_weights).
   void reduce_grads(params_type const& computed, params_type& out) {
-    auto to_storage = [&](char const* n, auto const& g, auto const& o) {
-      Kokkos::deep_copy(space_, o,
-                        run_weight_ops(plan_.weight(n).to_storage, g, std::string("d.") + n));
-    };
-    to_storage("gate", computed.gate, out.gate);
-    if (cfg_.routed_bias) to_storage("gate_bias", computed.gate_bias, out.gate_bias);
-    to_storage("wi_0", computed.wi_0, out.wi_0);
-    to_storage("wi_1", computed.wi_1, out.wi_1);
-    to_storage("wo", computed.wo, out.wo);
-    if (cfg_.shared_mlp_dim() > 0) {
-      to_storage("shared_wi_0", computed.shared_wi_0, out.shared_wi_0);
-      to_storage("shared_wi_1", computed.shared_wi_1, out.shared_wi_1);
-      to_storage("shared_wo", computed.shared_wo, out.shared_wo);
-    }
+    params_type::for_each_field(cfg_, [&](char const* n, auto m) {
+      Kokkos::deep_copy(
+          space_, out.*m,
+          run_weight_ops(plan_.weight(n).to_storage, computed.*m, std::string("d.") + n));
+    });
   }
 
   // ------------------------------------------------------------------ routing ---------------
@@ -765,12 +715,17 @@ class DistributedMoeLayer
     ffn_.forward(space_, cfg_.mlp_activation, xs, disp_.perm.groups, cp_.wi_0, cp_.wi_1, cp_.wo, ys,
                  weights_version_);
   }
-  /// Starts the all-gather of D-chunk c of the own tokens into its rows of `got`.
-  auto start_chunk_gather(view2 own, view2 got, std::int64_t c) {
+  using chunk_pieces = comm::AllGatherPieces<Scalar, memory_space, memory_space>;
+  /// D-chunk c of the own tokens (chunk-major `own`) and its rows of the gathered `got`.
+  std::pair<view2, view2> chunk_views(view2 own, view2 got, std::int64_t c) const {
     std::int64_t const T = plan_.tokens, Tw = plan_.work_tokens, Dc = own.extent(1);
+    return {view2(own.data() + c * T * Dc, T, Dc), view2(got.data() + c * Tw * Dc, Tw, Dc)};
+  }
+  /// Starts the all-gather of D-chunk c of the own tokens into its rows of `got`.
+  auto start_chunk_gather(chunk_pieces const& pieces, view2 own, view2 got, std::int64_t c) {
     std::string const what = planned("all-gather", ep_().axes);
-    return distributed::start_gather_rows(space_, ep_(), view2(own.data() + c * T * Dc, T, Dc),
-                                          view2(got.data() + c * Tw * Dc, Tw, Dc), &log_, what);
+    auto const v = chunk_views(own, got, c);
+    return distributed::start_gather_rows(space_, ep_(), pieces, v.first, v.second, &log_, what);
   }
   /// Chunked ring (num_moe_emb_chunks = nc): the expert group's tokens arrive in nc chunks of
   /// Dc = D/nc columns, each by a non-blocking all-gather started before the first grouped GEMMs
@@ -793,13 +748,16 @@ class DistributedMoeLayer
     auto rows = [](view2 const& v, std::int64_t r0, std::int64_t r) {
       return view2(v.data() + r0 * std::int64_t(v.extent(1)), r, v.extent(1));
     };
-    using request = decltype(start_chunk_gather(own, got, 0));
-    request next = start_chunk_gather(own, got, 0);
+    // The chunks' shapes are agreed on once (one collective check, not one per chunk).
+    auto const first = chunk_views(own, got, 0);
+    chunk_pieces const pieces(ep_().comm, space_, first.first, first.second);
+    using request = decltype(start_chunk_gather(pieces, own, got, 0));
+    request next = start_chunk_gather(pieces, own, got, 0);
     ffn_.forward_begin(space_, cfg_.mlp_activation, xs, F, weights_version_);
     for (std::int64_t c = 0; c < nc; ++c) {
       request cur = std::move(next);
       cur.wait(space_);
-      if (c + 1 < nc) next = start_chunk_gather(own, got, c + 1);
+      if (c + 1 < nc) next = start_chunk_gather(pieces, own, got, c + 1);
       permute::gather_rows(space_, cview2(rows(got, c * Tw, Tw)), ivec(disp_.perm.perm), K, xs_c);
       distributed::detail::copy_rows(space_, "moe::dist::chunk_unpack", xs_c.data(), xs.data(), n,
                                      Dc, distributed::detail::Identity{},

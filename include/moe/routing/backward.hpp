@@ -1,0 +1,157 @@
+#pragma once
+/// \file
+/// Routing kernels, backward: the transpose of the combine weights' post-processing, top-k and
+/// score function (with the load-balance term), and the fixed-order column sums that give the
+/// routed bias its gradient. Deterministic like the forward kernels (routing/kernels.hpp).
+
+#include <moe/detail/compat.hpp>
+#include <moe/detail/counting.hpp>
+#include <moe/detail/scratch.hpp>
+#include <moe/detail/views.hpp>
+#include <moe/routing/kernels.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace moe::routing {
+
+/// \brief Backward of routing.
+///
+/// Inputs: d_weights[T,K] (gradient w.r.t. the combine weights; 0 for dropped slots) and, when
+/// lb_coef != 0, the load-balance term: d lb / d p[t,e] = lb_coef * counts[b(t), e].
+/// Outputs: d_logits[T,E] (gradient w.r.t. the raw gate logits) and d_biased[T,E] (gradient
+/// w.r.t. scores + bias; its column sums are the bias gradient).
+template <class ExecSpace, class Scalar, class MS>
+void route_backward(ExecSpace const& space, RouteParams const& p,
+                    RoutingState<Scalar, MS> const& st, View2<Scalar const, MS> d_weights,
+                    std::int64_t seq_len, double lb_coef, View2<Scalar, MS> d_top,
+                    View2<Scalar, MS> d_biased, View2<Scalar, MS> d_logits) {
+  int const E = p.E, K = p.K;
+  bool const deepseek = p.kind.deepseek;
+  // DeepSeek takes its top values from the pre-bias scores, except under random routing, which
+  // gathers the biased gate output.
+  bool const from_scores = deepseek && !p.kind.random;
+  bool const ds_normalise = p.score == ScoreFunc::Sigmoid || p.score == ScoreFunc::SqrtSoftplus;
+  bool const norm = p.norm_topk_prob;
+  Scalar const scaling = Scalar(p.scaling);
+  ScoreFunc const f = p.score;
+  Scalar const coef = Scalar(lb_coef);
+  auto logits = st.logits;
+  auto scores = st.scores;
+  auto biased = st.biased;
+  auto ids = st.expert_ids;
+  auto top = st.top_values;
+  auto w = st.weights;
+  auto counts = st.seq_counts;
+  Kokkos::parallel_for(
+      "moe::routing::route_backward", Kokkos::RangePolicy<ExecSpace>(space, 0, biased.extent(0)),
+      KOKKOS_LAMBDA(std::size_t t) {
+        // 1. post-processing backward: d_weights -> d_top (w.r.t. the selected values)
+        if (deepseek) {
+          Scalar sum = 0;
+          for (int k = 0; k < K; ++k) sum += top(t, k);
+          Scalar const den = sum + Scalar(1e-20);
+          Scalar dot = 0;
+          for (int k = 0; k < K; ++k) dot += d_weights(t, k) * scaling * top(t, k);
+          for (int k = 0; k < K; ++k) {
+            Scalar const du = d_weights(t, k) * scaling;
+            d_top(t, k) = ds_normalise ? du / den - dot / (den * den) : du;
+          }
+        } else {
+          // w = softmax(top) [/ sum]; undo the renormalisation, then the softmax.
+          Scalar s = 0, m = top(t, 0);
+          for (int k = 1; k < K; ++k) m = top(t, k) > m ? top(t, k) : m;
+          Scalar z = 0;
+          for (int k = 0; k < K; ++k) z += detail::exp(top(t, k) - m);
+          for (int k = 0; k < K; ++k) s += detail::exp(top(t, k) - m) / z;
+          Scalar dn = 0;
+          if (norm)
+            for (int k = 0; k < K; ++k) dn += d_weights(t, k) * w(t, k);
+          Scalar dot = 0;
+          for (int k = 0; k < K; ++k) {
+            Scalar const sm = detail::exp(top(t, k) - m) / z;
+            Scalar const dpre = norm ? (d_weights(t, k) - dn) / s : d_weights(t, k);
+            d_top(t, k) = dpre;  // temporarily
+            dot += dpre * sm;
+          }
+          for (int k = 0; k < K; ++k) {
+            Scalar const sm = detail::exp(top(t, k) - m) / z;
+            d_top(t, k) = sm * (d_top(t, k) - dot);
+          }
+        }
+        // 2. d_biased = lb part + (generic: the selected values' gradient)
+        Scalar pm = biased(t, 0), pz = 0, pdot = 0;
+        std::int64_t const b = std::int64_t(t) / seq_len;
+        if (coef != Scalar(0)) {
+          for (int e = 1; e < E; ++e) pm = biased(t, e) > pm ? biased(t, e) : pm;
+          for (int e = 0; e < E; ++e) pz += detail::exp(biased(t, e) - pm);
+          for (int e = 0; e < E; ++e)
+            pdot += coef * Scalar(counts(b, e)) * detail::exp(biased(t, e) - pm) / pz;
+        }
+        for (int e = 0; e < E; ++e) {
+          Scalar g = 0;
+          if (coef != Scalar(0)) {
+            Scalar const pe = detail::exp(biased(t, e) - pm) / pz;
+            g = pe * (coef * Scalar(counts(b, e)) - pdot);
+          }
+          if (!from_scores)
+            for (int k = 0; k < K; ++k)
+              if (ids(t, k) == e) g += d_top(t, k);
+          d_biased(t, e) = g;
+        }
+        // 3. d_scores = d_biased (+ DeepSeek: the selected pre-bias values' gradient), then the
+        //    score function's backward into d_logits.
+        auto dscore = [&](int e) {
+          Scalar g = d_biased(t, e);
+          if (from_scores)
+            for (int k = 0; k < K; ++k)
+              if (ids(t, k) == e) g += d_top(t, k);
+          return g;
+        };
+        if (f == ScoreFunc::Softmax) {
+          Scalar dot = 0;
+          for (int e = 0; e < E; ++e) dot += dscore(e) * scores(t, e);
+          for (int e = 0; e < E; ++e) d_logits(t, e) = scores(t, e) * (dscore(e) - dot);
+        } else {
+          for (int e = 0; e < E; ++e) {
+            Scalar const s = scores(t, e), g = dscore(e);
+            if (f == ScoreFunc::Sigmoid) {
+              d_logits(t, e) = g * s * (Scalar(1) - s);
+            } else if (f == ScoreFunc::SqrtSoftplus) {
+              // s = sqrt(softplus(l)); ds/dl = sigmoid(l) / (2 s)
+              Scalar const sg = detail::sigmoid(logits(t, e));
+              d_logits(t, e) = s > Scalar(0) ? g * sg / (Scalar(2) * s) : Scalar(0);
+            } else {
+              d_logits(t, e) = g;
+            }
+          }
+        }
+      });
+}
+
+/// \brief Column sums of a [T,E] view in a fixed order (the bias gradient): out[e] = sum_t m(t,e).
+template <class ExecSpace, class Scalar, class MS>
+void column_sums(ExecSpace const& space, View2<Scalar const, MS> m, View1<Scalar, MS> out,
+                 moe::detail::ScratchPool<MS>& scratch) {
+  std::int64_t const T = m.extent(0);
+  int const E = int(m.extent(1));
+  auto value = KOKKOS_LAMBDA(std::int64_t t, int e) { return m(t, e); };
+  auto store = KOKKOS_LAMBDA(std::int64_t, int e, double v) { out(e) = Scalar(v); };
+  std::int64_t const rows = std::min<std::int64_t>(256, std::max<std::int64_t>(T, 1));
+  auto partial = scratch.template get<double>("column_partial", ((T + rows - 1) / rows) * E);
+  if (T == 0) {
+    Kokkos::deep_copy(space, out, Scalar(0));
+    return;
+  }
+  moe::detail::segment_column_sums(space, T, E, T, value, partial, store);
+}
+
+template <class ExecSpace, class Scalar, class MS>
+void column_sums(ExecSpace const& space, View2<Scalar const, MS> m, View1<Scalar, MS> out) {
+  moe::detail::ScratchPool<MS> scratch;
+  column_sums(space, m, out, scratch);
+}
+
+}  // namespace moe::routing
