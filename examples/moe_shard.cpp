@@ -85,33 +85,40 @@ int parse_size(std::string const& axis, std::string const& text) {
   return static_cast<int>(v);
 }
 
+/// Splits `item` of option `flag` at its '=' into a name not yet in `seen` and its value; the
+/// errors name the option, the item and the rule (`form`).
+template <class Pairs>
+std::pair<std::string, std::string> assignment(char const* flag, std::string const& item,
+                                               char const* form, char const* what,
+                                               Pairs const& seen) {
+  auto const eq = item.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw ConfigError(cat(flag, ": '", item, "' is not ", form));
+  std::string const name = item.substr(0, eq);
+  for (auto const& s : seen)
+    if (s.first == name) throw ConfigError(cat(flag, ": ", what, " '", name, "' is given twice"));
+  return {name, item.substr(eq + 1)};
+}
+
 void parse_mesh(std::string const& spec, Args& a) {
   std::size_t start = 0;
   while (start <= spec.size()) {
     auto const comma = spec.find(',', start);
-    std::string const item =
-        spec.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    auto const eq = item.find('=');
-    if (eq == std::string::npos || eq == 0)
-      throw ConfigError(cat("--mesh: '", item, "' is not axis=size"));
-    std::string const axis = item.substr(0, eq);
-    for (auto const& m : a.mesh)
-      if (m.first == axis) throw ConfigError(cat("--mesh: axis '", axis, "' is given twice"));
-    a.mesh.emplace_back(axis, parse_size(axis, item.substr(eq + 1)));
+    auto const [axis, size] = assignment(
+        "--mesh",
+        spec.substr(start, comma == std::string::npos ? std::string::npos : comma - start),
+        "axis=size", "axis", a.mesh);
+    a.mesh.emplace_back(axis, parse_size(axis, size));
     if (comma == std::string::npos) break;
     start = comma + 1;
   }
 }
 
 void parse_tensor(std::string const& spec, Args& a) {
-  auto const eq = spec.find('=');
-  if (eq == std::string::npos || eq == 0)
-    throw ConfigError(cat("--tensor: '", spec, "' is not NAME=logical1,logical2,..."));
-  std::string const name = spec.substr(0, eq);
-  for (auto const& t : a.tensors)
-    if (t.first == name) throw ConfigError(cat("--tensor: name '", name, "' is given twice"));
+  auto const [name, axes] =
+      assignment("--tensor", spec, "NAME=logical1,logical2,...", "name", a.tensors);
   try {
-    a.tensors.emplace_back(name, sh::parse_logical_axes(spec.substr(eq + 1)));
+    a.tensors.emplace_back(name, sh::parse_logical_axes(axes));
   } catch (ConfigError const& e) {
     throw ConfigError(cat("--tensor ", name, ": ", e.what()));
   }

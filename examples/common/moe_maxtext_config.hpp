@@ -130,11 +130,20 @@ inline std::vector<MoeKey> const& moe_keys() {
       {"ragged_buffer_factor", S::Implemented, "", "expert-parallel receive buffer size"},
       {"moe_fsdp_use_two_stage_all_gather", S::Implemented, "", "one gather per FSDP axis"},
       {"custom_mesh_and_rule", S::Implemented, "", "preset of mesh axes and rules"},
-      {"moe_dispatch_no_expert_sharding", S::Implemented, "", "ParallelConfig key (afd3636)"},
-      {"shard_exp_on_fsdp", S::Implemented, "", "ParallelConfig key (afd3636)"},
-      {"use_2d_fsdp_sharding", S::Implemented, "", "ParallelConfig key (afd3636)"},
-      {"expert_shard_attention_option", S::Implemented, "", "ParallelConfig key (afd3636)"},
-      {"num_moe_emb_chunks", S::Implemented, "", "ParallelConfig key (afd3636)"},
+      {"moe_dispatch_no_expert_sharding", S::Implemented, "",
+       "dense path with an expert axis: the expert-parallel all-to-all instead of the all-gather / "
+       "reduce-scatter fallback"},
+      {"shard_exp_on_fsdp", S::Implemented, "",
+       "expert weights stored with the expert dimension on fsdp, gathered for compute (not with an "
+       "expert axis > 1)"},
+      {"use_2d_fsdp_sharding", S::Implemented, "",
+       "expert weights stored on fsdp and fsdp_transpose, gathered for compute (not with expert or "
+       "tensor > 1)"},
+      {"expert_shard_attention_option", S::Implemented, "",
+       "fsdp (default); tp: EP-TP, the layer's tokens split on D over expert; context: rejected "
+       "(no sequence parallelism)"},
+      {"num_moe_emb_chunks", S::Implemented, "",
+       "ring of experts: the token all-gather in n D-chunks, overlapped with the grouped GEMM"},
       // The loader's own.
       {"model_name", S::Implemented, "",
        "the MoE shapes of a published model (moe/models.hpp); \"default\": none"},

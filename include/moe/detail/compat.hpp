@@ -19,39 +19,15 @@ namespace kmath = ::Kokkos;
 namespace kmath = ::Kokkos::Experimental;
 #endif
 
-/// Device-safe math, spelled the same on every Kokkos version.
-template <class T>
-KOKKOS_INLINE_FUNCTION T exp(T x) {
-  return kmath::exp(x);
-}
-template <class T>
-KOKKOS_INLINE_FUNCTION T log(T x) {
-  return kmath::log(x);
-}
-template <class T>
-KOKKOS_INLINE_FUNCTION T log1p(T x) {
-  return kmath::log1p(x);
-}
-template <class T>
-KOKKOS_INLINE_FUNCTION T sqrt(T x) {
-  return kmath::sqrt(x);
-}
-template <class T>
-KOKKOS_INLINE_FUNCTION T tanh(T x) {
-  return kmath::tanh(x);
-}
-template <class T>
-KOKKOS_INLINE_FUNCTION T fabs(T x) {
-  return kmath::fabs(x);
-}
-template <class T>
-KOKKOS_INLINE_FUNCTION bool isfinite(T x) {
-  return kmath::isfinite(x);
-}
-template <class T>
-KOKKOS_INLINE_FUNCTION bool isnan(T x) {
-  return kmath::isnan(x);
-}
+/// Device-safe math, spelled the same on every Kokkos version (moe::detail::exp(x), ...).
+using kmath::exp;
+using kmath::fabs;
+using kmath::isfinite;
+using kmath::isnan;
+using kmath::log;
+using kmath::log1p;
+using kmath::sqrt;
+using kmath::tanh;
 
 /// Whether ExecSpace runs on the host (Serial, OpenMP, Threads): kernels take their host shape
 /// there (long chunks, a work item per row, host BLAS and oneDNN). Device spaces (CUDA, HIP,

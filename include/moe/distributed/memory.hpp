@@ -134,6 +134,11 @@ class LayerBuffers {
            std::string const& keys, bool rows_limited = false) {
     bufs_.push_back({item, std::move(name), std::move(shape), elem_bytes, keys, rows_limited});
   }
+  /// add() for several buffers {name, shape} of one item, element size and keys.
+  void add_each(char const* item, std::int64_t elem_bytes, std::string const& keys,
+                std::initializer_list<std::pair<char const*, Shape>> bufs) {
+    for (auto const& b : bufs) add(item, b.first, b.second, elem_bytes, keys);
+  }
   /// Checked element count of a shape.
   static std::int64_t numel(Shape const& s, std::string const& what) {
     return checked_product(s, "the element count of " + what);
@@ -287,22 +292,23 @@ class LayerBuffers {
       add("routing", "local perm", {n}, i8, tkk);
       add("routing", "local inverse", {n}, i8, tkk);
       add("routing", "local expert ids", {n}, i4, tkk);
-      add("token rows", "x", {T_, D_}, s_, tkd);
-      add("token rows", "x_sorted", {n_o, D_}, s_, tkd);
-      add("token rows", "x_received", {n, D_}, s_, tkd);
-      add("token rows", "x_local", {n, D_}, s_, tkd);
-      add("token rows", "y_local", {n, D_}, s_, tkd);
-      add("token rows", "y_local_cols", {n, Dc_}, s_, tkd);
-      add("token rows", "y_received_cols", {n, Dc_}, s_, tkd);
-      add("token rows", "y_sorted_cols", {n_o, Dc_}, s_, tkd);
-      add("token rows", "y_cols", {T_, Dc_}, s_, tkd);
-      if (training_) {
-        add("token rows", "dy_cols", {T_, Dc_}, s_, tkd);
-        add("token rows", "dy_sorted_cols", {n_o, Dc_}, s_, tkd);
-        add("token rows", "dy_received_cols", {n, Dc_}, s_, tkd);
-        add("token rows", "dy_local_cols", {n, Dc_}, s_, tkd);
-        add("token rows", "dy_local", {n, D_}, s_, tkd);
-      }
+      add_each("token rows", s_, tkd,
+               {{"x", {T_, D_}},
+                {"x_sorted", {n_o, D_}},
+                {"x_received", {n, D_}},
+                {"x_local", {n, D_}},
+                {"y_local", {n, D_}},
+                {"y_local_cols", {n, Dc_}},
+                {"y_received_cols", {n, Dc_}},
+                {"y_sorted_cols", {n_o, Dc_}},
+                {"y_cols", {T_, Dc_}}});
+      if (training_)
+        add_each("token rows", s_, tkd,
+                 {{"dy_cols", {T_, Dc_}},
+                  {"dy_sorted_cols", {n_o, Dc_}},
+                  {"dy_received_cols", {n, Dc_}},
+                  {"dy_local_cols", {n, Dc_}},
+                  {"dy_local", {n, D_}}});
       hidden(n, tkf);
       if (tp_ > 1) {
         std::int64_t const nd = numel({n, D_}, "local rows");
@@ -340,25 +346,13 @@ class LayerBuffers {
     } else if (lay_.route == ExpertRoute::Ring || ep_tp) {
       add("token rows", "x_work", {Tw_, D_}, s_, tkd);
     }
-    add("token rows", "y_work", {Tw_, D_}, s_, tkd);
-    add("token rows", "y_own", {T_, D_}, s_, tkd);
-    add("token rows", "y_cols", {T_, Dc_}, s_, tkd);
-    if (training_) {
-      add("token rows", "dy_work", {Tw_, D_}, s_, tkd);
-      add("token rows", "d_weights_work", {Tw_, K_}, s_, tkd);
-      add("token rows", "dx_work", {Tw_, D_}, s_, tkd);
-    }
-    std::int64_t const work = numel({Tw_, D_}, "work rows");
-    if (lay_.route == ExpertRoute::Ring)
-      pool_max(parts_pool_, work);
-    else
-      all_reduce_temp(work, ep_);
-    if (tp_ > 1) {
-      pool_max(rs_pool_, numel({T_, D_}, "y"));
-      pool_max(parts_pool_, numel({T_, D_}, "y"));
-      pool_max(gather_pool_, numel({T_, D_}, "y"));
-      if (training_) all_reduce_temp(work, tp_);
-    }
+    add_each("token rows", s_, tkd,
+             {{"y_work", {Tw_, D_}}, {"y_own", {T_, D_}}, {"y_cols", {T_, Dc_}}});
+    if (training_)
+      add_each("token rows", s_, tkd,
+               {{"dy_work", {Tw_, D_}}, {"d_weights_work", {Tw_, K_}}, {"dx_work", {Tw_, D_}}});
+    sum_temporaries(numel({Tw_, D_}, "work rows"), lay_.route == ExpertRoute::Ring);
+    if (tp_ > 1) pool_max(gather_pool_, numel({T_, D_}, "y"));
   }
 
   void dense_rows() {
@@ -389,26 +383,15 @@ class LayerBuffers {
     std::string const keys = std::string(kTokens) + ", shared_experts, base_emb_dim";
     std::int64_t const Fs = plan_.tensor("shared_wi_0").compute_shape[1];
     rows_check("shared-expert tokens", Tg_);
-    add("shared expert", "x_shared", {Tg_, D_}, s_, keys);
-    add("shared expert", "y_shared", {Tg_, D_}, s_, keys);
+    add_each("shared expert", s_, keys, {{"x_shared", {Tg_, D_}}, {"y_shared", {Tg_, D_}}});
     if (lay_.route == ExpertRoute::RaggedA2A) add("shared expert", "y_own", {T_, D_}, s_, keys);
-    add("shared expert", "y_shared_cols", {T_, Dc_}, s_, keys);
-    for (char const* n : {"h0", "h1", "act"}) add("shared expert", n, {Tg_, Fs}, s_, keys);
-    if (training_) {
-      add("shared expert", "d_act", {Tg_, Fs}, s_, keys);
-      add("shared expert", "dy_shared", {Tg_, D_}, s_, keys);
-      add("shared expert", "dx_shared", {Tg_, D_}, s_, keys);
-    }
-    std::int64_t const g = numel({Tg_, D_}, "shared rows");
-    if (Tg_ != T_)
-      pool_max(parts_pool_, g);
-    else
-      all_reduce_temp(g, ep_);
-    if (tp_ > 1) {
-      pool_max(parts_pool_, numel({T_, D_}, "y"));
-      pool_max(rs_pool_, numel({T_, D_}, "y"));
-      if (training_) all_reduce_temp(g, tp_);
-    }
+    add_each(
+        "shared expert", s_, keys,
+        {{"y_shared_cols", {T_, Dc_}}, {"h0", {Tg_, Fs}}, {"h1", {Tg_, Fs}}, {"act", {Tg_, Fs}}});
+    if (training_)
+      add_each("shared expert", s_, keys,
+               {{"d_act", {Tg_, Fs}}, {"dy_shared", {Tg_, D_}}, {"dx_shared", {Tg_, D_}}});
+    sum_temporaries(numel({Tg_, D_}, "shared rows"), Tg_ != T_);
   }
 
   void comm() {
@@ -421,6 +404,20 @@ class LayerBuffers {
     if (ar_temp_ > 0) add("communication buffers", "all-reduce temporaries", {ar_temp_}, s_, keys);
   }
 
+  /// Temporaries of summing n elements of partial outputs over the expert group (a
+  /// reduce-scatter's receive buffer when they are the group's gathered tokens, else an
+  /// all-reduce) and, with tensor parallelism, of y's reduce-scatter and the backward's sums.
+  void sum_temporaries(std::int64_t n, bool scattered) {
+    if (scattered)
+      pool_max(parts_pool_, n);
+    else
+      all_reduce_temp(n, ep_);
+    if (tp_ > 1) {
+      pool_max(rs_pool_, numel({T_, D_}, "y"));
+      pool_max(parts_pool_, numel({T_, D_}, "y"));
+      if (training_) all_reduce_temp(n, tp_);
+    }
+  }
   /// comm::all_reduce of n elements over P ranks: mine [ceil(n/P)] and, unless P divides n, a
   /// padded copy [P*ceil(n/P)]; freed on return (the largest counts).
   void all_reduce_temp(std::int64_t n, std::int64_t P) {

@@ -513,21 +513,29 @@ class Builder {
     tokens_reduce(c, "y", D_);
     reduce_scatter(c, "reduce-scatter y (tensor)", lay_.tp_axes, T_ * Dc_);
   }
-  void gathered_backward(std::vector<Stage>& b) {
+  /// The backward of the experts on gathered tokens: dy gathered over the expert axes as
+  /// `gather_dy` (n elements per rank; none when the tokens were not gathered), the experts'
+  /// transposes, then the stage that sends d_weights and dx back, whose collectives the caller
+  /// adds.
+  Stage& gathered_experts_backward(std::vector<Stage>& b, char const* gather_dy, std::int64_t n) {
     auto& o = stage(b, StageKind::output, "moe::dist::output::backward", {"dy"}, {"dy_work"});
-    if (lay_.route == ExpertRoute::Ring)
-      all_gather(o, "all-gather d_y (expert)", lay_.ep_axes, T_ * D_);
+    if (gather_dy) all_gather(o, gather_dy, lay_.ep_axes, n);
     local_experts_backward(b);
+    return stage(b, StageKind::dispatch, "moe::dispatch::gathered::backward",
+                 {lay_.dense ? "dx_work" : "dy_local", "d_weights_work"},
+                 {"dx_work", "d_weights", "dx"});
+  }
+  void gathered_backward(std::vector<Stage>& b) {
+    bool const ring = lay_.route == ExpertRoute::Ring;
     // The transpose of routing on gathered tokens: the expert group's partial d_weights and dx
     // (partial over the tensor-split hidden dim too) go back to the ranks that own the tokens.
-    auto& d = stage(b, StageKind::dispatch, "moe::dispatch::gathered::backward",
-                    {lay_.dense ? "dx_work" : "dy_local", "d_weights_work"},
-                    {"dx_work", "d_weights", "dx"});
+    auto& d = gathered_experts_backward(b, ring ? "all-gather d_y (expert)" : nullptr, T_ * D_);
     all_reduce(d, "reduce d_weights (tensor)", lay_.tp_axes, Tw_ * K_, s_);
     tokens_reduce(d, "d_weights", K_);
     all_reduce(d, "reduce d_x (tensor)", lay_.tp_axes, Tw_ * D_, s_);
     tokens_reduce(d, "d_x", D_);
   }
+
   /// The transposes of local_experts_forward, from dy_work.
   void local_experts_backward(std::vector<Stage>& b) {
     if (!lay_.dense) {
@@ -561,15 +569,11 @@ class Builder {
     reduce_scatter(c, "reduce-scatter y (ep-tp)", lay_.ep_axes, T_ * Dl_);
   }
   void ep_tp_backward(std::vector<Stage>& b) {
-    auto& o = stage(b, StageKind::output, "moe::dist::output::backward", {"dy"}, {"dy_work"});
-    all_gather(o, "all-gather d_y (ep-tp)", lay_.ep_axes, T_ * Dl_);
-    local_experts_backward(b);
-    auto& d = stage(b, StageKind::dispatch, "moe::dispatch::gathered::backward",
-                    {lay_.dense ? "dx_work" : "dy_local", "d_weights_work"},
-                    {"dx_work", "d_weights", "dx"});
+    auto& d = gathered_experts_backward(b, "all-gather d_y (ep-tp)", T_ * Dl_);
     all_reduce(d, "reduce d_weights (expert)", lay_.ep_axes, T_ * K_, s_);
     reduce_scatter(d, "reduce-scatter d_x (ep-tp)", lay_.ep_axes, T_ * Dl_);
   }
+
   // The shared expert on the full-D tokens with its hidden dim split over the expert axes: its
   // partial outputs are reduce-scattered on D like the routed ones.
   void ep_tp_shared_forward(std::vector<Stage>& f) {

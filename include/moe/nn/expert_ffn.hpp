@@ -11,7 +11,20 @@
 #include <moe/gmm/gmm.hpp>
 #include <moe/nn/activation.hpp>
 
+#include <cstdint>
+#include <string>
+
 namespace moe::nn {
+
+/// The hidden states of a gated FFN on n rows of width F (h0 = x.w0, h1 = x.w1, act = act(h0) *
+/// h1), allocated once and reused while the shapes stay; labelled `owner`::h0, ::h1, ::act.
+template <class ExecSpace, class V>
+void ensure_gated(ExecSpace const& space, std::string const& owner, std::int64_t n, std::int64_t F,
+                  V& h0, V& h1, V& act) {
+  moe::detail::ensure(space, h0, owner + "::h0", n, F);
+  moe::detail::ensure(space, h1, owner + "::h1", n, F);
+  moe::detail::ensure(space, act, owner + "::act", n, F);
+}
 
 /// \brief ys = (act(xs . wi_0[g]) * (xs . wi_1[g])) . wo[g] per group g; keeps what backward needs.
 /// Owns the PackCache of its weights: callers pass the version of the weights' contents, which
@@ -34,9 +47,7 @@ class ExpertFfn {
     std::int64_t const n = xs.extent(0), F = wi_0.extent(2);
     xs_ = xs;
     act_ = act;
-    moe::detail::ensure(space, h0_, "moe::ffn::h0", n, F);
-    moe::detail::ensure(space, h1_, "moe::ffn::h1", n, F);
-    moe::detail::ensure(space, a_, "moe::ffn::act", n, F);
+    ensure_gated(space, "moe::ffn", n, F, h0_, h1_, a_);
     version_ = weights_version;
     gmm::GmmOptions const fw = options(false, false);
     gmm::gmm(space, Gmm{}, xs, wi_0, groups, h0_, fw);
@@ -56,9 +67,7 @@ class ExpertFfn {
     xs_ = xs;
     act_ = act;
     version_ = weights_version;
-    moe::detail::ensure(space, h0_, "moe::ffn::h0", n, F);
-    moe::detail::ensure(space, h1_, "moe::ffn::h1", n, F);
-    moe::detail::ensure(space, a_, "moe::ffn::act", n, F);
+    ensure_gated(space, "moe::ffn", n, F, h0_, h1_, a_);
     Kokkos::deep_copy(space, h0_, Scalar(0));
     Kokkos::deep_copy(space, h1_, Scalar(0));
   }
@@ -134,9 +143,7 @@ class DenseMlp {
     std::int64_t const T = x.extent(0), H = w0.extent(1);
     x_ = x;
     act_ = act;
-    moe::detail::ensure(space, h0_, "moe::mlp::h0", T, H);
-    moe::detail::ensure(space, h1_, "moe::mlp::h1", T, H);
-    moe::detail::ensure(space, a_, "moe::mlp::act", T, H);
+    ensure_gated(space, "moe::mlp", T, H, h0_, h1_, a_);
     moe::detail::gemm(space, "N", "N", Scalar(1), x, w0, Scalar(0), h0_);
     moe::detail::gemm(space, "N", "N", Scalar(1), x, w1, Scalar(0), h1_);
     gated_forward(space, act, T, cview2(h0_), cview2(h1_), a_);
@@ -268,9 +275,7 @@ class DenseExperts {
   /// Expert l on every token: h0, h1, a = act(h0) * h1, ye = a . wo[l].
   void expert(ExecSpace const& space, int l, view3 wi_0, view3 wi_1, view3 wo) {
     std::int64_t const T = x_.extent(0), D = x_.extent(1), F = wi_0.extent(2);
-    moe::detail::ensure(space, h0_, "moe::dense::h0", T, F);
-    moe::detail::ensure(space, h1_, "moe::dense::h1", T, F);
-    moe::detail::ensure(space, a_, "moe::dense::act", T, F);
+    ensure_gated(space, "moe::dense", T, F, h0_, h1_, a_);
     moe::detail::ensure(space, ye_, "moe::dense::y_expert", T, D);
     auto sub = [l](view3 const& v) { return Kokkos::subview(v, l, Kokkos::ALL(), Kokkos::ALL()); };
     moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_0), Scalar(0), h0_);
