@@ -103,8 +103,12 @@ struct Parameters {
       for (std::size_t r = 0; r < w.size(); ++r) {
         ok = ok && std::int64_t(v.extent(r)) == w[r];
         numel *= w[r];
-        got += (r > 0 ? "," : "") + std::to_string(v.extent(r));
-        exp += (r > 0 ? "," : "") + std::to_string(w[r]);
+        if (r > 0) {
+          got += ',';
+          exp += ',';
+        }
+        got += std::to_string(v.extent(r));
+        exp += std::to_string(w[r]);
       }
       if (!ok || (v.data() == nullptr && numel > 0))
         throw ShapeError(detail::cat(what, " ", n, " is [", got, "] but ", needs, " [", exp, "]"));

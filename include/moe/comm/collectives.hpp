@@ -37,7 +37,10 @@ bool overlaps(View const& a, void const* b_begin, std::size_t b_bytes) {
 template <class View>
 std::string shape_of(View const& v) {
   std::string s = "[";
-  for (unsigned d = 0; d < View::rank; ++d) s += (d ? "," : "") + std::to_string(v.extent(d));
+  for (unsigned d = 0; d < View::rank; ++d) {
+    if (d) s += ',';
+    s += std::to_string(v.extent(d));
+  }
   return s + "]";
 }
 
