@@ -14,6 +14,8 @@
 #include <moe/comm/ragged_all_to_all.hpp>
 #include <moe/moe_config.hpp>
 
+#include "bench_mpi_common.hpp"
+
 #include <benchmark/benchmark.h>
 #include <mpi.h>
 #include <Kokkos_Core.hpp>
@@ -40,16 +42,7 @@ int iterations_for(std::int64_t bytes_per_peer) {
   return 16;
 }
 
-/// The slowest rank's time of `f` (all ranks start together).
-template <class F>
-double timed(MPI_Comm comm, F&& f) {
-  MPI_Barrier(comm);
-  double const t0 = MPI_Wtime();
-  f();
-  double dt = MPI_Wtime() - t0, worst = 0;
-  MPI_Allreduce(&dt, &worst, 1, MPI_DOUBLE, MPI_MAX, comm);
-  return worst;
-}
+using moe_bench_mpi::timed;
 
 /// Buffers and counts of one message size, shared by both benchmarks.
 struct Exchange {
@@ -78,10 +71,7 @@ struct Exchange {
   }
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using moe_bench_mpi::median;
 
 void report(benchmark::State& state, std::int64_t bytes_per_peer, int P) {
   state.SetBytesProcessed(state.iterations() * bytes_per_peer * P);

@@ -19,6 +19,8 @@
 #include <moe/distributed/layer.hpp>
 #include <moe/gmm/gmm.hpp>
 
+#include "bench_mpi_common.hpp"
+
 #include <benchmark/benchmark.h>
 #include <mpi.h>
 
@@ -35,30 +37,10 @@ using Mem = Exec::memory_space;
 constexpr int kE = 8, kK = 2;
 constexpr std::int64_t kB = 8, kS = 256;  // 2048 global tokens
 
-template <class V>
-void fill(V const& v, std::uint64_t seed, float scale) {
-  std::mt19937_64 g(seed);
-  std::uniform_real_distribution<float> u(-scale, scale);
-  auto h = Kokkos::create_mirror_view(v);
-  for (std::size_t i = 0; i < h.span(); ++i) h.data()[i] = u(g);
-  Kokkos::deep_copy(v, h);
-}
+using moe_bench_mpi::fill;
+using moe_bench_mpi::timed;
 
-template <class F>
-double timed(F&& f) {
-  MPI_Barrier(MPI_COMM_WORLD);
-  double const t0 = MPI_Wtime();
-  f();
-  double dt = MPI_Wtime() - t0, worst = 0;
-  MPI_Allreduce(&dt, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  return worst;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  std::size_t const n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using moe_bench_mpi::median;
 
 using Layer = moe::DistributedMoeLayer<float>;
 
@@ -117,10 +99,10 @@ void bm_emb_chunks(benchmark::State& state, int D, int F, int chunks) {
   gemms();
   std::vector<double> tg, tm, t0, tc;
   for (auto _ : state) {
-    double const a = timed([&] { moe::comm::all_gather(comm, Exec(), own, all); });
-    double const g = timed(gemms);
-    double const u = timed([&] { one->forward(x, y); });
-    double const c = timed([&] { chunked->forward(x, y); });
+    double const a = timed(MPI_COMM_WORLD, [&] { moe::comm::all_gather(comm, Exec(), own, all); });
+    double const g = timed(MPI_COMM_WORLD, gemms);
+    double const u = timed(MPI_COMM_WORLD, [&] { one->forward(x, y); });
+    double const c = timed(MPI_COMM_WORLD, [&] { chunked->forward(x, y); });
     tg.push_back(a);
     tm.push_back(g);
     t0.push_back(u);
@@ -147,11 +129,8 @@ bool register_all() {
     for (int chunks : {2, 4}) {
       std::string const name = "emb_chunks/ring_fwd/chunks=" + std::to_string(chunks) +
                                "/D=" + std::to_string(s.D) + "/F=" + std::to_string(s.F);
-      benchmark::RegisterBenchmark(
-          name.c_str(), [s, chunks](benchmark::State& st) { bm_emb_chunks(st, s.D, s.F, chunks); })
-          ->UseManualTime()
-          ->Iterations(9)
-          ->Unit(benchmark::kMillisecond);
+      moe_bench_mpi::register_ms(
+          name, 9, [s, chunks](benchmark::State& st) { bm_emb_chunks(st, s.D, s.F, chunks); });
     }
   return true;
 }

@@ -11,6 +11,8 @@
 // stays; the time follows the routed rows.
 #include <moe/distributed/layer.hpp>
 
+#include "bench_mpi_common.hpp"
+
 #include <benchmark/benchmark.h>
 #include <mpi.h>
 
@@ -32,14 +34,7 @@ struct Strategy {
   std::vector<std::string> layer = {};  ///< LayerConfig key=value
 };
 
-template <class V>
-void fill(V const& v, std::uint64_t seed, float scale) {
-  std::mt19937_64 g(seed);
-  std::uniform_real_distribution<float> u(-scale, scale);
-  auto h = Kokkos::create_mirror_view(v);
-  for (std::size_t i = 0; i < h.span(); ++i) h.data()[i] = u(g);
-  Kokkos::deep_copy(v, h);
-}
+using moe_bench_mpi::fill;
 
 void bm_layer(benchmark::State& state, Strategy const& s, bool backward) {
   moe::LayerConfig cfg;
@@ -120,11 +115,7 @@ bool register_all() {
       std::string const name = "layer_dist/" + s.name + "/" + (bwd ? "bwd" : "fwd") +
                                "/E=" + std::to_string(kE) + "/T=" + std::to_string(kB * kS) +
                                "/K=" + std::to_string(kK);
-      benchmark::RegisterBenchmark(name.c_str(),
-                                   [s, bwd](benchmark::State& st) { bm_layer(st, s, bwd); })
-          ->UseManualTime()
-          ->Iterations(3)
-          ->Unit(benchmark::kMillisecond);
+      moe_bench_mpi::register_ms(name, 3, [s, bwd](benchmark::State& st) { bm_layer(st, s, bwd); });
     }
   return true;
 }

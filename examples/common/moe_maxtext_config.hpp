@@ -417,8 +417,9 @@ struct Loaded {
     return s + ")";
   }
 
-  /// \brief Gives `par` the files' sharding when they have one and `par` names no preset
-  /// (custom_mesh_and_rule replaces mesh_axes and logical_axis_rules, as in MaxText).
+  /// \brief Gives `par` the files' sharding when they have one and `par` names no preset. A
+  /// preset would win anyway (ParallelConfig::effective_preset); leaving `sharding` unset then
+  /// keeps describe() that of the preset alone.
   void apply_sharding(ParallelConfig& par) const {
     if (sharding && moe::detail::trim(par.custom_mesh_and_rule).empty()) par.sharding = sharding;
   }
@@ -542,20 +543,16 @@ inline Loaded load(std::vector<std::string> const& files, KeyValues const& overr
         throw ConfigError(
             "base_moe_mlp_dim=-1 is MaxText's 'not set' (base.yml: no MoE layer while num_experts "
             "is 1): give base_moe_mlp_dim (and num_experts, ...) or model_name=NAME (" +
-            [] {
-              std::string n;
-              for (auto const& m : model_names()) n += (n.empty() ? "" : ", ") + m;
-              return n;
-            }() +
-            ")");
+            model_names_text() + ")");
       break;
     }
   if (has_mesh || has_rules) {
-    sharding::Preset p = sharding::preset("default");
-    p.name = "file";
-    if (has_mesh) p.mesh_axes = mesh_axes;
-    if (has_rules) p.rules = rules;
-    out.sharding = p;
+    ShardingFile file;
+    file.has_mesh_axes = has_mesh;
+    file.mesh_axes = mesh_axes;
+    file.has_rules = has_rules;
+    file.rules = rules;
+    out.sharding = effective_sharding(&file, "");
   }
   return out;
 }

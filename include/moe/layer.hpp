@@ -98,11 +98,15 @@ struct Parameters {
       auto const& v = this->*m;
       std::vector<std::int64_t> const w = want(n);
       std::int64_t numel = 1;
-      bool ok = true;
+      bool ok = w.size() == std::size_t(v.rank);
+      for (std::size_t r = 0; ok && r < w.size(); ++r) {
+        ok = std::int64_t(v.extent(r)) == w[r];
+        numel *= w[r];
+      }
+      if (ok && (v.data() != nullptr || numel == 0)) return;
+      // The message is built only for the failing tensor (this check runs every step).
       std::string got, exp;
       for (std::size_t r = 0; r < w.size(); ++r) {
-        ok = ok && std::int64_t(v.extent(r)) == w[r];
-        numel *= w[r];
         if (r > 0) {
           got += ',';
           exp += ',';
@@ -110,8 +114,7 @@ struct Parameters {
         got += std::to_string(v.extent(r));
         exp += std::to_string(w[r]);
       }
-      if (!ok || (v.data() == nullptr && numel > 0))
-        throw ShapeError(detail::cat(what, " ", n, " is [", got, "] but ", needs, " [", exp, "]"));
+      throw ShapeError(detail::cat(what, " ", n, " is [", got, "] but ", needs, " [", exp, "]"));
     });
   }
 

@@ -37,13 +37,13 @@ struct ModelFacts {
   int topk_routing_group;
   double routed_scaling_factor;
   bool norm_topk_prob;
-  std::string mlp_activations;           ///< "[silu, linear]"
-  double load_balance_loss_weight;       ///< < 0: the model file does not set it
+  std::string mlp_activations;      ///< "[silu, linear]"
+  double load_balance_loss_weight;  ///< < 0: the model file does not set it
   /// ParallelConfig key the model opts into. mixtral-8x7b sets it, as MaxText PR #4179 made
   /// mixtral-8x7b's model config do (issue #14); the MaxText snapshot read for this table
   /// (e591f30) no longer has the line. Only the dense path with an expert axis is affected.
   bool moe_dispatch_no_expert_sharding;
-  std::string maxtext_decoder_block;     ///< MaxText's decoder_block of the model (documentation)
+  std::string maxtext_decoder_block;  ///< MaxText's decoder_block of the model (documentation)
 
   /// The (key, value) pairs `model_name=name` sets, in LayerConfig / ParallelConfig text form.
   std::vector<std::pair<std::string, std::string>> key_values() const {
@@ -94,14 +94,20 @@ inline std::vector<std::string> model_names() {
   return n;
 }
 
+/// \brief The known model names, comma-separated (for messages).
+inline std::string model_names_text() {
+  std::string known;
+  for (auto const& n : model_names()) known += (known.empty() ? "" : ", ") + n;
+  return known;
+}
+
 /// \brief The facts of model `name`. ConfigError listing the known names (and the nearest one)
 /// otherwise.
 inline ModelFacts const& model_facts(std::string const& name) {
   for (auto const& m : model_table())
     if (m.name == name) return m;
-  std::string known;
-  for (auto const& n : model_names()) known += (known.empty() ? "" : ", ") + n;
-  throw ConfigError(detail::cat("model_name=", name, " is not a MoE model moe knows (", known, ")",
+  throw ConfigError(detail::cat("model_name=", name, " is not a MoE model moe knows (",
+                                model_names_text(), ")",
                                 detail::did_you_mean(name, model_names())));
 }
 

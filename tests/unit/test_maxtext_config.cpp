@@ -164,6 +164,14 @@ TEST(MaxTextConfig, NestedRulesAreMergedAndReachTheLayout) {
   moe::ParallelConfig p3;
   apply(load({base}, {{"custom_mesh_and_rule", "pure-fsdp"}}), c3, p3);
   EXPECT_FALSE(p3.sharding);
+  EXPECT_EQ(p3.effective_preset().name, "pure-fsdp");
+  // The precedence lives in ParallelConfig itself: a named preset wins over a set `sharding`,
+  // whichever order a tool applies them in.
+  p3.sharding = load({base}).sharding;
+  ASSERT_TRUE(p3.sharding);
+  EXPECT_EQ(p3.effective_preset().name, "pure-fsdp");
+  p3.custom_mesh_and_rule = "";
+  EXPECT_EQ(p3.effective_preset().name, "file");
   // The ranks compare describe(): the rules are part of it, only when set.
   EXPECT_TRUE(has(par.describe(), "sharding=[data,fsdp,expert,](activation_batch:"));
   EXPECT_FALSE(has(moe::ParallelConfig().describe(), "sharding"));

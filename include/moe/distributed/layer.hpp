@@ -391,6 +391,7 @@ class DistributedMoeLayer
     layout_ = distributed::compute_layout(cfg_, par_, world_.size(), world_.rank(), B_, S_,
                                           std::is_same_v<typename Policy::gmm_policy, gmm::Dense>);
     plan_ = distributed::make_step_plan(layout_, cfg_, par_, sizeof(Scalar));
+    x_col0_ = layout_.block("x").offset[2];
   }
 
   /// Every group the step uses, created in the same order on every rank (collective).
@@ -872,7 +873,7 @@ class DistributedMoeLayer
   /// expert rank.
   void ep_tp_route_backward(view2 dx) {
     std::int64_t const E = cfg_.num_experts, Dl = plan_.token_cols;
-    cview2 gate_rows(cp_.gate.data() + layout_.block("x").offset[2] * E, Dl, E);
+    cview2 gate_rows(cp_.gate.data() + x_col0_ * E, Dl, E);
     router_.backward(space_, cview2(ws_.at("x_work")), gate_rows, cview2(ws_.at("d_weights")),
                      router_.lb_coefficient(B_), dx, gc_.gate, gc_.gate_bias);
   }
@@ -956,6 +957,7 @@ class DistributedMoeLayer
   ParallelConfig par_;
   ExecSpace space_;
   std::int64_t B_ = 0, S_ = 0;
+  std::int64_t x_col0_ = 0;  // first D column of this rank's x block (EP-TP: rank x D/ep)
   std::unique_ptr<comm::MeshComm> mesh_comm_;  // the one cache of the axis groups
   distributed::AxisGroup const* ep_g_ = nullptr;
   distributed::AxisGroup const* tp_g_ = nullptr;

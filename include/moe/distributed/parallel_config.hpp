@@ -95,10 +95,12 @@ struct ParallelConfig {
     return d;
   }
 
-  /// The mesh axes and rules the layout uses: `sharding` when set, else the preset named by
-  /// custom_mesh_and_rule (ConfigError for an unknown name).
+  /// The mesh axes and rules the layout uses, MaxText's precedence: the preset named by
+  /// custom_mesh_and_rule (ConfigError for an unknown name) replaces any file's; else `sharding`
+  /// when set; else the library's default rules.
   sharding::Preset effective_preset() const {
-    return sharding ? *sharding : sharding::preset(custom_mesh_and_rule);
+    bool const named = !detail::trim(custom_mesh_and_rule).empty();
+    return sharding && !named ? *sharding : sharding::preset(custom_mesh_and_rule);
   }
 };
 

@@ -78,7 +78,6 @@ struct LayerPlan {
   sharding::LogicalAxes dispatch_logical;     ///< the dense dispatch tensor's logical names
   sharding::PartitionSpec dispatch_joint;     ///< resolved jointly (MaxText's default)
   sharding::PartitionSpec dispatch_repaired;  ///< with moe_dispatch_no_expert_sharding
-  sharding::PartitionSpec dispatch_spec;      ///< the one in effect (the layout's, by the key)
   std::vector<std::string> notes;             ///< assumptions behind the byte counts
   std::vector<std::string> warnings;          ///< layout problems worth fixing
 
@@ -277,7 +276,6 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
   p.dispatch_logical = distributed::layout_detail::dispatch_logical();
   p.dispatch_joint = sharding::resolve_dispatch(lay.rules, p.dispatch_logical, false);
   p.dispatch_repaired = sharding::resolve_dispatch(lay.rules, p.dispatch_logical, true);
-  p.dispatch_spec = lay.dispatch_spec;
   int const expert_size = lay.mesh.size("expert");
   if (!par.moe_dispatch_no_expert_sharding && expert_size > 1 &&
       contains(p.dispatch_joint[1], "expert") && lay.big(p.dispatch_joint[0]).empty())
@@ -386,7 +384,7 @@ inline std::string LayerPlan::to_text() const {
   line("");
   line(detail::cat("dense dispatch ", logical_text(dispatch_logical), ": joint ",
                    spec_text(dispatch_joint), ", with moe_dispatch_no_expert_sharding ",
-                   spec_text(dispatch_repaired), "; in effect ", spec_text(dispatch_spec)));
+                   spec_text(dispatch_repaired), "; in effect ", spec_text(layout.dispatch_spec)));
   for (auto const& n : notes) line("note: " + n);
   for (auto const& w : warnings) line("WARNING: " + w);
   return o;
@@ -448,7 +446,7 @@ inline std::string LayerPlan::to_json() const {
                    "}, \"dispatch\": {\"logical\": ", json_logical(dispatch_logical),
                    ", \"joint\": ", sharding::to_json(dispatch_joint),
                    ", \"repaired\": ", sharding::to_json(dispatch_repaired),
-                   ", \"in_effect\": ", sharding::to_json(dispatch_spec),
+                   ", \"in_effect\": ", sharding::to_json(layout.dispatch_spec),
                    "}, \"notes\": ", json_strings(notes),
                    ", \"warnings\": ", json_strings(warnings), "}\n");
   return o;

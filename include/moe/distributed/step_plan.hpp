@@ -168,7 +168,7 @@ class Builder {
     Tw_ = lay.route == ExpertRoute::Ring ? T_ * ep_ : T_;
     shared_group_ =
         lay.route == ExpertRoute::Replicated || lay.route == ExpertRoute::EpTp ? 1 : ep_;
-    chunks_ = lay.route == ExpertRoute::Ring ? par.num_moe_emb_chunks : 0;
+    chunks_ = par.num_moe_emb_chunks;  // compute_layout allows it on the ring only
     // Balanced routing: every expert gets T*K/E of this rank's slots; per-sequence capacity
     // keeps at most C of them per expert and sequence. Every rank of the expert group sends the
     // same, so this rank receives what it sends (capped by the receive buffer).
