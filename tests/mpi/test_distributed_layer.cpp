@@ -4,6 +4,7 @@
 // path), over two steps with the weights rewritten between them: the second step must see the
 // new weights on every layout (FSDP gathers, local expert shards, replicated weights).
 #include <moe/distributed/layer.hpp>
+#include <moe/layer.hpp>
 #include "unit/reference.hpp"
 
 #include <gtest/gtest.h>
@@ -14,6 +15,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -76,11 +78,17 @@ void expect_close(std::vector<double> const& got, std::vector<double> const& wan
 
 using Case = LayoutCase;
 
+/// How run_case calls the layers beyond the case itself.
+struct Calls {
+  std::int64_t batch = 0;          ///< > 0: built for the case's batch, set_batch_shape(batch, 4)
+  std::uint64_t token_offset = 0;  ///< ForwardOptions::token_offset of both layers
+};
+
 /// One layout case: `steps` forward/backward pairs of the distributed layer against the
 /// single-rank layer, in Scalar; between steps both get new expert weights, written the way
 /// train_moe writes them (through the views they hold, then weights_changed()).
 template <class Scalar>
-void run_case(Case const& c, int steps = 1) {
+void run_case(Case const& c, int steps = 1, Calls const& calls = {}) {
   using Single = moe::MoeLayer<Scalar>;
   double const rel = std::is_same<Scalar, float>::value ? 2e-4 : 1e-11;
   int size = 1;
@@ -91,7 +99,8 @@ void run_case(Case const& c, int steps = 1) {
     auto eq = kv.find('=');
     par.set(kv.substr(0, eq), kv.substr(eq + 1));
   }
-  std::int64_t const B = c.batch, S = 4, D = cfg.base_emb_dim, E = cfg.num_experts;
+  std::int64_t const B = calls.batch > 0 ? calls.batch : c.batch, S = 4;
+  std::int64_t const D = cfg.base_emb_dim, E = cfg.num_experts;
   std::int64_t const F = cfg.base_moe_mlp_dim, Fs = cfg.shared_mlp_dim();
   // Global tensors, the same on every rank.
   std::mt19937_64 gen(42);
@@ -117,7 +126,9 @@ void run_case(Case const& c, int steps = 1) {
     add("shared_wi_1", {D, Fs}, 0.3);
     add("shared_wo", {Fs, D}, 0.3);
   }
-  moe::DistributedMoeLayer<Scalar> layer(MPI_COMM_WORLD, cfg, par, B, S);
+  moe::DistributedMoeLayer<Scalar> layer(MPI_COMM_WORLD, cfg, par, c.batch, S);
+  layer.set_batch_shape(B, S);
+  ASSERT_EQ(layer.batch_shape(), std::make_pair(B, S));
   auto const& params = std::as_const(layer).parameters();
   params.for_each([&](char const* n, auto const& v) { fill(v, take(g.t[n], layer.block(n))); });
   layer.weights_changed();
@@ -135,7 +146,7 @@ void run_case(Case const& c, int steps = 1) {
     moe::View3<Scalar, Mem> x("x", B, S, D), y("y", B, S, D), dy("dy", B, S, D), dx("dx", B, S, D);
     fill(x, g.t["x"]);
     fill(dy, g.t["dy"]);
-    ref.forward(x, y);
+    ref.forward(x, y, {calls.token_offset});
     typename Single::params_type rg;
     ref.backward(dy, dx, rg);
 
@@ -145,7 +156,7 @@ void run_case(Case const& c, int steps = 1) {
     moe::View3<Scalar, Mem> ldy("ldy", bl, S, Dl), ldx("ldx", bl, S, Dl);
     fill(lx, take(g.t["x"], xb));
     fill(ldy, take(g.t["dy"], xb));
-    layer.forward(lx, ly);
+    layer.forward(lx, ly, {calls.token_offset});
     typename moe::DistributedMoeLayer<Scalar>::params_type lg;
     layer.backward(ldy, ldx, lg);
 
@@ -209,6 +220,43 @@ TEST(DistributedLayer, EpTpMatchesTheSingleRankLayerInFloat) {
     SCOPED_TRACE(c.name);
     run_case<float>(c, 2);
   }
+}
+
+// A layer built for one global batch and re-planned for another (set_batch_shape: twice the
+// batch), called with a token offset: random routing draws from the global token index, so the
+// offset must reach every layout's routing the way it reaches the single-rank layer's.
+TEST(DistributedLayer, NewBatchShapeAndTokenOffsetMatchTheSingleRankLayer) {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  for (auto c : cases(n)) {
+    SCOPED_TRACE(c.name);
+    c.layer.push_back("use_random_routing=true");
+    c.layer.push_back("seed=11");
+    run_case<double>(c, 1, Calls{2 * c.batch, 1000});
+  }
+}
+
+// A batch shape whose layout does not divide is the same ConfigError on every rank, and the
+// layer keeps its plan: the next step on the old shape still runs.
+TEST(DistributedLayer, BadNewBatchShapeThrowsAndKeepsThePlan) {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  if (n < 2) GTEST_SKIP() << "needs 2 or more ranks";
+  moe::LayerConfig const cfg = test_layer_config();
+  moe::ParallelConfig par;
+  par.ici_data_parallelism = -1;
+  std::int64_t const B = 2 * n, S = 4, D = cfg.base_emb_dim;
+  moe::DistributedMoeLayer<double> layer(MPI_COMM_WORLD, cfg, par, B, S);
+  try {
+    layer.set_batch_shape(n + 1, S);
+    ADD_FAILURE() << "no ConfigError for a batch of " << n + 1 << " over " << n << " ranks";
+  } catch (moe::ConfigError const& e) {
+    EXPECT_NE(std::string(e.what()).find(std::to_string(n + 1)), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(layer.batch_shape(), std::make_pair(B, S));
+  moe::View3<double, Mem> x("x", 2, S, D), y("y", 2, S, D);
+  Kokkos::deep_copy(x, 0.25);
+  layer.forward(x, y);
 }
 
 TEST(DistributedLayer, EveryLayoutMatchesTheSingleRankLayerWithPackedWeights) {

@@ -120,18 +120,35 @@ class Communicator {
     adopt(dup);
   }
 
+  /// \brief A communicator of this process alone that needs no MPI (MPI need not be initialised):
+  /// rank 0 of 1. The one-rank pipeline runs on it (MoeLayer is a DistributedMoeLayer on a local
+  /// communicator). What completes locally: any_error, collective_guard, any_rank,
+  /// check_agreement, split and the collective checks; the layer's collectives over groups of one
+  /// rank never reach MPI. Anything that would still call MPI (get()) throws moe::Error.
+  static Communicator local() { return Communicator(); }
+
   /// \brief This process's rank in the communicator.
   int rank() const { return rank_; }
   /// \brief Number of ranks in the communicator.
   int size() const { return size_; }
-  /// \brief The duplicated MPI handle (owned by moe: do not free it).
-  MPI_Comm get() const { return *comm_; }
+  /// \brief Whether this is a local() communicator (no MPI handle behind it).
+  bool is_local() const { return !comm_; }
+  /// \brief The duplicated MPI handle (owned by moe: do not free it). moe::Error on a local()
+  /// communicator, which has none.
+  MPI_Comm get() const {
+    if (!comm_)
+      throw Error(
+          "moe internal error: an MPI call on moe::comm::Communicator::local(), which has no MPI "
+          "handle (only groups of one rank may run on it)");
+    return *comm_;
+  }
 
   /// \brief Collective: splits into sub-communicators of the ranks with equal `color`, ordered by
   /// (key, rank). Every rank must pass color >= 0 (checked on all ranks before splitting).
   Communicator split(int color, int key) const;
 
  private:
+  Communicator() = default;  // local()
   struct Adopt {};
   Communicator(Adopt, MPI_Comm owned) { adopt(owned); }
   void adopt(MPI_Comm owned) {
@@ -206,11 +223,25 @@ inline std::string broadcast_string(Communicator const& comm, int root, std::str
 /// \param kind the exception type to throw
 inline void any_error(Communicator const& comm, bool local_failed, std::string const& msg,
                       ErrorKind kind = ErrorKind::error) {
+  if (comm.is_local()) {  // one rank, no MPI: its own error, as it is
+    if (local_failed) detail::throw_kind(kind, msg);
+    return;
+  }
   int const mine = local_failed ? comm.rank() : comm.size();
   int lowest = comm.size();
   detail::check_mpi(MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, comm.get()),
                     "MPI_Allreduce");
   if (lowest < comm.size()) detail::rethrow_from(comm, lowest, kind, msg);
+}
+
+/// \brief Collective: whether `flag` is true on any rank (one MPI_Allreduce; none on a local()
+/// communicator).
+inline bool any_rank(Communicator const& comm, bool flag) {
+  if (comm.is_local()) return flag;
+  int const mine = flag ? 1 : 0;
+  int any = 0;
+  detail::check_mpi(MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm.get()), "MPI_Allreduce");
+  return any != 0;
 }
 
 /// \brief Collective: runs the purely local `f()` on every rank; if it throws on any rank, every
@@ -289,6 +320,7 @@ inline std::pair<std::string, std::string> first_difference(std::string const& a
 /// \param what what the value is, for the message (e.g. "layer configuration")
 inline void check_agreement(Communicator const& comm, std::string const& what,
                             std::string const& value) {
+  if (comm.size() == 1) return;  // one rank agrees with itself
   std::uint64_t const mine = moe::detail::fnv1a(value);
   std::vector<std::uint64_t> all(static_cast<std::size_t>(comm.size()));
   detail::check_mpi(MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, comm.get()),
@@ -309,6 +341,7 @@ inline Communicator Communicator::split(int color, int key) const {
             moe::detail::cat("moe::comm::Communicator::split: color=", color,
                              " is negative; every rank needs a color >= 0"),
             ErrorKind::config);
+  if (is_local()) return *this;  // the only split of one rank without MPI: itself
   MPI_Comm out = MPI_COMM_NULL;
   detail::check_mpi(MPI_Comm_split(get(), color, key, &out), "MPI_Comm_split");
   return Communicator(Adopt{}, out);

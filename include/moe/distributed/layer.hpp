@@ -31,15 +31,21 @@
 #include <moe/comm/mesh_comm.hpp>
 #include <moe/comm/ragged_all_to_all.hpp>
 #include <moe/config.hpp>
+#include <moe/detail/blas.hpp>
+#include <moe/detail/elementwise.hpp>
+#include <moe/detail/views.hpp>
 #include <moe/distributed/layout.hpp>
 #include <moe/distributed/parallel_config.hpp>
 #include <moe/distributed/reshard.hpp>
 #include <moe/distributed/step_plan.hpp>
 #include <moe/distributed/workspace.hpp>
-#include <moe/layer.hpp>
+#include <moe/error.hpp>
+#include <moe/gmm/gmm.hpp>
 #include <moe/nn/expert_ffn.hpp>
+#include <moe/parameters.hpp>
 #include <moe/permute/local_permute.hpp>
 #include <moe/permute/permute.hpp>
+#include <moe/policies.hpp>
 #include <moe/routing/router.hpp>
 #include <moe/sharding/mesh.hpp>
 #include <moe/sharding/presets.hpp>
@@ -49,6 +55,7 @@
 #include <exception>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moe {
@@ -78,26 +85,44 @@ class DistributedMoeLayer
   using view3 = View3<Scalar, memory_space>;
   using cview2 = View2<Scalar const, memory_space>;
   using cview3 = View3<Scalar const, memory_space>;
+  using view2i = View2<int, memory_space>;
 
   /// \brief Collective. Builds the mesh and the layout for a global batch [global_batch,
   /// seq_len, D], checks that every rank has the same configuration, allocates zero local
-  /// parameter blocks.
+  /// parameter blocks. Works on a duplicate of `comm`.
   DistributedMoeLayer(MPI_Comm comm, LayerConfig const& cfg, ParallelConfig const& par,
                       std::int64_t global_batch, std::int64_t seq_len,
                       ExecSpace const& space = ExecSpace())
-      : world_(comm), cfg_(cfg), par_(par), space_(space), B_(global_batch), S_(seq_len) {
+      : DistributedMoeLayer(comm::Communicator(comm), cfg, par, global_batch, seq_len, space) {}
+
+  /// \brief Collective over `comm` (shared, not duplicated); see the constructor above. On
+  /// comm::Communicator::local() it is the one-rank pipeline, with no MPI call (what MoeLayer
+  /// runs).
+  DistributedMoeLayer(comm::Communicator comm, LayerConfig const& cfg, ParallelConfig const& par,
+                      std::int64_t global_batch, std::int64_t seq_len,
+                      ExecSpace const& space = ExecSpace())
+      : world_(std::move(comm)), cfg_(cfg), par_(par), space_(space) {
     // One agreement per part keeps each quoted value short enough to show where ranks differ.
     comm::check_agreement(world_, "layer configuration (LayerConfig)", describe(cfg));
     comm::check_agreement(world_, "parallel configuration (ParallelConfig)", par.describe());
-    comm::check_agreement(world_, "global batch shape",
-                          "B=" + std::to_string(global_batch) + ";S=" + std::to_string(seq_len));
-    comm::collective_guard(world_, [&] { setup_layout(); });
-    mesh_comm_ = std::make_unique<comm::MeshComm>(world_, layout_.mesh);
-    make_groups();
+    plan_batch(global_batch, seq_len, false);
     router_ = routing::Router<Scalar, ExecSpace>(
         cfg_, routing::resolve(typename Policy::routing_policy{}, cfg_));
     params_ = alloc_params("moe::param::");
   }
+
+  /// \brief Collective. Plans the step for another global batch shape [global_batch, seq_len, D]
+  /// (e.g. a shorter last batch, or MoeLayer's next call): the layout, the step plan and the
+  /// groups it needs. Parameters (and their blocks) stay: a shape whose layout would store
+  /// another block of any parameter is a ConfigError on every rank, and nothing changes. The
+  /// next backward() needs a forward() on the new shape.
+  void set_batch_shape(std::int64_t global_batch, std::int64_t seq_len) {
+    if (global_batch == B_ && seq_len == S_) return;
+    plan_batch(global_batch, seq_len, true);
+    have_forward_ = false;
+  }
+  /// The global batch shape the step is planned for: {global_batch, seq_len}.
+  std::pair<std::int64_t, std::int64_t> batch_shape() const { return {B_, S_}; }
 
   LayerConfig const& config() const { return cfg_; }
   ParallelConfig const& parallel_config() const { return par_; }
@@ -128,8 +153,8 @@ class DistributedMoeLayer
   /// Scalar and memory space convert (e.g. non-const x); anything else, such as a LayoutLeft
   /// View, fails to compile with a static_assert naming the rule (detail::api_view).
   template <class XView, class YView>
-  void forward(XView const& x, YView const& y) {
-    forward(detail::api_view<cview3>(x), detail::api_view<view3>(y));
+  void forward(XView const& x, YView const& y, ForwardOptions const& opt = {}) {
+    forward(detail::api_view<cview3>(x), detail::api_view<view3>(y), opt);
   }
   template <class DyView, class DxView>
   void backward(DyView const& dy, DxView const& dx, params_type& grads) {
@@ -137,9 +162,11 @@ class DistributedMoeLayer
   }
 
   /// \brief Collective. y_local = MoE(x_local), both [B/batch_parts, S, D]: runs the forward
-  /// stages of step_plan() in order.
-  void forward(cview3 x, view3 y) {
+  /// stages of step_plan() in order. opt.token_offset: global index of the global batch's first
+  /// token (random routing).
+  void forward(cview3 x, view3 y, ForwardOptions const& opt = {}) {
     detail::Region region("moe::dist::forward");
+    token_offset_ = opt.token_offset;
     log_.records.clear();
     log_.in_backward = false;
     std::int64_t const D = plan_.token_cols, T = plan_.tokens;
@@ -173,10 +200,7 @@ class DistributedMoeLayer
       // As the single-rank layer: only a non-finite y pays for scanning the weights, and then
       // every rank names the first non-finite block it holds (block indices are local).
       bool const bad = !detail::all_finite(space_, y2);
-      int any = bad ? 1 : 0, worst = 0;
-      comm::detail::check_mpi(MPI_Allreduce(&any, &worst, 1, MPI_INT, MPI_MAX, world_.get()),
-                              "MPI_Allreduce");
-      if (worst) {
+      if (comm::any_rank(world_, bad)) {
         comm::collective_guard(world_, [&] {
           params_.for_each(
               [&](char const* name, auto const& v) { require_finite(v, block_name(name)); });
@@ -203,6 +227,7 @@ class DistributedMoeLayer
               dy.extent(2) == std::size_t(D) && dx.extent(0) == dy.extent(0) &&
               dx.extent(1) == dy.extent(1) && dx.extent(2) == dy.extent(2),
           "dy and dx must have the shape of the forward's x");
+      if (grads.gate.data()) check_param_shapes(grads, "gradient");
       if (cfg_.check_finite) require_finite(cview2(dy.data(), T, D), "dy");
     });
     log_.in_backward = true;
@@ -227,12 +252,21 @@ class DistributedMoeLayer
   }
   /// Combine weights for this rank's tokens before capacity dropping, [T_local, K].
   view2 weights() const { return router_.own_rows(router_.state().weights); }
+  /// 1 where a slot of this rank's tokens survived the capacity limit, [T_local, K].
+  view2i kept() const { return router_.own_rows(router_.state().kept); }
+  /// Rows this rank's experts computed in the last forward: the routed slots (after capacity)
+  /// that reached its local experts; 0 on the dense path, which computes every token.
+  std::int64_t routed_rows() const {
+    if (plan_.dense) return 0;
+    return layout_.route == ExpertRoute::RaggedA2A ? disp_.lp.rows() : disp_.perm.rows();
+  }
+  /// True when the experts run the dense masked path (Gmm = Dense or sparse_matmul = false).
+  bool dense_path() const { return plan_.dense; }
 
   /// The stages one step runs, with their buffers and collectives (what moe-shard --plan prints).
   distributed::StepPlan const& step_plan() const { return plan_; }
 
  private:
-  using view2i = View2<int, memory_space>;
   using ivec = View1<std::int64_t const, memory_space>;
 
   // ------------------------------------------------------------------ stages ----------------
@@ -385,13 +419,38 @@ class DistributedMoeLayer
     return distributed::layout_detail::join(v);
   }
 
-  /// Resolves every spec, checks divisibility (distributed::compute_layout, a pure function of
-  /// the agreed configuration, so every rank throws the same error) and plans the step.
-  void setup_layout() {
-    layout_ = distributed::compute_layout(cfg_, par_, world_.size(), world_.rank(), B_, S_,
-                                          std::is_same_v<typename Policy::gmm_policy, gmm::Dense>);
-    plan_ = distributed::make_step_plan(layout_, cfg_, par_, sizeof(Scalar));
+  /// Collective. Resolves every spec for the global batch [B, S], checks divisibility
+  /// (distributed::compute_layout, a pure function of the agreed configuration, so every rank
+  /// throws the same error), plans the step and makes its groups. keep_blocks: the parameter
+  /// blocks must stay those already stored (set_batch_shape); nothing changes on an error.
+  void plan_batch(std::int64_t B, std::int64_t S, bool keep_blocks) {
+    comm::check_agreement(world_, "global batch shape",
+                          "B=" + std::to_string(B) + ";S=" + std::to_string(S));
+    distributed::Layout layout;
+    distributed::StepPlan plan;
+    comm::collective_guard(world_, [&] {
+      layout = distributed::compute_layout(cfg_, par_, world_.size(), world_.rank(), B, S,
+                                           std::is_same_v<typename Policy::gmm_policy, gmm::Dense>);
+      if (keep_blocks)
+        params_type::for_each_field(cfg_, [&](char const* n, auto) {
+          auto const now = layout_.block(n), then = layout.block(n);
+          detail::require<ConfigError>(
+              now.local_shape == then.local_shape && now.offset == then.offset, "global batch [", B,
+              ",", S, "] would store ", n, " as the block ", detail::shape_text(then.local_shape),
+              " at ", detail::shape_text(then.offset), " but this layer holds ",
+              detail::shape_text(now.local_shape), " at ", detail::shape_text(now.offset),
+              ": make a new layer for this batch shape");
+        });
+      plan = distributed::make_step_plan(layout, cfg_, par_, sizeof(Scalar));
+    });
+    layout_ = std::move(layout);
+    plan_ = std::move(plan);
+    B_ = B;
+    S_ = S;
     x_col0_ = layout_.block("x").offset[2];
+    if (!mesh_comm_ || mesh_comm_->mesh().to_string() != layout_.mesh.to_string())
+      mesh_comm_ = std::make_unique<comm::MeshComm>(world_, layout_.mesh);
+    make_groups();
   }
 
   /// Every group the step uses, created in the same order on every rank (collective).
@@ -418,8 +477,10 @@ class DistributedMoeLayer
                                   [&](char const* n) { return block(n).local_shape; });
   }
 
+  /// Shapes of a parameter (or gradient) set against this rank's blocks (ShapeError naming the
+  /// tensor; on one local rank, in the config's terms).
   void check_param_shapes(params_type const& p, char const* what) const {
-    p.check_shapes(cfg_, what, "this rank's block is",
+    p.check_shapes(cfg_, what, world_.is_local() ? "the config needs" : "this rank's block is",
                    [&](char const* n) { return block(n).local_shape; });
   }
 
@@ -532,6 +593,7 @@ class DistributedMoeLayer
     std::vector<std::uint64_t> offsets(std::size_t(members), 0);
     for (int m = 0; m < members; ++m)
       offsets[std::size_t(m)] =
+          token_offset_ +
           std::uint64_t((ring ? member_batch_index(m) : layout_.batch_index) * plan_.tokens);
     return offsets;
   }
@@ -985,6 +1047,7 @@ class DistributedMoeLayer
   std::size_t next_ = 0;                                 // its next planned collective
   distributed::CommLog log_;
   bool have_forward_ = false;
+  std::uint64_t token_offset_ = 0;  // ForwardOptions::token_offset of the last forward
   double lb_loss_ = 0;
   std::vector<double> bias_update_;
 };

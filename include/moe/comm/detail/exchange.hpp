@@ -118,6 +118,10 @@ inline bool collective_check(Communicator const& comm, char const* who, bool loc
                              std::string const& msg, ErrorKind kind,
                              std::vector<std::pair<char const*, std::int64_t>> const& agree,
                              bool flag = false) {
+  if (comm.is_local()) {  // one rank, no MPI: its own checks decide
+    if (local_failed) throw_kind(kind, msg);
+    return flag;
+  }
   std::vector<std::int64_t> v;
   v.reserve(2 + 2 * agree.size());
   v.push_back(-static_cast<std::int64_t>(local_failed ? comm.rank() : comm.size()));
