@@ -142,7 +142,10 @@ struct Layout {
   std::int64_t batch_parts = 1, batch_index = 0;
   std::int64_t local_experts = 0, first_expert = 0;  ///< L = E / ep and this rank's first expert
   ExpertRoute route = ExpertRoute::Local;
-  bool dense = false;  ///< dense masked expert path (every local expert on every token)
+  /// Dense masked expert path (every local expert on every token). False on the ragged
+  /// all-to-all route even when the config asks for the dense path (gmm::Dense or
+  /// sparse_matmul=false): the rows that arrive there run the grouped GEMMs.
+  bool dense = false;
   /// The dense-path dispatch tensor `(activation_exp, activation_batch_moe, None,
   /// activation_embed_moe)` as MaxText resolves it: jointly, or with
   /// `moe_dispatch_no_expert_sharding` per dimension with `expert` peeled off the batch dimension
@@ -372,6 +375,8 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
       "ragged_buffer_factor=", par.ragged_buffer_factor,
       " needs the ragged all-to-all path (expert parallelism without "
       "use_ring_of_experts, sparse_matmul=true)");
+  // Dense experts only where tokens are gathered: the all-to-all delivers sorted rows.
+  if (lay.route == ExpertRoute::RaggedA2A) lay.dense = false;
   // Weight layouts.
   auto make = [&](std::string name, sharding::LogicalAxes logical,
                   sharding::PartitionSpec const& st, sharding::PartitionSpec const& cp,

@@ -271,7 +271,7 @@ class LayerBuffers {
                                                 checked_mul(E_, cfg_.capacity(S_), "capacity")),
                          "kept slots");
 
-    if (lay_.dense && !a2a) {  // the dense path on the all-to-all sorts like the sparse one
+    if (lay_.dense) {  // (never on the all-to-all, which sorts the rows it delivers)
       dense_rows();
       return;
     }

@@ -100,10 +100,10 @@ struct WeightSteps {
 /// make_step_plan().
 struct StepPlan {
   ExpertRoute route = ExpertRoute::Local;
-  bool dense = false;       ///< dense masked experts (no sort, no grouped GEMM; never on RaggedA2A)
-  std::int64_t tokens = 0;  ///< T: tokens of this rank's batch block
-  std::int64_t work_tokens = 0;    ///< tokens the experts see (ring: T x ep)
-  std::int64_t token_cols = 0;     ///< columns of x / y on this rank: D (EP-TP: D / ep)
+  bool dense = false;            ///< dense masked experts (no sort, no grouped GEMM; Layout::dense)
+  std::int64_t tokens = 0;       ///< T: tokens of this rank's batch block
+  std::int64_t work_tokens = 0;  ///< tokens the experts see (ring: T x ep)
+  std::int64_t token_cols = 0;   ///< columns of x / y on this rank: D (EP-TP: D / ep)
   std::int64_t shared_tokens = 0;  ///< tokens the shared expert sees (EP-as-TP: T x ep)
   /// > 0: the ring forward gathers the tokens in this many D-chunks, overlapped with the first
   /// grouped GEMMs (num_moe_emb_chunks; see Builder::chunked_ring_forward); 0: one gather.
@@ -186,7 +186,7 @@ class Builder {
     p.route = lay_.route;
     // The dense path on the all-to-all (moe_dispatch_no_expert_sharding) runs the received rows
     // through the grouped GEMMs like the sparse path: no masked dense experts.
-    p.dense = lay_.dense && lay_.route != ExpertRoute::RaggedA2A;
+    p.dense = lay_.dense;
     p.tokens = T_;
     p.work_tokens = Tw_;
     p.token_cols = Dl_;
