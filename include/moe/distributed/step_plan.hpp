@@ -17,8 +17,9 @@
 /// deliver) they assume balanced routing and are marked `balanced`.
 ///
 /// Adding a parallel layout = a new ExpertRoute in layout.hpp, its stages here (a dispatch
-/// strategy: dispatch, experts, combine and their transposes) and its stage functions in the
-/// layer, plus a case in tests/mpi/layout_cases.hpp.
+/// strategy: dispatch, experts, combine and their transposes), its stage functions in a header of
+/// distributed/stages/ with their cases in the layer's run_forward / run_backward, plus a case in
+/// tests/mpi/layout_cases.hpp.
 
 #include <moe/comm/sent_bytes.hpp>
 #include <moe/config.hpp>

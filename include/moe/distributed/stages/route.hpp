@@ -1,0 +1,130 @@
+#pragma once
+/// \file
+/// Route stage of the distributed layer: the router on the working tokens (or, on the chunked
+/// ring, on the expert group's all-gathered gate logits), the global load-balance loss and bias
+/// update (statistics summed over the batch axes), and the router's backward.
+
+#include <moe/detail/blas.hpp>
+#include <moe/detail/views.hpp>
+#include <moe/distributed/layout.hpp>
+#include <moe/distributed/step_context.hpp>
+#include <moe/routing/kernels.hpp>
+#include <moe/routing/router.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace moe::distributed::stages {
+
+/// Batch block index of the m-th member of this rank's expert group.
+template <class Ctx>
+std::int64_t member_batch_index(Ctx const& ctx, int m) {
+  // The member differs from this rank only in the expert axes: substitute its coordinates.
+  std::int64_t idx = 0;
+  int const rank = ctx.world.rank();
+  std::int64_t rem = m;
+  auto const& ep_axes = ctx.layout.ep_axes;
+  auto const& mesh = ctx.layout.mesh;
+  std::vector<std::int64_t> ep_coord(ep_axes.size());
+  for (std::size_t i = ep_axes.size(); i-- > 0;) {
+    ep_coord[i] = rem % ctx.layout.axis_size(ep_axes[i]);
+    rem /= ctx.layout.axis_size(ep_axes[i]);
+  }
+  for (auto const& a : ctx.layout.batch_axes) {
+    auto it = std::find(ep_axes.begin(), ep_axes.end(), a);
+    std::int64_t const c = it != ep_axes.end() ? ep_coord[it - ep_axes.begin()]
+                                               : (mesh.has_axis(a) ? mesh.coord(rank, a) : 0);
+    idx = idx * ctx.layout.axis_size(a) + c;
+  }
+  return idx;
+}
+
+/// Global token index of the first token of each member of the routed block (random routing
+/// draws from it): the expert group's members on the ring, else this rank's block.
+template <class Ctx>
+std::vector<std::uint64_t> member_token_offsets(Ctx const& ctx) {
+  bool const ring = ctx.layout.route == ExpertRoute::Ring;
+  int const members = ring ? ctx.ep().size() : 1;
+  std::vector<std::uint64_t> offsets(std::size_t(members), 0);
+  for (int m = 0; m < members; ++m)
+    offsets[std::size_t(m)] = ctx.token_offset + std::uint64_t((ring ? member_batch_index(ctx, m)
+                                                                     : ctx.layout.batch_index) *
+                                                               ctx.plan.tokens);
+  return offsets;
+}
+
+/// The global load-balance loss and bias update of the last routing (statistics summed over
+/// the batch axes).
+template <class Ctx>
+void route_statistics(Ctx& ctx) {
+  int const K = ctx.cfg.num_experts_per_tok;
+  ctx.lb_loss = 0;
+  if (ctx.cfg.load_balance_loss_weight > 0) {
+    View1<double, Kokkos::HostSpace> v("moe::dist::lb_sum", 1);
+    v(0) = ctx.router.lb_sum();
+    ctx.all_reduce(ctx.batch(), v, Kokkos::DefaultHostExecutionSpace());
+    ctx.lb_loss = ctx.router.lb_loss(v(0), ctx.B);
+  }
+  ctx.bias_update.clear();
+  if (ctx.cfg.routed_bias_update_rate > 0) {
+    auto counts = ctx.router.expert_counts();
+    View1<std::int64_t, Kokkos::HostSpace> h(counts.data(), counts.size());
+    ctx.all_reduce(ctx.batch(), h, Kokkos::DefaultHostExecutionSpace());
+    ctx.bias_update =
+        routing::bias_update(counts, ctx.B * ctx.S * K, ctx.cfg.routed_bias_update_rate);
+  }
+}
+
+/// Routes the working tokens xw (own, or the expert group's on the ring); the load-balance
+/// loss and the bias update are global (statistics summed over the batch axes).
+template <class Ctx>
+void route_tokens(Ctx& ctx, typename Ctx::view2 xw) {
+  using cview2 = typename Ctx::cview2;
+  // Random routing draws from the global token index: each member's rows are routed with its
+  // own offset (a member's tokens are a contiguous block of the global batch).
+  bool const ring = ctx.layout.route == ExpertRoute::Ring;
+  ctx.router.forward(ctx.space, cview2(xw), ctx.cp.gate, ctx.cp.gate_bias, ctx.S,
+                     member_token_offsets(ctx), ring ? ctx.ep().rank() : 0);
+  route_statistics(ctx);
+}
+
+/// Chunked ring: routes the expert group's tokens from their gate logits, computed on each
+/// member's own tokens (full D) and all-gathered; the tokens themselves come later by chunks.
+template <class Ctx>
+void route_gathered_logits(Ctx& ctx, typename Ctx::view2 x) {
+  using Scalar = typename Ctx::scalar_type;
+  using cview2 = typename Ctx::cview2;
+  std::int64_t const T = ctx.plan.tokens;
+  auto lo = ctx.ws.make("logits_own", T, ctx.cfg.num_experts);
+  moe::detail::gemm(ctx.space, "N", "N", Scalar(1), cview2(x), ctx.cp.gate, Scalar(0), lo);
+  ctx.all_gather(ctx.ep(), lo, ctx.router.logits_rows(ctx.space, ctx.plan.work_tokens), 0);
+  ctx.router.forward_logits(ctx.space, ctx.cp.gate_bias, ctx.S, member_token_offsets(ctx),
+                            ctx.ep().rank());
+  route_statistics(ctx);
+}
+
+/// The router's backward on this rank's tokens: dx += d_logits gate^T, d_gate, d_gate_bias.
+template <class Ctx>
+void route_backward(Ctx& ctx, typename Ctx::view2 dx) {
+  using cview2 = typename Ctx::cview2;
+  ctx.router.backward(ctx.space, cview2(ctx.ws.at("x")), ctx.cp.gate,
+                      cview2(ctx.ws.at("d_weights")), ctx.router.lb_coefficient(ctx.B), dx,
+                      ctx.gc.gate, ctx.gc.gate_bias);
+}
+
+/// EP-TP: the router's backward on the full-D tokens: dx += d_logits gate^T for this rank's D
+/// columns only (the rows of the gate this rank's columns multiply); d_gate is the full, same on
+/// every expert rank.
+template <class Ctx>
+void ep_tp_route_backward(Ctx& ctx, typename Ctx::view2 dx) {
+  using cview2 = typename Ctx::cview2;
+  std::int64_t const E = ctx.cfg.num_experts, Dl = ctx.plan.token_cols;
+  cview2 gate_rows(ctx.cp.gate.data() + ctx.x_col0 * E, Dl, E);
+  ctx.router.backward(ctx.space, cview2(ctx.ws.at("x_work")), gate_rows,
+                      cview2(ctx.ws.at("d_weights")), ctx.router.lb_coefficient(ctx.B), dx,
+                      ctx.gc.gate, ctx.gc.gate_bias);
+}
+
+}  // namespace moe::distributed::stages

@@ -1,0 +1,75 @@
+#pragma once
+/// \file
+/// Shared-expert stage of the distributed layer (every route but EP-TP, whose shared expert is
+/// in stages/ep_tp.hpp): EP-as-TP, the shared expert on the expert group's tokens with its hidden
+/// dim split over tensor x expert; and its transpose.
+
+#include <moe/detail/elementwise.hpp>
+#include <moe/detail/views.hpp>
+#include <moe/distributed/step_context.hpp>
+
+#include <cstdint>
+
+namespace moe::distributed::stages {
+
+template <class Ctx>
+bool shared_spans_group(Ctx const& ctx) {
+  return ctx.plan.shared_tokens > ctx.plan.tokens;
+}
+template <class Ctx>
+void shared_tokens_gather(Ctx& ctx, typename Ctx::cview2 own, typename Ctx::view2 work) {
+  if (shared_spans_group(ctx))
+    ctx.all_gather(ctx.ep(), own, work, 0);
+  else
+    Kokkos::deep_copy(ctx.space, work, own);
+}
+template <class Ctx>
+void shared_tokens_reduce(Ctx& ctx, typename Ctx::view2 work, typename Ctx::view2 own) {
+  if (shared_spans_group(ctx)) {
+    ctx.reduce_scatter(ctx.ep(), work, own, 0);
+  } else {
+    ctx.all_reduce(ctx.ep(), work);
+    Kokkos::deep_copy(ctx.space, own, work);
+  }
+}
+
+/// EP-as-TP: the shared expert runs on the expert group's tokens with its hidden dim split over
+/// tensor x expert; partial outputs go back to their tokens' owners, then to the D/tp columns
+/// of y_c (added).
+template <class Ctx>
+void shared_forward(Ctx& ctx, typename Ctx::view2 x, typename Ctx::view2 y_c) {
+  using Scalar = typename Ctx::scalar_type;
+  using cview2 = typename Ctx::cview2;
+  std::int64_t const D = ctx.cfg.base_emb_dim, Tg = ctx.plan.shared_tokens;
+  auto xsh = ctx.ws.make("x_shared", Tg, D);
+  shared_tokens_gather(ctx, cview2(x), xsh);
+  auto ysh = ctx.ws.make("y_shared", Tg, D);
+  Kokkos::deep_copy(ctx.space, ysh, Scalar(0));
+  ctx.shared.forward(ctx.space, ctx.cfg.mlp_activation, cview2(xsh), ctx.cp.shared_wi_0,
+                     ctx.cp.shared_wi_1, ctx.cp.shared_wo, ysh);
+  auto yo = ctx.ws.make("y_own", ctx.plan.tokens, D);
+  shared_tokens_reduce(ctx, ysh, yo);
+  auto ysh_c = ctx.ws.make("y_shared_cols", ctx.plan.tokens, D / ctx.tp().size());
+  ctx.reduce_scatter(ctx.tp(), yo, ysh_c, 1);
+  moe::detail::add_into(ctx.space, ysh_c, y_c);
+}
+/// The transpose of shared_forward: dx += the shared expert's input gradient.
+template <class Ctx>
+void shared_backward(Ctx& ctx, typename Ctx::cview2 dy, typename Ctx::view2 dx) {
+  using Scalar = typename Ctx::scalar_type;
+  using cview2 = typename Ctx::cview2;
+  std::int64_t const D = ctx.cfg.base_emb_dim, Tg = ctx.plan.shared_tokens;
+  auto dysh = ctx.ws.make("dy_shared", Tg, D);
+  shared_tokens_gather(ctx, dy, dysh);
+  auto dxsh = ctx.ws.make("dx_shared", Tg, D);
+  Kokkos::deep_copy(ctx.space, dxsh, Scalar(0));
+  ctx.shared.backward(ctx.space, cview2(dysh), ctx.cp.shared_wi_0, ctx.cp.shared_wi_1,
+                      ctx.cp.shared_wo, dxsh, ctx.gc.shared_wi_0, ctx.gc.shared_wi_1,
+                      ctx.gc.shared_wo);
+  ctx.all_reduce(ctx.tp(), dxsh);
+  auto yo = ctx.ws.make("y_own", ctx.plan.tokens, D);
+  shared_tokens_reduce(ctx, dxsh, yo);
+  moe::detail::add_into(ctx.space, yo, dx);
+}
+
+}  // namespace moe::distributed::stages

@@ -1,0 +1,103 @@
+#pragma once
+/// \file
+/// Weight stages of the distributed layer: stored blocks -> compute blocks (the plan's
+/// to_compute ops: FSDP all-gathers, EP-as-TP slices) and compute-block gradients -> stored-block
+/// gradients (the transposes), on buffers kept from step to step.
+
+#include <moe/detail/views.hpp>
+#include <moe/distributed/reshard.hpp>
+#include <moe/distributed/step_context.hpp>
+#include <moe/distributed/step_plan.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace moe::distributed::stages {
+
+/// A view of `shape` on the pool buffer of `key` (kept from step to step; keys must differ
+/// between views alive at the same time).
+template <class V, class Ctx>
+V shaped(Ctx& ctx, std::vector<std::int64_t> const& shape, std::string const& key) {
+  std::size_t n = 1;
+  for (auto e : shape) n *= std::size_t(e);
+  auto buf = ctx.ws.pool().template get<typename Ctx::scalar_type>(key, n);
+  if constexpr (V::rank == 1)
+    return V(buf.data(), shape[0]);
+  else if constexpr (V::rank == 2)
+    return V(buf.data(), shape[0], shape[1]);
+  else
+    return V(buf.data(), shape[0], shape[1], shape[2]);
+}
+
+/// Runs weight ops (the plan's to_compute or to_storage) on `cur`; returns the last block.
+template <class Ctx, class V>
+V run_weight_ops(Ctx& ctx, std::vector<WeightOp> const& ops, V cur, std::string const& key) {
+  using Op = WeightOp::Kind;
+  int k = 0;  // pool key of each intermediate
+  for (auto const& op : ops) {
+    if (op.kind == Op::all_reduce) {
+      ctx.all_reduce(ctx.group_of(op.axes), cur);
+      continue;
+    }
+    V next = shaped<V>(ctx, op.shape, key + "#" + std::to_string(k++));
+    if (op.kind == Op::all_gather)
+      ctx.all_gather(ctx.group_of(op.axes), cur, next, op.dim);
+    else if (op.kind == Op::reduce_scatter)
+      ctx.reduce_scatter(ctx.group_of(op.axes), cur, next, op.dim);
+    else
+      distributed::slice_dim(ctx.space, int(op.parts), int(op.index), cur, next, op.dim);
+    cur = next;
+  }
+  return cur;
+}
+
+/// Stored blocks -> compute blocks (the plan's to_compute ops; the gate bias has none). Returns
+/// true when an expert weight's compute block is not its stored block: a gathered (or sliced)
+/// expert weight is new data in a reused buffer, so the caller declares a new weights version.
+template <class Ctx>
+bool gather_weights(Ctx& ctx, typename Ctx::params_type const& stored,
+                    typename Ctx::params_type& compute) {
+  using params_type = typename Ctx::params_type;
+  params_type::for_each_field(ctx.cfg, [&](char const* n, auto m) {
+    compute.*m =
+        run_weight_ops(ctx, ctx.plan.weight(n).to_compute, stored.*m, std::string("compute.") + n);
+  });
+  return compute.wi_0.data() != stored.wi_0.data() || compute.wi_1.data() != stored.wi_1.data() ||
+         compute.wo.data() != stored.wo.data();
+}
+
+/// Zeroed compute-block gradients, allocated once and reused while the shapes stay.
+template <class Ctx>
+void alloc_compute_grads(Ctx& ctx) {
+  using params_type = typename Ctx::params_type;
+  using Scalar = typename Ctx::scalar_type;
+  params_type::for_each_field(ctx.cfg, [&](char const* n, auto m) {
+    auto& g = ctx.gc.*m;
+    auto const& like = ctx.cp.*m;
+    std::string const label = std::string("moe::dist::d_") + n;
+    if constexpr (std::decay_t<decltype(g)>::rank == 1)
+      moe::detail::ensure(ctx.space, g, label, like.extent(0));
+    else if constexpr (std::decay_t<decltype(g)>::rank == 2)
+      moe::detail::ensure(ctx.space, g, label, like.extent(0), like.extent(1));
+    else
+      moe::detail::ensure(ctx.space, g, label, like.extent(0), like.extent(1), like.extent(2));
+    Kokkos::deep_copy(ctx.space, g, Scalar(0));
+  });
+}
+
+/// Compute-block gradients -> stored-block gradients (the transposes of gather_weights).
+template <class Ctx>
+void reduce_grads(Ctx& ctx, typename Ctx::params_type const& computed,
+                  typename Ctx::params_type& out) {
+  using params_type = typename Ctx::params_type;
+  params_type::for_each_field(ctx.cfg, [&](char const* n, auto m) {
+    Kokkos::deep_copy(
+        ctx.space, out.*m,
+        run_weight_ops(ctx, ctx.plan.weight(n).to_storage, computed.*m, std::string("d.") + n));
+  });
+}
+
+}  // namespace moe::distributed::stages

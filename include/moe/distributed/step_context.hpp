@@ -1,0 +1,162 @@
+#pragma once
+/// \file
+/// The state the stages of the distributed layer share (StepContext): the configuration, the
+/// layout and step plan, the axis groups, the components the stages run (router, expert FFNs),
+/// the compute-block parameters and gradients, the dispatch state, the step's buffers and the
+/// comm log; and the planned collectives, each checked against the running stage's plan.
+/// DistributedMoeLayer (distributed/layer.hpp) owns one and passes it to the stage functions
+/// (distributed/stages/).
+
+#include <moe/comm/communicator.hpp>
+#include <moe/comm/mesh_comm.hpp>
+#include <moe/comm/ragged_all_to_all.hpp>
+#include <moe/config.hpp>
+#include <moe/detail/views.hpp>
+#include <moe/distributed/layout.hpp>
+#include <moe/distributed/parallel_config.hpp>
+#include <moe/distributed/reshard.hpp>
+#include <moe/distributed/step_plan.hpp>
+#include <moe/distributed/workspace.hpp>
+#include <moe/error.hpp>
+#include <moe/gmm/gmm.hpp>
+#include <moe/nn/expert_ffn.hpp>
+#include <moe/parameters.hpp>
+#include <moe/permute/local_permute.hpp>
+#include <moe/permute/permute.hpp>
+#include <moe/routing/router.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace moe::distributed {
+
+/// Where the dispatch put the rows, kept from the forward for the backward.
+template <class MemorySpace>
+struct DispatchState {
+  permute::Permutation<MemorySpace> perm;     ///< token slots sorted by expert
+  permute::LocalPermutation<MemorySpace> lp;  ///< received rows regrouped (all-to-all)
+  gmm::Groups<MemorySpace> groups;            ///< local expert groups (all-to-all)
+  std::unique_ptr<comm::RaggedAllToAll> a2a;  ///< the ragged exchange (all-to-all)
+};
+
+/// \brief What the stages of one DistributedMoeLayer share (see the file comment). The layer
+/// plans the step into it (layout, plan, groups); the stage functions read and write it.
+template <class Scalar, class Policy, class ExecSpace>
+struct StepContext {
+  using scalar_type = Scalar;
+  using memory_space = typename ExecSpace::memory_space;
+  using params_type = Parameters<Scalar, memory_space>;
+  using view2 = View2<Scalar, memory_space>;
+  using view3 = View3<Scalar, memory_space>;
+  using cview2 = View2<Scalar const, memory_space>;
+  using ivec = View1<std::int64_t const, memory_space>;
+  using gmm_policy = std::conditional_t<std::is_same_v<typename Policy::gmm_policy, gmm::Dense>,
+                                        gmm::Auto, typename Policy::gmm_policy>;
+
+  StepContext(comm::Communicator comm, LayerConfig const& c, ParallelConfig const& p,
+              ExecSpace const& s)
+      : world(std::move(comm)), cfg(c), par(p), space(s) {}
+
+  comm::Communicator world;
+  LayerConfig cfg;
+  ParallelConfig par;
+  ExecSpace space;
+  std::int64_t B = 0, S = 0;
+  std::int64_t x_col0 = 0;  // first D column of this rank's x block (EP-TP: rank x D/ep)
+  std::unique_ptr<comm::MeshComm> mesh_comm;  // the one cache of the axis groups
+  AxisGroup const* ep_g = nullptr;
+  AxisGroup const* tp_g = nullptr;
+  AxisGroup const* batch_g = nullptr;
+  Layout layout;
+  StepPlan plan;
+  // Components the stages run (each keeps what its own backward needs).
+  routing::Router<Scalar, ExecSpace> router;
+  nn::ExpertFfn<Scalar, gmm_policy, ExecSpace> ffn;
+  nn::DenseMlp<Scalar, ExecSpace> shared;
+  nn::DenseExperts<Scalar, ExecSpace> dense;
+  // Parameters: compute blocks, compute-block gradients (the stored blocks are the layer's).
+  params_type cp, gc;
+  DispatchState<memory_space> disp;
+  StepWorkspace<Scalar, memory_space> ws;  // the step's buffers, by plan name
+  Stage const* stage = nullptr;            // the stage running
+  std::size_t next = 0;                    // its next planned collective
+  CommLog log;
+  std::uint64_t token_offset = 0;  // ForwardOptions::token_offset of the last forward
+  double lb_loss = 0;
+  std::vector<double> bias_update;
+
+  // ------------------------------------------------------------------ groups ----------------
+  /// A group the layer made (MeshComm's cache; the const lookup never communicates).
+  AxisGroup const& group_of(std::vector<std::string> const& axes) const {
+    return static_cast<comm::MeshComm const&>(*mesh_comm).group(axes);
+  }
+  AxisGroup const& ep() const { return *ep_g; }
+  AxisGroup const& tp() const { return *tp_g; }
+  AxisGroup const& batch() const { return *batch_g; }
+
+  // ------------------------------------------------------------------ routing state ---------
+  /// Tokens the router and the experts see: the expert group's (ring), the full-D tokens (EP-TP)
+  /// or this rank's own.
+  view2 work_x() const {
+    bool const work = layout.route == ExpertRoute::Ring || layout.route == ExpertRoute::EpTp;
+    return ws.at(work ? "x_work" : "x");
+  }
+  View2<int const, memory_space> expert_ids() const {
+    return View2<int const, memory_space>(router.state().expert_ids);
+  }
+  View2<int const, memory_space> kept() const {
+    return View2<int const, memory_space>(router.state().kept);
+  }
+  cview2 route_weights() const { return cview2(router.state().weights); }
+
+  // ------------------------------------------------------------------ collectives ------------
+  /// The comm-log name of the next collective of the running stage, after checking its kind
+  /// and group against the plan.
+  std::string const& planned(char const* kind, std::vector<std::string> const& axes) {
+    auto const& cs = stage->collectives;
+    bool const ok = next < cs.size() && cs[next].kind == kind && cs[next].axes == axes;
+    if (!ok)
+      throw Error(moe::detail::cat(
+          "moe internal error: stage ", stage->region, " runs a ", kind, " over [",
+          layout_detail::join(axes), "] but its plan has ",
+          next < cs.size() ? cs[next].kind + " over [" + layout_detail::join(cs[next].axes) + "]"
+                           : std::string("no further collective")));
+    return cs[next++].what;
+  }
+  template <class InV, class OutV>
+  void all_gather(AxisGroup const& g, InV const& in, OutV const& out, int d) {
+    std::string const what = g.size() > 1 ? planned("all-gather", g.axes) : std::string();
+    distributed::gather_dim(space, g, in, out, d, &log, what, &ws.pool());
+  }
+  template <class InV, class OutV>
+  void reduce_scatter(AxisGroup const& g, InV const& in, OutV const& out, int d) {
+    std::string const what = g.size() > 1 ? planned("reduce-scatter", g.axes) : std::string();
+    distributed::reduce_scatter_dim(space, g, in, out, d, &log, what, &ws.pool());
+  }
+  template <class V>
+  void all_reduce(AxisGroup const& g, V const& v) {
+    all_reduce(g, v, space);
+  }
+  template <class V, class Space>
+  void all_reduce(AxisGroup const& g, V const& v, Space const& exec) {
+    std::string const what =
+        g.size() > 1 && v.span() > 0 ? planned("all-reduce", g.axes) : std::string();
+    distributed::all_reduce(exec, g, v, &log, what);
+  }
+  /// Logs an all-to-all of the ragged plan (rows a rank keeps for itself are copied, not sent).
+  void log_all_to_all(bool reverse, std::int64_t cols) {
+    auto const& rows = reverse ? disp.a2a->recv_counts() : disp.a2a->kept_send_counts();
+    std::int64_t n = 0;
+    for (std::size_t j = 0; j < rows.size(); ++j)
+      if (int(j) != disp.a2a->comm().rank()) n += rows[j];
+    log.add(planned("all-to-all", layout.ep_axes), "all-to-all", layout.ep_axes,
+            n * cols * std::int64_t(sizeof(Scalar)));
+  }
+};
+
+}  // namespace moe::distributed
