@@ -43,12 +43,13 @@ class MoeLayer {
 
  public:
   using execution_space = ExecSpace;
-  using memory_space = typename ExecSpace::memory_space;
-  using params_type = Parameters<Scalar, memory_space>;
-  using view2 = View2<Scalar, memory_space>;
-  using view3 = View3<Scalar, memory_space>;
-  using cview2 = View2<Scalar const, memory_space>;
-  using cview3 = View3<Scalar const, memory_space>;
+  // The pipeline's types: Parameters and LayoutRight Views of Scalar in ExecSpace's memory.
+  using memory_space = typename pipeline_type::memory_space;
+  using params_type = typename pipeline_type::params_type;
+  using view2 = typename pipeline_type::view2;
+  using view3 = typename pipeline_type::view3;
+  using cview2 = typename pipeline_type::cview2;
+  using cview3 = typename pipeline_type::cview3;
 
   /// \brief Validates `cfg` (ConfigError on any broken rule) and allocates zero parameters.
   explicit MoeLayer(LayerConfig const& cfg, ExecSpace const& space = ExecSpace())
@@ -74,24 +75,19 @@ class MoeLayer {
   /// The stages one step runs on this rank, for the last forward's batch shape.
   distributed::StepPlan const& step_plan() const { return step_.step_plan(); }
 
-  /// \brief forward() and backward() for any View types: LayoutRight Views of this layer's
-  /// Scalar and memory space convert (e.g. non-const x); anything else, such as a LayoutLeft
-  /// View, fails to compile with a static_assert naming the rule (detail::api_view).
-  template <class XView, class YView>
-  void forward(XView const& x, YView const& y, ForwardOptions const& opt = {}) {
-    forward(detail::api_view<cview3>(x), detail::api_view<view3>(y), opt);
-  }
-  template <class DyView, class DxView>
-  void backward(DyView const& dy, DxView const& dx, params_type& grads) {
-    backward(detail::api_view<cview3>(dy), detail::api_view<view3>(dx), grads);
-  }
-
   /// \brief y[B,S,D] = MoE(x[B,S,D]). Checks shapes (ShapeError) and, with check_finite, that x,
   /// the gate and every expert weight a token reaches hold no NaN/Inf (InputError naming the
   /// tensor and the index). x is copied, so it may be reused (or be y) before backward(); the
   /// parameters must stay unchanged until backward().
-  void forward(cview3 x, view3 y, ForwardOptions const& opt = {}) {
+  ///
+  /// forward() and backward() take any View types: LayoutRight Views of this layer's Scalar and
+  /// memory space convert (e.g. non-const x); anything else, such as a LayoutLeft View, fails to
+  /// compile with a static_assert naming the rule (detail::api_view).
+  template <class XView, class YView>
+  void forward(XView const& x_in, YView const& y_in, ForwardOptions const& opt = {}) {
     detail::Region region("moe::layer::forward");
+    auto const x = detail::api_view<cview3>(x_in);
+    auto const y = detail::api_view<view3>(y_in);
     int const D = config().base_emb_dim;
     require_shape(x, "x", D);
     require_shape(y, "y", D);
@@ -110,8 +106,11 @@ class MoeLayer {
 
   /// \brief Gradients of sum(y * dy) + lb_loss w.r.t. x (into dx[B,S,D]) and every parameter
   /// (into grads, allocated here if empty; overwritten).
-  void backward(cview3 dy, view3 dx, params_type& grads) {
+  template <class DyView, class DxView>
+  void backward(DyView const& dy_in, DxView const& dx_in, params_type& grads) {
     detail::Region region("moe::layer::backward");
+    auto const dy = detail::api_view<cview3>(dy_in);
+    auto const dx = detail::api_view<view3>(dx_in);
     detail::require<Error>(have_forward_, "MoeLayer::backward called without a forward");
     int const D = config().base_emb_dim;
     require_shape(dy, "dy", D);

@@ -305,8 +305,6 @@ class DistributedMoeLayer
     namespace stages = distributed::stages;
     using K = distributed::StageKind;
     auto& c = ctx_;
-    bool const a2a = c.layout.route == ExpertRoute::RaggedA2A;
-    bool const ep_tp = c.layout.route == ExpertRoute::EpTp;
     switch (st.kind) {
       case K::gather_weights:
         if (stages::gather_weights(c, params_, c.cp)) weights_changed();
@@ -314,26 +312,28 @@ class DistributedMoeLayer
       case K::gather_tokens:  // the expert group's tokens (ring), or full-D tokens (EP-TP)
         return c.all_gather(c.ep(), c.ws.at("x"),
                             c.ws.make("x_work", c.plan.work_tokens, c.cfg.base_emb_dim),
-                            ep_tp ? 1 : 0);
+                            c.ep_tp() ? 1 : 0);
       case K::route:
         if (c.plan.emb_chunks > 0) return stages::route_gathered_logits(c, c.ws.at("x"));
         return stages::route_tokens(c, c.work_x());
       case K::dispatch:
         if (c.plan.emb_chunks > 0) return stages::local_sort(c);
-        return a2a ? stages::a2a_dispatch(c, c.ws.at("x")) : stages::local_dispatch(c, c.work_x());
+        return c.a2a() ? stages::a2a_dispatch(c, c.ws.at("x"))
+                       : stages::local_dispatch(c, c.work_x());
       case K::experts:
-        if (a2a) return stages::a2a_experts(c, c.ws.at("x_local"), weights_version_);
+        if (c.a2a()) return stages::a2a_experts(c, c.ws.at("x_local"), weights_version_);
         if (c.plan.emb_chunks > 0)
           return stages::chunked_ring_experts(c, c.ws.at("x"), weights_version_);
         return c.plan.dense ? stages::dense_experts(c, c.work_x())
                             : stages::local_experts(c, c.ws.at("x_local"), weights_version_);
       case K::combine:
-        if (a2a) return stages::a2a_combine(c, c.ws.at("y_local_cols"));
-        return ep_tp ? stages::ep_tp_combine(c, c.ws.at(c.plan.dense ? "y_work" : "y_local"))
-                     : stages::gathered_combine(c, c.ws.at(c.plan.dense ? "y_work" : "y_local"));
+        if (c.a2a()) return stages::a2a_combine(c, c.ws.at("y_local_cols"));
+        return c.ep_tp()
+                   ? stages::ep_tp_combine(c, c.ws.at(c.plan.dense ? "y_work" : "y_local"))
+                   : stages::gathered_combine(c, c.ws.at(c.plan.dense ? "y_work" : "y_local"));
       case K::shared_expert:
-        return ep_tp ? stages::ep_tp_shared_forward(c, c.ws.at("x_work"), c.ws.at("y_cols"))
-                     : stages::shared_forward(c, c.ws.at("x"), c.ws.at("y_cols"));
+        return c.ep_tp() ? stages::ep_tp_shared_forward(c, c.ws.at("x_work"), c.ws.at("y_cols"))
+                         : stages::shared_forward(c, c.ws.at("x"), c.ws.at("y_cols"));
       case K::output:
         return c.all_gather(c.tp(), c.ws.at("y_cols"), y, 1);
       case K::reduce_grads:
@@ -346,28 +346,27 @@ class DistributedMoeLayer
     namespace stages = distributed::stages;
     using K = distributed::StageKind;
     auto& c = ctx_;
-    bool const a2a = c.layout.route == ExpertRoute::RaggedA2A;
-    bool const ep_tp = c.layout.route == ExpertRoute::EpTp;
     switch (st.kind) {
       case K::output:
-        if (ep_tp) return stages::ep_tp_output_backward(c, dy);
-        return a2a ? stages::a2a_output_backward(c, dy) : stages::gathered_output_backward(c, dy);
+        if (c.ep_tp()) return stages::ep_tp_output_backward(c, dy);
+        return c.a2a() ? stages::a2a_output_backward(c, dy)
+                       : stages::gathered_output_backward(c, dy);
       case K::combine:
-        return a2a ? stages::a2a_combine_backward(c, c.ws.at("dy_cols"))
-                   : stages::local_combine_backward(c, c.ws.at("dy_work"));
+        return c.a2a() ? stages::a2a_combine_backward(c, c.ws.at("dy_cols"))
+                       : stages::local_combine_backward(c, c.ws.at("dy_work"));
       case K::experts:
-        if (a2a) return stages::a2a_experts_backward(c, c.ws.at("dy_local_cols"));
+        if (c.a2a()) return stages::a2a_experts_backward(c, c.ws.at("dy_local_cols"));
         return c.plan.dense ? stages::dense_experts_backward(c, c.ws.at("dy_work"))
                             : stages::local_experts_backward(c, c.ws.at("dy_local"));
       case K::dispatch:
-        if (ep_tp) return stages::ep_tp_dispatch_backward(c, dx);
-        return a2a ? stages::a2a_dispatch_backward(c, c.ws.at("dy_local_cols"), dx)
-                   : stages::gathered_dispatch_backward(c, dx);
+        if (c.ep_tp()) return stages::ep_tp_dispatch_backward(c, dx);
+        return c.a2a() ? stages::a2a_dispatch_backward(c, c.ws.at("dy_local_cols"), dx)
+                       : stages::gathered_dispatch_backward(c, dx);
       case K::shared_expert:
-        return ep_tp ? stages::ep_tp_shared_backward(c, c.ws.at("dy_work"), dx)
-                     : stages::shared_backward(c, dy, dx);
+        return c.ep_tp() ? stages::ep_tp_shared_backward(c, c.ws.at("dy_work"), dx)
+                         : stages::shared_backward(c, dy, dx);
       case K::route:
-        return ep_tp ? stages::ep_tp_route_backward(c, dx) : stages::route_backward(c, dx);
+        return c.ep_tp() ? stages::ep_tp_route_backward(c, dx) : stages::route_backward(c, dx);
       case K::reduce_grads:
         return stages::reduce_grads(c, c.gc, grads);
       case K::gather_weights:

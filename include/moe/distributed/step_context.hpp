@@ -99,6 +99,10 @@ struct StepContext {
   AxisGroup const& tp() const { return *tp_g; }
   AxisGroup const& batch() const { return *batch_g; }
 
+  /// The expert route is the ragged all-to-all / EP-TP.
+  bool a2a() const { return layout.route == ExpertRoute::RaggedA2A; }
+  bool ep_tp() const { return layout.route == ExpertRoute::EpTp; }
+
   // ------------------------------------------------------------------ routing state ---------
   /// Tokens the router and the experts see: the expert group's (ring), the full-D tokens (EP-TP)
   /// or this rank's own.

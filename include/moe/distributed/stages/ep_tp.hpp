@@ -8,6 +8,7 @@
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/distributed/stages/gathered.hpp>
+#include <moe/distributed/stages/shared_expert.hpp>
 #include <moe/distributed/step_context.hpp>
 #include <moe/permute/permute.hpp>
 
@@ -31,14 +32,7 @@ void scatter_cols_into(Ctx& ctx, typename Ctx::view2 full, char const* cols,
 }
 template <class Ctx>
 void ep_tp_combine(Ctx& ctx, typename Ctx::view2 ys) {
-  using view2 = typename Ctx::view2;
-  using cview2 = typename Ctx::cview2;
-  using ivec = typename Ctx::ivec;
-  std::int64_t const D = ctx.cfg.base_emb_dim;
-  view2 yw = ctx.plan.dense ? ys : ctx.ws.make("y_work", ctx.plan.tokens, D);
-  if (!ctx.plan.dense)
-    permute::combine(ctx.space, cview2(ys), ivec(ctx.disp.perm.inverse), ctx.route_weights(), false,
-                     yw);
+  auto yw = combined_tokens(ctx, ys);
   ctx.reduce_scatter(ctx.ep(), yw, ctx.ws.make("y_cols", ctx.plan.tokens, ctx.plan.token_cols), 1);
 }
 template <class Ctx>
@@ -60,25 +54,14 @@ void ep_tp_dispatch_backward(Ctx& ctx, typename Ctx::view2 dx) {
 /// outputs reduce-scattered to this rank's D columns and added to y_c.
 template <class Ctx>
 void ep_tp_shared_forward(Ctx& ctx, typename Ctx::view2 xw, typename Ctx::view2 y_c) {
-  using Scalar = typename Ctx::scalar_type;
   using cview2 = typename Ctx::cview2;
-  std::int64_t const D = ctx.cfg.base_emb_dim, T = ctx.plan.tokens;
-  auto ysh = ctx.ws.make("y_shared", T, D);
-  Kokkos::deep_copy(ctx.space, ysh, Scalar(0));
-  ctx.shared.forward(ctx.space, ctx.cfg.mlp_activation, cview2(xw), ctx.cp.shared_wi_0,
-                     ctx.cp.shared_wi_1, ctx.cp.shared_wo, ysh);
+  auto ysh = shared_mlp_forward(ctx, cview2(xw), "y_shared");  // [T, D]: x_work is this rank's T
   scatter_cols_into(ctx, ysh, "y_shared_cols", y_c);
 }
 template <class Ctx>
 void ep_tp_shared_backward(Ctx& ctx, typename Ctx::view2 dyw, typename Ctx::view2 dx) {
-  using Scalar = typename Ctx::scalar_type;
   using cview2 = typename Ctx::cview2;
-  std::int64_t const D = ctx.cfg.base_emb_dim, T = ctx.plan.tokens;
-  auto dxsh = ctx.ws.make("dx_shared", T, D);
-  Kokkos::deep_copy(ctx.space, dxsh, Scalar(0));
-  ctx.shared.backward(ctx.space, cview2(dyw), ctx.cp.shared_wi_0, ctx.cp.shared_wi_1,
-                      ctx.cp.shared_wo, dxsh, ctx.gc.shared_wi_0, ctx.gc.shared_wi_1,
-                      ctx.gc.shared_wo);
+  auto dxsh = shared_mlp_backward(ctx, cview2(dyw), "dx_shared");
   scatter_cols_into(ctx, dxsh, "dx_shared_cols", dx);
 }
 

@@ -147,16 +147,22 @@ void tokens_reduce(Ctx& ctx, typename Ctx::view2 work, typename Ctx::view2 own) 
     Kokkos::deep_copy(ctx.space, own, work);
   }
 }
+/// The working tokens' routed outputs, y_work [work_tokens, D]: the sorted rows ys weighted and
+/// summed onto their tokens, or ys itself on the dense path (which computed y_work).
 template <class Ctx>
-void gathered_combine(Ctx& ctx, typename Ctx::view2 ys) {
-  using view2 = typename Ctx::view2;
+typename Ctx::view2 combined_tokens(Ctx& ctx, typename Ctx::view2 ys) {
   using cview2 = typename Ctx::cview2;
   using ivec = typename Ctx::ivec;
+  if (ctx.plan.dense) return ys;
+  auto yw = ctx.ws.make("y_work", ctx.plan.work_tokens, ctx.cfg.base_emb_dim);
+  permute::combine(ctx.space, cview2(ys), ivec(ctx.disp.perm.inverse), ctx.route_weights(), false,
+                   yw);
+  return yw;
+}
+template <class Ctx>
+void gathered_combine(Ctx& ctx, typename Ctx::view2 ys) {
   std::int64_t const D = ctx.cfg.base_emb_dim;
-  view2 yw = ctx.plan.dense ? ys : ctx.ws.make("y_work", ctx.plan.work_tokens, D);
-  if (!ctx.plan.dense)
-    permute::combine(ctx.space, cview2(ys), ivec(ctx.disp.perm.inverse), ctx.route_weights(), false,
-                     yw);
+  auto yw = combined_tokens(ctx, ys);
   // Sum the expert group's partial outputs onto each rank's own tokens, then split D over tensor.
   auto yo = ctx.ws.make("y_own", ctx.plan.tokens, D);
   tokens_reduce(ctx, yw, yo);

@@ -12,6 +12,28 @@
 
 namespace moe::distributed::stages {
 
+/// The shared MLP on the tokens x (full D) into the zeroed workspace buffer `name` [rows, D].
+template <class Ctx>
+typename Ctx::view2 shared_mlp_forward(Ctx& ctx, typename Ctx::cview2 x, char const* name) {
+  using Scalar = typename Ctx::scalar_type;
+  auto y = ctx.ws.make(name, std::int64_t(x.extent(0)), ctx.cfg.base_emb_dim);
+  Kokkos::deep_copy(ctx.space, y, Scalar(0));
+  ctx.shared.forward(ctx.space, ctx.cfg.mlp_activation, x, ctx.cp.shared_wi_0, ctx.cp.shared_wi_1,
+                     ctx.cp.shared_wo, y);
+  return y;
+}
+/// Its transpose: the input gradient for dy into the zeroed buffer `name`; the weight gradients
+/// into the compute-block gradients.
+template <class Ctx>
+typename Ctx::view2 shared_mlp_backward(Ctx& ctx, typename Ctx::cview2 dy, char const* name) {
+  using Scalar = typename Ctx::scalar_type;
+  auto dx = ctx.ws.make(name, std::int64_t(dy.extent(0)), ctx.cfg.base_emb_dim);
+  Kokkos::deep_copy(ctx.space, dx, Scalar(0));
+  ctx.shared.backward(ctx.space, dy, ctx.cp.shared_wi_0, ctx.cp.shared_wi_1, ctx.cp.shared_wo, dx,
+                      ctx.gc.shared_wi_0, ctx.gc.shared_wi_1, ctx.gc.shared_wo);
+  return dx;
+}
+
 template <class Ctx>
 bool shared_spans_group(Ctx const& ctx) {
   return ctx.plan.shared_tokens > ctx.plan.tokens;
@@ -38,15 +60,11 @@ void shared_tokens_reduce(Ctx& ctx, typename Ctx::view2 work, typename Ctx::view
 /// of y_c (added).
 template <class Ctx>
 void shared_forward(Ctx& ctx, typename Ctx::view2 x, typename Ctx::view2 y_c) {
-  using Scalar = typename Ctx::scalar_type;
   using cview2 = typename Ctx::cview2;
   std::int64_t const D = ctx.cfg.base_emb_dim, Tg = ctx.plan.shared_tokens;
   auto xsh = ctx.ws.make("x_shared", Tg, D);
   shared_tokens_gather(ctx, cview2(x), xsh);
-  auto ysh = ctx.ws.make("y_shared", Tg, D);
-  Kokkos::deep_copy(ctx.space, ysh, Scalar(0));
-  ctx.shared.forward(ctx.space, ctx.cfg.mlp_activation, cview2(xsh), ctx.cp.shared_wi_0,
-                     ctx.cp.shared_wi_1, ctx.cp.shared_wo, ysh);
+  auto ysh = shared_mlp_forward(ctx, cview2(xsh), "y_shared");
   auto yo = ctx.ws.make("y_own", ctx.plan.tokens, D);
   shared_tokens_reduce(ctx, ysh, yo);
   auto ysh_c = ctx.ws.make("y_shared_cols", ctx.plan.tokens, D / ctx.tp().size());
@@ -56,16 +74,11 @@ void shared_forward(Ctx& ctx, typename Ctx::view2 x, typename Ctx::view2 y_c) {
 /// The transpose of shared_forward: dx += the shared expert's input gradient.
 template <class Ctx>
 void shared_backward(Ctx& ctx, typename Ctx::cview2 dy, typename Ctx::view2 dx) {
-  using Scalar = typename Ctx::scalar_type;
   using cview2 = typename Ctx::cview2;
   std::int64_t const D = ctx.cfg.base_emb_dim, Tg = ctx.plan.shared_tokens;
   auto dysh = ctx.ws.make("dy_shared", Tg, D);
   shared_tokens_gather(ctx, dy, dysh);
-  auto dxsh = ctx.ws.make("dx_shared", Tg, D);
-  Kokkos::deep_copy(ctx.space, dxsh, Scalar(0));
-  ctx.shared.backward(ctx.space, cview2(dysh), ctx.cp.shared_wi_0, ctx.cp.shared_wi_1,
-                      ctx.cp.shared_wo, dxsh, ctx.gc.shared_wi_0, ctx.gc.shared_wi_1,
-                      ctx.gc.shared_wo);
+  auto dxsh = shared_mlp_backward(ctx, cview2(dysh), "dx_shared");
   ctx.all_reduce(ctx.tp(), dxsh);
   auto yo = ctx.ws.make("y_own", ctx.plan.tokens, D);
   shared_tokens_reduce(ctx, dxsh, yo);
