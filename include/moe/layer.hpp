@@ -27,9 +27,11 @@ namespace moe {
 /// forward). y = sum_k w[t,k] * FFN_{e[t,k]}(x[t]) (+ shared FFN(x[t])). backward() returns the
 /// gradients of sum(y * dy) + lb_loss.
 ///
-/// It runs the stages of the distributed step plan on one rank (step_plan(): route, dispatch,
-/// experts, combine, shared expert, output; every group has one rank, so no stage communicates):
-/// the same code as every parallel layout, which the distributed tests hold equal to it.
+/// It runs the stages of the distributed step plan on one rank (step_plan(): gather weights,
+/// route, dispatch, experts, combine, shared expert, output, and their backward with the gradient
+/// reduction; every group has one rank, so no stage communicates): the same code as every
+/// parallel layout. The independent check is the double-precision reference of
+/// tests/unit/test_layer.cpp. Move-only.
 ///
 /// \tparam Scalar float or double; every step computes in this type.
 /// \tparam Policy moe::Policies<Routing, Gmm, Partition>.
@@ -72,7 +74,8 @@ class MoeLayer {
 
   /// True when this layer runs the dense masked path (Gmm = Dense or sparse_matmul = false).
   bool dense_path() const { return step_.dense_path(); }
-  /// The stages one step runs on this rank, for the last forward's batch shape.
+  /// The stages one step runs on this rank, planned for the batch shape of the last forward()
+  /// call ([1, 1] before the first).
   distributed::StepPlan const& step_plan() const { return step_.step_plan(); }
 
   /// \brief y[B,S,D] = MoE(x[B,S,D]). Checks shapes (ShapeError) and, with check_finite, that x,
@@ -121,8 +124,8 @@ class MoeLayer {
                                     dx.extent(0) == dy.extent(0) && dx.extent(1) == dy.extent(1),
                                 "dy [", dy.extent(0), ",", dy.extent(1), "] and dx [", dx.extent(0),
                                 ",", dx.extent(1), "] must match the forward x [", B, ",", S, "]");
+    step_.backward(dy, dx, grads);  // its checks throw before anything runs: a retry may follow
     have_forward_ = false;
-    step_.backward(dy, dx, grads);
   }
 
   /// Experts chosen by the last forward, [T,K] (T = B*S, row-major over (b, s)).

@@ -166,6 +166,10 @@ TEST(OneRankPipeline, WrongGradientShapesThrowShapeError) {
     for (char const* part : {"gradient wo", "[8,7,16]", "the config needs [8,8,16]"})
       EXPECT_NE(msg.find(part), std::string::npos) << msg << " lacks " << part;
   }
+  // The checks threw before anything ran: the forward is still there to differentiate.
+  Layer::params_type ok;
+  EXPECT_NO_THROW(layer.backward(y, dx, ok));
+  EXPECT_THROW(layer.backward(y, dx, ok), moe::Error) << "one backward per forward";
 }
 
 }  // namespace

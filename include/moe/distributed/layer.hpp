@@ -68,7 +68,8 @@ namespace moe {
 
 /// \brief One MoE layer over MPI ranks (see the file comment for the strategies).
 ///
-/// Collective calls: the constructor, forward() and backward() are collective over `comm`;
+/// Collective calls: the constructor, set_batch_shape(), forward() and backward() are collective
+/// over `comm`;
 /// every rank must call them with the same configuration (checked before the first collective:
 /// a rank whose config differs gets the same ConfigError as every other rank).
 ///
@@ -111,6 +112,7 @@ class DistributedMoeLayer
     // One agreement per part keeps each quoted value short enough to show where ranks differ.
     comm::check_agreement(ctx_.world, "layer configuration (LayerConfig)", describe(cfg));
     comm::check_agreement(ctx_.world, "parallel configuration (ParallelConfig)", par.describe());
+    agree_batch_shape(global_batch, seq_len);
     plan_batch(global_batch, seq_len, false);
     ctx_.router = routing::Router<Scalar, ExecSpace>(
         ctx_.cfg, routing::resolve(typename Policy::routing_policy{}, ctx_.cfg));
@@ -123,6 +125,8 @@ class DistributedMoeLayer
   /// another block of any parameter is a ConfigError on every rank, and nothing changes. The
   /// next backward() needs a forward() on the new shape.
   void set_batch_shape(std::int64_t global_batch, std::int64_t seq_len) {
+    // Agreed first, so that ranks given different shapes all throw rather than some returning.
+    agree_batch_shape(global_batch, seq_len);
     if (global_batch == ctx_.B && seq_len == ctx_.S) return;
     plan_batch(global_batch, seq_len, true);
     have_forward_ = false;
@@ -174,6 +178,7 @@ class DistributedMoeLayer
   /// token (random routing).
   void forward(cview3 x, view3 y, ForwardOptions const& opt = {}) {
     detail::Region region("moe::dist::forward");
+    have_forward_ = false;  // until this forward completes
     ctx_.token_offset = opt.token_offset;
     ctx_.log.records.clear();
     ctx_.log.in_backward = false;
@@ -190,7 +195,7 @@ class DistributedMoeLayer
           "y must have the shape of x");
       check_param_shapes(params_, "parameter");
       if (ctx_.cfg.check_finite) {
-        require_finite(cview2(x.data(), T, D), "x");
+        require_finite(x, "x");
         // The router reads every gate column for every token: scanned up front (cheap, [D,E]).
         require_finite(params_.gate, block_name("gate"));
         if (ctx_.cfg.routed_bias) require_finite(params_.gate_bias, block_name("gate_bias"));
@@ -236,7 +241,7 @@ class DistributedMoeLayer
               dx.extent(1) == dy.extent(1) && dx.extent(2) == dy.extent(2),
           "dy and dx must have the shape of the forward's x");
       if (grads.gate.data()) check_param_shapes(grads, "gradient");
-      if (ctx_.cfg.check_finite) require_finite(cview2(dy.data(), T, D), "dy");
+      if (ctx_.cfg.check_finite) require_finite(dy, "dy");
     });
     ctx_.log.in_backward = true;
     if (!grads.gate.data()) grads = alloc_params("moe::grad::");
@@ -269,7 +274,8 @@ class DistributedMoeLayer
     return ctx_.layout.route == ExpertRoute::RaggedA2A ? ctx_.disp.lp.rows()
                                                        : ctx_.disp.perm.rows();
   }
-  /// True when the experts run the dense masked path (Gmm = Dense or sparse_matmul = false).
+  /// True when the experts run the dense masked path (Gmm = Dense or sparse_matmul = false, on
+  /// every route but the ragged all-to-all, whose rows run the grouped GEMMs: Layout::dense).
   bool dense_path() const { return ctx_.plan.dense; }
 
   /// The stages one step runs, with their buffers and collectives (what moe-shard --plan prints).
@@ -377,13 +383,15 @@ class DistributedMoeLayer
   }
 
   // ------------------------------------------------------------------ layout ----------------
-  /// Collective. Resolves every spec for the global batch [B, S], checks divisibility
+  /// Collective. Resolves every spec for the agreed global batch [B, S], checks divisibility
   /// (distributed::compute_layout, a pure function of the agreed configuration, so every rank
   /// throws the same error), plans the step and makes its groups. keep_blocks: the parameter
-  /// blocks must stay those already stored (set_batch_shape); nothing changes on an error.
-  void plan_batch(std::int64_t B, std::int64_t S, bool keep_blocks) {
+  /// blocks must stay those already stored (set_batch_shape); nothing changes on a ConfigError.
+  void agree_batch_shape(std::int64_t B, std::int64_t S) const {
     comm::check_agreement(ctx_.world, "global batch shape",
                           "B=" + std::to_string(B) + ";S=" + std::to_string(S));
+  }
+  void plan_batch(std::int64_t B, std::int64_t S, bool keep_blocks) {
     distributed::Layout layout;
     distributed::StepPlan plan;
     comm::collective_guard(ctx_.world, [&] {
