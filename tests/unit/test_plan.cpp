@@ -1060,8 +1060,9 @@ TEST(MemoryEstimate, WeightsAndGradientsOfOneRank) {
   std::int64_t const elems = 16 * 8 + 3 * 8 * 16 * 8 + 3 * 16 * 8;  // 3584
   auto const m = estimate(1, {"ici_data_parallelism=-1"});
   EXPECT_EQ(m.bytes("weights"), elems * 4);
-  // Stored-block gradients + compute-block gradients (nothing gathered: no intermediates).
-  EXPECT_EQ(m.bytes("weight gradients"), 2 * elems * 4);
+  // The stored-block gradients only: with no op between the compute and stored blocks (one
+  // rank), the backward writes the compute-block gradients straight into them.
+  EXPECT_EQ(m.bytes("weight gradients"), elems * 4);
   EXPECT_EQ(m.bytes("gathered weights"), 0);
   EXPECT_EQ(m.bytes("packed expert weights"), 0);
   EXPECT_EQ(m.bytes("communication buffers"), 0);  // one rank: no collective
@@ -1297,8 +1298,9 @@ TEST(MemoryEstimate, TrainMoeWholeModel) {
   std::int64_t const dense = 16 * 64 + 4 * 64 + 3 * 64 + 64 * 16;  // 2496
   std::int64_t const moe_layer = 64 * 8 + 3 * 8 * 64 * 128;        // 197120: gate + experts
   EXPECT_EQ(m.bytes("weights"), (dense + 2 * moe_layer) * 4);
-  // Gradients: the dense ones + per layer the stored-block and compute-block gradients.
-  EXPECT_EQ(m.bytes("gradients"), (dense + 2 * 2 * moe_layer) * 4);
+  // Gradients: the dense ones + per layer the stored-block gradients (one rank: the compute-block
+  // gradients are the stored ones).
+  EXPECT_EQ(m.bytes("gradients"), (dense + 2 * moe_layer) * 4);
   EXPECT_EQ(m.bytes("optimizer (AdamW moments)"), 2 * (dense + 2 * moe_layer) * 4);
   // T = 8 x 64 tokens: (3N + 7) = 13 [T,D] rows, N + 2 = 4 per-token values, 3 token-id arrays.
   std::int64_t const T = 8 * 64;

@@ -245,7 +245,7 @@ class DistributedMoeLayer
     });
     ctx_.log.in_backward = true;
     if (!grads.gate.data()) grads = alloc_params("moe::grad::");
-    distributed::stages::alloc_compute_grads(ctx_);
+    distributed::stages::alloc_compute_grads(ctx_, grads);
     auto dy2 = cview2(dy.data(), T, D);
     auto dx2 = view2(dx.data(), T, D);
     for (auto const& st : ctx_.plan.backward) {

@@ -30,8 +30,9 @@
 ///  * packed expert weights (float with oneDNN on the host): oneDNN's reordered copies of the
 ///    compute blocks of wi_0, wi_1, wo -- once for the forward, once more transposed for the
 ///    backward;
-///  * weight gradients (training): the stored-block gradients, the compute-block gradients and
-///    the intermediates of their reduce-scatters / un-slicing;
+///  * weight gradients (training): the stored-block gradients, the compute-block gradients (for
+///    weights whose gradient needs an op to reach its stored block) and the intermediates of their
+///    reduce-scatters / un-slicing;
 ///  * routing: logits [Tw,E] (+ scores and biased [Tw,E] when a score function / bias is on),
 ///    expert ids, top values, weights and kept masks [Tw,K], the sort's perm and inverse (int64
 ///    per slot) and cursors, the local permutation (perm, inverse, expert id: 20 bytes per
@@ -195,7 +196,9 @@ class LayerBuffers {
       if (!training_) continue;
       // Backward: compute-block gradient -> to_storage -> the caller's stored-block gradient.
       add("weight gradients", "d_" + w.name, stored, s_, wkeys);
-      add("weight gradients", "d_" + w.name + " (compute block)", computed, s_, wkeys);
+      // (Written straight into the stored-block gradient when no op lies between them.)
+      if (!plan_.step.weight(w.name).to_storage.empty())
+        add("weight gradients", "d_" + w.name + " (compute block)", computed, s_, wkeys);
       std::vector<std::string> gathered;
       for (auto const& d : w.dims)
         gathered.insert(gathered.end(), d.gather.begin(), d.gather.end());

@@ -69,13 +69,22 @@ bool gather_weights(Ctx& ctx, typename Ctx::params_type const& stored,
          compute.wo.data() != stored.wo.data();
 }
 
-/// Zeroed compute-block gradients, allocated once and reused while the shapes stay.
+/// The compute-block gradients the backward stages write (each stage overwrites every element
+/// of its gradients, as gmm::tgmm does for empty groups). A weight whose gradient needs no op to
+/// reach its stored block (to_storage empty: every weight on one rank) is written straight into
+/// `out`; the others get zeroed buffers of their own, allocated once and reused while the shapes
+/// stay.
 template <class Ctx>
-void alloc_compute_grads(Ctx& ctx) {
+void alloc_compute_grads(Ctx& ctx, typename Ctx::params_type& out) {
   using params_type = typename Ctx::params_type;
   using Scalar = typename Ctx::scalar_type;
   params_type::for_each_field(ctx.cfg, [&](char const* n, auto m) {
     auto& g = ctx.gc.*m;
+    if (ctx.plan.weight(n).to_storage.empty()) {
+      g = out.*m;
+      return;
+    }
+    if (g.data() == (out.*m).data()) g = {};  // it was the output block on an earlier plan
     auto const& like = ctx.cp.*m;
     std::string const label = std::string("moe::dist::d_") + n;
     if constexpr (std::decay_t<decltype(g)>::rank == 1)
@@ -88,15 +97,17 @@ void alloc_compute_grads(Ctx& ctx) {
   });
 }
 
-/// Compute-block gradients -> stored-block gradients (the transposes of gather_weights).
+/// Compute-block gradients -> stored-block gradients (the transposes of gather_weights); those
+/// alloc_compute_grads pointed at `out` are there already.
 template <class Ctx>
 void reduce_grads(Ctx& ctx, typename Ctx::params_type const& computed,
                   typename Ctx::params_type& out) {
   using params_type = typename Ctx::params_type;
   params_type::for_each_field(ctx.cfg, [&](char const* n, auto m) {
-    Kokkos::deep_copy(
-        ctx.space, out.*m,
-        run_weight_ops(ctx, ctx.plan.weight(n).to_storage, computed.*m, std::string("d.") + n));
+    auto const& ops = ctx.plan.weight(n).to_storage;
+    if (ops.empty()) return;
+    Kokkos::deep_copy(ctx.space, out.*m,
+                      run_weight_ops(ctx, ops, computed.*m, std::string("d.") + n));
   });
 }
 
