@@ -101,10 +101,8 @@ class MoeLayer {
     detail::require<ShapeError>(x.extent(0) > 0 && x.extent(1) > 0, "x is [", x.extent(0), ",",
                                 x.extent(1), ",", x.extent(2),
                                 "]: it must hold at least one token (B >= 1, S >= 1)");
-    have_forward_ = false;
     step_.set_batch_shape(std::int64_t(x.extent(0)), std::int64_t(x.extent(1)));
     step_.forward(x, y, opt);
-    have_forward_ = true;
   }
 
   /// \brief Gradients of sum(y * dy) + lb_loss w.r.t. x (into dx[B,S,D]) and every parameter
@@ -114,7 +112,7 @@ class MoeLayer {
     detail::Region region("moe::layer::backward");
     auto const dy = detail::api_view<cview3>(dy_in);
     auto const dx = detail::api_view<view3>(dx_in);
-    detail::require<Error>(have_forward_, "MoeLayer::backward called without a forward");
+    detail::require<Error>(step_.has_forward(), "MoeLayer::backward called without a forward");
     int const D = config().base_emb_dim;
     require_shape(dy, "dy", D);
     require_shape(dx, "dx", D);
@@ -125,7 +123,6 @@ class MoeLayer {
                                 "dy [", dy.extent(0), ",", dy.extent(1), "] and dx [", dx.extent(0),
                                 ",", dx.extent(1), "] must match the forward x [", B, ",", S, "]");
     step_.backward(dy, dx, grads);  // its checks throw before anything runs: a retry may follow
-    have_forward_ = false;
   }
 
   /// Experts chosen by the last forward, [T,K] (T = B*S, row-major over (b, s)).
@@ -156,7 +153,6 @@ class MoeLayer {
   }
 
   pipeline_type step_;
-  bool have_forward_ = false;
 };
 
 }  // namespace moe

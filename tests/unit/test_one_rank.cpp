@@ -3,6 +3,7 @@
 // ctest runs each test in its own process, and nothing here starts MPI: an MPI call would abort
 // the process (and the local communicator has no handle to call MPI with: get() throws).
 #include "../mpi/layout_cases.hpp"
+#include "reference.hpp"
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/mesh_comm.hpp>
@@ -21,28 +22,19 @@ using Layer = moe::MoeLayer<double>;
 using V3 = moe::View3<double>;
 using moe::distributed::StageKind;
 
-/// Deterministic values in [-1, 1) (a small LCG), written into a host-accessible view.
-template <class V>
-void fill(V const& v, std::uint64_t seed) {
-  std::uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (std::size_t i = 0; i < v.span(); ++i) {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    v.data()[i] = double(s >> 11) / double(1ull << 53) * 2 - 1;
-  }
-}
-
-template <class V>
-std::vector<double> values(V const& v) {
-  return std::vector<double>(v.data(), v.data() + v.span());
-}
-
 /// The layer of these tests: one shared expert, capacity, load-balance loss.
 moe::LayerConfig config() { return test_layer_config(0.01, {"capacity_factor=1.0"}); }
 
-/// Deterministic weights.
+/// Deterministic weights (the reference's random parameters).
 void init(Layer& layer) {
-  std::uint64_t seed = 1;
-  layer.parameters().for_each([&](char const*, auto const& v) { fill(v, seed++); });
+  moe_ref::Rng rng(1);
+  moe_ref::kk::load_params(layer, moe_ref::Params::random(layer.config(), rng));
+}
+
+/// Deterministic tokens [B, S, D] in [-1, 1).
+V3 tokens(int B, int S, int D, std::uint64_t seed) {
+  moe_ref::Rng rng(seed);
+  return moe_ref::kk::to_view<V3>(rng.vec(std::size_t(B) * S * D, -1, 1), B, S, D);
 }
 
 TEST(LocalCommunicator, CollectivesOfOneRankCompleteWithoutMpi) {
@@ -79,9 +71,8 @@ TEST(OneRankPipeline, MoeLayerRunsTheLocalStepPlanWithoutCollectives) {
   Layer layer(config());
   init(layer);
   int const B = 2, S = 3, D = layer.config().base_emb_dim;
-  V3 x("x", B, S, D), y("y", B, S, D), dy("dy", B, S, D), dx("dx", B, S, D);
-  fill(x, 100);
-  fill(dy, 101);
+  V3 const x = tokens(B, S, D, 100), dy = tokens(B, S, D, 101);
+  V3 y("y", B, S, D), dx("dx", B, S, D);
   layer.forward(x, y);
   Layer::params_type g;
   layer.backward(dy, dx, g);
@@ -123,9 +114,8 @@ TEST(OneRankPipeline, EveryBatchShapeIsPlannedAgain) {
   for (auto const& bs : std::vector<std::pair<int, int>>{{2, 3}, {1, 5}, {3, 1}, {2, 3}}) {
     int const B = bs.first, S = bs.second;
     SCOPED_TRACE(::testing::Message() << "[" << B << "," << S << "]");
-    V3 x("x", B, S, D), y("y", B, S, D), dy("dy", B, S, D), dx("dx", B, S, D);
-    fill(x, 10 * B + S);
-    fill(dy, 20 * B + S);
+    V3 const x = tokens(B, S, D, 10 * B + S), dy = tokens(B, S, D, 20 * B + S);
+    V3 y("y", B, S, D), dx("dx", B, S, D);
     layer.forward(x, y);
     EXPECT_EQ(layer.step_plan().tokens, B * S);
     Layer::params_type g;
@@ -136,10 +126,10 @@ TEST(OneRankPipeline, EveryBatchShapeIsPlannedAgain) {
     fresh.forward(x, y1);
     Layer::params_type g1;
     fresh.backward(dy, dx1, g1);
-    EXPECT_EQ(values(y), values(y1));
-    EXPECT_EQ(values(dx), values(dx1));
-    EXPECT_EQ(values(g.wi_0), values(g1.wi_0));
-    EXPECT_EQ(values(g.gate), values(g1.gate));
+    EXPECT_EQ(moe_ref::kk::to_vec(y), moe_ref::kk::to_vec(y1));
+    EXPECT_EQ(moe_ref::kk::to_vec(dx), moe_ref::kk::to_vec(dx1));
+    EXPECT_EQ(moe_ref::kk::to_vec(g.wi_0), moe_ref::kk::to_vec(g1.wi_0));
+    EXPECT_EQ(moe_ref::kk::to_vec(g.gate), moe_ref::kk::to_vec(g1.gate));
     EXPECT_EQ(layer.lb_loss(), fresh.lb_loss());
   }
   // A backward must match the last forward's shape.
@@ -153,8 +143,8 @@ TEST(OneRankPipeline, WrongGradientShapesThrowShapeError) {
   Layer layer(config());
   init(layer);
   int const D = layer.config().base_emb_dim;
-  V3 x("x", 1, 4, D), y("y", 1, 4, D), dx("dx", 1, 4, D);
-  fill(x, 5);
+  V3 const x = tokens(1, 4, D, 5);
+  V3 y("y", 1, 4, D), dx("dx", 1, 4, D);
   layer.forward(x, y);
   Layer::params_type g = Layer::params_type::zeros(layer.config());
   g.wo = moe::View3<double>("wo", 8, 7, D);

@@ -131,6 +131,9 @@ class DistributedMoeLayer
     plan_batch(global_batch, seq_len, true);
     have_forward_ = false;
   }
+  /// Whether a forward completed since the last backward (or batch shape change): what a
+  /// backward() needs.
+  bool has_forward() const { return have_forward_; }
   /// The global batch shape the step is planned for: {global_batch, seq_len}.
   std::pair<std::int64_t, std::int64_t> batch_shape() const { return {ctx_.B, ctx_.S}; }
 
