@@ -6,10 +6,10 @@
 
 #include "yardsticks.hpp"
 
+#include <moe/gmm/backend/onednn.hpp>
 #include <moe/moe_config.hpp>
 #if MOE_HAS_ONEDNN
 #include <moe/detail/onednn.hpp>
-#include <moe/gmm/backend/onednn.hpp>
 #endif
 
 #include <KokkosBlas3_gemm.hpp>
@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <tuple>
@@ -55,6 +56,30 @@ class ViewCache {
   bool hooked_ = false;
 };
 
+/// The ISA tier moe_bench was asked for with --isa ("" when not given): appended to every
+/// benchmark name as "/isa=<tier>" (isa_suffix()), so the runs of several tiers can be merged.
+inline std::string& isa_tag() {
+  static std::string tag;
+  return tag;
+}
+inline std::string isa_suffix() { return isa_tag().empty() ? "" : "/isa=" + isa_tag(); }
+
+/// Registration of the benchmark families (bench_gmm.cpp, bench_layer.cpp), called by main after
+/// it read --isa.
+void register_gmm_benchmarks();
+void register_layer_benchmarks();
+
+/// Executions of oneDNN reference implementations since construction (the ref_runs counter of
+/// the rows that can run oneDNN: 0 is the only acceptable value).
+class ReferenceRuns {
+ public:
+  ReferenceRuns() : before_(moe::gmm::onednn_stats().reference_runs) {}
+  double since() const { return double(moe::gmm::onednn_stats().reference_runs - before_); }
+
+ private:
+  std::uint64_t before_;
+};
+
 /// Wall-clock seconds since some fixed point (steady clock).
 inline double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -87,11 +112,66 @@ inline double paired_ratio(std::vector<double> const& num, std::vector<double> c
   return r.empty() ? 0.0 : median(r);
 }
 
+#if MOE_HAS_ONEDNN
+/// A dense C[M,N] = A[M,K] * B[K,N] (row-major, packed strides) on oneDNN's best packed kernel
+/// for these M rows at the process's thread count: the first primitive family of gmm::OneDnn
+/// (matmul, then 1x1 convolution) whose descriptor with oneDNN's preferred weight layout has a
+/// direct kernel, B reordered once into that layout. ok() is false when neither has one. Runs
+/// through detail::onednn::Kernel, which passes the scratchpad the user-mode descriptor asks for.
+class PackedDenseGemm {
+ public:
+  PackedDenseGemm(int64_t M, int64_t K, int64_t N, float const* b) : M_(M), K_(K), N_(N) {
+    namespace dn = moe::detail::onednn;
+    for (dn::Family f : {dn::Family::matmul, dn::Family::conv}) {
+      try {
+        auto const any = dn::tagged_weights(f, K, N, dnnl::memory::format_tag::any);
+        dn::with_pd(f, M, K, N, K, N, any, false, [&](auto const& pd) {
+          if (!dn::direct_kernel(pd.impl_info_str())) return 0;
+          kernel_ = std::make_unique<dn::Kernel>(pd, dn::kernel_what(f, M, K, N, false));
+          packed_b_ = dnnl::memory(pd.weights_desc(), dn::engine());
+          return 0;
+        });
+      } catch (dnnl::error const&) {
+      }
+      if (!kernel_) continue;
+      family_ = f;
+      dnnl::memory user(dn::weights_desc(f, K, N, false, N), dn::engine(), const_cast<float*>(b));
+      dn::Kernel pack(dnnl::reorder::primitive_desc(dn::engine(), user.get_desc(), dn::engine(),
+                                                    packed_b_.get_desc(), dn::kernel_attr(false)),
+                      "pack the dense yardstick's B");
+      pack.run({{DNNL_ARG_FROM, user}, {DNNL_ARG_TO, packed_b_}});
+      return;
+    }
+  }
+  bool ok() const { return kernel_ != nullptr; }
+  /// "matmul (brg:avx512_core)".
+  std::string name() const {
+    return ok() ? std::string(moe::detail::onednn::family_name(family_)) + " (" + kernel_->impl() +
+                      ")"
+                : "none";
+  }
+  void run(float const* a, float* c) const {
+    namespace dn = moe::detail::onednn;
+    kernel_->run(
+        {{DNNL_ARG_SRC,
+          dnnl::memory(dn::src_desc(family_, M_, K_, K_), dn::engine(), const_cast<float*>(a))},
+         {DNNL_ARG_WEIGHTS, packed_b_},
+         {DNNL_ARG_DST, dnnl::memory(dn::dst_desc(family_, M_, N_, N_), dn::engine(), c)}});
+  }
+
+ private:
+  int64_t M_, K_, N_;
+  moe::detail::onednn::Family family_ = moe::detail::onednn::Family::matmul;
+  std::unique_ptr<moe::detail::onednn::Kernel> kernel_;
+  dnnl::memory packed_b_;
+};
+#endif
+
 /// The yardstick of every benchmark: one dense row-major float GEMM C[M,N] = A[M,K] * B[K,N]
 /// through the fastest dense GEMM of the process (backend()), i.e. the same FLOPs as a grouped
 /// GEMM whose groups cover M rows. With oneDNN on host memory two candidates are timed at
-/// construction and the faster one is kept: oneDNN's sgemm, and oneDNN's 1x1 convolution on B
-/// packed once into its preferred layout (a dense GEMM with pre-packed weights, the best case of
+/// construction and the faster one is kept: oneDNN's sgemm, and oneDNN's packed kernel
+/// (PackedDenseGemm: B packed once into the layout oneDNN prefers for M rows, the best case of
 /// what gmm::OneDnn does per group); without oneDNN it is KokkosBlas::gemm (the vendor BLAS).
 /// The benchmark calls run() after each of its own timed iterations, so both are measured on the
 /// same machine state: on this shared machine the speed drifts by 10-20 % over seconds, and a
@@ -107,51 +187,51 @@ class DenseYardstick {
     fill_uniform(b_, 2);
 #if MOE_HAS_ONEDNN
     if constexpr (use_onednn) {
-      namespace dn = moe::detail::onednn;
-      dnnl::memory::desc const any(dnnl::memory::dims{N, K, 1, 1}, dnnl::memory::data_type::f32,
-                                   dnnl::memory::format_tag::any);
-      auto const pd = dn::conv_pd(M, K, N, K, N, any, false);
-      conv_ = dnnl::convolution_forward(pd);
-      packed_b_ = dnnl::memory(pd.weights_desc(), dn::engine());
-      dnnl::memory user(dn::weights_desc(K, N, false, N), dn::engine(), b_.data());
-      dnnl::reorder(user, packed_b_).execute(dn::stream(), user, packed_b_);
-      dn::stream().wait();
-      // Pick the faster of the two by the median of three calls each (after one warm-up).
-      std::vector<double> t[2];
-      for (int rep = 0; rep < 4; ++rep)
-        for (int c = 0; c < 2; ++c) {
-          use_conv_ = c == 1;
-          double const t0 = now();
-          gemm();
-          if (rep > 0) t[c].push_back(now() - t0);
-        }
-      use_conv_ = median(t[1]) < median(t[0]);
-      return;
+      packed_ = std::make_unique<PackedDenseGemm>(M, K, N, b_.data());
+      if (packed_->ok()) {
+        // Pick the faster of the two by the median of three calls each (after one warm-up).
+        std::vector<double> t[2];
+        for (int rep = 0; rep < 4; ++rep)
+          for (int c = 0; c < 2; ++c) {
+            use_packed_ = c == 1;
+            double const t0 = now();
+            gemm();
+            if (rep > 0) t[c].push_back(now() - t0);
+          }
+        use_packed_ = median(t[1]) < median(t[0]);
+        return;
+      }
     }
 #endif
     gemm();  // warm-up: GEMM threads, first touch
   }
-  /// The dense GEMM the yardstick runs: "oneDNN sgemm", "oneDNN packed 1x1 convolution" or
+  /// The dense GEMM the yardstick runs: "oneDNN sgemm", "oneDNN packed matmul (brg:...)" or
   /// "KokkosBlas::gemm".
-  char const* backend() const {
-    return !use_onednn ? "KokkosBlas::gemm"
-           : use_conv_ ? "oneDNN packed 1x1 convolution"
-                       : "oneDNN sgemm";
+  std::string backend() const {
+#if MOE_HAS_ONEDNN
+    if (use_packed_) return "oneDNN packed " + packed_->name();
+#endif
+    return use_onednn ? "oneDNN sgemm" : "KokkosBlas::gemm";
   }
   /// What the yardstick chooses from (the benchmark context).
   static constexpr char const* candidates() {
-    return use_onednn ? "fastest of oneDNN sgemm and oneDNN packed 1x1 convolution, per benchmark "
-                        "(counter dense_packed = 1 for the convolution)"
+    return use_onednn ? "fastest of oneDNN sgemm and oneDNN's packed kernel (matmul or 1x1 "
+                        "convolution, weights packed once), per benchmark (counter dense_packed = "
+                        "1 for the packed kernel)"
                       : "KokkosBlas::gemm";
   }
-  /// 1 when the yardstick runs the packed convolution, else 0 (a benchmark counter).
-  double packed() const { return use_conv_ ? 1.0 : 0.0; }
+  /// 1 when the yardstick runs the packed kernel, else 0 (a benchmark counter).
+  double packed() const { return use_packed_ ? 1.0 : 0.0; }
   /// One timed call.
   void run() {
     double const t0 = now();
     gemm();
     times_.push_back(now() - t0);
   }
+  /// C of the last call (for tests).
+  Mat<float> const& c() const { return c_; }
+  Mat<float> const& a() const { return a_; }
+  Mat<float> const& b() const { return b_; }
   /// GFLOP/s of the median call.
   double gflops() const { return flops_ / median(times_) * 1e-9; }
   /// Median over iterations i of (op_flops / op_seconds[i]) / (this GEMM's rate in its i-th
@@ -170,13 +250,8 @@ class DenseYardstick {
     if constexpr (use_onednn) {
       namespace dn = moe::detail::onednn;
       Exec().fence();
-      if (use_conv_) {
-        auto const M = c_.extent(0), K = a_.extent(1), N = c_.extent(1);
-        dnnl::memory src(dn::pixels_desc(M, K, K), dn::engine(), a_.data());
-        dnnl::memory dst(dn::pixels_desc(M, N, N), dn::engine(), c_.data());
-        conv_.execute(dn::stream(),
-                      {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, packed_b_}, {DNNL_ARG_DST, dst}});
-        dn::stream().wait();
+      if (use_packed_) {
+        packed_->run(a_.data(), c_.data());
         return;
       }
       dn::sgemm('N', 'N', c_.extent(0), c_.extent(1), a_.extent(1), 1.0f, a_.data(), a_.stride(0),
@@ -190,10 +265,9 @@ class DenseYardstick {
 
   Mat<float> a_, b_, c_;
 #if MOE_HAS_ONEDNN
-  dnnl::convolution_forward conv_;
-  dnnl::memory packed_b_;
+  std::unique_ptr<PackedDenseGemm> packed_;
 #endif
-  bool use_conv_ = false;
+  bool use_packed_ = false;
   double flops_;
   std::vector<double> times_;
 };

@@ -1,5 +1,6 @@
 // Grouped GEMM throughput of an MoE expert projection, x[T*K, D] * W[E, D, F], float32, D=1024,
-// F=2816. Names: gmm/<Policy>/E=<E>/<balanced|zipf>/T=<T>/K=<K>, Policy one of Vendor, Tiled,
+// F=2816. Names: gmm/<Policy>/E=<E>/<balanced|zipf>/T=<T>/K=<K>[/isa=<tier>] (the suffix with
+// moe_bench --isa), Policy one of Vendor, Tiled,
 // OneDnn (only when moe is built with oneDNN), Auto; the label names the backend that runs.
 // T=64/K=2 with E=64 is the decode regime (<= 2 rows per expert): weight reads, not FLOPs, bound
 // it. Counters:
@@ -7,14 +8,15 @@
 //   dense_ratio  median over iterations of (this iteration's GFLOP/s / the dense GEMM's in the
 //                call right after it): paired, so the machine's drift between iterations cancels
 //   dense_gflops GFLOP/s of one dense [T*K, D] x [D, F] GEMM (same FLOPs) through the fastest
-//                dense GEMM of the process (the faster of oneDNN sgemm and oneDNN's 1x1
-//                convolution on pre-packed weights, else KokkosBlas), median of calls
+//                dense GEMM of the process (the faster of oneDNN sgemm and oneDNN's packed kernel,
+//                matmul or 1x1 convolution on pre-packed weights, else KokkosBlas), median of calls
 //                interleaved with the benchmark's own
-//   dense_packed 1 when that dense GEMM is the packed convolution
+//   dense_packed 1 when that dense GEMM is oneDNN's packed kernel
 //   peak_ratio   gflops / FMA peak of the GEMM threads (yardsticks.hpp: fma_peak(gemm_threads()),
 //                measured once per process, on the widest vector ISA CPUID reports)
 //   pack_ms      packing the weights once more (the first call of a new weight version, after
 //                the warm-up) minus a steady call's time; 0 for backends that do not pack
+//   ref_runs     executions of a oneDNN reference implementation during the benchmark (0)
 //   min_rows, max_rows  smallest and largest group
 // Decode rows only:
 //   weight_gbs   bytes of the weights touched / seconds, 1e9 B/s: experts with >= 1 row x D*F*4
@@ -73,6 +75,7 @@ void bench_gmm(benchmark::State& state, int experts, std::string const& dist, in
   Exec space;
   // As in a layer: the weights come with a PackCache and a version, so a backend that packs
   // them does so in the first (warm-up) call only; pack_ms reports what that costs.
+  ReferenceRuns reference_runs;
   moe::gmm::PackCache cache;
   moe::gmm::GmmOptions opt;
   opt.pack_cache = &cache;
@@ -111,6 +114,7 @@ void bench_gmm(benchmark::State& state, int experts, std::string const& dist, in
     state.counters["bw_ratio"] = bw_ratio(gbs);
   }
   state.counters["pack_ms"] = cache.packs() > 0 ? std::max(0.0, repack - median(times)) * 1e3 : 0.0;
+  state.counters["ref_runs"] = reference_runs.since();
   state.counters["min_rows"] = double(*std::min_element(sizes.begin(), sizes.end()));
   state.counters["max_rows"] = double(*std::max_element(sizes.begin(), sizes.end()));
 }
@@ -133,7 +137,7 @@ void register_policy(std::string const& name, int iterations) {
       for (Shape shape : shapes) {
         std::string const label = "gmm/" + name + "/E=" + std::to_string(experts) + "/" + dist +
                                   "/T=" + std::to_string(shape.tokens) +
-                                  "/K=" + std::to_string(shape.top_k);
+                                  "/K=" + std::to_string(shape.top_k) + isa_suffix();
         std::string const d = dist;
         benchmark::RegisterBenchmark(label.c_str(),
                                      [=](benchmark::State& state) {
@@ -147,15 +151,12 @@ void register_policy(std::string const& name, int iterations) {
     }
 }
 
-bool register_all() {
+}  // namespace
+
+void moe::bench::register_gmm_benchmarks() {
   register_policy<moe::gmm::Vendor>("Vendor", 5);
   register_policy<CpuTiled>("Tiled", 2);
   if (moe::gmm::is_available<moe::gmm::OneDnn, Exec, float>::value)
     register_policy<moe::gmm::OneDnn>("OneDnn", 3);
   register_policy<moe::gmm::Auto>("Auto", 2);  // = OneDnn or Vendor: checks the resolution
-  return true;
 }
-
-[[maybe_unused]] bool const registered = register_all();
-
-}  // namespace

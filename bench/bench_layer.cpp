@@ -1,6 +1,7 @@
 // layer_fwd/, layer_bwd/ and permute/ benchmarks of moe_bench.
 //
-// Names: layer_fwd|layer_bwd/<Policy>/E=<E>/<balanced|zipf>/T=<T>/K=<K> with Policy one of Vendor,
+// Names: layer_fwd|layer_bwd/<Policy>/E=<E>/<balanced|zipf>/T=<T>/K=<K>[/isa=<tier>] (the suffix
+// with moe_bench --isa) with Policy one of Vendor,
 // Tiled, OneDnn (only when moe is built with oneDNN), Auto (the label names the backend that
 // runs); layer_fwd/<Policy>/E=64/<dist>/T=64/K=2 is the decode regime (<= 2 tokens per expert).
 // Counters of layer_* (seconds = median over iterations of the forward, or of the backward alone):
@@ -9,9 +10,10 @@
 //   dense_ratio    median over iterations of (this iteration's GFLOP/s / the dense GEMM's in the
 //                  call right after it; paired, so the machine's drift between iterations cancels)
 //   dense_gflops   GFLOP/s of one dense [T*K, D] x [D, F] GEMM through the fastest dense GEMM of
-//                  the process (the faster of oneDNN sgemm and oneDNN's 1x1 convolution on
-//                  pre-packed weights, else KokkosBlas), calls interleaved with the layer's
-//   dense_packed   1 when that dense GEMM is the packed convolution
+//                  the process (the faster of oneDNN sgemm and oneDNN's packed kernel, matmul
+//                  or 1x1 convolution on pre-packed weights, else KokkosBlas), calls
+//                  interleaved with the layer's
+//   dense_packed   1 when that dense GEMM is oneDNN's packed kernel
 //   peak_ratio     gflops / FMA peak of the GEMM threads (yardsticks.hpp, measured in-process)
 //   fwd_ms         median forward milliseconds
 //   bwd_over_fwd   (layer_bwd) median over iterations of backward / forward (same iteration)
@@ -21,6 +23,7 @@
 //   nongemm_ms     (layer_fwd) median over iterations of forward - those GEMMs alone: routing,
 //                  sort, gathers, activation, combine (compare across OMP_NUM_THREADS runs)
 //   threads        the execution space's concurrency (Kokkos threads)
+//   ref_runs       executions of a oneDNN reference implementation during the benchmark (0)
 //   weight_gbs     (decode rows) expert weight bytes touched per forward / seconds, 1e9 B/s:
 //                  experts that received >= 1 token x 3 matrices x D*F*4 bytes
 //   bw_ratio       (decode rows) weight_gbs / triad bandwidth of the GEMM threads (same process)
@@ -172,6 +175,7 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
   typename Layer::params_type grads;
   Exec space;
   std::vector<double> fwd, bwd;
+  moe::bench::ReferenceRuns reference_runs;
   layer.forward(x, y);  // warm-up (allocations, BLAS threads)
   if (backward) layer.backward(y, dx, grads);
   DenseYardstick dense_gemm(T * K, kD, kF);
@@ -227,6 +231,7 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
     state.counters["nongemm_ms"] = median(rest) * 1e3;
   }
   state.counters["threads"] = Exec().concurrency();
+  state.counters["ref_runs"] = reference_runs.since();
 }
 
 /// permute/: the counting sort (+ the row gather of x[T,1024] unless sort_only).
@@ -261,7 +266,9 @@ void bench_permute(benchmark::State& state, int E, std::string const& dist, std:
   state.counters["threads"] = Exec().concurrency();
 }
 
-bool register_all() {
+}  // namespace
+
+void moe::bench::register_layer_benchmarks() {
   struct Shape {
     std::int64_t T;
     int K;
@@ -278,7 +285,8 @@ bool register_all() {
             using G = decltype(gmm_tag);
             std::string const name = std::string(bwd ? "layer_bwd/" : "layer_fwd/") + policy +
                                      "/E=" + std::to_string(E) + "/" + d +
-                                     "/T=" + std::to_string(s.T) + "/K=" + std::to_string(s.K);
+                                     "/T=" + std::to_string(s.T) + "/K=" + std::to_string(s.K) +
+                                     moe::bench::isa_suffix();
             benchmark::RegisterBenchmark(
                 name.c_str(),
                 [=](benchmark::State& st) { bench_layer<G>(st, bwd, E, d, s.T, s.K, s.decode); })
@@ -307,9 +315,4 @@ bool register_all() {
               ->Iterations(lg >= 16 ? 5 : 20)
               ->Unit(benchmark::kMicrosecond);
         }
-  return true;
 }
-
-[[maybe_unused]] bool const registered = register_all();
-
-}  // namespace

@@ -1,18 +1,20 @@
 #pragma once
 /// \file
 /// Machine yardsticks of moe_bench, measured in the benchmark's own process:
-///   fma_peak(threads)       float32 FMA peak: independent FMAs on the widest vector ISA that
-///                           CPUID reports, on `threads` concurrent std::threads (`peak_ratio`);
+///   fma_peak(threads, tier) float32 FMA peak: independent FMAs on the widest vector ISA that
+///                           CPUID reports within oneDNN's ISA tier of the GEMMs (AVX2 FMAs when
+///                           oneDNN is capped to AVX2), on `threads` concurrent std::threads
+///                           (`peak_ratio`);
 ///   triad_bandwidth(threads) STREAM-like triad a[i] = b[i] + s * c[i] on arrays far larger than
 ///                           the last-level cache (`bw_ratio`);
 ///   gemm_threads()          the thread count of the process's dense host GEMMs: OpenMP's
 ///                           (oneDNN) when moe is built with oneDNN, else OpenBLAS's.
-/// Both measurements are cached per thread count, so each runs once per process (call them before
-/// the benchmarks start, as bench_main.cpp does, so that no BLAS or OpenMP pool is spinning).
-/// Unlike the dense yardstick (interleaved with every iteration), they are not re-measured: on a
-/// shared VM whose vCPUs the host sometimes places on one core's SMT siblings, the 2-thread peak
-/// measured 100 or 200 GFLOP/s in runs minutes apart, so compare peak_ratio across runs only
-/// together with the run's fma_peak context entry.
+/// Both measurements are cached per thread count (and tier), so each runs once per process (call
+/// them before the benchmarks start, as bench_main.cpp does, so that no BLAS or OpenMP pool is
+/// spinning). Unlike the dense yardstick (interleaved with every iteration), they are not
+/// re-measured: on a shared VM whose vCPUs the host sometimes places on one core's SMT siblings,
+/// the 2-thread peak measured 100 or 200 GFLOP/s in runs minutes apart, so compare peak_ratio
+/// across runs only together with the run's fma_peak context entry.
 
 #include <moe/moe_config.hpp>
 
@@ -29,6 +31,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -39,6 +42,9 @@
 #endif
 
 #include <moe/threads.hpp>  // OpenMP's and OpenBLAS's entry points (weak where not compiled in)
+#if MOE_HAS_ONEDNN
+#include <moe/detail/onednn.hpp>
+#endif
 
 namespace moe::bench {
 
@@ -173,16 +179,22 @@ struct FmaKernel {
   float (*run)(std::int64_t);
 };
 
-/// The widest vector ISA that CPUID (and the OS's saved register state) reports.
-inline FmaKernel widest_fma_kernel() {
+/// The widest vector ISA that CPUID (and the OS's saved register state) reports, capped to the
+/// vector width of a oneDNN ISA tier (`tier`: oneDNN's name, e.g. "avx2", "avx512_core_bf16";
+/// "" for no cap): the peak that GEMM kernels of that tier can reach.
+inline FmaKernel fma_kernel(std::string const& tier = "") {
 #if MOE_BENCH_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return {"avx512f", 16, fma_chains_avx512};
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+  auto allows = [&](char const* prefix) { return tier.empty() || tier.rfind(prefix, 0) == 0; };
+  bool const avx512 = allows("avx512"), avx2 = avx512 || allows("avx2"),
+             avx = avx2 || allows("avx");
+  if (avx512 && __builtin_cpu_supports("avx512f")) return {"avx512f", 16, fma_chains_avx512};
+  if (avx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
     return {"avx2+fma", 8, fma_chains_avx2};
-  if (__builtin_cpu_supports("avx")) return {"avx (mul+add)", 8, fma_chains_avx};
+  if (avx && __builtin_cpu_supports("avx")) return {"avx (mul+add)", 8, fma_chains_avx};
   return {"sse (mul+add)", 4, fma_chains_sse};
 #else
+  (void)tier;
   return {"scalar", 1, fma_chains_scalar};
 #endif
 }
@@ -228,18 +240,19 @@ struct FmaPeak {
   std::string isa;  ///< e.g. "avx2+fma", "avx512f"
 };
 
-/// Measures (once per thread count, then cached) the float32 FMA peak: each of `threads`
-/// concurrent std::threads runs 12 independent chains of vector FMAs on the widest ISA that CPUID
-/// reports (2 flops per lane per FMA); best of 5 repetitions of ~2^23 iterations each (tens of
-/// milliseconds), after one warm-up repetition (clock ramp-up).
-inline FmaPeak fma_peak(int threads) {
+/// Measures (once per thread count and tier, then cached) the float32 FMA peak: each of
+/// `threads` concurrent std::threads runs 12 independent chains of vector FMAs on the widest ISA
+/// that CPUID reports within the oneDNN tier `tier` ("" : no cap; see fma_kernel) (2 flops per
+/// lane per FMA); best of 5 repetitions of ~2^23 iterations each (tens of milliseconds), after
+/// one warm-up repetition (clock ramp-up).
+inline FmaPeak fma_peak(int threads, std::string const& tier = "") {
   namespace d = yardstick_detail;
   static std::mutex mutex;
-  static std::map<int, FmaPeak> cache;
+  static std::map<std::pair<int, std::string>, FmaPeak> cache;
   std::lock_guard<std::mutex> lock(mutex);
   threads = std::max(1, threads);
-  if (auto it = cache.find(threads); it != cache.end()) return it->second;
-  d::FmaKernel const k = d::widest_fma_kernel();
+  if (auto it = cache.find({threads, tier}); it != cache.end()) return it->second;
+  d::FmaKernel const k = d::fma_kernel(tier);
   std::int64_t const iters = std::int64_t(1) << 23;
   int const reps = 6;
   std::vector<float> sink(threads);
@@ -253,7 +266,7 @@ inline FmaPeak fma_peak(int threads) {
   // Keep the chains' results observable, so the loops cannot be dropped.
   static std::atomic<float> observed{0};
   for (float s : sink) observed.store(observed.load() + s);
-  return cache[threads] = p;
+  return cache[{threads, tier}] = p;
 }
 
 /// Triad bandwidth of `threads` threads.
@@ -305,8 +318,21 @@ inline TriadBandwidth triad_bandwidth(int threads) {
   return cache[threads] = r;
 }
 
-/// GFLOP/s as a fraction of the FMA peak of the GEMM threads (gemm_threads()).
-inline double peak_ratio(double gflops) { return gflops / fma_peak(gemm_threads()).gflops; }
+/// The oneDNN ISA tier the process's GEMMs run at ("avx2", "avx512_core", ...; "" without
+/// oneDNN): the cap of the FMA peak that peak_ratio divides by.
+inline std::string gemm_tier() {
+#if MOE_HAS_ONEDNN
+  return moe::detail::onednn::isa_name();
+#else
+  return "";
+#endif
+}
+
+/// GFLOP/s as a fraction of the FMA peak of the GEMM threads (gemm_threads()) at the GEMMs' ISA
+/// tier (gemm_tier()): at ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 CPU, the AVX2 peak.
+inline double peak_ratio(double gflops) {
+  return gflops / fma_peak(gemm_threads(), gemm_tier()).gflops;
+}
 
 /// Bytes per second (1e9) as a fraction of the triad bandwidth of the GEMM threads.
 inline double bw_ratio(double gbs) { return gbs / triad_bandwidth(gemm_threads()).gbs; }

@@ -523,8 +523,13 @@ int run(int argc, char** argv) {
   moe::comm::collective_guard(world, [&] {
     if (world.rank() == 0 && !s.args.out.empty()) out.write(s.args.out);
   });
+  // What oneDNN ran; a rank that ran a reference implementation names it on stderr.
+  auto const kernels = moe::gmm::onednn_stats();
+  if (kernels.reference_runs > 0)
+    std::fprintf(stderr, "moe-layer-run: rank %d: %s\n", world.rank(), kernels.warning().c_str());
   if (world.rank() == 0) {
     print_summary(s, sum, out, world.size());
+    std::printf("  gemm kernels (rank 0) %s\n", kernels.summary().c_str());
     std::fflush(stdout);
   }
   return 0;

@@ -86,6 +86,11 @@ struct TrainResult {
   std::int64_t layer_bytes_per_step = 0;            ///< MoE layers' comm log, this rank
   std::int64_t layer_bytes_per_step_all_ranks = 0;  ///< summed over ranks
   bool replicas_consistent = true;  ///< ranks holding the same parameter block agree bitwise
+  /// What oneDNN ran on rank 0 (moe::gmm::OneDnnStats::summary(): ISA, executions per kernel).
+  std::string gemm_kernels;
+  /// Executions of a oneDNN reference implementation, summed over ranks (0; a rank that ran one
+  /// also writes its warning, naming the shape, to stderr).
+  std::int64_t reference_runs_all_ranks = 0;
 };
 
 /// \brief Options of run_training that are not part of the configuration.
@@ -314,6 +319,13 @@ class Trainer {
     moe::comm::all_reduce(comm_, Kokkos::DefaultHostExecutionSpace(), b);
     res.layer_bytes_per_step_all_ranks = b(0);
     res.replicas_consistent = replicas_consistent();
+    auto const kernels = moe::gmm::onednn_stats();
+    res.gemm_kernels = kernels.summary();
+    if (kernels.reference_runs > 0)
+      std::cerr << "train_moe: rank " << rank_ << ": " << kernels.warning() << std::endl;
+    b(0) = std::int64_t(kernels.reference_runs);
+    moe::comm::all_reduce(comm_, Kokkos::DefaultHostExecutionSpace(), b);
+    res.reference_runs_all_ranks = b(0);
     summary(res);
     return res;
   }
@@ -947,6 +959,10 @@ class Trainer {
     *o << "summary: MoE layer bytes per step " << r.layer_bytes_per_step << " sent by rank 0, "
        << r.layer_bytes_per_step_all_ranks << " by all ranks (" << L_ << " layers, " << r.mesh
        << ")\n";
+    *o << "summary: gemm kernels (rank 0) " << r.gemm_kernels << "\n";
+    if (r.reference_runs_all_ranks > 0)
+      *o << "warning: oneDNN ran a reference implementation " << r.reference_runs_all_ranks
+         << " times over all ranks (each such rank named the shape on stderr)\n";
     if (!r.replicas_consistent)
       *o << "warning: ranks holding the same parameter block disagree bitwise\n";
     o->flush();

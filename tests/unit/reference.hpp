@@ -480,9 +480,9 @@ inline Gradients finite_differences(LayerConfig const& cfg, Params const& p, Vec
 namespace moe_ref::kk {
 
 /// Forces gmm::OneDnn into one of its two modes while alive, whatever this CPU's oneDNN would
-/// choose: packed weights (reordered, cached, run on convolution primitives; the reference
-/// convolution where oneDNN has no direct kernel) or plain (sgemm on the weights in place). Both
-/// paths then run on every CPU. A no-op without oneDNN.
+/// choose: packed weights (reordered, cached, run on checked matmul or convolution kernels; a
+/// chunk size without a direct kernel runs as sgemm) or plain (sgemm on the weights in place).
+/// Both paths then run on every CPU. A no-op without oneDNN.
 struct ForceOneDnnMode {
   explicit ForceOneDnnMode(bool packed) { set(packed ? 2 : 1); }
   ~ForceOneDnnMode() { set(0); }
@@ -490,8 +490,8 @@ struct ForceOneDnnMode {
   ForceOneDnnMode& operator=(ForceOneDnnMode const&) = delete;
   static void set([[maybe_unused]] int mode) {
 #if MOE_HAS_ONEDNN
-    using L = moe::detail::onednn::Layout;
-    moe::detail::onednn::forced_layout() = mode == 2 ? L::packed : mode == 1 ? L::plain : L::chosen;
+    using M = moe::detail::onednn::Forced::Mode;
+    moe::detail::onednn::forced().mode = mode == 2 ? M::packed : mode == 1 ? M::plain : M::chosen;
 #endif
   }
 };
@@ -503,25 +503,15 @@ struct ForcePlainOneDnn : ForceOneDnnMode {
 };
 
 /// Sets the OpenMP thread count (oneDNN's pool and the OneDnn backend's side-by-side calls) for
-/// a scope, so a test runs its parallel paths whatever OMP_NUM_THREADS says (no-op without OpenMP).
+/// a scope, so a test runs its parallel paths whatever OMP_NUM_THREADS says (no-op without
+/// oneDNN, whose builds are the ones with OpenMP).
+#if MOE_HAS_ONEDNN
+using ScopedThreads = moe::detail::onednn::ScopedThreads;
+#else
 struct ScopedThreads {
-  explicit ScopedThreads([[maybe_unused]] int n) {
-#if defined(_OPENMP)
-    saved_ = omp_get_max_threads();
-    omp_set_num_threads(n);
-#endif
-  }
-  ~ScopedThreads() {
-#if defined(_OPENMP)
-    omp_set_num_threads(saved_);
-#endif
-  }
-  ScopedThreads(ScopedThreads const&) = delete;
-  ScopedThreads& operator=(ScopedThreads const&) = delete;
-
- private:
-  [[maybe_unused]] int saved_ = 1;
+  explicit ScopedThreads(int) {}
 };
+#endif
 
 using MS = Kokkos::DefaultExecutionSpace::memory_space;
 

@@ -1,8 +1,18 @@
 #pragma once
 /// \file
 /// oneDNN on the host: the CPU engine and stream of the process, dense float GEMM through
-/// oneDNN's sgemm (JIT kernels chosen from the CPUID feature bits), and what oneDNN runs on this
-/// CPU. Compiled only when moe was configured with oneDNN (MOE_HAS_ONEDNN).
+/// oneDNN's sgemm (JIT kernels chosen from the CPUID feature bits), what oneDNN runs on this CPU,
+/// and Kernel: a oneDNN primitive whose implementation was checked when it was made and whose
+/// executions are counted (Counters). Compiled only when moe was configured with oneDNN
+/// (MOE_HAS_ONEDNN).
+///
+/// oneDNN picks an implementation for every primitive descriptor; when none of its optimized
+/// kernels accepts the descriptor (for instance a weight layout the kernel for these rows and
+/// threads would not have chosen) it silently returns its reference implementation ("ref:any"),
+/// which is correct but hundreds of times slower. moe never runs one: every descriptor is checked
+/// (direct_kernel()) before a primitive is made from it, and the caller takes another path when
+/// the check fails. Counters (moe::gmm::onednn_stats()) count what ran, so tests and tools can
+/// prove it.
 
 #include <moe/moe_config.hpp>
 
@@ -15,8 +25,11 @@
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -97,6 +110,134 @@ inline void check(dnnl_status_t st, char const* what) {
                               static_cast<int>(st));
 }
 
+/// Whether an implementation name (impl_info_str) is one of oneDNN's reference implementations
+/// ("ref:any", "gemm:ref", ...): correct, unoptimized, never to run in a hot path.
+inline bool reference_impl(std::string const& impl) {
+  return impl.rfind("ref", 0) == 0 || impl.find(":ref") != std::string::npos;
+}
+
+/// Whether an implementation is a direct kernel with a weight layout of its own (jit_1x1:avx2,
+/// brgconv_1x1:avx512_core, brg:avx512_core, ...), rather than oneDNN's GEMM-based one
+/// ("gemm:jit": the weights copied on every call, as sgemm does) or a reference one.
+inline bool direct_kernel(std::string const& impl) {
+  return impl.rfind("gemm", 0) != 0 && !reference_impl(impl);
+}
+
+/// What the process's oneDNN calls did (moe::gmm::onednn_stats() reads it). Counters only grow.
+struct Counters {
+  std::atomic<std::uint64_t> primitives{0};      ///< Kernels made (primitives created)
+  std::atomic<std::uint64_t> packed_tensors{0};  ///< weight tensors reordered into a packed layout
+  std::atomic<std::uint64_t> rejected{0};        ///< shapes / chunk sizes run plain: no kernel
+  std::atomic<std::uint64_t> reference_runs{0};  ///< executions of a reference implementation
+  std::mutex mutex;                              ///< guards the members below
+  /// Executions per implementation name ("brg:avx512_core", "jit_1x1:avx2", "sgemm", ...); a
+  /// node's address is stable, so a Kernel keeps a pointer to its counter.
+  std::map<std::string, std::atomic<std::uint64_t>> runs;
+  std::vector<std::string> rejected_what;   ///< the latest refused descriptors, described
+  std::vector<std::string> reference_what;  ///< the latest reference executions, described
+
+  /// Appends to a list of descriptions, keeping the latest max_described (mutex held).
+  static void describe(std::vector<std::string>& list, std::string text);
+};
+
+inline Counters& counters() {
+  static Counters c;
+  return c;
+}
+
+/// Most descriptions Counters keeps of refusals and reference runs (the counts go on).
+inline constexpr std::size_t max_described = 16;
+
+inline void Counters::describe(std::vector<std::string>& list, std::string text) {
+  if (list.size() == max_described) list.erase(list.begin());
+  list.push_back(std::move(text));
+}
+
+/// The execution counter of an implementation name.
+inline std::atomic<std::uint64_t>& run_counter(std::string const& impl) {
+  auto& c = counters();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return c.runs.try_emplace(impl, 0).first->second;
+}
+
+/// Records a descriptor that was refused (`what`: the operation and shape, `impl`: what oneDNN
+/// offered); the caller runs another path.
+inline void note_rejected(std::string const& what, std::string const& impl) {
+  auto& c = counters();
+  ++c.rejected;
+  std::lock_guard<std::mutex> lock(c.mutex);
+  Counters::describe(c.rejected_what, what + " (" + impl + ")");
+}
+
+/// Sets the calling thread's OpenMP thread count for a scope. oneDNN sizes a primitive's work
+/// split and scratchpad for the threads it sees when the descriptor is made; a primitive that
+/// will run on one thread (inside for_each_item) is made under ScopedThreads(1), so its kernel,
+/// weight layout and scratchpad do not depend on the process's thread count.
+class ScopedThreads {
+ public:
+  explicit ScopedThreads([[maybe_unused]] int n) {
+#if defined(_OPENMP)
+    saved_ = omp_get_max_threads();
+    omp_set_num_threads(n);
+#endif
+  }
+  ~ScopedThreads() {
+#if defined(_OPENMP)
+    omp_set_num_threads(saved_);
+#endif
+  }
+  ScopedThreads(ScopedThreads const&) = delete;
+  ScopedThreads& operator=(ScopedThreads const&) = delete;
+
+ private:
+  [[maybe_unused]] int saved_ = 1;
+};
+
+/// \brief One oneDNN primitive, the only way moe executes one: it keeps the implementation name
+/// and a description of the operation, passes the scratchpad its descriptor asks for (moe makes
+/// every descriptor in user scratchpad mode, so a primitive may run on any thread, on several at
+/// once, each with its own scratchpad), and counts its executions by implementation; a reference
+/// implementation's are also counted apart and described (Counters::reference_*). Callers check
+/// direct_kernel(impl()) before making one for a hot path (make it only when the check passes).
+class Kernel {
+ public:
+  /// `what`: the operation and its shape, for messages ("matmul 256x1024x2816").
+  template <class PrimitiveDesc>
+  Kernel(PrimitiveDesc const& pd, std::string what)
+      : prim_(pd.get()),
+        scratch_(pd.scratchpad_desc()),
+        impl_(pd.impl_info_str()),
+        what_(std::move(what)),
+        runs_(&run_counter(impl_)) {
+    ++counters().primitives;
+  }
+
+  std::string const& impl() const { return impl_; }
+  std::string const& what() const { return what_; }
+
+  /// Runs on the calling thread's stream, with that thread's scratchpad, and waits.
+  void run(std::unordered_map<int, dnnl::memory> args) const {
+    if (std::size_t const bytes = scratch_.get_size())
+      args.emplace(DNNL_ARG_SCRATCHPAD,
+                   dnnl::memory(scratch_, engine(), thread_buffer(1, (bytes + 3) / 4)));
+    ++*runs_;
+    if (reference_impl(impl_)) {
+      auto& c = counters();
+      ++c.reference_runs;
+      std::lock_guard<std::mutex> lock(c.mutex);
+      Counters::describe(c.reference_what, what_ + " (" + impl_ + ")");
+    }
+    prim_.execute(thread_stream(), args);
+    thread_stream().wait();
+  }
+
+ private:
+  dnnl::primitive prim_;
+  dnnl::memory::desc scratch_;
+  std::string impl_, what_;
+  std::atomic<std::uint64_t>* runs_;
+};
+
 /// Row-major C[M,N] = alpha * op(A) * op(B) + beta * C with op "N" or "T" per operand.
 inline void sgemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha,
                   float const* A, std::int64_t lda, float const* B, std::int64_t ldb, float beta,
@@ -108,6 +249,8 @@ inline void sgemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t
         C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
     return;
   }
+  static std::atomic<std::uint64_t>& runs = run_counter("sgemm");
+  ++runs;
   check(dnnl_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc), "moe: dnnl_sgemm");
 }
 

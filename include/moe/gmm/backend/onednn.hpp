@@ -3,28 +3,40 @@
 /// gmm::OneDnn: grouped GEMM on the host through oneDNN, whose kernels are chosen from the CPU's
 /// feature bits (so a CPU newer than the BLAS still gets its widest vector ISA).
 ///
-/// An expert projection x[rows, k] * W[k, n] is a 1x1 convolution over `rows` pixels with k input
-/// and n output channels: oneDNN's direct convolution kernels (jit 1x1 on AVX2 and AVX-512,
-/// brgemm on newer cores) read channels-last (row-major) activations in place and take the
-/// weights in a blocked layout of their own, so the weights are packed once and the per-call
-/// packing of a BLAS sgemm (a full read and write of each expert's weights on every call) is
-/// gone. For each weight shape (k, n, as is or transposed, row strides) the backend asks oneDNN
-/// once which convolution it would run:
-///  * a direct kernel (packed mode, when the call brings a PackCache: without one nothing could
-///    reuse the packed copy, so the call runs plain): every expert's weights are reordered into
-///    its layout once per weight version and kept in the caller's PackCache; each group runs as
-///    row chunks (chunk_rows: 256, then the rest rounded up to a multiple of 16 where the rows
-///    exist, exact below 16) on primitives made once per chunk size, accumulation through a sum
-///    post-op: a steady-state step creates no primitive and packs nothing;
-///  * a GEMM-based or reference convolution (no direct kernel for this CPU or these strides):
-///    plain mode, the weights used in place, one oneDNN sgemm per group, and a streaming kernel
-///    (few_rows) for groups of 2-3 rows.
+/// An expert projection x[rows, k] * W[k, n] runs on a oneDNN primitive whose weights were
+/// reordered ("packed") once into a blocked layout of the kernel's own, so the per-call packing
+/// of a BLAS sgemm (a full read and write of each expert's weights on every call) is gone. For
+/// each weight shape (k, n, as is or transposed, row strides) the backend asks oneDNN once which
+/// kernel it would run (KernelPlan), trying two primitive families in turn:
+///  * matmul: oneDNN's brgemm matmul (AVX-512 and newer: "brg:avx512_core") over one fixed
+///    blocked weight layout, which it accepts for every row count and thread count, so one packed
+///    copy serves every chunk size;
+///  * a 1x1 convolution over `rows` pixels with k input and n output channels (jit_1x1 on SSE4.1,
+///    AVX and AVX2, where matmul has only its GEMM-based implementation).
+/// The first family with a direct kernel (detail::onednn::direct_kernel) wins; its layout is
+/// fixed, and the primitive of every chunk size is checked again when it is made: a chunk size
+/// oneDNN has no direct kernel for with that layout runs as sgemm on the weights in place, never
+/// on a reference implementation. (A 1x1 convolution's preferred layout on AVX-512 depends on
+/// the rows and the threads, so a layout probed at one chunk size fell back to oneDNN's
+/// reference convolution at others, 300-550x slower; the matmul family has no such dependence,
+/// and measured as fast as the convolution with its own best layout at 16-256 rows.)
+///  * Packed mode (a direct kernel, and a PackCache to keep the packed copy in; without one
+///    nothing could reuse it, so the call runs plain): every expert's weights are reordered once
+///    per weight version into the caller's PackCache; each group runs as row chunks (chunk_rows:
+///    256, then the rest rounded up to a multiple of 16 where the rows exist, exact below 16) on
+///    primitives made once per chunk size, accumulation through a sum post-op: a steady-state
+///    step creates no primitive and packs nothing.
+///  * Plain mode (no direct kernel for this CPU or these strides): the weights used in place, one
+///    oneDNN sgemm per group, and a streaming kernel (few_rows) for groups of 2-3 rows.
 /// tgmm (weight gradients: two activations, nothing to pack) is one oneDNN sgemm per group, or
 /// per column block of a large group.
 /// Packed-mode chunks and tgmm calls run side by side on the OpenMP threads, one call per thread
-/// (oneDNN runs single-threaded inside a parallel region): measured on 2 Zen 3 cores this beats
-/// splitting every call over both threads by 15-25 % at 32-128 rows per expert and 2-5 % at 256
-/// and more, and by 6-13 % for tgmm. Results do not depend on which thread runs a call.
+/// (oneDNN runs single-threaded inside a parallel region; its primitives are made for one
+/// thread): measured on 2 Zen 3 cores this beats splitting every call over both threads by
+/// 15-25 % at 32-128 rows per expert and 2-5 % at 256 and more, and by 6-13 % for tgmm. Results
+/// do not depend on which thread runs a call.
+/// What ran is counted: moe::gmm::onednn_stats() (primitives made, tensors packed, descriptors
+/// refused, executions per implementation, reference executions).
 /// Float only: oneDNN has no double GEMM on CPUs, so OneDnn with double runs as Vendor.
 
 #include <moe/detail/hash.hpp>
@@ -33,6 +45,7 @@
 #include <moe/gmm/backend/vendor.hpp>
 
 #include <algorithm>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -57,30 +70,107 @@ struct is_available<OneDnn, ExecSpace, Scalar>
     : std::integral_constant<bool, MOE_HAS_ONEDNN && std::is_same<Scalar, float>::value &&
                                        moe::detail::runs_on_host<ExecSpace>()> {};
 
+/// \brief What the process's oneDNN GEMMs did since it started (every thread, every layer).
+struct OneDnnStats {
+  std::string isa;                   ///< oneDNN's instruction set ("avx2", "avx512_core", ...)
+  std::uint64_t primitives = 0;      ///< oneDNN primitives made (each once, then reused)
+  std::uint64_t packed_tensors = 0;  ///< weight tensors reordered into a packed layout
+  /// Weight shapes (no family had a direct kernel) and chunk sizes (no direct kernel for the
+  /// packed layout at that size) that ran plain, as sgemm on the weights in place
+  std::uint64_t rejected = 0;
+  std::uint64_t reference_runs = 0;  ///< executions of a oneDNN reference implementation: 0
+  /// Executions per implementation: oneDNN's names ("brg:avx512_core", "jit_1x1:avx2") for
+  /// primitives, "sgemm" for oneDNN's sgemm, "few_rows" for moe's streaming kernel.
+  std::map<std::string, std::uint64_t> runs;
+  std::vector<std::string> rejected_what;   ///< the latest refused descriptors (shape, impl)
+  std::vector<std::string> reference_what;  ///< the latest reference executions (shape, impl)
+
+  /// "avx512_core: brg:avx512_core 1200, sgemm 300; 9 primitives, 12 tensors packed, 0
+  /// refused, 0 reference runs".
+  std::string summary() const {
+    std::string s = isa + ":";
+    bool first = true;
+    for (auto const& [impl, n] : runs) {
+      if (n == 0) continue;
+      s += (first ? " " : ", ") + impl + " " + std::to_string(n);
+      first = false;
+    }
+    if (first) s += " no calls";
+    s += "; " + std::to_string(primitives) + " primitives, " + std::to_string(packed_tensors) +
+         " tensors packed, " + std::to_string(rejected) + " refused, " +
+         std::to_string(reference_runs) + " reference runs";
+    return s;
+  }
+  /// "" when no reference implementation ran; else one line naming what ran and its shape.
+  std::string warning() const {
+    if (reference_runs == 0) return "";
+    std::string s = "warning: oneDNN ran its reference implementation " +
+                    std::to_string(reference_runs) + " times (hundreds of times slower):";
+    for (auto const& w : reference_what) s += " " + w + ";";
+    return s;
+  }
+};
+
+/// \brief The counters of the process's oneDNN GEMMs (all zero, isa "none", without oneDNN).
+inline OneDnnStats onednn_stats() {
+  OneDnnStats st;
+#if MOE_HAS_ONEDNN
+  auto& c = moe::detail::onednn::counters();
+  st.isa = moe::detail::onednn::isa_name();
+  st.primitives = c.primitives;
+  st.packed_tensors = c.packed_tensors;
+  st.rejected = c.rejected;
+  st.reference_runs = c.reference_runs;
+  std::lock_guard<std::mutex> lock(c.mutex);
+  for (auto const& [impl, n] : c.runs) st.runs[impl] = n;
+  st.rejected_what = c.rejected_what;
+  st.reference_what = c.reference_what;
+#else
+  st.isa = "none";
+#endif
+  return st;
+}
+
 }  // namespace moe::gmm
 
 #if MOE_HAS_ONEDNN
 
 namespace moe::detail::onednn {
 
-/// Largest row chunk of one convolution call in packed mode; larger chunks are multiples of 16.
+/// Largest row chunk of one packed call; larger chunks are multiples of 16.
 inline constexpr std::int64_t max_chunk_rows = 256;
 inline constexpr std::int64_t row_bucket = 16;
 /// Narrowest column block a tgmm call is split into.
 inline constexpr std::int64_t tgmm_min_columns = 128;
 
-/// Which mode OneDnn runs a weight shape in: as oneDNN's kernels decide (chosen), or forced by a
-/// test so both modes run on every CPU (forced packed on a CPU without a direct kernel runs the
-/// reference convolution on packed weights: slow, but the same packing and caching).
-enum class Layout { chosen, plain, packed };
-inline Layout& forced_layout() {
-  static Layout l = Layout::chosen;
-  return l;
+/// The primitive families a packed kernel can come from, in the order they are tried.
+enum class Family { matmul, conv };
+
+inline char const* family_name(Family f) { return f == Family::matmul ? "matmul" : "conv1x1"; }
+
+/// Test hooks: run OneDnn in a mode, family or weight layout that oneDNN would not have chosen,
+/// so every path runs on every CPU.
+///  * mode plain: never pack; mode packed: pack even without a PackCache, and take the family
+///    (and layout) given here without checking its probe (each chunk's kernel is still checked);
+///  * family: try only this family (matmul or conv);
+///  * layout: this packed weight layout instead of oneDNN's (a forced mismatch: with a layout no
+///    kernel accepts, every chunk is refused and runs plain).
+struct Forced {
+  enum class Mode { chosen, plain, packed } mode = Mode::chosen;
+  bool any_family = true;
+  Family family = Family::matmul;
+  dnnl::memory::format_tag layout = dnnl::memory::format_tag::undef;
+
+  auto key() const { return std::make_tuple(int(mode), any_family, int(family), int(layout)); }
+};
+inline Forced& forced() {
+  static Forced f;
+  return f;
 }
 
-/// One convolution call of packed mode: `rows` rows of a group from row c0, computed over `run`
-/// rows (run > rows: the rows past the group are read, and the call writes into a thread's own
-/// buffer, from which the group's rows are copied or added).
+/// One packed call: `rows` rows of a group from row c0, computed over `run` rows (run > rows:
+/// the rows past the group are read, and the call writes into a thread's own buffer, from which
+/// the group's rows are copied or added).
 struct Chunk {
   std::int64_t rows, run;
 };
@@ -131,6 +221,8 @@ void few_rows_part(std::int64_t c0, std::int64_t c1, std::int64_t n, float const
 inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float const* x,
                      std::int64_t ldx, float const* w, std::int64_t ldw, float* out,
                      std::int64_t ldo, bool accumulate) {
+  static std::atomic<std::uint64_t>& runs = run_counter("few_rows");
+  ++runs;
   // Below ~1 MB of weights a thread team costs more than it saves.
   int const threads = k * n < (std::int64_t(1) << 18) ? 1 : max_threads();
   // Reused across calls (a decode step makes one call per expert): no allocation per call.
@@ -170,24 +262,44 @@ inline dnnl::memory::desc pixels_desc(std::int64_t rows, std::int64_t ch, std::i
                             dnnl::memory::dims{rows * ld, 1, ld, ld});
 }
 
-/// The weights of out = x * W as 1x1 convolution weights (O=n, I=k): W row-major [k, n] with row
-/// stride ld, or (trans) row-major [n, k] used transposed.
-inline dnnl::memory::desc weights_desc(std::int64_t k, std::int64_t n, bool trans,
-                                       std::int64_t ld) {
-  return dnnl::memory::desc(
-      dnnl::memory::dims{n, k, 1, 1}, dnnl::memory::data_type::f32,
-      trans ? dnnl::memory::dims{ld, 1, 1, 1} : dnnl::memory::dims{1, ld, 1, 1});
+/// Row-major [rows, cols] with row stride ld as a matmul operand.
+inline dnnl::memory::desc matrix_desc(std::int64_t rows, std::int64_t cols, std::int64_t ld) {
+  return dnnl::memory::desc(dnnl::memory::dims{rows, cols}, dnnl::memory::data_type::f32,
+                            dnnl::memory::dims{ld, 1});
 }
 
-/// out[rows, n] (+)= x[rows, k] * W as a forward-inference 1x1 convolution on `weights` (a
-/// concrete layout, or format_tag::any to ask oneDNN for its preferred one); accumulate adds a sum
-/// post-op (out += x * W). The scratchpad is the caller's (user mode): a primitive made on one
-/// thread may then run on any thread, and on several at once, each with its own scratchpad.
-inline dnnl::convolution_forward::primitive_desc conv_pd(std::int64_t rows, std::int64_t k,
-                                                         std::int64_t n, std::int64_t lda,
-                                                         std::int64_t ldc,
-                                                         dnnl::memory::desc const& weights,
-                                                         bool accumulate) {
+/// The activations x[rows, k] (row stride ld) as the family's source.
+inline dnnl::memory::desc src_desc(Family f, std::int64_t rows, std::int64_t k, std::int64_t ld) {
+  return f == Family::matmul ? matrix_desc(rows, k, ld) : pixels_desc(rows, k, ld);
+}
+
+/// The output out[rows, n] (row stride ld) as the family's destination.
+inline dnnl::memory::desc dst_desc(Family f, std::int64_t rows, std::int64_t n, std::int64_t ld) {
+  return f == Family::matmul ? matrix_desc(rows, n, ld) : pixels_desc(rows, n, ld);
+}
+
+/// The weights of out = x * W in the family's terms (matmul: [k, n]; 1x1 convolution: O=n,
+/// I=k): W row-major [k, n] with row stride ld, or (trans) row-major [n, k] used transposed.
+inline dnnl::memory::desc weights_desc(Family f, std::int64_t k, std::int64_t n, bool trans,
+                                       std::int64_t ld) {
+  using dims = dnnl::memory::dims;
+  auto const f32 = dnnl::memory::data_type::f32;
+  if (f == Family::matmul)
+    return dnnl::memory::desc(dims{k, n}, f32, trans ? dims{1, ld} : dims{ld, 1});
+  return dnnl::memory::desc(dims{n, k, 1, 1}, f32, trans ? dims{ld, 1, 1, 1} : dims{1, ld, 1, 1});
+}
+
+/// The family's weights [k, n] in a format tag (format_tag::any: oneDNN's choice).
+inline dnnl::memory::desc tagged_weights(Family f, std::int64_t k, std::int64_t n,
+                                         dnnl::memory::format_tag tag) {
+  using dims = dnnl::memory::dims;
+  return dnnl::memory::desc(f == Family::matmul ? dims{k, n} : dims{n, k, 1, 1},
+                            dnnl::memory::data_type::f32, tag);
+}
+
+/// User scratchpad (a primitive may then run on any thread, several at once, each with its own
+/// scratchpad: Kernel passes it) and, to accumulate (out += x * W), a sum post-op.
+inline dnnl::primitive_attr kernel_attr(bool accumulate) {
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (accumulate) {
@@ -195,108 +307,164 @@ inline dnnl::convolution_forward::primitive_desc conv_pd(std::int64_t rows, std:
     ops.append_sum(1.0f);
     attr.set_post_ops(ops);
   }
-  dnnl::memory::dims const unit{1, 1}, none{0, 0};
-  auto const src = pixels_desc(rows, k, lda), dst = pixels_desc(rows, n, ldc);
+  return attr;
+}
+
+/// Calls use(pd) with the family's primitive descriptor of out[rows, n] (+)= x[rows, k] * W,
+/// weights `w` (a concrete layout, or format_tag::any), row strides lda and ldc; returns what use
+/// returns. Throws dnnl::error when oneDNN has no implementation at all.
+template <class Use>
+auto with_pd(Family f, std::int64_t rows, std::int64_t k, std::int64_t n, std::int64_t lda,
+             std::int64_t ldc, dnnl::memory::desc const& w, bool accumulate, Use&& use) {
+  auto const attr = kernel_attr(accumulate);
+  auto const src = src_desc(f, rows, k, lda);
+  auto const dst = dst_desc(f, rows, n, ldc);
+  if (f == Family::matmul) {
 #if DNNL_VERSION_MAJOR >= 3
-  return dnnl::convolution_forward::primitive_desc(engine(), dnnl::prop_kind::forward_inference,
-                                                   dnnl::algorithm::convolution_direct, src,
-                                                   weights, dst, unit, none, none, attr);
+    return use(dnnl::matmul::primitive_desc(engine(), src, w, dst, attr));
 #else
-  return dnnl::convolution_forward::primitive_desc(
+    return use(dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, w, dst), attr, engine()));
+#endif
+  }
+  dnnl::memory::dims const unit{1, 1}, none{0, 0};
+#if DNNL_VERSION_MAJOR >= 3
+  return use(dnnl::convolution_forward::primitive_desc(engine(), dnnl::prop_kind::forward_inference,
+                                                       dnnl::algorithm::convolution_direct, src, w,
+                                                       dst, unit, none, none, attr));
+#else
+  return use(dnnl::convolution_forward::primitive_desc(
       dnnl::convolution_forward::desc(dnnl::prop_kind::forward_inference,
-                                      dnnl::algorithm::convolution_direct, src, weights, dst, unit,
-                                      none, none),
-      attr, engine());
+                                      dnnl::algorithm::convolution_direct, src, w, dst, unit, none,
+                                      none),
+      attr, engine()));
 #endif
 }
 
-/// A convolution primitive and the scratchpad it needs (bytes; 0 for none).
-struct Conv {
-  dnnl::convolution_forward prim;
-  dnnl::memory::desc scratch;
-
-  explicit Conv(dnnl::convolution_forward::primitive_desc const& pd)
-      : prim(pd), scratch(pd.scratchpad_desc()) {}
-
-  /// Runs on the calling thread, with that thread's stream and scratchpad.
-  void run(dnnl::memory const& src, dnnl::memory const& weights, dnnl::memory const& dst) const {
-    std::unordered_map<int, dnnl::memory> args{
-        {DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_DST, dst}};
-    if (std::size_t const bytes = scratch.get_size())
-      args.emplace(DNNL_ARG_SCRATCHPAD,
-                   dnnl::memory(scratch, engine(), thread_buffer(1, (bytes + 3) / 4)));
-    prim.execute(thread_stream(), args);
-    thread_stream().wait();
-  }
-};
-
-/// Whether a convolution implementation name (impl_info_str) is a direct kernel with a weight
-/// layout of its own, rather than oneDNN's GEMM-based ("gemm:...") or reference ("ref:...") one.
-inline bool direct_kernel(std::string const& impl) {
-  return impl.rfind("gemm", 0) != 0 && impl.rfind("ref", 0) != 0;
+/// "matmul 256x1024x2816 +=" (rows x k x n; "+=" with the sum post-op).
+inline std::string kernel_what(Family f, std::int64_t rows, std::int64_t k, std::int64_t n,
+                               bool accumulate) {
+  return std::string(family_name(f)) + " " + std::to_string(rows) + "x" + std::to_string(k) + "x" +
+         std::to_string(n) + (accumulate ? " +=" : "");
 }
 
-/// How one weight shape runs: the mode, the packed weight layout, the convolution per chunk size.
-class ConvPlan {
+/// \brief How one weight shape runs: packed (a family, its fixed weight layout, the reorder that
+/// packs an expert into it, a checked kernel per chunk size) or plain.
+///
+/// Made once per shape (plan()), for one thread (ScopedThreads(1): the calls run side by side,
+/// one per thread), so nothing depends on the process's thread count.
+class KernelPlan {
  public:
-  /// k: contraction, n: output columns, lda/ldc: row strides of lhs and out. (Whether the
-  /// weights are used transposed matters only to the reorder that packs them.)
-  ConvPlan(std::int64_t k, std::int64_t n, std::int64_t lda, std::int64_t ldc)
+  /// k: contraction, n: output columns, trans/ldw: how the weights are stored (row-major [k, n],
+  /// or [n, k] used transposed, row stride ldw), lda/ldc: row strides of lhs and out.
+  KernelPlan(std::int64_t k, std::int64_t n, bool trans, std::int64_t ldw, std::int64_t lda,
+             std::int64_t ldc)
       : k_(k), n_(n), lda_(lda), ldc_(ldc) {
-    dnnl::memory::desc const any(dnnl::memory::dims{n, k, 1, 1}, dnnl::memory::data_type::f32,
-                                 dnnl::memory::format_tag::any);
-    auto const probe = conv_pd(row_bucket, k, n, lda, ldc, any, false);
-    packed_desc_ = probe.weights_desc();
-    Layout const forced = forced_layout();
-    packed_ = forced == Layout::packed ||
-              (forced == Layout::chosen && direct_kernel(probe.impl_info_str()));
+    Forced const f = forced();
+    if (f.mode == Forced::Mode::plain) return;
+    ScopedThreads one(1);
+    // A forced packed mode takes the first allowed family unchecked when none passes the check.
+    std::string refused;  // why each family was not taken (a refusal only if none is)
+    for (bool checked : {true, false}) {
+      if (!checked && f.mode != Forced::Mode::packed) break;
+      for (Family fam : {Family::matmul, Family::conv})
+        if ((f.any_family || fam == f.family) && choose(fam, trans, ldw, f, checked, refused))
+          return;
+    }
+    note_rejected("the weights " + std::to_string(k) + "x" + std::to_string(n) +
+                      (trans ? "^T" : "") + " (plain mode)",
+                  refused);
   }
 
-  /// Whether the weights are reordered into the convolution's layout (else used in place).
-  bool packed() const { return packed_; }
+  /// Whether the weights are reordered into a packed layout (else used in place).
+  bool packed() const { return packer_ != nullptr; }
+  Family family() const { return family_; }
   dnnl::memory::desc const& packed_desc() const { return packed_desc_; }
+  /// The reorder of one expert's weights into packed_desc() (packed() only).
+  Kernel const& packer() const { return *packer_; }
 
-  /// The convolution over `rows` rows (a chunk_rows() run), made on first use.
-  Conv const& conv(std::int64_t rows, bool accumulate) {
+  /// The kernel over `rows` rows (a chunk_rows() run), made and checked on first use; nullptr
+  /// when oneDNN has no direct kernel for this run size with the packed layout (the chunk then
+  /// runs plain). Not to be called inside a parallel region (call it while listing the calls).
+  Kernel const* kernel(std::int64_t rows, bool accumulate) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto& slot = prims_[{rows, accumulate}];
-    if (!slot)
-      slot = std::make_unique<Conv>(conv_pd(rows, k_, n_, lda_, ldc_, packed_desc_, accumulate));
-    return *slot;
+    auto [it, fresh] = kernels_.try_emplace({rows, accumulate});
+    if (fresh) {
+      ScopedThreads one(1);
+      std::string const what = kernel_what(family_, rows, k_, n_, accumulate);
+      try {
+        it->second = with_pd(family_, rows, k_, n_, lda_, ldc_, packed_desc_, accumulate,
+                             [&](auto const& pd) -> std::unique_ptr<Kernel> {
+                               std::string const impl = pd.impl_info_str();
+                               if (direct_kernel(impl)) return std::make_unique<Kernel>(pd, what);
+                               note_rejected(what, impl);
+                               return nullptr;
+                             });
+      } catch (dnnl::error const& e) {
+        note_rejected(what, std::string("no implementation: ") + e.what());
+      }
+    }
+    return it->second.get();
   }
-  /// The reorder of one expert's weights (weights_desc(k, n, trans, ld)) into packed_desc(),
-  /// made on first use.
-  dnnl::reorder const& packer(bool trans, std::int64_t ld) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto& slot = packers_[{trans, ld}];
-    if (!slot)
-      slot = std::make_unique<dnnl::reorder>(dnnl::reorder::primitive_desc(
-          engine(), weights_desc(k_, n_, trans, ld), engine(), packed_desc_));
-    return *slot;
+
+  dnnl::memory::desc src_desc(std::int64_t rows) const {
+    return onednn::src_desc(family_, rows, k_, lda_);
   }
-  dnnl::memory::desc src_desc(std::int64_t rows) const { return pixels_desc(rows, k_, lda_); }
-  dnnl::memory::desc dst_desc(std::int64_t rows) const { return pixels_desc(rows, n_, ldc_); }
+  dnnl::memory::desc dst_desc(std::int64_t rows) const {
+    return onednn::dst_desc(family_, rows, n_, ldc_);
+  }
 
  private:
+  /// Takes `fam` when it has a direct kernel at max_chunk_rows with oneDNN's preferred layout
+  /// (or the forced one), unless `checked` is false, and a reorder into that layout that is not a
+  /// reference one. Appends why not to `refused` otherwise.
+  bool choose(Family fam, bool trans, std::int64_t ldw, Forced const& f, bool checked,
+              std::string& refused) {
+    auto refuse = [&](std::string const& why) {
+      refused += (refused.empty() ? "" : "; ") + std::string(family_name(fam)) + ": " + why;
+      return false;
+    };
+    try {
+      bool const tag = f.layout != dnnl::memory::format_tag::undef;
+      dnnl::memory::desc const want =
+          tagged_weights(fam, k_, n_, tag ? f.layout : dnnl::memory::format_tag::any);
+      auto const [impl, layout] =
+          with_pd(fam, max_chunk_rows, k_, n_, lda_, ldc_, want, false, [](auto const& pd) {
+            return std::make_pair(std::string(pd.impl_info_str()), pd.weights_desc());
+          });
+      if (checked && !direct_kernel(impl)) return refuse(impl);
+      dnnl::reorder::primitive_desc const rpd(engine(), weights_desc(fam, k_, n_, trans, ldw),
+                                              engine(), layout, kernel_attr(false));
+      if (reference_impl(rpd.impl_info_str()))
+        return refuse(std::string("packing reorder ") + rpd.impl_info_str());
+      packer_ = std::make_unique<Kernel>(
+          rpd, std::string("pack ") + std::to_string(k_) + "x" + std::to_string(n_) + " weights");
+      family_ = fam;
+      packed_desc_ = layout;
+      return true;
+    } catch (dnnl::error const& e) {
+      return refuse(std::string("no implementation (") + e.what() + ")");
+    }
+  }
+
   std::int64_t k_, n_, lda_, ldc_;
+  Family family_ = Family::matmul;
   dnnl::memory::desc packed_desc_;
-  bool packed_ = false;
+  std::unique_ptr<Kernel> packer_;
   std::mutex mutex_;
-  std::map<std::pair<std::int64_t, bool>, std::unique_ptr<Conv>> prims_;
-  std::map<std::pair<bool, std::int64_t>, std::unique_ptr<dnnl::reorder>> packers_;
+  std::map<std::pair<std::int64_t, bool>, std::unique_ptr<Kernel>> kernels_;
 };
 
-/// The process-wide plans, one per (k, n, trans, lda, ldc, forced layout): primitives are made
-/// once. (trans is part of the key so that a shape's plain and transposed weights, which the
-/// PackCache keeps apart, never share a mode decision made under another forced layout.)
-inline ConvPlan& plan(std::int64_t k, std::int64_t n, bool trans, std::int64_t lda,
-                      std::int64_t ldc) {
-  using Key = std::tuple<std::int64_t, std::int64_t, bool, std::int64_t, std::int64_t, Layout>;
+/// The process-wide plans, one per weight shape and storage (k, n, trans, ldw, lda, ldc) and
+/// test hook state: kernels are made once.
+inline KernelPlan& plan(std::int64_t k, std::int64_t n, bool trans, std::int64_t ldw,
+                        std::int64_t lda, std::int64_t ldc) {
+  using Key = std::tuple<std::int64_t, std::int64_t, bool, std::int64_t, std::int64_t, std::int64_t,
+                         decltype(forced().key())>;
   static std::mutex mutex;
-  static std::map<Key, std::unique_ptr<ConvPlan>> plans;
+  static std::map<Key, std::unique_ptr<KernelPlan>> plans;
   std::lock_guard<std::mutex> lock(mutex);
-  auto& p = plans[Key{k, n, trans, lda, ldc, forced_layout()}];
-  if (!p) p = std::make_unique<ConvPlan>(k, n, lda, ldc);
+  auto& p = plans[Key{k, n, trans, ldw, lda, ldc, forced().key()}];
+  if (!p) p = std::make_unique<KernelPlan>(k, n, trans, ldw, lda, ldc);
   return *p;
 }
 
@@ -323,7 +491,7 @@ std::uint64_t sample_hash(Tensor const& rhs) {
 /// The packed copy of rhs for `p`: from the cache when it holds this version, else reordered now
 /// (and stored when a cache was given).
 template <class Tensor>
-std::shared_ptr<PackedTensor> packed(ConvPlan& p, Tensor const& rhs, bool trans,
+std::shared_ptr<PackedTensor> packed(KernelPlan& p, Tensor const& rhs, bool trans,
                                      moe::gmm::GmmOptions const& opt) {
   moe::gmm::PackCache::Key const key{rhs.data(),
                                      std::int64_t(rhs.extent(0)),
@@ -345,15 +513,14 @@ std::shared_ptr<PackedTensor> packed(ConvPlan& p, Tensor const& rhs, bool trans,
   std::int64_t const ld = rhs.stride(1);
   std::int64_t const kk = trans ? rhs.extent(2) : rhs.extent(1);
   std::int64_t const nn = trans ? rhs.extent(1) : rhs.extent(2);
-  dnnl::memory::desc const user = weights_desc(kk, nn, trans, ld);
-  dnnl::reorder const& reorder = p.packer(trans, ld);
+  dnnl::memory::desc const user = weights_desc(p.family(), kk, nn, trans, ld);
   bool const fresh = out->experts.empty();
   for (std::size_t g = 0; g < rhs.extent(0); ++g) {
     dnnl::memory src(user, engine(), const_cast<float*>(rhs.data() + g * rhs.stride(0)));
     if (fresh) out->experts.emplace_back(p.packed_desc(), engine());
-    reorder.execute(stream(), src, out->experts[g]);
+    p.packer().run({{DNNL_ARG_FROM, src}, {DNNL_ARG_TO, out->experts[g]}});
   }
-  stream().wait();
+  ++counters().packed_tensors;
   if (opt.pack_cache)
     opt.pack_cache->put(key, opt.rhs_version, samples, out,
                         p.packed_desc().get_size() * rhs.extent(0));
@@ -413,10 +580,11 @@ struct Impl<moe::gmm::OneDnn> {
              "moe::gmm::zero_rows");
     } else if (n > 0 && end > begin) {
       std::int64_t const lda = lhs.stride(0), ldc = out.stride(0), ldw = rhs.stride(1);
-      dn::ConvPlan& p = dn::plan(k, n, trans, lda, ldc);
+      dn::KernelPlan& p = dn::plan(k, n, trans, ldw, lda, ldc);
       // Packing pays only when the packed copy is kept for later calls: without a cache the
       // call runs plain (unless a test forces the packed mode).
-      bool const pack = p.packed() && (opt.pack_cache || dn::forced_layout() == dn::Layout::packed);
+      bool const pack =
+          p.packed() && (opt.pack_cache || dn::forced().mode == dn::Forced::Mode::packed);
       if (!pack) {
         // Plain layout: one sgemm per group on the weights in place. Rows are padded to the
         // bucket as in Vendor (the extra rows belong to later groups or are zeroed below).
@@ -443,35 +611,39 @@ struct Impl<moe::gmm::OneDnn> {
     fence(space, "moe::gmm::gmm<OneDnn>: done");
   }
 
-  /// Packed layout: each group as row chunks (chunk_rows) on the plan's convolutions, reading
-  /// lhs in place. The calls are listed first (primitives are made here, once per run size),
+  /// Packed layout: each group as row chunks (chunk_rows) on the plan's kernels, reading lhs in
+  /// place. The calls are listed first (kernels are made and checked here, once per run size),
   /// then run side by side on the threads (for_each_item), each call on one thread: a chunk
   /// rounded up past its group writes into the thread's own buffer and copies (or, when
-  /// accumulating, adds) its group's rows, so no call writes rows of another.
+  /// accumulating, adds) its group's rows, so no call writes rows of another. A chunk whose run
+  /// size has no direct kernel (KernelPlan::kernel() is null) runs as sgemm on the weights in
+  /// place, over its own rows only.
   template <class E, class ML, class MR, class MO, class Mem>
-  static void packed_gmm(moe::detail::onednn::ConvPlan& p, CMat<E, float, ML> const& lhs,
+  static void packed_gmm(moe::detail::onednn::KernelPlan& p, CMat<E, float, ML> const& lhs,
                          CTensor<E, float, MR> const& rhs, moe::gmm::Groups<Mem> const& groups,
                          Mat<E, float, MO> const& out, moe::gmm::GmmOptions const& opt) {
     namespace dn = moe::detail::onednn;
     int const num_local = rhs.extent(0);
-    std::int64_t const m = lhs.extent(0), n = out.extent(1);
-    std::int64_t const lda = lhs.stride(0), ldc = out.stride(0);
-    bool const acc = opt.accumulate;
+    std::int64_t const m = lhs.extent(0), k = lhs.extent(1), n = out.extent(1);
+    std::int64_t const lda = lhs.stride(0), ldc = out.stride(0), ldw = rhs.stride(1);
+    bool const acc = opt.accumulate, trans = opt.transpose_rhs;
     auto const& off = groups.offsets_host;
     int const go = opt.group_offset;
-    auto const pk = dn::packed(p, rhs, opt.transpose_rhs, opt);
+    auto const pk = dn::packed(p, rhs, trans, opt);
     struct Call {
       int g;
       std::int64_t c0;
       dn::Chunk chunk;
-      dn::Conv const* conv;
+      dn::Kernel const* kernel;  // null: sgemm on the weights in place
     };
     std::vector<Call> calls;
     for (int g = 0; g < num_local; ++g) {
       std::int64_t const r1 = off(go + g + 1);
       for (std::int64_t c0 = off(go + g); c0 < r1;) {
-        dn::Chunk const c = dn::chunk_rows(r1 - c0, c0, m);
-        calls.push_back({g, c0, c, &p.conv(c.run, acc && c.run == c.rows)});
+        dn::Chunk c = dn::chunk_rows(r1 - c0, c0, m);
+        dn::Kernel const* kernel = p.kernel(c.run, acc && c.run == c.rows);
+        if (!kernel) c.run = c.rows;
+        calls.push_back({g, c0, c, kernel});
         c0 += c.rows;
       }
     }
@@ -479,12 +651,21 @@ struct Impl<moe::gmm::OneDnn> {
     float* const y = out.data();
     dn::for_each_item(std::int64_t(calls.size()), [&](std::int64_t i) {
       Call const& c = calls[std::size_t(i)];
+      if (!c.kernel) {
+        dn::sgemm('N', trans ? 'T' : 'N', c.chunk.rows, n, k, 1.0f, x + c.c0 * lda, lda,
+                  rhs.data() + c.g * rhs.stride(0), ldw, acc ? 1.0f : 0.0f, y + c.c0 * ldc, ldc);
+        return;
+      }
       bool const spill = c.chunk.run != c.chunk.rows;
       float* const dst =
           spill ? dn::thread_buffer(0, std::size_t(c.chunk.run * ldc)) : y + c.c0 * ldc;
-      c.conv->run(
-          dnnl::memory(p.src_desc(c.chunk.run), dn::engine(), const_cast<float*>(x + c.c0 * lda)),
-          pk->experts[std::size_t(c.g)], dnnl::memory(p.dst_desc(c.chunk.run), dn::engine(), dst));
+      dnnl::memory const src(p.src_desc(c.chunk.run), dn::engine(),
+                             const_cast<float*>(x + c.c0 * lda));
+      dnnl::memory const out_rows(p.dst_desc(c.chunk.run), dn::engine(), dst);
+      c.kernel->run({{DNNL_ARG_SRC, src},
+                     {DNNL_ARG_WEIGHTS, pk->experts[std::size_t(c.g)]},
+                     { DNNL_ARG_DST,
+                       out_rows }});
       if (spill)
         for (std::int64_t r = 0; r < c.chunk.rows; ++r) {
           float const* from = dst + r * ldc;

@@ -1,0 +1,324 @@
+// The oneDNN backend's kernel choice (gmm::OneDnn, detail::onednn::Kernel):
+//  * every chunk size of the packed mode gets a direct kernel, at the expert shapes where a 1x1
+//    convolution's layout chosen at one chunk size used to fall back to oneDNN's reference
+//    convolution at others (D=1024 / F=2816 both ways, the training default's 64 / 128);
+//  * a forced weight layout no kernel accepts (a mismatch) is refused chunk by chunk and runs as
+//    sgemm, on any CPU;
+//  * a reference execution, should one ever happen, is counted and named by the warning the tools
+//    print;
+//  * the benchmarks' dense yardstick passes the scratchpad its user-mode descriptor asks for
+//    (without it moe_bench read address 0 on every AVX-512 CPU).
+// Results are checked against a double-precision reference. Every test process ends with a check
+// that no reference implementation ran (OneDnnNoReference below), and the ISA tier runs
+// (tests/CMakeLists.txt: ONEDNN_MAX_CPU_ISA from SSE41 to AVX512_CORE_AMX, at 1, 2 and 8 threads)
+// skip with a message when the tier is above this CPU's.
+#include "reference.hpp"
+
+#include <moe/gmm/gmm.hpp>
+#include <moe/moe_config.hpp>
+
+#include <gtest/gtest.h>
+#include <Kokkos_Core.hpp>
+
+#if MOE_HAS_ONEDNN
+#include "bench_common.hpp"  // DenseYardstick, the benchmarks' dense GEMM
+#endif
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace moe_test {
+/// Reference executions a test ran on purpose (the end-of-process check expects exactly these).
+inline std::uint64_t& deliberate_reference_runs() {
+  static std::uint64_t n = 0;
+  return n;
+}
+}  // namespace moe_test
+
+namespace {
+
+using moe::gmm::GmmOptions;
+using moe_ref::Rng;
+using moe_ref::Vec;
+using Exec = Kokkos::DefaultExecutionSpace;
+using Mem = Exec::memory_space;
+using View2 = Kokkos::View<float**, Kokkos::LayoutRight, Mem>;
+using View3 = Kokkos::View<float***, Kokkos::LayoutRight, Mem>;
+
+/// At the end of every test process of this binary: no reference implementation ran, other than
+/// the ones a test ran on purpose; prints what ran. Under MOE_ISA_TIER_TEST (the ISA tier runs),
+/// skips every test when oneDNN does not run the tier ONEDNN_MAX_CPU_ISA asks for: the tier is
+/// above this CPU's.
+class OneDnnNoReference : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    char const* tier = std::getenv("ONEDNN_MAX_CPU_ISA");
+    if (!std::getenv("MOE_ISA_TIER_TEST") || !tier) return;
+    std::string want = tier;
+    std::transform(want.begin(), want.end(), want.begin(),
+                   [](unsigned char c) { return char(std::tolower(c)); });
+    std::string const have = moe::gmm::onednn_stats().isa;
+    if (!MOE_HAS_ONEDNN) GTEST_SKIP() << "moe: ISA tier skipped: moe was built without oneDNN";
+    if (have != want)
+      GTEST_SKIP() << "moe: ISA tier " << want << " skipped: above this CPU, whose oneDNN runs "
+                   << have;
+  }
+  void TearDown() override {
+    auto const st = moe::gmm::onednn_stats();
+    if (std::getenv("MOE_ISA_TIER_TEST")) std::printf("oneDNN kernels: %s\n", st.summary().c_str());
+    EXPECT_EQ(st.reference_runs, moe_test::deliberate_reference_runs()) << st.warning();
+  }
+};
+
+[[maybe_unused]] auto* const no_reference =
+    ::testing::AddGlobalTestEnvironment(new OneDnnNoReference);
+
+#if MOE_HAS_ONEDNN
+
+namespace dn = moe::detail::onednn;
+
+/// Counter differences over a scope.
+struct StatsDelta {
+  moe::gmm::OneDnnStats before = moe::gmm::onednn_stats();
+  std::uint64_t runs(moe::gmm::OneDnnStats const& now, std::string const& impl) const {
+    auto const a = now.runs.count(impl) ? now.runs.at(impl) : 0;
+    auto const b = before.runs.count(impl) ? before.runs.at(impl) : 0;
+    return a - b;
+  }
+};
+
+/// Sets the test hooks of detail::onednn::forced() for a scope.
+struct ScopedForced {
+  explicit ScopedForced(dn::Forced const& f) : saved(dn::forced()) { dn::forced() = f; }
+  ~ScopedForced() { dn::forced() = saved; }
+  dn::Forced saved;
+};
+
+/// A grouped GEMM on random weights, checked against a double reference.
+struct GmmCase {
+  std::vector<std::int64_t> sizes;
+  std::int64_t k, n;
+  bool trans;
+  std::int64_t m = 0;
+  Vec x, w;  // x [m, k]; w [E, k, n] or [E, n, k]
+  View2 lhs, out;
+  View3 rhs;
+  moe::gmm::Groups<Mem> groups;
+  moe::gmm::PackCache cache;
+
+  GmmCase(std::vector<std::int64_t> s, std::int64_t k_, std::int64_t n_, bool t, unsigned seed)
+      : sizes(std::move(s)), k(k_), n(n_), trans(t) {
+    for (auto v : sizes) m += v;
+    Rng rng(seed);
+    x = rng.vec(std::size_t(m * k), -1, 1);
+    w = rng.vec(sizes.size() * std::size_t(k * n), -1, 1);
+    std::size_t const E = sizes.size();
+    lhs = moe_ref::kk::to_view<View2>(x, m, k);
+    rhs = trans ? moe_ref::kk::to_view<View3>(w, E, n, k) : moe_ref::kk::to_view<View3>(w, E, k, n);
+    out = View2("moe::test::onednn::out", m, n);
+    groups = moe::gmm::make_groups<Mem>(sizes);
+  }
+
+  /// out (+)= x * W with the cache (packed mode where it has a kernel), version 1.
+  void run(bool accumulate) {
+    GmmOptions opt;
+    opt.transpose_rhs = trans;
+    opt.accumulate = accumulate;
+    opt.pack_cache = &cache;
+    opt.rhs_version = 1;
+    Exec space;
+    moe::gmm::gmm(space, moe::gmm::OneDnn{}, lhs, rhs, groups, out, opt);
+    space.fence();
+  }
+
+  /// Compares `times` x (x * W) with out on every row and every `col_step`-th column (and the
+  /// last), in double; float error bound (k + 2) * eps * sum |terms|.
+  ::testing::AssertionResult check(double times, std::int64_t col_step) const {
+    auto const y = moe_ref::kk::to_vec(out);
+    std::vector<std::int64_t> cols;
+    for (std::int64_t j = 0; j < n; j += col_step) cols.push_back(j);
+    if (cols.back() != n - 1) cols.push_back(n - 1);
+    std::int64_t r0 = 0;
+    for (std::size_t g = 0; g < sizes.size(); ++g) {
+      for (std::int64_t r = r0; r < r0 + sizes[g]; ++r)
+        for (std::int64_t j : cols) {
+          double sum = 0, mag = 0;
+          for (std::int64_t c = 0; c < k; ++c) {
+            double const b = trans ? w[(g * n + j) * k + c] : w[(g * k + c) * n + j];
+            sum += x[r * k + c] * b;
+            mag += std::fabs(x[r * k + c] * b);
+          }
+          double const got = y[r * n + j], want = times * sum;
+          double const tol = times * (k + 2) * 1.2e-7 * mag + 1e-30;
+          if (!(std::fabs(got - want) <= tol))
+            return ::testing::AssertionFailure()
+                   << "out[" << r << "," << j << "] = " << got << ", expected " << want
+                   << " (group " << g << ", tolerance " << tol << ")";
+        }
+      r0 += sizes[g];
+    }
+    return ::testing::AssertionSuccess();
+  }
+};
+
+struct Shape {
+  std::int64_t k, n;
+  bool trans;
+  std::vector<std::int64_t> sizes;
+  std::int64_t col_step;
+};
+
+void PrintTo(Shape const& s, std::ostream* os) {
+  *os << "k=" << s.k << " n=" << s.n << (s.trans ? " transposed" : "") << ", " << s.sizes.size()
+      << " groups";
+}
+
+std::string shape_name(::testing::TestParamInfo<Shape> const& i) {
+  return "k" + std::to_string(i.param.k) + "_n" + std::to_string(i.param.n) +
+         (i.param.trans ? "_transposed" : "");
+}
+
+class OneDnnChunks : public ::testing::TestWithParam<Shape> {};
+
+// Every chunk size the groups produce (exact 1-15 rows, multiples of 16 up to 256) runs on a
+// direct kernel over the one packed copy: nothing refused, nothing on a reference
+// implementation, results right, overwriting and accumulating.
+TEST_P(OneDnnChunks, EveryChunkSizeRunsOnADirectKernel) {
+  Shape const& s = GetParam();
+  GmmCase c(s.sizes, s.k, s.n, s.trans, 7);
+  StatsDelta d;
+  c.run(false);
+  EXPECT_TRUE(c.check(1.0, s.col_step));
+  c.run(true);
+  EXPECT_TRUE(c.check(2.0, s.col_step));
+  auto const st = moe::gmm::onednn_stats();
+  EXPECT_EQ(st.reference_runs - d.before.reference_runs, 0u) << st.warning();
+  EXPECT_EQ(st.rejected - d.before.rejected, 0u)
+      << "chunks ran plain for want of a kernel: "
+      << (st.rejected_what.empty() ? "" : st.rejected_what.back()) << "; " << st.summary();
+  EXPECT_EQ(c.cache.packs(), 1u) << "the weights were not packed (plain mode): " << st.summary();
+  EXPECT_EQ(d.runs(st, "sgemm"), 0u) << st.summary();
+}
+
+std::vector<Shape> chunk_shapes() {
+  // Groups giving the run sizes 1, 2, 3, 5, 15 (exact), 16, 32, 48, 80, 96, 128, 160, 208, 256
+  // (the sizes seen to fall back at 1-56 threads) and a 256 + rest group.
+  std::vector<std::int64_t> const many{1, 2, 3, 5, 15, 16, 31, 48, 80, 96, 127, 160, 200, 256, 301};
+  // D=1024, F=2816 (wi: k=D, n=F; wo and the transposed data gradient: k=F, n=D) on fewer
+  // experts: 1, 3, 16, 96 and 256 + 80 rows.
+  std::vector<std::int64_t> const big{1, 3, 16, 96, 336};
+  return {{1024, 2816, false, big, 37}, {2816, 1024, false, big, 13}, {2816, 1024, true, big, 13},
+          {64, 128, false, many, 1},    {128, 64, false, many, 1},    {128, 64, true, many, 1},
+          {24, 40, false, many, 1}};
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, OneDnnChunks, ::testing::ValuesIn(chunk_shapes()), shape_name);
+
+// A packed layout no kernel accepts, forced on each family (and the probe's check skipped, as a
+// layout picked for other rows or threads would have passed it): every chunk's kernel is refused
+// and runs as sgemm on the weights in place. Proves the per-chunk check on any CPU.
+TEST(OneDnnKernels, ForcedLayoutMismatchIsRefusedChunkByChunk) {
+  for (auto [family, layout] :
+       {std::make_pair(dn::Family::matmul, dnnl::memory::format_tag::AB16b16a),
+        std::make_pair(dn::Family::conv, dnnl::memory::format_tag::OIhw16o16i)}) {
+    SCOPED_TRACE(dn::family_name(family));
+    dn::Forced f;
+    f.mode = dn::Forced::Mode::packed;
+    f.any_family = false;
+    f.family = family;
+    f.layout = layout;
+    ScopedForced forced(f);
+    GmmCase c({1, 3, 16, 40, 0, 21}, 24, 40, false, 3);
+    StatsDelta d;
+    c.run(false);
+    EXPECT_TRUE(c.check(1.0, 1));
+    c.run(true);
+    EXPECT_TRUE(c.check(2.0, 1));
+    auto const st = moe::gmm::onednn_stats();
+    EXPECT_EQ(st.reference_runs - d.before.reference_runs, 0u) << st.warning();
+    EXPECT_EQ(c.cache.packs(), 1u) << "the forced layout was packed";
+    // Run sizes 1, 3, 16, 32 (the 40-row group: 32 + 8), 8 and 32 (the 21-row group rounds up
+    // into the buffer), each once overwriting and once accumulating where exact.
+    EXPECT_GE(st.rejected - d.before.rejected, 4u) << st.summary();
+    EXPECT_GE(d.runs(st, "sgemm"), 12u) << "every chunk ran as sgemm: " << st.summary();
+    ASSERT_FALSE(st.rejected_what.empty());
+  }
+}
+
+// The same layout without the forced mode: the plan's probe refuses it and the shape runs plain.
+TEST(OneDnnKernels, ForcedLayoutWithoutAKernelIsRefusedAtThePlan) {
+  dn::Forced f;
+  f.any_family = false;
+  f.family = dn::Family::matmul;
+  f.layout = dnnl::memory::format_tag::AB16b16a;
+  ScopedForced forced(f);
+  GmmCase c({5, 0, 17, 40}, 24, 48, true, 4);
+  StatsDelta d;
+  c.run(false);
+  EXPECT_TRUE(c.check(1.0, 1));
+  auto const st = moe::gmm::onednn_stats();
+  EXPECT_EQ(c.cache.packs(), 0u) << "plain mode packs nothing";
+  EXPECT_GE(st.rejected - d.before.rejected, 1u) << st.summary();
+  EXPECT_EQ(st.reference_runs - d.before.reference_runs, 0u) << st.warning();
+}
+
+// Should a reference implementation ever run, it is counted and the warning the tools print names
+// the operation and its shape.
+TEST(OneDnnKernels, AReferenceExecutionIsCountedAndNamed) {
+  std::int64_t const rows = 4, k = 24, n = 40;
+  auto const w = dn::tagged_weights(dn::Family::matmul, k, n, dnnl::memory::format_tag::AB16b16a);
+  auto kernel = dn::with_pd(dn::Family::matmul, rows, k, n, k, n, w, false, [&](auto const& pd) {
+    return std::make_unique<dn::Kernel>(pd, dn::kernel_what(dn::Family::matmul, rows, k, n, false));
+  });
+  if (!dn::reference_impl(kernel->impl()))
+    GTEST_SKIP() << "this oneDNN has a kernel for the AB16b16a layout: " << kernel->impl();
+  Rng rng(9);
+  Vec const a = rng.vec(std::size_t(rows * k), -1, 1), b = rng.vec(std::size_t(k * n), -1, 1);
+  std::vector<float> af(a.begin(), a.end()), bf(b.begin(), b.end()), cf(std::size_t(rows * n));
+  dnnl::memory user(dn::weights_desc(dn::Family::matmul, k, n, false, n), dn::engine(), bf.data());
+  dnnl::memory packed(w, dn::engine());
+  dn::Kernel(dnnl::reorder::primitive_desc(dn::engine(), user.get_desc(), dn::engine(), w), "pack")
+      .run({{DNNL_ARG_FROM, user}, {DNNL_ARG_TO, packed}});
+  StatsDelta d;
+  kernel->run({{DNNL_ARG_SRC, dnnl::memory(dn::matrix_desc(rows, k, k), dn::engine(), af.data())},
+               {DNNL_ARG_WEIGHTS, packed},
+               {DNNL_ARG_DST, dnnl::memory(dn::matrix_desc(rows, n, n), dn::engine(), cf.data())}});
+  ++moe_test::deliberate_reference_runs();
+  auto const st = moe::gmm::onednn_stats();
+  EXPECT_EQ(st.reference_runs - d.before.reference_runs, 1u);
+  EXPECT_NE(st.warning().find("matmul 4x24x40"), std::string::npos) << st.warning();
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double want = 0;
+      for (std::int64_t c = 0; c < k; ++c) want += a[r * k + c] * b[c * n + j];
+      EXPECT_NEAR(cf[r * n + j], want, 1e-5) << r << "," << j;
+    }
+}
+
+// Regression: the benchmarks' dense yardstick ran a user-scratchpad primitive without its
+// scratchpad, which read address 0 on every AVX-512 CPU (moe_bench's SIGSEGV). It now runs
+// through Kernel and computes C = A * B.
+TEST(OneDnnKernels, DenseYardstickRunsWithItsScratchpad) {
+  for (auto [M, K, N] : {std::make_tuple(64, 64, 128), std::make_tuple(200, 96, 48)}) {
+    moe::bench::DenseYardstick y(M, K, N);
+    y.run();
+    Exec().fence();
+    Vec const a = moe_ref::kk::to_vec(y.a()), b = moe_ref::kk::to_vec(y.b());
+    Vec const c = moe_ref::kk::to_vec(y.c());
+    Vec want(std::size_t(M * N), 0.0);
+    for (int r = 0; r < M; ++r)
+      for (int j = 0; j < N; ++j)
+        for (int i = 0; i < K; ++i) want[r * N + j] += a[r * K + i] * b[i * N + j];
+    EXPECT_TRUE(moe_ref::kk::close(c, want, 1e-5)) << y.backend();
+  }
+}
+
+#endif  // MOE_HAS_ONEDNN
+
+}  // namespace
