@@ -12,15 +12,16 @@
 //                matmul or 1x1 convolution on pre-packed weights, else KokkosBlas), median of calls
 //                interleaved with the benchmark's own
 //   dense_packed 1 when that dense GEMM is oneDNN's packed kernel
-//   peak_ratio   gflops / FMA peak of the GEMM threads (yardsticks.hpp: fma_peak(gemm_threads()),
-//                measured once per process, on the widest vector ISA CPUID reports)
+//   peak_ratio   median over iterations of (this iteration's GFLOP/s / an FMA burst on the GEMM
+//                threads right after it, at oneDNN's ISA tier: yardsticks.hpp, PairedMachine)
 //   pack_ms      packing the weights once more (the first call of a new weight version, after
 //                the warm-up) minus a steady call's time; 0 for backends that do not pack
 //   ref_runs     executions of a oneDNN reference implementation during the benchmark (0)
 //   min_rows, max_rows  smallest and largest group
 // Decode rows only:
 //   weight_gbs   bytes of the weights touched / seconds, 1e9 B/s: experts with >= 1 row x D*F*4
-//   bw_ratio     weight_gbs / triad bandwidth of the GEMM threads (yardsticks.hpp, same process)
+//   bw_ratio     median over iterations of (this iteration's weight bytes per second / one triad
+//                pass of the GEMM threads right after it: PairedMachine)
 #include "bench_common.hpp"
 
 #include <moe/gmm/gmm.hpp>
@@ -88,6 +89,7 @@ void bench_gmm(benchmark::State& state, int experts, std::string const& dist, in
   space.fence();
   double const repack = now() - w0;
   DenseYardstick dense_gemm(rows, kD, kF);
+  PairedMachine machine(decode);
   std::vector<double> times;
   for (auto _ : state) {
     double const t0 = now();
@@ -97,6 +99,7 @@ void bench_gmm(benchmark::State& state, int experts, std::string const& dist, in
     state.SetIterationTime(dt);
     times.push_back(dt);
     dense_gemm.run();
+    machine.run();
   }
   double const flops = 2.0 * double(rows) * double(kD) * double(kF);
   double const gflops = flops / median(times) * 1e-9;
@@ -105,13 +108,12 @@ void bench_gmm(benchmark::State& state, int experts, std::string const& dist, in
   state.counters["dense_ratio"] = dense_gemm.paired_ratio(times, flops);
   state.counters["dense_gflops"] = dense;
   state.counters["dense_packed"] = dense_gemm.packed();
-  state.counters["peak_ratio"] = peak_ratio(gflops);
+  state.counters["peak_ratio"] = machine.peak_ratio(times, flops);
   if (decode) {
     auto const touched = std::count_if(sizes.begin(), sizes.end(), [](int64_t s) { return s > 0; });
     double const bytes = double(touched) * double(kD) * double(kF) * sizeof(float);
-    double const gbs = bytes / median(times) * 1e-9;
-    state.counters["weight_gbs"] = gbs;
-    state.counters["bw_ratio"] = bw_ratio(gbs);
+    state.counters["weight_gbs"] = bytes / median(times) * 1e-9;
+    state.counters["bw_ratio"] = machine.bw_ratio(times, bytes);
   }
   state.counters["pack_ms"] = cache.packs() > 0 ? std::max(0.0, repack - median(times)) * 1e3 : 0.0;
   state.counters["ref_runs"] = reference_runs.since();

@@ -14,7 +14,8 @@
 //                  or 1x1 convolution on pre-packed weights, else KokkosBlas), calls
 //                  interleaved with the layer's
 //   dense_packed   1 when that dense GEMM is oneDNN's packed kernel
-//   peak_ratio     gflops / FMA peak of the GEMM threads (yardsticks.hpp, measured in-process)
+//   peak_ratio     median over iterations of (GFLOP/s / an FMA burst on the GEMM threads right
+//                  after the iteration, at oneDNN's ISA tier: yardsticks.hpp, PairedMachine)
 //   fwd_ms         median forward milliseconds
 //   bwd_over_fwd   (layer_bwd) median over iterations of backward / forward (same iteration)
 //   gemms_ratio    (layer_fwd) the forward's three grouped GEMMs alone (same groups and shapes):
@@ -26,7 +27,8 @@
 //   ref_runs       executions of a oneDNN reference implementation during the benchmark (0)
 //   weight_gbs     (decode rows) expert weight bytes touched per forward / seconds, 1e9 B/s:
 //                  experts that received >= 1 token x 3 matrices x D*F*4 bytes
-//   bw_ratio       (decode rows) weight_gbs / triad bandwidth of the GEMM threads (same process)
+//   bw_ratio       (decode rows) median over iterations of (weight bytes per second / one triad
+//                  pass of the GEMM threads right after the iteration: PairedMachine)
 // permute/ (counting sort, + row gather of x[T, D] unless sort/) counts ns_per_slot only: it does
 // no FLOPs, and its timing includes the sort, so neither peak_ratio nor a bandwidth ratio applies.
 //
@@ -49,14 +51,12 @@
 
 namespace {
 
-using moe::bench::bw_ratio;
 using moe::bench::DenseYardstick;
 using moe::bench::Exec;
 using moe::bench::fill_uniform;
 using moe::bench::median;
 using moe::bench::Mem;
 using moe::bench::now;
-using moe::bench::peak_ratio;
 
 constexpr int kD = 1024;
 constexpr int kF = 2816;
@@ -179,6 +179,7 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
   layer.forward(x, y);  // warm-up (allocations, BLAS threads)
   if (backward) layer.backward(y, dx, grads);
   DenseYardstick dense_gemm(T * K, kD, kF);
+  moe::bench::PairedMachine machine(decode);
   std::optional<GemmsAlone<Gmm, Layer>> gemms;
   if (!backward) {
     gemms.emplace(layer, K);
@@ -199,6 +200,7 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
     bwd.push_back(t2 - t1);
     state.SetIterationTime(backward ? t2 - t1 : t1 - t0);
     dense_gemm.run();
+    machine.run();
     if (gemms) gemms->run();
   }
   double const gemm_flops = 2.0 * double(T * K) * kD * kF * (backward ? 6 : 3);
@@ -208,7 +210,7 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
   state.counters["dense_ratio"] = dense_gemm.paired_ratio(backward ? bwd : fwd, gemm_flops);
   state.counters["dense_gflops"] = dense_gemm.gflops();
   state.counters["dense_packed"] = dense_gemm.packed();
-  state.counters["peak_ratio"] = peak_ratio(gflops);
+  state.counters["peak_ratio"] = machine.peak_ratio(backward ? bwd : fwd, gemm_flops);
   if (decode) {
     // Experts that received at least one token, from the layer's routing.
     auto ids = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), layer.expert_ids());
@@ -216,9 +218,9 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
     for (std::size_t t = 0; t < ids.extent(0); ++t)
       for (int k = 0; k < K; ++k) hit[ids(t, k)] = 1;
     double const touched = double(std::count(hit.begin(), hit.end(), 1));
-    double const gbs = touched * 3.0 * kD * kF * sizeof(float) / seconds * 1e-9;
-    state.counters["weight_gbs"] = gbs;
-    state.counters["bw_ratio"] = bw_ratio(gbs);
+    double const bytes = touched * 3.0 * kD * kF * sizeof(float);
+    state.counters["weight_gbs"] = bytes / seconds * 1e-9;
+    state.counters["bw_ratio"] = machine.bw_ratio(fwd, bytes);
   }
   state.counters["fwd_ms"] = median(fwd) * 1e3;
   if (backward) state.counters["bwd_over_fwd"] = moe::bench::paired_ratio(fwd, bwd);

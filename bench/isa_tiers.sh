@@ -4,9 +4,9 @@
 # 1. moe_bench --isa=<tier> for the OneDnn gmm/ and layer_fwd/ rows at T=4096 and the decode rows
 #    (2 threads, float32, D=1024, F=2816), tiers alternating within each round so that the
 #    host's drift falls on every tier alike; each process measures the FMA peak at its own tier.
-# 2. The decode rows (T=64, K=2, E=64) at every tier the CPU has, and the gmm/ T=4096 rows at the
-#    native tier with OMP_NUM_THREADS=1, 8 and 32 (for ref_runs: 8 and 32 oversubscribe this
-#    machine).
+# 2. The decode rows (T=64, K=2, E=64) at every tier the CPU has, and the gmm/ T=4096 rows (with
+#    two layer_fwd/ rows) at the native tier with OMP_NUM_THREADS=1, 8 and 32 (for ref_runs: 8
+#    and 32 oversubscribe this machine).
 # 3. train_moe's default run (2 ranks) at each tier, alternating, ROUNDS times.
 # Writes bench/results/isa_tiers.md (bench/isa_table.py) and the raw JSON and logs under
 # bench/results/isa_tiers/.
@@ -39,9 +39,9 @@ for t in "${ALL_TIERS[@]}"; do
     { echo "[isa_tiers]   $(tail -n 1 "$OUT/decode_$t.log")"; rm -f "$OUT/decode_$t.json"; }
 done
 for threads in 1 8 32; do
-  echo "[isa_tiers] gmm/ rows at $threads threads"
+  echo "[isa_tiers] gmm/ and layer_fwd/ rows at $threads threads"
   OMP_NUM_THREADS=$threads "$B/bench/moe_bench" --isa=native \
-    '--benchmark_filter=^gmm/OneDnn/E=(8|64)/(balanced|zipf)/T=4096/' \
+    '--benchmark_filter=^(gmm/OneDnn/E=(8|64)/(balanced|zipf)|layer_fwd/OneDnn/E=(8/balanced|64/zipf))/T=4096/' \
     "--benchmark_out=$OUT/threads_$threads.json" --benchmark_out_format=json \
     >"$OUT/threads_$threads.log" 2>&1
 done

@@ -3,18 +3,19 @@
 /// Machine yardsticks of moe_bench, measured in the benchmark's own process:
 ///   fma_peak(threads, tier) float32 FMA peak: independent FMAs on the widest vector ISA that
 ///                           CPUID reports within oneDNN's ISA tier of the GEMMs (AVX2 FMAs when
-///                           oneDNN is capped to AVX2), on `threads` concurrent std::threads
-///                           (`peak_ratio`);
+///                           oneDNN is capped to AVX2), on `threads` concurrent std::threads;
 ///   triad_bandwidth(threads) STREAM-like triad a[i] = b[i] + s * c[i] on arrays far larger than
-///                           the last-level cache (`bw_ratio`);
+///                           the last-level cache;
+///   PairedMachine           the same two, measured briefly after every timed iteration of a
+///                           benchmark (`peak_ratio`, `bw_ratio`: paired per iteration, as the
+///                           dense yardstick's `dense_ratio` is);
 ///   gemm_threads()          the thread count of the process's dense host GEMMs: OpenMP's
 ///                           (oneDNN) when moe is built with oneDNN, else OpenBLAS's.
-/// Both measurements are cached per thread count (and tier), so each runs once per process (call
-/// them before the benchmarks start, as bench_main.cpp does, so that no BLAS or OpenMP pool is
-/// spinning). Unlike the dense yardstick (interleaved with every iteration), they are not
-/// re-measured: on a shared VM whose vCPUs the host sometimes places on one core's SMT siblings,
-/// the 2-thread peak measured 100 or 200 GFLOP/s in runs minutes apart, so compare peak_ratio
-/// across runs only together with the run's fma_peak context entry.
+/// fma_peak and triad_bandwidth are cached per thread count (and tier) and reported in the run's
+/// context (bench_main.cpp measures them before any benchmark, so that no BLAS or OpenMP pool is
+/// spinning); the ratios come from the paired measurements, since on a shared VM whose vCPUs the
+/// host sometimes places on one core's SMT siblings the 2-thread peak measured 117 or 235 GFLOP/s
+/// in processes minutes apart.
 
 #include <moe/moe_config.hpp>
 
@@ -28,6 +29,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -41,6 +43,9 @@
 #define MOE_BENCH_X86 0
 #endif
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 #include <moe/threads.hpp>  // OpenMP's and OpenBLAS's entry points (weak where not compiled in)
 #if MOE_HAS_ONEDNN
 #include <moe/detail/onednn.hpp>
@@ -65,12 +70,29 @@ inline double seconds_now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-/// Runs body(thread, rep) on `threads` std::threads for `reps` repetitions; the threads of a
+/// Runs body(thread, rep) on `threads` threads for `reps` repetitions; the threads of a
 /// repetition start together (a barrier). Returns the wall seconds of each repetition, from the
-/// first thread's start to the last thread's end.
+/// first thread's start to the last thread's end. The threads are OpenMP's when the benchmarks are
+/// built with OpenMP (moe with oneDNN): the GEMMs' own threads, so a yardstick measured between
+/// iterations does not compete with their still-spinning workers; else std::threads.
 template <class Body>
 std::vector<double> run_threads(int threads, int reps, Body const& body) {
   std::vector<double> start(std::size_t(threads) * reps), end(start.size());
+  auto one = [&](int t, int r) {
+    start[std::size_t(r) * threads + t] = seconds_now();
+    body(t, r);
+    end[std::size_t(r) * threads + t] = seconds_now();
+  };
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads)
+  {
+    int const t = omp_get_thread_num();
+    for (int r = 0; r < reps; ++r) {
+#pragma omp barrier
+      if (t < threads) one(t, r);
+    }
+  }
+#else
   std::atomic<int> arrived{0}, generation{0};
   auto barrier = [&] {
     int const g = generation.load();
@@ -86,12 +108,11 @@ std::vector<double> run_threads(int threads, int reps, Body const& body) {
     pool.emplace_back([&, t] {
       for (int r = 0; r < reps; ++r) {
         barrier();
-        start[std::size_t(r) * threads + t] = seconds_now();
-        body(t, r);
-        end[std::size_t(r) * threads + t] = seconds_now();
+        one(t, r);
       }
     });
   for (auto& th : pool) th.join();
+#endif
   std::vector<double> wall(reps);
   for (int r = 0; r < reps; ++r) {
     auto const s = start.begin() + std::ptrdiff_t(r) * threads;
@@ -240,32 +261,37 @@ struct FmaPeak {
   std::string isa;  ///< e.g. "avx2+fma", "avx512f"
 };
 
-/// Measures (once per thread count and tier, then cached) the float32 FMA peak: each of
-/// `threads` concurrent std::threads runs 12 independent chains of vector FMAs on the widest ISA
-/// that CPUID reports within the oneDNN tier `tier` ("" : no cap; see fma_kernel) (2 flops per
-/// lane per FMA); best of 5 repetitions of ~2^23 iterations each (tens of milliseconds), after
-/// one warm-up repetition (clock ramp-up).
-inline FmaPeak fma_peak(int threads, std::string const& tier = "") {
+/// GFLOP/s of `threads` concurrent std::threads each running 12 independent chains of vector
+/// FMAs (fma_kernel(tier), 2 flops per lane per FMA) for `iters` iterations: the best of `reps`
+/// repetitions (after `warmup` unmeasured ones, for the clock's ramp-up).
+inline double fma_burst_gflops(int threads, std::string const& tier, std::int64_t iters, int reps,
+                               int warmup) {
   namespace d = yardstick_detail;
+  d::FmaKernel const k = d::fma_kernel(tier);
+  std::vector<float> sink(std::size_t(std::max(1, threads)));
+  auto wall = d::run_threads(threads, warmup + reps, [&](int t, int) { sink[t] += k.run(iters); });
+  wall.erase(wall.begin(), wall.begin() + warmup);
+  // Keep the chains' results observable, so the loops cannot be dropped.
+  static std::atomic<float> observed{0};
+  for (float v : sink) observed.store(observed.load() + v);
+  double const flops = double(threads) * double(iters) * d::kChains * k.lanes * 2.0;
+  return flops / *std::min_element(wall.begin(), wall.end()) * 1e-9;
+}
+
+/// Measures (once per thread count and tier, then cached) the float32 FMA peak: fma_burst_gflops
+/// on the widest ISA that CPUID reports within the oneDNN tier `tier` ("" : no cap; see
+/// fma_kernel), best of 5 repetitions of 2^23 iterations each (tens of milliseconds), after one
+/// warm-up repetition.
+inline FmaPeak fma_peak(int threads, std::string const& tier = "") {
   static std::mutex mutex;
   static std::map<std::pair<int, std::string>, FmaPeak> cache;
   std::lock_guard<std::mutex> lock(mutex);
   threads = std::max(1, threads);
   if (auto it = cache.find({threads, tier}); it != cache.end()) return it->second;
-  d::FmaKernel const k = d::fma_kernel(tier);
-  std::int64_t const iters = std::int64_t(1) << 23;
-  int const reps = 6;
-  std::vector<float> sink(threads);
-  auto wall = d::run_threads(threads, reps, [&](int t, int) { sink[t] += k.run(iters); });
-  wall.erase(wall.begin());  // warm-up
-  double const flops = double(threads) * double(iters) * d::kChains * k.lanes * 2.0;
   FmaPeak p;
-  p.gflops = flops / *std::min_element(wall.begin(), wall.end()) * 1e-9;
+  p.gflops = fma_burst_gflops(threads, tier, std::int64_t(1) << 23, 5, 1);
   p.threads = threads;
-  p.isa = k.isa;
-  // Keep the chains' results observable, so the loops cannot be dropped.
-  static std::atomic<float> observed{0};
-  for (float s : sink) observed.store(observed.load() + s);
+  p.isa = yardstick_detail::fma_kernel(tier).isa;
   return cache[{threads, tier}] = p;
 }
 
@@ -276,45 +302,81 @@ struct TriadBandwidth {
   std::size_t array_bytes = 0;  ///< bytes of each of the three arrays
 };
 
-/// Measures (once per thread count, then cached) the STREAM triad a[i] = b[i] + s * c[i] on three
-/// float arrays of max(64 MiB, 4 x last-level cache) each. The threads split the index range and
-/// each first-touches its own part; best of 10 repetitions. Bytes counted per repetition: 3
-/// arrays (2 read + 1 written), the STREAM convention: the write-allocate read of `a` that
-/// ordinary stores cause is NOT counted (so the DRAM traffic is up to 4/3 of the figure).
+namespace yardstick_detail {
+
+/// The three float arrays of the triad, max(64 MiB, 4 x last-level cache) each, allocated once per
+/// thread count (kept for the process: the paired yardstick runs a pass after every iteration) and
+/// first-touched by the thread that uses each part.
+class TriadArrays {
+ public:
+  static TriadArrays& of(int threads) {
+    static std::mutex mutex;
+    static std::map<int, std::unique_ptr<TriadArrays>> all;
+    std::lock_guard<std::mutex> lock(mutex);
+    auto& a = all[threads];
+    if (!a) a.reset(new TriadArrays(threads));
+    return *a;
+  }
+  std::size_t bytes() const { return bytes_; }
+  /// Wall seconds of `reps` passes a[i] = b[i] + 3 * c[i], the threads splitting the range.
+  std::vector<double> passes(int reps) {
+    auto const wall = run_threads(threads_, reps, [&](int t, int) {
+      auto [lo, hi] = range(t);
+      triad(a_.get(), b_.get(), c_.get(), 3.0f, lo, hi);
+    });
+    static std::atomic<float> observed{0};
+    observed.store(observed.load() + a_.get()[n_ / 2] + a_.get()[n_ - 1]);
+    return wall;
+  }
+
+ private:
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  using Array = std::unique_ptr<float, Free>;
+
+  explicit TriadArrays(int threads)
+      : threads_(threads),
+        bytes_((std::max(std::size_t(64) << 20, 4 * llc_bytes()) + 4095) / 4096 * 4096),
+        n_(bytes_ / sizeof(float)),
+        a_(alloc()),
+        b_(alloc()),
+        c_(alloc()) {
+    run_threads(threads_, 1, [&](int t, int) {  // first touch by the thread that uses the pages
+      auto [lo, hi] = range(t);
+      std::fill(a_.get() + lo, a_.get() + hi, 0.0f);
+      std::fill(b_.get() + lo, b_.get() + hi, 1.0f);
+      std::fill(c_.get() + lo, c_.get() + hi, 2.0f);
+    });
+  }
+  Array alloc() const { return Array(static_cast<float*>(std::aligned_alloc(4096, bytes_))); }
+  std::pair<std::size_t, std::size_t> range(int t) const {
+    return {n_ * std::size_t(t) / threads_, n_ * std::size_t(t + 1) / threads_};
+  }
+
+  int threads_;
+  std::size_t bytes_, n_;
+  Array a_, b_, c_;
+};
+
+}  // namespace yardstick_detail
+
+/// Measures (once per thread count, then cached) the STREAM triad a[i] = b[i] + s * c[i] on the
+/// three arrays of TriadArrays; best of 10 repetitions. Bytes counted per repetition: 3 arrays (2
+/// read + 1 written), the STREAM convention: the write-allocate read of `a` that ordinary stores
+/// cause is NOT counted (so the DRAM traffic is up to 4/3 of the figure).
 inline TriadBandwidth triad_bandwidth(int threads) {
-  namespace d = yardstick_detail;
   static std::mutex mutex;
   static std::map<int, TriadBandwidth> cache;
   std::lock_guard<std::mutex> lock(mutex);
   threads = std::max(1, threads);
   if (auto it = cache.find(threads); it != cache.end()) return it->second;
-  std::size_t const bytes =
-      (std::max(std::size_t(64) << 20, 4 * d::llc_bytes()) + 4095) / 4096 * 4096;
-  std::size_t const n = bytes / sizeof(float);
-  auto alloc = [&] { return static_cast<float*>(std::aligned_alloc(4096, bytes)); };
-  float *a = alloc(), *b = alloc(), *c = alloc();
-  auto range = [&](int t) {
-    return std::make_pair(n * std::size_t(t) / threads, n * std::size_t(t + 1) / threads);
-  };
-  d::run_threads(threads, 1, [&](int t, int) {  // first touch by the thread that uses the pages
-    auto [lo, hi] = range(t);
-    std::fill(a + lo, a + hi, 0.0f);
-    std::fill(b + lo, b + hi, 1.0f);
-    std::fill(c + lo, c + hi, 2.0f);
-  });
-  auto const wall = d::run_threads(threads, 10, [&](int t, int) {
-    auto [lo, hi] = range(t);
-    d::triad(a, b, c, 3.0f, lo, hi);
-  });
-  static std::atomic<float> observed{0};
-  observed.store(observed.load() + a[n / 2] + a[n - 1]);
-  std::free(a);
-  std::free(b);
-  std::free(c);
+  auto& arrays = yardstick_detail::TriadArrays::of(threads);
+  auto const wall = arrays.passes(10);
   TriadBandwidth r;
-  r.gbs = 3.0 * double(bytes) / *std::min_element(wall.begin(), wall.end()) * 1e-9;
+  r.gbs = 3.0 * double(arrays.bytes()) / *std::min_element(wall.begin(), wall.end()) * 1e-9;
   r.threads = threads;
-  r.array_bytes = bytes;
+  r.array_bytes = arrays.bytes();
   return cache[threads] = r;
 }
 
@@ -328,13 +390,54 @@ inline std::string gemm_tier() {
 #endif
 }
 
-/// GFLOP/s as a fraction of the FMA peak of the GEMM threads (gemm_threads()) at the GEMMs' ISA
-/// tier (gemm_tier()): at ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 CPU, the AVX2 peak.
-inline double peak_ratio(double gflops) {
-  return gflops / fma_peak(gemm_threads(), gemm_tier()).gflops;
-}
+/// \brief The machine yardsticks paired with a benchmark's iterations, as the dense yardstick is:
+/// run() after each timed iteration measures a short FMA burst on the GEMM threads at the GEMMs'
+/// tier (best of 3 repetitions of 2^20 iterations per thread after one more, ~15 ms) and, for
+/// bandwidth-bound rows, one
+/// triad pass over TriadArrays (~15 ms). The ratios are medians over iterations of each
+/// iteration's rate over the yardstick measured right after it. A once-per-process yardstick is
+/// not enough on a shared VM: its two vCPUs are at times placed on one core's SMT siblings, for
+/// seconds to minutes, and processes minutes apart measured a 2-thread FMA peak of 117 and 235
+/// GFLOP/s (and a triad of 24 and 51 GB/s), so a GEMM that ran after the placement changed read
+/// 1.35 of "peak".
+class PairedMachine {
+ public:
+  explicit PairedMachine(bool bandwidth)
+      : threads_(gemm_threads()), tier_(gemm_tier()), bandwidth_(bandwidth) {}
 
-/// Bytes per second (1e9) as a fraction of the triad bandwidth of the GEMM threads.
-inline double bw_ratio(double gbs) { return gbs / triad_bandwidth(gemm_threads()).gbs; }
+  /// One measurement of each yardstick; call it right after each timed iteration.
+  void run() {
+    gflops_.push_back(fma_burst_gflops(threads_, tier_, std::int64_t(1) << 20, 3, 1));
+    if (bandwidth_) {
+      auto& arrays = yardstick_detail::TriadArrays::of(threads_);
+      gbs_.push_back(3.0 * double(arrays.bytes()) / arrays.passes(1).front() * 1e-9);
+    }
+  }
+  /// Median over iterations i of (flops / seconds[i]) / (the FMA burst's FLOP/s after it).
+  double peak_ratio(std::vector<double> const& seconds, double flops) const {
+    return ratio(seconds, gflops_, flops * 1e-9);
+  }
+  /// Median over iterations i of (bytes / seconds[i]) / (the triad pass's bytes/s after it).
+  double bw_ratio(std::vector<double> const& seconds, double bytes) const {
+    return ratio(seconds, gbs_, bytes * 1e-9);
+  }
+
+ private:
+  static double ratio(std::vector<double> const& seconds, std::vector<double> const& rates,
+                      double amount) {
+    std::vector<double> r;
+    for (std::size_t i = 0; i < std::min(seconds.size(), rates.size()); ++i)
+      r.push_back(amount / seconds[i] / rates[i]);
+    if (r.empty()) return 0.0;
+    std::sort(r.begin(), r.end());
+    std::size_t const h = r.size() / 2;
+    return r.size() % 2 ? r[h] : 0.5 * (r[h - 1] + r[h]);
+  }
+
+  int threads_;
+  std::string tier_;
+  bool bandwidth_;
+  std::vector<double> gflops_, gbs_;
+};
 
 }  // namespace moe::bench
