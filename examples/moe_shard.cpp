@@ -283,13 +283,14 @@ int run_plan(Args const& a) {
   std::string out;
   if (a.json) {
     // The plan's object with one more member: "memory".
-    out = plan.to_json();
-    out.erase(out.rfind('}'));
-    out += cat(", \"memory\": {\"training\": true, \"packed_expert_weights\": ",
-               packed ? "true" : "false", ", ", memory.to_json().substr(1));
-    out.erase(out.rfind('}'));
-    out += cat(", \"index_limit_error\": ",
-               limit_error.empty() ? std::string("null") : sh::json_string(limit_error), "}}\n");
+    auto j = plan.json();
+    auto mem = moe::detail::ordered_json{{"training", true}, {"packed_expert_weights", packed}};
+    auto const memory_json = memory.json();
+    for (auto const& [k, v] : memory_json.items()) mem[k] = v;
+    mem["index_limit_error"] = limit_error.empty() ? moe::detail::ordered_json(nullptr)
+                                                   : moe::detail::ordered_json(limit_error);
+    j["memory"] = mem;
+    out = moe::detail::json_text(j) + "\n";
   } else {
     out = plan.to_text();
     out +=
@@ -330,16 +331,16 @@ int run_resolve(Args const& a) {
   }
   sh::Mesh const mesh(sizes);
 
-  std::string out = "{\"mesh\": {";
-  for (int i = 0; i < mesh.num_axes(); ++i)
-    out += cat(i ? ", " : "", sh::json_string(mesh.name(i)), ": ", mesh.size(i));
-  out += "}, \"tensors\": {";
-  for (std::size_t t = 0; t < a.tensors.size(); ++t) {
-    sh::PartitionSpec spec = p.rules.resolve(a.tensors[t].second);
+  moe::detail::ordered_json doc;
+  auto& mesh_json = doc["mesh"] = moe::detail::ordered_json::object();
+  for (int i = 0; i < mesh.num_axes(); ++i) mesh_json[mesh.name(i)] = mesh.size(i);
+  auto& tensors = doc["tensors"] = moe::detail::ordered_json::object();
+  for (auto const& [name, logical] : a.tensors) {
+    sh::PartitionSpec spec = p.rules.resolve(logical);
     if (a.drop_size_one) spec = sh::drop_size_one(std::move(spec), mesh);
-    out += cat(t ? ", " : "", sh::json_string(a.tensors[t].first), ": ", sh::to_json(spec));
+    tensors[name] = sh::json(spec);
   }
-  out += "}}\n";
+  std::string const out = moe::detail::json_text(doc) + "\n";
   std::fputs(out.c_str(), stdout);
   return 0;
 }

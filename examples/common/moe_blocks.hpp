@@ -6,6 +6,7 @@
 #include <moe/comm/communicator.hpp>
 #include <moe/distributed/layer.hpp>
 #include <moe/error.hpp>
+#include <moe/tensor_block.hpp>
 
 #include <mpi.h>
 
@@ -16,12 +17,7 @@
 
 namespace moe::cli {
 
-/// Number of elements of a row-major shape (1 for a scalar).
-inline std::int64_t numel(std::vector<std::int64_t> const& shape) {
-  std::int64_t n = 1;
-  for (auto d : shape) n *= d;
-  return n;
-}
+using moe::numel;  // elements of a row-major shape (moe/tensor_block.hpp)
 
 namespace block_detail {
 

@@ -703,3 +703,81 @@ TEST(Safetensors, ViewsRoundTripInRowMajorOrder) {
   EXPECT_EQ(empty.dtype, DType::I32);
   EXPECT_EQ(empty.shape, std::vector<std::int64_t>{0});
 }
+
+// moe/io/json.hpp on its own: the rules moe adds to nlohmann-json's parser, and the writers.
+namespace {
+
+moe::io::detail::JsonValue parse_json(std::string const& text) {
+  return moe::io::detail::JsonParser(text, "t: ").parse_document();
+}
+
+std::string json_error(std::string const& text) {
+  try {
+    parse_json(text);
+  } catch (IoError const& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST(Json, ReadsATreeInFileOrderWithExactIntegers) {
+  using Kind = moe::io::detail::JsonValue::Kind;
+  auto const v = parse_json(
+      "{\"z\": [9007199254740993, -9223372036854775808, 18446744073709551615, 1.5e3, -0],"
+      " \"a\": {\"s\": \"\\u00e9\\ud83d\\ude00\", \"t\": true, \"n\": null}}");
+  ASSERT_EQ(v.kind, Kind::Object);
+  ASSERT_EQ(v.keys, (std::vector<std::string>{"z", "a"}));
+  auto const& z = v.items[0];
+  ASSERT_EQ(z.items.size(), 5u);
+  std::int64_t x = 0;
+  ASSERT_TRUE(moe::io::detail::json_to_int64(z.items[0], x));
+  EXPECT_EQ(x, 9007199254740993);  // 2^53 + 1: not rounded through a double
+  ASSERT_TRUE(moe::io::detail::json_to_int64(z.items[1], x));
+  EXPECT_EQ(x, std::numeric_limits<std::int64_t>::min());
+  EXPECT_FALSE(moe::io::detail::json_to_int64(z.items[2], x));  // beyond int64
+  EXPECT_EQ(z.items[2].text, "18446744073709551615");
+  EXPECT_FALSE(moe::io::detail::json_to_int64(z.items[3], x));  // not an integer literal
+  EXPECT_EQ(z.items[3].text, "1.5e3");
+  ASSERT_TRUE(moe::io::detail::json_to_int64(z.items[4], x));
+  EXPECT_EQ(x, 0);
+  auto const& a = v.items[1];
+  EXPECT_EQ(a.items[0].text, "\xc3\xa9\xf0\x9f\x98\x80");
+  EXPECT_EQ(a.items[1].kind, Kind::Bool);
+  EXPECT_TRUE(a.items[1].boolean);
+  EXPECT_EQ(a.items[2].kind, Kind::Null);
+}
+
+TEST(Json, RefusesWhatTheFormatsForbidNamingTheByte) {
+  // Duplicate keys at any depth, at the closing quote of the second one (byte 17).
+  std::string const dup = json_error("{\"a\": {\"k\": 1, \"k\": 2}}");
+  EXPECT_NE(dup.find("duplicate key \"k\""), std::string::npos) << dup;
+  EXPECT_NE(dup.find("at byte 17"), std::string::npos) << dup;
+  // 64 levels are fine, 65 are not (and 100000 do not exhaust the stack).
+  EXPECT_NO_THROW(parse_json(std::string(64, '[') + std::string(64, ']')));
+  std::string const deep = json_error(std::string(65, '[') + std::string(65, ']'));
+  EXPECT_NE(deep.find("nesting deeper than 64"), std::string::npos) << deep;
+  EXPECT_NE(deep.find("at byte 64"), std::string::npos) << deep;
+  std::string const bom = json_error("\xef\xbb\xbf{}");
+  EXPECT_NE(bom.find("byte-order mark"), std::string::npos) << bom;
+  std::string const bad = json_error("{\"a\": [1, 2,]}");
+  EXPECT_NE(bad.find("t: header is not valid JSON"), std::string::npos) << bad;
+  EXPECT_NE(bad.find("at byte 12"), std::string::npos) << bad;
+  std::string const cut = json_error("{\"a\": [1, 2");
+  EXPECT_NE(cut.find("ended early"), std::string::npos) << cut;
+  for (std::string const& t : {std::string("{\"a\":\"\xed\xa0\x80\"}"),  // a surrogate as UTF-8
+                               std::string("{\"a\":\"\xc0\xaf\"}"),      // overlong
+                               std::string("{\"a\":\"\xf4\x90\x80\x80\"}")})  // beyond U+10FFFF
+    EXPECT_NE(json_error(t).find("not valid JSON"), std::string::npos) << json_error(t);
+}
+
+TEST(Json, WritesStringsAndChecksUtf8) {
+  std::string out;
+  moe::io::detail::append_json_string(out, std::string("a\"b\\c\n\x01\xc3\xa9", 9));
+  EXPECT_EQ(out, "\"a\\\"b\\\\c\\n\\u0001\xc3\xa9\"");
+  EXPECT_TRUE(moe::io::detail::valid_utf8("plain \xc3\xa9 \xf0\x9f\x98\x80"));
+  EXPECT_FALSE(moe::io::detail::valid_utf8("\xc3"));
+  EXPECT_FALSE(moe::io::detail::valid_utf8("\xed\xa0\x80"));
+  EXPECT_FALSE(moe::io::detail::valid_utf8("\xc0\xaf"));
+}

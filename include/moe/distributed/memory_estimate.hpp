@@ -6,6 +6,7 @@
 /// overflow); and the index limits of the kernels of an execution space. Pure: no Kokkos call,
 /// no MPI.
 
+#include <moe/detail/json.hpp>
 #include <moe/error.hpp>
 #include <moe/sharding/rules.hpp>
 
@@ -183,19 +184,14 @@ struct MemoryEstimate {
   }
 
   /// JSON object: {"total_bytes": N, "items": [{"what": ..., "bytes": N, "keys": [...]}, ...]}.
-  std::string to_json() const {
-    std::string o = detail::cat("{\"total_bytes\": ", total(), ", \"items\": [");
-    for (std::size_t n = 0; n < items.size(); ++n) {
-      auto const& i = items[n];
-      o += detail::cat(n ? ", " : "", "{\"what\": ", sharding::json_string(i.what),
-                       ", \"bytes\": ", i.bytes, ", \"keys\": [");
-      auto const ks = split_keys(i.keys);
-      for (std::size_t k = 0; k < ks.size(); ++k)
-        o += (k ? ", " : "") + sharding::json_string(ks[k]);
-      o += "]}";
-    }
-    return o + "]}";
+  detail::ordered_json json() const {
+    auto items_json = detail::ordered_json::array();
+    for (auto const& i : items)
+      items_json.push_back({{"what", i.what}, {"bytes", i.bytes}, {"keys", split_keys(i.keys)}});
+    return {{"total_bytes", total()}, {"items", items_json}};
   }
+  /// json() as one line of text.
+  std::string to_json() const { return detail::json_text(json()); }
 
   /// "a, b" -> {"a", "b"}.
   static std::vector<std::string> split_keys(std::string const& keys) {

@@ -18,6 +18,7 @@
 
 #include <moe/comm/comm_log.hpp>
 #include <moe/config.hpp>
+#include <moe/detail/json.hpp>
 #include <moe/distributed/layout.hpp>
 #include <moe/distributed/parallel_config.hpp>
 #include <moe/distributed/step_plan.hpp>
@@ -94,8 +95,10 @@ struct LayerPlan {
 
   /// Readable multi-line text.
   std::string to_text() const;
-  /// One JSON object (one line, newline-terminated).
-  std::string to_json() const;
+  /// The plan as one JSON object (what to_json prints).
+  detail::ordered_json json() const;
+  /// json() as one line of text, newline-terminated.
+  std::string to_json() const { return detail::json_text(json()) + "\n"; }
 };
 
 namespace plan_detail {
@@ -148,26 +151,11 @@ inline std::string pad(std::string s, std::size_t n) {
   return s;
 }
 
-inline std::string json_strings(Axes const& a) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + sharding::json_string(a[i]);
-  return s + "]";
-}
-inline std::string json_ints(std::vector<std::int64_t> const& v) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + "]";
-}
-inline std::string json_logical(sharding::LogicalAxes const& l) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < l.size(); ++i)
-    s += (i ? ", " : "") + (l[i] ? sharding::json_string(*l[i]) : std::string("null"));
-  return s + "]";
-}
-inline std::string json_per_dim(std::vector<Axes> const& dims) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + json_strings(dims[i]);
-  return s + "]";
+/// A logical-axes list as JSON: each name, or null for an unnamed dimension.
+inline detail::ordered_json json_logical(sharding::LogicalAxes const& l) {
+  auto j = detail::ordered_json::array();
+  for (auto const& name : l) j.push_back(name ? detail::ordered_json(*name) : nullptr);
+  return j;
 }
 
 }  // namespace plan_detail
@@ -390,65 +378,65 @@ inline std::string LayerPlan::to_text() const {
   return o;
 }
 
-inline std::string LayerPlan::to_json() const {
-  using namespace plan_detail;
-  using sharding::json_string;
+inline detail::ordered_json LayerPlan::json() const {
+  using detail::ordered_json;
+  using plan_detail::json_logical;
   auto const& lay = layout;
-  std::string o = "{";
-  o += detail::cat("\"rank\": ", lay.rank, ", \"world_size\": ", world_size,
-                   ", \"global_batch\": ", lay.global_batch, ", \"seq_len\": ", lay.seq_len,
-                   ", \"emb_dim\": ", lay.emb_dim, ", \"scalar_bytes\": ", scalar_bytes,
-                   ", \"local_tokens\": ", local_tokens, ", \"preset\": ", json_string(lay.preset),
-                   ", \"mesh\": {");
-  for (int i = 0; i < lay.mesh.num_axes(); ++i)
-    o += detail::cat(i ? ", " : "", json_string(lay.mesh.name(i)), ": ", lay.mesh.size(i));
-  o += detail::cat("}, \"expert_route\": ", json_string(to_string(lay.route)),
-                   ", \"batch_axes\": ", json_strings(lay.batch_axes),
-                   ", \"expert_axes\": ", json_strings(lay.ep_axes),
-                   ", \"tensor_axes\": ", json_strings(lay.tp_axes),
-                   ", \"num_experts\": ", config.num_experts,
-                   ", \"local_experts\": ", lay.local_experts,
-                   ", \"first_expert\": ", lay.first_expert, ", \"tensors\": {");
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    auto const& t = tensors[i];
-    o += detail::cat(
-        i ? ", " : "", json_string(t.name), ": {\"logical\": ", json_logical(t.logical),
-        ", \"spec\": ", sharding::to_json(t.spec), ", \"storage\": ", json_per_dim(t.storage),
-        ", \"global_shape\": ", json_ints(t.global_shape),
-        ", \"local_shape\": ", json_ints(t.local_shape), ", \"offset\": ", json_ints(t.offset),
-        ", \"compute_shape\": ", json_ints(t.compute_shape),
-        ", \"gathered\": ", json_per_dim(t.gathered), ", \"sliced\": ", json_per_dim(t.sliced),
-        ", \"reduced\": ", json_strings(t.reduced), "}");
-  }
-  o += "}, \"collectives\": [";
-  for (std::size_t i = 0; i < collectives.size(); ++i) {
-    auto const& c = collectives[i];
-    o += detail::cat(i ? ", " : "", "{\"phase\": ", c.backward ? "\"backward\"" : "\"forward\"",
-                     ", \"what\": ", json_string(c.what), ", \"kind\": ", json_string(c.kind),
-                     ", \"axes\": ", json_strings(c.axes), ", \"bytes\": ", c.bytes,
-                     ", \"balanced_routing\": ", c.balanced ? "true" : "false",
-                     ", \"stage\": ", json_string(c.stage), "}");
-  }
-  o += "], \"stages\": [";
-  bool first = true;
+  ordered_json o;
+  o["rank"] = lay.rank;
+  o["world_size"] = world_size;
+  o["global_batch"] = lay.global_batch;
+  o["seq_len"] = lay.seq_len;
+  o["emb_dim"] = lay.emb_dim;
+  o["scalar_bytes"] = scalar_bytes;
+  o["local_tokens"] = local_tokens;
+  o["preset"] = lay.preset;
+  auto& mesh = o["mesh"] = ordered_json::object();
+  for (int i = 0; i < lay.mesh.num_axes(); ++i) mesh[lay.mesh.name(i)] = lay.mesh.size(i);
+  o["expert_route"] = to_string(lay.route);
+  o["batch_axes"] = lay.batch_axes;
+  o["expert_axes"] = lay.ep_axes;
+  o["tensor_axes"] = lay.tp_axes;
+  o["num_experts"] = config.num_experts;
+  o["local_experts"] = lay.local_experts;
+  o["first_expert"] = lay.first_expert;
+  auto& ts = o["tensors"] = ordered_json::object();
+  for (auto const& t : tensors)
+    ts[t.name] = {{"logical", json_logical(t.logical)},
+                  {"spec", sharding::json(t.spec)},
+                  {"storage", t.storage},
+                  {"global_shape", t.global_shape},
+                  {"local_shape", t.local_shape},
+                  {"offset", t.offset},
+                  {"compute_shape", t.compute_shape},
+                  {"gathered", t.gathered},
+                  {"sliced", t.sliced},
+                  {"reduced", t.reduced}};
+  auto& cs = o["collectives"] = ordered_json::array();
+  for (auto const& c : collectives)
+    cs.push_back({{"phase", c.backward ? "backward" : "forward"},
+                  {"what", c.what},
+                  {"kind", c.kind},
+                  {"axes", c.axes},
+                  {"bytes", c.bytes},
+                  {"balanced_routing", c.balanced},
+                  {"stage", c.stage}});
+  auto& ss = o["stages"] = ordered_json::array();
   for (auto const* phase : {&step.forward, &step.backward})
-    for (auto const& st : *phase) {
-      o += detail::cat(
-          first ? "" : ", ", "{\"phase\": ", st.backward ? "\"backward\"" : "\"forward\"",
-          ", \"kind\": ", json_string(distributed::to_string(st.kind)),
-          ", \"region\": ", json_string(st.region), ", \"reads\": ", json_strings(st.reads),
-          ", \"writes\": ", json_strings(st.writes), ", \"collectives\": ", st.collectives.size(),
-          "}");
-      first = false;
-    }
-  o += detail::cat("], \"bytes\": {\"forward\": ", bytes(false), ", \"backward\": ", bytes(true),
-                   ", \"step\": ", step_bytes(),
-                   "}, \"dispatch\": {\"logical\": ", json_logical(dispatch_logical),
-                   ", \"joint\": ", sharding::to_json(dispatch_joint),
-                   ", \"repaired\": ", sharding::to_json(dispatch_repaired),
-                   ", \"in_effect\": ", sharding::to_json(layout.dispatch_spec),
-                   "}, \"notes\": ", json_strings(notes),
-                   ", \"warnings\": ", json_strings(warnings), "}\n");
+    for (auto const& st : *phase)
+      ss.push_back({{"phase", st.backward ? "backward" : "forward"},
+                    {"kind", distributed::to_string(st.kind)},
+                    {"region", st.region},
+                    {"reads", st.reads},
+                    {"writes", st.writes},
+                    {"collectives", st.collectives.size()}});
+  o["bytes"] = {{"forward", bytes(false)}, {"backward", bytes(true)}, {"step", step_bytes()}};
+  o["dispatch"] = {{"logical", json_logical(dispatch_logical)},
+                   {"joint", sharding::json(dispatch_joint)},
+                   {"repaired", sharding::json(dispatch_repaired)},
+                   {"in_effect", sharding::json(layout.dispatch_spec)}};
+  o["notes"] = notes;
+  o["warnings"] = warnings;
   return o;
 }
 

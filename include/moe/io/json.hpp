@@ -1,27 +1,28 @@
 #pragma once
 /// \file
-/// The small JSON and UTF-8 toolkit of moe/io: a strict RFC 8259 parser (JsonParser, JsonValue),
-/// integer reading (json_to_int64), string literal writing (append_json_string) and a UTF-8
-/// validator (valid_utf8, utf8_sequence_length). The safetensors header
+/// JSON in moe/io, on nlohmann-json (Debian `nlohmann-json3-dev`; `find_package(moe)` finds it):
+/// a strict reader (JsonParser -> JsonValue), integer reading (json_to_int64), string literal
+/// writing (append_json_string) and a UTF-8 check (valid_utf8). The safetensors header
 /// (moe/io/safetensors.hpp) and the checkpoint index (moe/io/checkpoint_index.hpp) are read with
 /// it, so both formats share one parser and one set of rules.
 ///
-/// Why hand-written: moe is a header-only library, and whatever its headers include, every
-/// consumer must find at build time. A JSON library (nlohmann-json, ...) would become a
-/// requirement of every program that includes moe, for two small, fixed formats. So the parser
-/// stays here, small and strict: UTF-8 is checked, duplicate object keys are rejected, nesting is
-/// limited (a hostile header cannot exhaust the stack), numbers are kept as their literal text,
-/// and every error is a moe::IoError that says what and at which byte. Tools and tests may use a
-/// JSON library of their own; the library proper does not.
+/// nlohmann-json's SAX interface does the lexing (RFC 8259, UTF-8 checked, no stack recursion);
+/// the handler here adds what a file format from an untrusted source needs on top: duplicate
+/// object keys are rejected, nesting is limited to 64 levels, a byte-order mark is refused,
+/// numbers keep their exact value (integers as their decimal text, so a 64-bit offset is never
+/// rounded through a double), and every error is a moe::IoError that says what and at which
+/// byte.
 ///
 /// Everything here is an implementation detail of moe/io (namespace moe::io::detail): host-only,
 /// no Kokkos, no MPI.
 
 #include <moe/error.hpp>
 
+#include <nlohmann/json.hpp>
+
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
+#include <iterator>
 #include <limits>
 #include <set>
 #include <string>
@@ -32,81 +33,31 @@ namespace moe::io::detail {
 
 using ::moe::detail::cat;
 
-// ---- UTF-8 -----------------------------------------------------------------------------------
-
-/// Length of the well-formed UTF-8 sequence starting at s[pos] (1..4), or 0 if it is malformed
-/// (bad lead byte, missing continuation, overlong form, surrogate, beyond U+10FFFF).
-inline std::size_t utf8_sequence_length(std::string const& s, std::size_t pos) {
-  auto byte = [&](std::size_t i) -> unsigned {
-    return i < s.size() ? static_cast<unsigned char>(s[i]) : 0x100u;
-  };
-  unsigned const b0 = byte(pos);
-  if (b0 < 0x80) return 1;
-  std::size_t len = 0;
-  unsigned lo = 0x80, hi = 0xBF;  // allowed range of the second byte
-  if (b0 >= 0xC2 && b0 <= 0xDF) {
-    len = 2;
-  } else if (b0 == 0xE0) {
-    len = 3, lo = 0xA0;
-  } else if ((b0 >= 0xE1 && b0 <= 0xEC) || b0 == 0xEE || b0 == 0xEF) {
-    len = 3;
-  } else if (b0 == 0xED) {
-    len = 3, hi = 0x9F;
-  } else if (b0 == 0xF0) {
-    len = 4, lo = 0x90;
-  } else if (b0 >= 0xF1 && b0 <= 0xF3) {
-    len = 4;
-  } else if (b0 == 0xF4) {
-    len = 4, hi = 0x8F;
-  } else {
-    return 0;
-  }
-  unsigned const b1 = byte(pos + 1);
-  if (b1 < lo || b1 > hi) return 0;
-  for (std::size_t i = 2; i < len; ++i) {
-    unsigned const b = byte(pos + i);
-    if (b < 0x80 || b > 0xBF) return 0;
-  }
-  return len;
-}
-
-/// Whether \p s is well-formed UTF-8 (see utf8_sequence_length).
+/// Whether \p s is well-formed UTF-8 (no overlong forms, surrogates or code points beyond
+/// U+10FFFF).
 inline bool valid_utf8(std::string const& s) {
-  for (std::size_t i = 0; i < s.size();) {
-    std::size_t const n = utf8_sequence_length(s, i);
-    if (n == 0) return false;
-    i += n;
+  try {
+    (void)nlohmann::json(s).dump();
+  } catch (nlohmann::json::type_error const&) {
+    return false;
   }
   return true;
 }
 
-/// Appends the code point \p cp (at most U+10FFFF, not a surrogate) to \p out as UTF-8.
-inline void append_utf8(std::string& out, std::uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
+/// Appends \p s as a JSON string literal (control characters escaped, UTF-8 passed through;
+/// invalid UTF-8 becomes U+FFFD: callers check names with valid_utf8 first).
+inline void append_json_string(std::string& out, std::string const& s) {
+  out += nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
-
-// ---- JSON ------------------------------------------------------------------------------------
 
 /// A parsed JSON value. Objects keep their keys in file order.
 struct JsonValue {
   enum class Kind { Null, Bool, Number, String, Array, Object };
   Kind kind = Kind::Null;
   bool boolean = false;
-  std::string text;  ///< String: the decoded UTF-8 value; Number: the literal as written
+  /// String: the decoded UTF-8 value; Number: an integer's exact decimal value, or the literal
+  /// as written for a number with a fraction or exponent (or beyond 64 bits)
+  std::string text;
   std::vector<JsonValue> items;   ///< Array: the elements; Object: the values
   std::vector<std::string> keys;  ///< Object: the keys, parallel to items
 };
@@ -130,247 +81,180 @@ inline char const* json_kind_name(JsonValue::Kind k) {
   return "?";
 }
 
-/// A strict RFC 8259 parser (UTF-8 checked, duplicate object keys rejected, nesting limited so a
-/// hostile header cannot exhaust the stack). Errors are IoErrors that start with \p where.
+/// The SAX handler behind JsonParser: builds the JsonValue tree and stops at the first duplicate
+/// key or at nesting beyond kMaxDepth (nlohmann-json's parser stops when a callback returns
+/// false).
+class JsonTreeBuilder {
+ public:
+  static constexpr int kMaxDepth = 64;
+  using number_integer_t = nlohmann::json::number_integer_t;
+  using number_unsigned_t = nlohmann::json::number_unsigned_t;
+  using number_float_t = nlohmann::json::number_float_t;
+  using string_t = nlohmann::json::string_t;
+  using binary_t = nlohmann::json::binary_t;
+
+  JsonValue root;
+  std::string error;         ///< why parsing stopped ("" if it did not)
+  std::size_t error_at = 0;  ///< byte offset of a syntax error (located == true)
+  bool located = false;      ///< whether nlohmann-json located the error (a syntax error)
+
+  bool null() { return leaf(JsonValue{}); }
+  bool boolean(bool b) {
+    JsonValue v;
+    v.kind = JsonValue::Kind::Bool;
+    v.boolean = b;
+    return leaf(std::move(v));
+  }
+  bool number_integer(number_integer_t i) { return number(std::to_string(i)); }
+  bool number_unsigned(number_unsigned_t u) { return number(std::to_string(u)); }
+  bool number_float(number_float_t, string_t const& literal) { return number(literal); }
+  bool string(string_t& s) {
+    JsonValue v;
+    v.kind = JsonValue::Kind::String;
+    v.text = std::move(s);
+    return leaf(std::move(v));
+  }
+  bool binary(binary_t&) { return stop("binary data"); }
+  bool start_object(std::size_t) { return open(JsonValue::Kind::Object); }
+  bool end_object() { return close(); }
+  bool start_array(std::size_t) { return open(JsonValue::Kind::Array); }
+  bool end_array() { return close(); }
+  bool key(string_t& k) {
+    auto& seen = keys_.back();
+    if (!seen.insert(k).second) return stop(cat("duplicate key \"", k, "\""));
+    pending_key_ = std::move(k);
+    return true;
+  }
+  bool parse_error(std::size_t position, std::string const& /*last_token*/,
+                   nlohmann::json::exception const& e) {
+    error_at = position > 0 ? position - 1 : 0;
+    located = true;
+    error = describe(e.what());
+    return false;
+  }
+
+ private:
+  /// nlohmann-json's message, less its "[json.exception.parse_error.101] parse error at line 1,
+  /// column N: " prefix; a missing object key is said as moe always said it.
+  static std::string describe(std::string what) {
+    auto const colon = what.find(": ");
+    if (what.rfind("[json.exception", 0) == 0 && colon != std::string::npos)
+      what = what.substr(colon + 2);
+    if (what.find("while parsing object key") != std::string::npos)
+      return cat("expected a string key (", what, ")");
+    if (what.find("unexpected end of input") != std::string::npos)
+      return cat("the header ended early (", what, ")");
+    return what;
+  }
+  bool stop(std::string why) {
+    error = std::move(why);
+    return false;
+  }
+  bool number(std::string text) {
+    JsonValue v;
+    v.kind = JsonValue::Kind::Number;
+    v.text = std::move(text);
+    return leaf(std::move(v));
+  }
+  /// Places v in the open container (under the pending key in an object), or as the root.
+  JsonValue* place(JsonValue v) {
+    if (stack_.empty()) {
+      root = std::move(v);
+      return &root;
+    }
+    JsonValue& parent = *stack_.back();
+    if (parent.kind == JsonValue::Kind::Object) parent.keys.push_back(std::move(pending_key_));
+    parent.items.push_back(std::move(v));
+    return &parent.items.back();
+  }
+  bool leaf(JsonValue v) {
+    place(std::move(v));
+    return true;
+  }
+  bool open(JsonValue::Kind kind) {
+    if (int(stack_.size()) >= kMaxDepth)
+      return stop(cat("nesting deeper than ", kMaxDepth, " levels"));
+    JsonValue v;
+    v.kind = kind;
+    stack_.push_back(place(std::move(v)));
+    keys_.emplace_back();
+    return true;
+  }
+  bool close() {
+    stack_.pop_back();
+    keys_.pop_back();
+    return true;
+  }
+
+  // The open containers, outermost first. A pointer stays valid while its container is open: a
+  // parent's items only grow by its last child, and that child is the only one still open.
+  std::vector<JsonValue*> stack_;
+  std::vector<std::set<std::string>> keys_;  // keys seen per open container
+  std::string pending_key_;
+};
+
+/// The input iterator JsonParser hands nlohmann-json: a char pointer that records how far the
+/// lexer has read, so that an error the handler raises (which nlohmann-json does not locate) can
+/// name its byte too.
+struct CountingCharIterator {
+  using iterator_category = std::input_iterator_tag;
+  using value_type = char;
+  using difference_type = std::ptrdiff_t;
+  using pointer = char const*;
+  using reference = char const&;
+
+  char const* p = nullptr;
+  char const* begin = nullptr;
+  std::size_t* read = nullptr;  ///< bytes consumed so far (shared by the copies)
+
+  reference operator*() const {
+    *read = std::size_t(p - begin) + 1;
+    return *p;
+  }
+  CountingCharIterator& operator++() {
+    ++p;
+    return *this;
+  }
+  CountingCharIterator operator++(int) {
+    auto const old = *this;
+    ++p;
+    return old;
+  }
+  friend bool operator==(CountingCharIterator const& a, CountingCharIterator const& b) {
+    return a.p == b.p;
+  }
+  friend bool operator!=(CountingCharIterator const& a, CountingCharIterator const& b) {
+    return a.p != b.p;
+  }
+};
+
+/// A strict RFC 8259 parser (UTF-8 checked, duplicate object keys rejected, nesting limited, no
+/// byte-order mark). Errors are IoErrors that start with \p where and name the byte.
 class JsonParser {
  public:
   JsonParser(std::string const& text, std::string where) : s_(text), where_(std::move(where)) {}
 
   JsonValue parse_document() {
-    skip_ws();
-    JsonValue v = parse_value(0);
-    skip_ws();
-    if (pos_ != s_.size()) fail("unexpected content after the JSON value");
-    return v;
+    if (s_.compare(0, 3, "\xEF\xBB\xBF") == 0) fail("a byte-order mark is not allowed", 0);
+    JsonTreeBuilder h;
+    std::size_t read = 0;
+    char const* const b = s_.data();
+    CountingCharIterator const first{b, b, &read}, last{b + s_.size(), b, &read};
+    bool const ok =
+        nlohmann::json::sax_parse(first, last, &h, nlohmann::json::input_format_t::json, true);
+    if (ok) return std::move(h.root);
+    if (h.error.empty()) fail("invalid JSON", read > 0 ? read - 1 : 0);
+    fail(h.error, h.located ? h.error_at : (read > 0 ? read - 1 : 0));
   }
 
  private:
-  static constexpr int kMaxDepth = 64;
-
-  [[noreturn]] void fail(std::string const& what) const {
+  [[noreturn]] void fail(std::string const& what, std::size_t at) const {
     throw IoError(
-        cat(where_, "header is not valid JSON: ", what, " (at byte ", pos_, " of the header)"));
-  }
-
-  bool at_end() const { return pos_ >= s_.size(); }
-  char peek() const { return at_end() ? '\0' : s_[pos_]; }
-
-  void skip_ws() {
-    while (!at_end() &&
-           (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r'))
-      ++pos_;
-  }
-
-  void expect(char c) {
-    if (at_end()) fail(cat("expected '", c, "' but the header ended"));
-    if (s_[pos_] != c) fail(cat("expected '", c, "'"));
-    ++pos_;
-  }
-
-  void expect_word(char const* word) {
-    std::size_t const n = std::strlen(word);
-    if (s_.compare(pos_, n, word) != 0) fail("invalid literal");
-    pos_ += n;
-  }
-
-  JsonValue parse_value(int depth) {
-    if (depth > kMaxDepth) fail(cat("nesting deeper than ", kMaxDepth, " levels"));
-    if (at_end()) fail("expected a value but the header ended");
-    JsonValue v;
-    char const c = s_[pos_];
-    if (c == '{') {
-      v.kind = JsonValue::Kind::Object;
-      parse_object(v, depth);
-    } else if (c == '[') {
-      v.kind = JsonValue::Kind::Array;
-      parse_array(v, depth);
-    } else if (c == '"') {
-      v.kind = JsonValue::Kind::String;
-      v.text = parse_string();
-    } else if (c == '-' || (c >= '0' && c <= '9')) {
-      v.kind = JsonValue::Kind::Number;
-      v.text = parse_number();
-    } else if (c == 't') {
-      expect_word("true");
-      v.kind = JsonValue::Kind::Bool;
-      v.boolean = true;
-    } else if (c == 'f') {
-      expect_word("false");
-      v.kind = JsonValue::Kind::Bool;
-    } else if (c == 'n') {
-      expect_word("null");
-    } else {
-      fail("expected a value");
-    }
-    return v;
-  }
-
-  void parse_object(JsonValue& v, int depth) {
-    expect('{');
-    skip_ws();
-    if (peek() == '}') {
-      ++pos_;
-      return;
-    }
-    std::set<std::string> seen;
-    while (true) {
-      skip_ws();
-      if (peek() != '"') fail("expected a string key");
-      std::size_t const key_pos = pos_;
-      std::string key = parse_string();
-      if (!seen.insert(key).second) {
-        pos_ = key_pos;
-        fail(cat("duplicate key \"", key, "\""));
-      }
-      skip_ws();
-      expect(':');
-      skip_ws();
-      v.items.push_back(parse_value(depth + 1));
-      v.keys.push_back(std::move(key));
-      skip_ws();
-      if (peek() == ',') {
-        ++pos_;
-        continue;
-      }
-      expect('}');
-      return;
-    }
-  }
-
-  void parse_array(JsonValue& v, int depth) {
-    expect('[');
-    skip_ws();
-    if (peek() == ']') {
-      ++pos_;
-      return;
-    }
-    while (true) {
-      skip_ws();
-      v.items.push_back(parse_value(depth + 1));
-      skip_ws();
-      if (peek() == ',') {
-        ++pos_;
-        continue;
-      }
-      expect(']');
-      return;
-    }
-  }
-
-  std::string parse_number() {
-    std::size_t const start = pos_;
-    auto digits = [&] {
-      std::size_t const from = pos_;
-      while (!at_end() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
-      return pos_ - from;
-    };
-    if (peek() == '-') ++pos_;
-    if (peek() == '0') {
-      ++pos_;
-    } else if (digits() == 0) {
-      fail("invalid number");
-    }
-    if (peek() == '.') {
-      ++pos_;
-      if (digits() == 0) fail("invalid number: no digits after '.'");
-    }
-    if (peek() == 'e' || peek() == 'E') {
-      ++pos_;
-      if (peek() == '+' || peek() == '-') ++pos_;
-      if (digits() == 0) fail("invalid number: no digits in the exponent");
-    }
-    return s_.substr(start, pos_ - start);
-  }
-
-  std::uint32_t parse_hex4() {
-    if (pos_ + 4 > s_.size()) fail("truncated \\u escape");
-    std::uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) {
-      char const c = s_[pos_++];
-      v <<= 4;
-      if (c >= '0' && c <= '9') {
-        v |= static_cast<std::uint32_t>(c - '0');
-      } else if (c >= 'a' && c <= 'f') {
-        v |= static_cast<std::uint32_t>(c - 'a' + 10);
-      } else if (c >= 'A' && c <= 'F') {
-        v |= static_cast<std::uint32_t>(c - 'A' + 10);
-      } else {
-        --pos_;
-        fail("invalid hex digit in a \\u escape");
-      }
-    }
-    return v;
-  }
-
-  std::string parse_string() {
-    expect('"');
-    std::string out;
-    while (true) {
-      if (at_end()) fail("unterminated string");
-      unsigned char const c = static_cast<unsigned char>(s_[pos_]);
-      if (c == '"') {
-        ++pos_;
-        return out;
-      }
-      if (c < 0x20) fail("unescaped control character in a string");
-      if (c == '\\') {
-        ++pos_;
-        if (at_end()) fail("unterminated escape");
-        char const e = s_[pos_++];
-        switch (e) {
-          case '"':
-            out += '"';
-            break;
-          case '\\':
-            out += '\\';
-            break;
-          case '/':
-            out += '/';
-            break;
-          case 'b':
-            out += '\b';
-            break;
-          case 'f':
-            out += '\f';
-            break;
-          case 'n':
-            out += '\n';
-            break;
-          case 'r':
-            out += '\r';
-            break;
-          case 't':
-            out += '\t';
-            break;
-          case 'u': {
-            std::uint32_t cp = parse_hex4();
-            if (cp >= 0xDC00 && cp <= 0xDFFF) fail("lone low surrogate in a \\u escape");
-            if (cp >= 0xD800 && cp <= 0xDBFF) {
-              if (s_.compare(pos_, 2, "\\u") != 0) fail("high surrogate not followed by \\u");
-              pos_ += 2;
-              std::uint32_t const lo = parse_hex4();
-              if (lo < 0xDC00 || lo > 0xDFFF) fail("high surrogate not followed by a low one");
-              cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-            }
-            append_utf8(out, cp);
-            break;
-          }
-          default:
-            --pos_;
-            fail(cat("invalid escape '\\", e, "'"));
-        }
-        continue;
-      }
-      std::size_t const n = utf8_sequence_length(s_, pos_);
-      if (n == 0) fail("invalid UTF-8");
-      out.append(s_, pos_, n);
-      pos_ += n;
-    }
+        cat(where_, "header is not valid JSON: ", what, " (at byte ", at, " of the header)"));
   }
 
   std::string const& s_;
   std::string where_;
-  std::size_t pos_ = 0;
 };
 
 /// Reads the JSON number \p v as an int64; false if it is not an integer literal or out of range.
@@ -381,6 +265,7 @@ inline bool json_to_int64(JsonValue const& v, std::int64_t& out) {
   std::uint64_t mag = 0;
   std::uint64_t const limit =
       static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) + (neg ? 1 : 0);
+  if (t.size() == std::size_t(neg ? 1 : 0)) return false;
   for (std::size_t i = neg ? 1 : 0; i < t.size(); ++i) {
     if (t[i] < '0' || t[i] > '9') return false;  // fraction or exponent
     std::uint64_t const digit = static_cast<std::uint64_t>(t[i] - '0');
@@ -397,33 +282,6 @@ inline bool json_to_int64(JsonValue const& v, std::int64_t& out) {
     out = static_cast<std::int64_t>(mag);
   }
   return true;
-}
-
-/// Appends \p s as a JSON string literal (control characters escaped, UTF-8 passed through).
-inline void append_json_string(std::string& out, std::string const& s) {
-  static char const hex[] = "0123456789abcdef";
-  out += '"';
-  for (char ch : s) {
-    unsigned char const c = static_cast<unsigned char>(ch);
-    if (c == '"') {
-      out += "\\\"";
-    } else if (c == '\\') {
-      out += "\\\\";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else if (c == '\r') {
-      out += "\\r";
-    } else if (c == '\t') {
-      out += "\\t";
-    } else if (c < 0x20) {
-      out += "\\u00";
-      out += hex[c >> 4];
-      out += hex[c & 0xF];
-    } else {
-      out += ch;
-    }
-  }
-  out += '"';
 }
 
 }  // namespace moe::io::detail

@@ -9,6 +9,7 @@
 /// mesh. Mesh axes a rule names but the mesh lacks behave as axes of size 1: they stay in resolved
 /// specs (as size-1 axes do in MaxText's parameter shardings) and go away with drop_size_one().
 
+#include <moe/detail/json.hpp>
 #include <moe/error.hpp>
 #include <moe/sharding/mesh.hpp>
 
@@ -47,44 +48,29 @@ struct LogicalRule {
 };
 
 /// \brief JSON string literal of `s` (quotes, backslashes and control characters escaped).
-inline std::string json_string(std::string const& s) {
-  std::string out = "\"";
-  for (char const ch : s) {
-    auto const c = static_cast<unsigned char>(ch);
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += ch;
-    } else if (c == '\n') {
-      out += "\\n";
-    } else if (c == '\t') {
-      out += "\\t";
-    } else if (c < 0x20) {
-      char const* hex = "0123456789abcdef";
-      out += "\\u00";
-      out += hex[c >> 4];
-      out += hex[c & 15];
-    } else {
-      out += ch;
-    }
-  }
-  return out + "\"";
-}
+inline std::string json_string(std::string const& s) { return ::moe::detail::json_text(s); }
 
 /// \brief MaxText's serialisation of one dimension: [] -> `null`, one axis -> `"axis"`, several ->
 /// `["a", "b"]`.
-inline std::string to_json(DimAxes const& dim) {
-  if (dim.empty()) return "null";
-  if (dim.size() == 1) return json_string(dim[0]);
-  std::string out = "[";
-  for (std::size_t i = 0; i < dim.size(); ++i) out += (i ? ", " : "") + json_string(dim[i]);
-  return out + "]";
+inline ::moe::detail::ordered_json json(DimAxes const& dim) {
+  if (dim.empty()) return nullptr;
+  if (dim.size() == 1) return dim[0];
+  return dim;
 }
 
-/// \brief A PartitionSpec as a JSON list of to_json(DimAxes), e.g. `["expert", null, ["a", "b"]]`.
+/// \brief A PartitionSpec as a JSON list of json(DimAxes).
+inline ::moe::detail::ordered_json json(PartitionSpec const& spec) {
+  auto out = ::moe::detail::ordered_json::array();
+  for (auto const& dim : spec) out.push_back(json(dim));
+  return out;
+}
+
+/// \brief json(dim) as text: `null`, `"expert"` or `["a", "b"]`.
+inline std::string to_json(DimAxes const& dim) { return ::moe::detail::json_text(json(dim)); }
+
+/// \brief json(spec) as text, e.g. `["expert", null, ["a", "b"]]`.
 inline std::string to_json(PartitionSpec const& spec) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < spec.size(); ++i) out += (i ? ", " : "") + to_json(spec[i]);
-  return out + "]";
+  return ::moe::detail::json_text(json(spec));
 }
 
 /// \brief Ordered list of logical-axis rules (MaxText's `logical_axis_rules`).

@@ -1,0 +1,160 @@
+#pragma once
+// train_moe's checkpoints: every parameter and both AdamW moments, as blocks of the global
+// tensors (moe/io/checkpoint.hpp gathers them into global tensors and cuts them out again, so a
+// run resumes on any layout), with the metadata that says which model and run wrote them.
+
+#include "config.hpp"
+#include "params.hpp"
+
+#include <moe/comm/communicator.hpp>
+#include <moe/error.hpp>
+#include <moe/io/checkpoint.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace train::detail {
+
+/// The tensors of a checkpoint: params.NAME, opt_state.mu.NAME and opt_state.nu.NAME of every
+/// parameter, read from and written to the parameters' host mirrors.
+template <class Scalar>
+std::vector<moe::io::BlockRef> block_refs(std::vector<Param<Scalar>>& params) {
+  std::string const dt = std::is_same_v<Scalar, float> ? "F32" : "F64";
+  std::vector<moe::io::BlockRef> refs;
+  for (auto& q : params) refs.push_back({"params." + q.name, q.block, dt, q.p_host.data()});
+  for (auto& q : params) refs.push_back({"opt_state.mu." + q.name, q.block, dt, q.m_host.data()});
+  for (auto& q : params) refs.push_back({"opt_state.nu." + q.name, q.block, dt, q.v_host.data()});
+  return refs;
+}
+
+/// What a checkpoint of step `step` says of itself: format, step and data position, the mesh it
+/// was written on, the model's architecture keys (model.*) and the run's identity (run.*).
+inline std::map<std::string, std::string> checkpoint_metadata(TrainConfig const& cfg, int ranks,
+                                                              std::string const& mesh,
+                                                              std::int64_t step) {
+  std::map<std::string, std::string> md;
+  md["format"] = "train_moe/1";
+  md["step"] = std::to_string(step);
+  md["data_position"] = std::to_string(step);  // data of step s = f(seed, s, sequence)
+  md["rng"] = "counter-based (seed, step, sequence index)";
+  md["mesh"] = mesh;
+  md["ranks"] = std::to_string(ranks);
+  for (auto const& [k, v] : cfg.architecture()) md["model." + k] = v;
+  for (auto const& [k, v] : cfg.run_identity(ranks)) md["run." + k] = v;
+  return md;
+}
+
+/// Collective: saves step `step` of the parameters and moments into cfg.checkpoint_dir (keeping
+/// cfg.checkpoint_keep steps); `out` (rank 0's log, may be null) gets one line.
+template <class Scalar>
+void save(moe::comm::Communicator const& comm, TrainConfig const& cfg,
+          std::vector<Param<Scalar>>& params, std::string const& mesh, std::int64_t step,
+          std::ostream* out) {
+  for (auto& q : params) {
+    Kokkos::deep_copy(q.p_host, q.p);
+    Kokkos::deep_copy(q.m_host, q.m);
+    Kokkos::deep_copy(q.v_host, q.v);
+  }
+  moe::io::save_checkpoint(comm, cfg.checkpoint_dir, step, block_refs(params),
+                           checkpoint_metadata(cfg, comm.size(), mesh, step), cfg.checkpoint_keep);
+  if (out) *out << "saved checkpoint: step " << step << " in " << cfg.checkpoint_dir << "\n";
+}
+
+/// Step directories ("step_N") in `dir` (rank 0 looks; other ranks return "").
+inline std::string step_dirs(moe::comm::Communicator const& comm, std::string const& dir) {
+  std::string found;
+  if (comm.rank() != 0) return found;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::string const n = it->path().filename().string();
+    if (n.size() > 5 && n.compare(0, 5, "step_") == 0 &&
+        n.find_first_not_of("0123456789", 5) == std::string::npos)
+      found += (found.empty() ? "" : ", ") + n;
+  }
+  return found;
+}
+
+/// Collective: loads the latest checkpoint of cfg.checkpoint_dir (written on any layout) into
+/// the parameters and moments and returns its step; nothing when the directory holds no step
+/// directory. Refuses, on every rank alike, a directory whose steps none fits this model, a
+/// checkpoint of another model (naming the keys that differ) and non-finite values (naming the
+/// tensor and element). Notes on `out` the run keys that differ from the checkpoint's run.
+/// The caller must tell the layers that their weights changed.
+template <class Scalar>
+std::optional<std::int64_t> resume(moe::comm::Communicator const& comm, TrainConfig const& cfg,
+                                   std::vector<Param<Scalar>>& params, std::ostream* out) {
+  std::map<std::string, std::string> md;
+  std::int64_t step = 0;
+  if (!moe::io::load_latest_checkpoint(comm, cfg.checkpoint_dir, block_refs(params), md, step)) {
+    // Nothing loadable. Step directories that are there anyway belong to another model or are
+    // damaged (the loader said why): training from scratch next to them would mix two runs.
+    std::string const found = step_dirs(comm, cfg.checkpoint_dir);
+    moe::comm::any_error(comm, !found.empty(),
+                         "checkpoint_dir='" + cfg.checkpoint_dir + "' holds " + found +
+                             " but none fits this model (see the messages above): use another "
+                             "checkpoint_dir, or remove them to start from scratch",
+                         moe::comm::ErrorKind::config);
+    return std::nullopt;
+  }
+  // The same metadata on every rank: checks throw alike everywhere.
+  std::string mismatch;
+  if (md.count("format") == 0 || md.at("format") != "train_moe/1")
+    mismatch = " (not a train_moe checkpoint)";
+  for (auto const& [k, v] : cfg.architecture()) {
+    auto it = md.find("model." + k);
+    if (it == md.end() || it->second != v)
+      mismatch += " " + k + "=" + (it == md.end() ? std::string("?") : it->second) +
+                  " (this run: " + v + ")";
+  }
+  moe::detail::require<moe::ConfigError>(
+      mismatch.empty(), "checkpoint_dir='", cfg.checkpoint_dir, "' holds step ", step,
+      " of another model:", mismatch, "; use another checkpoint_dir or enable_checkpointing=false");
+  // The checksums prove the bytes are the ones written, not that they are usable: every value
+  // is checked before training on it (finite; second moments >= 0), on every rank's blocks.
+  moe::comm::collective_guard(comm, [&] {
+    auto check = [&](auto const& v, std::string const& name, bool nonneg) {
+      for (std::size_t i = 0; i < v.extent(0); ++i)
+        if (!std::isfinite(double(v(i))) || (nonneg && v(i) < 0))
+          throw moe::InputError(
+              moe::detail::cat("checkpoint step ", step, " in '", cfg.checkpoint_dir, "': ", name,
+                               " holds ", double(v(i)), " at element ", i, " of this rank's block",
+                               nonneg ? ": second moments must be finite and >= 0"
+                                      : ": a checkpoint must hold finite values",
+                               "; use an earlier checkpoint or another checkpoint_dir"));
+    };
+    for (auto const& q : params) {
+      check(q.p_host, "params." + q.name, false);
+      check(q.m_host, "opt_state.mu." + q.name, false);
+      check(q.v_host, "opt_state.nu." + q.name, true);
+    }
+  });
+  for (auto& q : params) {
+    Kokkos::deep_copy(q.p, q.p_host);
+    Kokkos::deep_copy(q.m, q.m_host);
+    Kokkos::deep_copy(q.v, q.v_host);
+  }
+  if (out) {
+    *out << "resumed from checkpoint: step " << step << " in " << cfg.checkpoint_dir
+         << " (written on " << (md.count("mesh") ? md.at("mesh") : std::string("?")) << ")\n";
+    std::string changed;
+    for (auto const& [k, v] : cfg.run_identity(comm.size())) {
+      auto it = md.find("run." + k);
+      if (it != md.end() && it->second != v) changed += " " + k + " " + it->second + " -> " + v;
+    }
+    if (!changed.empty())
+      *out << "note: this run differs from the checkpoint's in" << changed
+           << ": it continues the training, but not the same run\n";
+  }
+  return step;
+}
+
+}  // namespace train::detail

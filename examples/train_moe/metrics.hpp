@@ -1,0 +1,216 @@
+#pragma once
+// What train_moe reports: the metrics of one step and of a run (StepMetrics, TrainResult), rank
+// 0's progress lines and closing summary, and the metrics_file (one JSON object per step).
+
+#include "config.hpp"
+
+#include <moe/comm/collectives.hpp>
+#include <moe/comm/communicator.hpp>
+#include <moe/sharding/mesh.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace train {
+
+/// \brief What one optimizer step measured (the same on every rank except `seconds`).
+struct StepMetrics {
+  std::int64_t step = 0;  ///< 0-based index of the step
+  double loss = 0;        ///< ce_loss + lb_loss
+  double ce_loss = 0;     ///< mean next-token cross-entropy over the global batch (nats)
+  double lb_loss = 0;     ///< sum of the MoE layers' load-balance losses
+  double perplexity = 0;  ///< exp(ce_loss)
+  double seconds = 0;     ///< wall time of the step on this rank
+  double tokens_per_s_per_device = 0;
+  double learning_rate = 0;
+  double grad_norm = 0;  ///< global gradient norm before clipping
+};
+
+/// \brief The outcome of run_training.
+struct TrainResult {
+  std::vector<StepMetrics> history;  ///< every step this call ran
+  std::int64_t start_step = 0;       ///< first step run (the checkpoint's step after a resume)
+  bool resumed = false;              ///< whether a checkpoint was loaded
+  std::int64_t global_batch = 0;     ///< sequences per step
+  std::string mesh;                  ///< the layer's mesh
+  double entropy_rate = std::numeric_limits<double>::quiet_NaN();  ///< NaN: unknown (text)
+  double final_loss = std::numeric_limits<double>::quiet_NaN();    ///< of the last step
+  double final_ce_loss = std::numeric_limits<double>::quiet_NaN();
+  double final_lb_loss = std::numeric_limits<double>::quiet_NaN();
+  double tail_ce_loss = std::numeric_limits<double>::quiet_NaN();  ///< mean of the last 10 steps
+  double entropy_gap_percent = std::numeric_limits<double>::quiet_NaN();  ///< of tail_ce_loss
+  double tokens_per_s_per_device = 0;  ///< mean over the steps after the first
+  double gemm_fraction = 0;            ///< step time in the MoE layers' BLAS GEMMs
+  double comm_fraction = std::numeric_limits<double>::quiet_NaN();  ///< in MPI (NaN: unknown)
+  double step_seconds = 0;  ///< mean step time over the steps after the first
+  /// The yardstick of the step time: seconds of the routed-expert GEMMs of one device's share of
+  /// a step run alone (see expert_gemm_seconds in gemm_time.hpp); 0 when nothing was timed.
+  double expert_gemm_seconds = 0;
+  std::int64_t layer_bytes_per_step = 0;            ///< MoE layers' comm log, this rank
+  std::int64_t layer_bytes_per_step_all_ranks = 0;  ///< summed over ranks
+  bool replicas_consistent = true;  ///< ranks holding the same parameter block agree bitwise
+  /// What oneDNN ran on rank 0 (moe::gmm::OneDnnStats::summary(): ISA, executions per kernel).
+  std::string gemm_kernels;
+  /// Executions of a oneDNN reference implementation, summed over ranks (0; a rank that ran one
+  /// also writes its warning, naming the shape, to stderr).
+  std::int64_t reference_runs_all_ranks = 0;
+};
+
+/// \brief Options of run_training that are not part of the configuration.
+struct RunOptions {
+  std::ostream* out = &std::cout;  ///< rank 0's progress log (nullptr: silent)
+  /// Seconds spent in MPI so far on this rank (train_moe's main measures them through the MPI
+  /// profiling interface); empty: the communication share of the step time is not reported.
+  std::function<double()> comm_seconds;
+};
+
+namespace detail {
+
+inline double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+inline std::string fmt(char const* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+/// The mesh axes of size > 1 ("expert=2 x data=2"), "1 rank" when there are none.
+inline std::string mesh_text(moe::sharding::Mesh const& mesh) {
+  std::string s;
+  for (auto const& [name, size] : mesh.axes())
+    if (size > 1) s += (s.empty() ? "" : " x ") + name + "=" + std::to_string(size);
+  return s.empty() ? std::string("1 rank") : s;
+}
+
+inline std::string json_number(double v) {
+  return std::isfinite(v) ? fmt("%.17g", v) : std::string("null");
+}
+
+/// The losses of the run's last step and the mean ce_loss of its last 10 steps.
+inline void finish_losses(TrainResult& res) {
+  if (res.history.empty()) return;
+  auto const& last = res.history.back();
+  res.final_loss = last.loss;
+  res.final_ce_loss = last.ce_loss;
+  res.final_lb_loss = last.lb_loss;
+  std::size_t const k = std::min<std::size_t>(10, res.history.size());
+  double s = 0;
+  for (std::size_t i = res.history.size() - k; i < res.history.size(); ++i)
+    s += res.history[i].ce_loss;
+  res.tail_ce_loss = s / double(k);
+  res.entropy_gap_percent = 100.0 * (res.tail_ce_loss - res.entropy_rate) / res.entropy_rate;
+}
+
+/// \brief Rank 0's metrics_file: one JSON object per step, flushed per line. Other ranks and an
+/// empty path write nothing.
+class MetricsFile {
+ public:
+  /// Collective: opens `path` on rank 0 (truncating it; after a resume at step `start > 0` the
+  /// lines of the steps before `start` are kept, the steps after are run again); a failure is
+  /// the same moe::IoError on every rank.
+  void open(moe::comm::Communicator const& comm, std::string const& path, std::int64_t start) {
+    bool failed = false;
+    if (comm.rank() == 0 && !path.empty()) {
+      std::vector<std::string> keep;
+      if (start > 0) {
+        std::ifstream in(path);
+        std::string line;
+        while (std::getline(in, line)) {
+          auto const at = line.find("\"step\": ");
+          if (at != std::string::npos && std::atoll(line.c_str() + at + 8) < start)
+            keep.push_back(line);
+        }
+      }
+      file_.open(path, std::ios::trunc);
+      failed = !file_;
+      for (auto const& l : keep) file_ << l << "\n";
+    }
+    moe::comm::any_error(comm, failed, "metrics_file='" + path + "' cannot be written",
+                         moe::comm::ErrorKind::io);
+  }
+
+  /// Appends step m (entropy_rate: the dataset's, written with every step).
+  void write(StepMetrics const& m, double entropy_rate) {
+    if (!file_.is_open()) return;
+    file_ << "{\"step\": " << m.step << ", \"loss\": " << json_number(m.loss)
+          << ", \"ce_loss\": " << json_number(m.ce_loss)
+          << ", \"lb_loss\": " << json_number(m.lb_loss)
+          << ", \"perplexity\": " << json_number(m.perplexity)
+          << ", \"seconds\": " << json_number(m.seconds)
+          << ", \"tokens_per_s_per_device\": " << json_number(m.tokens_per_s_per_device)
+          << ", \"entropy_rate\": " << json_number(entropy_rate)
+          << ", \"learning_rate\": " << json_number(m.learning_rate)
+          << ", \"grad_norm\": " << json_number(m.grad_norm) << "}\n";
+    file_.flush();
+  }
+
+ private:
+  std::ofstream file_;
+};
+
+/// The two progress lines of a logged step.
+inline void print_step(std::ostream& o, StepMetrics const& m) {
+  o << "completed step: " << m.step << ", seconds: " << fmt("%.3f", m.seconds)
+    << ", tokens/s/device: " << fmt("%.1f", m.tokens_per_s_per_device)
+    << ", loss: " << fmt("%.4f", m.loss) << ", perplexity: " << fmt("%.4f", m.perplexity) << "\n"
+    << "  lb_loss: " << fmt("%.4f", m.lb_loss) << ", ce_loss: " << fmt("%.4f", m.ce_loss)
+    << ", learning_rate: " << fmt("%.3g", m.learning_rate)
+    << ", grad_norm: " << fmt("%.3f", m.grad_norm) << "\n";
+  o.flush();
+}
+
+/// The closing "summary:" lines of a run (steps: the configured count; dataset: its name;
+/// layers: the MoE layers).
+inline void print_summary(std::ostream& o, TrainResult const& r, std::int64_t steps,
+                          std::string const& dataset, int layers) {
+  auto pct = [](double f) { return std::isfinite(f) ? fmt("%.1f%%", 100 * f) : "n/a"; };
+  if (r.history.empty()) {
+    o << "summary: nothing to train (start step " << r.start_step << ", steps " << steps << ")\n";
+    return;
+  }
+  o << "summary: final loss " << fmt("%.4f", r.final_loss) << " (ce_loss "
+    << fmt("%.4f", r.final_ce_loss) << ", lb_loss " << fmt("%.4f", r.final_lb_loss) << ") at step "
+    << r.history.back().step << "\n";
+  o << "summary: entropy rate ";
+  if (std::isfinite(r.entropy_rate))
+    o << fmt("%.4f", r.entropy_rate) << " nats/token, mean ce_loss of the last "
+      << std::min<std::size_t>(10, r.history.size()) << " steps " << fmt("%.4f", r.tail_ce_loss)
+      << ", gap " << fmt("%.1f%%", r.entropy_gap_percent) << "\n";
+  else
+    o << "unknown (dataset " << dataset << ")\n";
+  double const gemm = std::isfinite(r.gemm_fraction) ? r.gemm_fraction : 0;
+  double const comm = std::isfinite(r.comm_fraction) ? r.comm_fraction : 0;
+  o << "summary: tokens/s/device " << fmt("%.1f", r.tokens_per_s_per_device)
+    << "; step time: expert GEMMs " << pct(r.gemm_fraction) << ", communication "
+    << pct(r.comm_fraction) << ", rest " << pct(1 - gemm - comm) << "\n";
+  if (r.expert_gemm_seconds > 0)
+    o << "summary: step " << fmt("%.1f", 1e3 * r.step_seconds)
+      << " ms; the expert GEMMs of one rank's share alone "
+      << fmt("%.1f", 1e3 * r.expert_gemm_seconds) << " ms; ratio "
+      << fmt("%.2f", r.step_seconds / r.expert_gemm_seconds) << "\n";
+  o << "summary: MoE layer bytes per step " << r.layer_bytes_per_step << " sent by rank 0, "
+    << r.layer_bytes_per_step_all_ranks << " by all ranks (" << layers << " layers, " << r.mesh
+    << ")\n";
+  o << "summary: gemm kernels (rank 0) " << r.gemm_kernels << "\n";
+  if (r.reference_runs_all_ranks > 0)
+    o << "warning: oneDNN ran a reference implementation " << r.reference_runs_all_ranks
+      << " times over all ranks (each such rank named the shape on stderr)\n";
+  if (!r.replicas_consistent)
+    o << "warning: ranks holding the same parameter block disagree bitwise\n";
+  o.flush();
+}
+
+}  // namespace detail
+}  // namespace train

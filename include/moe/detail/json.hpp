@@ -1,0 +1,48 @@
+#pragma once
+/// \file
+/// moe's JSON output, on nlohmann-json: documents are built as nlohmann::ordered_json (members
+/// in the order written) and printed by json_text in the layout of Python's json.dumps
+/// (", " between items, ": " after keys, one line), the layout MaxText's own JSON has. Strings
+/// that are not valid UTF-8 print with U+FFFD in place of the bad bytes, never an exception.
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+
+namespace moe::detail {
+
+using ordered_json = nlohmann::ordered_json;
+
+/// Appends j to out as json_text does.
+inline void append_json_text(std::string& out, ordered_json const& j) {
+  if (j.is_object()) {
+    out += '{';
+    bool first = true;
+    for (auto const& [key, value] : j.items()) {
+      if (!first) out += ", ";
+      first = false;
+      out += ordered_json(key).dump(-1, ' ', false, ordered_json::error_handler_t::replace);
+      out += ": ";
+      append_json_text(out, value);
+    }
+    out += '}';
+  } else if (j.is_array()) {
+    out += '[';
+    for (std::size_t i = 0; i < j.size(); ++i) {
+      if (i) out += ", ";
+      append_json_text(out, j[i]);
+    }
+    out += ']';
+  } else {
+    out += j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
+  }
+}
+
+/// One line of JSON in json.dumps' layout: `{"a": 1, "b": [null, "x"]}`.
+inline std::string json_text(ordered_json const& j) {
+  std::string out;
+  append_json_text(out, j);
+  return out;
+}
+
+}  // namespace moe::detail
