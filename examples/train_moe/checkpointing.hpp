@@ -18,6 +18,7 @@
 #include <map>
 #include <optional>
 #include <ostream>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -40,7 +41,8 @@ std::vector<moe::io::BlockRef> block_refs(std::vector<Param<Scalar>>& params) {
 /// was written on, the model's architecture keys (model.*) and the run's identity (run.*).
 inline std::map<std::string, std::string> checkpoint_metadata(TrainConfig const& cfg, int ranks,
                                                               std::string const& mesh,
-                                                              std::int64_t step) {
+                                                              std::int64_t step,
+                                                              std::string const& data_hash) {
   std::map<std::string, std::string> md;
   md["format"] = "train_moe/1";
   md["step"] = std::to_string(step);
@@ -48,7 +50,8 @@ inline std::map<std::string, std::string> checkpoint_metadata(TrainConfig const&
   md["rng"] = "counter-based (seed, step, sequence index)";
   md["mesh"] = mesh;
   md["ranks"] = std::to_string(ranks);
-  for (auto const& [k, v] : cfg.architecture()) md["model." + k] = v;
+  for (auto const& [k, v] : cfg.model_keys()) md["model." + k] = v;
+  if (!data_hash.empty()) md["data.hash"] = data_hash;
   for (auto const& [k, v] : cfg.run_identity(ranks)) md["run." + k] = v;
   return md;
 }
@@ -58,14 +61,29 @@ inline std::map<std::string, std::string> checkpoint_metadata(TrainConfig const&
 template <class Scalar>
 void save(moe::comm::Communicator const& comm, TrainConfig const& cfg,
           std::vector<Param<Scalar>>& params, std::string const& mesh, std::int64_t step,
-          std::ostream* out) {
+          std::string const& data_hash, std::ostream* out) {
   for (auto& q : params) {
     Kokkos::deep_copy(q.p_host, q.p);
     Kokkos::deep_copy(q.m_host, q.m);
     Kokkos::deep_copy(q.v_host, q.v);
   }
+  // Never a non-finite checkpoint: every value is checked before anything is written, so the
+  // checkpoints already in the directory (and their rotation) are untouched when one is not.
+  moe::comm::collective_guard(comm, [&] {
+    for (auto const& q : params)
+      for (auto const* v : {&q.p_host, &q.m_host, &q.v_host})
+        for (std::size_t i = 0; i < v->extent(0); ++i)
+          if (!std::isfinite(double((*v)(i))))
+            throw moe::NumericError(moe::detail::cat(
+                "step ", step, " was not saved: ",
+                v == &q.p_host ? "params." : (v == &q.m_host ? "opt_state.mu." : "opt_state.nu."),
+                q.name, " holds ", double((*v)(i)), " at element ", i,
+                " of this rank's block; the checkpoints in '", cfg.checkpoint_dir,
+                "' are kept as they were"));
+  });
   moe::io::save_checkpoint(comm, cfg.checkpoint_dir, step, block_refs(params),
-                           checkpoint_metadata(cfg, comm.size(), mesh, step), cfg.checkpoint_keep);
+                           checkpoint_metadata(cfg, comm.size(), mesh, step, data_hash),
+                           cfg.checkpoint_keep);
   if (out) *out << "saved checkpoint: step " << step << " in " << cfg.checkpoint_dir << "\n";
 }
 
@@ -91,7 +109,8 @@ inline std::string step_dirs(moe::comm::Communicator const& comm, std::string co
 /// The caller must tell the layers that their weights changed.
 template <class Scalar>
 std::optional<std::int64_t> resume(moe::comm::Communicator const& comm, TrainConfig const& cfg,
-                                   std::vector<Param<Scalar>>& params, std::ostream* out) {
+                                   std::vector<Param<Scalar>>& params, std::string const& data_hash,
+                                   std::ostream* out) {
   std::map<std::string, std::string> md;
   std::int64_t step = 0;
   if (!moe::io::load_latest_checkpoint(comm, cfg.checkpoint_dir, block_refs(params), md, step)) {
@@ -105,19 +124,34 @@ std::optional<std::int64_t> resume(moe::comm::Communicator const& comm, TrainCon
                          moe::comm::ErrorKind::config);
     return std::nullopt;
   }
-  // The same metadata on every rank: checks throw alike everywhere.
-  std::string mismatch;
+  // The same metadata on every rank: checks throw alike everywhere. Every model key and the
+  // dataset's content must match, unless resume_allow_changed names them; a key the checkpoint
+  // does not record (written before it was) is not compared.
+  std::string mismatch, allowed, unrecorded;
   if (md.count("format") == 0 || md.at("format") != "train_moe/1")
     mismatch = " (not a train_moe checkpoint)";
-  for (auto const& [k, v] : cfg.architecture()) {
-    auto it = md.find("model." + k);
-    if (it == md.end() || it->second != v)
-      mismatch += " " + k + "=" + (it == md.end() ? std::string("?") : it->second) +
-                  " (this run: " + v + ")";
-  }
+  std::set<std::string> may_change;
+  for (auto const& k : comma_list(cfg.resume_allow_changed)) may_change.insert(k);
+  auto compare = [&](std::string const& key, std::string const& mine, bool recorded_always) {
+    auto it = md.find(key == "dataset_hash" ? std::string("data.hash") : "model." + key);
+    if (it == md.end() && !recorded_always) {
+      unrecorded += " " + key;
+      return;
+    }
+    std::string const theirs = it == md.end() ? std::string("?") : it->second;
+    if (theirs == mine) return;
+    std::string const what = " " + key + "=" + theirs + " (this run: " + mine + ")";
+    (may_change.count(key) ? allowed : mismatch) += what;
+  };
+  std::size_t const always = cfg.architecture().size();  // recorded since train_moe/1
+  auto const keys = cfg.model_keys();
+  for (std::size_t i = 0; i < keys.size(); ++i) compare(keys[i].first, keys[i].second, i < always);
+  if (!data_hash.empty()) compare("dataset_hash", data_hash, false);
   moe::detail::require<moe::ConfigError>(
       mismatch.empty(), "checkpoint_dir='", cfg.checkpoint_dir, "' holds step ", step,
-      " of another model:", mismatch, "; use another checkpoint_dir or enable_checkpointing=false");
+      " of another model or dataset:", mismatch,
+      "; use another checkpoint_dir, enable_checkpointing=false, or name the keys in "
+      "resume_allow_changed if the change is intended");
   // The checksums prove the bytes are the ones written, not that they are usable: every value
   // is checked before training on it (finite; second moments >= 0), on every rank's blocks.
   moe::comm::collective_guard(comm, [&] {
@@ -153,6 +187,11 @@ std::optional<std::int64_t> resume(moe::comm::Communicator const& comm, TrainCon
     if (!changed.empty())
       *out << "note: this run differs from the checkpoint's in" << changed
            << ": it continues the training, but not the same run\n";
+    if (!allowed.empty())
+      *out << "note: resume_allow_changed:" << allowed
+           << ": the model differs from the one the checkpoint was trained as\n";
+    if (!unrecorded.empty())
+      *out << "note: the checkpoint does not record" << unrecorded << ": not compared\n";
   }
   return step;
 }

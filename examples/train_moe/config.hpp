@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -16,6 +18,36 @@
 #include <vector>
 
 namespace train {
+
+/// The items of a comma-separated list ("" and "none": none).
+inline std::vector<std::string> comma_list(std::string const& text) {
+  std::vector<std::string> out;
+  if (text.empty() || text == "none") return out;
+  std::size_t at = 0;
+  while (at <= text.size()) {
+    std::size_t const comma = std::min(text.find(',', at), text.size());
+    out.push_back(text.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return out;
+}
+
+/// The signals a save_on_signal value names (SIGTERM, SIGINT, SIGHUP, SIGUSR1, comma-separated;
+/// "none" or "" for none); nothing if it names anything else.
+inline std::optional<std::vector<int>> stop_signal_numbers(std::string const& text) {
+  std::vector<int> out;
+  for (auto const& name : comma_list(text)) {
+    int sig = 0;
+    for (auto const& [n, s] : {std::pair<char const*, int>{"SIGTERM", SIGTERM},
+                               {"SIGINT", SIGINT},
+                               {"SIGHUP", SIGHUP},
+                               {"SIGUSR1", SIGUSR1}})
+      if (name == n) sig = s;
+    if (sig == 0) return std::nullopt;
+    out.push_back(sig);
+  }
+  return out;
+}
 
 /// \brief The configuration of one training run.
 ///
@@ -62,6 +94,14 @@ struct TrainConfig {
   // Logging.
   std::int64_t log_period = 10;
   std::string metrics_file;
+
+  // Preemption.
+  /// Signals that stop the run at the next step boundary with a checkpoint (comma-separated
+  /// subset of SIGTERM, SIGINT, SIGHUP, SIGUSR1; "none": each of them ends the run at once).
+  std::string save_on_signal = "SIGTERM,SIGINT,SIGHUP,SIGUSR1";
+  /// Model keys (and `dataset_hash`) a resume may find changed (comma-separated); any other
+  /// difference from the checkpoint is refused.
+  std::string resume_allow_changed;
 
   /// Keys given explicitly through set() (their canonical names).
   std::set<std::string> given;
@@ -169,6 +209,19 @@ struct TrainConfig {
             {"routed_bias", n(layer.routed_bias)},
             {"dtype", dtype}};
   }
+  /// architecture() and every other layer key that changes what the model computes (routing,
+  /// activations, capacity, ...; not seed, check_finite, sparse_matmul and the two training
+  /// rates): the keys a resume compares. A checkpoint that does not record one of the keys after
+  /// the first nine (written before they were recorded) is not compared on it.
+  std::vector<std::pair<std::string, std::string>> model_keys() const {
+    auto keys = architecture();
+    std::set<std::string> skip = {"seed", "check_finite", "sparse_matmul",
+                                  "load_balance_loss_weight", "routed_bias_update_rate"};
+    for (auto const& [k, v] : keys) skip.insert(k);
+    for (auto const& f : moe::LayerConfig::table().fields())
+      if (skip.count(f.key) == 0) keys.emplace_back(f.key, f.text(layer));
+    return keys;
+  }
   /// Keys that make a resumed run the continuation of the same run (a difference is reported).
   std::vector<std::pair<std::string, std::string>> run_identity(int ranks) const {
     auto n = [](auto v) { return std::to_string(v); };
@@ -247,6 +300,10 @@ inline moe::ConfigTable<TrainConfig> const& TrainConfig::table() {
     t.field("checkpoint_keep", &C::checkpoint_keep, "keep", "checkpoints kept");
     t.field("log_period", &C::log_period, "log", "steps between printed lines");
     t.field("metrics_file", &C::metrics_file, "metrics", "JSON-lines metrics (rank 0)");
+    t.field("save_on_signal", &C::save_on_signal, "sig",
+            "signals that stop at the next step with a checkpoint (exit 75)");
+    t.field("resume_allow_changed", &C::resume_allow_changed, "allow",
+            "model keys (or dataset_hash) a resume may change, comma-separated");
 
     // Rules, in the order validate() checks them (then the layer's and the parallelism's).
     auto in01 = [](double v) { return v >= 0 && v <= 1; };
@@ -269,6 +326,30 @@ inline moe::ConfigTable<TrainConfig> const& TrainConfig::table() {
     t.at_least(&C::adam_weight_decay, 0.0);
     t.rule(&C::gradient_clipping_threshold, "must be >= 0 (0: no clipping)",
            [](double v) { return v >= 0; });
+    t.check(&C::save_on_signal, "SIGTERM, SIGINT, SIGHUP, SIGUSR1 (comma-separated) or none",
+            [](C const& c) {
+              moe::detail::require<moe::ConfigError>(
+                  stop_signal_numbers(c.save_on_signal).has_value(), "save_on_signal='",
+                  c.save_on_signal,
+                  "' must list SIGTERM, SIGINT, SIGHUP or SIGUSR1, comma-separated, or be none");
+            });
+    t.check(&C::resume_allow_changed, "model keys or dataset_hash, comma-separated",
+            [](C const& c) {
+              std::set<std::string> known = {"dataset_hash"};
+              std::string list;
+              for (auto const& kv : c.model_keys()) known.insert(kv.first);
+              for (auto const& k : known) list += (list.empty() ? "" : ", ") + k;
+              for (auto const& k : comma_list(c.resume_allow_changed))
+                moe::detail::require<moe::ConfigError>(
+                    known.count(k) != 0, "resume_allow_changed names '", k,
+                    "', which is not a model key or dataset_hash (", list, ")");
+            });
+    t.check(&C::dataset_path, "read only with dataset_type=text", [](C const& c) {
+      moe::detail::require<moe::ConfigError>(
+          c.dataset_path.empty() || c.dataset_type == "text", "dataset_path='", c.dataset_path,
+          "' is read only with dataset_type=text (dataset_type=", c.dataset_type,
+          "): set dataset_type=text or drop dataset_path");
+    });
     t.check(&C::dataset_path, "dataset_type=text needs it", [](C const& c) {
       moe::detail::require<moe::ConfigError>(
           c.dataset_type != "text" || !c.dataset_path.empty(),

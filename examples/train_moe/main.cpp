@@ -24,9 +24,17 @@
 #include <mpi.h>
 #include <yaml-cpp/yaml.h>
 
+#include <pthread.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <string>
+#include <thread>
+#include <vector>
 
 namespace {
 
@@ -45,6 +53,37 @@ struct MpiTimed {
   MpiTimed(MpiTimed const&) = delete;
   MpiTimed& operator=(MpiTimed const&) = delete;
 };
+
+// ---- Preemption (save_on_signal) ---------------------------------------------------------------
+// SIGTERM, SIGINT, SIGHUP and SIGUSR1 are blocked in main() before MPI_Init, so every thread
+// (MPI's, OpenMP's, Kokkos') inherits the mask and none runs a handler; one thread of its own
+// takes them with sigwait. No handler ever runs inside a compute kernel: oneDNN 2.6.3's sgemm
+// kernels move the stack pointer into a heap workspace, where a handler's frame would land.
+// The first signal that save_on_signal names asks the run to stop at the next step boundary
+// (train.hpp agrees on it across the ranks and saves); a second one, or one it does not name,
+// ends the process at once with exit code 128 + signal.
+std::atomic<int> g_stop_signal{0};
+std::atomic<unsigned> g_save_mask{~0u};  // bit s: signal s saves (all until the config is read)
+
+void start_signal_watcher() {
+  sigset_t set;
+  sigemptyset(&set);
+  for (int s : {SIGTERM, SIGINT, SIGHUP, SIGUSR1}) sigaddset(&set, s);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::thread([set] {
+    for (;;) {
+      int sig = 0;
+      if (sigwait(&set, &sig) != 0) continue;
+      int none = 0;
+      if ((g_save_mask.load() >> sig & 1u) != 0 && g_stop_signal.compare_exchange_strong(none, sig))
+        continue;
+      char const msg[] = "train_moe: stopping at once on a signal (exit code 128 + signal)\n";
+      ssize_t const ignored = ::write(2, msg, sizeof msg - 1);
+      (void)ignored;
+      std::_Exit(128 + sig);
+    }
+  }).detach();
+}
 
 }  // namespace
 
@@ -175,15 +214,21 @@ int run(int argc, char** argv, moe::comm::Communicator const& world) {
       train::require_fits(train::estimate_memory(cfg, world.size()), moe::available_memory_bytes(),
                           moe::applied_host_threads().local_ranks);
   });
+  unsigned mask = 0;
+  auto const signals = train::stop_signal_numbers(cfg.save_on_signal);  // validated above
+  for (int sig : signals.value_or(std::vector<int>{})) mask |= 1u << sig;
+  g_save_mask = mask;
   train::RunOptions opts;
   opts.comm_seconds = [] { return g_mpi_seconds; };
-  train::run_training(world, cfg, opts);
-  return 0;
+  opts.stop_signal = [] { return g_stop_signal.load(); };
+  auto const r = train::run_training(world, cfg, opts);
+  return r.stopped_by_signal != 0 ? train::kExitStoppedBySignal : 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  start_signal_watcher();
   return moe::cli::tool_main("train_moe", kUsage, argc, argv, [&] {
     moe::comm::Communicator world(MPI_COMM_WORLD);
     return run(argc, argv, world);

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +20,7 @@
 #include <iostream>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace train {
@@ -64,7 +66,15 @@ struct TrainResult {
   /// Executions of a oneDNN reference implementation, summed over ranks (0; a rank that ran one
   /// also writes its warning, naming the shape, to stderr).
   std::int64_t reference_runs_all_ranks = 0;
+  /// The signal that stopped the run at a step boundary (0: it ran to `steps`).
+  int stopped_by_signal = 0;
+  /// The step of the checkpoint written when it stopped (-1: none, checkpointing off).
+  std::int64_t stop_checkpoint = -1;
 };
+
+/// train_moe's exit code after a stop by save_on_signal (sysexits' EX_TEMPFAIL: requeue the job
+/// and it resumes from the checkpoint it saved).
+constexpr int kExitStoppedBySignal = 75;
 
 /// \brief Options of run_training that are not part of the configuration.
 struct RunOptions {
@@ -72,6 +82,9 @@ struct RunOptions {
   /// Seconds spent in MPI so far on this rank (train_moe's main measures them through the MPI
   /// profiling interface); empty: the communication share of the step time is not reported.
   std::function<double()> comm_seconds;
+  /// The save_on_signal signal this rank has received so far (0: none); empty: never stops. Read
+  /// at every step boundary and agreed over the ranks (a signal may reach only some of them).
+  std::function<int()> stop_signal;
 };
 
 namespace detail {
@@ -92,6 +105,16 @@ inline std::string mesh_text(moe::sharding::Mesh const& mesh) {
   for (auto const& [name, size] : mesh.axes())
     if (size > 1) s += (s.empty() ? "" : " x ") + name + "=" + std::to_string(size);
   return s.empty() ? std::string("1 rank") : s;
+}
+
+/// "SIGTERM" for SIGTERM, ... ("signal N" for others).
+inline std::string signal_name(int sig) {
+  for (auto const& [n, s] : {std::pair<char const*, int>{"SIGTERM", SIGTERM},
+                             {"SIGINT", SIGINT},
+                             {"SIGHUP", SIGHUP},
+                             {"SIGUSR1", SIGUSR1}})
+    if (s == sig) return n;
+  return "signal " + std::to_string(sig);
 }
 
 inline std::string json_number(double v) {

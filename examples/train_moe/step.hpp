@@ -90,6 +90,25 @@ class Model {
     Ops::project(space, z_, out_w_, logits_);
     double const n_tokens = double(B_) * double(S_);
     Ops::cross_entropy(space, logits_, tok_tgt_, 1.0 / n_tokens, loss_t_, dlogits_);
+    // Loss: this rank's token losses in order, then summed over the batch axes.
+    Kokkos::deep_copy(space, loss_host_, loss_t_);
+    moe::detail::fence(space, "train::step: token losses");
+    moe::View1<double, Kokkos::HostSpace> ce("train::ce_sum", 1);
+    for (std::int64_t t = 0; t < T_; ++t) ce(0) += double(loss_host_(t));
+    moe::comm::all_reduce(*batch_comm_, Kokkos::DefaultHostExecutionSpace(), ce);
+    StepMetrics m;
+    m.step = step;
+    m.ce_loss = ce(0) / n_tokens;
+    for (auto const& l : layers_) m.lb_loss += l->lb_loss();
+    m.loss = m.ce_loss + m.lb_loss;
+    m.perplexity = std::exp(m.ce_loss);
+    m.learning_rate = learning_rate_at(cfg_, step);
+    // The divergence guard (always on, check_finite or not): a step whose loss (here, agreed
+    // over the ranks before the backward) or gradient norm (below) is not finite stops the run
+    // before its update, so no checkpoint ever holds it.
+    if (moe::comm::any_rank(comm_, !std::isfinite(m.loss)))
+      diverged(m, std::isfinite(m.loss) ? "the loss is not finite on another rank"
+                                        : moe::detail::cat("the loss is ", m.loss));
     // Backward.
     Ops::project_backward(space, z_, out_w_, dlogits_, dz_, d_out_w_);
     Ops::rms_backward(space, xs_[L_], final_norm_, inv_f_, dz_, dx_, false, d_final_norm_);
@@ -103,22 +122,11 @@ class Model {
     Ops::embedding_backward(space, tok_in_, de_, d_emb_);
     // Replicated parameters: sum the gradients of the ranks that hold other sequences.
     moe::comm::all_reduce(*batch_comm_, space, dense_g_);
-    // Loss: this rank's token losses in order, then summed over the batch axes.
-    Kokkos::deep_copy(space, loss_host_, loss_t_);
-    moe::detail::fence(space, "train::step: token losses");
-    moe::View1<double, Kokkos::HostSpace> ce("train::ce_sum", 1);
-    for (std::int64_t t = 0; t < T_; ++t) ce(0) += double(loss_host_(t));
-    moe::comm::all_reduce(*batch_comm_, Kokkos::DefaultHostExecutionSpace(), ce);
-    StepMetrics m;
-    m.step = step;
-    m.ce_loss = ce(0) / n_tokens;
-    for (auto const& l : layers_) m.lb_loss += l->lb_loss();
-    m.loss = m.ce_loss + m.lb_loss;
-    m.perplexity = std::exp(m.ce_loss);
     m.grad_norm = global_grad_norm(space, comm_, params_);
+    if (!std::isfinite(m.grad_norm))
+      diverged(m, moe::detail::cat("the global gradient norm is ", m.grad_norm));
     double const clip = cfg_.gradient_clipping_threshold;
     double const scale = clip > 0 && m.grad_norm > clip ? clip / m.grad_norm : 1.0;
-    m.learning_rate = learning_rate_at(cfg_, step);
     adamw_step(space, cfg_, params_, m.learning_rate, scale, step + 1);
     // The optimizer wrote the MoE weights through raw pointers: packed copies are stale.
     weights_changed();
@@ -141,6 +149,15 @@ class Model {
   }
 
  private:
+  /// Stops the run at a step that diverged (every rank calls it alike).
+  [[noreturn]] static void diverged(StepMetrics const& m, std::string const& what) {
+    throw moe::NumericError(moe::detail::cat(
+        "step ", m.step, " (learning_rate ", m.learning_rate, ") diverged: ", what, " (ce_loss ",
+        m.ce_loss, ", lb_loss ", m.lb_loss,
+        "); its update was not applied and nothing of it was saved; lower learning_rate or "
+        "gradient_clipping_threshold and resume from the last checkpoint"));
+  }
+
   void setup() {
     // Data and shapes (a failure on any rank is the same error on every rank).
     moe::comm::collective_guard(comm_, [&] {

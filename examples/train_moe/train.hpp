@@ -43,6 +43,15 @@ namespace train {
 
 namespace detail {
 
+/// dataset_type=text: "<bytes> bytes, hash <fnv1a>" of dataset_path's content ("" otherwise: the
+/// keys define the data).
+inline std::string dataset_hash(TrainConfig const& cfg) {
+  if (cfg.dataset_type != "text") return "";
+  std::ifstream in(cfg.dataset_path, std::ios::binary);
+  std::string const bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return std::to_string(bytes.size()) + " bytes, hash " + std::to_string(moe::detail::fnv1a(bytes));
+}
+
 /// The training loop of one dtype: resume, steps, reports, checkpoints, the closing summary.
 template <class Scalar>
 class Trainer {
@@ -52,7 +61,8 @@ class Trainer {
         cfg_(cfg),
         opts_(opts),
         rank_(comm.rank()),
-        model_(comm, cfg, rank_ == 0 ? opts.out : nullptr) {}
+        model_(comm, cfg, rank_ == 0 ? opts.out : nullptr),
+        data_hash_(dataset_hash(cfg)) {}
 
   TrainResult run() {
     TrainResult res;
@@ -61,7 +71,7 @@ class Trainer {
     res.entropy_rate = model_.dataset().entropy_rate();
     std::int64_t start = 0;
     if (cfg_.enable_checkpointing) {
-      if (auto const step = detail::resume(comm_, cfg_, model_.params(), out())) {
+      if (auto const step = detail::resume(comm_, cfg_, model_.params(), data_hash_, out())) {
         start = *step;
         res.resumed = true;
         model_.weights_changed();
@@ -76,7 +86,18 @@ class Trainer {
     try {
       for (std::int64_t step = start; step < cfg_.steps; ++step) {
         double const g0 = GemmClock::seconds, c0 = comm_clock();
-        StepMetrics m = model_.train_step(step);
+        StepMetrics m;
+        try {
+          m = model_.train_step(step);
+        } catch (moe::InputError const& e) {
+          // The layers' check_finite found a non-finite activation or gradient (collectively):
+          // the same stop as the divergence guard's, with the step that caused it.
+          throw moe::NumericError(moe::detail::cat(
+              "step ", step, " (learning_rate ", learning_rate_at(cfg_, step),
+              ") diverged: ", e.what(),
+              "; its update was not applied and nothing of it was saved; lower "
+              "learning_rate or gradient_clipping_threshold and resume from the last checkpoint"));
+        }
         if (step > start || cfg_.steps - start == 1) {
           t_steps += m.seconds;
           t_gemm += GemmClock::seconds - g0;
@@ -88,8 +109,17 @@ class Trainer {
         res.history.push_back(m);
         report(m);
         std::int64_t const done = step + 1;
-        if (cfg_.enable_checkpointing && (done % cfg_.checkpoint_period == 0 || done == cfg_.steps))
-          detail::save(comm_, cfg_, model_.params(), res.mesh, done, out());
+        bool const periodic =
+            cfg_.enable_checkpointing && (done % cfg_.checkpoint_period == 0 || done == cfg_.steps);
+        if (periodic) detail::save(comm_, cfg_, model_.params(), res.mesh, done, data_hash_, out());
+        if (int const sig = stop_signal(); sig != 0 && done < cfg_.steps) {
+          // Preemption: every rank stops after this same step, with a checkpoint of it.
+          if (cfg_.enable_checkpointing && !periodic)
+            detail::save(comm_, cfg_, model_.params(), res.mesh, done, data_hash_, out());
+          res.stopped_by_signal = sig;
+          res.stop_checkpoint = cfg_.enable_checkpointing ? done : -1;
+          break;
+        }
       }
     } catch (...) {
       GemmClock::uninstall();
@@ -98,14 +128,16 @@ class Trainer {
     GemmClock::uninstall();
     finish_losses(res);
     if (t_steps > 0) {
-      res.step_seconds = t_steps / double(timed);
       double const tokens = model_.tokens_per_device();
-      auto const rows = std::int64_t(std::llround(tokens)) * cfg_.layer.num_experts_per_tok;
-      res.expert_gemm_seconds = detail::expert_gemm_seconds<Scalar>(comm_, cfg_.layer, rows,
-                                                                    model_.num_layers(), cfg_.seed);
+      res.step_seconds = t_steps / double(timed);
       res.tokens_per_s_per_device = double(timed) * tokens / t_steps;
       res.gemm_fraction = gemm_timed ? t_gemm / t_steps : std::numeric_limits<double>::quiet_NaN();
       if (opts_.comm_seconds) res.comm_fraction = t_comm / t_steps;
+      if (res.stopped_by_signal == 0) {  // a preempted run has no time for the yardstick
+        auto const rows = std::int64_t(std::llround(tokens)) * cfg_.layer.num_experts_per_tok;
+        res.expert_gemm_seconds = detail::expert_gemm_seconds<Scalar>(
+            comm_, cfg_.layer, rows, model_.num_layers(), cfg_.seed);
+      }
     }
     res.layer_bytes_per_step = bytes;
     moe::View1<std::int64_t, Kokkos::HostSpace> b("train::bytes", 1);
@@ -122,12 +154,32 @@ class Trainer {
     res.reference_runs_all_ranks = b(0);
     if (auto* o = out())
       print_summary(*o, res, cfg_.steps, model_.dataset().name(), model_.num_layers());
+    if (auto* o = out(); o && res.stopped_by_signal != 0) {
+      *o << "train_moe: stopped by " << signal_name(res.stopped_by_signal) << " after step "
+         << res.history.back().step << ": ";
+      if (res.stop_checkpoint >= 0)
+        *o << "saved checkpoint step " << res.stop_checkpoint << " in " << cfg_.checkpoint_dir
+           << "; the same command resumes it";
+      else
+        *o << "enable_checkpointing=false, nothing saved";
+      *o << " (exit code " << kExitStoppedBySignal << ")\n";
+      o->flush();
+    }
     return res;
   }
 
  private:
   std::ostream* out() const { return rank_ == 0 ? opts_.out : nullptr; }
   double comm_clock() const { return opts_.comm_seconds ? opts_.comm_seconds() : 0.0; }
+  /// Collective: the largest save_on_signal signal number any rank has received (0: none).
+  int stop_signal() const {
+    if (!opts_.stop_signal) return 0;
+    int const mine = opts_.stop_signal();
+    int any = 0;
+    moe::comm::detail::check_mpi(MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm_.get()),
+                                 "MPI_Allreduce");
+    return any;
+  }
 
   void report(StepMetrics const& m) {
     if (rank_ != 0) return;
@@ -142,6 +194,7 @@ class Trainer {
   int rank_ = 0;
   Model<Scalar> model_;
   MetricsFile metrics_;
+  std::string data_hash_;  ///< dataset_type=text: the file's size and content hash
 };
 
 }  // namespace detail
@@ -153,14 +206,9 @@ class Trainer {
 inline TrainResult run_training(moe::comm::Communicator const& comm, TrainConfig const& cfg,
                                 RunOptions const& opts = {}) {
   moe::comm::check_agreement(comm, "train_moe configuration", cfg.describe());
-  if (cfg.dataset_type == "text") {
-    // Every rank reads dataset_path itself: the same path must hold the same bytes everywhere.
-    std::ifstream in(cfg.dataset_path, std::ios::binary);
-    std::string const bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (cfg.dataset_type == "text")  // every rank reads it: the same path must hold the same bytes
     moe::comm::check_agreement(comm, "dataset_path file (its size and content hash)",
-                               "dataset=" + std::to_string(bytes.size()) + " bytes, hash " +
-                                   std::to_string(moe::detail::fnv1a(bytes)));
-  }
+                               "dataset=" + detail::dataset_hash(cfg));
   moe::io::CheckpointDirLock lock;  // one job per checkpoint_dir, held until training returns
   if (cfg.enable_checkpointing) lock = moe::io::CheckpointDirLock(comm, cfg.checkpoint_dir);
   if (cfg.dtype == "float64") return detail::Trainer<double>(comm, cfg, opts).run();

@@ -33,6 +33,13 @@ class InputError : public Error {
   using Error::Error;
 };
 
+/// \brief A computation produced a value that is not finite where one must be (a training step's
+/// loss or gradient norm, a tensor about to be saved): training diverged.
+class NumericError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// \brief A file could not be read or written, or its content is malformed.
 class IoError : public Error {
  public:

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -307,3 +308,47 @@ TEST(TrainLayouts, CheckpointHoldingNaNIsRefusedOnEveryRank) {
 }
 
 }  // namespace
+
+// The last line of defence of the divergence guard: a parameter or moment that is not finite on
+// one rank stops the save on every rank, before anything is written.
+TEST(TrainCheckpoint, NeverSavesANonFiniteValue) {
+  moe::comm::Communicator comm(MPI_COMM_WORLD);
+  std::string const dir = (std::filesystem::temp_directory_path() /
+                           ("moe_train_nonfinite_save_np" + std::to_string(comm.size())))
+                              .string();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+  MPI_Barrier(MPI_COMM_WORLD);
+  TrainConfig cfg = config({}, comm.size(), {"enable_checkpointing=true"});
+  cfg.checkpoint_dir = dir;
+  using P = train::detail::Param<double>;
+  std::vector<P> params(1);
+  P& q = params[0];
+  q.name = "w";
+  q.block = moe::TensorBlock{{comm.size() * 4}, {4}, {comm.rank() * 4}};
+  for (auto* v : {&q.p, &q.g, &q.m, &q.v}) *v = P::view1("w", 4);
+  q.p_host = Kokkos::create_mirror_view(q.p);
+  q.m_host = Kokkos::create_mirror_view(q.m);
+  q.v_host = Kokkos::create_mirror_view(q.v);
+  Kokkos::deep_copy(q.p, 1.0);
+  if (comm.rank() == comm.size() - 1) {  // the last rank's second moment holds an Inf
+    auto h = Kokkos::create_mirror_view(q.v);
+    h(2) = std::numeric_limits<double>::infinity();
+    Kokkos::deep_copy(q.v, h);
+  }
+  try {
+    train::detail::save(comm, cfg, params, "test", 7, "", nullptr);
+    ADD_FAILURE() << "a non-finite moment was saved";
+  } catch (moe::NumericError const& e) {
+    std::string const what = e.what();
+    EXPECT_NE(what.find("step 7 was not saved: opt_state.nu.w holds inf at element 2"),
+              std::string::npos)
+        << what;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir + "/step_00000007"));
+  // With the value repaired the same call saves.
+  Kokkos::deep_copy(q.v, 0.5);
+  train::detail::save(comm, cfg, params, "test", 7, "", nullptr);
+  EXPECT_TRUE(std::filesystem::exists(dir + "/step_00000007"));
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}

@@ -11,8 +11,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <csignal>
 #include <functional>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -355,3 +357,44 @@ TEST(TrainConfig, KeysValuesAndErrors) {
 }
 
 }  // namespace
+
+// The preemption and resume keys (#32): what they accept, and each refusal naming the value.
+TEST(TrainConfig, SaveOnSignalAndResumeAllowChanged) {
+  EXPECT_EQ(*train::stop_signal_numbers("SIGTERM,SIGUSR1"), (std::vector<int>{SIGTERM, SIGUSR1}));
+  EXPECT_TRUE(train::stop_signal_numbers("none")->empty());
+  EXPECT_TRUE(train::stop_signal_numbers("")->empty());
+  EXPECT_FALSE(train::stop_signal_numbers("SIGKILL").has_value());
+  EXPECT_FALSE(train::stop_signal_numbers("SIGTERM,").has_value());
+  auto message = [](auto&& set) {
+    train::TrainConfig c;
+    set(c);
+    try {
+      c.validate();
+    } catch (moe::ConfigError const& e) {
+      return std::string(e.what());
+    }
+    return std::string("no ConfigError");
+  };
+  auto has = [](std::string const& m, char const* s) { return m.find(s) != std::string::npos; };
+  std::string m = message([](auto& c) { c.set("save_on_signal", "SIGTERM,SIGKILL"); });
+  EXPECT_TRUE(has(m, "save_on_signal='SIGTERM,SIGKILL' must list SIGTERM")) << m;
+  m = message([](auto& c) { c.set("resume_allow_changed", "num_experts_per_tok,steps"); });
+  EXPECT_TRUE(has(m, "resume_allow_changed names 'steps', which is not a model key")) << m;
+  EXPECT_TRUE(has(m, "mlp_activations")) << m;  // the list of keys it may name
+  m = message([](auto& c) { c.set("dataset_path", "tokens.bin"); });
+  EXPECT_TRUE(has(m, "dataset_path='tokens.bin' is read only with dataset_type=text")) << m;
+  EXPECT_EQ(message([](auto& c) {
+              c.set("save_on_signal", "none");
+              c.set("resume_allow_changed", "num_experts_per_tok,dataset_hash");
+            }),
+            "no ConfigError");
+  // The model keys cover the ones that keep every tensor's shape, not the run's checks.
+  train::TrainConfig const c;
+  std::set<std::string> keys;
+  for (auto const& kv : c.model_keys()) keys.insert(kv.first);
+  for (char const* k : {"num_experts_per_tok", "mlp_activations", "decoder_block",
+                        "use_random_routing", "capacity_factor", "vocab_size", "dtype"})
+    EXPECT_EQ(keys.count(k), 1u) << k;
+  for (char const* k : {"seed", "check_finite", "sparse_matmul", "steps"})
+    EXPECT_EQ(keys.count(k), 0u) << k;
+}

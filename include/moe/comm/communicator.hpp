@@ -166,7 +166,7 @@ class Communicator {
 };
 
 /// \brief Which moe exception a collective error is re-thrown as.
-enum class ErrorKind : int { error = 1, config = 2, shape = 3, input = 4, io = 5 };
+enum class ErrorKind : int { error = 1, config = 2, shape = 3, input = 4, io = 5, numeric = 6 };
 
 namespace detail {
 
@@ -183,6 +183,8 @@ inline constexpr std::size_t max_message = 1 << 16;
       throw InputError(msg);
     case ErrorKind::io:
       throw IoError(msg);
+    case ErrorKind::numeric:
+      throw NumericError(msg);
     default:
       throw Error(msg);
   }
@@ -263,6 +265,8 @@ void collective_guard(Communicator const& comm, F&& f) {
     msg = e.what(), kind = ErrorKind::input;
   } catch (IoError const& e) {
     msg = e.what(), kind = ErrorKind::io;
+  } catch (NumericError const& e) {
+    msg = e.what(), kind = ErrorKind::numeric;
   } catch (std::exception const& e) {
     msg = e.what();
   } catch (...) {

@@ -1,0 +1,12 @@
+# Sourced by the train_moe tool tests that take `RANKS TRAIN_MOE WORKDIR MPIEXEC [flags...]`:
+# sets np, train, work, mpiexec and flags, starts in a fresh WORKDIR, gives each rank its share
+# of a set OMP_NUM_THREADS (the harness's budget for the whole test), and defines fail.
+set -u
+np=$1 train=$2 work=$3 mpiexec=$4
+shift 4
+flags=("$@")
+rm -rf "$work" && mkdir -p "$work" && cd "$work" || exit 1
+if [ -n "${OMP_NUM_THREADS:-}" ]; then
+  export OMP_NUM_THREADS=$(( OMP_NUM_THREADS / np > 0 ? OMP_NUM_THREADS / np : 1 ))
+fi
+fail() { echo "FAIL: $*"; exit 1; }
