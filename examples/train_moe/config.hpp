@@ -10,6 +10,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -326,6 +327,24 @@ inline moe::ConfigTable<TrainConfig> const& TrainConfig::table() {
     t.at_least(&C::adam_weight_decay, 0.0);
     t.rule(&C::gradient_clipping_threshold, "must be >= 0 (0: no clipping)",
            [](double v) { return v >= 0; });
+    t.check("with dtype=float32, the real-valued keys stay nonzero, normal and finite in float32",
+            [](C const& c) {
+              if (c.dtype != "float32") return;
+              for (auto const& [key, v] :
+                   {std::pair<char const*, double>{"learning_rate", c.learning_rate},
+                    {"adam_eps", c.adam_eps},
+                    {"adam_weight_decay", c.adam_weight_decay},
+                    {"normalization_layer_epsilon", c.normalization_layer_epsilon},
+                    {"gradient_clipping_threshold", c.gradient_clipping_threshold}}) {
+                float const f = float(v);
+                bool const ok = v == 0 || (std::isfinite(f) && std::isnormal(f));
+                moe::detail::require<moe::ConfigError>(
+                    ok, key, "=", v, " becomes ", f,
+                    " in float32 (dtype=float32): give a value whose magnitude is within [",
+                    std::numeric_limits<float>::min(), ", ", std::numeric_limits<float>::max(),
+                    "], or dtype=float64");
+              }
+            });
     t.check(&C::save_on_signal, "SIGTERM, SIGINT, SIGHUP, SIGUSR1 (comma-separated) or none",
             [](C const& c) {
               moe::detail::require<moe::ConfigError>(

@@ -110,15 +110,17 @@ struct ModelOps {
   static void rms_forward(ExecSpace const& space, cview2 x, cview1 g, double eps, view2 y,
                           view1 inv) {
     std::int64_t const D = x.extent(1);
-    Scalar const e = Scalar(eps);
+    double const e = double(Scalar(eps));  // the epsilon of the dtype, as before
     Kokkos::parallel_for(
         "train::rms_forward", range(space, 0, std::int64_t(x.extent(0))),
         KOKKOS_LAMBDA(std::int64_t t) {
-          Scalar ss = 0;
-          for (std::int64_t d = 0; d < D; ++d) ss += x(t, d) * x(t, d);
-          Scalar const r = Scalar(1) / moe::detail::sqrt(ss / Scalar(D) + e);
-          inv(t) = r;
-          for (std::int64_t d = 0; d < D; ++d) y(t, d) = x(t, d) * r * g(d);
+          // In double: a float32 sum of squares overflows for |x| above ~1e19 / sqrt(D), and the
+          // row would normalise to 0 (the model silently dead).
+          double ss = 0;
+          for (std::int64_t d = 0; d < D; ++d) ss += double(x(t, d)) * double(x(t, d));
+          double const r = 1.0 / moe::detail::sqrt(ss / double(D) + e);
+          inv(t) = Scalar(r);
+          for (std::int64_t d = 0; d < D; ++d) y(t, d) = Scalar(double(x(t, d)) * r * double(g(d)));
         });
   }
 
@@ -129,12 +131,14 @@ struct ModelOps {
     std::int64_t const D = x.extent(1), T = x.extent(0);
     Kokkos::parallel_for(
         "train::rms_backward_input", range(space, 0, T), KOKKOS_LAMBDA(std::int64_t t) {
-          Scalar const r = inv(t);
-          Scalar dot = 0;
-          for (std::int64_t d = 0; d < D; ++d) dot += dy(t, d) * g(d) * x(t, d);
-          Scalar const c = r * r * r * dot / Scalar(D);
+          // In double, like the forward: r^3 underflows float32 for |x| above ~1e13.
+          double const r = double(inv(t));
+          double dot = 0;
+          for (std::int64_t d = 0; d < D; ++d)
+            dot += double(dy(t, d)) * double(g(d)) * double(x(t, d));
+          double const c = r * r * r * dot / double(D);
           for (std::int64_t d = 0; d < D; ++d) {
-            Scalar const v = r * g(d) * dy(t, d) - c * x(t, d);
+            Scalar const v = Scalar(r * double(g(d)) * double(dy(t, d)) - c * double(x(t, d)));
             dx(t, d) = accumulate ? dx(t, d) + v : v;
           }
         });

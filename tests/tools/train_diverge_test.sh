@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A diverging train_moe run never writes a checkpoint of its divergence and never rotates a good
-# one away (#32): a good run saves step 4 (checkpoint_keep=1), a resume at learning_rate=1e6
+# one away (#32): a good run saves step 4 (checkpoint_keep=1), a resume at learning_rate=1e15
 # diverges. With check_finite=false (the per-step guard) and true (the layers' checks), the run
 # exits 2 with one line naming the step and the learning rate, step 4 stays bitwise as it was,
 # no other step directory or temporary is left, and the metrics stop before the diverged step.
@@ -12,7 +12,7 @@ common=(enable_checkpointing=true checkpoint_period=2 checkpoint_keep=1 checkpoi
 [ -d ck/step_00000004 ] || fail "no step 4 checkpoint: $(ls ck)"
 (cd ck && find step_00000004 -type f -exec sha256sum {} + | sort) >sums
 for cf in false true; do
-  "$mpiexec" -np "$np" "${flags[@]}" "$train" steps=12 learning_rate=1e6 check_finite=$cf \
+  "$mpiexec" -np "$np" "${flags[@]}" "$train" steps=12 learning_rate=1e15 check_finite=$cf \
     metrics_file=m_$cf.jsonl "${common[@]}" >bad_$cf.log 2>&1
   rc=$?
   [ $rc -eq 2 ] || { cat bad_$cf.log; fail "check_finite=$cf: exit $rc, expected 2"; }

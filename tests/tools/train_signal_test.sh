@@ -11,7 +11,8 @@ common=(dtype=float64 log_period=1 enable_checkpointing=true checkpoint_period=1
 start() {  # start DIR [key=value...]
   local dir=$1
   shift
-  "$mpiexec" -np "$np" "${flags[@]}" "$train" steps=100000 "${common[@]}" "checkpoint_dir=$dir" \
+  # checkpoint_dir is absolute: rank_pid must find this test's ranks, not a concurrent test's.
+  "$mpiexec" -np "$np" "${flags[@]}" "$train" steps=100000 "${common[@]}" "checkpoint_dir=$work/$dir" \
     "metrics_file=$dir.jsonl" "$@" >"$dir.log" 2>&1 &
   job=$!
   for _ in $(seq 600); do
@@ -29,7 +30,7 @@ finish() {
   done
   kill -9 "$job"; fail "the job did not end within 60 s of the signal (a hang)"
 }
-rank_pid() { pgrep -f "^$train .*checkpoint_dir=$1" | head -n 1; }
+rank_pid() { pgrep -f "^$train .*checkpoint_dir=$work/$1( |$)" | head -n 1; }
 
 # 1. SIGTERM to one rank only.
 start ck
@@ -37,7 +38,7 @@ kill -TERM "$(rank_pid ck)"
 finish
 [ "$rc" -eq 75 ] || { cat ck.log; fail "SIGTERM: exit $rc, expected 75"; }
 line=$(grep '^train_moe: stopped by SIGTERM after step' ck.log)
-[[ $line =~ after\ step\ ([0-9]+):\ saved\ checkpoint\ step\ ([0-9]+)\ in\ ck ]] ||
+[[ $line =~ after\ step\ ([0-9]+):\ saved\ checkpoint\ step\ ([0-9]+)\ in\ $work/ck ]] ||
   { cat ck.log; fail "no 'stopped by SIGTERM ... saved checkpoint' line"; }
 last=${BASH_REMATCH[1]} saved=${BASH_REMATCH[2]}
 [ "$saved" -eq $((last + 1)) ] || fail "stopped after step $last but saved step $saved"
@@ -48,9 +49,9 @@ ls -A ck | grep -q '^\.tmp' && fail "a temporary directory was left: $(ls -A ck)
 
 # 2. The same command resumes it; the losses continue the uninterrupted run bitwise.
 end=$((saved + 2))
-"$mpiexec" -np "$np" "${flags[@]}" "$train" steps=$end "${common[@]}" checkpoint_dir=ck \
+"$mpiexec" -np "$np" "${flags[@]}" "$train" steps=$end "${common[@]}" checkpoint_dir=$work/ck \
   metrics_file=resumed.jsonl >resumed.log 2>&1 || { cat resumed.log; fail "the resume failed"; }
-grep -q "^resumed from checkpoint: step $saved in ck" resumed.log || fail "did not resume at $saved"
+grep -q "^resumed from checkpoint: step $saved in $work/ck" resumed.log || fail "did not resume at $saved"
 "$mpiexec" -np "$np" "${flags[@]}" "$train" steps=$end "${common[@]}" checkpoint_dir=ref \
   metrics_file=ref.jsonl >ref.log 2>&1 || { cat ref.log; fail "the reference run failed"; }
 losses() { grep -o '"step": [0-9]*, "loss": [-0-9.e+]*' "$1"; }

@@ -398,3 +398,60 @@ TEST(TrainConfig, SaveOnSignalAndResumeAllowChanged) {
   for (char const* k : {"seed", "check_finite", "sparse_matmul", "steps"})
     EXPECT_EQ(keys.count(k), 0u) << k;
 }
+
+// RMSNorm in float32 on rows far beyond float's square root (#32): the sums run in double, so a
+// finite row normalises to unit RMS and its gradient stays finite and nonzero.
+TEST(TrainOps, RmsNormOfHugeFloatRows) {
+  using F = train::ModelOps<float, Exec>;
+  std::int64_t const T = 2, D = 64;
+  F::view2 x("x", T, D), y("y", T, D), dy("dy", T, D), dx("dx", T, D);
+  F::view1 g("g", D), inv("inv", T), dg("dg", D);
+  auto xh = Kokkos::create_mirror_view(x);
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t d = 0; d < D; ++d) xh(t, d) = (d % 2 ? 1.0f : -2.0f) * (t ? 3e30f : 1e20f);
+  Kokkos::deep_copy(x, xh);
+  Kokkos::deep_copy(g, 1.0f);
+  Kokkos::deep_copy(dy, 1.0f);
+  Exec space;
+  F::rms_forward(space, x, g, 1e-5, y, inv);
+  F::rms_backward(space, x, g, inv, dy, dx, false, dg);
+  auto yh = Kokkos::create_mirror_view(y);
+  auto dxh = Kokkos::create_mirror_view(dx);
+  Kokkos::deep_copy(yh, y);
+  Kokkos::deep_copy(dxh, dx);
+  double const rms = std::sqrt((1.0 + 4.0) / 2.0);  // of the pattern (-2, 1, -2, 1, ...)
+  for (std::int64_t t = 0; t < T; ++t) {
+    EXPECT_NEAR(yh(t, 0), -2.0 / rms, 1e-5) << t;
+    EXPECT_NEAR(yh(t, 1), 1.0 / rms, 1e-5) << t;
+    // dx = r (dy - x r^2 mean(dy x) ...): finite and of order 1 / |x|, not 0 or NaN.
+    double const scale = t ? 3e30 : 1e20;
+    double const r = 1.0 / (rms * scale);
+    double const mean_dyx = scale * (-2.0 + 1.0) / 2.0;
+    double const expect0 = r - r * r * r * mean_dyx * (-2.0 * scale);
+    EXPECT_TRUE(std::isfinite(dxh(t, 0)));
+    EXPECT_NEAR(dxh(t, 0) / expect0, 1.0, 1e-4) << t;
+  }
+}
+
+TEST(TrainConfig, Float32NarrowingOfRealKeys) {
+  auto message = [](char const* key, char const* value, char const* dtype) {
+    train::TrainConfig c;
+    c.set("dtype", dtype);
+    c.set(key, value);
+    try {
+      c.validate();
+    } catch (moe::ConfigError const& e) {
+      return std::string(e.what());
+    }
+    return std::string("no ConfigError");
+  };
+  std::string m = message("adam_eps", "1e-50", "float32");
+  EXPECT_NE(m.find("adam_eps=1e-50 becomes 0 in float32"), std::string::npos) << m;
+  m = message("normalization_layer_epsilon", "1e300", "float32");
+  EXPECT_NE(m.find("normalization_layer_epsilon=1e+300 becomes inf in float32"), std::string::npos)
+      << m;
+  m = message("learning_rate", "1e-40", "float32");  // subnormal in float
+  EXPECT_NE(m.find("learning_rate=1e-40 becomes"), std::string::npos) << m;
+  EXPECT_EQ(message("adam_eps", "1e-50", "float64"), "no ConfigError");
+  EXPECT_EQ(message("adam_weight_decay", "0", "float32"), "no ConfigError");
+}
