@@ -13,6 +13,7 @@
 
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -95,6 +96,15 @@ inline void require_output_file(std::string const& what, std::string const& path
   auto const st = fs::status(path, ec);
   if (fs::is_directory(st))
     throw ConfigError(detail::cat(what, " '", path, "' is a directory; expected a file path"));
+  // A FIFO would block the writer in open(), a device would be written to (or, through rename,
+  // replaced): only regular files (or a symlink to one, written through) are outputs.
+  if (fs::exists(st) && !fs::is_regular_file(st))
+    throw ConfigError(detail::cat(
+        what, " '", path, "' is ",
+        fs::is_fifo(st)
+            ? "a FIFO"
+            : (fs::is_character_file(st) || fs::is_block_file(st) ? "a device" : "a special file"),
+        "; expected a regular file path"));
   if (fs::exists(st) && ::access(path.c_str(), W_OK) != 0)
     throw ConfigError(detail::cat(what, " '", path, "' exists and is not writable"));
   auto const dir = path_detail::parent_dir(path);
@@ -252,7 +262,8 @@ inline bool is_out_of_memory(std::exception const& e) {
          w.find("Allocation of") != std::string::npos;
 }
 
-/// The whole main() of an MPI tool: initialises MPI and applies the ranks x threads rule
+/// The whole main() of an MPI tool: ignores SIGXFSZ (writes past a file-size limit fail with
+/// EFBIG and are reported), initialises MPI and applies the ranks x threads rule
 /// (moe/threads.hpp); with -h/--help prints `usage` on rank 0
 /// (before Kokkos, which would print its own help on every rank); otherwise runs `body` inside
 /// Kokkos and reports its errors the project's way:
@@ -265,6 +276,9 @@ inline bool is_out_of_memory(std::exception const& e) {
 /// Finalises MPI; returns the exit code.
 template <class Body>
 int tool_main(char const* tool, char const* usage, int& argc, char** argv, Body&& body) {
+  // Past a file-size limit a write fails with EFBIG, which the writers report naming the file
+  // (and clean up after), instead of SIGXFSZ killing the process mid-file.
+  std::signal(SIGXFSZ, SIG_IGN);
   MPI_Init(&argc, &argv);
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

@@ -8,13 +8,20 @@
 #include <moe/comm/communicator.hpp>
 #include <moe/sharding/mesh.hpp>
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -136,51 +143,115 @@ inline void finish_losses(TrainResult& res) {
   res.entropy_gap_percent = 100.0 * (res.tail_ce_loss - res.entropy_rate) / res.entropy_rate;
 }
 
-/// \brief Rank 0's metrics_file: one JSON object per step, flushed per line. Other ranks and an
-/// empty path write nothing.
+/// \brief Rank 0's metrics_file: one JSON object per step. Other ranks and an empty path write
+/// nothing. The file is opened without blocking (a FIFO or device that appeared after the
+/// up-front path check is refused, never waited on), locked for the job (a second job writing
+/// the same file is refused) and every write is checked: a failed write (ENOSPC, EIO, EFBIG)
+/// stops the run with an IoError naming the file, on every rank (see Trainer's step boundary).
 class MetricsFile {
  public:
+  MetricsFile() = default;
+  MetricsFile(MetricsFile const&) = delete;
+  MetricsFile& operator=(MetricsFile const&) = delete;
+  ~MetricsFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
   /// Collective: opens `path` on rank 0 (truncating it; after a resume at step `start > 0` the
   /// lines of the steps before `start` are kept, the steps after are run again); a failure is
   /// the same moe::IoError on every rank.
   void open(moe::comm::Communicator const& comm, std::string const& path, std::int64_t start) {
-    bool failed = false;
-    if (comm.rank() == 0 && !path.empty()) {
-      std::vector<std::string> keep;
-      if (start > 0) {
-        std::ifstream in(path);
-        std::string line;
-        while (std::getline(in, line)) {
-          auto const at = line.find("\"step\": ");
-          if (at != std::string::npos && std::atoll(line.c_str() + at + 8) < start)
-            keep.push_back(line);
-        }
-      }
-      file_.open(path, std::ios::trunc);
-      failed = !file_;
-      for (auto const& l : keep) file_ << l << "\n";
-    }
-    moe::comm::any_error(comm, failed, "metrics_file='" + path + "' cannot be written",
-                         moe::comm::ErrorKind::io);
+    path_ = path;
+    std::string error;
+    if (comm.rank() == 0 && !path.empty()) error = open_locked(start);
+    moe::comm::any_error(comm, !error.empty(), error, moe::comm::ErrorKind::io);
   }
 
-  /// Appends step m (entropy_rate: the dataset's, written with every step).
+  /// Appends step m (entropy_rate: the dataset's, written with every step). A failed write is
+  /// kept in error() (the file is not written again), not thrown: rank 0 alone writes.
   void write(StepMetrics const& m, double entropy_rate) {
-    if (!file_.is_open()) return;
-    file_ << "{\"step\": " << m.step << ", \"loss\": " << json_number(m.loss)
-          << ", \"ce_loss\": " << json_number(m.ce_loss)
-          << ", \"lb_loss\": " << json_number(m.lb_loss)
-          << ", \"perplexity\": " << json_number(m.perplexity)
-          << ", \"seconds\": " << json_number(m.seconds)
-          << ", \"tokens_per_s_per_device\": " << json_number(m.tokens_per_s_per_device)
-          << ", \"entropy_rate\": " << json_number(entropy_rate)
-          << ", \"learning_rate\": " << json_number(m.learning_rate)
-          << ", \"grad_norm\": " << json_number(m.grad_norm) << "}\n";
-    file_.flush();
+    if (fd_ < 0 || !error_.empty()) return;
+    std::string const line =
+        "{\"step\": " + std::to_string(m.step) + ", \"loss\": " + json_number(m.loss) +
+        ", \"ce_loss\": " + json_number(m.ce_loss) + ", \"lb_loss\": " + json_number(m.lb_loss) +
+        ", \"perplexity\": " + json_number(m.perplexity) +
+        ", \"seconds\": " + json_number(m.seconds) +
+        ", \"tokens_per_s_per_device\": " + json_number(m.tokens_per_s_per_device) +
+        ", \"entropy_rate\": " + json_number(entropy_rate) +
+        ", \"learning_rate\": " + json_number(m.learning_rate) +
+        ", \"grad_norm\": " + json_number(m.grad_norm) + "}\n";
+    append(line, m.step);
   }
+
+  /// Why writing stopped ("" while every write succeeded).
+  std::string const& error() const { return error_; }
 
  private:
-  std::ofstream file_;
+  std::string open_locked(std::int64_t start) {
+    auto fail = [&](char const* what) {
+      std::string const e = "metrics_file='" + path_ + "' " + what + ": " + std::strerror(errno);
+      if (fd_ >= 0) ::close(fd_);
+      fd_ = -1;
+      return e;
+    };
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_NONBLOCK | O_CLOEXEC, 0666);
+    if (fd_ < 0) return fail("cannot be opened for writing");
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) return fail("cannot be examined");
+    if (!S_ISREG(st.st_mode)) {
+      errno = EINVAL;
+      return fail("is not a regular file (a FIFO, device or socket)");
+    }
+    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      if (errno != EWOULDBLOCK) return fail("cannot be locked");
+      ::close(fd_);
+      fd_ = -1;
+      return "metrics_file='" + path_ +
+             "' is being written by another job (it holds the file's lock): give this run "
+             "another metrics_file";
+    }
+    // After a resume keep the lines of the steps before it (the steps after are run again).
+    std::string keep;
+    if (start > 0) {
+      std::ifstream in(path_);
+      std::string line;
+      while (std::getline(in, line)) {
+        auto const at = line.find("\"step\": ");
+        if (at != std::string::npos && std::atoll(line.c_str() + at + 8) < start)
+          keep += line + "\n";
+      }
+    }
+    if (::ftruncate(fd_, 0) != 0) return fail("cannot be truncated");
+    if (::fcntl(fd_, F_SETFL, 0) != 0) return fail("cannot be set to blocking writes");
+    append(keep, start);
+    if (!error_.empty()) {
+      std::string const e = error_;
+      error_.clear();
+      ::close(fd_);
+      fd_ = -1;
+      return e;
+    }
+    return "";
+  }
+
+  void append(std::string const& text, std::int64_t step) {
+    std::size_t done = 0;
+    while (done < text.size()) {
+      ssize_t const n = ::write(fd_, text.data() + done, text.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        error_ = "metrics_file='" + path_ + "': writing step " + std::to_string(step) +
+                 " failed: " + std::strerror(n < 0 ? errno : EIO) +
+                 "; free space or raise the file size limit, or unset metrics_file";
+        return;
+      }
+      done += std::size_t(n);
+    }
+  }
+
+  std::string path_;
+  int fd_ = -1;
+  std::string error_;
 };
 
 /// The two progress lines of a logged step.

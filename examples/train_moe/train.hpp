@@ -112,7 +112,12 @@ class Trainer {
         bool const periodic =
             cfg_.enable_checkpointing && (done % cfg_.checkpoint_period == 0 || done == cfg_.steps);
         if (periodic) detail::save(comm_, cfg_, model_.params(), res.mesh, done, data_hash_, out());
-        if (int const sig = stop_signal(); sig != 0 && done < cfg_.steps) {
+        auto const [sig, metrics_failed] = boundary();
+        if (metrics_failed)  // rank 0 could not write metrics_file: every rank stops, with its
+                             // message
+          moe::comm::any_error(comm_, !metrics_.error().empty(), metrics_.error(),
+                               moe::comm::ErrorKind::io);
+        if (sig != 0 && done < cfg_.steps) {
           // Preemption: every rank stops after this same step, with a checkpoint of it.
           if (cfg_.enable_checkpointing && !periodic)
             detail::save(comm_, cfg_, model_.params(), res.mesh, done, data_hash_, out());
@@ -171,14 +176,15 @@ class Trainer {
  private:
   std::ostream* out() const { return rank_ == 0 ? opts_.out : nullptr; }
   double comm_clock() const { return opts_.comm_seconds ? opts_.comm_seconds() : 0.0; }
-  /// Collective: the largest save_on_signal signal number any rank has received (0: none).
-  int stop_signal() const {
-    if (!opts_.stop_signal) return 0;
-    int const mine = opts_.stop_signal();
-    int any = 0;
-    moe::comm::detail::check_mpi(MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm_.get()),
+  /// Collective, once per step: the largest save_on_signal signal number any rank has received
+  /// (0: none), and whether rank 0 failed to write metrics_file (one MPI_Allreduce).
+  std::pair<int, bool> boundary() const {
+    int const mine[2] = {opts_.stop_signal ? opts_.stop_signal() : 0,
+                         metrics_.error().empty() ? 0 : 1};
+    int any[2] = {0, 0};
+    moe::comm::detail::check_mpi(MPI_Allreduce(mine, any, 2, MPI_INT, MPI_MAX, comm_.get()),
                                  "MPI_Allreduce");
-    return any;
+    return {any[0], any[1] != 0};
   }
 
   void report(StepMetrics const& m) {
