@@ -738,6 +738,30 @@ TEST_F(Checkpoint, DirectoryLockedTwiceByOneProcess) {
   EXPECT_TRUE(again.held());
 }
 
+// The job's LOCK deleted (or replaced) while it runs: a second job could lock the directory, so
+// the holder's next save is refused, naming the file, and writes nothing (#32).
+TEST_F(Checkpoint, SaveRefusedWhenTheLockFileWasDeleted) {
+  moe::io::CheckpointDirLock lock(comm, tmp.ckpt());
+  ASSERT_TRUE(lock.held());
+  Model m(1);
+  save(1, m);
+  fs::remove(tmp.ckpt() + "/LOCK");
+  try {
+    save(2, m);
+    ADD_FAILURE() << "saved without its lock file";
+  } catch (moe::IoError const& e) {
+    EXPECT_NE(std::string(e.what()).find("LOCK', the lock this job holds on checkpoint_dir"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fs::exists(step_dir(tmp, 2)));
+  EXPECT_TRUE(fs::exists(step_dir(tmp, 1)));
+  // Replaced by another file of the same name: refused too.
+  std::ofstream(tmp.ckpt() + "/LOCK") << "hostname=elsewhere\n";
+  EXPECT_THROW(save(2, m), moe::IoError);
+  EXPECT_FALSE(fs::exists(step_dir(tmp, 2)));
+}
+
 TEST_F(Checkpoint, LockArgumentErrors) {
   EXPECT_THROW(moe::io::CheckpointDirLock(comm, ""), moe::ConfigError);
   spit(tmp.path() + "/file", "x");

@@ -60,6 +60,7 @@ inline DirKey dir_key(std::string const& dir) {
 struct HeldLock {
   long pid = 0;
   std::string dir;
+  int fd = -1;  ///< the open LOCK file the lock is on
 };
 
 /// The directories whose lock this process holds (fcntl locks belong to the process: a second
@@ -80,6 +81,30 @@ inline bool holds_lock(std::string const& dir) {
   std::lock_guard<std::mutex> const guard(held_locks_mutex());
   auto const it = held_locks().find(key);
   return it != held_locks().end() && it->second.pid == static_cast<long>(::getpid());
+}
+
+/// Throws IoError unless the LOCK file this process locked in \p dir is still the file at
+/// dir/LOCK: a LOCK deleted or replaced while the job runs would let a second job lock the
+/// directory, so the holder stops writing into it. Nothing to check for a lock not held.
+inline void check_lock_file(std::string const& dir) {
+  DirKey const key = dir_key(dir);
+  int fd = -1;
+  {
+    std::lock_guard<std::mutex> const guard(held_locks_mutex());
+    auto const it = held_locks().find(key);
+    if (it == held_locks().end() || it->second.pid != static_cast<long>(::getpid())) return;
+    fd = it->second.fd;
+  }
+  struct stat mine {};
+  struct stat now {};
+  std::string const path = join(dir, kLockFile);
+  bool const same = ::fstat(fd, &mine) == 0 && ::stat(path.c_str(), &now) == 0 &&
+                    mine.st_dev == now.st_dev && mine.st_ino == now.st_ino;
+  if (!same)
+    throw IoError(cat("checkpoint: '", path, "', the lock this job holds on checkpoint_dir '", dir,
+                      "', was deleted or replaced while the job ran, so another job may ",
+                      "be writing there too; this job saves nothing more into it: stop the other ",
+                      "job, or restart this one with another checkpoint_dir"));
 }
 
 /// Who this process is, as written into LOCK: "key=value" lines.
@@ -212,7 +237,7 @@ class DirLock {
           ::ftruncate(fd, 0) == 0 && ::pwrite(fd, identity.data(), identity.size(), 0) == size;
       if (!written) warn(cat("cannot write the holder into '", path, "': ", std::strerror(errno)));
     }
-    held_locks()[key] = HeldLock{self, dir};
+    held_locks()[key] = HeldLock{self, dir, fd};
     fd_ = fd;
     locked_ = locked;
     pid_ = self;
