@@ -37,6 +37,31 @@ std::vector<moe::io::BlockRef> block_refs(std::vector<Param<Scalar>>& params) {
   return refs;
 }
 
+/// A value a checkpoint must not hold: not finite, or a negative second moment.
+struct BadValue {
+  std::string tensor;  ///< its checkpoint name (params.*, opt_state.mu.*, opt_state.nu.*)
+  double value = 0;
+  std::size_t element = 0;  ///< in this rank's block
+  bool second_moment = false;
+};
+
+/// The first bad value of the parameters' and moments' host mirrors, if any (the rule of both
+/// a save and a load).
+template <class Scalar>
+std::optional<BadValue> first_bad_value(std::vector<Param<Scalar>> const& params) {
+  for (auto const& q : params) {
+    std::pair<char const*, typename Param<Scalar>::host1 const*> const tensors[] = {
+        {"params.", &q.p_host}, {"opt_state.mu.", &q.m_host}, {"opt_state.nu.", &q.v_host}};
+    for (auto const& [prefix, v] : tensors) {
+      bool const nu = v == &q.v_host;
+      for (std::size_t i = 0; i < v->extent(0); ++i)
+        if (!std::isfinite(double((*v)(i))) || (nu && (*v)(i) < 0))
+          return BadValue{prefix + q.name, double((*v)(i)), i, nu};
+    }
+  }
+  return std::nullopt;
+}
+
 /// What a checkpoint of step `step` says of itself: format, step and data position, the mesh it
 /// was written on, the model's architecture keys (model.*) and the run's identity (run.*).
 inline std::map<std::string, std::string> checkpoint_metadata(TrainConfig const& cfg, int ranks,
@@ -70,16 +95,11 @@ void save(moe::comm::Communicator const& comm, TrainConfig const& cfg,
   // Never a non-finite checkpoint: every value is checked before anything is written, so the
   // checkpoints already in the directory (and their rotation) are untouched when one is not.
   moe::comm::collective_guard(comm, [&] {
-    for (auto const& q : params)
-      for (auto const* v : {&q.p_host, &q.m_host, &q.v_host})
-        for (std::size_t i = 0; i < v->extent(0); ++i)
-          if (!std::isfinite(double((*v)(i))))
-            throw moe::NumericError(moe::detail::cat(
-                "step ", step, " was not saved: ",
-                v == &q.p_host ? "params." : (v == &q.m_host ? "opt_state.mu." : "opt_state.nu."),
-                q.name, " holds ", double((*v)(i)), " at element ", i,
-                " of this rank's block; the checkpoints in '", cfg.checkpoint_dir,
-                "' are kept as they were"));
+    if (auto const bad = first_bad_value(params))
+      throw moe::NumericError(moe::detail::cat("step ", step, " was not saved: ", bad->tensor,
+                                               " holds ", bad->value, " at element ", bad->element,
+                                               " of this rank's block; the checkpoints in '",
+                                               cfg.checkpoint_dir, "' are kept as they were"));
   });
   moe::io::save_checkpoint(comm, cfg.checkpoint_dir, step, block_refs(params),
                            checkpoint_metadata(cfg, comm.size(), mesh, step, data_hash),
@@ -155,21 +175,13 @@ std::optional<std::int64_t> resume(moe::comm::Communicator const& comm, TrainCon
   // The checksums prove the bytes are the ones written, not that they are usable: every value
   // is checked before training on it (finite; second moments >= 0), on every rank's blocks.
   moe::comm::collective_guard(comm, [&] {
-    auto check = [&](auto const& v, std::string const& name, bool nonneg) {
-      for (std::size_t i = 0; i < v.extent(0); ++i)
-        if (!std::isfinite(double(v(i))) || (nonneg && v(i) < 0))
-          throw moe::InputError(
-              moe::detail::cat("checkpoint step ", step, " in '", cfg.checkpoint_dir, "': ", name,
-                               " holds ", double(v(i)), " at element ", i, " of this rank's block",
-                               nonneg ? ": second moments must be finite and >= 0"
-                                      : ": a checkpoint must hold finite values",
-                               "; use an earlier checkpoint or another checkpoint_dir"));
-    };
-    for (auto const& q : params) {
-      check(q.p_host, "params." + q.name, false);
-      check(q.m_host, "opt_state.mu." + q.name, false);
-      check(q.v_host, "opt_state.nu." + q.name, true);
-    }
+    if (auto const bad = first_bad_value(params))
+      throw moe::InputError(moe::detail::cat(
+          "checkpoint step ", step, " in '", cfg.checkpoint_dir, "': ", bad->tensor, " holds ",
+          bad->value, " at element ", bad->element, " of this rank's block",
+          bad->second_moment ? ": second moments must be finite and >= 0"
+                             : ": a checkpoint must hold finite values",
+          "; use an earlier checkpoint or another checkpoint_dir"));
   });
   for (auto& q : params) {
     Kokkos::deep_copy(q.p, q.p_host);

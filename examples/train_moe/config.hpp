@@ -10,6 +10,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdint>
+#include <iterator>
 #include <limits>
 #include <optional>
 #include <set>
@@ -33,21 +34,28 @@ inline std::vector<std::string> comma_list(std::string const& text) {
   return out;
 }
 
+/// The signals save_on_signal may name.
+inline constexpr std::pair<char const*, int> kStopSignals[] = {
+    {"SIGTERM", SIGTERM}, {"SIGINT", SIGINT}, {"SIGHUP", SIGHUP}, {"SIGUSR1", SIGUSR1}};
+
 /// The signals a save_on_signal value names (SIGTERM, SIGINT, SIGHUP, SIGUSR1, comma-separated;
 /// "none" or "" for none); nothing if it names anything else.
 inline std::optional<std::vector<int>> stop_signal_numbers(std::string const& text) {
   std::vector<int> out;
   for (auto const& name : comma_list(text)) {
-    int sig = 0;
-    for (auto const& [n, s] : {std::pair<char const*, int>{"SIGTERM", SIGTERM},
-                               {"SIGINT", SIGINT},
-                               {"SIGHUP", SIGHUP},
-                               {"SIGUSR1", SIGUSR1}})
-      if (name == n) sig = s;
-    if (sig == 0) return std::nullopt;
-    out.push_back(sig);
+    auto const it = std::find_if(std::begin(kStopSignals), std::end(kStopSignals),
+                                 [&](auto const& s) { return name == s.first; });
+    if (it == std::end(kStopSignals)) return std::nullopt;
+    out.push_back(it->second);
   }
   return out;
+}
+
+/// "SIGTERM" for SIGTERM, ... ("signal N" for a signal save_on_signal cannot name).
+inline std::string signal_name(int sig) {
+  for (auto const& [name, number] : kStopSignals)
+    if (number == sig) return name;
+  return "signal " + std::to_string(sig);
 }
 
 /// \brief The configuration of one training run.

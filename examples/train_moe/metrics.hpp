@@ -114,16 +114,6 @@ inline std::string mesh_text(moe::sharding::Mesh const& mesh) {
   return s.empty() ? std::string("1 rank") : s;
 }
 
-/// "SIGTERM" for SIGTERM, ... ("signal N" for others).
-inline std::string signal_name(int sig) {
-  for (auto const& [n, s] : {std::pair<char const*, int>{"SIGTERM", SIGTERM},
-                             {"SIGINT", SIGINT},
-                             {"SIGHUP", SIGHUP},
-                             {"SIGUSR1", SIGUSR1}})
-    if (s == sig) return n;
-  return "signal " + std::to_string(sig);
-}
-
 inline std::string json_number(double v) {
   return std::isfinite(v) ? fmt("%.17g", v) : std::string("null");
 }
@@ -180,7 +170,7 @@ class MetricsFile {
         ", \"entropy_rate\": " + json_number(entropy_rate) +
         ", \"learning_rate\": " + json_number(m.learning_rate) +
         ", \"grad_norm\": " + json_number(m.grad_norm) + "}\n";
-    append(line, m.step);
+    error_ = append(line, m.step);
   }
 
   /// Why writing stopped ("" while every write succeeded).
@@ -223,30 +213,27 @@ class MetricsFile {
     }
     if (::ftruncate(fd_, 0) != 0) return fail("cannot be truncated");
     if (::fcntl(fd_, F_SETFL, 0) != 0) return fail("cannot be set to blocking writes");
-    append(keep, start);
-    if (!error_.empty()) {
-      std::string const e = error_;
-      error_.clear();
+    std::string const e = append(keep, start);
+    if (!e.empty()) {
       ::close(fd_);
       fd_ = -1;
-      return e;
     }
-    return "";
+    return e;
   }
 
-  void append(std::string const& text, std::int64_t step) {
+  /// Writes all of `text` (the line of `step`); the error message if a write fails.
+  std::string append(std::string const& text, std::int64_t step) {
     std::size_t done = 0;
     while (done < text.size()) {
       ssize_t const n = ::write(fd_, text.data() + done, text.size() - done);
       if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        error_ = "metrics_file='" + path_ + "': writing step " + std::to_string(step) +
-                 " failed: " + std::strerror(n < 0 ? errno : EIO) +
-                 "; free space or raise the file size limit, or unset metrics_file";
-        return;
-      }
+      if (n <= 0)
+        return "metrics_file='" + path_ + "': writing step " + std::to_string(step) +
+               " failed: " + std::strerror(n < 0 ? errno : EIO) +
+               "; free space or raise the file size limit, or unset metrics_file";
       done += std::size_t(n);
     }
+    return "";
   }
 
   std::string path_;

@@ -29,6 +29,15 @@
 
 namespace train::detail {
 
+/// The line that stops a run at step `step` whose `what` is not finite.
+inline std::string divergence_message(std::int64_t step, double learning_rate,
+                                      std::string const& what) {
+  return moe::detail::cat("step ", step, " (learning_rate ", learning_rate, ") diverged: ", what,
+                          "; its update was not applied and nothing of it was saved; lower "
+                          "learning_rate or gradient_clipping_threshold and resume from the last "
+                          "checkpoint");
+}
+
 /// \brief One rank's share of the model, its parameters and buffers, and the training step.
 template <class Scalar>
 class Model {
@@ -151,11 +160,9 @@ class Model {
  private:
   /// Stops the run at a step that diverged (every rank calls it alike).
   [[noreturn]] static void diverged(StepMetrics const& m, std::string const& what) {
-    throw moe::NumericError(moe::detail::cat(
-        "step ", m.step, " (learning_rate ", m.learning_rate, ") diverged: ", what, " (ce_loss ",
-        m.ce_loss, ", lb_loss ", m.lb_loss,
-        "); its update was not applied and nothing of it was saved; lower learning_rate or "
-        "gradient_clipping_threshold and resume from the last checkpoint"));
+    throw moe::NumericError(divergence_message(
+        m.step, m.learning_rate,
+        moe::detail::cat(what, " (ce_loss ", m.ce_loss, ", lb_loss ", m.lb_loss, ")")));
   }
 
   void setup() {

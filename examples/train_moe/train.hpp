@@ -37,6 +37,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace train {
@@ -56,13 +57,15 @@ inline std::string dataset_hash(TrainConfig const& cfg) {
 template <class Scalar>
 class Trainer {
  public:
-  Trainer(moe::comm::Communicator const& comm, TrainConfig const& cfg, RunOptions const& opts)
+  /// data_hash: dataset_hash(cfg), already compared across the ranks.
+  Trainer(moe::comm::Communicator const& comm, TrainConfig const& cfg, RunOptions const& opts,
+          std::string data_hash)
       : comm_(comm),
         cfg_(cfg),
         opts_(opts),
         rank_(comm.rank()),
         model_(comm, cfg, rank_ == 0 ? opts.out : nullptr),
-        data_hash_(dataset_hash(cfg)) {}
+        data_hash_(std::move(data_hash)) {}
 
   TrainResult run() {
     TrainResult res;
@@ -92,11 +95,7 @@ class Trainer {
         } catch (moe::InputError const& e) {
           // The layers' check_finite found a non-finite activation or gradient (collectively):
           // the same stop as the divergence guard's, with the step that caused it.
-          throw moe::NumericError(moe::detail::cat(
-              "step ", step, " (learning_rate ", learning_rate_at(cfg_, step),
-              ") diverged: ", e.what(),
-              "; its update was not applied and nothing of it was saved; lower "
-              "learning_rate or gradient_clipping_threshold and resume from the last checkpoint"));
+          throw moe::NumericError(divergence_message(step, learning_rate_at(cfg_, step), e.what()));
         }
         if (step > start || cfg_.steps - start == 1) {
           t_steps += m.seconds;
@@ -212,13 +211,14 @@ class Trainer {
 inline TrainResult run_training(moe::comm::Communicator const& comm, TrainConfig const& cfg,
                                 RunOptions const& opts = {}) {
   moe::comm::check_agreement(comm, "train_moe configuration", cfg.describe());
-  if (cfg.dataset_type == "text")  // every rank reads it: the same path must hold the same bytes
+  std::string const data_hash = detail::dataset_hash(cfg);
+  if (!data_hash.empty())  // every rank reads the file: the same path must hold the same bytes
     moe::comm::check_agreement(comm, "dataset_path file (its size and content hash)",
-                               "dataset=" + detail::dataset_hash(cfg));
+                               "dataset=" + data_hash);
   moe::io::CheckpointDirLock lock;  // one job per checkpoint_dir, held until training returns
   if (cfg.enable_checkpointing) lock = moe::io::CheckpointDirLock(comm, cfg.checkpoint_dir);
-  if (cfg.dtype == "float64") return detail::Trainer<double>(comm, cfg, opts).run();
-  return detail::Trainer<float>(comm, cfg, opts).run();
+  if (cfg.dtype == "float64") return detail::Trainer<double>(comm, cfg, opts, data_hash).run();
+  return detail::Trainer<float>(comm, cfg, opts, data_hash).run();
 }
 
 }  // namespace train
