@@ -26,9 +26,12 @@
 ///  * The load-balance loss and the bias update are global: their statistics are summed over all
 ///    ranks that hold different tokens.
 ///
-/// The layer runs the stages of its step plan (step_plan.hpp) in order; each stage is a function
-/// in distributed/stages/ (weights, route, a2a, gathered, ep_tp, shared_expert) that reads and
-/// writes the step's shared state, a distributed::StepContext (step_context.hpp).
+/// Each strategy is a type of its own (distributed/strategy.hpp), chosen once from the layout for
+/// each planned batch shape; it lists the stages of the step (step_plan.hpp) and runs them. The
+/// layer walks the stages in order (one std::visit per forward / backward) and runs those every
+/// strategy shares (weight gathers, output, gradient reduction, distributed/stages/); the stage
+/// functions read and write the step's shared state, a distributed::StepContext
+/// (step_context.hpp).
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/mesh_comm.hpp>
@@ -40,14 +43,10 @@
 #include <moe/distributed/layout.hpp>
 #include <moe/distributed/parallel_config.hpp>
 #include <moe/distributed/reshard.hpp>
-#include <moe/distributed/stages/a2a.hpp>
-#include <moe/distributed/stages/ep_tp.hpp>
-#include <moe/distributed/stages/gathered.hpp>
-#include <moe/distributed/stages/route.hpp>
-#include <moe/distributed/stages/shared_expert.hpp>
 #include <moe/distributed/stages/weights.hpp>
 #include <moe/distributed/step_context.hpp>
 #include <moe/distributed/step_plan.hpp>
+#include <moe/distributed/strategy.hpp>
 #include <moe/error.hpp>
 #include <moe/gmm/gmm.hpp>
 #include <moe/parameters.hpp>
@@ -62,6 +61,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
 namespace moe {
@@ -208,10 +208,14 @@ class DistributedMoeLayer
     ctx_.ws.enter(nullptr);
     Kokkos::deep_copy(ctx_.space, ctx_.ws.make("x", T, D), cview2(x.data(), T, D));
     auto y2 = view2(y.data(), T, D);
-    for (auto const& st : ctx_.plan.forward) {
-      StageScope scope(*this, st);
-      run_forward(st, y2);
-    }
+    std::visit(
+        [&](auto const& s) {
+          for (auto const& st : ctx_.plan.forward) {
+            StageScope scope(*this, st);
+            run_forward(s, st, y2);
+          }
+        },
+        ctx_.strategy);
     if (ctx_.cfg.check_finite) {
       // As the single-rank layer: only a non-finite y pays for scanning the weights, and then
       // every rank names the first non-finite block it holds (block indices are local).
@@ -251,10 +255,14 @@ class DistributedMoeLayer
     distributed::stages::alloc_compute_grads(ctx_, grads);
     auto dy2 = cview2(dy.data(), T, D);
     auto dx2 = view2(dx.data(), T, D);
-    for (auto const& st : ctx_.plan.backward) {
-      StageScope scope(*this, st);
-      run_backward(st, dy2, dx2, grads);
-    }
+    std::visit(
+        [&](auto const& s) {
+          for (auto const& st : ctx_.plan.backward) {
+            StageScope scope(*this, st);
+            run_backward(s, st, dy2, dx2, grads);
+          }
+        },
+        ctx_.strategy);
     have_forward_ = false;
   }
 
@@ -273,9 +281,7 @@ class DistributedMoeLayer
   /// Rows this rank's experts computed in the last forward: the routed slots (after capacity)
   /// that reached its local experts; 0 on the dense path, which computes every token.
   std::int64_t routed_rows() const {
-    if (ctx_.plan.dense) return 0;
-    return ctx_.layout.route == ExpertRoute::RaggedA2A ? ctx_.disp.lp.rows()
-                                                       : ctx_.disp.perm.rows();
+    return std::visit([&](auto const& s) { return s.routed_rows(ctx_); }, ctx_.strategy);
   }
   /// True when the experts run the dense masked path (Gmm = Dense or sparse_matmul = false, on
   /// every route but the ragged all-to-all, whose rows run the grouped GEMMs: Layout::dense).
@@ -310,79 +316,29 @@ class DistributedMoeLayer
     detail::Region region;
   };
 
-  void run_forward(distributed::Stage const& st, view2 y) {
-    namespace stages = distributed::stages;
+  // The stages every strategy shares run here; the others are the strategy's.
+  /// One forward stage of strategy `s`.
+  template <class S>
+  void run_forward(S const& s, distributed::Stage const& st, view2 y) {
     using K = distributed::StageKind;
     auto& c = ctx_;
     switch (st.kind) {
       case K::gather_weights:
-        if (stages::gather_weights(c, params_, c.cp)) weights_changed();
+        if (distributed::stages::gather_weights(c, params_, c.cp)) weights_changed();
         return;
-      case K::gather_tokens:  // the expert group's tokens (ring), or full-D tokens (EP-TP)
-        return c.all_gather(c.ep(), c.ws.at("x"),
-                            c.ws.make("x_work", c.plan.work_tokens, c.cfg.base_emb_dim),
-                            c.ep_tp() ? 1 : 0);
-      case K::route:
-        if (c.plan.emb_chunks > 0) return stages::route_gathered_logits(c, c.ws.at("x"));
-        return stages::route_tokens(c, c.work_x());
-      case K::dispatch:
-        if (c.plan.emb_chunks > 0) return stages::local_sort(c);
-        return c.a2a() ? stages::a2a_dispatch(c, c.ws.at("x"))
-                       : stages::local_dispatch(c, c.work_x());
-      case K::experts:
-        if (c.a2a()) return stages::a2a_experts(c, c.ws.at("x_local"), weights_version_);
-        if (c.plan.emb_chunks > 0)
-          return stages::chunked_ring_experts(c, c.ws.at("x"), weights_version_);
-        return c.plan.dense ? stages::dense_experts(c, c.work_x())
-                            : stages::local_experts(c, c.ws.at("x_local"), weights_version_);
-      case K::combine:
-        if (c.a2a()) return stages::a2a_combine(c, c.ws.at("y_local_cols"));
-        return c.ep_tp()
-                   ? stages::ep_tp_combine(c, c.ws.at(c.plan.dense ? "y_work" : "y_local"))
-                   : stages::gathered_combine(c, c.ws.at(c.plan.dense ? "y_work" : "y_local"));
-      case K::shared_expert:
-        return c.ep_tp() ? stages::ep_tp_shared_forward(c, c.ws.at("x_work"), c.ws.at("y_cols"))
-                         : stages::shared_forward(c, c.ws.at("x"), c.ws.at("y_cols"));
       case K::output:
         return c.all_gather(c.tp(), c.ws.at("y_cols"), y, 1);
-      case K::reduce_grads:
-        break;
+      default:
+        return s.forward(c, st, weights_version_);
     }
-    throw Error(detail::cat("moe internal error: no forward for stage ", st.region));
   }
-
-  void run_backward(distributed::Stage const& st, cview2 dy, view2 dx, params_type& grads) {
-    namespace stages = distributed::stages;
-    using K = distributed::StageKind;
-    auto& c = ctx_;
-    switch (st.kind) {
-      case K::output:
-        if (c.ep_tp()) return stages::ep_tp_output_backward(c, dy);
-        return c.a2a() ? stages::a2a_output_backward(c, dy)
-                       : stages::gathered_output_backward(c, dy);
-      case K::combine:
-        return c.a2a() ? stages::a2a_combine_backward(c, c.ws.at("dy_cols"))
-                       : stages::local_combine_backward(c, c.ws.at("dy_work"));
-      case K::experts:
-        if (c.a2a()) return stages::a2a_experts_backward(c, c.ws.at("dy_local_cols"));
-        return c.plan.dense ? stages::dense_experts_backward(c, c.ws.at("dy_work"))
-                            : stages::local_experts_backward(c, c.ws.at("dy_local"));
-      case K::dispatch:
-        if (c.ep_tp()) return stages::ep_tp_dispatch_backward(c, dx);
-        return c.a2a() ? stages::a2a_dispatch_backward(c, c.ws.at("dy_local_cols"), dx)
-                       : stages::gathered_dispatch_backward(c, dx);
-      case K::shared_expert:
-        return c.ep_tp() ? stages::ep_tp_shared_backward(c, c.ws.at("dy_work"), dx)
-                         : stages::shared_backward(c, dy, dx);
-      case K::route:
-        return c.ep_tp() ? stages::ep_tp_route_backward(c, dx) : stages::route_backward(c, dx);
-      case K::reduce_grads:
-        return stages::reduce_grads(c, c.gc, grads);
-      case K::gather_weights:
-      case K::gather_tokens:
-        break;
-    }
-    throw Error(detail::cat("moe internal error: no backward for stage ", st.region));
+  /// One backward stage of strategy `s`.
+  template <class S>
+  void run_backward(S const& s, distributed::Stage const& st, cview2 dy, view2 dx,
+                    params_type& grads) {
+    if (st.kind == distributed::StageKind::reduce_grads)
+      return distributed::stages::reduce_grads(ctx_, ctx_.gc, grads);
+    s.backward(ctx_, st, dy, dx);
   }
 
   // ------------------------------------------------------------------ layout ----------------
@@ -396,6 +352,7 @@ class DistributedMoeLayer
   }
   void plan_batch(std::int64_t B, std::int64_t S, bool keep_blocks) {
     distributed::Layout layout;
+    distributed::Strategy strategy;
     distributed::StepPlan plan;
     comm::collective_guard(ctx_.world, [&] {
       layout =
@@ -411,9 +368,11 @@ class DistributedMoeLayer
               detail::shape_text(now.local_shape), " at ", detail::shape_text(now.offset),
               ": make a new layer for this batch shape");
         });
-      plan = distributed::make_step_plan(layout, ctx_.cfg, ctx_.par, sizeof(Scalar));
+      strategy = distributed::choose_strategy(layout, ctx_.par);
+      plan = distributed::make_step_plan(strategy, layout, ctx_.cfg, ctx_.par, sizeof(Scalar));
     });
     ctx_.layout = std::move(layout);
+    ctx_.strategy = strategy;
     ctx_.plan = std::move(plan);
     ctx_.B = B;
     ctx_.S = S;

@@ -22,6 +22,7 @@
 #include <moe/distributed/layout.hpp>
 #include <moe/distributed/parallel_config.hpp>
 #include <moe/distributed/step_plan.hpp>
+#include <moe/distributed/strategy.hpp>
 #include <moe/error.hpp>
 #include <moe/sharding/rules.hpp>
 

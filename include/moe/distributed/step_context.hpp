@@ -4,8 +4,8 @@
 /// layout and step plan, the axis groups, the components the stages run (router, expert FFNs),
 /// the compute-block parameters and gradients, the dispatch state, the step's buffers and the
 /// comm log; and the planned collectives, each checked against the running stage's plan.
-/// DistributedMoeLayer (distributed/layer.hpp) owns one and passes it to the stage functions
-/// (distributed/stages/).
+/// DistributedMoeLayer (distributed/layer.hpp) owns one and passes it to its strategy's stage
+/// functions (distributed/strategy/, distributed/stages/).
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/mesh_comm.hpp>
@@ -16,6 +16,7 @@
 #include <moe/distributed/parallel_config.hpp>
 #include <moe/distributed/reshard.hpp>
 #include <moe/distributed/step_plan.hpp>
+#include <moe/distributed/strategy.hpp>
 #include <moe/distributed/workspace.hpp>
 #include <moe/error.hpp>
 #include <moe/gmm/gmm.hpp>
@@ -73,6 +74,7 @@ struct StepContext {
   AxisGroup const* tp_g = nullptr;
   AxisGroup const* batch_g = nullptr;
   Layout layout;
+  Strategy strategy;  // chosen from the layout with the plan (choose_strategy)
   StepPlan plan;
   // Components the stages run (each keeps what its own backward needs).
   routing::Router<Scalar, ExecSpace> router;
@@ -99,17 +101,7 @@ struct StepContext {
   AxisGroup const& tp() const { return *tp_g; }
   AxisGroup const& batch() const { return *batch_g; }
 
-  /// The expert route is the ragged all-to-all / EP-TP.
-  bool a2a() const { return layout.route == ExpertRoute::RaggedA2A; }
-  bool ep_tp() const { return layout.route == ExpertRoute::EpTp; }
-
   // ------------------------------------------------------------------ routing state ---------
-  /// Tokens the router and the experts see: the expert group's (ring), the full-D tokens (EP-TP)
-  /// or this rank's own.
-  view2 work_x() const {
-    bool const work = layout.route == ExpertRoute::Ring || layout.route == ExpertRoute::EpTp;
-    return ws.at(work ? "x_work" : "x");
-  }
   View2<int const, memory_space> expert_ids() const {
     return View2<int const, memory_space>(router.state().expert_ids);
   }

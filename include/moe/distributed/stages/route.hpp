@@ -7,7 +7,7 @@
 #include <moe/detail/blas.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/distributed/layout.hpp>
-#include <moe/distributed/step_context.hpp>
+#include <moe/distributed/step_plan.hpp>
 #include <moe/routing/kernels.hpp>
 #include <moe/routing/router.hpp>
 
@@ -42,10 +42,10 @@ std::int64_t member_batch_index(Ctx const& ctx, int m) {
 }
 
 /// Global token index of the first token of each member of the routed block (random routing
-/// draws from it): the expert group's members on the ring, else this rank's block.
+/// draws from it): the expert group's members when the tokens were gathered over it (`ring`),
+/// else this rank's block.
 template <class Ctx>
-std::vector<std::uint64_t> member_token_offsets(Ctx const& ctx) {
-  bool const ring = ctx.layout.route == ExpertRoute::Ring;
+std::vector<std::uint64_t> member_token_offsets(Ctx const& ctx, bool ring) {
   int const members = ring ? ctx.ep().size() : 1;
   std::vector<std::uint64_t> offsets(std::size_t(members), 0);
   for (int m = 0; m < members; ++m)
@@ -77,16 +77,15 @@ void route_statistics(Ctx& ctx) {
   }
 }
 
-/// Routes the working tokens xw (own, or the expert group's on the ring); the load-balance
-/// loss and the bias update are global (statistics summed over the batch axes).
+/// Routes the working tokens xw (own, or the expert group's gathered on the ring: `ring`); the
+/// load-balance loss and the bias update are global (statistics summed over the batch axes).
 template <class Ctx>
-void route_tokens(Ctx& ctx, typename Ctx::view2 xw) {
+void route_tokens(Ctx& ctx, typename Ctx::view2 xw, bool ring) {
   using cview2 = typename Ctx::cview2;
   // Random routing draws from the global token index: each member's rows are routed with its
   // own offset (a member's tokens are a contiguous block of the global batch).
-  bool const ring = ctx.layout.route == ExpertRoute::Ring;
   ctx.router.forward(ctx.space, cview2(xw), ctx.cp.gate, ctx.cp.gate_bias, ctx.S,
-                     member_token_offsets(ctx), ring ? ctx.ep().rank() : 0);
+                     member_token_offsets(ctx, ring), ring ? ctx.ep().rank() : 0);
   route_statistics(ctx);
 }
 
@@ -100,7 +99,7 @@ void route_gathered_logits(Ctx& ctx, typename Ctx::view2 x) {
   auto lo = ctx.ws.make("logits_own", T, ctx.cfg.num_experts);
   moe::detail::gemm(ctx.space, "N", "N", Scalar(1), cview2(x), ctx.cp.gate, Scalar(0), lo);
   ctx.all_gather(ctx.ep(), lo, ctx.router.logits_rows(ctx.space, ctx.plan.work_tokens), 0);
-  ctx.router.forward_logits(ctx.space, ctx.cp.gate_bias, ctx.S, member_token_offsets(ctx),
+  ctx.router.forward_logits(ctx.space, ctx.cp.gate_bias, ctx.S, member_token_offsets(ctx, true),
                             ctx.ep().rank());
   route_statistics(ctx);
 }

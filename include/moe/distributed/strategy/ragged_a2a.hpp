@@ -1,13 +1,19 @@
 #pragma once
 /// \file
-/// Ragged all-to-all strategy of the distributed layer (ExpertRoute::RaggedA2A): its dispatch,
-/// experts and combine stages and their transposes.
+/// The ragged all-to-all strategy of the distributed layer (ExpertRoute::RaggedA2A): rows travel
+/// to the ranks of their experts (dispatch), are regrouped by local expert, run through the
+/// grouped GEMMs, and travel back (combine) as D/tp column blocks; tensor parallelism splits the
+/// hidden dim, so partial outputs are reduce-scattered into column blocks before travelling back.
+/// Its stages and their functions, forward and backward.
 
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/ragged_all_to_all.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/distributed/reshard.hpp>
-#include <moe/distributed/step_context.hpp>
+#include <moe/distributed/stages/route.hpp>
+#include <moe/distributed/step_plan.hpp>
+#include <moe/distributed/strategy/gathered.hpp>
+#include <moe/distributed/strategy/shared_expert.hpp>
 #include <moe/permute/local_permute.hpp>
 #include <moe/permute/permute.hpp>
 
@@ -16,10 +22,9 @@
 #include <memory>
 #include <vector>
 
-namespace moe::distributed::stages {
+namespace moe::distributed {
+namespace stages {
 
-// Rows travel to the ranks of their experts (dispatch), are regrouped by local expert, run
-// through the grouped GEMMs, and travel back (combine) as D/tp column blocks.
 template <class Ctx>
 void a2a_dispatch(Ctx& ctx, typename Ctx::view2 x) {
   using cview2 = typename Ctx::cview2;
@@ -127,4 +132,95 @@ void a2a_dispatch_backward(Ctx& ctx, typename Ctx::view2 dxs_c, typename Ctx::vi
   ctx.all_gather(ctx.tp(), dx_c, dx, 1);
 }
 
-}  // namespace moe::distributed::stages
+}  // namespace stages
+
+/// \brief The ragged all-to-all strategy (see the file comment).
+struct RaggedA2A {
+  StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
+                std::int64_t scalar_bytes) const {
+    PlanBuilder b(lay, cfg, par, scalar_bytes, false);
+    StepPlan p = b.begin(b.ep);
+    auto& f = p.forward;
+    b.gather_weights(p);
+    b.route(f, "x");
+    auto& d = b.stage(f, StageKind::dispatch, "moe::dispatch::ragged_all_to_all", {"x", "routing"},
+                      {"x_sorted", "x_received", "x_local"});
+    b.all_to_all(d, "dispatch", b.sent, b.D);
+    auto& e = b.stage(f, StageKind::experts, "moe::dist::experts",
+                      {"x_local", "compute.wi_0", "compute.wi_1", "compute.wo"},
+                      {"y_local", "y_local_cols"});
+    b.reduce_scatter(e, "reduce-scatter y (tensor)", lay.tp_axes, b.recv * b.Dc, true);
+    auto& c = b.stage(f, StageKind::combine, "moe::dist::combine", {"y_local_cols", "routing"},
+                      {"y_received_cols", "y_sorted_cols", "y_cols"});
+    b.all_to_all(c, "combine", b.recv, b.Dc);
+    if (b.shared()) stages::plan_shared_forward(b, f, true);
+    b.output(f);
+    b.backward = true;
+    auto& bw = p.backward;
+    b.stage(bw, StageKind::output, "moe::dist::output::backward", {"dy"}, {"dy_cols"});
+    auto& cb = b.stage(bw, StageKind::combine, "moe::dist::combine::backward",
+                       {"dy_cols", "y_sorted_cols", "routing"},
+                       {"dy_sorted_cols", "d_weights", "dy_received_cols", "dy_local_cols"});
+    b.all_reduce(cb, "reduce d_weights (tensor)", lay.tp_axes, b.T * b.K);
+    b.all_to_all(cb, "dispatch d_y", b.sent, b.Dc);
+    auto& eb = b.stage(bw, StageKind::experts, "moe::dist::experts::backward",
+                       {"dy_local_cols", "compute.wi_0", "compute.wi_1", "compute.wo"},
+                       {"dy_local", "dy_local_cols", "d.wi_0", "d.wi_1", "d.wo"});
+    b.all_gather(eb, "all-gather d_y (tensor)", lay.tp_axes, b.recv * b.Dc, true);
+    b.reduce_scatter(eb, "reduce-scatter d_x (tensor)", lay.tp_axes, b.recv * b.Dc, true);
+    auto& db = b.stage(bw, StageKind::dispatch, "moe::dispatch::ragged_all_to_all::backward",
+                       {"dy_local_cols"}, {"dy_received_cols", "dy_sorted_cols", "dy_cols", "dx"});
+    b.all_to_all(db, "combine d_x", b.recv, b.Dc);
+    b.all_gather(db, "all-gather d_x (tensor)", lay.tp_axes, b.T * b.Dc);
+    if (b.shared()) stages::plan_shared_backward(b, bw, true);
+    b.route_backward(bw, "x");
+    b.reduce_grads(p);
+    return p;
+  }
+
+  template <class Ctx>
+  void forward(Ctx& c, Stage const& st, std::uint64_t weights_version) const {
+    switch (st.kind) {
+      case StageKind::route:
+        return stages::route_tokens(c, c.ws.at("x"), false);
+      case StageKind::dispatch:
+        return stages::a2a_dispatch(c, c.ws.at("x"));
+      case StageKind::experts:
+        return stages::a2a_experts(c, c.ws.at("x_local"), weights_version);
+      case StageKind::combine:
+        return stages::a2a_combine(c, c.ws.at("y_local_cols"));
+      case StageKind::shared_expert:
+        return stages::shared_forward(c, c.ws.at("x"), c.ws.at("y_cols"));
+      default:
+        break;
+    }
+    stages::no_stage(st);
+  }
+  template <class Ctx>
+  void backward(Ctx& c, Stage const& st, typename Ctx::cview2 dy, typename Ctx::view2 dx) const {
+    switch (st.kind) {
+      case StageKind::output:
+        return stages::a2a_output_backward(c, dy);
+      case StageKind::combine:
+        return stages::a2a_combine_backward(c, c.ws.at("dy_cols"));
+      case StageKind::experts:
+        return stages::a2a_experts_backward(c, c.ws.at("dy_local_cols"));
+      case StageKind::dispatch:
+        return stages::a2a_dispatch_backward(c, c.ws.at("dy_local_cols"), dx);
+      case StageKind::shared_expert:
+        return stages::shared_backward(c, dy, dx);
+      case StageKind::route:
+        return stages::route_backward(c, dx);
+      default:
+        break;
+    }
+    stages::no_stage(st);
+  }
+  /// The rows this rank's experts received.
+  template <class Ctx>
+  std::int64_t routed_rows(Ctx const& c) const {
+    return c.disp.lp.rows();
+  }
+};
+
+}  // namespace moe::distributed

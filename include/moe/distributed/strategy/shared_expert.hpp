@@ -1,16 +1,51 @@
 #pragma once
 /// \file
-/// Shared-expert stage of the distributed layer (every route but EP-TP, whose shared expert is
-/// in stages/ep_tp.hpp): EP-as-TP, the shared expert on the expert group's tokens with its hidden
-/// dim split over tensor x expert; and its transpose.
+/// The shared expert of every strategy but EP-TP (whose own is in strategy/ep_tp.hpp): EP-as-TP,
+/// the shared expert on the expert group's tokens (all-gathered when the tokens are split over
+/// the expert axes) with its hidden dim split over tensor x expert; its stages and their
+/// functions, and the transposes. The MLP itself (shared_mlp_forward / backward) is shared with
+/// EP-TP.
 
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
-#include <moe/distributed/step_context.hpp>
+#include <moe/distributed/step_plan.hpp>
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace moe::distributed::stages {
+
+// ---------------------------------------------------------------------------- plan
+/// Its partial outputs go back to their tokens' owners: reduce-scatter when the group's tokens
+/// were gathered (`spans`), else a sum over the expert group.
+inline void plan_shared_reduce(PlanBuilder const& b, Stage& st, std::string const& what,
+                               bool spans) {
+  if (spans)
+    b.reduce_scatter(st, "reduce-scatter " + what + " (expert)", b.lay.ep_axes, b.T * b.D);
+  else
+    b.all_reduce(st, "reduce " + what + " (expert)", b.lay.ep_axes, b.T * b.D);
+}
+/// The forward stage; `spans`: the tokens are split over the expert axes (and gathered here).
+inline void plan_shared_forward(PlanBuilder const& b, std::vector<Stage>& f, bool spans) {
+  auto& st = b.stage(f, StageKind::shared_expert, "moe::dist::shared_expert",
+                     {"x", "compute.shared_wi_0", "compute.shared_wi_1", "compute.shared_wo"},
+                     {"x_shared", "y_shared", "y_own", "y_shared_cols", "y_cols"});
+  if (spans) b.all_gather(st, "all-gather x (shared, expert)", b.lay.ep_axes, b.T * b.D);
+  plan_shared_reduce(b, st, "y shared", spans);
+  b.reduce_scatter(st, "reduce-scatter y shared (tensor)", b.lay.tp_axes, b.T * b.Dc);
+}
+inline void plan_shared_backward(PlanBuilder const& b, std::vector<Stage>& bw, bool spans) {
+  auto& st = b.stage(
+      bw, StageKind::shared_expert, "moe::dist::shared_expert::backward",
+      {"dy", "compute.shared_wi_0", "compute.shared_wi_1", "compute.shared_wo"},
+      {"dy_shared", "dx_shared", "y_own", "dx", "d.shared_wi_0", "d.shared_wi_1", "d.shared_wo"});
+  if (spans) b.all_gather(st, "all-gather d_y (shared, expert)", b.lay.ep_axes, b.T * b.D);
+  b.all_reduce(st, "reduce d_x shared (tensor)", b.lay.tp_axes, b.T * (spans ? b.ep : 1) * b.D);
+  plan_shared_reduce(b, st, "d_x shared", spans);
+}
+
+// ---------------------------------------------------------------------------- run
 
 /// The shared MLP on the tokens x (full D) into the zeroed workspace buffer `name` [rows, D].
 template <class Ctx>

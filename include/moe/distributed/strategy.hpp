@@ -1,0 +1,80 @@
+#pragma once
+/// \file
+/// The dispatch strategies of the distributed layer, one type per way the routed experts are
+/// reached, each in its own file under distributed/strategy/:
+///
+/// | strategy                          | ExpertRoute          | file                          |
+/// |-----------------------------------|----------------------|-------------------------------|
+/// | RaggedA2A                         | RaggedA2A            | strategy/ragged_a2a.hpp       |
+/// | Gathered<SortedExperts, false>    | Local, Replicated    | strategy/gathered.hpp         |
+/// | Gathered<DenseExperts, false>     | Local, Replicated    | strategy/gathered.hpp         |
+/// | Gathered<SortedExperts, true>     | Ring                 | strategy/gathered.hpp         |
+/// | Gathered<DenseExperts, true>      | Ring (dense path)    | strategy/gathered.hpp         |
+/// | ChunkedRing                       | Ring, emb chunks > 0 | strategy/chunked_ring.hpp     |
+/// | EpTp<SortedExperts / DenseExperts>| EpTp                 | strategy/ep_tp.hpp            |
+///
+/// choose_strategy() picks one from the layout, once per planned batch shape; the layer holds it
+/// in a std::variant and visits it once per forward / backward. A strategy lists the stages of
+/// its step, top to bottom (plan(): pure, what moe-shard --plan prints and the layer checks
+/// against), and runs each of them (forward() / backward(), one case per stage kind it plans);
+/// nothing after the choice tests the route. The stages every strategy shares (weight gathers,
+/// output, gradient reduction) are run by the layer.
+///
+/// Adding a layout: an ExpertRoute and its choice in layout.hpp, a strategy file, its alternative
+/// here, and its case in tests/mpi/layout_cases.hpp.
+
+#include <moe/config.hpp>
+#include <moe/distributed/layout.hpp>
+#include <moe/distributed/parallel_config.hpp>
+#include <moe/distributed/step_plan.hpp>
+#include <moe/distributed/strategy/chunked_ring.hpp>
+#include <moe/distributed/strategy/ep_tp.hpp>
+#include <moe/distributed/strategy/gathered.hpp>
+#include <moe/distributed/strategy/ragged_a2a.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <variant>
+
+namespace moe::distributed {
+
+/// One of the dispatch strategies (see the file comment).
+using Strategy =
+    std::variant<RaggedA2A, Gathered<SortedExperts, false>, Gathered<DenseExperts, false>,
+                 Gathered<SortedExperts, true>, Gathered<DenseExperts, true>, ChunkedRing,
+                 EpTp<SortedExperts>, EpTp<DenseExperts>>;
+
+/// The strategy of a layout (its route, dense path and token chunking).
+inline Strategy choose_strategy(Layout const& lay, ParallelConfig const& par) {
+  switch (lay.route) {
+    case ExpertRoute::RaggedA2A:
+      return RaggedA2A{};
+    case ExpertRoute::EpTp:
+      if (lay.dense) return EpTp<DenseExperts>{};
+      return EpTp<SortedExperts>{};
+    case ExpertRoute::Ring:
+      if (par.num_moe_emb_chunks > 0) return ChunkedRing{};
+      if (lay.dense) return Gathered<DenseExperts, true>{};
+      return Gathered<SortedExperts, true>{};
+    case ExpertRoute::Local:
+    case ExpertRoute::Replicated:
+      break;
+  }
+  if (lay.dense) return Gathered<DenseExperts, false>{};
+  return Gathered<SortedExperts, false>{};
+}
+
+/// \brief The step plan of `strategy` on the rank `lay` describes (pure: no MPI, no device).
+/// \param scalar_bytes size of one value (4: float, 8: double) for the byte counts
+inline StepPlan make_step_plan(Strategy const& strategy, Layout const& lay, LayerConfig const& cfg,
+                               ParallelConfig const& par, std::size_t scalar_bytes) {
+  return std::visit(
+      [&](auto const& s) { return s.plan(lay, cfg, par, std::int64_t(scalar_bytes)); }, strategy);
+}
+/// \brief The step plan of the layout's own strategy (choose_strategy).
+inline StepPlan make_step_plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
+                               std::size_t scalar_bytes) {
+  return make_step_plan(choose_strategy(lay, par), lay, cfg, par, scalar_bytes);
+}
+
+}  // namespace moe::distributed

@@ -1,0 +1,152 @@
+#pragma once
+/// \file
+/// The chunked ring (use_ring_of_experts with num_moe_emb_chunks = n, MaxText's
+/// moe_emb_chunking): the ring's gathered-tokens strategy whose routing comes from the expert
+/// group's all-gathered gate logits, and whose token all-gather runs in n D-chunks, each started
+/// before the first grouped GEMMs of the previous chunk so that transfer and GEMMs overlap. The
+/// combine and the whole backward are the ring's (Gathered<SortedExperts, true>).
+
+#include <moe/comm/iall_gather.hpp>
+#include <moe/detail/views.hpp>
+#include <moe/distributed/reshard.hpp>
+#include <moe/distributed/stages/route.hpp>
+#include <moe/distributed/step_plan.hpp>
+#include <moe/distributed/strategy/gathered.hpp>
+#include <moe/distributed/strategy/shared_expert.hpp>
+#include <moe/permute/permute.hpp>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moe::distributed {
+
+namespace stages {
+
+template <class Ctx>
+using chunk_pieces = comm::AllGatherPieces<typename Ctx::scalar_type, typename Ctx::memory_space,
+                                           typename Ctx::memory_space>;
+/// D-chunk c of the own tokens (chunk-major `own`) and its rows of the gathered `got`.
+template <class Ctx>
+std::pair<typename Ctx::view2, typename Ctx::view2> chunk_views(Ctx const& ctx,
+                                                                typename Ctx::view2 own,
+                                                                typename Ctx::view2 got,
+                                                                std::int64_t c) {
+  using view2 = typename Ctx::view2;
+  std::int64_t const T = ctx.plan.tokens, Tw = ctx.plan.work_tokens, Dc = own.extent(1);
+  return {view2(own.data() + c * T * Dc, T, Dc), view2(got.data() + c * Tw * Dc, Tw, Dc)};
+}
+/// Starts the all-gather of D-chunk c of the own tokens into its rows of `got`.
+template <class Ctx>
+auto start_chunk_gather(Ctx& ctx, chunk_pieces<Ctx> const& pieces, typename Ctx::view2 own,
+                        typename Ctx::view2 got, std::int64_t c) {
+  std::string const what = ctx.planned("all-gather", ctx.ep().axes);
+  auto const v = chunk_views(ctx, own, got, c);
+  return distributed::start_gather_rows(ctx.space, ctx.ep(), pieces, v.first, v.second, &ctx.log,
+                                        what);
+}
+/// Chunked ring (num_moe_emb_chunks = nc): the expert group's tokens arrive in nc chunks of
+/// Dc = D/nc columns, each by a non-blocking all-gather started before the first grouped GEMMs
+/// of the previous chunk run (one GEMM piece per local expert, MPI progressed between pieces),
+/// so the transfer of chunk c+1 overlaps the GEMMs of chunk c. Each chunk's sorted rows go to
+/// the GEMMs and into their columns of x_local (kept for the backward).
+template <class Ctx>
+void chunked_ring_experts(Ctx& ctx, typename Ctx::view2 x, std::uint64_t weights_version) {
+  using view2 = typename Ctx::view2;
+  using view3 = typename Ctx::view3;
+  using cview2 = typename Ctx::cview2;
+  using ivec = typename Ctx::ivec;
+  std::int64_t const D = ctx.cfg.base_emb_dim, T = ctx.plan.tokens, Tw = ctx.plan.work_tokens;
+  std::int64_t const nc = ctx.plan.emb_chunks, Dc = D / nc, n = ctx.disp.perm.rows();
+  std::int64_t const L = ctx.layout.local_experts, F = ctx.cp.wi_0.extent(2);
+  int const K = ctx.cfg.num_experts_per_tok;
+  // Own tokens chunk-major: rows [c*T, (c+1)*T) are columns [c*Dc, (c+1)*Dc) of x.
+  auto own = ctx.ws.make("x_chunks_own", nc * T, Dc);
+  distributed::detail::copy_rows(ctx.space, "moe::dist::chunk_pack", x.data(), own.data(), T * nc,
+                                 Dc, distributed::detail::Identity{},
+                                 distributed::detail::PaToAp{T, nc});
+  auto got = ctx.ws.make("x_chunks", nc * Tw, Dc);
+  auto xs = ctx.ws.make("x_local", n, D);
+  auto xs_c = ctx.ws.make("x_local_chunk", n, Dc);
+  auto rows = [](view2 const& v, std::int64_t r0, std::int64_t r) {
+    return view2(v.data() + r0 * std::int64_t(v.extent(1)), r, v.extent(1));
+  };
+  // The chunks' shapes are agreed on once (one collective check, not one per chunk).
+  auto const first = chunk_views(ctx, own, got, 0);
+  chunk_pieces<Ctx> const pieces(ctx.ep().comm, ctx.space, first.first, first.second);
+  using request = decltype(start_chunk_gather(ctx, pieces, own, got, 0));
+  request next = start_chunk_gather(ctx, pieces, own, got, 0);
+  ctx.ffn.forward_begin(ctx.space, ctx.cfg.mlp_activation, xs, F, weights_version);
+  for (std::int64_t c = 0; c < nc; ++c) {
+    request cur = std::move(next);
+    cur.wait(ctx.space);
+    if (c + 1 < nc) next = start_chunk_gather(ctx, pieces, own, got, c + 1);
+    permute::gather_rows(ctx.space, cview2(rows(got, c * Tw, Tw)), ivec(ctx.disp.perm.perm), K,
+                         xs_c);
+    distributed::detail::copy_rows(ctx.space, "moe::dist::chunk_unpack", xs_c.data(), xs.data(), n,
+                                   Dc, distributed::detail::Identity{},
+                                   distributed::detail::Block{nc, c});
+    // Rows [c*Dc, (c+1)*Dc) of expert l's [D, F] weights: a contiguous [1, Dc, F] block.
+    for (std::int64_t l = 0; l < L; ++l) {
+      std::int64_t const at = (l * D + c * Dc) * F;
+      ctx.ffn.forward_chunk(ctx.space, xs_c, ctx.disp.perm.groups,
+                            view3(ctx.cp.wi_0.data() + at, 1, Dc, F),
+                            view3(ctx.cp.wi_1.data() + at, 1, Dc, F), int(l));
+      if (c + 1 < nc) next.test();
+    }
+  }
+  auto ys = ctx.ws.make("y_local", n, D);
+  ctx.ffn.forward_end(ctx.space, ctx.disp.perm.groups, ctx.cp.wo, ys);
+}
+
+}  // namespace stages
+
+/// \brief The chunked ring (see the file comment): the ring's backward, its own forward.
+struct ChunkedRing : Gathered<SortedExperts, true> {
+  StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
+                std::int64_t scalar_bytes) const {
+    PlanBuilder b(lay, cfg, par, scalar_bytes, true);
+    StepPlan p = b.begin(b.ep);
+    b.gather_weights(p);
+    // Each rank's gate logits (full D, own tokens) are gathered instead of its tokens, which
+    // arrive later by chunks; the routing is that of the gathered tokens.
+    b.route(p.forward, "x", true);
+    b.stage(p.forward, StageKind::dispatch, "moe::dispatch::gathered", {"routing"},
+            {"local_ids", "local_kept"});
+    // One overlapped stage gathers the tokens in n chunks of D/n columns (non-blocking, chunk
+    // i+1 in flight while the first grouped GEMMs of chunk i accumulate), then runs the
+    // activation and the down projection. The chunk gathers send exactly the bytes of the
+    // one-piece gather.
+    auto& e = b.stage(p.forward, StageKind::experts, "moe::dist::experts::chunked",
+                      {"x", "routing", "compute.wi_0", "compute.wi_1", "compute.wo"},
+                      {"x_chunks_own", "x_chunks", "x_local_chunk", "x_local", "y_local"});
+    for (std::int64_t c = 0; c < b.chunks; ++c)
+      b.all_gather(e, chunk_gather_name(c, b.chunks), lay.ep_axes, b.T * (b.D / b.chunks));
+    stages::plan_gathered_combine<true, SortedExperts>(b, p.forward);
+    if (b.shared()) stages::plan_shared_forward(b, p.forward, true);
+    b.output(p.forward);
+    b.backward = true;
+    stages::plan_gathered_backward<true, SortedExperts>(b, p.backward);
+    if (b.shared()) stages::plan_shared_backward(b, p.backward, true);
+    b.route_backward(p.backward, "x");
+    b.reduce_grads(p);
+    return p;
+  }
+
+  template <class Ctx>
+  void forward(Ctx& c, Stage const& st, std::uint64_t weights_version) const {
+    switch (st.kind) {
+      case StageKind::route:
+        return stages::route_gathered_logits(c, c.ws.at("x"));
+      case StageKind::dispatch:
+        return stages::local_sort(c);
+      case StageKind::experts:
+        return stages::chunked_ring_experts(c, c.ws.at("x"), weights_version);
+      default:
+        return Gathered<SortedExperts, true>::forward(c, st, weights_version);
+    }
+  }
+};
+
+}  // namespace moe::distributed

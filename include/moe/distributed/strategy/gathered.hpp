@@ -1,0 +1,361 @@
+#pragma once
+/// \file
+/// The gathered-tokens strategy of the distributed layer (ExpertRoute::Ring, Replicated, Local):
+/// each rank routes the working tokens (its own, or on the ring the expert group's, all-gathered)
+/// and runs its local experts [e0, e0+L) on them, either sorted through the grouped GEMMs
+/// (SortedExperts) or as the dense masked experts (DenseExperts); the partial outputs (local
+/// experts only, tensor-split hidden dim) are summed back onto their owners. Its stages and their
+/// functions, forward and backward. SortedExperts / DenseExperts and the token reductions here
+/// are reused by the chunked ring (strategy/chunked_ring.hpp) and EP-TP (strategy/ep_tp.hpp).
+
+#include <moe/detail/views.hpp>
+#include <moe/distributed/stages/route.hpp>
+#include <moe/distributed/step_plan.hpp>
+#include <moe/distributed/strategy/shared_expert.hpp>
+#include <moe/permute/local_permute.hpp>
+#include <moe/permute/permute.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moe::distributed {
+
+namespace stages {
+
+/// A stage kind the running strategy has no function for (its plan never lists it).
+[[noreturn]] inline void no_stage(Stage const& st) {
+  throw Error(moe::detail::cat("moe internal error: no ", st.backward ? "backward" : "forward",
+                               " for stage ", st.region));
+}
+
+/// The working tokens' slots on local experts, sorted by local expert (ctx.disp.perm).
+template <class Ctx>
+void local_sort(Ctx& ctx) {
+  using memory_space = typename Ctx::memory_space;
+  std::int64_t const Tw = ctx.plan.work_tokens;
+  int const K = ctx.cfg.num_experts_per_tok;
+  // Local expert ids (global id - e0) and the kept mask restricted to local experts.
+  auto lids = ctx.ws.template make<int>("local_ids", Tw, K);
+  auto lkept = ctx.ws.template make<int>("local_kept", Tw, K);
+  permute::local_expert_ids(ctx.space, ctx.expert_ids(), ctx.kept(), int(ctx.layout.first_expert),
+                            int(ctx.layout.local_experts), lids, lkept);
+  permute::sort_by_expert(ctx.space, View2<int const, memory_space>(lids),
+                          View2<int const, memory_space>(lkept), ctx.layout.local_experts,
+                          ctx.disp.perm);
+}
+
+/// Working tokens -> own tokens: reduce-scatter over the expert group (Ring) or a sum over it
+/// (replicated tokens; a copy without expert parallelism).
+template <bool Ring, class Ctx>
+void tokens_reduce(Ctx& ctx, typename Ctx::view2 work, typename Ctx::view2 own) {
+  if constexpr (Ring) {
+    ctx.reduce_scatter(ctx.ep(), work, own, 0);
+  } else {
+    ctx.all_reduce(ctx.ep(), work);
+    Kokkos::deep_copy(ctx.space, own, work);
+  }
+}
+/// The working tokens' routed outputs yw summed onto each rank's own tokens, then split over
+/// tensor into y_cols.
+template <bool Ring, class Ctx>
+void gathered_combine(Ctx& ctx, typename Ctx::view2 yw) {
+  std::int64_t const D = ctx.cfg.base_emb_dim;
+  auto yo = ctx.ws.make("y_own", ctx.plan.tokens, D);
+  tokens_reduce<Ring>(ctx, yw, yo);
+  auto y_c = ctx.ws.make("y_cols", ctx.plan.tokens, D / ctx.tp().size());
+  ctx.reduce_scatter(ctx.tp(), yo, y_c, 1);
+}
+template <bool Ring, class Ctx>
+void gathered_output_backward(Ctx& ctx, typename Ctx::cview2 dy) {
+  auto dyw = ctx.ws.make("dy_work", ctx.plan.work_tokens, ctx.cfg.base_emb_dim);
+  if constexpr (Ring)
+    ctx.all_gather(ctx.ep(), dy, dyw, 0);
+  else
+    Kokkos::deep_copy(ctx.space, dyw, dy);
+}
+/// The working tokens' d_weights and dx (dxw) back to the ranks that own the tokens: both are
+/// partial over the tensor-split hidden dim and over the expert group's local experts.
+template <bool Ring, class Ctx>
+void gathered_dispatch_backward(Ctx& ctx, typename Ctx::view2 dxw, typename Ctx::view2 dx) {
+  auto dww = ctx.ws.at("d_weights_work");
+  ctx.all_reduce(ctx.tp(), dww);
+  tokens_reduce<Ring>(ctx, dww,
+                      ctx.ws.make("d_weights", ctx.plan.tokens, ctx.cfg.num_experts_per_tok));
+  ctx.all_reduce(ctx.tp(), dxw);
+  tokens_reduce<Ring>(ctx, dxw, dx);
+}
+
+}  // namespace stages
+
+/// \brief The routed rows of the working tokens sorted by local expert through the grouped
+/// GEMMs: a dispatch stage (sort, gather rows), the experts, and on the way back a combine
+/// backward (d_weights, the rows' dy) before the experts' backward.
+struct SortedExperts {
+  static constexpr bool dense = false;
+  /// What the experts write (the combine reads it) and what the dispatch backward reads.
+  static constexpr char const* rows_out = "y_local";
+  static constexpr char const* dx_rows = "dy_local";
+
+  static void plan_forward(PlanBuilder const& b, std::vector<Stage>& f, char const* xw) {
+    b.stage(f, StageKind::dispatch, "moe::dispatch::gathered", {xw, "routing"},
+            {"local_ids", "local_kept", "x_local"});
+    b.stage(f, StageKind::experts, "moe::dist::experts",
+            {"x_local", "compute.wi_0", "compute.wi_1", "compute.wo"}, {"y_local"});
+  }
+  static void plan_backward(PlanBuilder const& b, std::vector<Stage>& bw) {
+    b.stage(bw, StageKind::combine, "moe::dist::combine::backward",
+            {"dy_work", "y_local", "routing"}, {"dy_local", "d_weights_work"});
+    b.stage(bw, StageKind::experts, "moe::dist::experts::backward",
+            {"dy_local", "compute.wi_0", "compute.wi_1", "compute.wo"},
+            {"dy_local", "d.wi_0", "d.wi_1", "d.wo"});
+  }
+
+  template <class Ctx>
+  static void dispatch(Ctx& ctx, typename Ctx::view2 xw) {
+    using cview2 = typename Ctx::cview2;
+    using ivec = typename Ctx::ivec;
+    stages::local_sort(ctx);
+    auto xs = ctx.ws.make("x_local", ctx.disp.perm.rows(), ctx.cfg.base_emb_dim);
+    permute::gather_rows(ctx.space, cview2(xw), ivec(ctx.disp.perm.perm),
+                         ctx.cfg.num_experts_per_tok, xs);
+  }
+  /// The experts on the sorted rows (x_local; `xw` names the working tokens they came from).
+  template <class Ctx>
+  static void experts(Ctx& ctx, char const* /*xw*/, std::uint64_t weights_version) {
+    auto xs = ctx.ws.at("x_local");
+    auto ys = ctx.ws.make("y_local", xs.extent(0), ctx.cfg.base_emb_dim);
+    ctx.ffn.forward(ctx.space, ctx.cfg.mlp_activation, xs, ctx.disp.perm.groups, ctx.cp.wi_0,
+                    ctx.cp.wi_1, ctx.cp.wo, ys, weights_version);
+  }
+  /// The working tokens' routed outputs, y_work [work_tokens, D]: the sorted rows weighted and
+  /// summed onto their tokens.
+  template <class Ctx>
+  static typename Ctx::view2 combined(Ctx& ctx) {
+    using cview2 = typename Ctx::cview2;
+    using ivec = typename Ctx::ivec;
+    auto yw = ctx.ws.make("y_work", ctx.plan.work_tokens, ctx.cfg.base_emb_dim);
+    permute::combine(ctx.space, cview2(ctx.ws.at("y_local")), ivec(ctx.disp.perm.inverse),
+                     ctx.route_weights(), false, yw);
+    return yw;
+  }
+  template <class Ctx>
+  static void combine_backward(Ctx& ctx) {
+    using cview2 = typename Ctx::cview2;
+    using ivec = typename Ctx::ivec;
+    auto dys = ctx.ws.make("dy_local", ctx.disp.perm.rows(), ctx.cfg.base_emb_dim);
+    auto dww = ctx.ws.make("d_weights_work", ctx.plan.work_tokens, ctx.cfg.num_experts_per_tok);
+    permute::combine_backward(ctx.space, cview2(ctx.ws.at("dy_work")), cview2(ctx.ws.at("y_local")),
+                              ivec(ctx.disp.perm.perm), ivec(ctx.disp.perm.inverse),
+                              ctx.route_weights(), dys, dww);
+  }
+  template <class Ctx>
+  static void experts_backward(Ctx& ctx) {
+    auto dys = ctx.ws.at("dy_local");  // dxs overwrites dys
+    ctx.ffn.backward(ctx.space, dys, ctx.disp.perm.groups, ctx.cp.wi_0, ctx.cp.wi_1, ctx.cp.wo, dys,
+                     ctx.gc.wi_0, ctx.gc.wi_1, ctx.gc.wo);
+  }
+  /// dx of the working tokens, [work_tokens, D]: the sorted rows' gradients scattered back to
+  /// their tokens.
+  template <class Ctx>
+  static typename Ctx::view2 work_dx(Ctx& ctx) {
+    using cview2 = typename Ctx::cview2;
+    using ivec = typename Ctx::ivec;
+    auto dxw = ctx.ws.make("dx_work", ctx.plan.work_tokens, ctx.cfg.base_emb_dim);
+    permute::gather_rows_backward(ctx.space, cview2(ctx.ws.at("dy_local")),
+                                  ivec(ctx.disp.perm.inverse), ctx.cfg.num_experts_per_tok, false,
+                                  dxw);
+    return dxw;
+  }
+  template <class Ctx>
+  static std::int64_t routed_rows(Ctx const& ctx) {
+    return ctx.disp.perm.rows();
+  }
+};
+
+/// \brief The dense masked experts (Gmm = Dense or sparse_matmul = false): every working token
+/// through every local expert, masked by the routing; no sort, no dispatch stage.
+struct DenseExperts {
+  static constexpr bool dense = true;
+  static constexpr char const* rows_out = "y_work";
+  static constexpr char const* dx_rows = "dx_work";
+
+  static void plan_forward(PlanBuilder const& b, std::vector<Stage>& f, char const* xw) {
+    b.stage(f, StageKind::experts, "moe::dist::experts",
+            {xw, "routing", "compute.wi_0", "compute.wi_1", "compute.wo"}, {"y_work"});
+  }
+  static void plan_backward(PlanBuilder const& b, std::vector<Stage>& bw) {
+    b.stage(bw, StageKind::experts, "moe::dist::experts::backward",
+            {"dy_work", "compute.wi_0", "compute.wi_1", "compute.wo"},
+            {"dx_work", "d_weights_work", "d.wi_0", "d.wi_1", "d.wo"});
+  }
+
+  /// The experts on the working tokens, the buffer `xw`.
+  template <class Ctx>
+  static void experts(Ctx& ctx, char const* xw_name, std::uint64_t /*weights_version*/) {
+    using cview2 = typename Ctx::cview2;
+    auto xw = ctx.ws.at(xw_name);
+    auto yw = ctx.ws.make("y_work", xw.extent(0), ctx.cfg.base_emb_dim);
+    ctx.dense.forward(ctx.space, ctx.cfg.mlp_activation, cview2(xw), ctx.expert_ids(), ctx.kept(),
+                      ctx.route_weights(), int(ctx.layout.first_expert), ctx.cp.wi_0, ctx.cp.wi_1,
+                      ctx.cp.wo, yw);
+  }
+  /// The dense experts computed y_work itself.
+  template <class Ctx>
+  static typename Ctx::view2 combined(Ctx& ctx) {
+    return ctx.ws.at("y_work");
+  }
+  template <class Ctx>
+  static void experts_backward(Ctx& ctx) {
+    using cview2 = typename Ctx::cview2;
+    auto dxw = ctx.ws.make("dx_work", ctx.plan.work_tokens, ctx.cfg.base_emb_dim);
+    auto dww = ctx.ws.make("d_weights_work", ctx.plan.work_tokens, ctx.cfg.num_experts_per_tok);
+    ctx.dense.backward(ctx.space, cview2(ctx.ws.at("dy_work")), ctx.cp.wi_0, ctx.cp.wi_1, ctx.cp.wo,
+                       dxw, dww, ctx.gc.wi_0, ctx.gc.wi_1, ctx.gc.wo);
+  }
+  template <class Ctx>
+  static typename Ctx::view2 work_dx(Ctx& ctx) {
+    return ctx.ws.at("dx_work");
+  }
+  /// The dense path computes every token: no routed rows.
+  template <class Ctx>
+  static std::int64_t routed_rows(Ctx const&) {
+    return 0;
+  }
+};
+
+namespace stages {
+
+/// Working tokens -> own tokens in the plan: reduce-scatter on the ring, else a sum.
+template <bool Ring>
+void plan_tokens_reduce(PlanBuilder const& b, Stage& st, std::string const& what,
+                        std::int64_t cols) {
+  if constexpr (Ring)
+    b.reduce_scatter(st, "reduce-scatter " + what + " (expert)", b.lay.ep_axes, b.T * cols);
+  else
+    b.all_reduce(st, "reduce " + what + " (expert)", b.lay.ep_axes, b.Tw * cols);
+}
+/// The forward's combine on gathered tokens: the experts' output summed onto the owners' tokens,
+/// then split into D/tp columns.
+template <bool Ring, class Experts>
+void plan_gathered_combine(PlanBuilder const& b, std::vector<Stage>& f) {
+  auto& c = b.stage(f, StageKind::combine, "moe::dist::combine", {Experts::rows_out, "routing"},
+                    {"y_work", "y_own", "y_cols"});
+  plan_tokens_reduce<Ring>(b, c, "y", b.D);
+  b.reduce_scatter(c, "reduce-scatter y (tensor)", b.lay.tp_axes, b.T * b.Dc);
+}
+/// The backward of the experts on gathered tokens: dy gathered over the expert axes as
+/// `gather_dy` (n elements per rank; none when the tokens were not gathered), the experts'
+/// transposes, then the stage that sends d_weights and dx back, whose collectives the caller
+/// adds.
+template <class Experts>
+Stage& plan_gathered_experts_backward(PlanBuilder const& b, std::vector<Stage>& bw,
+                                      char const* gather_dy, std::int64_t n) {
+  auto& o = b.stage(bw, StageKind::output, "moe::dist::output::backward", {"dy"}, {"dy_work"});
+  if (gather_dy) b.all_gather(o, gather_dy, b.lay.ep_axes, n);
+  Experts::plan_backward(b, bw);
+  return b.stage(bw, StageKind::dispatch, "moe::dispatch::gathered::backward",
+                 {Experts::dx_rows, "d_weights_work"}, {"dx_work", "d_weights", "dx"});
+}
+/// The backward of the gathered-tokens path up to the router.
+template <bool Ring, class Experts>
+void plan_gathered_backward(PlanBuilder const& b, std::vector<Stage>& bw) {
+  // The transpose of routing on gathered tokens: the expert group's partial d_weights and dx
+  // (partial over the tensor-split hidden dim too) go back to the ranks that own the tokens.
+  auto& d = plan_gathered_experts_backward<Experts>(
+      b, bw, Ring ? "all-gather d_y (expert)" : nullptr, b.T * b.D);
+  b.all_reduce(d, "reduce d_weights (tensor)", b.lay.tp_axes, b.Tw * b.K);
+  plan_tokens_reduce<Ring>(b, d, "d_weights", b.K);
+  b.all_reduce(d, "reduce d_x (tensor)", b.lay.tp_axes, b.Tw * b.D);
+  plan_tokens_reduce<Ring>(b, d, "d_x", b.D);
+}
+
+}  // namespace stages
+
+/// \brief The gathered-tokens strategy (see the file comment). Ring: the expert group's tokens
+/// are all-gathered and its partial outputs reduce-scattered (ExpertRoute::Ring); else each
+/// rank's tokens are its own (no expert parallelism) or replicated over the expert group, whose
+/// partial outputs are summed (ExpertRoute::Local, Replicated).
+template <class Experts, bool Ring>
+struct Gathered {
+  /// Its stages, top to bottom.
+  StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
+                std::int64_t scalar_bytes) const {
+    PlanBuilder b(lay, cfg, par, scalar_bytes, Ring);
+    char const* xw = Ring ? "x_work" : "x";
+    StepPlan p = b.begin(Ring ? b.ep : 1);
+    b.gather_weights(p);
+    if constexpr (Ring) {
+      auto& st = b.stage(p.forward, StageKind::gather_tokens, "moe::dist::gather_tokens", {"x"},
+                         {"x_work"});
+      b.all_gather(st, "all-gather tokens (ring)", lay.ep_axes, b.T * b.D);
+    }
+    b.route(p.forward, xw);
+    Experts::plan_forward(b, p.forward, xw);
+    stages::plan_gathered_combine<Ring, Experts>(b, p.forward);
+    if (b.shared()) stages::plan_shared_forward(b, p.forward, Ring);
+    b.output(p.forward);
+    b.backward = true;
+    stages::plan_gathered_backward<Ring, Experts>(b, p.backward);
+    if (b.shared()) stages::plan_shared_backward(b, p.backward, Ring);
+    b.route_backward(p.backward, "x");
+    b.reduce_grads(p);
+    return p;
+  }
+
+  template <class Ctx>
+  void forward(Ctx& c, Stage const& st, std::uint64_t weights_version) const {
+    switch (st.kind) {
+      case StageKind::gather_tokens:
+        return c.all_gather(c.ep(), c.ws.at("x"),
+                            c.ws.make("x_work", c.plan.work_tokens, c.cfg.base_emb_dim), 0);
+      case StageKind::route:
+        return stages::route_tokens(c, work_x(c), Ring);
+      case StageKind::dispatch:
+        if constexpr (!Experts::dense) return Experts::dispatch(c, work_x(c));
+        break;
+      case StageKind::experts:
+        return Experts::experts(c, Ring ? "x_work" : "x", weights_version);
+      case StageKind::combine:
+        return stages::gathered_combine<Ring>(c, Experts::combined(c));
+      case StageKind::shared_expert:
+        return stages::shared_forward(c, c.ws.at("x"), c.ws.at("y_cols"));
+      default:
+        break;
+    }
+    stages::no_stage(st);
+  }
+  template <class Ctx>
+  void backward(Ctx& c, Stage const& st, typename Ctx::cview2 dy, typename Ctx::view2 dx) const {
+    switch (st.kind) {
+      case StageKind::output:
+        return stages::gathered_output_backward<Ring>(c, dy);
+      case StageKind::combine:
+        if constexpr (!Experts::dense) return Experts::combine_backward(c);
+        break;
+      case StageKind::experts:
+        return Experts::experts_backward(c);
+      case StageKind::dispatch:
+        return stages::gathered_dispatch_backward<Ring>(c, Experts::work_dx(c), dx);
+      case StageKind::shared_expert:
+        return stages::shared_backward(c, dy, dx);
+      case StageKind::route:
+        return stages::route_backward(c, dx);
+      default:
+        break;
+    }
+    stages::no_stage(st);
+  }
+  template <class Ctx>
+  std::int64_t routed_rows(Ctx const& c) const {
+    return Experts::routed_rows(c);
+  }
+
+ private:
+  template <class Ctx>
+  static typename Ctx::view2 work_x(Ctx& c) {
+    return c.ws.at(Ring ? "x_work" : "x");
+  }
+};
+
+}  // namespace moe::distributed
