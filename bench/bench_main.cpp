@@ -17,8 +17,8 @@
 #include <moe/moe_config.hpp>
 
 #include <benchmark/benchmark.h>
-#include <mpi.h>
 #include <Kokkos_Core.hpp>
+#include <moe/comm/mpi.hpp>
 
 #include <algorithm>
 #include <cctype>

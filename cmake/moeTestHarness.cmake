@@ -10,9 +10,17 @@ set(MOE_TEST_MPI_ENV OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 O
     OMP_PROC_BIND=false OMP_WAIT_POLICY=passive)
 
 # moe_add_mpi_test(NAME name COMMAND exe args... RANKS 1 2 4 [LABELS ...])
+# Without MPI (MOE_ENABLE_MPI=OFF) only the one-rank test is registered, run without mpirun.
 function(moe_add_mpi_test)
   cmake_parse_arguments(T "" "NAME" "COMMAND;RANKS;LABELS" ${ARGN})
   foreach(np IN LISTS T_RANKS)
+    if(NOT MOE_ENABLE_MPI)
+      if(np EQUAL 1)
+        add_test(NAME ${T_NAME}_np1 COMMAND ${T_COMMAND})
+        set_tests_properties(${T_NAME}_np1 PROPERTIES LABELS "mpi;${T_LABELS}")
+      endif()
+      continue()
+    endif()
     add_test(NAME ${T_NAME}_np${np}
              COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} ${MOE_MPIEXEC_PREFLAGS}
                      ${MPIEXEC_PREFLAGS} ${T_COMMAND} ${MPIEXEC_POSTFLAGS})

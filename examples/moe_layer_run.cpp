@@ -29,7 +29,7 @@
 #include <moe_cli.hpp>
 #include <moe_maxtext_config.hpp>
 
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 #include <algorithm>
 #include <cmath>

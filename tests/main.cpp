@@ -3,9 +3,9 @@
 #include <moe/threads.hpp>
 
 #include <gtest/gtest.h>
-#include <mpi.h>
 #include <Kokkos_Core.hpp>
 #include <algorithm>
+#include <moe/comm/mpi.hpp>
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);

@@ -17,8 +17,8 @@
 #include "bench_mpi_common.hpp"
 
 #include <benchmark/benchmark.h>
-#include <mpi.h>
 #include <Kokkos_Core.hpp>
+#include <moe/comm/mpi.hpp>
 
 #include <algorithm>
 #include <cstdint>

@@ -14,7 +14,7 @@
 #include "bench_mpi_common.hpp"
 
 #include <benchmark/benchmark.h>
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 #include <random>
 #include <string>

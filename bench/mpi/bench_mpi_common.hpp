@@ -2,8 +2,8 @@
 // Helpers shared by the moe_bench_mpi sources: reproducible fills, the slowest rank's time,
 // medians and the registration of a benchmark timed by hand in milliseconds.
 #include <benchmark/benchmark.h>
-#include <mpi.h>
 #include <Kokkos_Core.hpp>
+#include <moe/comm/mpi.hpp>
 
 #include <algorithm>
 #include <cstdint>

@@ -8,7 +8,7 @@
 #include <moe/error.hpp>
 #include <moe/tensor_block.hpp>
 
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 #include <algorithm>
 #include <cstdint>

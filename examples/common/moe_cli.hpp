@@ -7,9 +7,9 @@
 #include <moe/error.hpp>
 #include <moe/threads.hpp>
 
-#include <mpi.h>
 #include <yaml-cpp/yaml.h>
 #include <Kokkos_Core.hpp>
+#include <moe/comm/mpi.hpp>
 
 #include <unistd.h>
 

@@ -14,7 +14,7 @@
 #include <Kokkos_Core.hpp>
 #include <Kokkos_Random.hpp>
 
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 #include <algorithm>
 #include <cstdint>

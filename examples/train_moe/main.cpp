@@ -21,8 +21,8 @@
 #include <moe_maxtext_config.hpp>
 #include <train_moe_default_yml.hpp>
 
-#include <mpi.h>
 #include <yaml-cpp/yaml.h>
+#include <moe/comm/mpi.hpp>
 
 #include <pthread.h>
 #include <unistd.h>

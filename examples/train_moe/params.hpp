@@ -12,7 +12,7 @@
 
 #include <Kokkos_Core.hpp>
 
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 #include <cstdint>
 #include <map>

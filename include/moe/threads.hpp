@@ -13,8 +13,8 @@
 
 #include <moe/moe_config.hpp>
 
-#include <mpi.h>
 #include <sched.h>
+#include <moe/comm/mpi.hpp>
 
 #include <algorithm>
 #include <cstdlib>

@@ -6,7 +6,7 @@
 #include <moe/io/checkpoint.hpp>
 
 #include <gtest/gtest.h>
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 #include <algorithm>
 #include <cstdint>

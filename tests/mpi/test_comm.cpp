@@ -7,8 +7,8 @@
 #include <moe/comm/ragged_all_to_all.hpp>
 
 #include <gtest/gtest.h>
-#include <mpi.h>
 #include <Kokkos_Core.hpp>
+#include <moe/comm/mpi.hpp>
 
 #include <cstdint>
 #include <cstring>

@@ -4,7 +4,7 @@
 #include <moe/distributed/layer.hpp>
 
 #include <gtest/gtest.h>
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 #include "layout_cases.hpp"
 

@@ -9,7 +9,7 @@
 
 #include <gtest/gtest.h>
 
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 #include "layout_cases.hpp"
 
 #include <cmath>

@@ -4,7 +4,7 @@
 #include <moe/sharding/mesh.hpp>
 
 #include <gtest/gtest.h>
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 #include <string>
 #include <utility>

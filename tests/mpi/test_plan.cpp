@@ -8,7 +8,7 @@
 
 #include <gtest/gtest.h>
 
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 #include "layout_cases.hpp"
 
 #include <random>

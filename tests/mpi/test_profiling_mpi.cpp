@@ -5,7 +5,7 @@
 #include <moe/distributed/layer.hpp>
 
 #include <gtest/gtest.h>
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 #include <set>
 #include <string>

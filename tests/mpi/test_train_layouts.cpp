@@ -5,7 +5,7 @@
 #include <train_moe/train.hpp>
 
 #include <gtest/gtest.h>
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 #include <cmath>
 #include <cstdlib>

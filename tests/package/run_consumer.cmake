@@ -43,3 +43,29 @@ if(rc EQUAL 0 OR NOT "${mout}${merr}" MATCHES "moe was built and tested against 
   message(FATAL_ERROR "a Kokkos version mismatch was not refused (${rc}):\n${mout}\n${merr}")
 endif()
 message(STATUS "version mismatch refused as expected")
+
+# moe configured without MPI (MOE_ENABLE_MPI=OFF): the package asks for no MPI, records the choice,
+# and the consumer builds with a poisoned <mpi.h> ahead of every include directory (so nothing
+# includes the real one) and runs on one process.
+run(${CMAKE_COMMAND} -S ${MOE_SOURCE_DIR} -B ${WORK_DIR}/nompi-moe -DMOE_ENABLE_MPI=OFF
+    -DMOE_ENABLE_TESTS=OFF -DMOE_ENABLE_EXAMPLES=OFF -DMOE_ENABLE_BENCHMARKS=OFF
+    -DCMAKE_CXX_COMPILER=${CMAKE_CXX_COMPILER})
+run(${CMAKE_COMMAND} --install ${WORK_DIR}/nompi-moe --prefix ${WORK_DIR}/nompi-prefix)
+file(GLOB_RECURSE nompi_cfg ${WORK_DIR}/nompi-prefix/moeConfig.cmake)
+file(READ ${nompi_cfg} text)
+if(NOT text MATCHES "set\\(MOE_ENABLE_MPI OFF\\)")
+  message(FATAL_ERROR "${nompi_cfg} does not record MOE_ENABLE_MPI OFF")
+endif()
+file(READ ${WORK_DIR}/nompi-prefix/include/moe/moe_config.hpp text)
+if(NOT text MATCHES "#define MOE_ENABLE_MPI 0")
+  message(FATAL_ERROR "the installed moe_config.hpp does not record MOE_ENABLE_MPI 0")
+endif()
+run(${CMAKE_COMMAND} -S ${MOE_SOURCE_DIR}/tests/package/consumer -B ${WORK_DIR}/nompi-build
+    -DCMAKE_PREFIX_PATH=${WORK_DIR}/nompi-prefix -DCMAKE_CXX_COMPILER=${CMAKE_CXX_COMPILER}
+    -DCMAKE_CXX_FLAGS=-I${MOE_SOURCE_DIR}/tests/no_mpi)
+run(${CMAKE_COMMAND} --build ${WORK_DIR}/nompi-build)
+execute_process(COMMAND ${WORK_DIR}/nompi-build/consumer RESULT_VARIABLE rc OUTPUT_VARIABLE out)
+if(NOT rc EQUAL 0 OR NOT out MATCHES " ok")
+  message(FATAL_ERROR "the consumer of the moe built without MPI failed (${rc}): ${out}")
+endif()
+message(STATUS "without MPI: ${out}")

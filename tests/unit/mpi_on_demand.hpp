@@ -1,7 +1,7 @@
 #pragma once
 // MPI for the single-rank test binary, started by the first test that asks for it.
 
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 namespace moe_test {
 

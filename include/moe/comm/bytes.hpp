@@ -14,7 +14,7 @@
 #include <moe/comm/detail/exchange.hpp>
 #include <moe/error.hpp>
 
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 #include <algorithm>
 #include <climits>

@@ -11,7 +11,7 @@
 #include <moe/detail/hash.hpp>
 #include <moe/error.hpp>
 
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 #include <algorithm>
 #include <cstdint>

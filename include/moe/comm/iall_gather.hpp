@@ -16,8 +16,8 @@
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
 
-#include <mpi.h>
 #include <Kokkos_Core.hpp>
+#include <moe/comm/mpi.hpp>
 
 #include <cstdint>
 #include <optional>

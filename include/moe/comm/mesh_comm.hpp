@@ -8,7 +8,7 @@
 #include <moe/error.hpp>
 #include <moe/sharding/mesh.hpp>
 
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 #include <map>
 #include <string>

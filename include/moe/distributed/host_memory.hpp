@@ -9,7 +9,7 @@
 #include <moe/distributed/memory_estimate.hpp>
 #include <moe/error.hpp>
 
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 #include <cstdint>
 #include <cstdlib>

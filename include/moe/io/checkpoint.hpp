@@ -86,7 +86,7 @@
 #include <moe/io/sha256.hpp>
 #include <moe/tensor_block.hpp>
 
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 
 #include <cerrno>
 #include <cstdint>

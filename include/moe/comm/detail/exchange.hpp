@@ -8,7 +8,7 @@
 #include <moe/error.hpp>
 #include <moe/moe_config.hpp>
 
-#include <mpi.h>
+#include <moe/comm/mpi.hpp>
 #include <moe/detail/compat.hpp>
 
 #include <Kokkos_Core.hpp>

@@ -1,0 +1,262 @@
+#pragma once
+/// \file
+/// MPI as moe sees it: `<mpi.h>` when moe is built with MPI (MOE_ENABLE_MPI = 1, the default where
+/// CMake finds MPI), else a one-process stand-in for the part of MPI that moe (and its tools)
+/// use, so that the library, MoeLayer and DistributedMoeLayer on one rank build and run with no
+/// MPI installed and no `<mpi.h>`.
+///
+/// The stand-in is a world of one process: every communicator has one rank (rank 0), a
+/// collective copies the caller's contribution to where its result goes (a sum, max or min over
+/// one rank is that rank's value), a split or duplicate is the same world, and MPI_Init /
+/// MPI_Finalize only track state. It has no point-to-point messages: MPI_Send, MPI_Recv,
+/// MPI_Isend and MPI_Irecv return an error (moe never sends to itself; its one-rank paths copy).
+/// Its functions live in moe::comm::serial_mpi and are brought into the global namespace by
+/// using-declarations, so they never clash with a real MPI library's symbols; including the real
+/// `<mpi.h>` as well fails to compile, which is the point.
+///
+/// MOE_ENABLE_MPI comes from moe_config.hpp (the configured choice); a program may define it to 0
+/// itself (every translation unit alike, and without linking MPI) to build on the stand-in from
+/// an install configured with MPI: moe's own single-rank unit tests do.
+
+#include <moe/moe_config.hpp>
+
+#if MOE_ENABLE_MPI
+
+#include <mpi.h>  // NOLINT: the one place moe includes it
+
+#else
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+// ------------------------------------------------------------------ types and constants -------
+using MPI_Comm = int;
+using MPI_Datatype = int;  ///< the stand-in's datatype is its size in bytes
+using MPI_Op = int;
+using MPI_Request = int;
+using MPI_Info = int;
+using MPI_Errhandler = int;
+struct MPI_Status {
+  int MPI_SOURCE = 0, MPI_TAG = 0, MPI_ERROR = 0;
+};
+
+inline constexpr int MPI_SUCCESS = 0;
+inline constexpr int MPI_ERR_OTHER = 16;
+inline constexpr int MPI_MAX_ERROR_STRING = 256;
+inline constexpr MPI_Comm MPI_COMM_NULL = 0;
+inline constexpr MPI_Comm MPI_COMM_WORLD = 1;
+inline constexpr MPI_Comm MPI_COMM_SELF = 2;
+inline constexpr int MPI_IDENT = 0, MPI_CONGRUENT = 1, MPI_SIMILAR = 2, MPI_UNEQUAL = 3;
+inline constexpr int MPI_COMM_TYPE_SHARED = 1;
+inline constexpr MPI_Info MPI_INFO_NULL = 0;
+inline constexpr MPI_Request MPI_REQUEST_NULL = 0;
+inline constexpr MPI_Errhandler MPI_ERRORS_ARE_FATAL = 1, MPI_ERRORS_RETURN = 2;
+inline constexpr MPI_Datatype MPI_DATATYPE_NULL = 0;
+inline constexpr MPI_Datatype MPI_CHAR = 1, MPI_BYTE = 1, MPI_INT = sizeof(int),
+                              MPI_LONG = sizeof(long), MPI_FLOAT = 4, MPI_DOUBLE = 8,
+                              MPI_INT32_T = 4, MPI_INT64_T = 8, MPI_UINT64_T = 8;
+inline constexpr MPI_Op MPI_SUM = 1, MPI_MAX = 2, MPI_MIN = 3;
+inline MPI_Status* const MPI_STATUS_IGNORE = nullptr;
+inline MPI_Status* const MPI_STATUSES_IGNORE = nullptr;
+inline void* const MPI_IN_PLACE = reinterpret_cast<void*>(static_cast<std::uintptr_t>(1));
+
+namespace moe::comm::serial_mpi {
+
+/// 0: before MPI_Init, 1: initialised, 2: finalised (one per program).
+inline int state = 0;
+
+/// Copies n bytes unless source and destination are the same (or the source is MPI_IN_PLACE).
+inline void copy(void* to, void const* from, long long n) {
+  if (from != MPI_IN_PLACE && to != from && n > 0) std::memmove(to, from, std::size_t(n));
+}
+inline char* at(void* p, long long bytes) { return static_cast<char*>(p) + bytes; }
+inline char const* at(void const* p, long long bytes) {
+  return static_cast<char const*>(p) + bytes;
+}
+
+// ------------------------------------------------------------------ environment --------------
+inline int MPI_Init(int*, char***) {
+  state = 1;
+  return MPI_SUCCESS;
+}
+inline int MPI_Initialized(int* flag) {
+  *flag = state >= 1;
+  return MPI_SUCCESS;
+}
+inline int MPI_Finalize() {
+  state = 2;
+  return MPI_SUCCESS;
+}
+inline int MPI_Finalized(int* flag) {
+  *flag = state == 2;
+  return MPI_SUCCESS;
+}
+[[noreturn]] inline int MPI_Abort(MPI_Comm, int code) {
+  std::fflush(nullptr);
+  std::_Exit(code);
+}
+inline double MPI_Wtime() {
+  using clock = std::chrono::steady_clock;
+  return std::chrono::duration<double>(clock::now().time_since_epoch()).count();
+}
+inline int MPI_Error_string(int code, char* text, int* len) {
+  char const* what =
+      code == MPI_SUCCESS
+          ? "no error"
+          : "moe was built without MPI (MOE_ENABLE_MPI=0): its one-process stand-in has no "
+            "point-to-point messages";
+  *len = std::snprintf(text, MPI_MAX_ERROR_STRING, "%s", what);
+  return MPI_SUCCESS;
+}
+
+// ------------------------------------------------------------------ communicators ------------
+inline int MPI_Comm_size(MPI_Comm, int* size) {
+  *size = 1;
+  return MPI_SUCCESS;
+}
+inline int MPI_Comm_rank(MPI_Comm, int* rank) {
+  *rank = 0;
+  return MPI_SUCCESS;
+}
+inline int MPI_Comm_dup(MPI_Comm comm, MPI_Comm* out) {
+  *out = comm;
+  return MPI_SUCCESS;
+}
+inline int MPI_Comm_split(MPI_Comm comm, int, int, MPI_Comm* out) {
+  *out = comm;
+  return MPI_SUCCESS;
+}
+inline int MPI_Comm_split_type(MPI_Comm comm, int, int, MPI_Info, MPI_Comm* out) {
+  *out = comm;
+  return MPI_SUCCESS;
+}
+inline int MPI_Comm_free(MPI_Comm* comm) {
+  *comm = MPI_COMM_NULL;
+  return MPI_SUCCESS;
+}
+inline int MPI_Comm_compare(MPI_Comm a, MPI_Comm b, int* result) {
+  *result = a == b ? MPI_IDENT : MPI_CONGRUENT;  // every one-process group is the same group
+  return MPI_SUCCESS;
+}
+inline int MPI_Comm_set_errhandler(MPI_Comm, MPI_Errhandler) { return MPI_SUCCESS; }
+inline int MPI_Comm_get_errhandler(MPI_Comm, MPI_Errhandler* h) {
+  *h = MPI_ERRORS_RETURN;
+  return MPI_SUCCESS;
+}
+inline int MPI_Errhandler_free(MPI_Errhandler* h) {
+  *h = 0;
+  return MPI_SUCCESS;
+}
+
+// ------------------------------------------------------------------ datatypes ----------------
+inline int MPI_Type_contiguous(int count, MPI_Datatype old, MPI_Datatype* out) {
+  *out = count * old;
+  return MPI_SUCCESS;
+}
+inline int MPI_Type_commit(MPI_Datatype*) { return MPI_SUCCESS; }
+inline int MPI_Type_free(MPI_Datatype* t) {
+  *t = MPI_DATATYPE_NULL;
+  return MPI_SUCCESS;
+}
+
+// ------------------------------------------------------------------ collectives (one rank) ---
+inline int MPI_Barrier(MPI_Comm) { return MPI_SUCCESS; }
+inline int MPI_Bcast(void*, int, MPI_Datatype, int, MPI_Comm) { return MPI_SUCCESS; }
+inline int MPI_Allreduce(void const* send, void* recv, int count, MPI_Datatype t, MPI_Op,
+                         MPI_Comm) {
+  copy(recv, send, 1LL * count * t);
+  return MPI_SUCCESS;
+}
+inline int MPI_Allgather(void const* send, int scount, MPI_Datatype st, void* recv, int,
+                         MPI_Datatype, MPI_Comm) {
+  copy(recv, send, 1LL * scount * st);
+  return MPI_SUCCESS;
+}
+inline int MPI_Allgatherv(void const* send, int scount, MPI_Datatype st, void* recv, int const*,
+                          int const* displs, MPI_Datatype rt, MPI_Comm) {
+  copy(at(recv, 1LL * displs[0] * rt), send, 1LL * scount * st);
+  return MPI_SUCCESS;
+}
+inline int MPI_Alltoall(void const* send, int scount, MPI_Datatype st, void* recv, int,
+                        MPI_Datatype, MPI_Comm) {
+  copy(recv, send, 1LL * scount * st);
+  return MPI_SUCCESS;
+}
+inline int MPI_Alltoallv(void const* send, int const* scounts, int const* sdispls, MPI_Datatype st,
+                         void* recv, int const*, int const* rdispls, MPI_Datatype rt, MPI_Comm) {
+  copy(at(recv, 1LL * rdispls[0] * rt), at(send, 1LL * sdispls[0] * st), 1LL * scounts[0] * st);
+  return MPI_SUCCESS;
+}
+inline int MPI_Iallgather(void const* send, int scount, MPI_Datatype st, void* recv, int,
+                          MPI_Datatype, MPI_Comm, MPI_Request* req) {
+  copy(recv, send, 1LL * scount * st);
+  *req = MPI_REQUEST_NULL;  // complete at once
+  return MPI_SUCCESS;
+}
+inline int MPI_Wait(MPI_Request* req, MPI_Status*) {
+  *req = MPI_REQUEST_NULL;
+  return MPI_SUCCESS;
+}
+inline int MPI_Waitall(int n, MPI_Request* reqs, MPI_Status*) {
+  for (int i = 0; i < n; ++i) reqs[i] = MPI_REQUEST_NULL;
+  return MPI_SUCCESS;
+}
+inline int MPI_Testall(int n, MPI_Request* reqs, int* flag, MPI_Status*) {
+  *flag = 1;
+  return MPI_Waitall(n, reqs, nullptr);
+}
+
+// ------------------------------------------------------------------ point to point: none -----
+inline int MPI_Send(void const*, int, MPI_Datatype, int, int, MPI_Comm) { return MPI_ERR_OTHER; }
+inline int MPI_Recv(void*, int, MPI_Datatype, int, int, MPI_Comm, MPI_Status*) {
+  return MPI_ERR_OTHER;
+}
+inline int MPI_Isend(void const*, int, MPI_Datatype, int, int, MPI_Comm, MPI_Request*) {
+  return MPI_ERR_OTHER;
+}
+inline int MPI_Irecv(void*, int, MPI_Datatype, int, int, MPI_Comm, MPI_Request*) {
+  return MPI_ERR_OTHER;
+}
+
+}  // namespace moe::comm::serial_mpi
+
+using moe::comm::serial_mpi::MPI_Abort;
+using moe::comm::serial_mpi::MPI_Allgather;
+using moe::comm::serial_mpi::MPI_Allgatherv;
+using moe::comm::serial_mpi::MPI_Allreduce;
+using moe::comm::serial_mpi::MPI_Alltoall;
+using moe::comm::serial_mpi::MPI_Alltoallv;
+using moe::comm::serial_mpi::MPI_Barrier;
+using moe::comm::serial_mpi::MPI_Bcast;
+using moe::comm::serial_mpi::MPI_Comm_compare;
+using moe::comm::serial_mpi::MPI_Comm_dup;
+using moe::comm::serial_mpi::MPI_Comm_free;
+using moe::comm::serial_mpi::MPI_Comm_get_errhandler;
+using moe::comm::serial_mpi::MPI_Comm_rank;
+using moe::comm::serial_mpi::MPI_Comm_set_errhandler;
+using moe::comm::serial_mpi::MPI_Comm_size;
+using moe::comm::serial_mpi::MPI_Comm_split;
+using moe::comm::serial_mpi::MPI_Comm_split_type;
+using moe::comm::serial_mpi::MPI_Errhandler_free;
+using moe::comm::serial_mpi::MPI_Error_string;
+using moe::comm::serial_mpi::MPI_Finalize;
+using moe::comm::serial_mpi::MPI_Finalized;
+using moe::comm::serial_mpi::MPI_Iallgather;
+using moe::comm::serial_mpi::MPI_Init;
+using moe::comm::serial_mpi::MPI_Initialized;
+using moe::comm::serial_mpi::MPI_Irecv;
+using moe::comm::serial_mpi::MPI_Isend;
+using moe::comm::serial_mpi::MPI_Recv;
+using moe::comm::serial_mpi::MPI_Send;
+using moe::comm::serial_mpi::MPI_Testall;
+using moe::comm::serial_mpi::MPI_Type_commit;
+using moe::comm::serial_mpi::MPI_Type_contiguous;
+using moe::comm::serial_mpi::MPI_Type_free;
+using moe::comm::serial_mpi::MPI_Wait;
+using moe::comm::serial_mpi::MPI_Waitall;
+using moe::comm::serial_mpi::MPI_Wtime;
+
+#endif  // MOE_ENABLE_MPI
