@@ -7,9 +7,11 @@
 ///
 /// The stand-in is a world of one process: every communicator has one rank (rank 0), a
 /// collective copies the caller's contribution to where its result goes (a sum, max or min over
-/// one rank is that rank's value), a split or duplicate is the same world, and MPI_Init /
-/// MPI_Finalize only track state. It has no point-to-point messages: MPI_Send, MPI_Recv,
-/// MPI_Isend and MPI_Irecv return an error (moe never sends to itself; its one-rank paths copy).
+/// one rank is that rank's value), a split or duplicate is a new handle on the same one process,
+/// and MPI_Init / MPI_Finalize only track state. Messages go to rank 0 only, that is to itself: a
+/// send and a receive of the same communicator and tag match in order (a blocking send is
+/// buffered); a receive or a wait that nothing can ever match, a peer or root other than 0, and
+/// a count over the receive buffer return an error instead of waiting for ever.
 /// Its functions live in moe::comm::serial_mpi and are brought into the global namespace by
 /// using-declarations, so they never clash with a real MPI library's symbols; including the real
 /// `<mpi.h>` as well fails to compile, which is the point.
@@ -31,6 +33,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <map>
+#include <set>
+#include <vector>
 
 // ------------------------------------------------------------------ types and constants -------
 using MPI_Comm = int;
@@ -45,10 +51,15 @@ struct MPI_Status {
 
 inline constexpr int MPI_SUCCESS = 0;
 inline constexpr int MPI_ERR_OTHER = 16;
+inline constexpr int MPI_ERR_RANK = 6;
+inline constexpr int MPI_ERR_ROOT = 7;
+inline constexpr int MPI_ERR_TRUNCATE = 15;
 inline constexpr int MPI_MAX_ERROR_STRING = 256;
-inline constexpr MPI_Comm MPI_COMM_NULL = 0;
-inline constexpr MPI_Comm MPI_COMM_WORLD = 1;
-inline constexpr MPI_Comm MPI_COMM_SELF = 2;
+// Handles are macros, as in MPI implementations: `Communicator(MPI_COMM_NULL)` must stay an
+// expression, not declare a variable named MPI_COMM_NULL.
+#define MPI_COMM_NULL (static_cast<MPI_Comm>(0))
+#define MPI_COMM_WORLD (static_cast<MPI_Comm>(1))
+#define MPI_COMM_SELF (static_cast<MPI_Comm>(2))
 inline constexpr int MPI_IDENT = 0, MPI_CONGRUENT = 1, MPI_SIMILAR = 2, MPI_UNEQUAL = 3;
 inline constexpr int MPI_COMM_TYPE_SHARED = 1;
 inline constexpr MPI_Info MPI_INFO_NULL = 0;
@@ -67,6 +78,85 @@ namespace moe::comm::serial_mpi {
 
 /// 0: before MPI_Init, 1: initialised, 2: finalised (one per program).
 inline int state = 0;
+/// The next new communicator handle (duplicates and splits).
+inline MPI_Comm next_comm = 3;
+/// Error handlers set per communicator (MPI_ERRORS_ARE_FATAL where none was set).
+inline std::map<MPI_Comm, MPI_Errhandler> handlers;
+
+/// A message to itself not yet matched: a send (its bytes, copied or still at `data`) or a
+/// receive (where its bytes go); `request` completes when it matches (0: blocking, buffered).
+struct Pending {
+  MPI_Comm comm = 0;
+  int tag = 0;
+  char const* data = nullptr;  // an unmatched Isend's buffer (valid until its wait)
+  std::vector<char> copy;      // an unmatched MPI_Send's bytes
+  char* into = nullptr;        // an unmatched receive's buffer
+  long long bytes = 0;
+  MPI_Request request = 0;
+};
+inline std::deque<Pending> sends, recvs;
+inline std::set<MPI_Request> open_requests;
+inline MPI_Request next_request = 1;
+
+/// Delivers a send to a receive: MPI_ERR_TRUNCATE when it does not fit.
+inline int deliver(char const* from, long long bytes, char* into, long long room) {
+  if (bytes > room) return MPI_ERR_TRUNCATE;
+  if (bytes > 0) std::memcpy(into, from, std::size_t(bytes));
+  return MPI_SUCCESS;
+}
+/// The first pending entry of `q` on (comm, tag), or q.end().
+inline std::deque<Pending>::iterator match(std::deque<Pending>& q, MPI_Comm comm, int tag) {
+  for (auto it = q.begin(); it != q.end(); ++it)
+    if (it->comm == comm && it->tag == tag) return it;
+  return q.end();
+}
+inline int post_send(void const* buf, long long bytes, int dest, int tag, MPI_Comm comm,
+                     MPI_Request* req) {
+  if (dest != 0) return MPI_ERR_RANK;
+  auto r = match(recvs, comm, tag);
+  if (r != recvs.end()) {
+    int const rc = deliver(static_cast<char const*>(buf), bytes, r->into, r->bytes);
+    open_requests.erase(r->request);
+    recvs.erase(r);
+    if (req) *req = MPI_REQUEST_NULL;
+    return rc;
+  }
+  Pending p;
+  p.comm = comm;
+  p.tag = tag;
+  p.bytes = bytes;
+  if (req) {
+    p.data = static_cast<char const*>(buf);
+    p.request = *req = next_request++;
+    open_requests.insert(p.request);
+  } else {
+    p.copy.assign(static_cast<char const*>(buf), static_cast<char const*>(buf) + bytes);
+  }
+  sends.push_back(std::move(p));
+  return MPI_SUCCESS;
+}
+inline int post_recv(void* buf, long long room, int src, int tag, MPI_Comm comm, MPI_Request* req) {
+  if (src != 0) return MPI_ERR_RANK;
+  auto s = match(sends, comm, tag);
+  if (s != sends.end()) {
+    int const rc =
+        deliver(s->data ? s->data : s->copy.data(), s->bytes, static_cast<char*>(buf), room);
+    open_requests.erase(s->request);
+    sends.erase(s);
+    if (req) *req = MPI_REQUEST_NULL;
+    return rc;
+  }
+  if (!req) return MPI_ERR_OTHER;  // a blocking receive nothing was sent to: waits for ever
+  Pending p;
+  p.comm = comm;
+  p.tag = tag;
+  p.into = static_cast<char*>(buf);
+  p.bytes = room;
+  p.request = *req = next_request++;
+  open_requests.insert(p.request);
+  recvs.push_back(std::move(p));
+  return MPI_SUCCESS;
+}
 
 /// Copies n bytes unless source and destination are the same (or the source is MPI_IN_PLACE).
 inline void copy(void* to, void const* from, long long n) {
@@ -104,10 +194,12 @@ inline double MPI_Wtime() {
 }
 inline int MPI_Error_string(int code, char* text, int* len) {
   char const* what =
-      code == MPI_SUCCESS
-          ? "no error"
-          : "moe was built without MPI (MOE_ENABLE_MPI=0): its one-process stand-in has no "
-            "point-to-point messages";
+      code == MPI_SUCCESS        ? "no error"
+      : code == MPI_ERR_RANK     ? "invalid rank (one process: rank 0 only; moe built without MPI)"
+      : code == MPI_ERR_ROOT     ? "invalid root (one process: rank 0 only; moe built without MPI)"
+      : code == MPI_ERR_TRUNCATE ? "message truncated"
+                                 : "a message to itself that nothing can match would wait for "
+                                   "ever (one process; moe built without MPI)";
   *len = std::snprintf(text, MPI_MAX_ERROR_STRING, "%s", what);
   return MPI_SUCCESS;
 }
@@ -121,16 +213,16 @@ inline int MPI_Comm_rank(MPI_Comm, int* rank) {
   *rank = 0;
   return MPI_SUCCESS;
 }
-inline int MPI_Comm_dup(MPI_Comm comm, MPI_Comm* out) {
-  *out = comm;
+inline int MPI_Comm_dup(MPI_Comm, MPI_Comm* out) {
+  *out = next_comm++;
   return MPI_SUCCESS;
 }
-inline int MPI_Comm_split(MPI_Comm comm, int, int, MPI_Comm* out) {
-  *out = comm;
+inline int MPI_Comm_split(MPI_Comm, int color, int, MPI_Comm* out) {
+  *out = color < 0 ? MPI_COMM_NULL : next_comm++;  // MPI_UNDEFINED (negative): no group
   return MPI_SUCCESS;
 }
-inline int MPI_Comm_split_type(MPI_Comm comm, int, int, MPI_Info, MPI_Comm* out) {
-  *out = comm;
+inline int MPI_Comm_split_type(MPI_Comm, int, int, MPI_Info, MPI_Comm* out) {
+  *out = next_comm++;
   return MPI_SUCCESS;
 }
 inline int MPI_Comm_free(MPI_Comm* comm) {
@@ -141,9 +233,13 @@ inline int MPI_Comm_compare(MPI_Comm a, MPI_Comm b, int* result) {
   *result = a == b ? MPI_IDENT : MPI_CONGRUENT;  // every one-process group is the same group
   return MPI_SUCCESS;
 }
-inline int MPI_Comm_set_errhandler(MPI_Comm, MPI_Errhandler) { return MPI_SUCCESS; }
-inline int MPI_Comm_get_errhandler(MPI_Comm, MPI_Errhandler* h) {
-  *h = MPI_ERRORS_RETURN;
+inline int MPI_Comm_set_errhandler(MPI_Comm comm, MPI_Errhandler h) {
+  handlers[comm] = h;
+  return MPI_SUCCESS;
+}
+inline int MPI_Comm_get_errhandler(MPI_Comm comm, MPI_Errhandler* h) {
+  auto it = handlers.find(comm);
+  *h = it == handlers.end() ? MPI_ERRORS_ARE_FATAL : it->second;
   return MPI_SUCCESS;
 }
 inline int MPI_Errhandler_free(MPI_Errhandler* h) {
@@ -164,7 +260,9 @@ inline int MPI_Type_free(MPI_Datatype* t) {
 
 // ------------------------------------------------------------------ collectives (one rank) ---
 inline int MPI_Barrier(MPI_Comm) { return MPI_SUCCESS; }
-inline int MPI_Bcast(void*, int, MPI_Datatype, int, MPI_Comm) { return MPI_SUCCESS; }
+inline int MPI_Bcast(void*, int, MPI_Datatype, int root, MPI_Comm) {
+  return root == 0 ? MPI_SUCCESS : MPI_ERR_ROOT;
+}
 inline int MPI_Allreduce(void const* send, void* recv, int count, MPI_Datatype t, MPI_Op,
                          MPI_Comm) {
   copy(recv, send, 1LL * count * t);
@@ -196,29 +294,41 @@ inline int MPI_Iallgather(void const* send, int scount, MPI_Datatype st, void* r
   *req = MPI_REQUEST_NULL;  // complete at once
   return MPI_SUCCESS;
 }
+/// A request still open when waited on can never complete: one process has no one else to
+/// match it (an error, where MPI would wait for ever).
 inline int MPI_Wait(MPI_Request* req, MPI_Status*) {
+  if (*req != MPI_REQUEST_NULL && open_requests.count(*req)) return MPI_ERR_OTHER;
   *req = MPI_REQUEST_NULL;
   return MPI_SUCCESS;
 }
 inline int MPI_Waitall(int n, MPI_Request* reqs, MPI_Status*) {
-  for (int i = 0; i < n; ++i) reqs[i] = MPI_REQUEST_NULL;
+  for (int i = 0; i < n; ++i)
+    if (int const rc = MPI_Wait(&reqs[i], nullptr); rc != MPI_SUCCESS) return rc;
   return MPI_SUCCESS;
 }
 inline int MPI_Testall(int n, MPI_Request* reqs, int* flag, MPI_Status*) {
   *flag = 1;
-  return MPI_Waitall(n, reqs, nullptr);
+  for (int i = 0; i < n; ++i)
+    if (reqs[i] != MPI_REQUEST_NULL && open_requests.count(reqs[i])) *flag = 0;
+  if (*flag) return MPI_Waitall(n, reqs, nullptr);
+  return MPI_SUCCESS;
 }
 
-// ------------------------------------------------------------------ point to point: none -----
-inline int MPI_Send(void const*, int, MPI_Datatype, int, int, MPI_Comm) { return MPI_ERR_OTHER; }
-inline int MPI_Recv(void*, int, MPI_Datatype, int, int, MPI_Comm, MPI_Status*) {
-  return MPI_ERR_OTHER;
+// ------------------------------------------------------------------ messages to itself -------
+inline int MPI_Send(void const* buf, int n, MPI_Datatype t, int dest, int tag, MPI_Comm comm) {
+  return post_send(buf, 1LL * n * t, dest, tag, comm, nullptr);
 }
-inline int MPI_Isend(void const*, int, MPI_Datatype, int, int, MPI_Comm, MPI_Request*) {
-  return MPI_ERR_OTHER;
+inline int MPI_Recv(void* buf, int n, MPI_Datatype t, int src, int tag, MPI_Comm comm,
+                    MPI_Status*) {
+  return post_recv(buf, 1LL * n * t, src, tag, comm, nullptr);
 }
-inline int MPI_Irecv(void*, int, MPI_Datatype, int, int, MPI_Comm, MPI_Request*) {
-  return MPI_ERR_OTHER;
+inline int MPI_Isend(void const* buf, int n, MPI_Datatype t, int dest, int tag, MPI_Comm comm,
+                     MPI_Request* req) {
+  return post_send(buf, 1LL * n * t, dest, tag, comm, req);
+}
+inline int MPI_Irecv(void* buf, int n, MPI_Datatype t, int src, int tag, MPI_Comm comm,
+                     MPI_Request* req) {
+  return post_recv(buf, 1LL * n * t, src, tag, comm, req);
 }
 
 }  // namespace moe::comm::serial_mpi
