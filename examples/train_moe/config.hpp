@@ -111,6 +111,9 @@ struct TrainConfig {
   /// Model keys (and `dataset_hash`) a resume may find changed (comma-separated); any other
   /// difference from the checkpoint is refused.
   std::string resume_allow_changed;
+  /// Longest wait of one rank in one MPI call, seconds (0: no limit): longer, and train_moe ends
+  /// the job naming the call (kExitWatchdog): another rank is stopped, dead or stuck.
+  double collective_timeout_s = 600;
 
   /// Keys given explicitly through set() (their canonical names).
   std::set<std::string> given;
@@ -313,11 +316,14 @@ inline moe::ConfigTable<TrainConfig> const& TrainConfig::table() {
             "signals that stop at the next step with a checkpoint (exit 75)");
     t.field("resume_allow_changed", &C::resume_allow_changed, "allow",
             "model keys (or dataset_hash) a resume may change, comma-separated");
+    t.field("collective_timeout_s", &C::collective_timeout_s, "timeout",
+            "longest wait in one MPI call before the job ends (0: none)");
 
     // Rules, in the order validate() checks them (then the layer's and the parallelism's).
     auto in01 = [](double v) { return v >= 0 && v <= 1; };
     t.at_least(&C::steps, 0);
     t.greater_than(&C::per_device_batch_size, 0.0);
+    t.at_least(&C::collective_timeout_s, 0.0);
     t.at_least(&C::max_target_length, 1);
     t.at_least(&C::context_length, 1);
     t.at_least(&C::base_num_decoder_layers, 1);

@@ -27,8 +27,11 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <csignal>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -38,21 +41,78 @@
 
 namespace {
 
+// ---- Time in MPI, and the collective watchdog (collective_timeout_s) ---------------------------
+// The MPI calls moe makes are interposed below through MPI's profiling interface: each adds its
+// wall time to g_mpi_seconds (the communication share of the step), and while one runs,
+// g_mpi_since_ns / g_mpi_call say since when and which. The watchdog thread ends the process when
+// one call has waited longer than collective_timeout_s: a rank that is stopped, dead or stuck
+// leaves the others in a collective, and without it they would wait for ever, silently.
+// Without MPI (MOE_ENABLE_MPI=0) there is one process and nothing to wait for.
 double g_mpi_seconds = 0;
+std::atomic<std::int64_t> g_mpi_since_ns{0};  // 0: not in an MPI call
+std::atomic<char const*> g_mpi_call{""};
+std::atomic<std::int64_t> g_step{-1};  // the step running (-1: before the first)
+
+std::int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+#if MOE_ENABLE_MPI
 int g_mpi_depth = 0;
 
-/// Adds the wall time of the outermost MPI call in its scope to g_mpi_seconds.
+/// Adds the wall time of the outermost MPI call in its scope to g_mpi_seconds and shows it to
+/// the watchdog.
 struct MpiTimed {
   double t0 = 0;
-  MpiTimed() {
-    if (g_mpi_depth++ == 0) t0 = PMPI_Wtime();
+  explicit MpiTimed(char const* call) {
+    if (g_mpi_depth++ == 0) {
+      t0 = PMPI_Wtime();
+      g_mpi_call = call;
+      g_mpi_since_ns = steady_ns();
+    }
   }
   ~MpiTimed() {
-    if (--g_mpi_depth == 0) g_mpi_seconds += PMPI_Wtime() - t0;
+    if (--g_mpi_depth == 0) {
+      g_mpi_since_ns = 0;
+      g_mpi_seconds += PMPI_Wtime() - t0;
+    }
   }
   MpiTimed(MpiTimed const&) = delete;
   MpiTimed& operator=(MpiTimed const&) = delete;
 };
+#endif
+
+/// Starts the watchdog: every timeout/10 (10 ms .. 1 s) it looks at the MPI call this rank is
+/// in; one that has waited more than timeout_s seconds ends the process with one line on stderr
+/// (which call, how long, which step) and train::kExitWatchdog. mpirun then ends the other ranks,
+/// the stuck one included. No MPI call is made from this thread.
+void start_watchdog(double timeout_s, int rank) {
+  std::thread([timeout_s, rank] {
+    auto const limit = std::int64_t(std::min(timeout_s, 1e9) * 1e9);  // 1e9 s: no limit
+    auto const poll = std::chrono::milliseconds(
+        std::clamp<std::int64_t>(std::int64_t(timeout_s * 100), 10, 1000));
+    for (;;) {
+      std::this_thread::sleep_for(poll);
+      std::int64_t const since = g_mpi_since_ns.load();
+      if (since == 0) continue;
+      std::int64_t const waited = steady_ns() - since;
+      if (waited < limit || g_mpi_since_ns.load() != since) continue;
+      char msg[512];
+      int const n = std::snprintf(
+          msg, sizeof msg,
+          "train_moe: rank %d: waited %.1f s in %s (step %lld), longer than "
+          "collective_timeout_s=%g: another rank is stopped, gone or stuck; ending the job "
+          "(exit code %d)\n",
+          rank, double(waited) * 1e-9, g_mpi_call.load(), static_cast<long long>(g_step.load()),
+          timeout_s, train::kExitWatchdog);
+      ssize_t const ignored = ::write(2, msg, std::size_t(std::max(0, std::min(n, 511))));
+      (void)ignored;
+      std::_Exit(train::kExitWatchdog);
+    }
+  }).detach();
+}
 
 // ---- Preemption (save_on_signal) ---------------------------------------------------------------
 // SIGTERM, SIGINT, SIGHUP and SIGUSR1 are blocked in main() before MPI_Init, so every thread
@@ -87,64 +147,66 @@ void start_signal_watcher() {
 
 }  // namespace
 
+#if MOE_ENABLE_MPI
 extern "C" {
 int MPI_Allreduce(const void* s, void* r, int n, MPI_Datatype t, MPI_Op op, MPI_Comm c) {
-  MpiTimed timed;
+  MpiTimed timed("MPI_Allreduce");
   return PMPI_Allreduce(s, r, n, t, op, c);
 }
 int MPI_Allgather(const void* s, int sn, MPI_Datatype st, void* r, int rn, MPI_Datatype rt,
                   MPI_Comm c) {
-  MpiTimed timed;
+  MpiTimed timed("MPI_Allgather");
   return PMPI_Allgather(s, sn, st, r, rn, rt, c);
 }
 int MPI_Allgatherv(const void* s, int sn, MPI_Datatype st, void* r, const int rn[], const int rd[],
                    MPI_Datatype rt, MPI_Comm c) {
-  MpiTimed timed;
+  MpiTimed timed("MPI_Allgatherv");
   return PMPI_Allgatherv(s, sn, st, r, rn, rd, rt, c);
 }
 int MPI_Alltoall(const void* s, int sn, MPI_Datatype st, void* r, int rn, MPI_Datatype rt,
                  MPI_Comm c) {
-  MpiTimed timed;
+  MpiTimed timed("MPI_Alltoall");
   return PMPI_Alltoall(s, sn, st, r, rn, rt, c);
 }
 int MPI_Alltoallv(const void* s, const int sn[], const int sd[], MPI_Datatype st, void* r,
                   const int rn[], const int rd[], MPI_Datatype rt, MPI_Comm c) {
-  MpiTimed timed;
+  MpiTimed timed("MPI_Alltoallv");
   return PMPI_Alltoallv(s, sn, sd, st, r, rn, rd, rt, c);
 }
 int MPI_Bcast(void* b, int n, MPI_Datatype t, int root, MPI_Comm c) {
-  MpiTimed timed;
+  MpiTimed timed("MPI_Bcast");
   return PMPI_Bcast(b, n, t, root, c);
 }
 int MPI_Barrier(MPI_Comm c) {
-  MpiTimed timed;
+  MpiTimed timed("MPI_Barrier");
   return PMPI_Barrier(c);
 }
 int MPI_Send(const void* b, int n, MPI_Datatype t, int dest, int tag, MPI_Comm c) {
-  MpiTimed timed;
+  MpiTimed timed("MPI_Send");
   return PMPI_Send(b, n, t, dest, tag, c);
 }
 int MPI_Recv(void* b, int n, MPI_Datatype t, int src, int tag, MPI_Comm c, MPI_Status* st) {
-  MpiTimed timed;
+  MpiTimed timed("MPI_Recv");
   return PMPI_Recv(b, n, t, src, tag, c, st);
 }
 int MPI_Isend(const void* b, int n, MPI_Datatype t, int dest, int tag, MPI_Comm c, MPI_Request* r) {
-  MpiTimed timed;
+  MpiTimed timed("MPI_Isend");
   return PMPI_Isend(b, n, t, dest, tag, c, r);
 }
 int MPI_Irecv(void* b, int n, MPI_Datatype t, int src, int tag, MPI_Comm c, MPI_Request* r) {
-  MpiTimed timed;
+  MpiTimed timed("MPI_Irecv");
   return PMPI_Irecv(b, n, t, src, tag, c, r);
 }
 int MPI_Wait(MPI_Request* r, MPI_Status* st) {
-  MpiTimed timed;
+  MpiTimed timed("MPI_Wait");
   return PMPI_Wait(r, st);
 }
 int MPI_Waitall(int n, MPI_Request r[], MPI_Status st[]) {
-  MpiTimed timed;
+  MpiTimed timed("MPI_Waitall");
   return PMPI_Waitall(n, r, st);
 }
 }
+#endif
 
 namespace {
 
@@ -218,8 +280,11 @@ int run(int argc, char** argv, moe::comm::Communicator const& world) {
   auto const signals = train::stop_signal_numbers(cfg.save_on_signal);  // validated above
   for (int sig : signals.value_or(std::vector<int>{})) mask |= 1u << sig;
   g_save_mask = mask;
+  if (MOE_ENABLE_MPI && world.size() > 1 && cfg.collective_timeout_s > 0)
+    start_watchdog(cfg.collective_timeout_s, world.rank());
   train::RunOptions opts;
   opts.comm_seconds = [] { return g_mpi_seconds; };
+  opts.on_step = [](std::int64_t step) { g_step = step; };
   opts.stop_signal = [] { return g_stop_signal.load(); };
   auto const r = train::run_training(world, cfg, opts);
   return r.stopped_by_signal != 0 ? train::kExitStoppedBySignal : 0;

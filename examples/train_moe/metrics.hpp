@@ -82,6 +82,9 @@ struct TrainResult {
 /// train_moe's exit code after a stop by save_on_signal (sysexits' EX_TEMPFAIL: requeue the job
 /// and it resumes from the checkpoint it saved).
 constexpr int kExitStoppedBySignal = 75;
+/// train_moe's exit code when its watchdog ends a rank that waited in one MPI call longer than
+/// collective_timeout_s (that of timeout(1)).
+constexpr int kExitWatchdog = 124;
 
 /// \brief Options of run_training that are not part of the configuration.
 struct RunOptions {
@@ -92,6 +95,8 @@ struct RunOptions {
   /// The save_on_signal signal this rank has received so far (0: none); empty: never stops. Read
   /// at every step boundary and agreed over the ranks (a signal may reach only some of them).
   std::function<int()> stop_signal;
+  /// Called with each step's number before the step runs (train_moe's watchdog names it).
+  std::function<void(std::int64_t)> on_step;
 };
 
 namespace detail {

@@ -88,6 +88,7 @@ class Trainer {
     std::int64_t timed = 0, bytes = 0;
     try {
       for (std::int64_t step = start; step < cfg_.steps; ++step) {
+        if (opts_.on_step) opts_.on_step(step);
         double const g0 = GemmClock::seconds, c0 = comm_clock();
         StepMetrics m;
         try {
