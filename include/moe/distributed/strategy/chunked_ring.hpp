@@ -123,14 +123,7 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
                       {"x_chunks_own", "x_chunks", "x_local_chunk", "x_local", "y_local"});
     for (std::int64_t c = 0; c < b.chunks; ++c)
       b.all_gather(e, chunk_gather_name(c, b.chunks), lay.ep_axes, b.T * (b.D / b.chunks));
-    stages::plan_gathered_combine<true, SortedExperts>(b, p.forward);
-    if (b.shared()) stages::plan_shared_forward(b, p.forward, true);
-    b.output(p.forward);
-    b.backward = true;
-    stages::plan_gathered_backward<true, SortedExperts>(b, p.backward);
-    if (b.shared()) stages::plan_shared_backward(b, p.backward, true);
-    b.route_backward(p.backward, "x");
-    b.reduce_grads(p);
+    plan_after_experts(b, p);  // the ring's
     return p;
   }
 

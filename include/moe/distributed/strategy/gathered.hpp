@@ -292,6 +292,12 @@ struct Gathered {
     }
     b.route(p.forward, xw);
     Experts::plan_forward(b, p.forward, xw);
+    plan_after_experts(b, p);
+    return p;
+  }
+  /// The stages after the experts (also the chunked ring's): combine, shared expert, output,
+  /// and the whole backward.
+  static void plan_after_experts(PlanBuilder& b, StepPlan& p) {
     stages::plan_gathered_combine<Ring, Experts>(b, p.forward);
     if (b.shared()) stages::plan_shared_forward(b, p.forward, Ring);
     b.output(p.forward);
@@ -300,7 +306,6 @@ struct Gathered {
     if (b.shared()) stages::plan_shared_backward(b, p.backward, Ring);
     b.route_backward(p.backward, "x");
     b.reduce_grads(p);
-    return p;
   }
 
   template <class Ctx>
