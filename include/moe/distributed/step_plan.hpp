@@ -76,6 +76,14 @@ struct Stage {
   std::vector<PlannedCollective> collectives;  ///< in the order the stage runs them
 };
 
+namespace stages {
+/// A stage kind the running strategy has no function for (its plan never lists it).
+[[noreturn]] inline void no_stage(Stage const& st) {
+  throw Error(moe::detail::cat("moe internal error: no ", st.backward ? "backward" : "forward",
+                               " for stage ", st.region));
+}
+}  // namespace stages
+
 /// \brief One move of a weight block between its stored and compute forms.
 struct WeightOp {
   enum class Kind { all_gather, slice, all_reduce, reduce_scatter };

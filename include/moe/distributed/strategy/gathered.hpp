@@ -23,12 +23,6 @@ namespace moe::distributed {
 
 namespace stages {
 
-/// A stage kind the running strategy has no function for (its plan never lists it).
-[[noreturn]] inline void no_stage(Stage const& st) {
-  throw Error(moe::detail::cat("moe internal error: no ", st.backward ? "backward" : "forward",
-                               " for stage ", st.region));
-}
-
 /// The working tokens' slots on local experts, sorted by local expert (ctx.disp.perm).
 template <class Ctx>
 void local_sort(Ctx& ctx) {

@@ -12,7 +12,6 @@
 #include <moe/distributed/reshard.hpp>
 #include <moe/distributed/stages/route.hpp>
 #include <moe/distributed/step_plan.hpp>
-#include <moe/distributed/strategy/gathered.hpp>
 #include <moe/distributed/strategy/shared_expert.hpp>
 #include <moe/permute/local_permute.hpp>
 #include <moe/permute/permute.hpp>
