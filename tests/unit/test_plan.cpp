@@ -124,9 +124,9 @@ void expect_step_dataflow(LayerPlan const& p) {
       EXPECT_EQ(st.backward, phase == &step.backward) << st.region;
       EXPECT_EQ(st.region.rfind("moe::", 0), 0u) << st.region;
       for (auto const& r : st.reads)
-        EXPECT_NE(std::find(have.begin(), have.end(), r), have.end())
-            << st.region << " reads " << r << " before any stage writes it";
-      have.insert(have.end(), st.writes.begin(), st.writes.end());
+        EXPECT_NE(std::find(have.begin(), have.end(), to_string(r)), have.end())
+            << st.region << " reads " << to_string(r) << " before any stage writes it";
+      for (auto const& w : st.writes) have.push_back(to_string(w));
       for (auto const& col : st.collectives) {
         ASSERT_LT(c, p.collectives.size());
         EXPECT_EQ(p.collectives[c].what, col.what);

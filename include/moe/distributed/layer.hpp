@@ -205,8 +205,8 @@ class DistributedMoeLayer
       }
     });
     // The step keeps its own copy of x: the backward reads it after the caller may have moved on.
-    ctx_.ws.enter(nullptr);
-    Kokkos::deep_copy(ctx_.space, ctx_.ws.make("x", T, D), cview2(x.data(), T, D));
+    ctx_.ws.enter(&ctx_.plan, nullptr);
+    Kokkos::deep_copy(ctx_.space, ctx_.ws.make(distributed::buf::x), cview2(x.data(), T, D));
     auto y2 = view2(y.data(), T, D);
     std::visit(
         [&](auto const& s) {
@@ -301,12 +301,12 @@ class DistributedMoeLayer
       layer.ctx_.stage = &st;
       layer.ctx_.next = 0;
       layer.ctx_.log.stage = st.region;
-      layer.ctx_.ws.enter(&st);
+      layer.ctx_.ws.enter(&layer.ctx_.plan, &st);
     }
     ~StageScope() noexcept(false) {
       auto const* st = layer.ctx_.stage;
       layer.ctx_.stage = nullptr;
-      layer.ctx_.ws.enter(nullptr);
+      layer.ctx_.ws.enter(&layer.ctx_.plan, nullptr);
       layer.ctx_.log.stage.clear();
       if (std::uncaught_exceptions() == 0 && layer.ctx_.next != st->collectives.size())
         throw Error(detail::cat("moe internal error: stage ", st->region, " ran ", layer.ctx_.next,
@@ -327,7 +327,7 @@ class DistributedMoeLayer
         if (distributed::stages::gather_weights(c, params_, c.cp)) weights_changed();
         return;
       case K::output:
-        return c.all_gather(c.tp(), c.ws.at("y_cols"), y, 1);
+        return c.all_gather(c.tp(), c.ws.at(distributed::buf::y_cols), y, 1);
       default:
         return s.forward(c, st, weights_version_);
     }

@@ -147,6 +147,12 @@ inline std::string per_dim_text(std::vector<Axes> const& dims) {
            axes_text(dims[d]);
   return s.empty() ? "-" : s;
 }
+/// The printed names of stage reads or writes.
+inline Axes names(std::vector<distributed::Ref> const& refs) {
+  Axes out;
+  for (auto r : refs) out.push_back(distributed::to_string(r));
+  return out;
+}
 inline std::string pad(std::string s, std::size_t n) {
   if (s.size() < n) s.append(n - s.size(), ' ');
   return s;
@@ -182,6 +188,7 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
   p.config = cfg;
   p.parallel = par;
   p.local_tokens = lay.block("x").local_shape[0] * seq_len;
+  p.step = distributed::make_step_plan(lay, cfg, par, scalar_bytes);
 
   // Tokens: split over the batch axes; the ring gathers them over the expert axes to compute.
   for (char const* name : {"x", "y"}) {
@@ -197,13 +204,10 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
     t.local_shape = b.local_shape;
     t.offset = b.offset;
     t.compute_shape = b.local_shape;
-    if (lay.route == ExpertRoute::Ring) {
-      t.gathered[0] = lay.ep_axes;
-      t.compute_shape[0] *= lay.ep();
-    }
-    if (lay.route == ExpertRoute::EpTp) {
-      t.gathered[2] = lay.emb_axes;
-      t.compute_shape[2] *= lay.ep();
+    // The tokens the experts compute with: gathered over the axes the strategy names.
+    for (std::size_t d = 0; d < 3; ++d) {
+      t.gathered[d] = p.step.token_gathered[d];
+      t.compute_shape[d] *= lay.parts(t.gathered[d]);
     }
     p.tensors.push_back(std::move(t));
   }
@@ -226,35 +230,13 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
     p.tensors.push_back(std::move(t));
   }
 
-  p.step = distributed::make_step_plan(lay, cfg, par, scalar_bytes);
   for (auto const* phase : {&p.step.forward, &p.step.backward})
     for (auto const& st : *phase)
       for (auto const& c : st.collectives)
         p.collectives.push_back(
             {st.backward, c.what, c.kind, c.axes, c.bytes, c.balanced, st.region});
 
-  std::int64_t const ep = lay.ep();
-  if (lay.route == ExpertRoute::RaggedA2A)
-    p.notes.push_back(detail::cat(
-        "all-to-all bytes (marked ~) assume balanced routing: each dispatch and each combine "
-        "sends T_local*K*D*sizeof*(ep-1)/ep = ",
-        p.local_tokens, "*", cfg.num_experts_per_tok, "*", cfg.base_emb_dim, "*", scalar_bytes, "*",
-        ep - 1, "/", ep, " = ",
-        p.local_tokens * cfg.num_experts_per_tok * cfg.base_emb_dim * std::int64_t(scalar_bytes) *
-            (ep - 1) / ep,
-        " bytes (D/tp columns after the tensor split), and the tensor-axis collectives on "
-        "received rows assume T_local*K of them",
-        cfg.capacity_factor > 0 ? "; per-sequence capacity keeps min(S*K, E*C) slots" : "",
-        par.ragged_buffer_factor > 0 ? "; the receive buffer caps the rows at int(T*K*factor)"
-                                     : ""));
-  if (p.step.emb_chunks > 0)
-    p.notes.push_back(detail::cat(
-        "num_moe_emb_chunks=", p.step.emb_chunks,
-        ": the ring gathers the gate logits for the "
-        "routing, then the tokens in ",
-        p.step.emb_chunks, " non-blocking chunks of ", cfg.base_emb_dim / p.step.emb_chunks,
-        " columns (together the bytes of one token gather), chunk i+1 in flight while the "
-        "first grouped GEMMs of chunk i run; the backward is the ring's"));
+  p.notes = p.step.notes;  // the strategy's, then the plan's
   p.notes.push_back(
       "all-reduce bytes are 2*(P-1)/P of the buffer (ring algorithm); count exchanges and error "
       "checks (a few integers per collective call) are not listed");
@@ -303,28 +285,7 @@ inline std::string LayerPlan::to_text() const {
   line(detail::cat("batch axes: ", axes_text(lay.batch_axes), " (", lay.global_batch, " / ",
                    lay.batch_parts, " = ", lay.global_batch / lay.batch_parts,
                    " sequences per rank, T_local = ", local_tokens, " tokens)"));
-  std::string route;
-  switch (lay.route) {
-    case ExpertRoute::Local:
-      route = "local (no expert parallelism)";
-      break;
-    case ExpertRoute::RaggedA2A:
-      route = "ragged all-to-all over " + axes_text(lay.ep_axes);
-      break;
-    case ExpertRoute::Ring:
-      route = "ring of experts: tokens all-gathered over " + axes_text(lay.ep_axes) +
-              ", outputs reduce-scattered";
-      break;
-    case ExpertRoute::Replicated:
-      route = "replicated batch over " + axes_text(lay.ep_axes) + ", outputs all-reduced";
-      break;
-    case ExpertRoute::EpTp:
-      route = "ep-tp: tokens split on D over " + axes_text(lay.ep_axes) +
-              ", all-gathered on D, local experts on their routed rows, outputs reduce-scattered "
-              "on D";
-      break;
-  }
-  line(detail::cat("expert route: ", route, "; E=", config.num_experts,
+  line(detail::cat("expert route: ", step.route_text, "; E=", config.num_experts,
                    ", K=", config.num_experts_per_tok, ", experts ", lay.first_expert, "..",
                    lay.first_expert + lay.local_experts - 1, " on this rank (", lay.local_experts,
                    " local)"));
@@ -349,7 +310,7 @@ inline std::string LayerPlan::to_text() const {
     int i = 0;
     for (auto const& st : bw ? step.backward : step.forward) {
       line(detail::cat("    ", ++i, ". ", pad(distributed::to_string(st.kind), 18),
-                       list_text(st.reads), " -> ", list_text(st.writes)));
+                       list_text(names(st.reads)), " -> ", list_text(names(st.writes))));
       for (auto const& c : st.collectives)
         line(detail::cat("         ", pad(c.kind, 15), pad("[" + axes_text(c.axes) + "]", 20),
                          pad(c.what, 34), c.balanced ? "~" : " ", c.bytes, " B"));
@@ -428,8 +389,8 @@ inline detail::ordered_json LayerPlan::json() const {
       ss.push_back({{"phase", st.backward ? "backward" : "forward"},
                     {"kind", distributed::to_string(st.kind)},
                     {"region", st.region},
-                    {"reads", st.reads},
-                    {"writes", st.writes},
+                    {"reads", plan_detail::names(st.reads)},
+                    {"writes", plan_detail::names(st.writes)},
                     {"collectives", st.collectives.size()}});
   o["bytes"] = {{"forward", bytes(false)}, {"backward", bytes(true)}, {"step", step_bytes()}};
   o["dispatch"] = {{"logical", json_logical(dispatch_logical)},

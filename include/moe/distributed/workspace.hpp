@@ -1,71 +1,112 @@
 #pragma once
 /// \file
-/// The buffers of one step of the distributed layer, by the names the step plan gives them
-/// (distributed/step_plan.hpp). Storage comes from one scratch pool kept from step to step, so a
-/// steady-state step allocates nothing; a stage gets a buffer only by a name it declares (reads
-/// or writes), which keeps the printed plan and the running code in step.
+/// The buffers of one step of the distributed layer, by the typed handles of
+/// distributed/buffers.hpp. Storage comes from one scratch pool kept from step to step, so a
+/// steady-state step allocates nothing. A stage gets a buffer only through a handle it declares
+/// (reads or writes), only of the handle's element type (a compile-time rule), and only in the
+/// shape the step plan declares for it (rows may differ only where they count routed rows): the
+/// printed plan, the memory estimate and the running code cannot drift apart.
 
 #include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
+#include <moe/distributed/buffers.hpp>
 #include <moe/distributed/step_plan.hpp>
 #include <moe/error.hpp>
 
-#include <algorithm>
+#include <array>
+#include <cstddef>
 #include <cstdint>
-#include <map>
-#include <string>
 #include <type_traits>
-#include <vector>
 
 namespace moe::distributed {
 
-/// \brief Named [rows, cols] buffers of one step (see the file comment).
-template <class Scalar, class MemorySpace>
+/// \brief The [rows, cols] buffers of one step (see the file comment).
+/// \tparam Value the C++ type of the role Values (the layer's value type).
+template <class Value, class MemorySpace>
 class StepWorkspace {
  public:
-  using view2 = View2<Scalar, MemorySpace>;
+  /// The C++ element type of a role.
+  template <class Role>
+  using elem_t = std::conditional_t<std::is_same_v<Role, Ints>, int, Value>;
+  template <class Role>
+  using view_t = View2<elem_t<Role>, MemorySpace>;
 
-  /// The stage now running: make() and at() accept only the names it declares.
-  void enter(Stage const* stage) { stage_ = stage; }
+  /// The plan whose buffers are made, and the stage now running (nullptr: the step's input,
+  /// made outside any stage): make() and at() accept only the handles that stage declares.
+  void enter(StepPlan const* plan, Stage const* stage) {
+    plan_ = plan;
+    stage_ = stage;
+  }
 
-  /// \brief The buffer `name` shaped [rows, cols] (contents undefined); the running stage must
-  /// list it among its writes. Step inputs (x) are made outside any stage.
-  template <class T = Scalar>
-  View2<T, MemorySpace> make(std::string const& name, std::int64_t rows, std::int64_t cols) {
-    declared(name, true);
-    auto buf = pool_.template get<T>(name, std::size_t(rows * cols));
-    View2<T, MemorySpace> v(buf.data(), rows, cols);
-    if constexpr (std::is_same_v<T, Scalar>) live_[name] = v;
+  /// \brief The buffer `h` in its declared shape (contents undefined); the running stage must
+  /// list it among its writes.
+  template <class Role>
+  view_t<Role> make(Handle<Role> h) {
+    return make(h, decl(h.id).dims[0].n);
+  }
+  /// \brief The buffer `h` with `rows` rows: its declared rows, or any number when they count
+  /// routed rows (Extent::routed); its declared columns.
+  template <class Role>
+  view_t<Role> make(Handle<Role> h, std::int64_t rows) {
+    declared(h, true);
+    auto const& d = decl(h.id);
+    moe::detail::require<Error>(d.dims[0].routed || rows == d.dims[0].n,
+                                "moe internal error: ", where(), " makes buffer ", to_string(h.id),
+                                " with ", rows, " rows, but the plan declares ", d.dims[0].n);
+    std::int64_t const cols = d.dims[1].n;
+    auto buf = pool_.template get<elem_t<Role>>(to_string(h.id), std::size_t(rows * cols));
+    view_t<Role> v(buf.data(), rows, cols);
+    made_[index(h.id)] = true;
+    if constexpr (std::is_same_v<Role, Ints>)
+      ints_[index(h.id)] = v;
+    else
+      values_[index(h.id)] = v;
     return v;
   }
 
-  /// \brief The buffer `name` as the last make() shaped it; the running stage must list it
-  /// among its reads or writes.
-  view2 at(std::string const& name) const {
-    declared(name, false);
-    auto it = live_.find(name);
-    moe::detail::require<Error>(it != live_.end(), "moe internal error: step buffer '", name,
-                                "' is read before any stage wrote it");
-    return it->second;
+  /// \brief The buffer `h` as the last make() shaped it; the running stage must list it among
+  /// its reads or writes.
+  template <class Role>
+  view_t<Role> at(Handle<Role> h) const {
+    declared(h, false);
+    moe::detail::require<Error>(made_[index(h.id)], "moe internal error: step buffer '",
+                                to_string(h.id), "' is read before any stage wrote it");
+    if constexpr (std::is_same_v<Role, Ints>)
+      return ints_[index(h.id)];
+    else
+      return values_[index(h.id)];
   }
 
   /// The pool behind the buffers, for the temporaries of collectives and weight gathers.
   moe::detail::ScratchPool<MemorySpace>& pool() { return pool_; }
 
  private:
-  void declared(std::string const& name, bool write) const {
+  static constexpr std::size_t N = std::size_t(Buf::count_);
+  static std::size_t index(Buf b) { return static_cast<std::size_t>(b); }
+
+  std::string where() const {
+    return stage_ ? "stage " + stage_->region : std::string("the step's input");
+  }
+  BufferDecl const& decl(Buf b) const {
+    BufferDecl const* d = plan_ ? plan_->find(b) : nullptr;
+    moe::detail::require<Error>(d != nullptr && d->dims.size() == 2,
+                                "moe internal error: ", where(), " makes buffer ", to_string(b),
+                                " that the step plan does not declare");
+    return *d;
+  }
+  void declared(Ref r, bool write) const {
     if (!stage_) return;
-    auto has = [&](std::vector<std::string> const& v) {
-      return std::find(v.begin(), v.end(), name) != v.end();
-    };
-    moe::detail::require<Error>(has(stage_->writes) || (!write && has(stage_->reads)),
-                                "moe internal error: stage ", stage_->region, " uses buffer '",
-                                name, "' that its plan does not list among its ",
+    moe::detail::require<Error>(stage_->lists(r, write), "moe internal error: stage ",
+                                stage_->region, " uses buffer '", to_string(r),
+                                "' that its plan does not list among its ",
                                 write ? "writes" : "reads or writes");
   }
 
   moe::detail::ScratchPool<MemorySpace> pool_;
-  std::map<std::string, view2> live_;
+  std::array<View2<Value, MemorySpace>, N> values_;
+  std::array<View2<int, MemorySpace>, N> ints_;
+  std::array<bool, N> made_{};
+  StepPlan const* plan_ = nullptr;
   Stage const* stage_ = nullptr;
 };
 

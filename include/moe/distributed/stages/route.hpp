@@ -95,8 +95,7 @@ template <class Ctx>
 void route_gathered_logits(Ctx& ctx, typename Ctx::view2 x) {
   using Scalar = typename Ctx::scalar_type;
   using cview2 = typename Ctx::cview2;
-  std::int64_t const T = ctx.plan.tokens;
-  auto lo = ctx.ws.make("logits_own", T, ctx.cfg.num_experts);
+  auto lo = ctx.ws.make(buf::logits_own);
   moe::detail::gemm(ctx.space, "N", "N", Scalar(1), cview2(x), ctx.cp.gate, Scalar(0), lo);
   ctx.all_gather(ctx.ep(), lo, ctx.router.logits_rows(ctx.space, ctx.plan.work_tokens), 0);
   ctx.router.forward_logits(ctx.space, ctx.cp.gate_bias, ctx.S, member_token_offsets(ctx, true),
@@ -108,8 +107,8 @@ void route_gathered_logits(Ctx& ctx, typename Ctx::view2 x) {
 template <class Ctx>
 void route_backward(Ctx& ctx, typename Ctx::view2 dx) {
   using cview2 = typename Ctx::cview2;
-  ctx.router.backward(ctx.space, cview2(ctx.ws.at("x")), ctx.cp.gate,
-                      cview2(ctx.ws.at("d_weights")), ctx.router.lb_coefficient(ctx.B), dx,
+  ctx.router.backward(ctx.space, cview2(ctx.ws.at(buf::x)), ctx.cp.gate,
+                      cview2(ctx.ws.at(buf::d_weights)), ctx.router.lb_coefficient(ctx.B), dx,
                       ctx.gc.gate, ctx.gc.gate_bias);
 }
 
@@ -121,8 +120,8 @@ void ep_tp_route_backward(Ctx& ctx, typename Ctx::view2 dx) {
   using cview2 = typename Ctx::cview2;
   std::int64_t const E = ctx.cfg.num_experts, Dl = ctx.plan.token_cols;
   cview2 gate_rows(ctx.cp.gate.data() + ctx.x_col0 * E, Dl, E);
-  ctx.router.backward(ctx.space, cview2(ctx.ws.at("x_work")), gate_rows,
-                      cview2(ctx.ws.at("d_weights")), ctx.router.lb_coefficient(ctx.B), dx,
+  ctx.router.backward(ctx.space, cview2(ctx.ws.at(buf::x_work)), gate_rows,
+                      cview2(ctx.ws.at(buf::d_weights)), ctx.router.lb_coefficient(ctx.B), dx,
                       ctx.gc.gate, ctx.gc.gate_bias);
 }
 

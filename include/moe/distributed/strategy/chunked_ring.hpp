@@ -62,13 +62,13 @@ void chunked_ring_experts(Ctx& ctx, typename Ctx::view2 x, std::uint64_t weights
   std::int64_t const L = ctx.layout.local_experts, F = ctx.cp.wi_0.extent(2);
   int const K = ctx.cfg.num_experts_per_tok;
   // Own tokens chunk-major: rows [c*T, (c+1)*T) are columns [c*Dc, (c+1)*Dc) of x.
-  auto own = ctx.ws.make("x_chunks_own", nc * T, Dc);
+  auto own = ctx.ws.make(buf::x_chunks_own);
   distributed::detail::copy_rows(ctx.space, "moe::dist::chunk_pack", x.data(), own.data(), T * nc,
                                  Dc, distributed::detail::Identity{},
                                  distributed::detail::PaToAp{T, nc});
-  auto got = ctx.ws.make("x_chunks", nc * Tw, Dc);
-  auto xs = ctx.ws.make("x_local", n, D);
-  auto xs_c = ctx.ws.make("x_local_chunk", n, Dc);
+  auto got = ctx.ws.make(buf::x_chunks);
+  auto xs = ctx.ws.make(buf::x_local, n);
+  auto xs_c = ctx.ws.make(buf::x_local_chunk, n);
   auto rows = [](view2 const& v, std::int64_t r0, std::int64_t r) {
     return view2(v.data() + r0 * std::int64_t(v.extent(1)), r, v.extent(1));
   };
@@ -96,7 +96,7 @@ void chunked_ring_experts(Ctx& ctx, typename Ctx::view2 x, std::uint64_t weights
       if (c + 1 < nc) next.test();
     }
   }
-  auto ys = ctx.ws.make("y_local", n, D);
+  auto ys = ctx.ws.make(buf::y_local, n);
   ctx.ffn.forward_end(ctx.space, ctx.disp.perm.groups, ctx.cp.wo, ys);
 }
 
@@ -105,37 +105,54 @@ void chunked_ring_experts(Ctx& ctx, typename Ctx::view2 x, std::uint64_t weights
 /// \brief The chunked ring (see the file comment): the ring's backward, its own forward.
 struct ChunkedRing : Gathered<SortedExperts, true> {
   StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
-                std::int64_t scalar_bytes) const {
-    PlanBuilder b(lay, cfg, par, scalar_bytes, true);
-    StepPlan p = b.begin(b.ep);
-    b.gather_weights(p);
+                std::int64_t value_bytes) const {
+    PlanBuilder b(lay, cfg, par, value_bytes, true);
+    StepPlan& p = b.begin(b.ep);
+    p.route_text = "ring of experts: tokens all-gathered over " + detail::axes_text(lay.ep_axes) +
+                   ", outputs reduce-scattered";
+    p.token_gathered[0] = lay.ep_axes;
+    p.notes.push_back(moe::detail::cat(
+        "num_moe_emb_chunks=", b.chunks,
+        ": the ring gathers the gate logits for the routing, then the tokens in ", b.chunks,
+        " non-blocking chunks of ", b.D / b.chunks,
+        " columns (together the bytes of one token gather), chunk i+1 in flight while the first "
+        "grouped GEMMs of chunk i run; the backward is the ring's"));
+    Extent const n = b.local_rows(), Tw = b.work_tokens(), Dn{b.D / b.chunks, scale_emb};
+    b.gather_weights();
     // Each rank's gate logits (full D, own tokens) are gathered instead of its tokens, which
     // arrive later by chunks; the routing is that of the gathered tokens.
-    b.route(p.forward, "x", true);
-    b.stage(p.forward, StageKind::dispatch, "moe::dispatch::gathered", {"routing"},
-            {"local_ids", "local_kept"});
+    b.route(buf::x, true);
+    b.stage(StageKind::dispatch, "moe::dispatch::gathered", {Buf::routing},
+            {b.out(buf::local_ids, Tw, b.topk()), b.out(buf::local_kept, Tw, b.topk())});
+    b.hold_sort({b.Tw * b.K, PlanBuilder::slot}, b.L);
+    b.row_limit("sorted rows", n);
     // One overlapped stage gathers the tokens in n chunks of D/n columns (non-blocking, chunk
     // i+1 in flight while the first grouped GEMMs of chunk i accumulate), then runs the
     // activation and the down projection. The chunk gathers send exactly the bytes of the
     // one-piece gather.
-    auto& e = b.stage(p.forward, StageKind::experts, "moe::dist::experts::chunked",
-                      {"x", "routing", "compute.wi_0", "compute.wi_1", "compute.wo"},
-                      {"x_chunks_own", "x_chunks", "x_local_chunk", "x_local", "y_local"});
+    auto& e = b.stage(
+        StageKind::experts, "moe::dist::experts::chunked",
+        {buf::x, Buf::routing, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
+        {b.out(buf::x_chunks_own, {b.chunks * b.T, PlanBuilder::tok}, Dn),
+         b.out(buf::x_chunks, {b.chunks * b.Tw, PlanBuilder::tok}, Dn),
+         b.out(buf::x_local_chunk, n, Dn), b.out(buf::x_local, n, b.emb()),
+         b.out(buf::y_local, n, b.emb())});
     for (std::int64_t c = 0; c < b.chunks; ++c)
-      b.all_gather(e, chunk_gather_name(c, b.chunks), lay.ep_axes, b.T * (b.D / b.chunks));
-    plan_after_experts(b, p);  // the ring's
-    return p;
+      b.all_gather(e, chunk_gather_name(c, b.chunks), lay.ep_axes, b.T, b.D / b.chunks, 0);
+    b.hold_expert_ffn(n);
+    plan_after_experts(b);  // the ring's
+    return b.finish();
   }
 
   template <class Ctx>
   void forward(Ctx& c, Stage const& st, std::uint64_t weights_version) const {
     switch (st.kind) {
       case StageKind::route:
-        return stages::route_gathered_logits(c, c.ws.at("x"));
+        return stages::route_gathered_logits(c, c.ws.at(buf::x));
       case StageKind::dispatch:
         return stages::local_sort(c);
       case StageKind::experts:
-        return stages::chunked_ring_experts(c, c.ws.at("x"), weights_version);
+        return stages::chunked_ring_experts(c, c.ws.at(buf::x), weights_version);
       default:
         return Gathered<SortedExperts, true>::forward(c, st, weights_version);
     }

@@ -27,11 +27,9 @@ namespace stages {
 template <class Ctx>
 void local_sort(Ctx& ctx) {
   using memory_space = typename Ctx::memory_space;
-  std::int64_t const Tw = ctx.plan.work_tokens;
-  int const K = ctx.cfg.num_experts_per_tok;
   // Local expert ids (global id - e0) and the kept mask restricted to local experts.
-  auto lids = ctx.ws.template make<int>("local_ids", Tw, K);
-  auto lkept = ctx.ws.template make<int>("local_kept", Tw, K);
+  auto lids = ctx.ws.make(buf::local_ids);
+  auto lkept = ctx.ws.make(buf::local_kept);
   permute::local_expert_ids(ctx.space, ctx.expert_ids(), ctx.kept(), int(ctx.layout.first_expert),
                             int(ctx.layout.local_experts), lids, lkept);
   permute::sort_by_expert(ctx.space, View2<int const, memory_space>(lids),
@@ -54,15 +52,14 @@ void tokens_reduce(Ctx& ctx, typename Ctx::view2 work, typename Ctx::view2 own) 
 /// tensor into y_cols.
 template <bool Ring, class Ctx>
 void gathered_combine(Ctx& ctx, typename Ctx::view2 yw) {
-  std::int64_t const D = ctx.cfg.base_emb_dim;
-  auto yo = ctx.ws.make("y_own", ctx.plan.tokens, D);
+  auto yo = ctx.ws.make(buf::y_own);
   tokens_reduce<Ring>(ctx, yw, yo);
-  auto y_c = ctx.ws.make("y_cols", ctx.plan.tokens, D / ctx.tp().size());
+  auto y_c = ctx.ws.make(buf::y_cols);
   ctx.reduce_scatter(ctx.tp(), yo, y_c, 1);
 }
 template <bool Ring, class Ctx>
 void gathered_output_backward(Ctx& ctx, typename Ctx::cview2 dy) {
-  auto dyw = ctx.ws.make("dy_work", ctx.plan.work_tokens, ctx.cfg.base_emb_dim);
+  auto dyw = ctx.ws.make(buf::dy_work);
   if constexpr (Ring)
     ctx.all_gather(ctx.ep(), dy, dyw, 0);
   else
@@ -72,10 +69,9 @@ void gathered_output_backward(Ctx& ctx, typename Ctx::cview2 dy) {
 /// partial over the tensor-split hidden dim and over the expert group's local experts.
 template <bool Ring, class Ctx>
 void gathered_dispatch_backward(Ctx& ctx, typename Ctx::view2 dxw, typename Ctx::view2 dx) {
-  auto dww = ctx.ws.at("d_weights_work");
+  auto dww = ctx.ws.at(buf::d_weights_work);
   ctx.all_reduce(ctx.tp(), dww);
-  tokens_reduce<Ring>(ctx, dww,
-                      ctx.ws.make("d_weights", ctx.plan.tokens, ctx.cfg.num_experts_per_tok));
+  tokens_reduce<Ring>(ctx, dww, ctx.ws.make(buf::d_weights));
   ctx.all_reduce(ctx.tp(), dxw);
   tokens_reduce<Ring>(ctx, dxw, dx);
 }
@@ -88,21 +84,32 @@ void gathered_dispatch_backward(Ctx& ctx, typename Ctx::view2 dxw, typename Ctx:
 struct SortedExperts {
   static constexpr bool dense = false;
   /// What the experts write (the combine reads it) and what the dispatch backward reads.
-  static constexpr char const* rows_out = "y_local";
-  static constexpr char const* dx_rows = "dy_local";
+  static constexpr auto rows_out = buf::y_local;
+  static constexpr auto dx_rows = buf::dy_local;
 
-  static void plan_forward(PlanBuilder const& b, std::vector<Stage>& f, char const* xw) {
-    b.stage(f, StageKind::dispatch, "moe::dispatch::gathered", {xw, "routing"},
-            {"local_ids", "local_kept", "x_local"});
-    b.stage(f, StageKind::experts, "moe::dist::experts",
-            {"x_local", "compute.wi_0", "compute.wi_1", "compute.wo"}, {"y_local"});
+  /// The dispatch and experts stages on the working tokens `xw`.
+  static void plan_forward(PlanBuilder& b, Handle<Values> xw) {
+    Extent const n = b.local_rows(), D = b.emb(), Tw = b.work_tokens();
+    b.stage(StageKind::dispatch, "moe::dispatch::gathered", {xw, Buf::routing},
+            {b.out(buf::local_ids, Tw, b.topk()), b.out(buf::local_kept, Tw, b.topk()),
+             b.out(buf::x_local, n, D)});
+    b.hold_sort({b.Tw * b.K, PlanBuilder::slot}, b.L);
+    b.row_limit("sorted rows", n);
+    b.stage(StageKind::experts, "moe::dist::experts",
+            {buf::x_local, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
+            {b.out(buf::y_local, n, D)});
+    b.hold_expert_ffn(n);
   }
-  static void plan_backward(PlanBuilder const& b, std::vector<Stage>& bw) {
-    b.stage(bw, StageKind::combine, "moe::dist::combine::backward",
-            {"dy_work", "y_local", "routing"}, {"dy_local", "d_weights_work"});
-    b.stage(bw, StageKind::experts, "moe::dist::experts::backward",
-            {"dy_local", "compute.wi_0", "compute.wi_1", "compute.wo"},
-            {"dy_local", "d.wi_0", "d.wi_1", "d.wo"});
+  static void plan_backward(PlanBuilder& b) {
+    Extent const n = b.local_rows();
+    b.stage(
+        StageKind::combine, "moe::dist::combine::backward",
+        {buf::dy_work, buf::y_local, Buf::routing},
+        {b.out(buf::dy_local, n, b.emb()), b.out(buf::d_weights_work, b.work_tokens(), b.topk())});
+    b.stage(StageKind::experts, "moe::dist::experts::backward",
+            {buf::dy_local, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
+            {buf::dy_local, grad(Weight::wi_0), grad(Weight::wi_1), grad(Weight::wo)});
+    b.hold_expert_ffn(n);
   }
 
   template <class Ctx>
@@ -110,15 +117,15 @@ struct SortedExperts {
     using cview2 = typename Ctx::cview2;
     using ivec = typename Ctx::ivec;
     stages::local_sort(ctx);
-    auto xs = ctx.ws.make("x_local", ctx.disp.perm.rows(), ctx.cfg.base_emb_dim);
+    auto xs = ctx.ws.make(buf::x_local, ctx.disp.perm.rows());
     permute::gather_rows(ctx.space, cview2(xw), ivec(ctx.disp.perm.perm),
                          ctx.cfg.num_experts_per_tok, xs);
   }
-  /// The experts on the sorted rows (x_local; `xw` names the working tokens they came from).
+  /// The experts on the sorted rows (x_local; `xw` is the working tokens they came from).
   template <class Ctx>
-  static void experts(Ctx& ctx, char const* /*xw*/, std::uint64_t weights_version) {
-    auto xs = ctx.ws.at("x_local");
-    auto ys = ctx.ws.make("y_local", xs.extent(0), ctx.cfg.base_emb_dim);
+  static void experts(Ctx& ctx, Handle<Values> /*xw*/, std::uint64_t weights_version) {
+    auto xs = ctx.ws.at(buf::x_local);
+    auto ys = ctx.ws.make(buf::y_local, xs.extent(0));
     ctx.ffn.forward(ctx.space, ctx.cfg.mlp_activation, xs, ctx.disp.perm.groups, ctx.cp.wi_0,
                     ctx.cp.wi_1, ctx.cp.wo, ys, weights_version);
   }
@@ -128,8 +135,8 @@ struct SortedExperts {
   static typename Ctx::view2 combined(Ctx& ctx) {
     using cview2 = typename Ctx::cview2;
     using ivec = typename Ctx::ivec;
-    auto yw = ctx.ws.make("y_work", ctx.plan.work_tokens, ctx.cfg.base_emb_dim);
-    permute::combine(ctx.space, cview2(ctx.ws.at("y_local")), ivec(ctx.disp.perm.inverse),
+    auto yw = ctx.ws.make(buf::y_work);
+    permute::combine(ctx.space, cview2(ctx.ws.at(buf::y_local)), ivec(ctx.disp.perm.inverse),
                      ctx.route_weights(), false, yw);
     return yw;
   }
@@ -137,15 +144,15 @@ struct SortedExperts {
   static void combine_backward(Ctx& ctx) {
     using cview2 = typename Ctx::cview2;
     using ivec = typename Ctx::ivec;
-    auto dys = ctx.ws.make("dy_local", ctx.disp.perm.rows(), ctx.cfg.base_emb_dim);
-    auto dww = ctx.ws.make("d_weights_work", ctx.plan.work_tokens, ctx.cfg.num_experts_per_tok);
-    permute::combine_backward(ctx.space, cview2(ctx.ws.at("dy_work")), cview2(ctx.ws.at("y_local")),
-                              ivec(ctx.disp.perm.perm), ivec(ctx.disp.perm.inverse),
-                              ctx.route_weights(), dys, dww);
+    auto dys = ctx.ws.make(buf::dy_local, ctx.disp.perm.rows());
+    auto dww = ctx.ws.make(buf::d_weights_work);
+    permute::combine_backward(ctx.space, cview2(ctx.ws.at(buf::dy_work)),
+                              cview2(ctx.ws.at(buf::y_local)), ivec(ctx.disp.perm.perm),
+                              ivec(ctx.disp.perm.inverse), ctx.route_weights(), dys, dww);
   }
   template <class Ctx>
   static void experts_backward(Ctx& ctx) {
-    auto dys = ctx.ws.at("dy_local");  // dxs overwrites dys
+    auto dys = ctx.ws.at(buf::dy_local);  // dxs overwrites dys
     ctx.ffn.backward(ctx.space, dys, ctx.disp.perm.groups, ctx.cp.wi_0, ctx.cp.wi_1, ctx.cp.wo, dys,
                      ctx.gc.wi_0, ctx.gc.wi_1, ctx.gc.wo);
   }
@@ -155,8 +162,8 @@ struct SortedExperts {
   static typename Ctx::view2 work_dx(Ctx& ctx) {
     using cview2 = typename Ctx::cview2;
     using ivec = typename Ctx::ivec;
-    auto dxw = ctx.ws.make("dx_work", ctx.plan.work_tokens, ctx.cfg.base_emb_dim);
-    permute::gather_rows_backward(ctx.space, cview2(ctx.ws.at("dy_local")),
+    auto dxw = ctx.ws.make(buf::dx_work);
+    permute::gather_rows_backward(ctx.space, cview2(ctx.ws.at(buf::dy_local)),
                                   ivec(ctx.disp.perm.inverse), ctx.cfg.num_experts_per_tok, false,
                                   dxw);
     return dxw;
@@ -171,45 +178,57 @@ struct SortedExperts {
 /// through every local expert, masked by the routing; no sort, no dispatch stage.
 struct DenseExperts {
   static constexpr bool dense = true;
-  static constexpr char const* rows_out = "y_work";
-  static constexpr char const* dx_rows = "dx_work";
+  static constexpr auto rows_out = buf::y_work;
+  static constexpr auto dx_rows = buf::dx_work;
 
-  static void plan_forward(PlanBuilder const& b, std::vector<Stage>& f, char const* xw) {
-    b.stage(f, StageKind::experts, "moe::dist::experts",
-            {xw, "routing", "compute.wi_0", "compute.wi_1", "compute.wo"}, {"y_work"});
+  static void plan_forward(PlanBuilder& b, Handle<Values> xw) {
+    Extent const Tw = b.work_tokens(), L{b.L, scale_experts};
+    b.stage(StageKind::experts, "moe::dist::experts",
+            {xw, Buf::routing, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
+            {b.out(buf::y_work, Tw, b.emb())});
+    // What nn::DenseExperts keeps: the masked combine weights of the local experts, the hidden
+    // states and one expert's output, on every working token.
+    b.row_limit("dense expert rows", Tw);
+    b.hold(Buf::dense_weights, {Tw, L});
+    for (Buf h : {Buf::h0, Buf::h1, Buf::act}) b.hold(h, {Tw, b.mlp()});
+    b.hold(Buf::y_expert, {Tw, b.emb()});
   }
-  static void plan_backward(PlanBuilder const& b, std::vector<Stage>& bw) {
-    b.stage(bw, StageKind::experts, "moe::dist::experts::backward",
-            {"dy_work", "compute.wi_0", "compute.wi_1", "compute.wo"},
-            {"dx_work", "d_weights_work", "d.wi_0", "d.wi_1", "d.wo"});
+  static void plan_backward(PlanBuilder& b) {
+    Extent const Tw = b.work_tokens(), L{b.L, scale_experts};
+    b.stage(StageKind::experts, "moe::dist::experts::backward",
+            {buf::dy_work, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
+            {b.out(buf::dx_work, Tw, b.emb()), b.out(buf::d_weights_work, Tw, b.topk()),
+             grad(Weight::wi_0), grad(Weight::wi_1), grad(Weight::wo)});
+    b.hold(Buf::dy_expert, {Tw, b.emb()});
+    for (Buf h : {Buf::d_act, Buf::d_h1}) b.hold(h, {Tw, b.mlp()});
+    b.hold(Buf::d_dense_weights, {Tw, L});
   }
 
   /// The experts on the working tokens, the buffer `xw`.
   template <class Ctx>
-  static void experts(Ctx& ctx, char const* xw_name, std::uint64_t /*weights_version*/) {
+  static void experts(Ctx& ctx, Handle<Values> xw, std::uint64_t /*weights_version*/) {
     using cview2 = typename Ctx::cview2;
-    auto xw = ctx.ws.at(xw_name);
-    auto yw = ctx.ws.make("y_work", xw.extent(0), ctx.cfg.base_emb_dim);
-    ctx.dense.forward(ctx.space, ctx.cfg.mlp_activation, cview2(xw), ctx.expert_ids(), ctx.kept(),
-                      ctx.route_weights(), int(ctx.layout.first_expert), ctx.cp.wi_0, ctx.cp.wi_1,
-                      ctx.cp.wo, yw);
+    auto yw = ctx.ws.make(buf::y_work);
+    ctx.dense.forward(ctx.space, ctx.cfg.mlp_activation, cview2(ctx.ws.at(xw)), ctx.expert_ids(),
+                      ctx.kept(), ctx.route_weights(), int(ctx.layout.first_expert), ctx.cp.wi_0,
+                      ctx.cp.wi_1, ctx.cp.wo, yw);
   }
   /// The dense experts computed y_work itself.
   template <class Ctx>
   static typename Ctx::view2 combined(Ctx& ctx) {
-    return ctx.ws.at("y_work");
+    return ctx.ws.at(buf::y_work);
   }
   template <class Ctx>
   static void experts_backward(Ctx& ctx) {
     using cview2 = typename Ctx::cview2;
-    auto dxw = ctx.ws.make("dx_work", ctx.plan.work_tokens, ctx.cfg.base_emb_dim);
-    auto dww = ctx.ws.make("d_weights_work", ctx.plan.work_tokens, ctx.cfg.num_experts_per_tok);
-    ctx.dense.backward(ctx.space, cview2(ctx.ws.at("dy_work")), ctx.cp.wi_0, ctx.cp.wi_1, ctx.cp.wo,
-                       dxw, dww, ctx.gc.wi_0, ctx.gc.wi_1, ctx.gc.wo);
+    auto dxw = ctx.ws.make(buf::dx_work);
+    auto dww = ctx.ws.make(buf::d_weights_work);
+    ctx.dense.backward(ctx.space, cview2(ctx.ws.at(buf::dy_work)), ctx.cp.wi_0, ctx.cp.wi_1,
+                       ctx.cp.wo, dxw, dww, ctx.gc.wi_0, ctx.gc.wi_1, ctx.gc.wo);
   }
   template <class Ctx>
   static typename Ctx::view2 work_dx(Ctx& ctx) {
-    return ctx.ws.at("dx_work");
+    return ctx.ws.at(buf::dx_work);
   }
   /// The dense path computes every token: no routed rows.
   template <class Ctx>
@@ -225,39 +244,44 @@ template <bool Ring>
 void plan_tokens_reduce(PlanBuilder const& b, Stage& st, std::string const& what,
                         std::int64_t cols) {
   if constexpr (Ring)
-    b.reduce_scatter(st, "reduce-scatter " + what + " (expert)", b.lay.ep_axes, b.T * cols);
+    b.reduce_scatter(st, "reduce-scatter " + what + " (expert)", b.lay.ep_axes, b.T, cols, 0);
   else
     b.all_reduce(st, "reduce " + what + " (expert)", b.lay.ep_axes, b.Tw * cols);
 }
 /// The forward's combine on gathered tokens: the experts' output summed onto the owners' tokens,
 /// then split into D/tp columns.
 template <bool Ring, class Experts>
-void plan_gathered_combine(PlanBuilder const& b, std::vector<Stage>& f) {
-  auto& c = b.stage(f, StageKind::combine, "moe::dist::combine", {Experts::rows_out, "routing"},
-                    {"y_work", "y_own", "y_cols"});
+void plan_gathered_combine(PlanBuilder& b) {
+  auto& c =
+      b.stage(StageKind::combine, "moe::dist::combine", {Experts::rows_out, Buf::routing},
+              {b.out(buf::y_work, b.work_tokens(), b.emb()), b.out(buf::y_own, b.tokens(), b.emb()),
+               b.out(buf::y_cols, b.tokens(), b.emb_cols())});
   plan_tokens_reduce<Ring>(b, c, "y", b.D);
-  b.reduce_scatter(c, "reduce-scatter y (tensor)", b.lay.tp_axes, b.T * b.Dc);
+  b.reduce_scatter(c, "reduce-scatter y (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
 }
 /// The backward of the experts on gathered tokens: dy gathered over the expert axes as
-/// `gather_dy` (n elements per rank; none when the tokens were not gathered), the experts'
-/// transposes, then the stage that sends d_weights and dx back, whose collectives the caller
-/// adds.
+/// `gather_dy` (its input blocks [T, cols] along `dim`; none when the tokens were not
+/// gathered), the experts' transposes, then the stage that sends d_weights and dx back, whose
+/// collectives the caller adds.
 template <class Experts>
-Stage& plan_gathered_experts_backward(PlanBuilder const& b, std::vector<Stage>& bw,
-                                      char const* gather_dy, std::int64_t n) {
-  auto& o = b.stage(bw, StageKind::output, "moe::dist::output::backward", {"dy"}, {"dy_work"});
-  if (gather_dy) b.all_gather(o, gather_dy, b.lay.ep_axes, n);
-  Experts::plan_backward(b, bw);
-  return b.stage(bw, StageKind::dispatch, "moe::dispatch::gathered::backward",
-                 {Experts::dx_rows, "d_weights_work"}, {"dx_work", "d_weights", "dx"});
+Stage& plan_gathered_experts_backward(PlanBuilder& b, char const* gather_dy, std::int64_t cols,
+                                      int dim) {
+  auto& o = b.stage(StageKind::output, "moe::dist::output::backward", {Buf::dy},
+                    {b.out(buf::dy_work, b.work_tokens(), b.emb())});
+  if (gather_dy) b.all_gather(o, gather_dy, b.lay.ep_axes, b.T, cols, dim);
+  Experts::plan_backward(b);
+  return b.stage(StageKind::dispatch, "moe::dispatch::gathered::backward",
+                 {Experts::dx_rows, buf::d_weights_work},
+                 {b.out(buf::dx_work, b.work_tokens(), b.emb()),
+                  b.out(buf::d_weights, b.tokens(), b.topk()), Buf::dx});
 }
 /// The backward of the gathered-tokens path up to the router.
 template <bool Ring, class Experts>
-void plan_gathered_backward(PlanBuilder const& b, std::vector<Stage>& bw) {
+void plan_gathered_backward(PlanBuilder& b) {
   // The transpose of routing on gathered tokens: the expert group's partial d_weights and dx
   // (partial over the tensor-split hidden dim too) go back to the ranks that own the tokens.
-  auto& d = plan_gathered_experts_backward<Experts>(
-      b, bw, Ring ? "all-gather d_y (expert)" : nullptr, b.T * b.D);
+  auto& d = plan_gathered_experts_backward<Experts>(b, Ring ? "all-gather d_y (expert)" : nullptr,
+                                                    b.D, 0);
   b.all_reduce(d, "reduce d_weights (tensor)", b.lay.tp_axes, b.Tw * b.K);
   plan_tokens_reduce<Ring>(b, d, "d_weights", b.K);
   b.all_reduce(d, "reduce d_x (tensor)", b.lay.tp_axes, b.Tw * b.D);
@@ -272,53 +296,63 @@ void plan_gathered_backward(PlanBuilder const& b, std::vector<Stage>& bw) {
 /// partial outputs are summed (ExpertRoute::Local, Replicated).
 template <class Experts, bool Ring>
 struct Gathered {
+  /// The working tokens: the expert group's (the ring) or this rank's.
+  static constexpr auto xw = Ring ? buf::x_work : buf::x;
+
   /// Its stages, top to bottom.
   StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
-                std::int64_t scalar_bytes) const {
-    PlanBuilder b(lay, cfg, par, scalar_bytes, Ring);
-    char const* xw = Ring ? "x_work" : "x";
-    StepPlan p = b.begin(Ring ? b.ep : 1);
-    b.gather_weights(p);
+                std::int64_t value_bytes) const {
+    PlanBuilder b(lay, cfg, par, value_bytes, Ring);
+    StepPlan& p = b.begin(Ring ? b.ep : 1);
     if constexpr (Ring) {
-      auto& st = b.stage(p.forward, StageKind::gather_tokens, "moe::dist::gather_tokens", {"x"},
-                         {"x_work"});
-      b.all_gather(st, "all-gather tokens (ring)", lay.ep_axes, b.T * b.D);
+      p.route_text = "ring of experts: tokens all-gathered over " + detail::axes_text(lay.ep_axes) +
+                     ", outputs reduce-scattered";
+      p.token_gathered[0] = lay.ep_axes;
+    } else {
+      p.route_text = b.ep > 1 ? "replicated batch over " + detail::axes_text(lay.ep_axes) +
+                                    ", outputs all-reduced"
+                              : std::string("local (no expert parallelism)");
     }
-    b.route(p.forward, xw);
-    Experts::plan_forward(b, p.forward, xw);
-    plan_after_experts(b, p);
-    return p;
+    b.gather_weights();
+    if constexpr (Ring) {
+      auto& st = b.stage(StageKind::gather_tokens, "moe::dist::gather_tokens", {buf::x},
+                         {b.out(buf::x_work, b.work_tokens(), b.emb())});
+      b.all_gather(st, "all-gather tokens (ring)", lay.ep_axes, b.T, b.D, 0);
+    }
+    b.route(xw);
+    Experts::plan_forward(b, xw);
+    plan_after_experts(b);
+    return b.finish();
   }
   /// The stages after the experts (also the chunked ring's): combine, shared expert, output,
   /// and the whole backward.
-  static void plan_after_experts(PlanBuilder& b, StepPlan& p) {
-    stages::plan_gathered_combine<Ring, Experts>(b, p.forward);
-    if (b.shared()) stages::plan_shared_forward(b, p.forward, Ring);
-    b.output(p.forward);
+  static void plan_after_experts(PlanBuilder& b) {
+    stages::plan_gathered_combine<Ring, Experts>(b);
+    if (b.shared()) stages::plan_shared_forward(b, Ring);
+    b.output();
     b.backward = true;
-    stages::plan_gathered_backward<Ring, Experts>(b, p.backward);
-    if (b.shared()) stages::plan_shared_backward(b, p.backward, Ring);
-    b.route_backward(p.backward, "x");
-    b.reduce_grads(p);
+    stages::plan_gathered_backward<Ring, Experts>(b);
+    if (b.shared()) stages::plan_shared_backward(b, Ring);
+    b.route_backward(buf::x);
+    b.reduce_grads();
   }
 
   template <class Ctx>
   void forward(Ctx& c, Stage const& st, std::uint64_t weights_version) const {
     switch (st.kind) {
       case StageKind::gather_tokens:
-        return c.all_gather(c.ep(), c.ws.at("x"),
-                            c.ws.make("x_work", c.plan.work_tokens, c.cfg.base_emb_dim), 0);
+        return c.all_gather(c.ep(), c.ws.at(buf::x), c.ws.make(buf::x_work), 0);
       case StageKind::route:
-        return stages::route_tokens(c, work_x(c), Ring);
+        return stages::route_tokens(c, c.ws.at(xw), Ring);
       case StageKind::dispatch:
-        if constexpr (!Experts::dense) return Experts::dispatch(c, work_x(c));
+        if constexpr (!Experts::dense) return Experts::dispatch(c, c.ws.at(xw));
         break;
       case StageKind::experts:
-        return Experts::experts(c, Ring ? "x_work" : "x", weights_version);
+        return Experts::experts(c, xw, weights_version);
       case StageKind::combine:
         return stages::gathered_combine<Ring>(c, Experts::combined(c));
       case StageKind::shared_expert:
-        return stages::shared_forward(c, c.ws.at("x"), c.ws.at("y_cols"));
+        return stages::shared_forward(c, c.ws.at(buf::x), c.ws.at(buf::y_cols));
       default:
         break;
     }
@@ -348,12 +382,6 @@ struct Gathered {
   template <class Ctx>
   std::int64_t routed_rows(Ctx const& c) const {
     return Experts::routed_rows(c);
-  }
-
- private:
-  template <class Ctx>
-  static typename Ctx::view2 work_x(Ctx& c) {
-    return c.ws.at(Ring ? "x_work" : "x");
   }
 };
 

@@ -33,7 +33,7 @@ void a2a_dispatch(Ctx& ctx, typename Ctx::view2 x) {
   std::int64_t const L = ctx.layout.local_experts;
   auto& perm = ctx.disp.perm;
   permute::sort_by_expert(ctx.space, ctx.expert_ids(), ctx.kept(), E, perm);
-  auto xs_o = ctx.ws.make("x_sorted", perm.rows(), D);
+  auto xs_o = ctx.ws.make(buf::x_sorted, perm.rows());
   permute::gather_rows(ctx.space, cview2(x), ivec(perm.perm), K, xs_o);
   auto const& off = perm.groups.offsets_host;
   std::vector<std::int64_t> sizes(E), send(ep);
@@ -45,7 +45,7 @@ void a2a_dispatch(Ctx& ctx, typename Ctx::view2 x) {
           : -1;
   ctx.disp.a2a = std::make_unique<comm::RaggedAllToAll>(ctx.ep().comm, send, R);
   ctx.log_all_to_all(false, D);
-  auto xr = ctx.ws.make("x_received", ctx.disp.a2a->recv_total(), D);
+  auto xr = ctx.ws.make(buf::x_received, ctx.disp.a2a->recv_total());
   ctx.disp.a2a->forward(ctx.space, xs_o, xr);
   // Everyone's group sizes -> the local regrouping of received rows by local expert.
   View1<std::int64_t, Kokkos::HostSpace> mine("moe::dist::sizes", E),
@@ -55,61 +55,59 @@ void a2a_dispatch(Ctx& ctx, typename Ctx::view2 x) {
   std::vector<std::int64_t> G(all.data(), all.data() + E * ep);
   permute::make_local_permutation(ctx.space, permute::local_layout(G, E, ep, ctx.ep().rank(), R),
                                   ctx.disp.lp);
-  auto xs = ctx.ws.make("x_local", ctx.disp.lp.rows(), D);
+  auto xs = ctx.ws.make(buf::x_local, ctx.disp.lp.rows());
   permute::permute_rows(ctx.space, ctx.disp.lp, xr, xs);
   ctx.disp.groups.offsets = ctx.disp.lp.group_offsets;
   ctx.disp.groups.offsets_host = ctx.disp.lp.group_offsets_host;
 }
 template <class Ctx>
 void a2a_experts(Ctx& ctx, typename Ctx::view2 xs, std::uint64_t weights_version) {
-  std::int64_t const D = ctx.cfg.base_emb_dim, n = xs.extent(0);
-  auto ys = ctx.ws.make("y_local", n, D);
+  std::int64_t const n = xs.extent(0);
+  auto ys = ctx.ws.make(buf::y_local, n);
   ctx.ffn.forward(ctx.space, ctx.cfg.mlp_activation, xs, ctx.disp.groups, ctx.cp.wi_0, ctx.cp.wi_1,
                   ctx.cp.wo, ys, weights_version);
   // Partial down-projections (tensor-split hidden dim) -> column blocks of D.
-  auto ys_c = ctx.ws.make("y_local_cols", n, D / ctx.tp().size());
+  auto ys_c = ctx.ws.make(buf::y_local_cols, n);
   ctx.reduce_scatter(ctx.tp(), ys, ys_c, 1);
 }
 template <class Ctx>
 void a2a_combine(Ctx& ctx, typename Ctx::view2 ys_c) {
   using cview2 = typename Ctx::cview2;
   using ivec = typename Ctx::ivec;
-  std::int64_t const Dc = ys_c.extent(1);
-  auto yr_c = ctx.ws.make("y_received_cols", ctx.disp.a2a->recv_total(), Dc);
+  auto yr_c = ctx.ws.make(buf::y_received_cols, ctx.disp.a2a->recv_total());
   permute::unpermute_rows(ctx.space, ctx.disp.lp, ys_c, yr_c);
-  auto ys_o_c = ctx.ws.make("y_sorted_cols", ctx.disp.perm.rows(), Dc);
-  ctx.log_all_to_all(true, Dc);
+  auto ys_o_c = ctx.ws.make(buf::y_sorted_cols, ctx.disp.perm.rows());
+  ctx.log_all_to_all(true, ys_c.extent(1));
   ctx.disp.a2a->reverse(ctx.space, yr_c, ys_o_c);
-  auto y_c = ctx.ws.make("y_cols", ctx.plan.tokens, Dc);
+  auto y_c = ctx.ws.make(buf::y_cols);
   permute::combine(ctx.space, cview2(ys_o_c), ivec(ctx.disp.perm.inverse), ctx.route_weights(),
                    false, y_c);
 }
 template <class Ctx>
 void a2a_output_backward(Ctx& ctx, typename Ctx::cview2 dy) {
-  int const tp = ctx.tp().size();
-  auto dy_c = ctx.ws.make("dy_cols", ctx.plan.tokens, ctx.cfg.base_emb_dim / tp);
-  distributed::slice_dim(ctx.space, tp, ctx.tp().rank(), dy, dy_c, 1);
+  auto dy_c = ctx.ws.make(buf::dy_cols);
+  distributed::slice_dim(ctx.space, ctx.tp().size(), ctx.tp().rank(), dy, dy_c, 1);
 }
 template <class Ctx>
 void a2a_combine_backward(Ctx& ctx, typename Ctx::view2 dy_c) {
   using cview2 = typename Ctx::cview2;
   using ivec = typename Ctx::ivec;
   std::int64_t const Dc = dy_c.extent(1);
-  auto dys_o_c = ctx.ws.make("dy_sorted_cols", ctx.disp.perm.rows(), Dc);
-  auto dw = ctx.ws.make("d_weights", ctx.plan.tokens, ctx.cfg.num_experts_per_tok);
-  permute::combine_backward(ctx.space, cview2(dy_c), cview2(ctx.ws.at("y_sorted_cols")),
+  auto dys_o_c = ctx.ws.make(buf::dy_sorted_cols, ctx.disp.perm.rows());
+  auto dw = ctx.ws.make(buf::d_weights);
+  permute::combine_backward(ctx.space, cview2(dy_c), cview2(ctx.ws.at(buf::y_sorted_cols)),
                             ivec(ctx.disp.perm.perm), ivec(ctx.disp.perm.inverse),
                             ctx.route_weights(), dys_o_c, dw);
   ctx.all_reduce(ctx.tp(), dw);
-  auto dyr_c = ctx.ws.make("dy_received_cols", ctx.disp.a2a->recv_total(), Dc);
+  auto dyr_c = ctx.ws.make(buf::dy_received_cols, ctx.disp.a2a->recv_total());
   ctx.log_all_to_all(false, Dc);
   ctx.disp.a2a->forward(ctx.space, dys_o_c, dyr_c);
-  auto dys_c = ctx.ws.make("dy_local_cols", ctx.disp.lp.rows(), Dc);
+  auto dys_c = ctx.ws.make(buf::dy_local_cols, ctx.disp.lp.rows());
   permute::permute_rows(ctx.space, ctx.disp.lp, dyr_c, dys_c);
 }
 template <class Ctx>
 void a2a_experts_backward(Ctx& ctx, typename Ctx::view2 dys_c) {
-  auto dys = ctx.ws.make("dy_local", dys_c.extent(0), ctx.cfg.base_emb_dim);
+  auto dys = ctx.ws.make(buf::dy_local, dys_c.extent(0));
   ctx.all_gather(ctx.tp(), dys_c, dys, 1);
   // dxs (partial over the tensor-split hidden dim) overwrites dys, then its column block dys_c.
   ctx.ffn.backward(ctx.space, dys, ctx.disp.groups, ctx.cp.wi_0, ctx.cp.wi_1, ctx.cp.wo, dys,
@@ -120,12 +118,12 @@ template <class Ctx>
 void a2a_dispatch_backward(Ctx& ctx, typename Ctx::view2 dxs_c, typename Ctx::view2 dx) {
   using cview2 = typename Ctx::cview2;
   using ivec = typename Ctx::ivec;
-  auto dxr_c = ctx.ws.at("dy_received_cols");
+  auto dxr_c = ctx.ws.at(buf::dy_received_cols);
   permute::unpermute_rows(ctx.space, ctx.disp.lp, dxs_c, dxr_c);
-  auto dxs_o_c = ctx.ws.at("dy_sorted_cols");
+  auto dxs_o_c = ctx.ws.at(buf::dy_sorted_cols);
   ctx.log_all_to_all(true, dxs_c.extent(1));
   ctx.disp.a2a->reverse(ctx.space, dxr_c, dxs_o_c);
-  auto dx_c = ctx.ws.at("dy_cols");
+  auto dx_c = ctx.ws.at(buf::dy_cols);
   permute::gather_rows_backward(ctx.space, cview2(dxs_o_c), ivec(ctx.disp.perm.inverse),
                                 ctx.cfg.num_experts_per_tok, false, dx_c);
   ctx.all_gather(ctx.tp(), dx_c, dx, 1);
@@ -136,60 +134,88 @@ void a2a_dispatch_backward(Ctx& ctx, typename Ctx::view2 dxs_c, typename Ctx::vi
 /// \brief The ragged all-to-all strategy (see the file comment).
 struct RaggedA2A {
   StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
-                std::int64_t scalar_bytes) const {
-    PlanBuilder b(lay, cfg, par, scalar_bytes, false);
-    StepPlan p = b.begin(b.ep);
-    auto& f = p.forward;
-    b.gather_weights(p);
-    b.route(f, "x");
-    auto& d = b.stage(f, StageKind::dispatch, "moe::dispatch::ragged_all_to_all", {"x", "routing"},
-                      {"x_sorted", "x_received", "x_local"});
+                std::int64_t value_bytes) const {
+    PlanBuilder b(lay, cfg, par, value_bytes, false);
+    StepPlan& p = b.begin(b.ep);
+    p.route_text = "ragged all-to-all over " + detail::axes_text(lay.ep_axes);
+    p.notes.push_back(moe::detail::cat(
+        "all-to-all bytes (marked ~) assume balanced routing: each dispatch and each combine "
+        "sends T_local*K*D*sizeof*(ep-1)/ep = ",
+        b.T, "*", b.K, "*", b.D, "*", b.s, "*", b.ep - 1, "/", b.ep, " = ",
+        b.T * b.K * b.D * b.s * (b.ep - 1) / b.ep,
+        " bytes (D/tp columns after the tensor split), and the tensor-axis collectives on "
+        "received rows assume T_local*K of them",
+        cfg.capacity_factor > 0 ? "; per-sequence capacity keeps min(S*K, E*C) slots" : "",
+        par.ragged_buffer_factor > 0 ? "; the receive buffer caps the rows at int(T*K*factor)"
+                                     : ""));
+    Extent const sent = b.sent_rows(), recv = b.recv_rows(), D = b.emb(), Dc = b.emb_cols();
+    b.gather_weights();
+    b.route(buf::x);
+    auto& d =
+        b.stage(StageKind::dispatch, "moe::dispatch::ragged_all_to_all", {buf::x, Buf::routing},
+                {b.out(buf::x_sorted, sent, D), b.out(buf::x_received, recv, D),
+                 b.out(buf::x_local, recv, D)});
     b.all_to_all(d, "dispatch", b.sent, b.D);
-    auto& e = b.stage(f, StageKind::experts, "moe::dist::experts",
-                      {"x_local", "compute.wi_0", "compute.wi_1", "compute.wo"},
-                      {"y_local", "y_local_cols"});
-    b.reduce_scatter(e, "reduce-scatter y (tensor)", lay.tp_axes, b.recv * b.Dc, true);
-    auto& c = b.stage(f, StageKind::combine, "moe::dist::combine", {"y_local_cols", "routing"},
-                      {"y_received_cols", "y_sorted_cols", "y_cols"});
+    b.hold_sort(sent, b.E);
+    b.hold(Buf::local_perm, {recv});
+    b.hold(Buf::local_inverse, {recv});
+    b.hold(Buf::local_expert_ids, {recv});
+    b.row_limit("sorted rows", sent);
+    b.row_limit("received rows", recv);
+    auto& e =
+        b.stage(StageKind::experts, "moe::dist::experts",
+                {buf::x_local, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
+                {b.out(buf::y_local, recv, D), b.out(buf::y_local_cols, recv, Dc)});
+    b.reduce_scatter(e, "reduce-scatter y (tensor)", lay.tp_axes, b.recv, b.Dc, 1, true);
+    b.hold_expert_ffn(recv);
+    auto& c = b.stage(StageKind::combine, "moe::dist::combine", {buf::y_local_cols, Buf::routing},
+                      {b.out(buf::y_received_cols, recv, Dc), b.out(buf::y_sorted_cols, sent, Dc),
+                       b.out(buf::y_cols, b.tokens(), Dc)});
     b.all_to_all(c, "combine", b.recv, b.Dc);
-    if (b.shared()) stages::plan_shared_forward(b, f, true);
-    b.output(f);
+    if (b.shared()) stages::plan_shared_forward(b, true);
+    b.output();
     b.backward = true;
-    auto& bw = p.backward;
-    b.stage(bw, StageKind::output, "moe::dist::output::backward", {"dy"}, {"dy_cols"});
-    auto& cb = b.stage(bw, StageKind::combine, "moe::dist::combine::backward",
-                       {"dy_cols", "y_sorted_cols", "routing"},
-                       {"dy_sorted_cols", "d_weights", "dy_received_cols", "dy_local_cols"});
+    b.stage(StageKind::output, "moe::dist::output::backward", {Buf::dy},
+            {b.out(buf::dy_cols, b.tokens(), Dc)});
+    auto& cb =
+        b.stage(StageKind::combine, "moe::dist::combine::backward",
+                {buf::dy_cols, buf::y_sorted_cols, Buf::routing},
+                {b.out(buf::dy_sorted_cols, sent, Dc), b.out(buf::d_weights, b.tokens(), b.topk()),
+                 b.out(buf::dy_received_cols, recv, Dc), b.out(buf::dy_local_cols, recv, Dc)});
     b.all_reduce(cb, "reduce d_weights (tensor)", lay.tp_axes, b.T * b.K);
     b.all_to_all(cb, "dispatch d_y", b.sent, b.Dc);
-    auto& eb = b.stage(bw, StageKind::experts, "moe::dist::experts::backward",
-                       {"dy_local_cols", "compute.wi_0", "compute.wi_1", "compute.wo"},
-                       {"dy_local", "dy_local_cols", "d.wi_0", "d.wi_1", "d.wo"});
-    b.all_gather(eb, "all-gather d_y (tensor)", lay.tp_axes, b.recv * b.Dc, true);
-    b.reduce_scatter(eb, "reduce-scatter d_x (tensor)", lay.tp_axes, b.recv * b.Dc, true);
-    auto& db = b.stage(bw, StageKind::dispatch, "moe::dispatch::ragged_all_to_all::backward",
-                       {"dy_local_cols"}, {"dy_received_cols", "dy_sorted_cols", "dy_cols", "dx"});
+    auto& eb = b.stage(
+        StageKind::experts, "moe::dist::experts::backward",
+        {buf::dy_local_cols, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
+        {b.out(buf::dy_local, recv, D), buf::dy_local_cols, grad(Weight::wi_0), grad(Weight::wi_1),
+         grad(Weight::wo)});
+    b.all_gather(eb, "all-gather d_y (tensor)", lay.tp_axes, b.recv, b.Dc, 1, true);
+    b.reduce_scatter(eb, "reduce-scatter d_x (tensor)", lay.tp_axes, b.recv, b.Dc, 1, true);
+    b.hold_expert_ffn(recv);
+    auto& db = b.stage(StageKind::dispatch, "moe::dispatch::ragged_all_to_all::backward",
+                       {buf::dy_local_cols},
+                       {buf::dy_received_cols, buf::dy_sorted_cols, buf::dy_cols, Buf::dx});
     b.all_to_all(db, "combine d_x", b.recv, b.Dc);
-    b.all_gather(db, "all-gather d_x (tensor)", lay.tp_axes, b.T * b.Dc);
-    if (b.shared()) stages::plan_shared_backward(b, bw, true);
-    b.route_backward(bw, "x");
-    b.reduce_grads(p);
-    return p;
+    b.all_gather(db, "all-gather d_x (tensor)", lay.tp_axes, b.T, b.Dc, 1);
+    if (b.shared()) stages::plan_shared_backward(b, true);
+    b.route_backward(buf::x);
+    b.reduce_grads();
+    return b.finish();
   }
 
   template <class Ctx>
   void forward(Ctx& c, Stage const& st, std::uint64_t weights_version) const {
     switch (st.kind) {
       case StageKind::route:
-        return stages::route_tokens(c, c.ws.at("x"), false);
+        return stages::route_tokens(c, c.ws.at(buf::x), false);
       case StageKind::dispatch:
-        return stages::a2a_dispatch(c, c.ws.at("x"));
+        return stages::a2a_dispatch(c, c.ws.at(buf::x));
       case StageKind::experts:
-        return stages::a2a_experts(c, c.ws.at("x_local"), weights_version);
+        return stages::a2a_experts(c, c.ws.at(buf::x_local), weights_version);
       case StageKind::combine:
-        return stages::a2a_combine(c, c.ws.at("y_local_cols"));
+        return stages::a2a_combine(c, c.ws.at(buf::y_local_cols));
       case StageKind::shared_expert:
-        return stages::shared_forward(c, c.ws.at("x"), c.ws.at("y_cols"));
+        return stages::shared_forward(c, c.ws.at(buf::x), c.ws.at(buf::y_cols));
       default:
         break;
     }
@@ -201,11 +227,11 @@ struct RaggedA2A {
       case StageKind::output:
         return stages::a2a_output_backward(c, dy);
       case StageKind::combine:
-        return stages::a2a_combine_backward(c, c.ws.at("dy_cols"));
+        return stages::a2a_combine_backward(c, c.ws.at(buf::dy_cols));
       case StageKind::experts:
-        return stages::a2a_experts_backward(c, c.ws.at("dy_local_cols"));
+        return stages::a2a_experts_backward(c, c.ws.at(buf::dy_local_cols));
       case StageKind::dispatch:
-        return stages::a2a_dispatch_backward(c, c.ws.at("dy_local_cols"), dx);
+        return stages::a2a_dispatch_backward(c, c.ws.at(buf::dy_local_cols), dx);
       case StageKind::shared_expert:
         return stages::shared_backward(c, dy, dx);
       case StageKind::route:

@@ -22,36 +22,45 @@ namespace moe::distributed::stages {
 inline void plan_shared_reduce(PlanBuilder const& b, Stage& st, std::string const& what,
                                bool spans) {
   if (spans)
-    b.reduce_scatter(st, "reduce-scatter " + what + " (expert)", b.lay.ep_axes, b.T * b.D);
+    b.reduce_scatter(st, "reduce-scatter " + what + " (expert)", b.lay.ep_axes, b.T, b.D, 0);
   else
     b.all_reduce(st, "reduce " + what + " (expert)", b.lay.ep_axes, b.T * b.D);
 }
 /// The forward stage; `spans`: the tokens are split over the expert axes (and gathered here).
-inline void plan_shared_forward(PlanBuilder const& b, std::vector<Stage>& f, bool spans) {
-  auto& st = b.stage(f, StageKind::shared_expert, "moe::dist::shared_expert",
-                     {"x", "compute.shared_wi_0", "compute.shared_wi_1", "compute.shared_wo"},
-                     {"x_shared", "y_shared", "y_own", "y_shared_cols", "y_cols"});
-  if (spans) b.all_gather(st, "all-gather x (shared, expert)", b.lay.ep_axes, b.T * b.D);
+inline void plan_shared_forward(PlanBuilder& b, bool spans) {
+  Extent const Tg = b.shared_tokens(), D = b.emb();
+  auto& st = b.stage(StageKind::shared_expert, "moe::dist::shared_expert",
+                     {buf::x, compute(Weight::shared_wi_0), compute(Weight::shared_wi_1),
+                      compute(Weight::shared_wo)},
+                     {b.out(buf::x_shared, Tg, D), b.out(buf::y_shared, Tg, D),
+                      b.out(buf::y_own, b.tokens(), D, Item::shared),
+                      b.out(buf::y_shared_cols, b.tokens(), b.emb_cols()), buf::y_cols});
+  if (spans) b.all_gather(st, "all-gather x (shared, expert)", b.lay.ep_axes, b.T, b.D, 0);
   plan_shared_reduce(b, st, "y shared", spans);
-  b.reduce_scatter(st, "reduce-scatter y shared (tensor)", b.lay.tp_axes, b.T * b.Dc);
+  b.reduce_scatter(st, "reduce-scatter y shared (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
+  b.hold_shared_mlp(Tg);
 }
-inline void plan_shared_backward(PlanBuilder const& b, std::vector<Stage>& bw, bool spans) {
-  auto& st = b.stage(
-      bw, StageKind::shared_expert, "moe::dist::shared_expert::backward",
-      {"dy", "compute.shared_wi_0", "compute.shared_wi_1", "compute.shared_wo"},
-      {"dy_shared", "dx_shared", "y_own", "dx", "d.shared_wi_0", "d.shared_wi_1", "d.shared_wo"});
-  if (spans) b.all_gather(st, "all-gather d_y (shared, expert)", b.lay.ep_axes, b.T * b.D);
+inline void plan_shared_backward(PlanBuilder& b, bool spans) {
+  Extent const Tg = b.shared_tokens(), D = b.emb();
+  auto& st =
+      b.stage(StageKind::shared_expert, "moe::dist::shared_expert::backward",
+              {Buf::dy, compute(Weight::shared_wi_0), compute(Weight::shared_wi_1),
+               compute(Weight::shared_wo)},
+              {b.out(buf::dy_shared, Tg, D), b.out(buf::dx_shared, Tg, D), buf::y_own, Buf::dx,
+               grad(Weight::shared_wi_0), grad(Weight::shared_wi_1), grad(Weight::shared_wo)});
+  if (spans) b.all_gather(st, "all-gather d_y (shared, expert)", b.lay.ep_axes, b.T, b.D, 0);
   b.all_reduce(st, "reduce d_x shared (tensor)", b.lay.tp_axes, b.T * (spans ? b.ep : 1) * b.D);
   plan_shared_reduce(b, st, "d_x shared", spans);
+  b.hold_shared_mlp(Tg);
 }
 
 // ---------------------------------------------------------------------------- run
 
 /// The shared MLP on the tokens x (full D) into the zeroed workspace buffer `name` [rows, D].
 template <class Ctx>
-typename Ctx::view2 shared_mlp_forward(Ctx& ctx, typename Ctx::cview2 x, char const* name) {
+typename Ctx::view2 shared_mlp_forward(Ctx& ctx, typename Ctx::cview2 x, Handle<Values> name) {
   using Scalar = typename Ctx::scalar_type;
-  auto y = ctx.ws.make(name, std::int64_t(x.extent(0)), ctx.cfg.base_emb_dim);
+  auto y = ctx.ws.make(name, std::int64_t(x.extent(0)));
   Kokkos::deep_copy(ctx.space, y, Scalar(0));
   ctx.shared.forward(ctx.space, ctx.cfg.mlp_activation, x, ctx.cp.shared_wi_0, ctx.cp.shared_wi_1,
                      ctx.cp.shared_wo, y);
@@ -60,9 +69,9 @@ typename Ctx::view2 shared_mlp_forward(Ctx& ctx, typename Ctx::cview2 x, char co
 /// Its transpose: the input gradient for dy into the zeroed buffer `name`; the weight gradients
 /// into the compute-block gradients.
 template <class Ctx>
-typename Ctx::view2 shared_mlp_backward(Ctx& ctx, typename Ctx::cview2 dy, char const* name) {
+typename Ctx::view2 shared_mlp_backward(Ctx& ctx, typename Ctx::cview2 dy, Handle<Values> name) {
   using Scalar = typename Ctx::scalar_type;
-  auto dx = ctx.ws.make(name, std::int64_t(dy.extent(0)), ctx.cfg.base_emb_dim);
+  auto dx = ctx.ws.make(name, std::int64_t(dy.extent(0)));
   Kokkos::deep_copy(ctx.space, dx, Scalar(0));
   ctx.shared.backward(ctx.space, dy, ctx.cp.shared_wi_0, ctx.cp.shared_wi_1, ctx.cp.shared_wo, dx,
                       ctx.gc.shared_wi_0, ctx.gc.shared_wi_1, ctx.gc.shared_wo);
@@ -96,13 +105,12 @@ void shared_tokens_reduce(Ctx& ctx, typename Ctx::view2 work, typename Ctx::view
 template <class Ctx>
 void shared_forward(Ctx& ctx, typename Ctx::view2 x, typename Ctx::view2 y_c) {
   using cview2 = typename Ctx::cview2;
-  std::int64_t const D = ctx.cfg.base_emb_dim, Tg = ctx.plan.shared_tokens;
-  auto xsh = ctx.ws.make("x_shared", Tg, D);
+  auto xsh = ctx.ws.make(buf::x_shared);
   shared_tokens_gather(ctx, cview2(x), xsh);
-  auto ysh = shared_mlp_forward(ctx, cview2(xsh), "y_shared");
-  auto yo = ctx.ws.make("y_own", ctx.plan.tokens, D);
+  auto ysh = shared_mlp_forward(ctx, cview2(xsh), buf::y_shared);
+  auto yo = ctx.ws.make(buf::y_own);
   shared_tokens_reduce(ctx, ysh, yo);
-  auto ysh_c = ctx.ws.make("y_shared_cols", ctx.plan.tokens, D / ctx.tp().size());
+  auto ysh_c = ctx.ws.make(buf::y_shared_cols);
   ctx.reduce_scatter(ctx.tp(), yo, ysh_c, 1);
   moe::detail::add_into(ctx.space, ysh_c, y_c);
 }
@@ -110,12 +118,11 @@ void shared_forward(Ctx& ctx, typename Ctx::view2 x, typename Ctx::view2 y_c) {
 template <class Ctx>
 void shared_backward(Ctx& ctx, typename Ctx::cview2 dy, typename Ctx::view2 dx) {
   using cview2 = typename Ctx::cview2;
-  std::int64_t const D = ctx.cfg.base_emb_dim, Tg = ctx.plan.shared_tokens;
-  auto dysh = ctx.ws.make("dy_shared", Tg, D);
+  auto dysh = ctx.ws.make(buf::dy_shared);
   shared_tokens_gather(ctx, dy, dysh);
-  auto dxsh = shared_mlp_backward(ctx, cview2(dysh), "dx_shared");
+  auto dxsh = shared_mlp_backward(ctx, cview2(dysh), buf::dx_shared);
   ctx.all_reduce(ctx.tp(), dxsh);
-  auto yo = ctx.ws.make("y_own", ctx.plan.tokens, D);
+  auto yo = ctx.ws.make(buf::y_own);
   shared_tokens_reduce(ctx, dxsh, yo);
   moe::detail::add_into(ctx.space, yo, dx);
 }
