@@ -117,7 +117,8 @@ inline double paired_ratio(std::vector<double> const& num, std::vector<double> c
 /// for these M rows at the process's thread count: the first primitive family of gmm::OneDnn
 /// (matmul, then 1x1 convolution) whose descriptor with oneDNN's preferred weight layout has a
 /// direct kernel, B reordered once into that layout. ok() is false when neither has one. Runs
-/// through detail::onednn::Kernel, which passes the scratchpad the user-mode descriptor asks for.
+/// through moe::detail::onednn::Kernel, which passes the scratchpad the user-mode descriptor asks
+/// for.
 class PackedDenseGemm {
  public:
   PackedDenseGemm(int64_t M, int64_t K, int64_t N, float const* b) : M_(M), K_(K), N_(N) {

@@ -64,7 +64,7 @@ inline int gemm_threads() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-namespace yardstick_detail {
+namespace detail {
 
 inline double seconds_now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -252,7 +252,7 @@ inline std::size_t llc_bytes() {
   return l3 > 0 ? std::size_t(l3) : std::size_t(32) << 20;
 }
 
-}  // namespace yardstick_detail
+}  // namespace detail
 
 /// The FMA peak of `threads` threads.
 struct FmaPeak {
@@ -266,7 +266,7 @@ struct FmaPeak {
 /// repetitions (after `warmup` unmeasured ones, for the clock's ramp-up).
 inline double fma_burst_gflops(int threads, std::string const& tier, std::int64_t iters, int reps,
                                int warmup) {
-  namespace d = yardstick_detail;
+  namespace d = detail;
   d::FmaKernel const k = d::fma_kernel(tier);
   std::vector<float> sink(std::size_t(std::max(1, threads)));
   auto wall = d::run_threads(threads, warmup + reps, [&](int t, int) { sink[t] += k.run(iters); });
@@ -291,7 +291,7 @@ inline FmaPeak fma_peak(int threads, std::string const& tier = "") {
   FmaPeak p;
   p.gflops = fma_burst_gflops(threads, tier, std::int64_t(1) << 23, 5, 1);
   p.threads = threads;
-  p.isa = yardstick_detail::fma_kernel(tier).isa;
+  p.isa = detail::fma_kernel(tier).isa;
   return cache[{threads, tier}] = p;
 }
 
@@ -302,7 +302,7 @@ struct TriadBandwidth {
   std::size_t array_bytes = 0;  ///< bytes of each of the three arrays
 };
 
-namespace yardstick_detail {
+namespace detail {
 
 /// The three float arrays of the triad, max(64 MiB, 4 x last-level cache) each, allocated once per
 /// thread count (kept for the process: the paired yardstick runs a pass after every iteration) and
@@ -359,7 +359,7 @@ class TriadArrays {
   Array a_, b_, c_;
 };
 
-}  // namespace yardstick_detail
+}  // namespace detail
 
 /// Measures (once per thread count, then cached) the STREAM triad a[i] = b[i] + s * c[i] on the
 /// three arrays of TriadArrays; best of 10 repetitions. Bytes counted per repetition: 3 arrays (2
@@ -371,7 +371,7 @@ inline TriadBandwidth triad_bandwidth(int threads) {
   std::lock_guard<std::mutex> lock(mutex);
   threads = std::max(1, threads);
   if (auto it = cache.find(threads); it != cache.end()) return it->second;
-  auto& arrays = yardstick_detail::TriadArrays::of(threads);
+  auto& arrays = detail::TriadArrays::of(threads);
   auto const wall = arrays.passes(10);
   TriadBandwidth r;
   r.gbs = 3.0 * double(arrays.bytes()) / *std::min_element(wall.begin(), wall.end()) * 1e-9;
@@ -409,7 +409,7 @@ class PairedMachine {
   void run() {
     gflops_.push_back(fma_burst_gflops(threads_, tier_, std::int64_t(1) << 20, 3, 1));
     if (bandwidth_) {
-      auto& arrays = yardstick_detail::TriadArrays::of(threads_);
+      auto& arrays = detail::TriadArrays::of(threads_);
       gbs_.push_back(3.0 * double(arrays.bytes()) / arrays.passes(1).front() * 1e-9);
     }
   }

@@ -130,8 +130,8 @@ void load_block(moe::io::File const& f, std::string const& name, moe::TensorBloc
   auto const& t = f.at(name);
   if (t.shape != b.global_shape)
     throw moe::ShapeError(
-        moe::detail::cat("CASE tensor ", name, " has shape ", moe::io::detail::shape_text(t.shape),
-                         " but the config needs ", moe::io::detail::shape_text(b.global_shape)));
+        moe::detail::cat("CASE tensor ", name, " has shape ", moe::detail::shape_text(t.shape),
+                         " but the config needs ", moe::detail::shape_text(b.global_shape)));
   fill_view(v, moe::cli::take_block(f.get<T>(name), b));
 }
 
@@ -188,7 +188,7 @@ struct CaseDims {
 /// error names the tensor, the file and the rule. Returns the dimensions.
 CaseDims check_case_layout(moe::io::File const& in, std::string const& file) {
   using moe::detail::cat;
-  using moe::io::detail::shape_text;
+  using moe::detail::shape_text;
   std::string const where = "CASE '" + file + "': ";
   for (auto const& name : in.names()) {
     auto const& known = case_names();
@@ -348,9 +348,8 @@ std::string case_fingerprint(Setup const& s) {
   std::string t = "gmm=" + s.args.gmm + "|" + moe::describe(s.cfg) + "|" + s.par.describe();
   for (auto const& name : s.in.names()) {
     auto const& ten = s.in.at(name);
-    t += "|" + name + "=" + moe::io::dtype_name(ten.dtype) +
-         moe::io::detail::shape_text(ten.shape) + " content hash " +
-         std::to_string(moe::detail::fnv1a(ten.bytes.data(), ten.bytes.size()));
+    t += "|" + name + "=" + moe::io::dtype_name(ten.dtype) + moe::detail::shape_text(ten.shape) +
+         " content hash " + std::to_string(moe::detail::fnv1a(ten.bytes.data(), ten.bytes.size()));
   }
   return t;
 }

@@ -19,7 +19,7 @@ namespace moe::cli {
 
 using moe::numel;  // elements of a row-major shape (moe/tensor_block.hpp)
 
-namespace block_detail {
+namespace detail {
 
 /// Calls f(global_index, local_index, run_length) for every contiguous run (the last dimension)
 /// of block `b` in its row-major global tensor.
@@ -50,17 +50,17 @@ inline std::string shape_text(std::vector<std::int64_t> const& s) {
   return out + "]";
 }
 
-}  // namespace block_detail
+}  // namespace detail
 
 /// The block `b` of the row-major tensor `global` (of shape b.global_shape).
 template <class T>
 std::vector<T> take_block(std::vector<T> const& global, TensorBlock const& b) {
-  moe::detail::require<ShapeError>(
-      std::int64_t(global.size()) == numel(b.global_shape), "take_block: the tensor has ",
-      global.size(), " elements but its shape ", block_detail::shape_text(b.global_shape),
-      " needs ", numel(b.global_shape));
+  moe::detail::require<ShapeError>(std::int64_t(global.size()) == numel(b.global_shape),
+                                   "take_block: the tensor has ", global.size(),
+                                   " elements but its shape ", detail::shape_text(b.global_shape),
+                                   " needs ", numel(b.global_shape));
   std::vector<T> out(static_cast<std::size_t>(numel(b.local_shape)));
-  block_detail::for_each_run(b, [&](std::int64_t g, std::int64_t l, std::int64_t n) {
+  detail::for_each_run(b, [&](std::int64_t g, std::int64_t l, std::int64_t n) {
     std::copy(global.begin() + g, global.begin() + g + n, out.begin() + l);
   });
   return out;
@@ -69,7 +69,7 @@ std::vector<T> take_block(std::vector<T> const& global, TensorBlock const& b) {
 /// Writes `local` (the elements of block `b`) into the row-major tensor `global`.
 template <class T>
 void place_block(std::vector<T>& global, TensorBlock const& b, std::vector<T> const& local) {
-  block_detail::for_each_run(b, [&](std::int64_t g, std::int64_t l, std::int64_t n) {
+  detail::for_each_run(b, [&](std::int64_t g, std::int64_t l, std::int64_t n) {
     std::copy(local.begin() + l, local.begin() + l + n, global.begin() + g);
   });
 }
@@ -90,16 +90,16 @@ std::vector<T> gather_blocks(comm::Communicator const& comm, TensorBlock const& 
                   b.local_shape.size() != r || b.offset.size() != r ||
                       std::int64_t(local.size()) != numel(b.local_shape),
                   moe::detail::cat("gather of ", name, ": this rank's block ",
-                                   block_detail::shape_text(b.local_shape), " does not match its ",
+                                   detail::shape_text(b.local_shape), " does not match its ",
                                    local.size(), " elements or the rank of the tensor"));
   // Every rank learns every block: [offset..., local_shape...] per rank.
   std::vector<std::int64_t> mine(b.offset);
   mine.insert(mine.end(), b.local_shape.begin(), b.local_shape.end());
   mine.push_back(std::int64_t(r));
   std::vector<std::int64_t> all(mine.size() * std::size_t(P));
-  comm::detail::check_mpi(MPI_Allgather(mine.data(), int(mine.size()), MPI_INT64_T, all.data(),
-                                        int(mine.size()), MPI_INT64_T, comm.get()),
-                          "MPI_Allgather");
+  comm::check_mpi(MPI_Allgather(mine.data(), int(mine.size()), MPI_INT64_T, all.data(),
+                                int(mine.size()), MPI_INT64_T, comm.get()),
+                  "MPI_Allgather");
   auto block_of = [&](int q) {
     TensorBlock t;
     t.global_shape = b.global_shape;
@@ -164,16 +164,15 @@ std::vector<T> gather_blocks(comm::Communicator const& comm, TensorBlock const& 
       buf.resize(std::size_t(numel(t.local_shape)));
       for (std::int64_t at = 0; at < std::int64_t(buf.size()); at += piece) {
         int const n = int(std::min<std::int64_t>(piece, std::int64_t(buf.size()) - at));
-        comm::detail::check_mpi(
-            MPI_Recv(buf.data() + at, n, type, q, tag, comm.get(), MPI_STATUS_IGNORE), "MPI_Recv");
+        comm::check_mpi(MPI_Recv(buf.data() + at, n, type, q, tag, comm.get(), MPI_STATUS_IGNORE),
+                        "MPI_Recv");
       }
       place_block(global, t, buf);
     }
   } else if (owner[me] == me) {
     for (std::int64_t at = 0; at < std::int64_t(local.size()); at += piece) {
       int const n = int(std::min<std::int64_t>(piece, std::int64_t(local.size()) - at));
-      comm::detail::check_mpi(MPI_Send(local.data() + at, n, type, root, tag, comm.get()),
-                              "MPI_Send");
+      comm::check_mpi(MPI_Send(local.data() + at, n, type, root, tag, comm.get()), "MPI_Send");
     }
   }
   return global;

@@ -37,13 +37,14 @@ inline std::string yaml_to_text(YAML::Node const& n, std::string const& key) {
     std::string out;
     for (std::size_t i = 0; i < n.size(); ++i) {
       if (!n[i].IsScalar())
-        throw ConfigError(detail::cat("config key '", key, "': nested lists are not supported"));
+        throw ConfigError(
+            moe::detail::cat("config key '", key, "': nested lists are not supported"));
       out += (i ? "," : "") + n[i].Scalar();
     }
     return out;
   }
   throw ConfigError(
-      detail::cat("config key '", key, "' holds a mapping; expected a scalar or list"));
+      moe::detail::cat("config key '", key, "' holds a mapping; expected a scalar or list"));
 }
 
 /// \brief Checks an input path up front: it exists, is a regular file (not a directory) and can
@@ -52,18 +53,19 @@ inline std::string yaml_to_text(YAML::Node const& n, std::string const& key) {
 inline void require_input_file(std::string const& what, std::string const& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  if (path.empty()) throw ConfigError(detail::cat(what, " is empty: give a file path"));
+  if (path.empty()) throw ConfigError(moe::detail::cat(what, " is empty: give a file path"));
   auto const st = fs::status(path, ec);
-  if (!fs::exists(st)) throw ConfigError(detail::cat(what, " '", path, "' does not exist"));
+  if (!fs::exists(st)) throw ConfigError(moe::detail::cat(what, " '", path, "' does not exist"));
   if (fs::is_directory(st))
-    throw ConfigError(detail::cat(what, " '", path, "' is a directory; expected a file"));
+    throw ConfigError(moe::detail::cat(what, " '", path, "' is a directory; expected a file"));
   if (!fs::is_regular_file(st))
-    throw ConfigError(detail::cat(what, " '", path, "' is not a regular file"));
+    throw ConfigError(moe::detail::cat(what, " '", path, "' is not a regular file"));
   std::ifstream probe(path, std::ios::binary);
-  if (!probe) throw ConfigError(detail::cat(what, " '", path, "' cannot be opened for reading"));
+  if (!probe)
+    throw ConfigError(moe::detail::cat(what, " '", path, "' cannot be opened for reading"));
 }
 
-namespace path_detail {
+namespace detail {
 
 /// The directory a new file `path` would be created in ("." for a bare name).
 inline std::filesystem::path parent_dir(std::string const& path) {
@@ -82,7 +84,7 @@ inline bool same_file(std::string const& a, std::string const& b) {
   return !ec && ca == cb;
 }
 
-}  // namespace path_detail
+}  // namespace detail
 
 /// \brief Checks an output path up front, before anything is computed or written: not a
 /// directory, its directory exists and is writable, an existing file is writable, and it is not
@@ -92,33 +94,33 @@ inline void require_output_file(std::string const& what, std::string const& path
                                 std::vector<std::pair<std::string, std::string>> const& inputs) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  if (path.empty()) throw ConfigError(detail::cat(what, " is empty: give a file path"));
+  if (path.empty()) throw ConfigError(moe::detail::cat(what, " is empty: give a file path"));
   auto const st = fs::status(path, ec);
   if (fs::is_directory(st))
-    throw ConfigError(detail::cat(what, " '", path, "' is a directory; expected a file path"));
+    throw ConfigError(moe::detail::cat(what, " '", path, "' is a directory; expected a file path"));
   // A FIFO would block the writer in open(), a device would be written to (or, through rename,
   // replaced): only regular files (or a symlink to one, written through) are outputs.
   if (fs::exists(st) && !fs::is_regular_file(st))
-    throw ConfigError(detail::cat(
+    throw ConfigError(moe::detail::cat(
         what, " '", path, "' is ",
         fs::is_fifo(st)
             ? "a FIFO"
             : (fs::is_character_file(st) || fs::is_block_file(st) ? "a device" : "a special file"),
         "; expected a regular file path"));
   if (fs::exists(st) && ::access(path.c_str(), W_OK) != 0)
-    throw ConfigError(detail::cat(what, " '", path, "' exists and is not writable"));
-  auto const dir = path_detail::parent_dir(path);
+    throw ConfigError(moe::detail::cat(what, " '", path, "' exists and is not writable"));
+  auto const dir = detail::parent_dir(path);
   if (!fs::is_directory(dir, ec))
     throw ConfigError(
-        detail::cat(what, " '", path, "': directory '", dir.string(), "' does not exist"));
+        moe::detail::cat(what, " '", path, "': directory '", dir.string(), "' does not exist"));
   if (::access(dir.c_str(), W_OK | X_OK) != 0)
     throw ConfigError(
-        detail::cat(what, " '", path, "': directory '", dir.string(), "' is not writable"));
+        moe::detail::cat(what, " '", path, "': directory '", dir.string(), "' is not writable"));
   for (auto const& [flag, in] : inputs)
-    if (!in.empty() && path_detail::same_file(path, in))
-      throw ConfigError(detail::cat(what, " '", path, "' is the same file as ", flag, " '", in,
-                                    "': writing it would destroy that input; choose another ",
-                                    what));
+    if (!in.empty() && detail::same_file(path, in))
+      throw ConfigError(moe::detail::cat(what, " '", path, "' is the same file as ", flag, " '", in,
+                                         "': writing it would destroy that input; choose another ",
+                                         what));
 }
 
 /// \brief Checks a directory the tool will write into (created when missing): an existing path
@@ -127,13 +129,13 @@ inline void require_output_file(std::string const& what, std::string const& path
 inline void require_output_dir(std::string const& what, std::string const& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  if (path.empty()) throw ConfigError(detail::cat(what, " is empty: give a directory"));
+  if (path.empty()) throw ConfigError(moe::detail::cat(what, " is empty: give a directory"));
   auto const st = fs::status(path, ec);
   if (fs::exists(st)) {
     if (!fs::is_directory(st))
-      throw ConfigError(detail::cat(what, " '", path, "' is a file; expected a directory"));
+      throw ConfigError(moe::detail::cat(what, " '", path, "' is a file; expected a directory"));
     if (::access(path.c_str(), W_OK | X_OK) != 0)
-      throw ConfigError(detail::cat(what, " '", path, "' is not writable"));
+      throw ConfigError(moe::detail::cat(what, " '", path, "' is not writable"));
     return;
   }
   // A missing directory is created with its missing parents: the nearest existing ancestor
@@ -141,10 +143,11 @@ inline void require_output_dir(std::string const& what, std::string const& path)
   fs::path p = fs::absolute(path, ec);
   while (!p.empty() && !fs::exists(p, ec) && p != p.parent_path()) p = p.parent_path();
   if (!fs::is_directory(p, ec))
-    throw ConfigError(detail::cat(what, " '", path, "': '", p.string(), "' is not a directory"));
-  if (::access(p.c_str(), W_OK | X_OK) != 0)
     throw ConfigError(
-        detail::cat(what, " '", path, "' cannot be created: '", p.string(), "' is not writable"));
+        moe::detail::cat(what, " '", path, "': '", p.string(), "' is not a directory"));
+  if (::access(p.c_str(), W_OK | X_OK) != 0)
+    throw ConfigError(moe::detail::cat(what, " '", path, "' cannot be created: '", p.string(),
+                                       "' is not writable"));
 }
 
 /// \brief Throws ConfigError when a key appears twice in `kv` (one config file, or the
@@ -154,9 +157,9 @@ inline void require_unique_keys(KeyValues const& kv, std::string const& source) 
   for (std::size_t i = 0; i < kv.size(); ++i)
     for (std::size_t j = 0; j < i; ++j)
       if (kv[i].first == kv[j].first)
-        throw ConfigError(detail::cat(source, " sets key '", kv[i].first, "' twice ('",
-                                      kv[j].second, "', then '", kv[i].second,
-                                      "'): give each key once"));
+        throw ConfigError(moe::detail::cat(source, " sets key '", kv[i].first, "' twice ('",
+                                           kv[j].second, "', then '", kv[i].second,
+                                           "'): give each key once"));
 }
 
 /// \brief Walks a YAML mapping file (MaxText config style): the file is checked first
@@ -170,13 +173,13 @@ void for_each_yaml_key(std::string const& path, std::string const& what, F&& f) 
   try {
     root = YAML::LoadFile(path);
   } catch (YAML::BadFile const&) {
-    throw ConfigError(detail::cat("cannot read ", what, " '", path, "'"));
+    throw ConfigError(moe::detail::cat("cannot read ", what, " '", path, "'"));
   } catch (YAML::Exception const& e) {
-    throw ConfigError(detail::cat(what, " '", path, "' is not valid YAML: ", e.what()));
+    throw ConfigError(moe::detail::cat(what, " '", path, "' is not valid YAML: ", e.what()));
   }
   if (root.IsNull()) return;
   if (!root.IsMap())
-    throw ConfigError(detail::cat(what, " '", path, "' must be a mapping of key: value"));
+    throw ConfigError(moe::detail::cat(what, " '", path, "' must be a mapping of key: value"));
   std::vector<std::pair<std::string, int>> seen;  // key, line
   for (auto const& it : root) {
     int const line = it.first.Mark().line + 1;
@@ -185,12 +188,12 @@ void for_each_yaml_key(std::string const& path, std::string const& what, F&& f) 
       key = it.first.as<std::string>();
     } catch (YAML::Exception const&) {
       throw ConfigError(
-          detail::cat(what, " '", path, "' line ", line, ": a key must be a plain scalar"));
+          moe::detail::cat(what, " '", path, "' line ", line, ": a key must be a plain scalar"));
     }
     for (auto const& [k, l] : seen)
       if (k == key)
-        throw ConfigError(detail::cat(what, " '", path, "' sets key '", key, "' twice (lines ", l,
-                                      " and ", line, "): give each key once"));
+        throw ConfigError(moe::detail::cat(what, " '", path, "' sets key '", key, "' twice (lines ",
+                                           l, " and ", line, "): give each key once"));
     seen.emplace_back(key, line);
     f(key, it.second);
   }
@@ -210,7 +213,7 @@ inline KeyValues read_yaml(std::string const& path, std::string const& what = "c
 inline std::pair<std::string, std::string> parse_override(std::string const& arg) {
   auto const eq = arg.find('=');
   if (eq == std::string::npos || eq == 0)
-    throw ConfigError(detail::cat("argument '", arg, "' is not a key=value override"));
+    throw ConfigError(moe::detail::cat("argument '", arg, "' is not a key=value override"));
   return {arg.substr(0, eq), arg.substr(eq + 1)};
 }
 
@@ -236,12 +239,13 @@ inline void apply(LayerConfig& cfg, ParallelConfig& par, KeyValues const& kv) {
     else if (ParallelConfig::has_key(k))
       par.set(k, v);
     else
-      throw ConfigError(detail::cat("unknown config key '", k, "' (value '", v,
-                                    "'): not a layer key (num_experts, base_emb_dim, ...) nor a "
-                                    "parallelism key (ici_*_parallelism, use_ring_of_experts, "
-                                    "ragged_buffer_factor, moe_fsdp_use_two_stage_all_gather, "
-                                    "custom_mesh_and_rule)",
-                                    detail::did_you_mean(k, known_keys())));
+      throw ConfigError(
+          moe::detail::cat("unknown config key '", k, "' (value '", v,
+                           "'): not a layer key (num_experts, base_emb_dim, ...) nor a "
+                           "parallelism key (ici_*_parallelism, use_ring_of_experts, "
+                           "ragged_buffer_factor, moe_fsdp_use_two_stage_all_gather, "
+                           "custom_mesh_and_rule)",
+                           moe::detail::did_you_mean(k, known_keys())));
   }
 }
 

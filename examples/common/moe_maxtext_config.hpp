@@ -265,7 +265,7 @@ inline std::string category_of(std::string const& key) {
   return it == index.end() ? std::string() : it->second;
 }
 
-namespace detail_mt {
+namespace detail {
 
 /// The keys the loader handles itself.
 inline bool is_loader_key(std::string const& k) {
@@ -320,7 +320,7 @@ inline Entry entry_of(std::string const& key, YAML::Node const& n) {
 }
 
 inline Source read_file(std::string const& path, std::string const& what) {
-  Source s{detail::cat(what, " '", path, "'"), false, {}};
+  Source s{moe::detail::cat(what, " '", path, "'"), false, {}};
   for_each_yaml_key(path, what, [&](std::string const& key, YAML::Node const& value) {
     s.entries.push_back(entry_of(key, value));
   });
@@ -334,7 +334,7 @@ inline YAML::Node node_of(Entry const& e, Source const& s) {
     return YAML::Load(e.text);
   } catch (YAML::Exception const& ex) {
     throw ConfigError(
-        detail::cat("override ", e.key, "=", e.text, " is not valid YAML: ", ex.what()));
+        moe::detail::cat("override ", e.key, "=", e.text, " is not valid YAML: ", ex.what()));
   }
 }
 
@@ -370,7 +370,7 @@ inline std::string decoder_block(std::string const& value) {
   for (char const* r : {"llama4", "gemma4", "gemma4_small", "gpt_oss", "deepseek4", "qwen3_next",
                         "qwen3_5", "qwen3_custom_moe"})
     if (v == r)
-      throw ConfigError(detail::cat(
+      throw ConfigError(moe::detail::cat(
           "decoder_block=", v, ": the MoE layer of MaxText's '", v,
           "' block (its routing or its expert MLP) is not implemented; moe implements deepseek "
           "and the generic top-k path of MaxText's other blocks (mixtral, qwen3_moe, llama2, "
@@ -381,7 +381,7 @@ inline std::string decoder_block(std::string const& value) {
   return value;
 }
 
-}  // namespace detail_mt
+}  // namespace detail
 
 /// \brief What the loader read: the keys for the tool, the sharding of the files, the ignored
 /// MaxText keys.
@@ -411,9 +411,9 @@ struct Loaded {
     for (auto const& [cat, keys] : ignored) cats.emplace_back(cat, keys.size());
     std::stable_sort(cats.begin(), cats.end(),
                      [](auto const& a, auto const& b) { return a.second > b.second; });
-    std::string s = detail::cat("ignored MaxText keys: ", ignored_count(), " (");
+    std::string s = moe::detail::cat("ignored MaxText keys: ", ignored_count(), " (");
     for (std::size_t i = 0; i < cats.size(); ++i)
-      s += detail::cat(i ? ", " : "", cats[i].first, " ", cats[i].second);
+      s += moe::detail::cat(i ? ", " : "", cats[i].first, " ", cats[i].second);
     return s + ")";
   }
 
@@ -436,7 +436,7 @@ inline Loaded load(std::vector<std::string> const& files, KeyValues const& overr
                    std::function<bool(std::string const&)> const& tool_has_key,
                    std::vector<std::string> const& tool_keys,
                    std::string const& what = "config file") {
-  using namespace detail_mt;
+  using namespace detail;
   std::vector<Source> sources;
   for (auto const& f : files) sources.push_back(read_file(f, what));
   require_unique_keys(overrides, "the command line");
@@ -480,15 +480,17 @@ inline Loaded load(std::vector<std::string> const& files, KeyValues const& overr
       }
       if (tool_has_key(k)) {
         if (e.nested)
-          throw ConfigError(detail::cat(s.name, ": key '", k,
-                                        "' holds a mapping or nested lists; expected a scalar or a "
-                                        "list"));
+          throw ConfigError(
+              moe::detail::cat(s.name, ": key '", k,
+                               "' holds a mapping or nested lists; expected a scalar or a "
+                               "list"));
         per_source[si].emplace_back(k, k == "decoder_block" ? decoder_block(e.text) : e.text);
         continue;
       }
       if (auto const* m = find_moe_key(k)) {
         if (m->status == Status::Rejected) {
-          if (e.nested) throw ConfigError(detail::cat(s.name, ": key '", k, "' must be a scalar"));
+          if (e.nested)
+            throw ConfigError(moe::detail::cat(s.name, ": key '", k, "' must be a scalar"));
           rejected[k] = {e.text, s.name};
         }
         continue;  // Implemented keys of another tool, policies and no-ops: nothing to apply
@@ -503,7 +505,7 @@ inline Loaded load(std::vector<std::string> const& files, KeyValues const& overr
       for (auto const& mk : moe_keys()) known.push_back(mk.key);
       for (auto const& [c, names] : key_names_by_category())
         known.insert(known.end(), names.begin(), names.end());
-      throw ConfigError(detail::cat(
+      throw ConfigError(moe::detail::cat(
           s.name, ": unknown config key '", k, "'", e.nested ? "" : " (value '" + e.text + "')",
           ": not a key of this tool nor of MaxText's config", moe::detail::did_you_mean(k, known)));
     }
@@ -513,8 +515,8 @@ inline Loaded load(std::vector<std::string> const& files, KeyValues const& overr
     if (!accepted_value(vs.first, m->accepted)) {
       std::string acc = m->accepted;
       std::replace(acc.begin(), acc.end(), '|', ' ');
-      throw ConfigError(detail::cat(vs.second, ": ", k, "=", vs.first,
-                                    " is not supported: ", m->what, " (accepted: ", acc, ")"));
+      throw ConfigError(moe::detail::cat(vs.second, ": ", k, "=", vs.first,
+                                         " is not supported: ", m->what, " (accepted: ", acc, ")"));
     }
   }
   // MaxText's order: the files, then the model's keys, then the command line.

@@ -29,46 +29,49 @@ struct ShardingFile {
   std::string custom_mesh_and_rule;  ///< "" when absent
 };
 
-namespace detail_yaml {
+namespace detail {
 
 inline std::string scalar(YAML::Node const& n, std::string const& where) {
   if (!n.IsScalar())
-    throw ConfigError(detail::cat(where, " must be a string, got a ",
-                                  n.IsSequence() ? "list"
-                                  : n.IsMap()    ? "mapping"
-                                                 : "null"));
+    throw ConfigError(moe::detail::cat(where, " must be a string, got a ",
+                                       n.IsSequence() ? "list"
+                                       : n.IsMap()    ? "mapping"
+                                                      : "null"));
   return n.Scalar();
 }
 
-}  // namespace detail_yaml
+}  // namespace detail
 
 /// Reads the sharding keys of a parsed YAML document; `source` names it in error messages.
 inline ShardingFile parse_sharding_yaml(YAML::Node const& root, std::string const& source) {
-  using detail_yaml::scalar;
+  using detail::scalar;
   ShardingFile f;
   if (root.IsNull()) return f;
   if (!root.IsMap())
-    throw ConfigError(detail::cat(source, ": a sharding config must be a mapping of key: value"));
+    throw ConfigError(
+        moe::detail::cat(source, ": a sharding config must be a mapping of key: value"));
   if (auto const axes = root["mesh_axes"]) {
     if (!axes.IsSequence())
-      throw ConfigError(detail::cat(source, ": mesh_axes must be a list of axis names"));
+      throw ConfigError(moe::detail::cat(source, ": mesh_axes must be a list of axis names"));
     f.has_mesh_axes = true;
     for (std::size_t i = 0; i < axes.size(); ++i) {
-      f.mesh_axes.push_back(scalar(axes[i], detail::cat(source, ": mesh_axes[", i, "]")));
+      f.mesh_axes.push_back(scalar(axes[i], moe::detail::cat(source, ": mesh_axes[", i, "]")));
       for (std::size_t j = 0; j < i; ++j)
         if (f.mesh_axes[j] == f.mesh_axes[i])
-          throw ConfigError(detail::cat(source, ": mesh_axes lists '", f.mesh_axes[i], "' twice"));
+          throw ConfigError(
+              moe::detail::cat(source, ": mesh_axes lists '", f.mesh_axes[i], "' twice"));
     }
   }
   if (auto const rules = root["logical_axis_rules"]) {
     if (!rules.IsSequence())
-      throw ConfigError(detail::cat(source, ": logical_axis_rules must be a list of [name, axes]"));
+      throw ConfigError(
+          moe::detail::cat(source, ": logical_axis_rules must be a list of [name, axes]"));
     f.has_rules = true;
     for (std::size_t i = 0; i < rules.size(); ++i) {
-      auto const where = detail::cat(source, ": logical_axis_rules[", i, "]");
+      auto const where = moe::detail::cat(source, ": logical_axis_rules[", i, "]");
       auto const r = rules[i];
       if (!r.IsSequence() || r.size() != 2)
-        throw ConfigError(detail::cat(where, " must be a pair [name, axes]"));
+        throw ConfigError(moe::detail::cat(where, " must be a pair [name, axes]"));
       std::string const name = scalar(r[0], where + " name");
       sharding::DimAxes axes;
       auto const a = r[1];
@@ -76,15 +79,15 @@ inline ShardingFile parse_sharding_yaml(YAML::Node const& root, std::string cons
         axes.push_back(a.Scalar());
       } else if (a.IsSequence()) {
         for (std::size_t k = 0; k < a.size(); ++k)
-          axes.push_back(scalar(a[k], detail::cat(where, " ('", name, "') axis ", k)));
+          axes.push_back(scalar(a[k], moe::detail::cat(where, " ('", name, "') axis ", k)));
       } else if (!a.IsNull()) {
         throw ConfigError(
-            detail::cat(where, " ('", name, "'): axes must be a name, a list of names or []"));
+            moe::detail::cat(where, " ('", name, "'): axes must be a name, a list of names or []"));
       }
       try {
         f.rules.add(name, axes);
       } catch (ConfigError const& e) {
-        throw ConfigError(detail::cat(where, ": ", e.what()));
+        throw ConfigError(moe::detail::cat(where, ": ", e.what()));
       }
     }
   }
@@ -101,7 +104,7 @@ inline ShardingFile parse_sharding_yaml_text(std::string const& text,
   try {
     root = YAML::Load(text);
   } catch (YAML::Exception const& e) {
-    throw ConfigError(detail::cat(source, " is not valid YAML: ", e.what()));
+    throw ConfigError(moe::detail::cat(source, " is not valid YAML: ", e.what()));
   }
   return parse_sharding_yaml(root, source);
 }
@@ -112,10 +115,10 @@ inline ShardingFile load_sharding_yaml(std::string const& path) {
   try {
     root = YAML::LoadFile(path);
   } catch (YAML::BadFile const&) {
-    throw ConfigError(detail::cat("cannot read sharding config file '", path, "'"));
+    throw ConfigError(moe::detail::cat("cannot read sharding config file '", path, "'"));
   } catch (YAML::Exception const& e) {
     throw ConfigError(
-        detail::cat("sharding config file '", path, "' is not valid YAML: ", e.what()));
+        moe::detail::cat("sharding config file '", path, "' is not valid YAML: ", e.what()));
   }
   return parse_sharding_yaml(root, "'" + path + "'");
 }

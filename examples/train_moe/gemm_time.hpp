@@ -130,7 +130,7 @@ double expert_gemm_seconds(moe::comm::Communicator const& comm, moe::LayerConfig
   };
   std::vector<double> times;
   for (int r = 0; r < 4; ++r) {
-    moe::comm::detail::check_mpi(MPI_Barrier(comm.get()), "MPI_Barrier");
+    moe::comm::check_mpi(MPI_Barrier(comm.get()), "MPI_Barrier");
     double const t0 = now();
     for (int l = 0; l < layers; ++l) one_layer();
     moe::detail::fence(space, "train::expert_gemm_seconds");

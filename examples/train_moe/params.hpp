@@ -101,10 +101,9 @@ bool replicas_consistent(moe::comm::Communicator const& comm, std::vector<Param<
     mine.push_back(fnv1a(q.p_host.data(), q.p_host.extent(0) * sizeof(Scalar)));
   }
   std::vector<std::uint64_t> all(mine.size() * std::size_t(comm.size()));
-  moe::comm::detail::check_mpi(
-      MPI_Allgather(mine.data(), int(mine.size()), MPI_UINT64_T, all.data(), int(mine.size()),
-                    MPI_UINT64_T, comm.get()),
-      "MPI_Allgather");
+  moe::comm::check_mpi(MPI_Allgather(mine.data(), int(mine.size()), MPI_UINT64_T, all.data(),
+                                     int(mine.size()), MPI_UINT64_T, comm.get()),
+                       "MPI_Allgather");
   std::map<std::uint64_t, std::uint64_t> seen;
   for (std::size_t i = 0; i < all.size(); i += 2) {
     auto [it, fresh] = seen.emplace(all[i], all[i + 1]);

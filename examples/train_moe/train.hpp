@@ -182,8 +182,8 @@ class Trainer {
     int const mine[2] = {opts_.stop_signal ? opts_.stop_signal() : 0,
                          metrics_.error().empty() ? 0 : 1};
     int any[2] = {0, 0};
-    moe::comm::detail::check_mpi(MPI_Allreduce(mine, any, 2, MPI_INT, MPI_MAX, comm_.get()),
-                                 "MPI_Allreduce");
+    moe::comm::check_mpi(MPI_Allreduce(mine, any, 2, MPI_INT, MPI_MAX, comm_.get()),
+                         "MPI_Allreduce");
     return {any[0], any[1] != 0};
   }
 

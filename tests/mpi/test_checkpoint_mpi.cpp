@@ -359,9 +359,9 @@ TEST(CheckpointMpi, LockedDirectoryFailsOnEveryRank) {
   int const P = comm.size(), r = comm.rank();
   SharedTempDir tmp(comm);
   struct Wait {
-    double old = moe::io::detail::ckpt::lock_wait_seconds();
-    Wait() { moe::io::detail::ckpt::lock_wait_seconds() = 0.2; }
-    ~Wait() { moe::io::detail::ckpt::lock_wait_seconds() = old; }
+    double old = moe::io::detail::lock_wait_seconds();
+    Wait() { moe::io::detail::lock_wait_seconds() = 0.2; }
+    ~Wait() { moe::io::detail::lock_wait_seconds() = old; }
   } const wait;
   std::vector<float> buf(8, 1.f);
   auto const [start, size] = part(4, P, r);

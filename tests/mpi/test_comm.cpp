@@ -524,7 +524,7 @@ TEST(CollectiveErrors, AFailedMpiCallIsACommErrorNotAnAbort) {
   int v = 0;
   std::string msg;
   try {
-    moe::comm::detail::check_mpi(MPI_Bcast(&v, 1, MPI_INT, c.size() + 5, c.get()), "MPI_Bcast");
+    moe::comm::check_mpi(MPI_Bcast(&v, 1, MPI_INT, c.size() + 5, c.get()), "MPI_Bcast");
     ADD_FAILURE() << "no exception";
   } catch (moe::CommError const& e) {
     msg = e.what();

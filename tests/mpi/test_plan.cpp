@@ -2,8 +2,10 @@
 // test_distributed_layer.cpp at this rank count, the plan's blocks are the layer's blocks and its
 // collectives are the layer's comm_log() records (names, kinds, axes, stages and phases in order;
 // bytes exactly, including the all-to-alls when the routing is balanced, which the inputs here
-// arrange).
+// arrange); and the memory estimate made from the plan is the peak of the layer's own Kokkos
+// allocations on every rank of every layout.
 #include <moe/distributed/layer.hpp>
+#include <moe/distributed/memory.hpp>
 #include <moe/distributed/plan.hpp>
 
 #include <gtest/gtest.h>
@@ -11,6 +13,8 @@
 #include <moe/comm/mpi.hpp>
 #include "layout_cases.hpp"
 
+#include <algorithm>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -48,16 +52,47 @@ void fill_block(V const& v, moe::TensorBlock const& b, std::vector<double> const
   }
 }
 
-void run_case(Case const& c) {
+/// Live and peak bytes of Kokkos allocations, through the Kokkos Tools data callbacks.
+struct AllocationTracker {
+  static inline std::int64_t live = 0, peak = 0;
+  static void on_alloc(Kokkos_Profiling_SpaceHandle, char const*, void const*, std::uint64_t n) {
+    live += std::int64_t(n);
+    peak = std::max(peak, live);
+  }
+  static void on_free(Kokkos_Profiling_SpaceHandle, char const*, void const*, std::uint64_t n) {
+    live -= std::int64_t(n);
+  }
+  AllocationTracker() {
+    live = peak = 0;
+    Kokkos::Tools::Experimental::set_allocate_data_callback(&on_alloc);
+    Kokkos::Tools::Experimental::set_deallocate_data_callback(&on_free);
+  }
+  ~AllocationTracker() {
+    Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+    Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
+  }
+  AllocationTracker(AllocationTracker const&) = delete;
+  AllocationTracker& operator=(AllocationTracker const&) = delete;
+};
+
+/// Runs case `c` with D = `D`, F = 2D, `S` tokens per sequence: the plan against the layer's
+/// comm log (`memory` false), or the memory estimate against the peak of the layer's Kokkos
+/// allocations from its construction through two forward + backward steps (`memory` true).
+void run_case(Case const& c, bool memory = false, std::int64_t D = 16, std::int64_t S = 4) {
   int size = 1, rank = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  moe::LayerConfig const cfg = test_layer_config(0.05, c.layer);
+  moe::LayerConfig cfg = test_layer_config(0.05, c.layer);
+  cfg.base_emb_dim = int(D);
+  if (memory) cfg.base_moe_mlp_dim = int(2 * D);
   moe::ParallelConfig par;
   set_all(par, c.layout);
-  std::int64_t const B = c.batch, S = 4, D = 16, E = 8;
+  std::int64_t const B = c.batch, E = 8;
+  std::unique_ptr<AllocationTracker> tracker;
+  if (memory) tracker = std::make_unique<AllocationTracker>();
 
   auto const plan = moe::make_plan(cfg, par, size, rank, B, S, sizeof(double));
+  std::int64_t const before = AllocationTracker::live;
   moe::DistributedMoeLayer<double> layer(MPI_COMM_WORLD, cfg, par, B, S);
   EXPECT_EQ(plan.layout.route, layer.expert_route());
   EXPECT_EQ(plan.layout.batch_axes, layer.batch_axes());
@@ -96,6 +131,22 @@ void run_case(Case const& c) {
   moe::View3<double, Mem> ldy("ldy", b_local, S, Dl), ldx("ldx", b_local, S, Dl);
   fill_block(lx, xb, x);
   Kokkos::deep_copy(ldy, 1.0);
+  if (memory) {
+    // The estimate's items (oneDNN's packed copies are not Kokkos allocations: not counted on
+    // either side) against what the layer allocated beyond the caller's tensors.
+    std::int64_t const callers = 4 * b_local * S * Dl * std::int64_t(sizeof(double));
+    decltype(layer)::params_type grads;
+    for (int step = 0; step < 2; ++step) {
+      layer.forward(lx, ly);
+      layer.backward(ldy, ldx, grads);
+    }
+    Kokkos::fence();
+    auto const est = moe::estimate_layer_memory(plan, cfg, true, false);
+    double const ratio = double(est.total()) / double(AllocationTracker::peak - before - callers);
+    EXPECT_GT(ratio, 0.9) << "rank " << rank << "\n" << est.to_text();
+    EXPECT_LT(ratio, 1.3) << "rank " << rank << "\n" << est.to_text();
+    return;
+  }
   layer.forward(lx, ly);
   decltype(layer)::params_type grads;
   layer.backward(ldy, ldx, grads);
@@ -132,6 +183,23 @@ TEST(DistributedPlan, PredictsTheLayersCommLog) {
   for (auto const& c : cases(n)) {
     SCOPED_TRACE(c.name);
     run_case(c);
+  }
+}
+
+// The memory estimate (moe::estimate_layer_memory, made from the plan's records) against the
+// peak of the layer's own Kokkos allocations, on every rank of every layout whose routing the
+// inputs balance (the estimate assumes balanced routing), EP-TP included; at D=64, F=128 and
+// 64-token sequences, so that the layer's few fixed-size allocations do not decide the ratio.
+TEST(DistributedPlan, MemoryEstimateMatchesTheAllocationsOfEveryLayout) {
+  if (Kokkos::Tools::profileLibraryLoaded()) GTEST_SKIP() << "a Kokkos Tools library is loaded";
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  auto all = cases(n);
+  for (auto const& c : ep_tp_cases(n)) all.push_back(c);
+  for (auto const& c : all) {
+    if (!c.balanced || !c.bias_boost.empty()) continue;
+    SCOPED_TRACE(c.name);
+    run_case(c, true, 64, 64);
   }
 }
 

@@ -550,11 +550,11 @@ TEST_F(Checkpoint, KilledAtRandomMomentsNeverLeavesAPartialCheckpoint) {
 
 namespace {
 
-/// Sets moe::io::detail::ckpt::lock_wait_seconds() for a scope.
+/// Sets moe::io::detail::lock_wait_seconds() for a scope.
 struct LockWait {
-  double old = moe::io::detail::ckpt::lock_wait_seconds();
-  explicit LockWait(double seconds) { moe::io::detail::ckpt::lock_wait_seconds() = seconds; }
-  ~LockWait() { moe::io::detail::ckpt::lock_wait_seconds() = old; }
+  double old = moe::io::detail::lock_wait_seconds();
+  explicit LockWait(double seconds) { moe::io::detail::lock_wait_seconds() = seconds; }
+  ~LockWait() { moe::io::detail::lock_wait_seconds() = old; }
   LockWait(LockWait const&) = delete;
   LockWait& operator=(LockWait const&) = delete;
 };
@@ -573,8 +573,8 @@ class LockHolder {
       ::close(ready[0]);
       char answer = 'n';
       try {
-        moe::io::detail::ckpt::make_dir(dir);
-        moe::io::detail::ckpt::DirLock const lock(dir);
+        moe::io::detail::make_dir(dir);
+        moe::io::detail::DirLock const lock(dir);
         answer = 'y';
         if (::write(ready[1], &answer, 1) != 1) ::_exit(4);
         if (exit_after >= 0) {
@@ -717,7 +717,7 @@ TEST_F(Checkpoint, DirectoryLockedTwiceByOneProcess) {
   // Neither the failed attempts nor the saves released it: another process still cannot lock.
   auto const child_locks = [&] {
     return in_child([&] {
-      moe::io::detail::ckpt::DirLock const lock(tmp.ckpt());
+      moe::io::detail::DirLock const lock(tmp.ckpt());
       ::_exit(0);
     });
   };

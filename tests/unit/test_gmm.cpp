@@ -33,7 +33,7 @@ template <bool P, class E, class S>
 struct moe::gmm::is_available<OneDnnForced<P>, E, S>
     : moe::gmm::is_available<moe::gmm::OneDnn, E, S> {};
 template <bool P>
-struct moe::detail::gmm_impl::Impl<OneDnnForced<P>> {
+struct moe::gmm::detail::Impl<OneDnnForced<P>> {
   template <class... A>
   static void gmm(A const&... a) {
     moe_ref::kk::ForceOneDnnMode mode(P);

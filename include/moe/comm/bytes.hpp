@@ -50,8 +50,7 @@ void for_pieces(std::size_t n, Call&& call) {
 inline void send_bytes(Communicator const& comm, int dest, void const* data, std::size_t n) {
   auto const* c = static_cast<char const*>(data);
   detail::for_pieces(n, [&](std::size_t at, int k) {
-    detail::check_mpi(MPI_Send(c + at, k, MPI_BYTE, dest, detail::bytes_tag, comm.get()),
-                      "MPI_Send");
+    check_mpi(MPI_Send(c + at, k, MPI_BYTE, dest, detail::bytes_tag, comm.get()), "MPI_Send");
   });
 }
 
@@ -60,9 +59,8 @@ inline void send_bytes(Communicator const& comm, int dest, void const* data, std
 inline void recv_bytes(Communicator const& comm, int src, void* data, std::size_t n) {
   auto* c = static_cast<char*>(data);
   detail::for_pieces(n, [&](std::size_t at, int k) {
-    detail::check_mpi(
-        MPI_Recv(c + at, k, MPI_BYTE, src, detail::bytes_tag, comm.get(), MPI_STATUS_IGNORE),
-        "MPI_Recv");
+    check_mpi(MPI_Recv(c + at, k, MPI_BYTE, src, detail::bytes_tag, comm.get(), MPI_STATUS_IGNORE),
+              "MPI_Recv");
   });
 }
 
@@ -71,7 +69,7 @@ inline void recv_bytes(Communicator const& comm, int src, void* data, std::size_
 inline void broadcast_bytes(Communicator const& comm, int root, void* data, std::size_t n) {
   auto* c = static_cast<char*>(data);
   detail::for_pieces(n, [&](std::size_t at, int k) {
-    detail::check_mpi(MPI_Bcast(c + at, k, MPI_BYTE, root, comm.get()), "MPI_Bcast");
+    check_mpi(MPI_Bcast(c + at, k, MPI_BYTE, root, comm.get()), "MPI_Bcast");
   });
 }
 
@@ -79,7 +77,7 @@ inline void broadcast_bytes(Communicator const& comm, int root, void* data, std:
 /// ignored). Unlike the error path's detail::broadcast_string, nothing is cut.
 inline std::string broadcast_bytes(Communicator const& comm, int root, std::string bytes) {
   std::int64_t len = static_cast<std::int64_t>(bytes.size());
-  detail::check_mpi(MPI_Bcast(&len, 1, MPI_INT64_T, root, comm.get()), "MPI_Bcast");
+  check_mpi(MPI_Bcast(&len, 1, MPI_INT64_T, root, comm.get()), "MPI_Bcast");
   bytes.resize(static_cast<std::size_t>(len));
   if (len > 0) broadcast_bytes(comm, root, &bytes[0], bytes.size());
   return bytes;
@@ -93,8 +91,8 @@ inline std::vector<std::string> all_gather_bytes(Communicator const& comm, std::
   int const P = comm.size();
   std::int64_t const len = static_cast<std::int64_t>(mine.size());
   std::vector<std::int64_t> lens(static_cast<std::size_t>(P));
-  detail::check_mpi(MPI_Allgather(&len, 1, MPI_INT64_T, lens.data(), 1, MPI_INT64_T, comm.get()),
-                    "MPI_Allgather");
+  check_mpi(MPI_Allgather(&len, 1, MPI_INT64_T, lens.data(), 1, MPI_INT64_T, comm.get()),
+            "MPI_Allgather");
   std::int64_t total = 0;
   for (std::int64_t l : lens) total += l;
   if (total > INT_MAX) throw ConfigError(moe::detail::cat(what, " exceed 2 GiB"));
@@ -105,9 +103,9 @@ inline std::vector<std::string> all_gather_bytes(Communicator const& comm, std::
     at += counts[r];
   }
   std::string buf(static_cast<std::size_t>(total), '\0');
-  detail::check_mpi(MPI_Allgatherv(mine.data(), static_cast<int>(len), MPI_CHAR, &buf[0],
-                                   counts.data(), displs.data(), MPI_CHAR, comm.get()),
-                    "MPI_Allgatherv");
+  check_mpi(MPI_Allgatherv(mine.data(), static_cast<int>(len), MPI_CHAR, &buf[0], counts.data(),
+                           displs.data(), MPI_CHAR, comm.get()),
+            "MPI_Allgatherv");
   std::vector<std::string> out(static_cast<std::size_t>(P));
   for (int r = 0; r < P; ++r) out[r] = buf.substr(displs[r], counts[r]);
   return out;

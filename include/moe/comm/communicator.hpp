@@ -67,10 +67,9 @@ MPI_Datatype mpi_type() {
   return MpiType<T>::get();
 }
 
-namespace detail {
-
-/// Throws moe::CommError naming the MPI call and MPI's reason when it did not return MPI_SUCCESS
-/// (moe's communicators use MPI_ERRORS_RETURN, so a failed call comes back here).
+/// \brief Throws moe::CommError naming the MPI call and MPI's reason when it did not return
+/// MPI_SUCCESS (moe's communicators use MPI_ERRORS_RETURN, so a failed call comes back here):
+/// `check_mpi(MPI_Barrier(comm.get()), "MPI_Barrier")`.
 inline void check_mpi(int rc, char const* call) {
   if (rc == MPI_SUCCESS) return;
   char text[MPI_MAX_ERROR_STRING];
@@ -82,6 +81,8 @@ inline void check_mpi(int rc, char const* call) {
                                    len > 0 ? std::string(text, std::size_t(len)) : "(no text)",
                                    " (MPI error code ", rc, ")"));
 }
+
+namespace detail {
 
 struct CommFree {
   void operator()(MPI_Comm* comm) const {
@@ -116,7 +117,7 @@ class Communicator {
                                       "moe::comm::Communicator: the communicator is MPI_COMM_NULL; "
                                       "pass a valid communicator such as MPI_COMM_WORLD");
     MPI_Comm dup = MPI_COMM_NULL;
-    detail::check_mpi(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup");
+    check_mpi(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup");
     adopt(dup);
   }
 
@@ -155,9 +156,9 @@ class Communicator {
     comm_ = std::shared_ptr<MPI_Comm>(new MPI_Comm(owned), detail::CommFree{});
     // Failed MPI calls on moe's communicators return their code (check_mpi turns it into a
     // moe::CommError) instead of aborting the job from inside MPI.
-    detail::check_mpi(MPI_Comm_set_errhandler(owned, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
-    detail::check_mpi(MPI_Comm_rank(owned, &rank_), "MPI_Comm_rank");
-    detail::check_mpi(MPI_Comm_size(owned, &size_), "MPI_Comm_size");
+    check_mpi(MPI_Comm_set_errhandler(owned, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    check_mpi(MPI_Comm_rank(owned, &rank_), "MPI_Comm_rank");
+    check_mpi(MPI_Comm_size(owned, &size_), "MPI_Comm_size");
   }
 
   std::shared_ptr<MPI_Comm> comm_;
@@ -231,8 +232,7 @@ inline void any_error(Communicator const& comm, bool local_failed, std::string c
   }
   int const mine = local_failed ? comm.rank() : comm.size();
   int lowest = comm.size();
-  detail::check_mpi(MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, comm.get()),
-                    "MPI_Allreduce");
+  check_mpi(MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, comm.get()), "MPI_Allreduce");
   if (lowest < comm.size()) detail::rethrow_from(comm, lowest, kind, msg);
 }
 
@@ -242,7 +242,7 @@ inline bool any_rank(Communicator const& comm, bool flag) {
   if (comm.is_local()) return flag;
   int const mine = flag ? 1 : 0;
   int any = 0;
-  detail::check_mpi(MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm.get()), "MPI_Allreduce");
+  check_mpi(MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm.get()), "MPI_Allreduce");
   return any != 0;
 }
 
@@ -327,8 +327,8 @@ inline void check_agreement(Communicator const& comm, std::string const& what,
   if (comm.size() == 1) return;  // one rank agrees with itself
   std::uint64_t const mine = moe::detail::fnv1a(value);
   std::vector<std::uint64_t> all(static_cast<std::size_t>(comm.size()));
-  detail::check_mpi(MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, comm.get()),
-                    "MPI_Allgather");
+  check_mpi(MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, comm.get()),
+            "MPI_Allgather");
   int const first = static_cast<int>(
       std::find_if(all.begin(), all.end(), [&](auto h) { return h != all[0]; }) - all.begin());
   if (first == comm.size()) return;
@@ -347,7 +347,7 @@ inline Communicator Communicator::split(int color, int key) const {
             ErrorKind::config);
   if (is_local()) return *this;  // the only split of one rank without MPI: itself
   MPI_Comm out = MPI_COMM_NULL;
-  detail::check_mpi(MPI_Comm_split(get(), color, key, &out), "MPI_Comm_split");
+  check_mpi(MPI_Comm_split(get(), color, key, &out), "MPI_Comm_split");
   return Communicator(Adopt{}, out);
 }
 

@@ -53,9 +53,8 @@ class AllGatherRequest {
   bool test() {
     if (!pending_ || reqs_.empty()) return true;
     int flag = 0;
-    detail::check_mpi(
-        MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE),
-        "MPI_Testall");
+    check_mpi(MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE),
+              "MPI_Testall");
     if (flag) reqs_.clear();
     return flag != 0;
   }
@@ -65,9 +64,8 @@ class AllGatherRequest {
   void wait(ExecSpace const& space) {
     if (!pending_) return;
     if (!reqs_.empty())
-      detail::check_mpi(
-          MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE),
-          "MPI_Waitall");
+      check_mpi(MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE),
+                "MPI_Waitall");
     reqs_.clear();
     pending_ = false;
     if (recv_ && recv_->is_staged()) {
@@ -98,9 +96,9 @@ class AllGatherRequest {
     MPI_Datatype const type = mpi_type<T>();
     if (count <= limit && P * count <= limit) {
       reqs_.resize(1);
-      detail::check_mpi(MPI_Iallgather(s, static_cast<int>(count), type, r, static_cast<int>(count),
-                                       type, comm.get(), reqs_.data()),
-                        "MPI_Iallgather");
+      check_mpi(MPI_Iallgather(s, static_cast<int>(count), type, r, static_cast<int>(count), type,
+                               comm.get(), reqs_.data()),
+                "MPI_Iallgather");
       return;
     }
     // Large counts: point-to-point pieces of at most count_limit() elements (self included).
@@ -109,13 +107,13 @@ class AllGatherRequest {
         int const len = static_cast<int>(count - off < limit ? count - off : limit);
         reqs_.emplace_back();
         if (is_send)
-          detail::check_mpi(
+          check_mpi(
               MPI_Isend(s + off, len, type, peer, detail::exchange_tag, comm.get(), &reqs_.back()),
               "MPI_Isend");
         else
-          detail::check_mpi(MPI_Irecv(r + base + off, len, type, peer, detail::exchange_tag,
-                                      comm.get(), &reqs_.back()),
-                            "MPI_Irecv");
+          check_mpi(MPI_Irecv(r + base + off, len, type, peer, detail::exchange_tag, comm.get(),
+                              &reqs_.back()),
+                    "MPI_Irecv");
       }
     };
     for (int i = 0; i < P; ++i) post(false, i, i * count);

@@ -211,9 +211,8 @@ class RaggedAllToAll {
       out[2 * j] = bad ? -1 : send_counts[j];
       out[2 * j + 1] = recv_capacity >= 0 ? 1 : 0;
     }
-    detail::check_mpi(
-        MPI_Alltoall(out.data(), 2, MPI_INT64_T, in.data(), 2, MPI_INT64_T, comm_.get()),
-        "MPI_Alltoall");
+    check_mpi(MPI_Alltoall(out.data(), 2, MPI_INT64_T, in.data(), 2, MPI_INT64_T, comm_.get()),
+              "MPI_Alltoall");
     bool any_capped = false;
     for (int i = 0; i < P; ++i) {
       if (in[2 * i] < 0)
@@ -230,9 +229,9 @@ class RaggedAllToAll {
     if (any_capped) {
       // Each receiver truncates its column and tells every sender how many rows it keeps.
       recv_.counts = moe::detail::clamp_prefix(std::move(recv_.counts), recv_capacity);
-      detail::check_mpi(MPI_Alltoall(recv_.counts.data(), 1, MPI_INT64_T, kept_.data(), 1,
-                                     MPI_INT64_T, comm_.get()),
-                        "MPI_Alltoall");
+      check_mpi(MPI_Alltoall(recv_.counts.data(), 1, MPI_INT64_T, kept_.data(), 1, MPI_INT64_T,
+                             comm_.get()),
+                "MPI_Alltoall");
     }
     recv_.displs = detail::exclusive_cumsum(recv_.counts);
     recv_total_ = P > 0 ? recv_.displs[P - 1] + recv_.counts[P - 1] : 0;

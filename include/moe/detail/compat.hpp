@@ -58,19 +58,18 @@ KOKKOS_INLINE_FUNCTION T min(T a, T b) {
   return b < a ? b : a;
 }
 
-namespace fence_detail {
+/// Whether ExecSpace has labelled fences (Kokkos 3.6+).
 template <class ExecSpace, class = void>
-struct has_labelled : std::false_type {};
+struct has_labelled_fence : std::false_type {};
 template <class ExecSpace>
-struct has_labelled<ExecSpace,
-                    std::void_t<decltype(std::declval<ExecSpace const&>().fence(std::string()))>>
+struct has_labelled_fence<
+    ExecSpace, std::void_t<decltype(std::declval<ExecSpace const&>().fence(std::string()))>>
     : std::true_type {};
-}  // namespace fence_detail
 
 /// space.fence(label) where Kokkos has labelled fences (3.6+), space.fence() on Kokkos 3.4.
 template <class ExecSpace>
 void fence(ExecSpace const& space, char const* label) {
-  if constexpr (fence_detail::has_labelled<ExecSpace>::value)
+  if constexpr (has_labelled_fence<ExecSpace>::value)
     space.fence(label);
   else
     (void)label, space.fence();

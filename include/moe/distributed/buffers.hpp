@@ -92,92 +92,99 @@ struct Extent {
   bool routed = false;
 };
 
-/// \brief Every buffer of a step (see the file comment): the step's input x, the workspace
-/// buffers, and what the layer's components keep. `routing`, `y`, `dy`, `dx` name the router's
-/// state and the caller's tensors in stage reads and writes; they are not buffers of the step.
-enum class Buf : std::uint8_t {
-  // tensors of the caller and the router's state (names in reads / writes only)
-  y,
-  dy,
-  dx,
-  routing,
-  // workspace buffers
-  x,
-  x_work,
-  x_chunks_own,
-  x_chunks,
-  x_sorted,
-  x_received,
-  x_local,
-  x_local_chunk,
-  y_local,
-  y_local_cols,
-  y_received_cols,
-  y_sorted_cols,
-  y_cols,
-  y_work,
-  y_own,
-  dy_cols,
-  dy_sorted_cols,
-  dy_received_cols,
-  dy_local_cols,
-  dy_local,
-  dy_work,
-  dx_work,
-  d_weights,
-  d_weights_work,
-  logits_own,
-  local_ids,
-  local_kept,
-  x_shared,
-  y_shared,
-  y_shared_cols,
-  dy_shared,
-  dx_shared,
-  dx_shared_cols,
-  // kept by components: the router
-  logits,
-  scores,
-  biased_scores,
-  expert_ids,
-  kept,
-  top_values,
-  weights,
-  seq_counts,
-  seq_probs,
-  lb_softmax,
-  capacity_cursors,
-  d_top,
-  d_biased,
-  d_logits,
-  // the sort by expert and the local regrouping of received rows
-  sort_perm,
-  sort_inverse,
-  sort_cursors,
-  local_perm,
-  local_inverse,
-  local_expert_ids,
-  // the expert FFN (grouped or dense) and the shared expert
-  h0,
-  h1,
-  act,
-  d_act,
-  d_h1,
-  dense_weights,
-  y_expert,
-  dy_expert,
-  d_dense_weights,
-  shared_h0,
-  shared_h1,
-  shared_act,
-  shared_d_act,
-  count_  ///< (the number of buffers)
-};
-
-/// What kind of buffer an enumerator is.
+/// What kind of buffer a Buf is.
 enum class BufKind : std::uint8_t { external, workspace, held };
 
-/// \brief A buffer's printed name, element role, kind and default memory-estimate item.
+// The buffers, one list per kind: each X(...) is one buffer, and the lists make the enumerators
+// of Buf, the rows of kBufferInfo and, for the workspace, the typed handles of namespace buf.
+// clang-format off
+// The caller's tensors and the router's state (names in stage reads and writes only):
+#define MOE_EXTERNAL_BUFFERS(X) X(y) X(dy) X(dx) X(routing)
+// Workspace buffers: X(name, element role, memory-estimate item).
+#define MOE_WORKSPACE_BUFFERS(X)         \
+  X(x, value, token_rows)                \
+  X(x_work, value, token_rows)           \
+  X(x_chunks_own, value, token_rows)     \
+  X(x_chunks, value, token_rows)         \
+  X(x_sorted, value, token_rows)         \
+  X(x_received, value, token_rows)       \
+  X(x_local, value, token_rows)          \
+  X(x_local_chunk, value, token_rows)    \
+  X(y_local, value, token_rows)          \
+  X(y_local_cols, value, token_rows)     \
+  X(y_received_cols, value, token_rows)  \
+  X(y_sorted_cols, value, token_rows)    \
+  X(y_cols, value, token_rows)           \
+  X(y_work, value, token_rows)           \
+  X(y_own, value, token_rows)            \
+  X(dy_cols, value, token_rows)          \
+  X(dy_sorted_cols, value, token_rows)   \
+  X(dy_received_cols, value, token_rows) \
+  X(dy_local_cols, value, token_rows)    \
+  X(dy_local, value, token_rows)         \
+  X(dy_work, value, token_rows)          \
+  X(dx_work, value, token_rows)          \
+  X(d_weights, value, routing)           \
+  X(d_weights_work, value, token_rows)   \
+  X(logits_own, value, routing)          \
+  X(local_ids, i32, routing)             \
+  X(local_kept, i32, routing)            \
+  X(x_shared, value, shared)             \
+  X(y_shared, value, shared)             \
+  X(y_shared_cols, value, shared)        \
+  X(dy_shared, value, shared)            \
+  X(dx_shared, value, shared)            \
+  X(dx_shared_cols, value, shared)
+// Kept by components (the router; the sort by expert and the regrouping of received rows; the
+// expert FFN, grouped or dense; the shared MLP): X(name, printed name, element role, item).
+#define MOE_HELD_BUFFERS(X)                             \
+  X(logits, "logits", value, routing)                   \
+  X(scores, "scores", value, routing)                   \
+  X(biased_scores, "biased scores", value, routing)     \
+  X(expert_ids, "expert_ids", i32, routing)             \
+  X(kept, "kept", i32, routing)                         \
+  X(top_values, "top_values", value, routing)           \
+  X(weights, "weights", value, routing)                 \
+  X(seq_counts, "seq_counts", i64, routing)             \
+  X(seq_probs, "seq_probs", value, routing)             \
+  X(lb_softmax, "lb softmax", f64, routing)             \
+  X(capacity_cursors, "capacity cursors", i64, routing) \
+  X(d_top, "d_top", value, routing)                     \
+  X(d_biased, "d_biased", value, routing)               \
+  X(d_logits, "d_logits", value, routing)               \
+  X(sort_perm, "sort perm", i64, routing)               \
+  X(sort_inverse, "sort inverse", i64, routing)         \
+  X(sort_cursors, "sort cursors", i64, routing)         \
+  X(local_perm, "local perm", i64, routing)             \
+  X(local_inverse, "local inverse", i64, routing)       \
+  X(local_expert_ids, "local expert ids", i32, routing) \
+  X(h0, "h0", value, hidden)                            \
+  X(h1, "h1", value, hidden)                            \
+  X(act, "act", value, hidden)                          \
+  X(d_act, "d_act", value, hidden)                      \
+  X(d_h1, "d_h1", value, hidden)                        \
+  X(dense_weights, "dense weights", value, hidden)      \
+  X(y_expert, "y_expert", value, hidden)                \
+  X(dy_expert, "dy_expert", value, hidden)              \
+  X(d_dense_weights, "d_dense_weights", value, hidden)  \
+  X(shared_h0, "shared h0", value, shared)              \
+  X(shared_h1, "shared h1", value, shared)              \
+  X(shared_act, "shared act", value, shared)            \
+  X(shared_d_act, "shared d_act", value, shared)
+// clang-format on
+
+/// \brief Every buffer of a step (see the file comment): the caller's tensors and the router's
+/// state (`y`, `dy`, `dx`, `routing`: names in stage reads and writes, not buffers of the step),
+/// the workspace buffers (the step's input x first) and what the layer's components keep.
+enum class Buf : std::uint8_t {
+#define MOE_ENUMERATOR(name, ...) name,
+  MOE_EXTERNAL_BUFFERS(MOE_ENUMERATOR) MOE_WORKSPACE_BUFFERS(MOE_ENUMERATOR)
+      MOE_HELD_BUFFERS(MOE_ENUMERATOR)
+#undef MOE_ENUMERATOR
+          count_  ///< (the number of buffers)
+};
+
+/// \brief A buffer's printed name, element role, kind and memory-estimate item.
 struct BufInfo {
   char const* name;
   Elem elem;
@@ -185,90 +192,16 @@ struct BufInfo {
   Item item;
 };
 
-namespace detail {
-constexpr BufInfo ws(char const* n, Item i = Item::token_rows, Elem e = Elem::value) {
-  return {n, e, BufKind::workspace, i};
-}
-constexpr BufInfo held(char const* n, Item i, Elem e = Elem::value) {
-  return {n, e, BufKind::held, i};
-}
-constexpr BufInfo ext(char const* n) {
-  return {n, Elem::value, BufKind::external, Item::token_rows};
-}
-}  // namespace detail
-
 /// The one table of buffers, in the order of Buf.
 inline constexpr BufInfo kBufferInfo[] = {
-    detail::ext("y"),
-    detail::ext("dy"),
-    detail::ext("dx"),
-    detail::ext("routing"),
-    detail::ws("x"),
-    detail::ws("x_work"),
-    detail::ws("x_chunks_own"),
-    detail::ws("x_chunks"),
-    detail::ws("x_sorted"),
-    detail::ws("x_received"),
-    detail::ws("x_local"),
-    detail::ws("x_local_chunk"),
-    detail::ws("y_local"),
-    detail::ws("y_local_cols"),
-    detail::ws("y_received_cols"),
-    detail::ws("y_sorted_cols"),
-    detail::ws("y_cols"),
-    detail::ws("y_work"),
-    detail::ws("y_own"),
-    detail::ws("dy_cols"),
-    detail::ws("dy_sorted_cols"),
-    detail::ws("dy_received_cols"),
-    detail::ws("dy_local_cols"),
-    detail::ws("dy_local"),
-    detail::ws("dy_work"),
-    detail::ws("dx_work"),
-    detail::ws("d_weights", Item::routing),
-    detail::ws("d_weights_work"),
-    detail::ws("logits_own", Item::routing),
-    detail::ws("local_ids", Item::routing, Elem::i32),
-    detail::ws("local_kept", Item::routing, Elem::i32),
-    detail::ws("x_shared", Item::shared),
-    detail::ws("y_shared", Item::shared),
-    detail::ws("y_shared_cols", Item::shared),
-    detail::ws("dy_shared", Item::shared),
-    detail::ws("dx_shared", Item::shared),
-    detail::ws("dx_shared_cols", Item::shared),
-    detail::held("logits", Item::routing),
-    detail::held("scores", Item::routing),
-    detail::held("biased scores", Item::routing),
-    detail::held("expert_ids", Item::routing, Elem::i32),
-    detail::held("kept", Item::routing, Elem::i32),
-    detail::held("top_values", Item::routing),
-    detail::held("weights", Item::routing),
-    detail::held("seq_counts", Item::routing, Elem::i64),
-    detail::held("seq_probs", Item::routing),
-    detail::held("lb softmax", Item::routing, Elem::f64),
-    detail::held("capacity cursors", Item::routing, Elem::i64),
-    detail::held("d_top", Item::routing),
-    detail::held("d_biased", Item::routing),
-    detail::held("d_logits", Item::routing),
-    detail::held("sort perm", Item::routing, Elem::i64),
-    detail::held("sort inverse", Item::routing, Elem::i64),
-    detail::held("sort cursors", Item::routing, Elem::i64),
-    detail::held("local perm", Item::routing, Elem::i64),
-    detail::held("local inverse", Item::routing, Elem::i64),
-    detail::held("local expert ids", Item::routing, Elem::i32),
-    detail::held("h0", Item::hidden),
-    detail::held("h1", Item::hidden),
-    detail::held("act", Item::hidden),
-    detail::held("d_act", Item::hidden),
-    detail::held("d_h1", Item::hidden),
-    detail::held("dense weights", Item::hidden),
-    detail::held("y_expert", Item::hidden),
-    detail::held("dy_expert", Item::hidden),
-    detail::held("d_dense_weights", Item::hidden),
-    detail::held("shared h0", Item::shared),
-    detail::held("shared h1", Item::shared),
-    detail::held("shared act", Item::shared),
-    detail::held("shared d_act", Item::shared),
+#define MOE_EXTERNAL_ROW(name) {#name, Elem::value, BufKind::external, Item::token_rows},
+#define MOE_WORKSPACE_ROW(name, elem, item) {#name, Elem::elem, BufKind::workspace, Item::item},
+#define MOE_HELD_ROW(name, text, elem, item) {text, Elem::elem, BufKind::held, Item::item},
+    MOE_EXTERNAL_BUFFERS(MOE_EXTERNAL_ROW) MOE_WORKSPACE_BUFFERS(MOE_WORKSPACE_ROW)
+        MOE_HELD_BUFFERS(MOE_HELD_ROW)
+#undef MOE_EXTERNAL_ROW
+#undef MOE_WORKSPACE_ROW
+#undef MOE_HELD_ROW
 };
 static_assert(sizeof(kBufferInfo) / sizeof(kBufferInfo[0]) == std::size_t(Buf::count_),
               "one kBufferInfo row per Buf");
@@ -353,42 +286,13 @@ constexpr auto handle() {
 
 /// The workspace buffers' handles, one per Buf of kind workspace.
 namespace buf {
-#define MOE_BUFFER_HANDLE(name) inline constexpr auto name = detail::handle<Buf::name>();
-MOE_BUFFER_HANDLE(x)
-MOE_BUFFER_HANDLE(x_work)
-MOE_BUFFER_HANDLE(x_chunks_own)
-MOE_BUFFER_HANDLE(x_chunks)
-MOE_BUFFER_HANDLE(x_sorted)
-MOE_BUFFER_HANDLE(x_received)
-MOE_BUFFER_HANDLE(x_local)
-MOE_BUFFER_HANDLE(x_local_chunk)
-MOE_BUFFER_HANDLE(y_local)
-MOE_BUFFER_HANDLE(y_local_cols)
-MOE_BUFFER_HANDLE(y_received_cols)
-MOE_BUFFER_HANDLE(y_sorted_cols)
-MOE_BUFFER_HANDLE(y_cols)
-MOE_BUFFER_HANDLE(y_work)
-MOE_BUFFER_HANDLE(y_own)
-MOE_BUFFER_HANDLE(dy_cols)
-MOE_BUFFER_HANDLE(dy_sorted_cols)
-MOE_BUFFER_HANDLE(dy_received_cols)
-MOE_BUFFER_HANDLE(dy_local_cols)
-MOE_BUFFER_HANDLE(dy_local)
-MOE_BUFFER_HANDLE(dy_work)
-MOE_BUFFER_HANDLE(dx_work)
-MOE_BUFFER_HANDLE(d_weights)
-MOE_BUFFER_HANDLE(d_weights_work)
-MOE_BUFFER_HANDLE(logits_own)
-MOE_BUFFER_HANDLE(local_ids)
-MOE_BUFFER_HANDLE(local_kept)
-MOE_BUFFER_HANDLE(x_shared)
-MOE_BUFFER_HANDLE(y_shared)
-MOE_BUFFER_HANDLE(y_shared_cols)
-MOE_BUFFER_HANDLE(dy_shared)
-MOE_BUFFER_HANDLE(dx_shared)
-MOE_BUFFER_HANDLE(dx_shared_cols)
-#undef MOE_BUFFER_HANDLE
+#define MOE_HANDLE(name, ...) inline constexpr auto name = detail::handle<Buf::name>();
+MOE_WORKSPACE_BUFFERS(MOE_HANDLE)
+#undef MOE_HANDLE
 }  // namespace buf
+#undef MOE_EXTERNAL_BUFFERS
+#undef MOE_WORKSPACE_BUFFERS
+#undef MOE_HELD_BUFFERS
 
 // ------------------------------------------------------------------ declarations -----------
 

@@ -17,9 +17,9 @@
 #include <sstream>
 #include <string>
 
-namespace moe {
+namespace moe::distributed {
 
-namespace memory_detail {
+namespace detail {
 
 inline std::int64_t read_number(std::string const& path) {
   std::ifstream in(path);
@@ -53,7 +53,7 @@ inline std::int64_t cgroup_room(std::string const& dir, bool v2) {
   return std::max<std::int64_t>(0, std::min(limit, limit - usage + inactive));
 }
 
-}  // namespace memory_detail
+}  // namespace detail
 
 /// \brief Host memory this process can still allocate, in bytes: MemAvailable of /proc/meminfo,
 /// or less when a cgroup (v2 memory.max, v1 memory.limit_in_bytes, of this process's cgroup or
@@ -90,7 +90,7 @@ inline std::int64_t available_memory_bytes() {
     // This cgroup and its ancestors (a cgroup namespace shows "/": the mount is its own root).
     while (true) {
       std::int64_t const room =
-          memory_detail::cgroup_room(base + (path == "/" ? std::string() : path), v2);
+          detail::cgroup_room(base + (path == "/" ? std::string() : path), v2);
       if (room >= 0) avail = avail < 0 ? room : std::min(avail, room);
       if (path.empty() || path == "/") break;
       auto const slash = path.find_last_of('/');
@@ -139,13 +139,20 @@ inline void require_fits(std::string const& who, MemoryEstimate const& est, std:
     for (std::size_t i = 0; i < ks.size(); ++i)
       keys += (i == 0 ? "" : i + 1 == ks.size() ? " or " : ", ") + ks[i];
   }
-  throw ConfigError(
-      detail::cat(who, " needs about ", format_bytes(need), " per rank (", est.breakdown(),
-                  ") but this node has ", format_bytes(available), " available",
-                  ranks > 1 ? detail::cat(" for ", ranks, " ranks (", format_bytes(share), " each)")
-                            : std::string(),
-                  keys.empty() ? std::string() : ": reduce " + keys,
-                  " (or set MOE_SKIP_MEMORY_CHECK=1 to run anyway)"));
+  throw ConfigError(moe::detail::cat(
+      who, " needs about ", format_bytes(need), " per rank (", est.breakdown(),
+      ") but this node has ", format_bytes(available), " available",
+      ranks > 1 ? moe::detail::cat(" for ", ranks, " ranks (", format_bytes(share), " each)")
+                : std::string(),
+      keys.empty() ? std::string() : ": reduce " + keys,
+      " (or set MOE_SKIP_MEMORY_CHECK=1 to run anyway)"));
 }
 
+}  // namespace moe::distributed
+
+namespace moe {
+using distributed::available_memory_bytes;
+using distributed::memory_check_skipped;
+using distributed::ranks_on_node;
+using distributed::require_fits;
 }  // namespace moe

@@ -64,7 +64,7 @@
 #include <variant>
 #include <vector>
 
-namespace moe {
+namespace moe::distributed {
 
 /// \brief One MoE layer over MPI ranks (see the file comment for the strategies).
 ///
@@ -166,21 +166,21 @@ class DistributedMoeLayer
 
   /// \brief forward() and backward() for any View types: LayoutRight Views of this layer's
   /// Scalar and memory space convert (e.g. non-const x); anything else, such as a LayoutLeft
-  /// View, fails to compile with a static_assert naming the rule (detail::api_view).
+  /// View, fails to compile with a static_assert naming the rule (moe::detail::api_view).
   template <class XView, class YView>
   void forward(XView const& x, YView const& y, ForwardOptions const& opt = {}) {
-    forward(detail::api_view<cview3>(x), detail::api_view<view3>(y), opt);
+    forward(moe::detail::api_view<cview3>(x), moe::detail::api_view<view3>(y), opt);
   }
   template <class DyView, class DxView>
   void backward(DyView const& dy, DxView const& dx, params_type& grads) {
-    backward(detail::api_view<cview3>(dy), detail::api_view<view3>(dx), grads);
+    backward(moe::detail::api_view<cview3>(dy), moe::detail::api_view<view3>(dx), grads);
   }
 
   /// \brief Collective. y_local = MoE(x_local), both [B/batch_parts, S, D]: runs the forward
   /// stages of step_plan() in order. opt.token_offset: global index of the global batch's first
   /// token (random routing).
   void forward(cview3 x, view3 y, ForwardOptions const& opt = {}) {
-    detail::Region region("moe::dist::forward");
+    moe::detail::Region region("moe::dist::forward");
     have_forward_ = false;  // until this forward completes
     ctx_.token_offset = opt.token_offset;
     ctx_.log.records.clear();
@@ -188,12 +188,12 @@ class DistributedMoeLayer
     std::int64_t const D = ctx_.plan.token_cols, T = ctx_.plan.tokens;
     comm::collective_guard(ctx_.world, [&] {
       auto const want = block("x").local_shape;
-      detail::require<ShapeError>(
+      moe::detail::require<ShapeError>(
           std::int64_t(x.extent(0)) == want[0] && std::int64_t(x.extent(1)) == want[1] &&
               std::int64_t(x.extent(2)) == want[2],
           "x is [", x.extent(0), ",", x.extent(1), ",", x.extent(2), "] but this rank's block is [",
           want[0], ",", want[1], ",", want[2], "]");
-      detail::require<ShapeError>(
+      moe::detail::require<ShapeError>(
           y.extent(0) == x.extent(0) && y.extent(1) == x.extent(1) && y.extent(2) == x.extent(2),
           "y must have the shape of x");
       check_param_shapes(params_, "parameter");
@@ -219,12 +219,12 @@ class DistributedMoeLayer
     if (ctx_.cfg.check_finite) {
       // As the single-rank layer: only a non-finite y pays for scanning the weights, and then
       // every rank names the first non-finite block it holds (block indices are local).
-      bool const bad = !detail::all_finite(ctx_.space, y2);
+      bool const bad = !moe::detail::all_finite(ctx_.space, y2);
       if (comm::any_rank(ctx_.world, bad)) {
         comm::collective_guard(ctx_.world, [&] {
           params_.for_each(
               [&](char const* name, auto const& v) { require_finite(v, block_name(name)); });
-          detail::require<InputError>(
+          moe::detail::require<InputError>(
               !bad,
               "y holds NaN or Inf: every input and weight block is finite, so the layer "
               "overflowed");
@@ -238,11 +238,11 @@ class DistributedMoeLayer
   /// local x block (dx) and the local parameter blocks (grads; allocated if empty): runs the
   /// backward stages of step_plan() in order.
   void backward(cview3 dy, view3 dx, params_type& grads) {
-    detail::Region region("moe::dist::backward");
+    moe::detail::Region region("moe::dist::backward");
     std::int64_t const D = ctx_.plan.token_cols, T = ctx_.plan.tokens;
     comm::collective_guard(ctx_.world, [&] {
-      detail::require<Error>(have_forward_, "backward called without a forward");
-      detail::require<ShapeError>(
+      moe::detail::require<Error>(have_forward_, "backward called without a forward");
+      moe::detail::require<ShapeError>(
           std::int64_t(dy.extent(0)) * ctx_.S == T && dy.extent(1) == std::size_t(ctx_.S) &&
               dy.extent(2) == std::size_t(D) && dx.extent(0) == dy.extent(0) &&
               dx.extent(1) == dy.extent(1) && dx.extent(2) == dy.extent(2),
@@ -309,11 +309,12 @@ class DistributedMoeLayer
       layer.ctx_.ws.enter(&layer.ctx_.plan, nullptr);
       layer.ctx_.log.stage.clear();
       if (std::uncaught_exceptions() == 0 && layer.ctx_.next != st->collectives.size())
-        throw Error(detail::cat("moe internal error: stage ", st->region, " ran ", layer.ctx_.next,
-                                " of its ", st->collectives.size(), " planned collectives"));
+        throw Error(moe::detail::cat("moe internal error: stage ", st->region, " ran ",
+                                     layer.ctx_.next, " of its ", st->collectives.size(),
+                                     " planned collectives"));
     }
     DistributedMoeLayer& layer;
-    detail::Region region;
+    moe::detail::Region region;
   };
 
   // The stages every strategy shares run here; the others are the strategy's.
@@ -361,11 +362,12 @@ class DistributedMoeLayer
       if (keep_blocks)
         params_type::for_each_field(ctx_.cfg, [&](char const* n, auto) {
           auto const now = ctx_.layout.block(n), then = layout.block(n);
-          detail::require<ConfigError>(
+          moe::detail::require<ConfigError>(
               now.local_shape == then.local_shape && now.offset == then.offset, "global batch [", B,
-              ",", S, "] would store ", n, " as the block ", detail::shape_text(then.local_shape),
-              " at ", detail::shape_text(then.offset), " but this layer holds ",
-              detail::shape_text(now.local_shape), " at ", detail::shape_text(now.offset),
+              ",", S, "] would store ", n, " as the block ",
+              moe::detail::shape_text(then.local_shape), " at ",
+              moe::detail::shape_text(then.offset), " but this layer holds ",
+              moe::detail::shape_text(now.local_shape), " at ", moe::detail::shape_text(now.offset),
               ": make a new layer for this batch shape");
         });
       strategy = distributed::choose_strategy(layout, ctx_.par);
@@ -412,14 +414,14 @@ class DistributedMoeLayer
   std::string block_name(std::string const& name) const {
     auto const b = block(name);
     if (b.local_shape == b.global_shape) return name;
-    return detail::cat(name, " (the block of rank ", ctx_.world.rank(), " at offset ",
-                       detail::shape_text(b.offset), " of ", detail::shape_text(b.global_shape),
-                       ")");
+    return moe::detail::cat(name, " (the block of rank ", ctx_.world.rank(), " at offset ",
+                            moe::detail::shape_text(b.offset), " of ",
+                            moe::detail::shape_text(b.global_shape), ")");
   }
 
   template <class V>
   void require_finite(V const& v, std::string const& name) const {
-    detail::require_finite(ctx_.space, v, name);
+    moe::detail::require_finite(ctx_.space, v, name);
   }
 
   // ------------------------------------------------------------------ members ------------------
@@ -429,4 +431,8 @@ class DistributedMoeLayer
   bool have_forward_ = false;
 };
 
+}  // namespace moe::distributed
+
+namespace moe {
+using distributed::DistributedMoeLayer;
 }  // namespace moe

@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-namespace moe {
+namespace moe::distributed {
 
 /// \brief How the routed experts are reached.
 enum class ExpertRoute {
@@ -47,8 +47,6 @@ inline char const* to_string(ExpertRoute r) {
   }
 }
 
-namespace distributed {
-
 /// Layout of one dimension of one tensor.
 struct DimLayout {
   std::vector<std::string> storage;  ///< mesh axes (size > 1) the stored block is split over
@@ -66,7 +64,7 @@ struct WeightLayout {
   std::vector<std::string> reduce;  ///< token axes whose contributions are summed (not gathered)
 };
 
-namespace layout_detail {
+namespace detail {
 
 inline bool contains(std::vector<std::string> const& v, std::string const& a) {
   return std::find(v.begin(), v.end(), a) != v.end();
@@ -124,7 +122,7 @@ inline ExpertWeightAxes expert_weight_axes(ParallelConfig const& par) {
           {"fsdp"}};
 }
 
-}  // namespace layout_detail
+}  // namespace detail
 
 /// \brief Everything about one rank's share of the layer that follows from the configuration.
 struct Layout {
@@ -217,9 +215,9 @@ struct Layout {
 inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, int world_size,
                              int rank, std::int64_t global_batch, std::int64_t seq_len,
                              bool dense_gmm = false) {
-  using layout_detail::contains;
-  using layout_detail::join;
-  using layout_detail::minus;
+  using detail::contains;
+  using detail::join;
+  using detail::minus;
   using moe::detail::require;
   cfg.validate();
   par.validate();
@@ -256,7 +254,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   lay.batch_axes = dimaxes(xs, 0);
   auto const emb_over = dimaxes(xs, 2);  // the tensor axes there are ignored, as ever
   // Expert weights: stored under their kernel axes, computed under the shard_map in-specs.
-  auto const ew = layout_detail::expert_weight_axes(par);
+  auto const ew = detail::expert_weight_axes(par);
   auto const& wi_l = ew.wi;
   auto const& wo_l = ew.wo;
   auto const wi_st = resolve(wi_l);
@@ -338,7 +336,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   lay.batch_index = lay.shard_index(batch_axes);
   bool const tokens_over_ep = all_ep_in_batch();
   lay.dense = dense_gmm || !cfg.sparse_matmul;
-  lay.dispatch_spec = sharding::resolve_dispatch(lay.rules, layout_detail::dispatch_logical(),
+  lay.dispatch_spec = sharding::resolve_dispatch(lay.rules, detail::dispatch_logical(),
                                                  par.moe_dispatch_no_expert_sharding);
   // The dense path goes expert-parallel when its dispatch spec puts the expert dimension on the
   // expert axes and keeps them off the batch dimension; else it falls back to gathering tokens.
@@ -435,5 +433,9 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   return lay;
 }
 
-}  // namespace distributed
+}  // namespace moe::distributed
+
+namespace moe {
+using distributed::ExpertRoute;
+using distributed::to_string;
 }  // namespace moe

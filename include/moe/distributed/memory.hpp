@@ -65,8 +65,8 @@
 #include <utility>
 #include <vector>
 
-namespace moe {
-namespace memory_detail {
+namespace moe::distributed {
+namespace detail {
 
 using Shape = std::vector<std::int64_t>;
 
@@ -210,7 +210,7 @@ class LayerBuffers {
   std::vector<Buffer> bufs_;
 };
 
-}  // namespace memory_detail
+}  // namespace detail
 
 /// \brief Whether oneDNN keeps packed copies of the expert weights by default: float values and
 /// moe built with oneDNN (host GEMMs). Pass false for device spaces.
@@ -226,7 +226,7 @@ inline bool default_packed_weights(LayerPlan const& plan) {
 /// \throws ConfigError naming the quantity when an element or byte count does not fit int64.
 inline MemoryEstimate estimate_layer_memory(LayerPlan const& plan, LayerConfig const& cfg,
                                             bool training, bool packed_weights) {
-  memory_detail::LayerBuffers const lb(plan, cfg, training, packed_weights);
+  detail::LayerBuffers const lb(plan, cfg, training, packed_weights);
   MemoryEstimate est;
   for (char const* item :
        {"weights", "gathered weights", "packed expert weights", "weight gradients", "routing",
@@ -260,27 +260,33 @@ inline MemoryEstimate estimate_layer_memory(LayerPlan const& plan, LayerConfig c
 /// (moe/comm splits larger messages). Pure; the same on every rank of a symmetric layout.
 inline void check_index_limits(LayerPlan const& plan,
                                IndexLimits const& limits = IndexLimits::host()) {
-  memory_detail::LayerBuffers const lb(plan, plan.config, true, false);
+  detail::LayerBuffers const lb(plan, plan.config, true, false);
   using moe::detail::shape_text;
   for (auto const& b : lb.buffers()) {
     std::int64_t const n = checked_product(b.shape, "the element count of " + b.name);
     if (b.rows_limited) {
       if (b.shape[0] > limits.max_rows)
-        throw ConfigError(
-            detail::cat(b.name, ": ", b.shape[0], " rows on this rank exceed the ", limits.max_rows,
-                        " rows that one 32-bit BLAS call or kernel launch takes; reduce ", b.keys,
-                        " (or spread the batch over more ranks)"));
+        throw ConfigError(moe::detail::cat(
+            b.name, ": ", b.shape[0], " rows on this rank exceed the ", limits.max_rows,
+            " rows that one 32-bit BLAS call or kernel launch takes; reduce ", b.keys,
+            " (or spread the batch over more ranks)"));
       continue;
     }
     if (n > limits.max_elements)
-      throw ConfigError(detail::cat(b.name, " ", shape_text(b.shape), " holds ", n,
-                                    " elements on this rank, more than the ", limits.max_elements,
-                                    " that a kernel indexed by ", limits.element_index,
-                                    " reaches; reduce ", b.keys));
+      throw ConfigError(moe::detail::cat(b.name, " ", shape_text(b.shape), " holds ", n,
+                                         " elements on this rank, more than the ",
+                                         limits.max_elements, " that a kernel indexed by ",
+                                         limits.element_index, " reaches; reduce ", b.keys));
     checked_mul(n, std::max<std::int64_t>(b.elem_bytes, 8), "the bytes of " + b.name);
   }
 }
 
 // ------------------------------------------------------------------ the machine ---------------
 
+}  // namespace moe::distributed
+
+namespace moe {
+using distributed::check_index_limits;
+using distributed::default_packed_weights;
+using distributed::estimate_layer_memory;
 }  // namespace moe

@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-namespace moe {
+namespace moe::distributed {
 
 /// \brief "1.5 GiB", "12.0 MiB", "3.2 KiB", "100 B".
 inline std::string format_bytes(std::int64_t bytes) {
@@ -114,7 +114,8 @@ struct MemoryEstimate {
       parts += (parts.empty() ? "" : ", ") + i.what + " " + format_bytes(i.bytes);
     }
     if (small > 0)
-      parts += detail::cat(parts.empty() ? "" : ", ", small, " smaller item", small > 1 ? "s" : "");
+      parts +=
+          moe::detail::cat(parts.empty() ? "" : ", ", small, " smaller item", small > 1 ? "s" : "");
     return parts;
   }
 
@@ -140,19 +141,19 @@ struct MemoryEstimate {
     name.append(w - name.size() + 2, ' ');
     std::string b = format_bytes(total());
     if (b.size() < 10) b.insert(0, 10 - b.size(), ' ');
-    o += "  " + name + b + detail::cat("  (", total(), " bytes)\n");
+    o += "  " + name + b + moe::detail::cat("  (", total(), " bytes)\n");
     return o;
   }
 
   /// JSON object: {"total_bytes": N, "items": [{"what": ..., "bytes": N, "keys": [...]}, ...]}.
-  detail::ordered_json json() const {
-    auto items_json = detail::ordered_json::array();
+  moe::detail::ordered_json json() const {
+    auto items_json = moe::detail::ordered_json::array();
     for (auto const& i : items)
       items_json.push_back({{"what", i.what}, {"bytes", i.bytes}, {"keys", split_keys(i.keys)}});
     return {{"total_bytes", total()}, {"items", items_json}};
   }
   /// json() as one line of text.
-  std::string to_json() const { return detail::json_text(json()); }
+  std::string to_json() const { return moe::detail::json_text(json()); }
 
   /// "a, b" -> {"a", "b"}.
   static std::vector<std::string> split_keys(std::string const& keys) {
@@ -205,10 +206,17 @@ struct IndexLimits {
     if (std::uint64_t(std::numeric_limits<I>::max()) <
         std::uint64_t(std::numeric_limits<std::int64_t>::max())) {
       l.max_elements = std::int64_t(std::numeric_limits<I>::max());
-      l.element_index = detail::cat(sizeof(I) * 8, "-bit ", ExecSpace::name(), "::size_type");
+      l.element_index = moe::detail::cat(sizeof(I) * 8, "-bit ", ExecSpace::name(), "::size_type");
     }
     return l;
   }
 };
 
+}  // namespace moe::distributed
+
+namespace moe {
+using distributed::format_bytes;
+using distributed::IndexLimits;
+using distributed::MemoryEstimate;
+using distributed::MemoryItem;
 }  // namespace moe

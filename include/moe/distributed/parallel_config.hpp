@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-namespace moe {
+namespace moe::distributed {
 
 /// \brief Mesh degrees and distributed-strategy switches (MaxText keys).
 ///
@@ -99,7 +99,7 @@ struct ParallelConfig {
   /// custom_mesh_and_rule (ConfigError for an unknown name) replaces any file's; else `sharding`
   /// when set; else the library's default rules.
   sharding::Preset effective_preset() const {
-    bool const named = !detail::trim(custom_mesh_and_rule).empty();
+    bool const named = !moe::detail::trim(custom_mesh_and_rule).empty();
     return sharding && !named ? *sharding : sharding::preset(custom_mesh_and_rule);
   }
 };
@@ -107,14 +107,14 @@ struct ParallelConfig {
 inline ConfigTable<ParallelConfig> const& ParallelConfig::table() {
   using C = ParallelConfig;
   static ConfigTable<C> const t = [] {
-    using detail::cat;
+    using moe::detail::cat;
     ConfigTable<C> t(DescribeNumbers::ToString, ";");
     // A mesh degree: a positive integer, or -1 (fill the ranks the other axes leave).
     auto degree = [&t](char const* key, int C::*m, char const* axis) {
       t.field(key, m, key,
               cat("degree of the ", axis, " mesh axis (-1: the ranks the others leave)"))
           .parse_with([m](C& c, std::string const& k, std::string const& v) {
-            long long const d = detail::parse_int(k, v);
+            long long const d = moe::detail::parse_int(k, v);
             if (d != -1 && (d < 1 || d > 1 << 20))
               throw ConfigError(cat(k, "=", v, " must be -1 (fill) or a positive degree"));
             c.*m = int(d);
@@ -170,4 +170,8 @@ inline ConfigTable<ParallelConfig> const& ParallelConfig::table() {
   return t;
 }
 
+}  // namespace moe::distributed
+
+namespace moe {
+using distributed::ParallelConfig;
 }  // namespace moe

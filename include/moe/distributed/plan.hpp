@@ -32,7 +32,7 @@
 #include <utility>
 #include <vector>
 
-namespace moe {
+namespace moe::distributed {
 
 /// \brief One tensor of the plan: where it lives on this rank and what a step does to it.
 struct PlanTensor {
@@ -91,28 +91,21 @@ struct LayerPlan {
   PlanTensor const& tensor(std::string const& name) const {
     for (auto const& t : tensors)
       if (t.name == name) return t;
-    throw ConfigError(detail::cat("the plan has no tensor named '", name, "'"));
+    throw ConfigError(moe::detail::cat("the plan has no tensor named '", name, "'"));
   }
 
   /// Readable multi-line text.
   std::string to_text() const;
   /// The plan as one JSON object (what to_json prints).
-  detail::ordered_json json() const;
+  moe::detail::ordered_json json() const;
   /// json() as one line of text, newline-terminated.
-  std::string to_json() const { return detail::json_text(json()) + "\n"; }
+  std::string to_json() const { return moe::detail::json_text(json()) + "\n"; }
 };
 
-namespace plan_detail {
+namespace detail {
 
 using Axes = std::vector<std::string>;
-using distributed::layout_detail::contains;
 
-inline std::string axes_text(Axes const& a) {
-  if (a.empty()) return "-";
-  std::string s;
-  for (auto const& x : a) s += (s.empty() ? "" : ",") + x;
-  return s;
-}
 inline std::string list_text(Axes const& a) {
   std::string s;
   for (auto const& x : a) s += (s.empty() ? "" : ", ") + x;
@@ -159,13 +152,13 @@ inline std::string pad(std::string s, std::size_t n) {
 }
 
 /// A logical-axes list as JSON: each name, or null for an unnamed dimension.
-inline detail::ordered_json json_logical(sharding::LogicalAxes const& l) {
-  auto j = detail::ordered_json::array();
-  for (auto const& name : l) j.push_back(name ? detail::ordered_json(*name) : nullptr);
+inline moe::detail::ordered_json json_logical(sharding::LogicalAxes const& l) {
+  auto j = moe::detail::ordered_json::array();
+  for (auto const& name : l) j.push_back(name ? moe::detail::ordered_json(*name) : nullptr);
   return j;
 }
 
-}  // namespace plan_detail
+}  // namespace detail
 
 /// \brief The partition plan of `rank` of `world_size` ranks for a global batch
 /// [global_batch, seq_len, base_emb_dim] (pure; no MPI call).
@@ -177,9 +170,10 @@ inline detail::ordered_json json_logical(sharding::LogicalAxes const& l) {
 inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, int world_size,
                            int rank, std::int64_t global_batch, std::int64_t seq_len,
                            std::size_t scalar_bytes = sizeof(float)) {
-  using plan_detail::contains;
-  detail::require<ConfigError>(scalar_bytes == 4 || scalar_bytes == 8,
-                               "scalar_bytes=", scalar_bytes, " must be 4 (float) or 8 (double)");
+  using detail::contains;
+  moe::detail::require<ConfigError>(scalar_bytes == 4 || scalar_bytes == 8,
+                                    "scalar_bytes=", scalar_bytes,
+                                    " must be 4 (float) or 8 (double)");
   LayerPlan p;
   p.layout = distributed::compute_layout(cfg, par, world_size, rank, global_batch, seq_len);
   auto const& lay = p.layout;
@@ -244,15 +238,15 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
   // SEMANTICS §1.13: the dense dispatch tensor resolved jointly lets the batch dimension claim
   // `expert` (activation_batch_moe precedes activation_exp), leaving the expert dimension
   // unsharded.
-  p.dispatch_logical = distributed::layout_detail::dispatch_logical();
+  p.dispatch_logical = detail::dispatch_logical();
   p.dispatch_joint = sharding::resolve_dispatch(lay.rules, p.dispatch_logical, false);
   p.dispatch_repaired = sharding::resolve_dispatch(lay.rules, p.dispatch_logical, true);
   int const expert_size = lay.mesh.size("expert");
   if (!par.moe_dispatch_no_expert_sharding && expert_size > 1 &&
       contains(p.dispatch_joint[1], "expert") && lay.big(p.dispatch_joint[0]).empty())
-    p.warnings.push_back(detail::cat(
-        "dense dispatch tensor ", plan_detail::logical_text(p.dispatch_logical),
-        " resolves jointly to ", sharding::to_json(p.dispatch_joint),
+    p.warnings.push_back(moe::detail::cat(
+        "dense dispatch tensor ", detail::logical_text(p.dispatch_logical), " resolves jointly to ",
+        sharding::to_json(p.dispatch_joint),
         ": its batch dimension claims mesh axis 'expert' (size ", expert_size,
         ") and its expert dimension is unsharded, so the dense-path dispatch (sparse_matmul=false)"
         " would become an all-gather + reduce-scatter over 'expert' instead of splitting the "
@@ -264,43 +258,45 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
 }
 
 inline std::string LayerPlan::to_text() const {
-  using namespace plan_detail;
+  using namespace detail;
   auto const& lay = layout;
   std::string o;
   auto line = [&o](std::string const& s) { o += s + "\n"; };
-  line(detail::cat("MoE layer plan: rank ", lay.rank, " of ", world_size, ", global batch [",
-                   lay.global_batch, ", ", lay.seq_len, ", ", lay.emb_dim, "] (B, S, D), ",
-                   scalar_bytes == 8 ? "float64" : "float32", " values"));
+  line(moe::detail::cat("MoE layer plan: rank ", lay.rank, " of ", world_size, ", global batch [",
+                        lay.global_batch, ", ", lay.seq_len, ", ", lay.emb_dim, "] (B, S, D), ",
+                        scalar_bytes == 8 ? "float64" : "float32", " values"));
   Axes big, one;
   for (auto const& [name, size] : lay.mesh.axes())
     if (size > 1)
-      big.push_back(detail::cat(name, "=", size));
+      big.push_back(moe::detail::cat(name, "=", size));
     else
       one.push_back(name);
   std::string mesh;
   for (auto const& a : big) mesh += (mesh.empty() ? "" : " x ") + a;
   if (mesh.empty()) mesh = "every axis of size 1";
-  line(detail::cat("mesh (", lay.preset, "): ", mesh,
-                   one.empty() ? "" : "; size 1: " + list_text(one)));
-  line(detail::cat("batch axes: ", axes_text(lay.batch_axes), " (", lay.global_batch, " / ",
-                   lay.batch_parts, " = ", lay.global_batch / lay.batch_parts,
-                   " sequences per rank, T_local = ", local_tokens, " tokens)"));
-  line(detail::cat("expert route: ", step.route_text, "; E=", config.num_experts,
-                   ", K=", config.num_experts_per_tok, ", experts ", lay.first_expert, "..",
-                   lay.first_expert + lay.local_experts - 1, " on this rank (", lay.local_experts,
-                   " local)"));
-  line(detail::cat("tensor axes: ", axes_text(lay.tp_axes)));
+  line(moe::detail::cat("mesh (", lay.preset, "): ", mesh,
+                        one.empty() ? "" : "; size 1: " + list_text(one)));
+  line(moe::detail::cat("batch axes: ", axes_text(lay.batch_axes), " (", lay.global_batch, " / ",
+                        lay.batch_parts, " = ", lay.global_batch / lay.batch_parts,
+                        " sequences per rank, T_local = ", local_tokens, " tokens)"));
+  line(moe::detail::cat("expert route: ", step.route_text, "; E=", config.num_experts,
+                        ", K=", config.num_experts_per_tok, ", experts ", lay.first_expert, "..",
+                        lay.first_expert + lay.local_experts - 1, " on this rank (",
+                        lay.local_experts, " local)"));
+  line(moe::detail::cat("tensor axes: ", axes_text(lay.tp_axes)));
   line("");
   line("tensors (spec: as the rules resolve it, - = unsharded; local: block stored here; compute:");
   line("block the step computes with):");
   for (auto const& t : tensors) {
-    line(detail::cat("  ", pad(t.name, 12), logical_text(t.logical), " spec ", spec_text(t.spec)));
-    line(detail::cat("  ", pad("", 12), "global ", shape_text(t.global_shape), "  local ",
-                     shape_text(t.local_shape), " at ", shape_text(t.offset), "  compute ",
-                     shape_text(t.compute_shape)));
-    line(detail::cat("  ", pad("", 12), "stored split: ", per_dim_text(t.storage),
-                     " | all-gathered: ", per_dim_text(t.gathered), " | sliced: ",
-                     per_dim_text(t.sliced), " | gradient summed over: ", axes_text(t.reduced)));
+    line(moe::detail::cat("  ", pad(t.name, 12), logical_text(t.logical), " spec ",
+                          spec_text(t.spec)));
+    line(moe::detail::cat("  ", pad("", 12), "global ", shape_text(t.global_shape), "  local ",
+                          shape_text(t.local_shape), " at ", shape_text(t.offset), "  compute ",
+                          shape_text(t.compute_shape)));
+    line(moe::detail::cat("  ", pad("", 12), "stored split: ", per_dim_text(t.storage),
+                          " | all-gathered: ", per_dim_text(t.gathered),
+                          " | sliced: ", per_dim_text(t.sliced),
+                          " | gradient summed over: ", axes_text(t.reduced)));
   }
   line("");
   line("step: the stages the layer runs, in order (reads -> writes), each with its collectives");
@@ -309,15 +305,15 @@ inline std::string LayerPlan::to_text() const {
     line(bw ? "  backward:" : "  forward:");
     int i = 0;
     for (auto const& st : bw ? step.backward : step.forward) {
-      line(detail::cat("    ", ++i, ". ", pad(distributed::to_string(st.kind), 18),
-                       list_text(names(st.reads)), " -> ", list_text(names(st.writes))));
+      line(moe::detail::cat("    ", ++i, ". ", pad(distributed::to_string(st.kind), 18),
+                            list_text(names(st.reads)), " -> ", list_text(names(st.writes))));
       for (auto const& c : st.collectives)
-        line(detail::cat("         ", pad(c.kind, 15), pad("[" + axes_text(c.axes) + "]", 20),
-                         pad(c.what, 34), c.balanced ? "~" : " ", c.bytes, " B"));
+        line(moe::detail::cat("         ", pad(c.kind, 15), pad("[" + axes_text(c.axes) + "]", 20),
+                              pad(c.what, 34), c.balanced ? "~" : " ", c.bytes, " B"));
     }
   }
-  line(detail::cat("  bytes: forward ", bytes(false), ", backward ", bytes(true), ", step ",
-                   step_bytes()));
+  line(moe::detail::cat("  bytes: forward ", bytes(false), ", backward ", bytes(true), ", step ",
+                        step_bytes()));
   std::vector<std::pair<std::string, std::int64_t>> by_kind;
   for (auto const& c : collectives) {
     auto it = std::find_if(by_kind.begin(), by_kind.end(),
@@ -332,17 +328,18 @@ inline std::string LayerPlan::to_text() const {
     kinds += (kinds.empty() ? "" : ", ") + k + " " + std::to_string(b);
   if (!kinds.empty()) line("  by kind: " + kinds);
   line("");
-  line(detail::cat("dense dispatch ", logical_text(dispatch_logical), ": joint ",
-                   spec_text(dispatch_joint), ", with moe_dispatch_no_expert_sharding ",
-                   spec_text(dispatch_repaired), "; in effect ", spec_text(layout.dispatch_spec)));
+  line(moe::detail::cat("dense dispatch ", logical_text(dispatch_logical), ": joint ",
+                        spec_text(dispatch_joint), ", with moe_dispatch_no_expert_sharding ",
+                        spec_text(dispatch_repaired), "; in effect ",
+                        spec_text(layout.dispatch_spec)));
   for (auto const& n : notes) line("note: " + n);
   for (auto const& w : warnings) line("WARNING: " + w);
   return o;
 }
 
-inline detail::ordered_json LayerPlan::json() const {
-  using detail::ordered_json;
-  using plan_detail::json_logical;
+inline moe::detail::ordered_json LayerPlan::json() const {
+  using detail::json_logical;
+  using moe::detail::ordered_json;
   auto const& lay = layout;
   ordered_json o;
   o["rank"] = lay.rank;
@@ -389,8 +386,8 @@ inline detail::ordered_json LayerPlan::json() const {
       ss.push_back({{"phase", st.backward ? "backward" : "forward"},
                     {"kind", distributed::to_string(st.kind)},
                     {"region", st.region},
-                    {"reads", plan_detail::names(st.reads)},
-                    {"writes", plan_detail::names(st.writes)},
+                    {"reads", detail::names(st.reads)},
+                    {"writes", detail::names(st.writes)},
                     {"collectives", st.collectives.size()}});
   o["bytes"] = {{"forward", bytes(false)}, {"backward", bytes(true)}, {"step", step_bytes()}};
   o["dispatch"] = {{"logical", json_logical(dispatch_logical)},
@@ -402,4 +399,11 @@ inline detail::ordered_json LayerPlan::json() const {
   return o;
 }
 
+}  // namespace moe::distributed
+
+namespace moe {
+using distributed::LayerPlan;
+using distributed::make_plan;
+using distributed::PlanCollective;
+using distributed::PlanTensor;
 }  // namespace moe

@@ -119,8 +119,8 @@ struct StepContext {
     if (!ok)
       throw Error(moe::detail::cat(
           "moe internal error: stage ", stage->region, " runs a ", kind, " over [",
-          layout_detail::join(axes), "] but its plan has ",
-          next < cs.size() ? cs[next].kind + " over [" + layout_detail::join(cs[next].axes) + "]"
+          detail::join(axes), "] but its plan has ",
+          next < cs.size() ? cs[next].kind + " over [" + detail::join(cs[next].axes) + "]"
                            : std::string("no further collective")));
     return cs[next++].what;
   }

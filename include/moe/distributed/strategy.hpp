@@ -26,7 +26,7 @@
 #include <moe/config.hpp>
 #include <moe/distributed/layout.hpp>
 #include <moe/distributed/parallel_config.hpp>
-#include <moe/distributed/step_plan.hpp>
+#include <moe/distributed/plan_builder.hpp>
 #include <moe/distributed/strategy/chunked_ring.hpp>
 #include <moe/distributed/strategy/ep_tp.hpp>
 #include <moe/distributed/strategy/gathered.hpp>

@@ -82,7 +82,7 @@ template <class Policy, class ExecSpace, class LhsView, class RhsView, class Out
 void gmm(ExecSpace const& space, Policy, LhsView const& lhs, RhsView const& rhs,
          Groups<typename ExecSpace::memory_space> const& groups, OutView const& out,
          GmmOptions opt = {}) {
-  namespace impl = moe::detail::gmm_impl;
+  namespace impl = moe::gmm::detail;
   static_assert(is_policy<Policy>::value, "moe::gmm::gmm: Policy is not a grouped-GEMM policy tag");
   impl::static_checks<ExecSpace, LhsView, RhsView, OutView>();
   static_assert(LhsView::rank == 2 && RhsView::rank == 3 && OutView::rank == 2,
@@ -129,7 +129,7 @@ template <class Policy, class ExecSpace, class LhsView, class DyView, class OutV
 void tgmm(ExecSpace const& space, Policy, LhsView const& lhs, DyView const& dy,
           Groups<typename ExecSpace::memory_space> const& groups, OutView const& out,
           GmmOptions opt = {}) {
-  namespace impl = moe::detail::gmm_impl;
+  namespace impl = moe::gmm::detail;
   static_assert(is_policy<Policy>::value,
                 "moe::gmm::tgmm: Policy is not a grouped-GEMM policy tag");
   impl::static_checks<ExecSpace, LhsView, DyView, OutView>();

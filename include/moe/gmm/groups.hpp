@@ -37,7 +37,7 @@ struct Groups {
 
 }  // namespace moe::gmm
 
-namespace moe::detail::gmm_impl {
+namespace moe::gmm::detail {
 
 /// Allocates the offsets of `sizes` (device view + host mirror) and fills the host copy.
 template <class MemorySpace, class... Alloc>
@@ -57,7 +57,7 @@ moe::gmm::Groups<MemorySpace> host_groups(std::vector<int64_t> const& sizes,
   return groups;
 }
 
-}  // namespace moe::detail::gmm_impl
+}  // namespace moe::gmm::detail
 
 namespace moe::gmm {
 
@@ -69,7 +69,7 @@ namespace moe::gmm {
 template <class ExecSpace, class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
 Groups<typename ExecSpace::memory_space> make_groups(ExecSpace const& space,
                                                      std::vector<int64_t> const& sizes) {
-  auto groups = moe::detail::gmm_impl::host_groups<typename ExecSpace::memory_space>(sizes, space);
+  auto groups = moe::gmm::detail::host_groups<typename ExecSpace::memory_space>(sizes, space);
   Kokkos::deep_copy(space, groups.offsets, groups.offsets_host);
   return groups;
 }
@@ -79,7 +79,7 @@ Groups<typename ExecSpace::memory_space> make_groups(ExecSpace const& space,
 /// \throws moe::ShapeError if a size is negative
 template <class MemorySpace>
 Groups<MemorySpace> make_groups(std::vector<int64_t> const& sizes) {
-  auto groups = moe::detail::gmm_impl::host_groups<MemorySpace>(sizes);
+  auto groups = moe::gmm::detail::host_groups<MemorySpace>(sizes);
   Kokkos::deep_copy(groups.offsets, groups.offsets_host);
   return groups;
 }

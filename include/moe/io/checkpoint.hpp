@@ -113,7 +113,7 @@ struct BlockRef {
   void* data = nullptr;    ///< numel(local_shape) elements; read by save, written by load
 };
 
-namespace detail::ckpt {
+namespace detail {
 
 /// Checks one block of this rank; throws ConfigError. Fills the description (hash included when
 /// \p with_hash).
@@ -162,7 +162,7 @@ inline Desc describe(BlockRef const& b, std::size_t i, int rank, bool with_hash)
   return d;
 }
 
-}  // namespace detail::ckpt
+}  // namespace detail
 
 /// \brief Collective. Saves step \p step into \p dir (see the file comment for the format and the
 /// guarantees) and keeps the last \p keep complete checkpoints.
@@ -175,7 +175,7 @@ inline Desc describe(BlockRef const& b, std::size_t i, int rank, bool with_hash)
 inline void save_checkpoint(moe::comm::Communicator const& comm, std::string const& dir,
                             std::int64_t step, std::vector<BlockRef> const& blocks,
                             std::map<std::string, std::string> const& metadata, int keep) {
-  namespace cd = detail::ckpt;
+  namespace cd = detail;
   namespace fs = std::filesystem;
   using moe::detail::cat;
   using moe::detail::require;
@@ -296,7 +296,7 @@ inline bool load_latest_checkpoint(moe::comm::Communicator const& comm, std::str
                                    std::vector<BlockRef> const& blocks,
                                    std::map<std::string, std::string>& metadata,
                                    std::int64_t& step) {
-  namespace cd = detail::ckpt;
+  namespace cd = detail;
   namespace fs = std::filesystem;
   using moe::detail::cat;
   std::string mine;
@@ -338,7 +338,7 @@ inline bool load_latest_checkpoint(moe::comm::Communicator const& comm, std::str
       }
     }
   });
-  moe::comm::detail::check_mpi(MPI_Bcast(found, 2, MPI_INT64_T, 0, comm.get()), "MPI_Bcast");
+  moe::comm::check_mpi(MPI_Bcast(found, 2, MPI_INT64_T, 0, comm.get()), "MPI_Bcast");
   if (!found[0]) return false;
   std::string const meta =
       moe::comm::broadcast_bytes(comm, 0, root ? cd::encode_map(file.metadata) : "");

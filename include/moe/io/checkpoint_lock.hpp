@@ -30,7 +30,7 @@
 #include <unistd.h>
 
 namespace moe::io {
-namespace detail::ckpt {
+namespace detail {
 
 /// The lock file of a checkpoint directory.
 inline constexpr char const* kLockFile = "LOCK";
@@ -290,7 +290,7 @@ class DirLock {
   DirKey key_{};
 };
 
-}  // namespace detail::ckpt
+}  // namespace detail
 
 /// \brief One writer per checkpoint directory: the exclusive lock a job takes on the directory it
 /// will save into, held for as long as the object lives (normally the job's lifetime).
@@ -299,7 +299,7 @@ class DirLock {
 /// fcntl write lock on "<dir>/LOCK" and writes its identity into it (hostname, pid, start time in
 /// UTC, the batch job id when SLURM_JOB_ID, PBS_JOBID, LSB_JOBID, FLUX_JOB_ID or JOB_ID is set,
 /// and the command line). When another process holds it (after a grace of
-/// detail::ckpt::lock_wait_seconds(), 2 s, for a job killed a moment ago), every rank throws the
+/// detail::lock_wait_seconds(), 2 s, for a job killed a moment ago), every rank throws the
 /// same moe::IoError, "checkpoint_dir '<dir>' is in use by another job (hostname=..., pid=...,
 /// since=..., command=...); two jobs must not share a checkpoint directory: ...", before the job
 /// has read or written anything there; when this process already holds it (by any path),
@@ -336,8 +336,8 @@ class CheckpointDirLock {
     moe::comm::check_agreement(comm, "checkpoint directory", dir);
     moe::comm::collective_guard(comm, [&] {
       if (comm.rank() != 0) return;
-      detail::ckpt::make_dir(dir);
-      lock_ = detail::ckpt::DirLock(dir);
+      detail::make_dir(dir);
+      lock_ = detail::DirLock(dir);
     });
   }
 
@@ -352,7 +352,7 @@ class CheckpointDirLock {
 
  private:
   std::string dir_;
-  detail::ckpt::DirLock lock_;
+  detail::DirLock lock_;
 };
 
 }  // namespace moe::io

@@ -51,7 +51,7 @@ struct LocalLayout {
 
 }  // namespace moe::permute
 
-namespace moe::detail::lperm {
+namespace moe::permute::detail {
 
 using moe::detail::fence;
 
@@ -75,7 +75,7 @@ inline void check_sizes(char const* who, std::vector<std::int64_t> const& v) {
                                      " is negative; group sizes must be >= 0");
 }
 
-}  // namespace moe::detail::lperm
+}  // namespace moe::permute::detail
 
 namespace moe::permute {
 
@@ -95,14 +95,14 @@ inline LocalLayout local_layout(std::vector<std::int64_t> const& G, int E, int e
                                     " is not a shard index in [0, ", ep, ")");
   moe::detail::require<ShapeError>(!G.empty() && G.size() % E == 0, who, ": G has ", G.size(),
                                    " entries; it must be [senders, E] with E=", E);
-  moe::detail::lperm::check_sizes(who, G);
+  detail::check_sizes(who, G);
   LocalLayout lay;
   lay.num_local = E / ep;
   lay.num_senders = static_cast<int>(G.size() / E);
   for (int i = 0; i < lay.num_senders; ++i)
     for (int l = 0; l < lay.num_local; ++l)
       lay.block_sizes.push_back(G[std::size_t(i) * E + std::size_t(me) * lay.num_local + l]);
-  moe::detail::lperm::truncate_blocks(lay, R);
+  detail::truncate_blocks(lay, R);
   return lay;
 }
 
@@ -117,14 +117,14 @@ inline LocalLayout local_layout_replicated(std::vector<std::int64_t> const& glob
                                     " is not divisible by the expert-parallel size ", ep);
   moe::detail::require<ConfigError>(me >= 0 && me < ep, who, ": me=", me,
                                     " is not a shard index in [0, ", ep, ")");
-  moe::detail::lperm::check_sizes(who, global_group_sizes);
+  detail::check_sizes(who, global_group_sizes);
   LocalLayout lay;
   lay.num_local = E / ep;
   lay.num_senders = 1;
   for (int e = 0; e < me * lay.num_local; ++e) lay.source_offset += global_group_sizes[e];
   lay.block_sizes.assign(global_group_sizes.begin() + std::size_t(me) * lay.num_local,
                          global_group_sizes.begin() + std::size_t(me + 1) * lay.num_local);
-  moe::detail::lperm::truncate_blocks(lay, R);
+  detail::truncate_blocks(lay, R);
   return lay;
 }
 
@@ -221,7 +221,7 @@ void make_local_permutation(ExecSpace const& space, LocalLayout const& layout,
         ids(p) = lo / S;
       });
   // The host stages (seg_host, group_offsets_host) are rewritten by the next call.
-  moe::detail::lperm::fence(space, "moe::permute::local: permutation built");
+  detail::fence(space, "moe::permute::local: permutation built");
 }
 
 /// \brief make_local_permutation into a new object (allocates its buffers).
@@ -252,7 +252,7 @@ LocalPermutation<typename ExecSpace::memory_space> local_permute_replicated(
 
 }  // namespace moe::permute
 
-namespace moe::detail::lperm {
+namespace moe::permute::detail {
 
 template <class ExecSpace, class Map, class SrcView, class DstView>
 void gather_by(ExecSpace const& space, char const* label, Map const& map, std::int64_t rows,
@@ -276,7 +276,7 @@ void gather_by(ExecSpace const& space, char const* label, Map const& map, std::i
       });
 }
 
-}  // namespace moe::detail::lperm
+}  // namespace moe::permute::detail
 
 namespace moe::permute {
 
@@ -290,8 +290,7 @@ void permute_rows(ExecSpace const& space, LocalPermutation<MS> const& lp, SrcVie
   moe::detail::require<ShapeError>(static_cast<std::int64_t>(src.extent(0)) >= need,
                                    "moe::permute::permute_rows: the source has ", src.extent(0),
                                    " rows; the permutation reads rows up to ", need);
-  moe::detail::lperm::gather_by(space, "moe::permute::local::permute_rows", lp.perm, lp.rows(), src,
-                                dst);
+  detail::gather_by(space, "moe::permute::local::permute_rows", lp.perm, lp.rows(), src, dst);
 }
 
 /// \brief Inverse of permute_rows: dst[q] = src[inverse[q]] for the rows() kept rows, in source
@@ -304,8 +303,7 @@ void unpermute_rows(ExecSpace const& space, LocalPermutation<MS> const& lp, SrcV
   moe::detail::require<ShapeError>(static_cast<std::int64_t>(src.extent(0)) >= lp.rows(),
                                    "moe::permute::unpermute_rows: the source has ", src.extent(0),
                                    " rows; the permutation has ", lp.rows());
-  moe::detail::lperm::gather_by(space, "moe::permute::local::unpermute_rows", lp.inverse, lp.rows(),
-                                src, dst);
+  detail::gather_by(space, "moe::permute::local::unpermute_rows", lp.inverse, lp.rows(), src, dst);
 }
 
 /// \brief Local expert ids of the dense (dropping) expert-parallel path: for a shard holding

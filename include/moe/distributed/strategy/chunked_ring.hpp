@@ -8,9 +8,9 @@
 
 #include <moe/comm/iall_gather.hpp>
 #include <moe/detail/views.hpp>
+#include <moe/distributed/plan_builder.hpp>
 #include <moe/distributed/reshard.hpp>
 #include <moe/distributed/stages/route.hpp>
-#include <moe/distributed/step_plan.hpp>
 #include <moe/distributed/strategy/gathered.hpp>
 #include <moe/distributed/strategy/shared_expert.hpp>
 #include <moe/permute/permute.hpp>

@@ -11,8 +11,8 @@
 
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
+#include <moe/distributed/plan_builder.hpp>
 #include <moe/distributed/stages/route.hpp>
-#include <moe/distributed/step_plan.hpp>
 #include <moe/distributed/strategy/gathered.hpp>
 #include <moe/distributed/strategy/shared_expert.hpp>
 #include <moe/permute/permute.hpp>

@@ -9,8 +9,8 @@
 /// are reused by the chunked ring (strategy/chunked_ring.hpp) and EP-TP (strategy/ep_tp.hpp).
 
 #include <moe/detail/views.hpp>
+#include <moe/distributed/plan_builder.hpp>
 #include <moe/distributed/stages/route.hpp>
-#include <moe/distributed/step_plan.hpp>
 #include <moe/distributed/strategy/shared_expert.hpp>
 #include <moe/permute/local_permute.hpp>
 #include <moe/permute/permute.hpp>

@@ -9,9 +9,9 @@
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/ragged_all_to_all.hpp>
 #include <moe/detail/views.hpp>
+#include <moe/distributed/plan_builder.hpp>
 #include <moe/distributed/reshard.hpp>
 #include <moe/distributed/stages/route.hpp>
-#include <moe/distributed/step_plan.hpp>
 #include <moe/distributed/strategy/shared_expert.hpp>
 #include <moe/permute/local_permute.hpp>
 #include <moe/permute/permute.hpp>

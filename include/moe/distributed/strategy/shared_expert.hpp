@@ -8,7 +8,7 @@
 
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
-#include <moe/distributed/step_plan.hpp>
+#include <moe/distributed/plan_builder.hpp>
 
 #include <cstdint>
 #include <string>

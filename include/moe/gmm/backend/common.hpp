@@ -16,7 +16,7 @@
 #include <type_traits>
 #include <utility>
 
-namespace moe::detail::gmm_impl {
+namespace moe::gmm::detail {
 
 template <class Exec, class Scalar, class Mem>
 using CMat = Kokkos::View<const Scalar**, Kokkos::LayoutRight, Kokkos::Device<Exec, Mem>,
@@ -146,4 +146,4 @@ constexpr void static_checks() {
       "moe::gmm: operands must be accessible from the execution space");
 }
 
-}  // namespace moe::detail::gmm_impl
+}  // namespace moe::gmm::detail

@@ -16,7 +16,7 @@ struct is_policy<Dense> : std::true_type {};
 
 }  // namespace moe::gmm
 
-namespace moe::detail::gmm_impl {
+namespace moe::gmm::detail {
 
 using moe::detail::blas_gemm;
 using moe::detail::BlasOrder;
@@ -85,4 +85,4 @@ struct Impl<moe::gmm::Dense> {
   }
 };
 
-}  // namespace moe::detail::gmm_impl
+}  // namespace moe::gmm::detail

@@ -31,7 +31,7 @@ using DeviceTiled = Tiled<64, 16, 64>;
 
 }  // namespace moe::gmm
 
-namespace moe::detail::gmm_impl {
+namespace moe::gmm::detail {
 
 // ----------------------------------------------------------------------------------------------
 // Tiled: a team computes one output tile C[TM,TN] += A[TM,TK-chunk] * B[TK-chunk,TN] with A and B
@@ -374,4 +374,4 @@ struct Impl<moe::gmm::Tiled<TM, TK, TN>> {
   }
 };
 
-}  // namespace moe::detail::gmm_impl
+}  // namespace moe::gmm::detail

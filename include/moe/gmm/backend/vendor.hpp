@@ -18,7 +18,7 @@ struct is_policy<Vendor> : std::true_type {};
 
 }  // namespace moe::gmm
 
-namespace moe::detail::gmm_impl {
+namespace moe::gmm::detail {
 
 using moe::detail::blas_gemm;
 using moe::detail::BlasOrder;
@@ -96,4 +96,4 @@ struct Impl<moe::gmm::Vendor> {
   }
 };
 
-}  // namespace moe::detail::gmm_impl
+}  // namespace moe::gmm::detail

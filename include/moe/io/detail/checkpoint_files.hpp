@@ -27,7 +27,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-namespace moe::io::detail::ckpt {
+namespace moe::io::detail {
 
 namespace fs = std::filesystem;
 
@@ -192,4 +192,4 @@ inline void make_dir(std::string const& dir) {
   if (created) sync_dir(fs::absolute(dir, ec).parent_path().string());
 }
 
-}  // namespace moe::io::detail::ckpt
+}  // namespace moe::io::detail

@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-namespace moe::io::detail::ckpt {
+namespace moe::io::detail {
 
 using ::moe::detail::require;
 
@@ -300,4 +300,4 @@ inline void swap_to_le(unsigned char* p, std::size_t bytes, std::size_t esz) {
   for (std::size_t i = 0; i + esz <= bytes; i += esz) std::reverse(p + i, p + i + esz);
 }
 
-}  // namespace moe::io::detail::ckpt
+}  // namespace moe::io::detail

@@ -1,0 +1,470 @@
+#pragma once
+/// \file
+/// PlanBuilder: what every dispatch strategy writes its step plan (distributed/step_plan.hpp)
+/// with -- this rank's step sizes and the extents of its buffers, the stages every route shares,
+/// the buffers the shared components keep, and one helper per collective that plans it with its
+/// sizes and predicted bytes.
+
+#include <moe/comm/sent_bytes.hpp>
+#include <moe/config.hpp>
+#include <moe/detail/checked.hpp>
+#include <moe/detail/row_caps.hpp>
+#include <moe/distributed/buffers.hpp>
+#include <moe/distributed/layout.hpp>
+#include <moe/distributed/parallel_config.hpp>
+#include <moe/distributed/step_plan.hpp>
+#include <moe/error.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moe::distributed {
+
+/// \brief What a stage writes: a buffer or weight block already declared (a Ref or handle), or
+/// a buffer it makes first, with its declaration (PlanBuilder::out).
+struct Out {
+  Ref ref;
+  bool declares = false;
+  BufferDecl decl;
+  Out(Ref r) : ref(r) {}  // NOLINT: implicit, as in a braced list of writes
+  Out(Buf b) : ref(b) {}  // NOLINT
+  template <class Role>
+  Out(Handle<Role> h) : ref(h) {}                                       // NOLINT
+  Out(BufferDecl d) : ref(d.id), declares(true), decl(std::move(d)) {}  // NOLINT
+};
+
+/// \brief What every dispatch strategy builds its plan with: this rank's step sizes and the
+/// extents of its buffers, the stages every route shares (the weight gathers and gradient
+/// reductions, the router, the output), the buffers the shared components keep, and one helper
+/// per collective that plans it with its sizes and predicted bytes (a group of one rank plans
+/// nothing). A strategy (distributed/strategy/) lists its stages with these, top to bottom;
+/// make_step_plan() runs the layout's strategy on one.
+class PlanBuilder {
+ public:
+  using Axes = std::vector<std::string>;
+
+  /// `gathered_tokens`: the experts see the expert group's tokens (the ring).
+  PlanBuilder(Layout const& layout, LayerConfig const& config, ParallelConfig const& parallel,
+              std::int64_t value_bytes, bool gathered_tokens)
+      : lay(layout), cfg(config), par(parallel), s(value_bytes) {
+    S = lay.seq_len;
+    T = checked_mul(lay.block("x").local_shape[0], S, "tokens on this rank");
+    D = cfg.base_emb_dim;
+    K = cfg.num_experts_per_tok;
+    E = cfg.num_experts;
+    ep = lay.ep();
+    tp = lay.tp();
+    Dc = D / tp;
+    Dl = lay.block("x").local_shape[2];
+    L = lay.local_experts;
+    F = lay.weight("wi_0").dims[2].computed;
+    Tw = gathered_tokens ? checked_mul(T, ep, "tokens on the ring") : T;
+    chunks = par.num_moe_emb_chunks;  // compute_layout allows it on the ring only
+    // Balanced routing: every expert gets T*K/E of this rank's slots; per-sequence capacity
+    // keeps at most C of them per expert and sequence. Every rank of the expert group sends the
+    // same, so this rank receives what it sends (capped by the receive buffer).
+    sent = kept_slots(T);
+    recv = sent;
+    if (par.ragged_buffer_factor > 0)
+      recv = moe::detail::scaled_rows(checked_mul(T, K, "routed slots"), par.ragged_buffer_factor,
+                                      recv);
+    // The gathered paths run their local experts' share of the working tokens' slots.
+    local = E > 0 ? checked_mul(kept_slots(Tw), L, "local rows") / E : 0;
+  }
+
+  Layout const& lay;
+  LayerConfig const& cfg;
+  ParallelConfig const& par;
+  std::int64_t s;  ///< bytes of one value
+  /// This rank's tokens, the tokens the experts see (the expert group's on the ring), the
+  /// sequence length, D, its tensor column block, this rank's x columns (EP-TP: D / ep), K, E,
+  /// the local experts and the expert hidden size of the compute block, the group sizes.
+  std::int64_t T = 0, Tw = 0, S = 1, D = 0, Dc = 0, Dl = 0, K = 0, E = 0, L = 0, F = 0, ep = 1,
+               tp = 1;
+  std::int64_t sent = 0, recv = 0;  ///< rows this rank sends / receives (balanced routing)
+  std::int64_t local = 0;           ///< rows of the local experts on the gathered paths
+  std::int64_t chunks = 0;          ///< D-chunks of the ring's token gather (0: one gather)
+  bool backward = false;            ///< phase of the stages being added
+
+  // ------------------------------------------------------------ extents of the step's buffers
+  static constexpr unsigned tok = scale_tokens, slot = scale_tokens | scale_topk;
+  Extent tokens() const { return {T, tok}; }
+  Extent work_tokens() const { return {Tw, tok}; }
+  Extent emb() const { return {D, scale_emb}; }
+  Extent emb_cols() const { return {Dc, scale_emb}; }    ///< D / tp
+  Extent token_cols() const { return {Dl, scale_emb}; }  ///< x's columns on this rank
+  Extent topk() const { return {K, scale_topk}; }
+  Extent experts() const { return {E, scale_experts}; }
+  Extent sent_rows() const { return {sent, slot, true}; }
+  Extent recv_rows() const { return {recv, slot, true}; }
+  Extent local_rows() const { return {local, slot, true}; }
+  Extent mlp() const { return {F, scale_mlp}; }
+  /// Tokens the shared expert sees (begin()'s shared group x T).
+  Extent shared_tokens() const { return {plan_.shared_tokens, tok}; }
+
+  /// Slots kept of `tokens` tokens' T*K under per-sequence capacity (all without a capacity).
+  std::int64_t kept_slots(std::int64_t tokens) const {
+    std::int64_t const slots = checked_mul(tokens, K, "routed slots");
+    if (cfg.capacity_factor <= 0 || S <= 0) return slots;
+    return checked_mul(tokens / S,
+                       std::min<std::int64_t>(checked_mul(S, K, "slots per sequence"),
+                                              checked_mul(E, cfg.capacity(S), "capacity")),
+                       "kept slots");
+  }
+
+  // ------------------------------------------------------------ stages and buffers
+  /// The declaration of workspace buffer `h` [rows, cols], made by a stage of the current phase
+  /// (its memory-estimate item: the buffer's own unless `item` names another).
+  template <class Role>
+  BufferDecl out(Handle<Role> h, Extent rows, Extent cols) const {
+    return out(h, rows, cols, info(h.id).item);
+  }
+  template <class Role>
+  BufferDecl out(Handle<Role> h, Extent rows, Extent cols, Item item) const {
+    BufferDecl d;
+    d.id = h.id;
+    d.dims = {rows, cols};
+    d.elem = info(h.id).elem;
+    d.item = item;
+    d.backward = backward;
+    return d;
+  }
+
+  /// Appends a stage of the current phase and returns it; the buffers `writes` declare join the
+  /// plan's (a buffer is declared once, by the first stage that makes it).
+  Stage& stage(StageKind kind, std::string region, std::vector<Ref> reads,
+               std::vector<Out> writes) {
+    Stage st;
+    st.kind = kind;
+    st.backward = backward;
+    st.region = std::move(region);
+    st.reads = std::move(reads);
+    for (auto& w : writes) {
+      st.writes.push_back(w.ref);
+      if (w.declares) declare(std::move(w.decl));
+    }
+    auto& out = backward ? plan_.backward : plan_.forward;
+    out.push_back(std::move(st));
+    return out.back();
+  }
+  /// Declares a buffer a component keeps between steps (a kBufferInfo row of kind held), made
+  /// by the stage of the current phase that runs the component.
+  void hold(Buf b, std::vector<Extent> dims) {
+    BufferDecl d;
+    d.id = b;
+    d.dims = std::move(dims);
+    d.elem = info(b).elem;
+    d.item = info(b).item;
+    d.backward = backward;
+    declare(std::move(d));
+  }
+  /// A row count handed to one GEMM or kernel launch (checked against the index limits).
+  void row_limit(std::string what, Extent rows) {
+    plan_.row_limits.push_back({std::move(what), rows});
+  }
+  /// The sort of `slots` (routed rows on `keys` experts) by expert: its permutation, inverse
+  /// and per-chunk cursors (permute::sort_by_expert).
+  void hold_sort(Extent slots, std::int64_t keys) {
+    std::int64_t const chunk = std::max<std::int64_t>(2048, 8 * keys);
+    hold(Buf::sort_perm, {slots});
+    hold(Buf::sort_inverse, {slots});
+    hold(Buf::sort_cursors, {{(slots.n + chunk - 1) / chunk + 1, slots.keys}, {keys, 0}});
+  }
+  /// The grouped expert FFN's hidden states on `rows` rows: h0, h1, act forward; d_act, d_h1
+  /// backward (nn::ExpertFfn).
+  void hold_expert_ffn(Extent rows) {
+    if (!backward)
+      for (Buf b : {Buf::h0, Buf::h1, Buf::act}) hold(b, {rows, mlp()});
+    else
+      for (Buf b : {Buf::d_act, Buf::d_h1}) hold(b, {rows, mlp()});
+  }
+
+  /// The shared MLP's hidden states on `rows` tokens: h0, h1, act forward; d_act backward
+  /// (nn::DenseMlp), and the rows it hands to its GEMMs.
+  void hold_shared_mlp(Extent rows) {
+    Extent const Fs{lay.weight("shared_wi_0").dims[1].computed, scale_mlp | scale_shared};
+    if (!backward) {
+      row_limit("shared-expert tokens", rows);
+      for (Buf b : {Buf::shared_h0, Buf::shared_h1, Buf::shared_act}) hold(b, {rows, Fs});
+    } else {
+      hold(Buf::shared_d_act, {rows, Fs});
+    }
+  }
+
+  // ------------------------------------------------------------ collectives
+  // Collectives of a group of size 1 do not run (and are not planned). Token collectives move
+  // [rows, cols] blocks along dim 0 (rows) or dim 1 (cols).
+  /// All-gather of `rows` x `cols` input blocks along `dim`.
+  void all_gather(Stage& st, std::string what, Axes const& axes, std::int64_t rows,
+                  std::int64_t cols, int dim, bool balanced = false) const {
+    std::int64_t const P = lay.parts(axes);
+    if (P > 1)
+      add(st, std::move(what), "all-gather", axes, comm::sent_bytes::all_gather(rows * cols * s, P),
+          balanced, P, rows * cols * P, dim == 1 ? rows : 1);
+  }
+  /// Reduce-scatter into `rows` x `cols` output blocks along `dim`.
+  void reduce_scatter(Stage& st, std::string what, Axes const& axes, std::int64_t rows,
+                      std::int64_t cols, int dim, bool balanced = false) const {
+    std::int64_t const P = lay.parts(axes);
+    if (P > 1)
+      add(st, std::move(what), "reduce-scatter", axes,
+          comm::sent_bytes::reduce_scatter(rows * cols * s, P), balanced, P, rows * cols * P,
+          dim == 1 ? rows : 1);
+  }
+  /// An all-reduce of `elems` values.
+  void all_reduce(Stage& st, std::string what, Axes const& axes, std::int64_t elems) const {
+    std::int64_t const P = lay.parts(axes);
+    if (P > 1 && elems > 0)
+      add(st, std::move(what), "all-reduce", axes, comm::sent_bytes::all_reduce(elems * s, P),
+          false, P, elems, 1);
+  }
+  /// An all-reduce of `elems` host statistics of 8 bytes (doubles or int64, whatever the value
+  /// type).
+  void all_reduce_statistics(Stage& st, std::string what, Axes const& axes,
+                             std::int64_t elems) const {
+    std::int64_t const P = lay.parts(axes);
+    if (P > 1 && elems > 0) {
+      add(st, std::move(what), "all-reduce", axes, comm::sent_bytes::all_reduce(elems * 8, P),
+          false, P, elems, 1, 8);
+      st.collectives.back().host = true;
+    }
+  }
+  /// A ragged all-to-all over the expert axes of rows x cols values (balanced routing).
+  void all_to_all(Stage& st, std::string what, std::int64_t rows, std::int64_t cols) const {
+    add(st, std::move(what), "all-to-all", lay.ep_axes,
+        comm::sent_bytes::all_to_all_balanced(rows * cols * s, ep), true, ep, rows * cols, 1);
+  }
+
+  // ------------------------------------------------------------ the stages every route has
+  /// Starts the plan of this rank's sizes with every moved weight's ops (StepPlan::weights), the
+  /// step's input x [T, Dl] and no stage yet; `shared_group`: how many ranks' tokens the shared
+  /// expert sees.
+  StepPlan& begin(std::int64_t shared_group) {
+    StepPlan& p = plan_;
+    p.route = lay.route;
+    // The dense path on the all-to-all (moe_dispatch_no_expert_sharding) runs the received rows
+    // through the grouped GEMMs like the sparse path: no masked dense experts (Layout::dense).
+    p.dense = lay.dense;
+    p.tokens = T;
+    p.work_tokens = Tw;
+    p.token_cols = Dl;
+    p.shared_tokens = checked_mul(T, shared_group, "shared-expert tokens");
+    p.emb_chunks = chunks;
+    for (auto const& w : lay.weights) p.weights.push_back(weight_steps(w));
+    declare(out(buf::x, tokens(), token_cols()));
+    return p;
+  }
+  /// The plan built so far (moved out: the builder is done).
+  StepPlan finish() { return std::move(plan_); }
+
+  /// The forward's first stage: stored weight blocks -> compute blocks.
+  void gather_weights() {
+    auto& st = stage(StageKind::gather_weights, "moe::dist::gather_weights", {}, {});
+    for (Weight n : moved()) {
+      st.reads.push_back(stored(n));
+      st.writes.push_back(compute(n));
+      auto cur = stored_shape(lay.weight(to_string(n)));
+      for (auto const& o : plan_.weight(to_string(n)).to_compute) {
+        weight_collective(st, o, cur);
+        cur = o.shape;
+      }
+    }
+  }
+  /// The router on the tokens `x` (this rank's or the working tokens); `logits`: the chunked
+  /// ring's, whose gate logits (full D, own tokens) are all-gathered instead of the tokens.
+  void route(Ref x, bool logits = false) {
+    auto& st = logits
+                   ? stage(StageKind::route, "moe::dist::route",
+                           {buf::x, compute(Weight::gate), stored(Weight::gate_bias)},
+                           {out(buf::logits_own, tokens(), experts()), Buf::routing})
+                   : stage(StageKind::route, "moe::dist::route",
+                           {x, compute(Weight::gate), stored(Weight::gate_bias)}, {Buf::routing});
+    if (logits) all_gather(st, "all-gather logits (ring)", lay.ep_axes, T, E, 0);
+    // Statistics are host doubles / int64: 8 bytes whatever the value type.
+    if (cfg.load_balance_loss_weight > 0) all_reduce_statistics(st, "lb loss", lay.batch_axes, 1);
+    if (cfg.routed_bias_update_rate > 0)
+      all_reduce_statistics(st, "bias counts", lay.batch_axes, E);
+    // What the router keeps (routing::Router): for the Tw rows it routes, the scores and the
+    // top-k choice; the load-balance statistics per sequence; the capacity cursors.
+    Extent const R = work_tokens(), seqs{S > 0 ? T / S : 0, tok};
+    row_limit("tokens routed on this rank", R);
+    hold(Buf::logits, {R, experts()});
+    if (cfg.routed_score_func != ScoreFunc::None) hold(Buf::scores, {R, experts()});
+    if (cfg.routed_bias) hold(Buf::biased_scores, {R, experts()});
+    for (Buf b : {Buf::expert_ids, Buf::kept, Buf::top_values, Buf::weights}) hold(b, {R, topk()});
+    if (cfg.load_balance_loss_weight > 0) {
+      hold(Buf::seq_counts, {seqs, experts()});
+      hold(Buf::seq_probs, {seqs, experts()});
+      hold(Buf::lb_softmax, {{2, 0}, tokens()});
+    }
+    if (cfg.capacity_factor > 0) hold(Buf::capacity_cursors, {{2, 0}, seqs, experts()});
+  }
+  /// The forward's last stage: the D/tp column blocks of y -> full y.
+  void output() {
+    auto& o = stage(StageKind::output, "moe::dist::output", {buf::y_cols}, {Buf::y});
+    all_gather(o, "all-gather y (tensor)", lay.tp_axes, T, Dc, 1);
+  }
+  /// The router's backward on the tokens `x` it routed (dx sums path + shared + router, in
+  /// this order, on every route).
+  void route_backward(Ref x) {
+    stage(StageKind::route, "moe::dist::route::backward",
+          {x, buf::d_weights, compute(Weight::gate)},
+          {Buf::dx, grad(Weight::gate), grad(Weight::gate_bias)});
+    hold(Buf::d_top, {tokens(), topk()});
+    hold(Buf::d_biased, {tokens(), experts()});
+    hold(Buf::d_logits, {tokens(), experts()});
+  }
+  /// The backward's last stage: compute-block gradients -> stored-block gradients.
+  void reduce_grads() {
+    auto& st = stage(StageKind::reduce_grads, "moe::dist::reduce_grads", {}, {});
+    auto names = moved();
+    if (cfg.routed_bias) names.insert(names.begin() + 1, Weight::gate_bias);
+    for (Weight n : names) {
+      st.reads.push_back(grad(n));
+      st.writes.push_back(stored_grad(n));
+      std::vector<std::int64_t> cur;
+      for (auto const& d : lay.weight(to_string(n)).dims) cur.push_back(d.computed);
+      for (auto const& o : plan_.weight(to_string(n)).to_storage) {
+        weight_collective(st, o, cur);
+        cur = o.shape;
+      }
+    }
+  }
+  /// Whether the layer has a shared expert.
+  bool shared() const { return cfg.shared_mlp_dim() > 0; }
+
+ private:
+  using Kind = WeightOp::Kind;
+  void declare(BufferDecl d) {
+    for (auto const& have : plan_.buffers)
+      if (have.id == d.id) {
+        moe::detail::require<Error>(have.shape() == d.shape(),
+                                    "moe internal error: the plan "
+                                    "declares buffer ",
+                                    to_string(d.id), " twice, with two shapes");
+        return;
+      }
+    plan_.buffers.push_back(std::move(d));
+  }
+  void add(Stage& st, std::string what, char const* kind, Axes const& axes, std::int64_t bytes,
+           bool balanced, std::int64_t parts, std::int64_t elems, std::int64_t lead,
+           std::int64_t elem_bytes = 0) const {
+    PlannedCollective c;
+    c.what = std::move(what);
+    c.kind = kind;
+    c.axes = axes;
+    c.bytes = bytes;
+    c.balanced = balanced;
+    c.parts = parts;
+    c.elems = elems;
+    c.lead = lead;
+    c.elem_bytes = elem_bytes ? elem_bytes : s;
+    st.collectives.push_back(std::move(c));
+  }
+  static std::vector<std::int64_t> stored_shape(WeightLayout const& w) {
+    std::vector<std::int64_t> v;
+    for (auto const& d : w.dims) v.push_back(d.stored);
+    return v;
+  }
+  WeightOp op(WeightOp::Kind kind, int dim, Axes axes, std::vector<std::int64_t> shape,
+              std::string what) const {
+    WeightOp o;
+    o.kind = kind;
+    o.dim = dim;
+    o.parts = lay.parts(axes);
+    if (kind == WeightOp::Kind::slice) o.index = lay.shard_index(axes);
+    o.axes = std::move(axes);
+    o.shape = std::move(shape);
+    o.what = std::move(what);
+    return o;
+  }
+  WeightSteps weight_steps(WeightLayout const& w) const {
+    using detail::minus;
+    WeightSteps ws;
+    ws.name = w.name;
+    // stored -> compute: all gathers first (a gather combines blocks cut the same way), then
+    // the slices; two-stage gathers run one axis at a time, minor axis first, so blocks stay in
+    // row-major order.
+    auto cur = stored_shape(w);
+    for (std::size_t d = 0; d < w.dims.size(); ++d) {
+      auto const& g = w.dims[d].gather;
+      if (g.empty()) continue;
+      std::vector<Axes> parts{g};
+      if (par.moe_fsdp_use_two_stage_all_gather && g.size() > 1) {
+        parts.clear();
+        for (auto it = g.rbegin(); it != g.rend(); ++it) parts.push_back({*it});
+      }
+      for (auto const& a : parts) {
+        cur[d] *= lay.parts(a);
+        ws.to_compute.push_back(op(Kind::all_gather, int(d), a, cur, "gather " + w.name));
+      }
+    }
+    for (std::size_t d = 0; d < w.dims.size(); ++d) {
+      auto const& sl = w.dims[d].slice;
+      if (sl.empty()) continue;
+      cur[d] /= lay.parts(sl);
+      ws.to_compute.push_back(op(Kind::slice, int(d), sl, cur, ""));
+    }
+    // compute gradient -> stored gradient: the transpose. Sum over the token axes that differ
+    // and were not gathered, undo the slices (all-gather), then the gathers (reduce-scatter, or
+    // a sum over the gathered axes that also reduce plus a slice).
+    Axes gathered;
+    for (auto const& d : w.dims) gathered.insert(gathered.end(), d.gather.begin(), d.gather.end());
+    auto const reduce = minus(w.reduce, gathered);
+    if (lay.parts(reduce) > 1)
+      ws.to_storage.push_back(op(Kind::all_reduce, -1, reduce, cur, "reduce d_" + w.name));
+    for (std::size_t d = 0; d < w.dims.size(); ++d) {
+      auto const& sl = w.dims[d].slice;
+      if (sl.empty()) continue;
+      cur[d] *= lay.parts(sl);
+      ws.to_storage.push_back(op(Kind::all_gather, int(d), sl, cur, "unslice d_" + w.name));
+    }
+    for (std::size_t d = 0; d < w.dims.size(); ++d) {
+      auto const& g = w.dims[d].gather;
+      if (g.empty()) continue;
+      auto const summed = minus(g, minus(g, w.reduce));
+      cur[d] /= lay.parts(g);
+      if (summed.size() == g.size()) {
+        ws.to_storage.push_back(
+            op(Kind::reduce_scatter, int(d), g, cur, "reduce-scatter d_" + w.name));
+      } else {
+        if (lay.parts(summed) > 1) {
+          auto before = cur;
+          before[d] *= lay.parts(g);
+          ws.to_storage.push_back(op(Kind::all_reduce, -1, summed, before, "reduce d_" + w.name));
+        }
+        ws.to_storage.push_back(op(Kind::slice, int(d), g, cur, ""));
+      }
+    }
+    return ws;
+  }
+  /// Planned collective of a weight op (none for a slice).
+  void weight_collective(Stage& st, WeightOp const& o,
+                         std::vector<std::int64_t> const& before) const {
+    if (o.kind == Kind::slice) return;
+    std::int64_t const in = detail::product(before), out = detail::product(o.shape);
+    if (o.kind == Kind::all_gather)
+      add(st, o.what, "all-gather", o.axes, comm::sent_bytes::all_gather(in * s, o.parts), false,
+          o.parts, out, detail::lead(before, o.dim));
+    else if (o.kind == Kind::reduce_scatter)
+      add(st, o.what, "reduce-scatter", o.axes, comm::sent_bytes::reduce_scatter(out * s, o.parts),
+          false, o.parts, in, detail::lead(before, o.dim));
+    else
+      add(st, o.what, "all-reduce", o.axes, comm::sent_bytes::all_reduce(in * s, o.parts), false,
+          o.parts, in, 1);
+  }
+  std::vector<Weight> moved() const {
+    // gate_bias stays replicated: it is never gathered, only its gradient is summed.
+    std::vector<Weight> n{Weight::gate, Weight::wi_0, Weight::wi_1, Weight::wo};
+    if (shared())
+      for (Weight w : {Weight::shared_wi_0, Weight::shared_wi_1, Weight::shared_wo}) n.push_back(w);
+    return n;
+  }
+
+  StepPlan plan_;
+};
+
+}  // namespace moe::distributed

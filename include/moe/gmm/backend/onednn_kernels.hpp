@@ -1,0 +1,439 @@
+#pragma once
+/// \file
+/// The kernels behind gmm::OneDnn (gmm/backend/onednn.hpp): row chunking, the streaming kernel
+/// for 2-3 rows, oneDNN descriptors, the kernel plan of one weight shape (KernelPlan: which
+/// primitive family, its fixed packed weight layout, a primitive per chunk size) and the packing
+/// of expert weights into a PackCache. See onednn.hpp for the design.
+
+#include <moe/detail/hash.hpp>
+#include <moe/detail/onednn.hpp>
+#include <moe/gmm/backend/common.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#if MOE_HAS_ONEDNN
+
+namespace moe::detail::onednn {
+
+/// Largest row chunk of one packed call; larger chunks are multiples of 16.
+inline constexpr std::int64_t max_chunk_rows = 256;
+inline constexpr std::int64_t row_bucket = 16;
+/// Narrowest column block a tgmm call is split into.
+inline constexpr std::int64_t tgmm_min_columns = 128;
+
+/// The primitive families a packed kernel can come from, in the order they are tried.
+enum class Family { matmul, conv };
+
+inline char const* family_name(Family f) { return f == Family::matmul ? "matmul" : "conv1x1"; }
+
+/// Test hooks: run OneDnn in a mode, family or weight layout that oneDNN would not have chosen,
+/// so every path runs on every CPU.
+///  * mode plain: never pack; mode packed: pack even without a PackCache, and take the family
+///    (and layout) given here without checking its probe (each chunk's kernel is still checked);
+///  * family: try only this family (matmul or conv);
+///  * layout: this packed weight layout instead of oneDNN's (a forced mismatch: with a layout no
+///    kernel accepts, every chunk is refused and runs plain).
+struct Forced {
+  enum class Mode { chosen, plain, packed } mode = Mode::chosen;
+  bool any_family = true;
+  Family family = Family::matmul;
+  dnnl::memory::format_tag layout = dnnl::memory::format_tag::undef;
+
+  auto key() const { return std::make_tuple(int(mode), any_family, int(family), int(layout)); }
+};
+inline Forced& forced() {
+  static Forced f;
+  return f;
+}
+
+/// One packed call: `rows` rows of a group from row c0, computed over `run` rows (run > rows:
+/// the rows past the group are read, and the call writes into a thread's own buffer, from which
+/// the group's rows are copied or added).
+struct Chunk {
+  std::int64_t rows, run;
+};
+
+/// The next call at row c0 of m when `left` rows of the group remain: max_chunk_rows; else all
+/// `left` rows over the multiple of row_bucket at or above `left` when those rows exist (c0 +
+/// run <= m); else the multiple below (the rest follows exactly); all `left` when below 16
+/// (exact: a decode group is not padded to 16 rows). Rounding up costs < 16 rows of FLOPs; a
+/// separate call for the < 16 leftover rows would read the expert's weights again. At most 31
+/// distinct run sizes, so primitives are made once each.
+inline Chunk chunk_rows(std::int64_t left, std::int64_t c0, std::int64_t m) {
+  if (left >= max_chunk_rows) return {max_chunk_rows, max_chunk_rows};
+  if (left < row_bucket) return {left, left};
+  std::int64_t const up = (left + row_bucket - 1) / row_bucket * row_bucket;
+  if (c0 + up <= m) return {left, up};
+  std::int64_t const down = left / row_bucket * row_bucket;
+  return {down, down};
+}
+
+/// Groups of 2 to few_rows_max rows run on few_rows() in the plain mode: oneDNN's sgemm copies
+/// (packs) the weights in every call, which for a handful of rows (decode) costs more than the
+/// multiply; few_rows() reads each weight once, straight from memory. One row stays on sgemm,
+/// whose GEMV reads the weights once too (measured on AVX2, 2 threads, 1024 x 2816: 1 row sgemm
+/// 25 GB/s vs few_rows 20; 2 rows 10 vs 17; 4 rows 11 vs 10).
+inline constexpr std::int64_t few_rows_max = 3;
+
+/// acc[r, :] += sum_{c in [c0,c1)} x[r, c] * W[c, :] for the R rows: W's rows are read in memory
+/// order, once, and acc (R x n) stays in cache.
+template <int R>
+void few_rows_part(std::int64_t c0, std::int64_t c1, std::int64_t n, float const* x,
+                   std::int64_t ldx, float const* w, std::int64_t ldw, float* acc) {
+  for (std::int64_t c = c0; c < c1; ++c) {
+    float const* wr = w + c * ldw;
+    float a[R];
+    for (int r = 0; r < R; ++r) a[r] = x[r * ldx + c];
+    for (int r = 0; r < R; ++r) {
+      float* o = acc + r * n;
+      float const ar = a[r];
+      for (std::int64_t j = 0; j < n; ++j) o[j] += ar * wr[j];
+    }
+  }
+}
+
+/// out[r, :] (+)= sum_c x[r, c] * W[c, :] for r < rows <= few_rows_max (3), W [k,n] with row stride
+/// ldw. Each OpenMP thread (oneDNN's pool, when moe is compiled with OpenMP) streams a contiguous
+/// range of W's rows into its own partial sums; the partials are then added in thread order, so
+/// a run is reproducible for a given thread count.
+inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float const* x,
+                     std::int64_t ldx, float const* w, std::int64_t ldw, float* out,
+                     std::int64_t ldo, bool accumulate) {
+  static std::atomic<std::uint64_t>& runs = run_counter("few_rows");
+  ++runs;
+  // Below ~1 MB of weights a thread team costs more than it saves.
+  int const threads = k * n < (std::int64_t(1) << 18) ? 1 : max_threads();
+  // Reused across calls (a decode step makes one call per expert): no allocation per call.
+  // The team's threads reach it through `sums` (a thread_local named inside the parallel region
+  // would be each thread's own, empty buffer).
+  static thread_local std::vector<float> partial;
+  partial.assign(std::size_t(threads) * std::size_t(rows * n), 0.0f);
+  float* const sums = partial.data();
+  auto part = [&](int t) {
+    std::int64_t const c0 = k * t / threads, c1 = k * (t + 1) / threads;
+    float* acc = sums + std::size_t(t) * std::size_t(rows * n);
+    if (rows == 1)
+      few_rows_part<1>(c0, c1, n, x, ldx, w, ldw, acc);
+    else if (rows == 2)
+      few_rows_part<2>(c0, c1, n, x, ldx, w, ldw, acc);
+    else
+      few_rows_part<3>(c0, c1, n, x, ldx, w, ldw, acc);
+  };
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+#endif
+  for (int t = 0; t < threads; ++t) part(t);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float* o = out + r * ldo;
+    for (std::int64_t j = 0; j < n; ++j) {
+      float v = partial[std::size_t(r * n + j)];
+      for (int t = 1; t < threads; ++t)
+        v += partial[std::size_t(t) * std::size_t(rows * n) + std::size_t(r * n + j)];
+      o[j] = accumulate ? o[j] + v : v;
+    }
+  }
+}
+
+/// Row-major [rows, ch] with row stride ld as a channels-last 1x1 image (N=1, C=ch, H=rows, W=1).
+inline dnnl::memory::desc pixels_desc(std::int64_t rows, std::int64_t ch, std::int64_t ld) {
+  return dnnl::memory::desc(dnnl::memory::dims{1, ch, rows, 1}, dnnl::memory::data_type::f32,
+                            dnnl::memory::dims{rows * ld, 1, ld, ld});
+}
+
+/// Row-major [rows, cols] with row stride ld as a matmul operand.
+inline dnnl::memory::desc matrix_desc(std::int64_t rows, std::int64_t cols, std::int64_t ld) {
+  return dnnl::memory::desc(dnnl::memory::dims{rows, cols}, dnnl::memory::data_type::f32,
+                            dnnl::memory::dims{ld, 1});
+}
+
+/// The activations x[rows, k] (row stride ld) as the family's source.
+inline dnnl::memory::desc src_desc(Family f, std::int64_t rows, std::int64_t k, std::int64_t ld) {
+  return f == Family::matmul ? matrix_desc(rows, k, ld) : pixels_desc(rows, k, ld);
+}
+
+/// The output out[rows, n] (row stride ld) as the family's destination.
+inline dnnl::memory::desc dst_desc(Family f, std::int64_t rows, std::int64_t n, std::int64_t ld) {
+  return f == Family::matmul ? matrix_desc(rows, n, ld) : pixels_desc(rows, n, ld);
+}
+
+/// The weights of out = x * W in the family's terms (matmul: [k, n]; 1x1 convolution: O=n,
+/// I=k): W row-major [k, n] with row stride ld, or (trans) row-major [n, k] used transposed.
+inline dnnl::memory::desc weights_desc(Family f, std::int64_t k, std::int64_t n, bool trans,
+                                       std::int64_t ld) {
+  using dims = dnnl::memory::dims;
+  auto const f32 = dnnl::memory::data_type::f32;
+  if (f == Family::matmul)
+    return dnnl::memory::desc(dims{k, n}, f32, trans ? dims{1, ld} : dims{ld, 1});
+  return dnnl::memory::desc(dims{n, k, 1, 1}, f32, trans ? dims{ld, 1, 1, 1} : dims{1, ld, 1, 1});
+}
+
+/// The family's weights [k, n] in a format tag (format_tag::any: oneDNN's choice).
+inline dnnl::memory::desc tagged_weights(Family f, std::int64_t k, std::int64_t n,
+                                         dnnl::memory::format_tag tag) {
+  using dims = dnnl::memory::dims;
+  return dnnl::memory::desc(f == Family::matmul ? dims{k, n} : dims{n, k, 1, 1},
+                            dnnl::memory::data_type::f32, tag);
+}
+
+/// User scratchpad (a primitive may then run on any thread, several at once, each with its own
+/// scratchpad: Kernel passes it) and, to accumulate (out += x * W), a sum post-op.
+inline dnnl::primitive_attr kernel_attr(bool accumulate) {
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (accumulate) {
+    dnnl::post_ops ops;
+    ops.append_sum(1.0f);
+    attr.set_post_ops(ops);
+  }
+  return attr;
+}
+
+/// Calls use(pd) with the family's primitive descriptor of out[rows, n] (+)= x[rows, k] * W,
+/// weights `w` (a concrete layout, or format_tag::any), row strides lda and ldc; returns what use
+/// returns. Throws dnnl::error when oneDNN has no implementation at all.
+template <class Use>
+auto with_pd(Family f, std::int64_t rows, std::int64_t k, std::int64_t n, std::int64_t lda,
+             std::int64_t ldc, dnnl::memory::desc const& w, bool accumulate, Use&& use) {
+  auto const attr = kernel_attr(accumulate);
+  auto const src = src_desc(f, rows, k, lda);
+  auto const dst = dst_desc(f, rows, n, ldc);
+  if (f == Family::matmul) {
+#if DNNL_VERSION_MAJOR >= 3
+    return use(dnnl::matmul::primitive_desc(engine(), src, w, dst, attr));
+#else
+    return use(dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, w, dst), attr, engine()));
+#endif
+  }
+  dnnl::memory::dims const unit{1, 1}, none{0, 0};
+#if DNNL_VERSION_MAJOR >= 3
+  return use(dnnl::convolution_forward::primitive_desc(engine(), dnnl::prop_kind::forward_inference,
+                                                       dnnl::algorithm::convolution_direct, src, w,
+                                                       dst, unit, none, none, attr));
+#else
+  return use(dnnl::convolution_forward::primitive_desc(
+      dnnl::convolution_forward::desc(dnnl::prop_kind::forward_inference,
+                                      dnnl::algorithm::convolution_direct, src, w, dst, unit, none,
+                                      none),
+      attr, engine()));
+#endif
+}
+
+/// "matmul 256x1024x2816 +=" (rows x k x n; "+=" with the sum post-op).
+inline std::string kernel_what(Family f, std::int64_t rows, std::int64_t k, std::int64_t n,
+                               bool accumulate) {
+  return std::string(family_name(f)) + " " + std::to_string(rows) + "x" + std::to_string(k) + "x" +
+         std::to_string(n) + (accumulate ? " +=" : "");
+}
+
+/// \brief How one weight shape runs: packed (a family, its fixed weight layout, the reorder that
+/// packs an expert into it, a checked kernel per chunk size) or plain.
+///
+/// Made once per shape (plan()), for one thread (ScopedThreads(1): the calls run side by side,
+/// one per thread), so nothing depends on the process's thread count.
+class KernelPlan {
+ public:
+  /// k: contraction, n: output columns, trans/ldw: how the weights are stored (row-major [k, n],
+  /// or [n, k] used transposed, row stride ldw), lda/ldc: row strides of lhs and out.
+  KernelPlan(std::int64_t k, std::int64_t n, bool trans, std::int64_t ldw, std::int64_t lda,
+             std::int64_t ldc)
+      : k_(k), n_(n), lda_(lda), ldc_(ldc) {
+    Forced const f = forced();
+    if (f.mode == Forced::Mode::plain) return;
+    ScopedThreads one(1);
+    // A forced packed mode takes the first allowed family unchecked when none passes the check.
+    std::string refused;  // why each family was not taken (a refusal only if none is)
+    for (bool checked : {true, false}) {
+      if (!checked && f.mode != Forced::Mode::packed) break;
+      for (Family fam : {Family::matmul, Family::conv})
+        if ((f.any_family || fam == f.family) && choose(fam, trans, ldw, f, checked, refused))
+          return;
+    }
+    note_rejected("the weights " + std::to_string(k) + "x" + std::to_string(n) +
+                      (trans ? "^T" : "") + " (plain mode)",
+                  refused);
+  }
+
+  /// Whether the weights are reordered into a packed layout (else used in place).
+  bool packed() const { return packer_ != nullptr; }
+  Family family() const { return family_; }
+  dnnl::memory::desc const& packed_desc() const { return packed_desc_; }
+  /// The reorder of one expert's weights into packed_desc() (packed() only).
+  Kernel const& packer() const { return *packer_; }
+
+  /// The kernel over `rows` rows (a chunk_rows() run), made and checked on first use; nullptr
+  /// when oneDNN has no direct kernel for this run size with the packed layout (the chunk then
+  /// runs plain). Not to be called inside a parallel region (call it while listing the calls).
+  Kernel const* kernel(std::int64_t rows, bool accumulate) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto [it, fresh] = kernels_.try_emplace({rows, accumulate});
+    if (fresh) {
+      ScopedThreads one(1);
+      std::string const what = kernel_what(family_, rows, k_, n_, accumulate);
+      try {
+        it->second = with_pd(family_, rows, k_, n_, lda_, ldc_, packed_desc_, accumulate,
+                             [&](auto const& pd) -> std::unique_ptr<Kernel> {
+                               std::string const impl = pd.impl_info_str();
+                               if (direct_kernel(impl)) return std::make_unique<Kernel>(pd, what);
+                               note_rejected(what, impl);
+                               return nullptr;
+                             });
+      } catch (dnnl::error const& e) {
+        note_rejected(what, std::string("no implementation: ") + e.what());
+      }
+    }
+    return it->second.get();
+  }
+
+  dnnl::memory::desc src_desc(std::int64_t rows) const {
+    return onednn::src_desc(family_, rows, k_, lda_);
+  }
+  dnnl::memory::desc dst_desc(std::int64_t rows) const {
+    return onednn::dst_desc(family_, rows, n_, ldc_);
+  }
+
+ private:
+  /// Takes `fam` when it has a direct kernel at max_chunk_rows with the first of its layouts
+  /// (packed_layouts()) that has one, unless `checked` is false, and a reorder into that layout
+  /// that is not a reference one. Appends why not to `refused` otherwise.
+  bool choose(Family fam, bool trans, std::int64_t ldw, Forced const& f, bool checked,
+              std::string& refused) {
+    auto refuse = [&](std::string const& why) {
+      refused += (refused.empty() ? "" : "; ") + std::string(family_name(fam)) + ": " + why;
+      return false;
+    };
+    for (auto const tag : packed_layouts(fam, f)) {
+      try {
+        auto const [impl, layout] =
+            with_pd(fam, max_chunk_rows, k_, n_, lda_, ldc_, tagged_weights(fam, k_, n_, tag),
+                    false, [](auto const& pd) {
+                      return std::make_pair(std::string(pd.impl_info_str()), pd.weights_desc());
+                    });
+        if (checked && !direct_kernel(impl)) {
+          refuse(impl);
+          continue;
+        }
+        dnnl::reorder::primitive_desc const rpd(engine(), weights_desc(fam, k_, n_, trans, ldw),
+                                                engine(), layout, kernel_attr(false));
+        if (reference_impl(rpd.impl_info_str())) {
+          refuse(std::string("packing reorder ") + rpd.impl_info_str());
+          continue;
+        }
+        packer_ = std::make_unique<Kernel>(
+            rpd, std::string("pack ") + std::to_string(k_) + "x" + std::to_string(n_) + " weights");
+        family_ = fam;
+        packed_desc_ = layout;
+        return true;
+      } catch (dnnl::error const& e) {
+        refuse(std::string("no implementation (") + e.what() + ")");
+      }
+    }
+    return false;
+  }
+
+  /// The weight layouts to try for a family, best first: the forced one; else for matmul the
+  /// 48-column blocks (BA16a48b), then oneDNN's own choice (format_tag::any, 64-column blocks for
+  /// f32). Measured on 1 thread of a Zen 4 core (AVX-512) over the expert shapes of Mixtral,
+  /// Qwen3 and DeepSeek-V3 (k x n from 768 x 2048 to 7168 x 2048 both ways): 48 columns run 1-3
+  /// rows at 19-25 GB/s of weights against 12-16 for 64 (the decode regime, where a row chunk
+  /// streams the expert's weights once), and 16-256 rows within 2 % of 64 (110-114 GFLOP/s); 32
+  /// columns streamed faster still (23-28 GB/s) but lost 16 % at 256 rows on 1024 x 2816.
+  static std::vector<dnnl::memory::format_tag> packed_layouts(Family fam, Forced const& f) {
+    using tag = dnnl::memory::format_tag;
+    if (f.layout != tag::undef) return {f.layout};
+    if (fam == Family::matmul) return {tag::BA16a48b, tag::any};
+    return {tag::any};
+  }
+
+  std::int64_t k_, n_, lda_, ldc_;
+  Family family_ = Family::matmul;
+  dnnl::memory::desc packed_desc_;
+  std::unique_ptr<Kernel> packer_;
+  std::mutex mutex_;
+  std::map<std::pair<std::int64_t, bool>, std::unique_ptr<Kernel>> kernels_;
+};
+
+/// The process-wide plans, one per weight shape and storage (k, n, trans, ldw, lda, ldc) and
+/// test hook state: kernels are made once.
+inline KernelPlan& plan(std::int64_t k, std::int64_t n, bool trans, std::int64_t ldw,
+                        std::int64_t lda, std::int64_t ldc) {
+  using Key = std::tuple<std::int64_t, std::int64_t, bool, std::int64_t, std::int64_t, std::int64_t,
+                         decltype(forced().key())>;
+  static std::mutex mutex;
+  static std::map<Key, std::unique_ptr<KernelPlan>> plans;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& p = plans[Key{k, n, trans, ldw, lda, ldc, forced().key()}];
+  if (!p) p = std::make_unique<KernelPlan>(k, n, trans, ldw, lda, ldc);
+  return *p;
+}
+
+/// Every expert of one rhs tensor in the plan's packed layout.
+struct PackedTensor {
+  std::vector<dnnl::memory> experts;
+};
+
+/// Hash of 16 sampled values per expert of rhs (the PackCache's guard against unversioned writes).
+template <class Tensor>
+std::uint64_t sample_hash(Tensor const& rhs) {
+  std::uint64_t h = fnv1a_basis;
+  std::int64_t const per = std::int64_t(rhs.extent(1)) * std::int64_t(rhs.extent(2));
+  if (per == 0) return h;
+  for (std::size_t g = 0; g < rhs.extent(0); ++g)
+    for (std::int64_t i = 0; i < 16; ++i) {
+      std::int64_t const flat = i * (per - 1) / 15;
+      auto const v = rhs(g, flat / rhs.extent(2), flat % rhs.extent(2));
+      h = fnv1a(&v, sizeof(v), h);
+    }
+  return h;
+}
+
+/// The packed copy of rhs for `p`: from the cache when it holds this version, else reordered now
+/// (and stored when a cache was given).
+template <class Tensor>
+std::shared_ptr<PackedTensor> packed(KernelPlan& p, Tensor const& rhs, bool trans,
+                                     moe::gmm::GmmOptions const& opt) {
+  moe::gmm::PackCache::Key const key{rhs.data(),
+                                     std::int64_t(rhs.extent(0)),
+                                     std::int64_t(rhs.extent(1)),
+                                     std::int64_t(rhs.extent(2)),
+                                     int(sizeof(float)),
+                                     trans};
+  std::uint64_t const samples = opt.pack_cache ? sample_hash(rhs) : 0;
+  if (opt.pack_cache)
+    if (auto hit = opt.pack_cache->find(key, opt.rhs_version, samples))
+      return std::static_pointer_cast<PackedTensor>(hit);
+  // A new version of a tensor packed before is written into the old copy's storage (first
+  // touch of fresh pages costs several times the reorder itself).
+  std::shared_ptr<PackedTensor> out;
+  if (opt.pack_cache) out = std::static_pointer_cast<PackedTensor>(opt.pack_cache->previous(key));
+  if (!out || out->experts.size() != rhs.extent(0) ||
+      (!out->experts.empty() && !(out->experts.front().get_desc() == p.packed_desc())))
+    out = std::make_shared<PackedTensor>();
+  std::int64_t const ld = rhs.stride(1);
+  std::int64_t const kk = trans ? rhs.extent(2) : rhs.extent(1);
+  std::int64_t const nn = trans ? rhs.extent(1) : rhs.extent(2);
+  dnnl::memory::desc const user = weights_desc(p.family(), kk, nn, trans, ld);
+  bool const fresh = out->experts.empty();
+  for (std::size_t g = 0; g < rhs.extent(0); ++g) {
+    dnnl::memory src(user, engine(), const_cast<float*>(rhs.data() + g * rhs.stride(0)));
+    if (fresh) out->experts.emplace_back(p.packed_desc(), engine());
+    p.packer().run({{DNNL_ARG_FROM, src}, {DNNL_ARG_TO, out->experts[g]}});
+  }
+  ++counters().packed_tensors;
+  if (opt.pack_cache)
+    opt.pack_cache->put(key, opt.rhs_version, samples, out,
+                        p.packed_desc().get_size() * rhs.extent(0));
+  return out;
+}
+
+}  // namespace moe::detail::onednn
+
+#endif  // MOE_HAS_ONEDNN
