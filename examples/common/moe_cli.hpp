@@ -5,6 +5,7 @@
 #include <moe/config.hpp>
 #include <moe/distributed/parallel_config.hpp>
 #include <moe/error.hpp>
+#include <moe/io/atomic_write.hpp>
 #include <moe/threads.hpp>
 
 #include <yaml-cpp/yaml.h>
@@ -88,8 +89,9 @@ inline bool same_file(std::string const& a, std::string const& b) {
 
 /// \brief Checks an output path up front, before anything is computed or written: not a
 /// directory, its directory exists and is writable, an existing file is writable, and it is not
-/// the same file (through links too) as any of the `inputs` ({flag or key, path}). ConfigError
-/// naming `what` and the path otherwise.
+/// the same file (through links too) as any of the `inputs` ({flag or key, path}). A symbolic
+/// link is an output for the file it names (written through, the link kept; its directory is the
+/// one checked). ConfigError naming `what` and the path otherwise.
 inline void require_output_file(std::string const& what, std::string const& path,
                                 std::vector<std::pair<std::string, std::string>> const& inputs) {
   namespace fs = std::filesystem;
@@ -109,7 +111,9 @@ inline void require_output_file(std::string const& what, std::string const& path
         "; expected a regular file path"));
   if (fs::exists(st) && ::access(path.c_str(), W_OK) != 0)
     throw ConfigError(moe::detail::cat(what, " '", path, "' exists and is not writable"));
-  auto const dir = detail::parent_dir(path);
+  // A symbolic link is written through (moe::io::write_atomic): the directory that matters is the
+  // one of the file the link names, which the link keeps naming.
+  auto const dir = detail::parent_dir(moe::io::resolve_links(path));
   if (!fs::is_directory(dir, ec))
     throw ConfigError(
         moe::detail::cat(what, " '", path, "': directory '", dir.string(), "' does not exist"));

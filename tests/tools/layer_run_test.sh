@@ -225,6 +225,31 @@ errors() {
       echo "ok   np=2 --out $target = --in refused, input unchanged"
     fi
   done
+  # --out a FIFO or a device: refused before anything runs, never opened or replaced (#32).
+  mkfifo out.fifo
+  expect_error 2 "\-\-out 'out.fifo' is a FIFO; expected a regular file path" --config cfg.yml \
+    --in case.safetensors --out out.fifo ici_data_parallelism=-1
+  [[ -p out.fifo ]] || fail "--out a FIFO: the FIFO was replaced"
+  # A device node of its own (a copy of /dev/null's), so that a regression replaces nothing of the
+  # machine's; where mknod is not allowed, the case is skipped.
+  if mknod nulldev c 1 3 2>/dev/null; then
+    expect_error 1 "\-\-out 'nulldev' is a device" --config cfg.yml --in case.safetensors \
+      --out nulldev
+    [[ -c nulldev ]] || fail "--out a device: the device node was replaced"
+  else
+    echo "skip --out a device: mknod is not allowed here"
+  fi
+  # --out a symbolic link (into another directory): written through, the link kept (#32).
+  mkdir -p results && echo old >results/r.safetensors && ln -sf results/r.safetensors rlink
+  if run 2 link.log --config cfg.yml --in case.safetensors --out rlink ici_data_parallelism=-1 &&
+    [[ -L rlink ]] && [[ $(head -c 3 results/r.safetensors) != old ]] &&
+    "$CASE_TOOL" compare results/r.safetensors results/r.safetensors 0 >/dev/null 2>&1; then
+    echo "ok   np=2 --out a symbolic link: the file it names was written, the link kept"
+  else
+    cat link.log
+    ls -l rlink results
+    fail "--out a symbolic link: expected the file it names written and the link kept"
+  fi
   # One rank's bad input, and ranks that read CASEs of different dtypes: every rank reports.
   local base="--config cfg.yml --out out.safetensors ici_data_parallelism=-1"
   expect_error_mpmd "CASE 'nan_gate.safetensors': tensor gate holds NaN" \

@@ -84,6 +84,10 @@ for np in 1 2; do
   # Refused before any allocation: past the kernels' 32-bit row limit, and past the memory.
   expect "$np" "rows on this rank exceed the 2147483647 rows" per_device_batch_size=65536 \
     max_target_length=65536
+  # A batch whose token count does not fit 64 bits: refused by the plan's checked extents, not
+  # wrapped into a "negative factor" (#32).
+  expect "$np" "tokens on this rank = 1000000000000000000 x 64 does not fit a 64-bit integer" \
+    per_device_batch_size=1e18
   expect "$np" "train_moe needs about .* GiB per rank .* available" num_experts=64 \
     base_emb_dim=4096 base_moe_mlp_dim=16384
 done

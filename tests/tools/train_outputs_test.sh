@@ -48,4 +48,28 @@ wait "$job"
 expect efbig.log $? 2 "metrics_file='big.jsonl': writing step "
 grep -q "File too large" efbig.log || { cat efbig.log; fail "EFBIG not named"; }
 [ "$(grep -c '^train_moe: error: metrics_file' efbig.log)" -eq "$np" ] || fail "not one line per rank"
+# A checkpoint larger than rank 0's file-size limit: the save fails with EFBIG (no SIGXFSZ kill),
+# every rank stops with one line, the checkpoint before it stays bitwise and no temporary file or
+# directory is left in checkpoint_dir (#32: temporaries removed on every error path).
+"$mpiexec" -np "$np" "${flags[@]}" "$train" steps=100000 enable_checkpointing=true checkpoint_period=300 \
+  checkpoint_keep=2 checkpoint_dir="$work/ck" >ckfbig.log 2>&1 &
+job=$!
+for _ in $(seq 1200); do [ -d ck/step_00000300 ] && break; sleep 0.1; done
+[ -d ck/step_00000300 ] || { kill -9 "$job"; cat ckfbig.log; fail "no first checkpoint"; }
+before=$(cat ck/step_00000300/* | cksum)
+rank0=
+for pid in $(pgrep -f "^$train .*checkpoint_dir=$work/ck"); do
+  tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=0' && rank0=$pid
+done
+[ -n "$rank0" ] || { kill -9 "$job"; fail "rank 0 of the checkpoint job not found"; }
+model=$(stat -c %s ck/step_00000300/model.safetensors)
+prlimit --pid "$rank0" --fsize=$((model / 2))
+for _ in $(seq 1200); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
+kill -0 "$job" 2>/dev/null && { kill -9 "$job"; fail "checkpoint EFBIG: the job went on (or hung)"; }
+wait "$job"
+expect ckfbig.log $? 2 "File too large"
+[ "$(grep -c '^train_moe: error: ' ckfbig.log)" -eq "$np" ] || { cat ckfbig.log; fail "not one line per rank"; }
+[ "$(ls -A ck | grep -v '^LOCK$' | tr '\n' ' ')" = "step_00000300 " ] ||
+  { ls -la ck; fail "checkpoint EFBIG: checkpoint_dir holds more than the good checkpoint"; }
+[ "$(cat ck/step_00000300/* | cksum)" = "$before" ] || fail "the good checkpoint changed"
 echo "OK: $np rank(s)"

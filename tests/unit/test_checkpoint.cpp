@@ -490,6 +490,34 @@ TEST_F(Checkpoint, CrashAtEachPointOfTheSave) {
   }
 }
 
+// A write fails at each point of the save (as a full disk or a file-size limit would): the save
+// throws IoError naming the point, the directory holds exactly the checkpoints before it (no
+// temporary directory or file left behind, nothing to clean up by the next save), and those load
+// bitwise (#32: temporary files are removed on every error path).
+TEST_F(Checkpoint, AWriteFailingAtEachPointLeavesNoTemporary) {
+  for (char const* point : {"tmp_made", "gathered", "model_written", "index_written"}) {
+    SCOPED_TRACE(point);
+    fs::remove_all(tmp.ckpt());
+    Model one(1), two(2), three(3);
+    save(1, one, 2);
+    save(2, two, 2);
+    ::setenv("MOE_CHECKPOINT_TEST_FAIL", point, 1);
+    try {
+      save(3, three, 2);
+      ADD_FAILURE() << "the save did not fail";
+    } catch (moe::IoError const& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("a write failed at ") + point),
+                std::string::npos)
+          << e.what();
+    }
+    ::unsetenv("MOE_CHECKPOINT_TEST_FAIL");
+    EXPECT_EQ(entries(tmp.ckpt()), (std::set<std::string>{"step_00000001", "step_00000002"}));
+    Model loaded(0);
+    EXPECT_EQ(load(loaded), 2);
+    EXPECT_EQ(loaded, two);
+  }
+}
+
 // SIGKILL at random moments of saves of a large tensor (fixed seed).
 TEST_F(Checkpoint, KilledAtRandomMomentsNeverLeavesAPartialCheckpoint) {
   std::size_t const n = std::size_t{6} << 20;  // 24 MiB of F32

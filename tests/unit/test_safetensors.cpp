@@ -627,6 +627,37 @@ TEST(Safetensors, AtomicWriteReplacesAndLeavesNoTemporaryFiles) {
   EXPECT_EQ(read_bytes(dir.file("rel.bin")), "r");
 }
 
+// An output path that is a symbolic link is written through: the file it names is replaced
+// atomically and the link stays a link (#32: never replacing the link), through a chain of links
+// and a relative target too; a dangling link creates the file it names; a loop is an IoError.
+TEST(Safetensors, AtomicWriteGoesThroughSymbolicLinks) {
+  TempDir dir;
+  fs::create_directory(dir.file("data"));
+  std::string const target = dir.file("data/result.bin");
+  write_bytes(target, "old");
+  fs::create_symlink("data/result.bin", dir.file("link"));  // relative to the link's directory
+  fs::create_symlink(dir.file("link"), dir.file("link2"));   // a chain
+  moe::io::write_atomic(dir.file("link2"), std::string("new"));
+  EXPECT_TRUE(fs::is_symlink(dir.file("link2")));
+  EXPECT_TRUE(fs::is_symlink(dir.file("link")));
+  EXPECT_EQ(read_bytes(target), "new");
+  EXPECT_EQ(moe::io::resolve_links(dir.file("link2")), dir.file("data/result.bin"));
+  EXPECT_EQ(dir.listing(), (std::vector<std::string>{"data", "link", "link2"}));
+  EXPECT_EQ(fs::directory_iterator(dir.file("data"))->path().filename(), "result.bin");
+
+  fs::create_symlink("data/created.bin", dir.file("dangling"));
+  File f;
+  f.set("x", Tensor::from<float>({1}, {5}));
+  f.write(dir.file("dangling"));
+  EXPECT_TRUE(fs::is_symlink(dir.file("dangling")));
+  EXPECT_EQ(File::read(dir.file("data/created.bin")).names(), std::vector<std::string>{"x"});
+
+  fs::create_symlink(dir.file("loop_b"), dir.file("loop_a"));
+  fs::create_symlink(dir.file("loop_a"), dir.file("loop_b"));
+  expect_io_error([&] { moe::io::write_atomic(dir.file("loop_a"), std::string("x")); },
+                  {"more than 40 symbolic links"});
+}
+
 TEST(Safetensors, UnwritableDestinationThrowsAndLeavesNothing) {
   TempDir dir;
   File f;

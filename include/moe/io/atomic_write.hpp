@@ -3,7 +3,8 @@
 /// Atomic file writes (POSIX): the bytes go to a temporary file beside the target, which is
 /// fsync'ed and renamed over it, then the directory is fsync'ed, so a reader sees the old file or
 /// the new one and a failure never leaves a half-written file. The safetensors writer and the
-/// checkpoint index use it.
+/// checkpoint index use it. A path that is a symbolic link is written through: the file the link
+/// names is replaced and the link stays a link (resolve_links).
 
 #include <moe/detail/text.hpp>
 #include <moe/error.hpp>
@@ -29,6 +30,33 @@ inline std::string errno_text(int e) { return std::strerror(e); }
 
 }  // namespace detail
 
+// ---- symbolic links --------------------------------------------------------------------------
+
+/// \brief The path a file is written to when \p path is written: \p path itself, or, when it is
+/// a symbolic link, the path its links lead to (a relative target is taken from the directory of
+/// the link that names it). The target need not exist (a dangling link is written through,
+/// creating the file it names). IoError for more than 40 links in a row (a loop).
+inline std::string resolve_links(std::string path) {
+  for (int hops = 0; hops <= 40; ++hops) {
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0 || !S_ISLNK(st.st_mode)) return path;
+    std::string target(std::size_t(st.st_size > 0 ? st.st_size : 255) + 1, '\0');
+    ssize_t n = ::readlink(path.c_str(), target.data(), target.size());
+    if (n < 0) {
+      int const e = errno;
+      throw IoError(detail::cat("cannot read the symbolic link '", path, "': ",
+                                detail::errno_text(e)));
+    }
+    target.resize(std::size_t(n));
+    if (!target.empty() && target[0] != '/') {
+      std::size_t const slash = path.find_last_of('/');
+      if (slash != std::string::npos) target = path.substr(0, slash + 1) + target;
+    }
+    path = target;
+  }
+  throw IoError(detail::cat("'", path, "': more than 40 symbolic links in a row (a loop?)"));
+}
+
 // ---- atomic write ----------------------------------------------------------------------------
 
 /// \brief A borrowed run of bytes, one piece of a file written by write_atomic.
@@ -40,11 +68,13 @@ struct ByteSpan {
 /// Writes the concatenation of \p pieces to \p path atomically: the bytes go to
 /// "<path>.tmp.<pid>", which is fsync'ed and renamed over \p path, then the directory is fsync'ed.
 /// Readers see the old file or the new one, never a mix; on failure the temporary file is removed,
-/// an existing \p path is left untouched, and IoError says which step failed and why.
-inline void write_atomic(std::string const& path, std::vector<ByteSpan> const& pieces) {
+/// an existing \p path is left untouched, and IoError says which step failed and why. A symbolic
+/// link is written through (resolve_links): the file it names is replaced, the link stays.
+inline void write_atomic(std::string const& link, std::vector<ByteSpan> const& pieces) {
   using detail::cat;
   using detail::errno_text;
-  if (path.empty()) throw IoError("write_atomic: the output path is empty");
+  if (link.empty()) throw IoError("write_atomic: the output path is empty");
+  std::string const path = resolve_links(link);
   std::string const tmp = cat(path, ".tmp.", static_cast<long>(::getpid()));
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
   if (fd < 0) {

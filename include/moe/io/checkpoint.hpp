@@ -176,7 +176,6 @@ inline void save_checkpoint(moe::comm::Communicator const& comm, std::string con
                             std::int64_t step, std::vector<BlockRef> const& blocks,
                             std::map<std::string, std::string> const& metadata, int keep) {
   namespace cd = detail;
-  namespace fs = std::filesystem;
   using moe::detail::cat;
   using moe::detail::require;
   std::string mine;
@@ -209,6 +208,7 @@ inline void save_checkpoint(moe::comm::Communicator const& comm, std::string con
       cd::join(dir, cat(".tmp_", checkpoint_step_name(step), ".", static_cast<long>(::getpid())));
   std::map<std::string, Tensor> tensors;
   cd::DirLock save_lock;  // for this save, when this process does not hold the lock already
+  cd::TempDir tmp_dir;    // rank 0: removed on every error path of the save
   moe::comm::collective_guard(comm, [&] {
     if (!root) return;
     cd::make_dir(dir);
@@ -221,6 +221,8 @@ inline void save_checkpoint(moe::comm::Communicator const& comm, std::string con
       throw moe::IoError(cat("checkpoint: cannot create '", tmp,
                              "' in the checkpoint directory: ", std::strerror(errno)));
     }
+    tmp_dir = cd::TempDir(tmp);
+    cd::crash_point("tmp_made");
     try {
       for (auto const& kv : plan) {
         Tensor& t = tensors[kv.first];
@@ -231,7 +233,6 @@ inline void save_checkpoint(moe::comm::Communicator const& comm, std::string con
       }
     } catch (...) {
       tensors.clear();
-      ::rmdir(tmp.c_str());
       throw;
     }
   });
@@ -260,7 +261,8 @@ inline void save_checkpoint(moe::comm::Communicator const& comm, std::string con
 
   moe::comm::collective_guard(comm, [&] {
     if (!root) return;
-    try {
+    cd::crash_point("gathered");
+    {
       File file;
       file.metadata = metadata;
       for (auto& kv : tensors) {
@@ -277,11 +279,8 @@ inline void save_checkpoint(moe::comm::Communicator const& comm, std::string con
                    checkpoint_index_text(step, size, sha, file));
       cd::crash_point("index_written");
       cd::install(dir, tmp, cd::join(dir, checkpoint_step_name(step)));
+      tmp_dir.dismiss();
       cd::crash_point("installed");
-    } catch (...) {
-      std::error_code ec;
-      fs::remove_all(tmp, ec);
-      throw;
     }
     cd::retain(dir, step, keep);
   });

@@ -31,12 +31,42 @@ namespace moe::io::detail {
 
 namespace fs = std::filesystem;
 
-/// Test hook: rank 0 ends with _exit(86) at the point of the save named by the environment
-/// variable MOE_CHECKPOINT_TEST_CRASH ("model_written", "index_written", "installed", "retention").
+/// Test hooks at the points of a save ("tmp_made", "gathered", "model_written", "index_written",
+/// "installed", "retention"), run by rank 0: it ends with _exit(86) at the point named by the
+/// environment variable MOE_CHECKPOINT_TEST_CRASH (a killed job), and throws the IoError a failed
+/// write would at the point named by MOE_CHECKPOINT_TEST_FAIL (an error path).
 inline void crash_point(char const* name) {
   char const* want = std::getenv("MOE_CHECKPOINT_TEST_CRASH");
   if (want && std::strcmp(want, name) == 0) ::_exit(86);
+  char const* fail = std::getenv("MOE_CHECKPOINT_TEST_FAIL");
+  if (fail && std::strcmp(fail, name) == 0)
+    throw IoError(cat("checkpoint: a write failed at ", name, " (MOE_CHECKPOINT_TEST_FAIL)"));
 }
+
+/// \brief The temporary directory of a save, removed with everything in it when the save ends
+/// by an exception, whatever step failed (dismiss() once it is installed).
+class TempDir {
+ public:
+  TempDir() = default;
+  explicit TempDir(std::string path) : path_(std::move(path)) {}
+  TempDir(TempDir&& o) noexcept : path_(std::move(o.path_)) { o.path_.clear(); }
+  TempDir& operator=(TempDir&& o) noexcept {
+    std::swap(path_, o.path_);
+    return *this;
+  }
+  TempDir(TempDir const&) = delete;
+  TempDir& operator=(TempDir const&) = delete;
+  ~TempDir() {
+    if (path_.empty()) return;
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  /// The directory was installed: nothing to remove.
+  void dismiss() { path_.clear(); }
+
+ private:
+  std::string path_;
+};
 
 /// "<dir>/<name>".
 inline std::string join(std::string const& dir, std::string const& name) {
