@@ -6,6 +6,7 @@
 #include <Kokkos_Core.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -291,6 +292,59 @@ TEST(Safetensors, ReadsAStandardFileWrittenByAnotherTool) {
   EXPECT_TRUE(File::read(path).metadata.empty());
 }
 
+// Public MoE checkpoints are bf16 (#29): a file with BF16 and F16 tensors written as Python's
+// safetensors writes them (raw little-endian 16-bit values) reads exactly into float and double
+// and as moe::bf16; moe writes them back bit for bit; floating tensors convert between the four
+// floating dtypes with round-to-nearest-even (a bf16 export of float weights).
+TEST(Safetensors, Bf16AndF16TensorsReadWriteAndConvert) {
+  TempDir dir;
+  std::string const header =
+      "{\"w\": {\"dtype\": \"BF16\", \"shape\": [2, 2], \"data_offsets\": [0, 8]},"
+      " \"h\": {\"dtype\": \"F16\", \"shape\": [3], \"data_offsets\": [8, 14]}}";
+  std::string data;
+  // bf16: 1.0, -2.0, 0.1 (0x3dcd, rounded), -Inf; half: 1.0, 65504, smallest subnormal.
+  for (std::uint16_t b : {0x3f80, 0xc000, 0x3dcd, 0xff80, 0x3c00, 0x7bff, 0x0001}) {
+    data.push_back(char(b & 0xff));
+    data.push_back(char(b >> 8));
+  }
+  std::string const path = dir.file("bf16.safetensors");
+  write_bytes(path, make_file(header, data));
+  File const g = File::read(path);
+  EXPECT_EQ(g.at("w").dtype, moe::io::DType::BF16);
+  auto const w = g.get<float>("w");
+  EXPECT_EQ(w[0], 1.0f);
+  EXPECT_EQ(w[1], -2.0f);
+  EXPECT_EQ(w[2], moe::detail::bf16_to_float(0x3dcd));
+  EXPECT_NEAR(w[2], 0.1, 0.0005);
+  EXPECT_TRUE(std::isinf(w[3]) && w[3] < 0);
+  EXPECT_EQ(g.get<double>("h"), (std::vector<double>{1.0, 65504.0, std::ldexp(1.0, -24)}));
+  auto const wb = g.get<moe::bf16>("w");
+  EXPECT_EQ(wb[2].bits, 0x3dcd);
+  EXPECT_THROW(g.get<std::int32_t>("w"), IoError);  // floating values are never integers
+  // Written back: the same bytes.
+  g.write(dir.file("again.safetensors"));
+  File const again = File::read(dir.file("again.safetensors"));
+  EXPECT_EQ(again.at("w").bytes, g.at("w").bytes);
+  EXPECT_EQ(again.at("h").bytes, g.at("h").bytes);
+  // Conversions: float -> bf16 / f16 rounds to nearest even; bf16 -> float is exact.
+  Tensor const f = Tensor::from<float>({4}, {1.0f, 0.1f, 65520.0f, -3.0e38f});
+  Tensor const b = f.as(moe::io::DType::BF16);
+  EXPECT_EQ(b.dtype, moe::io::DType::BF16);
+  EXPECT_EQ(b.bytes.size(), 8u);
+  auto const bv = b.to_vector<moe::bf16>();
+  EXPECT_EQ(bv[0].bits, 0x3f80);
+  EXPECT_EQ(bv[1].bits, moe::bf16(0.1f).bits);
+  Tensor const h = f.as(moe::io::DType::F16);
+  auto const hv = h.to_vector<float>();
+  EXPECT_EQ(hv[0], 1.0f);
+  EXPECT_TRUE(std::isinf(hv[2]));  // 65520 rounds past half's largest value
+  EXPECT_TRUE(std::isinf(hv[3]) && hv[3] < 0);
+  EXPECT_EQ(b.as(moe::io::DType::F32).to_vector<float>()[1], float(moe::bf16(0.1f)));
+  Tensor const from_bf16 = Tensor::from<moe::bf16>({2}, {moe::bf16(1.5f), moe::bf16(-0.25f)});
+  EXPECT_EQ(from_bf16.to_vector<double>(), (std::vector<double>{1.5, -0.25}));
+  EXPECT_THROW(Tensor::from<std::int32_t>({1}, {3}).as(moe::io::DType::BF16), IoError);
+}
+
 // ---- conversions and in-memory API
 // ---------------------------------------------------------------
 
@@ -326,7 +380,10 @@ TEST(Safetensors, Conversions) {
   DType d{};
   EXPECT_TRUE(moe::io::parse_dtype("F64", d));
   EXPECT_EQ(d, DType::F64);
-  EXPECT_FALSE(moe::io::parse_dtype("BF16", d));
+  EXPECT_TRUE(moe::io::parse_dtype("BF16", d));
+  EXPECT_EQ(d, DType::BF16);
+  EXPECT_EQ(moe::io::dtype_size(DType::F16), 2u);
+  EXPECT_FALSE(moe::io::parse_dtype("F8_E4M3", d));
 }
 
 TEST(Safetensors, TensorFromChecksShape) {
@@ -458,10 +515,11 @@ TEST(Safetensors, RejectsEntriesWithMissingOrUnknownFields) {
 
 TEST(Safetensors, RejectsUnsupportedDtypes) {
   TempDir dir;
-  for (std::string const dt : {"F16", "BF16", "U8", "BOOL"}) {
+  for (std::string const dt : {"F8_E4M3", "U16", "U8", "BOOL"}) {
     std::string const path = write_good_file(dir);
     rewrite_header(path, "\"F32\"", "\"" + dt + "\"");
-    expect_read_error(path, {"tensor 'w'", "unsupported dtype '" + dt + "'", "F32, F64, I32"});
+    expect_read_error(path,
+                      {"tensor 'w'", "unsupported dtype '" + dt + "'", "F32, F64, BF16, F16, I32"});
   }
   std::string const path = write_good_file(dir);
   rewrite_header(path, "\"F32\"", "\"float32\"");

@@ -251,13 +251,13 @@ inline File File::read(std::string const& path) {
           cat(ctx, "dtype is ", detail::json_kind_name(dtype->kind), "; it must be a string"));
     }
     if (!parse_dtype(dtype->text, e.tensor.dtype)) {
-      static char const* const known[] = {"BOOL", "U8",  "I8",   "F8_E5M2", "F8_E4M3", "I16",
-                                          "U16",  "F16", "BF16", "U32",     "U64"};
+      static char const* const known[] = {"BOOL", "U8",  "I8",  "F8_E5M2", "F8_E4M3",
+                                          "I16",  "U16", "U32", "U64"};
       bool const is_known =
           std::find_if(std::begin(known), std::end(known),
                        [&](char const* other) { return dtype->text == other; }) != std::end(known);
       throw IoError(cat(ctx, is_known ? "unsupported dtype '" : "unknown dtype '", dtype->text,
-                        "' (moe reads F32, F64, I32 and I64)"));
+                        "' (moe reads F32, F64, BF16, F16, I32 and I64)"));
     }
     if (shape->kind != JsonValue::Kind::Array) {
       throw IoError(cat(ctx, "shape is ", detail::json_kind_name(shape->kind),

@@ -1,9 +1,11 @@
 #pragma once
 /// \file
 /// A named tensor as moe writes it to disk: element types (safetensors' names "F32", "F64",
-/// "I32", "I64"), a row-major shape and little-endian bytes, with checked conversions to and from
-/// C++ element types. Host only, no Kokkos; moe/io/safetensors.hpp stores these in files.
+/// "BF16", "F16", "I32", "I64"), a row-major shape and little-endian bytes, with checked
+/// conversions to and from C++ element types (bfloat16 as moe::bf16, moe/bf16.hpp; half through
+/// float). Host only; moe/io/safetensors.hpp stores these in files.
 
+#include <moe/bf16.hpp>
 #include <moe/detail/text.hpp>
 #include <moe/error.hpp>
 
@@ -19,40 +21,29 @@
 
 namespace moe::io {
 
-/// \brief Element types moe reads and writes. The names are safetensors' ("F32", ...).
-enum class DType { F32, F64, I32, I64 };
+/// \brief Element types moe reads and writes. The names are safetensors' ("F32", ...): IEEE
+/// float, double, bfloat16 and half, 32/64-bit signed integers.
+enum class DType { F32, F64, I32, I64, BF16, F16 };
 
-/// The safetensors name of \p d ("F32", "F64", "I32", "I64").
+/// The safetensors name of \p d ("F32", "F64", "I32", "I64", "BF16", "F16").
 inline char const* dtype_name(DType d) {
-  switch (d) {
-    case DType::F32:
-      return "F32";
-    case DType::F64:
-      return "F64";
-    case DType::I32:
-      return "I32";
-    case DType::I64:
-      return "I64";
-  }
-  return "?";
+  static char const* const names[] = {"F32", "F64", "I32", "I64", "BF16", "F16"};
+  return names[static_cast<int>(d)];
 }
 
 /// Bytes per element of \p d.
 inline std::size_t dtype_size(DType d) {
-  switch (d) {
-    case DType::F32:
-    case DType::I32:
-      return 4;
-    case DType::F64:
-    case DType::I64:
-      return 8;
-  }
-  return 0;
+  static constexpr std::size_t sizes[] = {4, 8, 4, 8, 2, 2};
+  return sizes[static_cast<int>(d)];
 }
+
+/// Whether \p d holds floating values (F32, F64, BF16, F16).
+inline bool is_floating(DType d) { return d != DType::I32 && d != DType::I64; }
 
 /// Parses a safetensors dtype name; false when \p name is not one moe supports.
 inline bool parse_dtype(std::string const& name, DType& out) {
-  static constexpr DType all[] = {DType::F32, DType::F64, DType::I32, DType::I64};
+  static constexpr DType all[] = {DType::F32, DType::F64,  DType::I32,
+                                  DType::I64, DType::BF16, DType::F16};
   for (DType d : all) {
     if (name == dtype_name(d)) {
       out = d;
@@ -93,6 +84,11 @@ struct dtype_of<
   static constexpr DType value = DType::I64;
 };
 
+template <class T>
+struct dtype_of<T, std::enable_if_t<std::is_same<T, moe::bf16>::value>> {
+  static constexpr DType value = DType::BF16;
+};
+
 template <class T, class = void>
 struct has_dtype : std::false_type {};
 template <class T>
@@ -101,6 +97,7 @@ struct has_dtype<T, std::void_t<decltype(dtype_of<T>::value)>> : std::true_type 
 /// A readable name of T for messages.
 template <class T>
 std::string type_label() {
+  if (std::is_same<T, moe::bf16>::value) return "bf16";
   if (std::is_same<T, float>::value) return "float";
   if (std::is_same<T, double>::value) return "double";
   return cat(std::is_floating_point<T>::value ? "float"
@@ -186,24 +183,42 @@ bool int_fits(S v) {
          static_cast<std::uintmax_t>(std::numeric_limits<T>::max());
 }
 
+/// Element i of a 16-bit floating tensor as a float (exact).
+inline float load_16(unsigned char const* src, std::size_t i, DType d) {
+  std::uint16_t const b = load_le<std::uint16_t>(src + 2 * i);
+  return d == DType::BF16 ? moe::detail::bf16_to_float(b) : moe::detail::half_bits_to_float(b);
+}
+
 /// Converts \p n elements of type S stored little-endian at \p src into \p out.
 template <class S, class T>
 void convert_elements(unsigned char const* src, std::size_t n, DType d, std::vector<T>& out) {
   out.resize(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    S const v = load_le<S>(src + i * sizeof(S));
-    if constexpr (std::is_floating_point<T>::value) {
-      out[i] = static_cast<T>(v);
-    } else if constexpr (std::is_floating_point<S>::value) {
-      // Rejected before the loop (float -> integer is never implicit).
-      (void)d;
-      out[i] = T{};
-    } else {
-      if (!int_fits<T>(v)) {
-        throw IoError(cat("element ", i, " of a ", dtype_name(d), " tensor is ", v,
-                          ", which does not fit in ", type_label<T>()));
+  if constexpr (std::is_same<S, std::uint16_t>::value) {  // BF16, F16: through float
+    for (std::size_t i = 0; i < n; ++i) {
+      float const v = load_16(src, i, d);
+      if constexpr (std::is_same<T, moe::bf16>::value)
+        out[i] = moe::bf16(v);
+      else
+        out[i] = static_cast<T>(v);
+    }
+  } else {
+    for (std::size_t i = 0; i < n; ++i) {
+      S const v = load_le<S>(src + i * sizeof(S));
+      if constexpr (std::is_same<T, moe::bf16>::value) {
+        out[i] = moe::bf16(static_cast<float>(v));
+      } else if constexpr (std::is_floating_point<T>::value) {
+        out[i] = static_cast<T>(v);
+      } else if constexpr (std::is_floating_point<S>::value) {
+        // Rejected before the loop (float -> integer is never implicit).
+        (void)d;
+        out[i] = T{};
+      } else {
+        if (!int_fits<T>(v)) {
+          throw IoError(cat("element ", i, " of a ", dtype_name(d), " tensor is ", v,
+                            ", which does not fit in ", type_label<T>()));
+        }
+        out[i] = static_cast<T>(v);
       }
-      out[i] = static_cast<T>(v);
     }
   }
 }
@@ -237,15 +252,20 @@ struct Tensor {
   }
 
   /// The elements, in row-major order, converted to T. Float <-> double and integer -> floating
-  /// conversions are plain casts; integer -> integer conversions are range-checked; a floating
+  /// conversions are plain casts, BF16 and F16 are read exactly as floats, and T = moe::bf16
+  /// rounds to nearest even; integer -> integer conversions are range-checked; a floating
   /// tensor is never converted to an integer type. Violations throw IoError.
   template <class T>
   std::vector<T> to_vector() const {
-    static_assert(std::is_arithmetic<T>::value && !std::is_same<T, bool>::value,
-                  "Tensor::to_vector<T>: T must be an arithmetic type other than bool");
+    static_assert(
+        (std::is_arithmetic<T>::value && !std::is_same<T, bool>::value) ||
+            std::is_same<T, moe::bf16>::value,
+        "Tensor::to_vector<T>: T must be moe::bf16 or an arithmetic type other than bool");
     validate();
     std::size_t const n = static_cast<std::size_t>(numel());
-    if (!std::is_floating_point<T>::value && (dtype == DType::F32 || dtype == DType::F64)) {
+    constexpr bool floating_t =
+        std::is_floating_point<T>::value || std::is_same<T, moe::bf16>::value;
+    if (!floating_t && is_floating(dtype)) {
       throw IoError(detail::cat("cannot convert a ", dtype_name(dtype), " tensor to ",
                                 detail::type_label<T>(),
                                 " (floating values are never converted to integers; read it as "
@@ -265,8 +285,36 @@ struct Tensor {
       case DType::I64:
         detail::convert_elements<std::int64_t>(bytes.data(), n, dtype, out);
         break;
+      case DType::BF16:
+      case DType::F16:
+        detail::convert_elements<std::uint16_t>(bytes.data(), n, dtype, out);
+        break;
     }
     return out;
+  }
+
+  /// This floating tensor with its elements in the floating type \p to (F32, F64, BF16, F16),
+  /// each rounded to nearest even (e.g. a BF16 copy of float weights for inference); IoError for
+  /// integer tensors or an integer \p to.
+  Tensor as(DType to) const {
+    if (!is_floating(dtype) || !is_floating(to))
+      throw IoError(detail::cat("cannot convert a ", dtype_name(dtype), " tensor to ",
+                                dtype_name(to),
+                                ": only floating tensors convert between floating "
+                                "types"));
+    if (to == dtype) return *this;
+    Tensor t;
+    t.dtype = to;
+    t.shape = shape;
+    if (to == DType::F64) return Tensor::from(shape, to_vector<double>());
+    if (to == DType::F32) return Tensor::from(shape, to_vector<float>());
+    auto const v = to_vector<float>();
+    t.bytes.resize(v.size() * 2);
+    for (std::size_t i = 0; i < v.size(); ++i)
+      detail::store_le<std::uint16_t>(
+          to == DType::BF16 ? moe::bf16(v[i]).bits : moe::detail::float_to_half_bits(v[i]),
+          t.bytes.data() + 2 * i);
+    return t;
   }
 
   /// A tensor of dtype dtype_of<T> (F32 for float, F64 for double, I32/I64 for 32/64-bit signed
@@ -275,7 +323,8 @@ struct Tensor {
   template <class T>
   static Tensor from(std::vector<std::int64_t> shape, std::vector<T> const& values) {
     static_assert(detail::has_dtype<T>::value,
-                  "Tensor::from<T>: T must be a 32/64-bit float or a 32/64-bit signed integer");
+                  "Tensor::from<T>: T must be a 32/64-bit float, moe::bf16 or a 32/64-bit signed "
+                  "integer");
     Tensor t;
     t.dtype = detail::dtype_of<T>::value;
     t.shape = std::move(shape);
@@ -285,8 +334,12 @@ struct Tensor {
                                 " elements but ", values.size(), " values were given"));
     }
     t.bytes.resize(values.size() * sizeof(T));
-    for (std::size_t i = 0; i < values.size(); ++i)
-      detail::store_le<T>(values[i], t.bytes.data() + i * sizeof(T));
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      if constexpr (std::is_same<T, moe::bf16>::value)
+        detail::store_le<std::uint16_t>(values[i].bits, t.bytes.data() + i * sizeof(T));
+      else
+        detail::store_le<T>(values[i], t.bytes.data() + i * sizeof(T));
+    }
     return t;
   }
 };
