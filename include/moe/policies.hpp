@@ -29,11 +29,8 @@ struct Policies {
   using routing_policy = Routing;
   using gmm_policy = Gmm;
   using partition_policy = Partition;
-  static_assert(std::is_same_v<Routing, routing::Auto> ||
-                    std::is_same_v<Routing, routing::TopKSoftmax> ||
-                    std::is_same_v<Routing, routing::DeepSeek> ||
-                    std::is_same_v<Routing, routing::Random>,
-                "Routing must be routing::Auto, TopKSoftmax, DeepSeek or Random");
+  static_assert(routing::is_policy<Routing>::value,
+                "Routing must be a routing policy: routing::Auto, TopKSoftmax, DeepSeek or Random");
   static_assert(gmm::is_policy<Gmm>::value,
                 "Gmm must be a grouped-GEMM policy: gmm::Auto, OneDnn, Vendor, Tiled<TM,TK,TN> or "
                 "Dense");
