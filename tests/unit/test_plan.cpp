@@ -334,9 +334,12 @@ TEST(Plan, RaggedAllToAll) {
   expect_shapes(p, "x", {4, 4, 16}, {4, 4, 16});
   expect_shapes(p, "wi_0", {4, 16, 8}, {4, 16, 8});
   expect_shapes(p, "gate", {16, 8}, {16, 8});
-  // EP-as-TP shared expert: stored split over expert on embed, computed split on the hidden dim.
-  expect_shapes(p, "shared_wi_0", {8, 8}, {16, 4});
-  EXPECT_EQ(p.tensor("shared_wi_0").sliced, (std::vector<Names>{{}, {"expert"}}));
+  // The shared expert on each rank's own tokens (#30): stored split over expert on embed
+  // (MaxText's `embed` rule), gathered whole, no activation moves; its gradients reduce-scattered
+  // back over expert (the ranks' tokens differ).
+  EXPECT_EQ(p.layout.shared, moe::SharedExpert::own);
+  expect_shapes(p, "shared_wi_0", {8, 8}, {16, 8});
+  EXPECT_EQ(p.tensor("shared_wi_0").sliced, (std::vector<Names>{{}, {}}));
   EXPECT_EQ(signature(p), (Names{
                               "F all-gather [expert] gather shared_wi_0",
                               "F all-gather [expert] gather shared_wi_1",
@@ -344,16 +347,12 @@ TEST(Plan, RaggedAllToAll) {
                               "F all-reduce [expert] lb loss",
                               "F all-to-all [expert] dispatch",
                               "F all-to-all [expert] combine",
-                              "F all-gather [expert] all-gather x (shared, expert)",
-                              "F reduce-scatter [expert] reduce-scatter y shared (expert)",
                               "B all-to-all [expert] dispatch d_y",
                               "B all-to-all [expert] combine d_x",
-                              "B all-gather [expert] all-gather d_y (shared, expert)",
-                              "B reduce-scatter [expert] reduce-scatter d_x shared (expert)",
                               "B all-reduce [expert] reduce d_gate",
-                              "B all-gather [expert] unslice d_shared_wi_0",
-                              "B all-gather [expert] unslice d_shared_wi_1",
-                              "B all-gather [expert] unslice d_shared_wo",
+                              "B reduce-scatter [expert] reduce-scatter d_shared_wi_0",
+                              "B reduce-scatter [expert] reduce-scatter d_shared_wi_1",
+                              "B reduce-scatter [expert] reduce-scatter d_shared_wo",
                           }));
   // Balanced routing: T_local*K*D*sizeof*(ep-1)/ep = 16*2*16*4/2.
   EXPECT_EQ(bytes_of(p, "dispatch"), 16 * 2 * 16 * 4 / 2);
@@ -383,8 +382,6 @@ TEST(Plan, RingAndDenseGatherTokens) {
         "F all-gather [expert] all-gather tokens (ring)",
         "F all-reduce [expert] lb loss",
         "F reduce-scatter [expert] reduce-scatter y (expert)",
-        "F all-gather [expert] all-gather x (shared, expert)",
-        "F reduce-scatter [expert] reduce-scatter y shared (expert)",
         "B all-gather [expert] all-gather d_y (expert)",
         "B reduce-scatter [expert] reduce-scatter d_weights (expert)",
         "B reduce-scatter [expert] reduce-scatter d_x (expert)",
@@ -578,6 +575,56 @@ TEST(Plan, DecodeReplicatesTheBatchOverExperts) {
   auto const s = signature(p);
   EXPECT_NE(std::find(s.begin(), s.end(), "F all-reduce [expert] reduce y (expert)"), s.end());
   EXPECT_EQ(bytes_of(p, "reduce y (expert)"), 4 * 16 * 4);
+}
+
+// The shared expert under expert parallelism is chosen by what it moves and computes (#30): on
+// each rank's own tokens where the tokens are split over expert (the same FLOPs as EP-as-TP and
+// no activation traffic), EP-as-TP where every expert rank holds the same tokens (1/ep of the
+// FLOPs); the plan lists both alternatives' bytes and FLOPs, and they agree with hand counts.
+TEST(Plan, SharedExpertStrategyIsChosenByBytesAndFlops) {
+  for (Names const& layout : {Names{"ici_expert_parallelism=-1"},
+                              Names{"ici_expert_parallelism=-1", "use_ring_of_experts=true"}}) {
+    for (int ranks : {2, 4}) {
+      auto const p = plan(ranks, layout);
+      SCOPED_TRACE(layout.back() + " at " + std::to_string(ranks));
+      EXPECT_EQ(p.layout.shared, moe::SharedExpert::own);
+      ASSERT_EQ(p.choices.size(), 1u);
+      auto const& c = p.choices[0];
+      EXPECT_EQ(c.what, "shared expert");
+      EXPECT_EQ(c.chosen, "own tokens");
+      EXPECT_EQ(c.why, "same FLOPs, fewest bytes");
+      ASSERT_EQ(c.alternatives.size(), 2u);
+      auto const &own = c.alternatives[0], &split = c.alternatives[1];
+      EXPECT_EQ(own.flops, split.flops);
+      // D=16, Fs=8, float, T = 8*4/ranks tokens; own tokens: 3 weights of 128 values all-gathered
+      // from blocks of 128/ranks and their gradients reduce-scattered back.
+      std::int64_t const P = ranks, T = 32 / P, w = 3 * 128 / P * (P - 1) * 4;
+      EXPECT_EQ(own.bytes, 2 * w);
+      // EP-as-TP: the same weight gathers, the gradients un-sliced (3 x [16, 8/P] blocks; every
+      // rank then keeps its stored block, the contributions already summed), and x, y, dy, dx
+      // gathered / reduce-scattered over the expert group: 4 x T x D values from every other rank.
+      EXPECT_EQ(split.bytes, 2 * w + 4 * T * 16 * (P - 1) * 4);
+      EXPECT_EQ(own.flops, 18.0 * T * 16 * 8);  // 3 GEMMs forward, 6 backward
+    }
+  }
+  // Decode: every expert rank holds the same tokens: EP-as-TP computes 1/ep of the FLOPs.
+  auto const d = plan(2, {"ici_expert_parallelism=-1"}, {}, 1);
+  EXPECT_EQ(d.layout.shared, moe::SharedExpert::split);
+  ASSERT_EQ(d.choices.size(), 1u);
+  EXPECT_EQ(d.choices[0].chosen, "ep-as-tp");
+  EXPECT_EQ(d.choices[0].why, "fewest FLOPs");
+  EXPECT_EQ(d.choices[0].alternatives[0].flops, 2 * d.choices[0].alternatives[1].flops);
+  // No choice without expert parallelism, and none on EP-TP (its rules put the hidden dim on
+  // the expert axes).
+  EXPECT_TRUE(plan(2, {"ici_fsdp_parallelism=-1"}).choices.empty());
+  EXPECT_TRUE(plan(2, {"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=-1"}).choices.empty());
+  // The text and the JSON carry the choice.
+  auto const p = plan(2, {"ici_expert_parallelism=-1"});
+  EXPECT_NE(p.to_text().find("shared expert: own tokens (same FLOPs, fewest bytes"),
+            std::string::npos);
+  auto const j = nlohmann::json::parse(p.to_json());
+  EXPECT_EQ(j["choices"][0]["chosen"], "own tokens");
+  EXPECT_EQ(j["choices"][0]["alternatives"][1]["name"], "ep-as-tp");
 }
 
 TEST(Plan, ShardExpOnFsdpGathersTheExpertDim) {

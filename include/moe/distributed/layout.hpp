@@ -31,6 +31,28 @@ enum class ExpertRoute {
         ///< D
 };
 
+/// \brief How the shared expert is computed under expert parallelism (ExpertRoute != Local).
+/// Both give the same result; they differ in what they move and compute per rank.
+enum class SharedExpert {
+  none,  ///< no shared expert
+  /// This rank's own tokens through the whole shared MLP (its hidden dim split over tensor only):
+  /// the weights are all-gathered over the axes that store them (FSDP-style, MaxText's reading of
+  /// the `embed` rule), no activation moves. The default wherever the tokens are split over the
+  /// expert axes: the same FLOPs as `split` with fewer bytes.
+  own,
+  /// EP-as-TP: the hidden dim split over tensor x expert; the expert group's tokens all-gathered
+  /// for it and the partial outputs reduce-scattered back (tokens split over the expert axes), or
+  /// summed (tokens replicated over them: decode, EP-TP). Chosen where it computes less (the
+  /// tokens are the same on every expert rank) or where the rules put the hidden dim on the
+  /// expert axes (EP-TP).
+  split
+};
+
+/// "none", "own tokens", "ep-as-tp".
+inline char const* to_string(SharedExpert s) {
+  return s == SharedExpert::own ? "own tokens" : s == SharedExpert::split ? "ep-as-tp" : "none";
+}
+
 /// \brief Stable name of a route: "local", "ragged_all_to_all", "ring", "replicated", "ep_tp".
 inline char const* to_string(ExpertRoute r) {
   switch (r) {
@@ -140,6 +162,7 @@ struct Layout {
   std::int64_t batch_parts = 1, batch_index = 0;
   std::int64_t local_experts = 0, first_expert = 0;  ///< L = E / ep and this rank's first expert
   ExpertRoute route = ExpertRoute::Local;
+  SharedExpert shared = SharedExpert::none;  ///< how the shared expert is computed
   /// Dense masked expert path (every local expert on every token). False on the ragged
   /// all-to-all route even when the config asks for the dense path (gmm::Dense or
   /// sparse_matmul=false): the rows that arrive there run the grouped GEMMs.
@@ -212,9 +235,12 @@ struct Layout {
 /// divisibility; throws ConfigError naming the value and the rule. Pure: every rank computes the
 /// same layout (up to its own coordinates) and throws the same error.
 /// \param dense_gmm the GEMM policy runs every expert densely (gmm::Dense), as sparse_matmul=false
+/// `shared`: the shared expert's strategy; SharedExpert::none picks it (see SharedExpert: `split`
+/// where the expert ranks hold the same tokens, else `own`). A plan compares the other one's
+/// bytes by asking for it here.
 inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, int world_size,
                              int rank, std::int64_t global_batch, std::int64_t seq_len,
-                             bool dense_gmm = false) {
+                             bool dense_gmm = false, SharedExpert shared = SharedExpert::none) {
   using detail::contains;
   using detail::join;
   using detail::minus;
@@ -416,13 +442,26 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   if (cfg.routed_bias) make("gate_bias", {std::nullopt}, {{}}, {{}}, {E}, batch_axes);
   int const Fs = cfg.shared_mlp_dim();
   if (Fs > 0) {
-    // EP-as-TP: the shared hidden dim is computed split over the tensor axes and the expert
-    // axes; tokens are all-gathered over the expert axes for it.
-    auto hidden = lay.tp_axes;
-    for (auto const& a : ep_axes) hidden.push_back(a);
-    sharding::PartitionSpec const cp_in = {{}, hidden}, cp_out = {hidden, {}};
+    // The shared expert's strategy (SharedExpert): EP-as-TP where the expert ranks hold the same
+    // tokens (it computes 1/ep of the FLOPs) or EP-TP asks for it; else each rank's own tokens
+    // through the whole MLP, which moves no activation for the same FLOPs. The hidden dim is
+    // computed split over the tensor axes, and over the expert axes too for EP-as-TP.
     bool const same_tokens = lay.route == ExpertRoute::Replicated || lay.route == ExpertRoute::EpTp;
-    auto const sh_reduce = same_tokens ? batch_axes : minus(batch_axes, ep_axes);
+    lay.shared = shared != SharedExpert::none ? shared
+                 : same_tokens && ep > 1      ? SharedExpert::split
+                                              : SharedExpert::own;
+    require<ConfigError>(lay.route != ExpertRoute::EpTp || lay.shared == SharedExpert::split,
+                         "EP-TP computes the shared expert with its hidden dim over the expert "
+                         "axes (ep-as-tp)");
+    auto hidden = lay.tp_axes;
+    if (lay.shared == SharedExpert::split)
+      for (auto const& a : ep_axes) hidden.push_back(a);
+    sharding::PartitionSpec const cp_in = {{}, hidden}, cp_out = {hidden, {}};
+    // A rank's gradient contributions differ over the token axes its compute block is not split
+    // over: every batch axis when the ranks hold different tokens for the whole MLP or the same
+    // tokens for a slice of it; all but the expert axes when EP-as-TP gathered the tokens.
+    auto const sh_reduce =
+        lay.shared == SharedExpert::own || same_tokens ? batch_axes : minus(batch_axes, ep_axes);
     sharding::LogicalAxes const in_l = {"embed", "mlp"}, out_l = {"mlp", "embed"};
     make("shared_wi_0", in_l, resolve(in_l), cp_in, {D, Fs}, sh_reduce);
     make("shared_wi_1", in_l, resolve(in_l), cp_in, {D, Fs}, sh_reduce);
@@ -437,5 +476,6 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
 
 namespace moe {
 using distributed::ExpertRoute;
+using distributed::SharedExpert;
 using distributed::to_string;
 }  // namespace moe

@@ -66,6 +66,22 @@ struct PlanCollective {
   std::string stage;              ///< the step-plan stage that runs it (its profiling region)
 };
 
+/// \brief A choice the plan made where the rules leave one -- today the shared expert under
+/// expert parallelism (SharedExpert) -- with what each alternative would move and compute per
+/// training step on this rank: the plan takes, among the alternatives of the fewest FLOPs, the
+/// one that moves the fewest bytes.
+struct PlanChoice {
+  struct Alternative {
+    std::string name;        ///< e.g. "own tokens", "ep-as-tp"
+    std::int64_t bytes = 0;  ///< bytes this rank sends in one step for it (weights and tokens)
+    double flops = 0;        ///< its GEMM FLOPs on this rank in one step
+  };
+  std::string what;    ///< the FFN: "shared expert"
+  std::string chosen;  ///< the name of the alternative taken
+  std::vector<Alternative> alternatives;
+  std::string why;  ///< "same FLOPs, fewest bytes" or "fewest FLOPs"
+};
+
 /// \brief The partition plan of one rank (see the file comment); make it with make_plan().
 struct LayerPlan {
   distributed::Layout layout;  ///< mesh, axes, route and weight layouts
@@ -80,6 +96,7 @@ struct LayerPlan {
   sharding::LogicalAxes dispatch_logical;     ///< the dense dispatch tensor's logical names
   sharding::PartitionSpec dispatch_joint;     ///< resolved jointly (MaxText's default)
   sharding::PartitionSpec dispatch_repaired;  ///< with moe_dispatch_no_expert_sharding
+  std::vector<PlanChoice> choices;            ///< strategies chosen where the rules leave a choice
   std::vector<std::string> notes;             ///< assumptions behind the byte counts
   std::vector<std::string> warnings;          ///< layout problems worth fixing
 
@@ -160,6 +177,50 @@ inline moe::detail::ordered_json json_logical(sharding::LogicalAxes const& l) {
 
 }  // namespace detail
 
+namespace detail {
+
+/// What the shared expert of `step` moves (its stages' collectives and its weights' gathers and
+/// gradient reductions) and computes in one step.
+inline PlanChoice::Alternative shared_expert_cost(StepPlan const& step, char const* name) {
+  PlanChoice::Alternative a{name, 0, 0};
+  for (auto const* phase : {&step.forward, &step.backward})
+    for (auto const& st : *phase) {
+      bool const shared = st.kind == StageKind::shared_expert;
+      if (shared) a.flops += st.flops;
+      for (auto const& c : st.collectives)
+        if (shared || c.what.find("shared_") != std::string::npos) a.bytes += c.bytes;
+    }
+  return a;
+}
+
+/// The shared expert's strategy under expert parallelism (Layout::shared) against the other one:
+/// both plans' bytes and FLOPs (none without a shared expert or expert parallelism, or on EP-TP,
+/// whose rules put the hidden dim on the expert axes).
+inline std::vector<PlanChoice> shared_expert_choice(LayerConfig const& cfg,
+                                                    ParallelConfig const& par, int world_size,
+                                                    int rank, std::int64_t global_batch,
+                                                    std::int64_t seq_len, std::size_t scalar_bytes,
+                                                    Layout const& lay) {
+  if (lay.shared == SharedExpert::none || lay.ep() == 1 || lay.route == ExpertRoute::EpTp)
+    return {};
+  PlanChoice c;
+  c.what = "shared expert";
+  c.chosen = to_string(lay.shared);
+  for (SharedExpert mode : {SharedExpert::own, SharedExpert::split}) {
+    Layout const other = mode == lay.shared ? lay
+                                            : compute_layout(cfg, par, world_size, rank,
+                                                             global_batch, seq_len, false, mode);
+    c.alternatives.push_back(
+        shared_expert_cost(make_step_plan(other, cfg, par, scalar_bytes), to_string(mode)));
+  }
+  auto const& own = c.alternatives[0];
+  auto const& split = c.alternatives[1];
+  c.why = own.flops == split.flops ? "same FLOPs, fewest bytes" : "fewest FLOPs";
+  return {c};
+}
+
+}  // namespace detail
+
 /// \brief The partition plan of `rank` of `world_size` ranks for a global batch
 /// [global_batch, seq_len, base_emb_dim] (pure; no MPI call).
 ///
@@ -230,6 +291,8 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
         p.collectives.push_back(
             {st.backward, c.what, c.kind, c.axes, c.bytes, c.balanced, st.region});
 
+  p.choices = detail::shared_expert_choice(cfg, par, world_size, rank, global_batch, seq_len,
+                                           scalar_bytes, lay);
   p.notes = p.step.notes;  // the strategy's, then the plan's
   p.notes.push_back(
       "all-reduce bytes are 2*(P-1)/P of the buffer (ring algorithm); count exchanges and error "
@@ -327,6 +390,13 @@ inline std::string LayerPlan::to_text() const {
   for (auto const& [k, b] : by_kind)
     kinds += (kinds.empty() ? "" : ", ") + k + " " + std::to_string(b);
   if (!kinds.empty()) line("  by kind: " + kinds);
+  for (auto const& c : choices) {
+    std::string alts;
+    for (auto const& a : c.alternatives)
+      alts += moe::detail::cat(alts.empty() ? "" : "; ", a.name, ": ", a.bytes, " B, ", a.flops,
+                               " FLOP");
+    line(moe::detail::cat("  ", c.what, ": ", c.chosen, " (", c.why, "; per step ", alts, ")"));
+  }
   line("");
   line(moe::detail::cat("dense dispatch ", logical_text(dispatch_logical), ": joint ",
                         spec_text(dispatch_joint), ", with moe_dispatch_no_expert_sharding ",
@@ -388,12 +458,20 @@ inline moe::detail::ordered_json LayerPlan::json() const {
                     {"region", st.region},
                     {"reads", detail::names(st.reads)},
                     {"writes", detail::names(st.writes)},
-                    {"collectives", st.collectives.size()}});
+                    {"collectives", st.collectives.size()},
+                    {"flops", st.flops}});
   o["bytes"] = {{"forward", bytes(false)}, {"backward", bytes(true)}, {"step", step_bytes()}};
   o["dispatch"] = {{"logical", json_logical(dispatch_logical)},
                    {"joint", sharding::json(dispatch_joint)},
                    {"repaired", sharding::json(dispatch_repaired)},
                    {"in_effect", sharding::json(layout.dispatch_spec)}};
+  auto& ch = o["choices"] = ordered_json::array();
+  for (auto const& c : choices) {
+    auto alts = ordered_json::array();
+    for (auto const& a : c.alternatives)
+      alts.push_back({{"name", a.name}, {"bytes", a.bytes}, {"flops", a.flops}});
+    ch.push_back({{"ffn", c.what}, {"chosen", c.chosen}, {"why", c.why}, {"alternatives", alts}});
+  }
   o["notes"] = notes;
   o["warnings"] = warnings;
   return o;
@@ -404,6 +482,7 @@ inline moe::detail::ordered_json LayerPlan::json() const {
 namespace moe {
 using distributed::LayerPlan;
 using distributed::make_plan;
+using distributed::PlanChoice;
 using distributed::PlanCollective;
 using distributed::PlanTensor;
 }  // namespace moe

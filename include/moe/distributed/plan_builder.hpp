@@ -102,7 +102,13 @@ class PlanBuilder {
   Extent recv_rows() const { return {recv, slot, true}; }
   Extent local_rows() const { return {local, slot, true}; }
   Extent mlp() const { return {F, scale_mlp}; }
-  /// Tokens the shared expert sees (begin()'s shared group x T).
+  /// Whether the shared expert gathers the expert group's tokens (EP-as-TP with the tokens split
+  /// over the expert axes).
+  bool shared_spans() const {
+    return lay.shared == SharedExpert::split &&
+           (lay.route == ExpertRoute::RaggedA2A || lay.route == ExpertRoute::Ring);
+  }
+  /// Tokens the shared expert sees (the expert group's when it gathers them, else this rank's).
   Extent shared_tokens() const { return {plan_.shared_tokens, tok}; }
 
   /// Slots kept of `tokens` tokens' T*K under per-sequence capacity (all without a capacity).
@@ -173,9 +179,17 @@ class PlanBuilder {
     hold(Buf::sort_inverse, {slots});
     hold(Buf::sort_cursors, {{(slots.n + chunk - 1) / chunk + 1, slots.keys}, {keys, 0}});
   }
+  /// FLOPs of a [rows, k] x [k, n] GEMM.
+  static double gemm(double rows, double k, double n) { return 2 * rows * k * n; }
+  /// FLOPs of the gated FFN (three GEMMs of D x F) on `rows` rows: forward, or backward (the
+  /// three weight gradients and the three input gradients: twice the forward).
+  double ffn_flops(double rows, double F_) const { return (backward ? 6 : 3) * gemm(rows, D, F_); }
+
   /// The grouped expert FFN's hidden states on `rows` rows: h0, h1, act forward; d_act, d_h1
   /// backward (nn::ExpertFfn).
   void hold_expert_ffn(Extent rows) {
+    auto& phase = backward ? plan_.backward : plan_.forward;
+    phase.back().flops = ffn_flops(double(rows.n), double(F));  // the stage running it
     if (!backward)
       for (Buf b : {Buf::h0, Buf::h1, Buf::act}) hold(b, {rows, mlp()});
     else
@@ -186,6 +200,8 @@ class PlanBuilder {
   /// (nn::DenseMlp), and the rows it hands to its GEMMs.
   void hold_shared_mlp(Extent rows) {
     Extent const Fs{lay.weight("shared_wi_0").dims[1].computed, scale_mlp | scale_shared};
+    auto& phase = backward ? plan_.backward : plan_.forward;
+    phase.back().flops = ffn_flops(double(rows.n), double(Fs.n));  // the stage running it
     if (!backward) {
       row_limit("shared-expert tokens", rows);
       for (Buf b : {Buf::shared_h0, Buf::shared_h1, Buf::shared_act}) hold(b, {rows, Fs});
@@ -242,7 +258,7 @@ class PlanBuilder {
   /// Starts the plan of this rank's sizes with every moved weight's ops (StepPlan::weights), the
   /// step's input x [T, Dl] and no stage yet; `shared_group`: how many ranks' tokens the shared
   /// expert sees.
-  StepPlan& begin(std::int64_t shared_group) {
+  StepPlan& begin() {
     StepPlan& p = plan_;
     p.route = lay.route;
     // The dense path on the all-to-all (moe_dispatch_no_expert_sharding) runs the received rows
@@ -251,7 +267,7 @@ class PlanBuilder {
     p.tokens = T;
     p.work_tokens = Tw;
     p.token_cols = Dl;
-    p.shared_tokens = checked_mul(T, shared_group, "shared-expert tokens");
+    p.shared_tokens = checked_mul(T, shared_spans() ? ep : 1, "shared-expert tokens");
     p.emb_chunks = chunks;
     for (auto const& w : lay.weights) p.weights.push_back(weight_steps(w));
     declare(out(buf::x, tokens(), token_cols()));
@@ -259,6 +275,8 @@ class PlanBuilder {
   }
   /// The plan built so far (moved out: the builder is done).
   StepPlan finish() { return std::move(plan_); }
+  /// The plan being built.
+  StepPlan& plan() { return plan_; }
 
   /// The forward's first stage: stored weight blocks -> compute blocks.
   void gather_weights() {
@@ -283,6 +301,7 @@ class PlanBuilder {
                    : stage(StageKind::route, "moe::dist::route",
                            {x, compute(Weight::gate), stored(Weight::gate_bias)}, {Buf::routing});
     if (logits) all_gather(st, "all-gather logits (ring)", lay.ep_axes, T, E, 0);
+    st.flops = gemm(logits ? T : Tw, D, E);  // the gate
     // Statistics are host doubles / int64: 8 bytes whatever the value type.
     if (cfg.load_balance_loss_weight > 0) all_reduce_statistics(st, "lb loss", lay.batch_axes, 1);
     if (cfg.routed_bias_update_rate > 0)
@@ -310,9 +329,10 @@ class PlanBuilder {
   /// The router's backward on the tokens `x` it routed (dx sums path + shared + router, in
   /// this order, on every route).
   void route_backward(Ref x) {
-    stage(StageKind::route, "moe::dist::route::backward",
-          {x, buf::d_weights, compute(Weight::gate)},
-          {Buf::dx, grad(Weight::gate), grad(Weight::gate_bias)});
+    auto& st = stage(StageKind::route, "moe::dist::route::backward",
+                     {x, buf::d_weights, compute(Weight::gate)},
+                     {Buf::dx, grad(Weight::gate), grad(Weight::gate_bias)});
+    st.flops = 2 * gemm(T, D, E);  // dx += d_logits gate^T, d_gate = x^T d_logits
     hold(Buf::d_top, {tokens(), topk()});
     hold(Buf::d_biased, {tokens(), experts()});
     hold(Buf::d_logits, {tokens(), experts()});

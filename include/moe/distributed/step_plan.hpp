@@ -88,6 +88,7 @@ struct Stage {
   std::string region;  ///< Kokkos profiling region the layer opens for it, e.g. moe::dist::route
   std::vector<Ref> reads, writes;
   std::vector<PlannedCollective> collectives;  ///< in the order the stage runs them
+  double flops = 0;  ///< floating-point operations of its GEMMs on this rank (balanced routing)
 
   bool lists(Ref r, bool write) const {
     auto has = [r](std::vector<Ref> const& v) {

@@ -107,7 +107,7 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
   StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
                 std::int64_t value_bytes) const {
     PlanBuilder b(lay, cfg, par, value_bytes, true);
-    StepPlan& p = b.begin(b.ep);
+    StepPlan& p = b.begin();
     p.route_text = "ring of experts: tokens all-gathered over " + detail::axes_text(lay.ep_axes) +
                    ", outputs reduce-scattered";
     p.token_gathered[0] = lay.ep_axes;

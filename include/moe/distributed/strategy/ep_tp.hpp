@@ -79,7 +79,7 @@ struct EpTp {
   StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
                 std::int64_t value_bytes) const {
     PlanBuilder b(lay, cfg, par, value_bytes, false);
-    StepPlan& p = b.begin(1);
+    StepPlan& p = b.begin();
     p.route_text = "ep-tp: tokens split on D over " + detail::axes_text(lay.ep_axes) +
                    ", all-gathered on D, local experts on their routed rows, outputs "
                    "reduce-scattered on D";

@@ -189,6 +189,7 @@ struct DenseExperts {
     // What nn::DenseExperts keeps: the masked combine weights of the local experts, the hidden
     // states and one expert's output, on every working token.
     b.row_limit("dense expert rows", Tw);
+    b.plan().forward.back().flops = b.ffn_flops(double(b.Tw) * double(b.L), double(b.F));
     b.hold(Buf::dense_weights, {Tw, L});
     for (Buf h : {Buf::h0, Buf::h1, Buf::act}) b.hold(h, {Tw, b.mlp()});
     b.hold(Buf::y_expert, {Tw, b.emb()});
@@ -199,6 +200,7 @@ struct DenseExperts {
             {buf::dy_work, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
             {b.out(buf::dx_work, Tw, b.emb()), b.out(buf::d_weights_work, Tw, b.topk()),
              grad(Weight::wi_0), grad(Weight::wi_1), grad(Weight::wo)});
+    b.plan().backward.back().flops = b.ffn_flops(double(b.Tw) * double(b.L), double(b.F));
     b.hold(Buf::dy_expert, {Tw, b.emb()});
     for (Buf h : {Buf::d_act, Buf::d_h1}) b.hold(h, {Tw, b.mlp()});
     b.hold(Buf::d_dense_weights, {Tw, L});
@@ -303,7 +305,7 @@ struct Gathered {
   StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
                 std::int64_t value_bytes) const {
     PlanBuilder b(lay, cfg, par, value_bytes, Ring);
-    StepPlan& p = b.begin(Ring ? b.ep : 1);
+    StepPlan& p = b.begin();
     if constexpr (Ring) {
       p.route_text = "ring of experts: tokens all-gathered over " + detail::axes_text(lay.ep_axes) +
                      ", outputs reduce-scattered";
@@ -328,11 +330,11 @@ struct Gathered {
   /// and the whole backward.
   static void plan_after_experts(PlanBuilder& b) {
     stages::plan_gathered_combine<Ring, Experts>(b);
-    if (b.shared()) stages::plan_shared_forward(b, Ring);
+    if (b.shared()) stages::plan_shared_forward(b);
     b.output();
     b.backward = true;
     stages::plan_gathered_backward<Ring, Experts>(b);
-    if (b.shared()) stages::plan_shared_backward(b, Ring);
+    if (b.shared()) stages::plan_shared_backward(b);
     b.route_backward(buf::x);
     b.reduce_grads();
   }

@@ -136,7 +136,7 @@ struct RaggedA2A {
   StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
                 std::int64_t value_bytes) const {
     PlanBuilder b(lay, cfg, par, value_bytes, false);
-    StepPlan& p = b.begin(b.ep);
+    StepPlan& p = b.begin();
     p.route_text = "ragged all-to-all over " + detail::axes_text(lay.ep_axes);
     p.notes.push_back(moe::detail::cat(
         "all-to-all bytes (marked ~) assume balanced routing: each dispatch and each combine "
@@ -172,7 +172,7 @@ struct RaggedA2A {
                       {b.out(buf::y_received_cols, recv, Dc), b.out(buf::y_sorted_cols, sent, Dc),
                        b.out(buf::y_cols, b.tokens(), Dc)});
     b.all_to_all(c, "combine", b.recv, b.Dc);
-    if (b.shared()) stages::plan_shared_forward(b, true);
+    if (b.shared()) stages::plan_shared_forward(b);
     b.output();
     b.backward = true;
     b.stage(StageKind::output, "moe::dist::output::backward", {Buf::dy},
@@ -197,7 +197,7 @@ struct RaggedA2A {
                        {buf::dy_received_cols, buf::dy_sorted_cols, buf::dy_cols, Buf::dx});
     b.all_to_all(db, "combine d_x", b.recv, b.Dc);
     b.all_gather(db, "all-gather d_x (tensor)", lay.tp_axes, b.T, b.Dc, 1);
-    if (b.shared()) stages::plan_shared_backward(b, true);
+    if (b.shared()) stages::plan_shared_backward(b);
     b.route_backward(buf::x);
     b.reduce_grads();
     return b.finish();

@@ -1,10 +1,11 @@
 #pragma once
 /// \file
-/// The shared expert of every strategy but EP-TP (whose own is in strategy/ep_tp.hpp): EP-as-TP,
-/// the shared expert on the expert group's tokens (all-gathered when the tokens are split over
-/// the expert axes) with its hidden dim split over tensor x expert; its stages and their
-/// functions, and the transposes. The MLP itself (shared_mlp_forward / backward) is shared with
-/// EP-TP.
+/// The shared expert of every strategy but EP-TP (whose own is in strategy/ep_tp.hpp), as the
+/// layout chose it (SharedExpert, distributed/layout.hpp): each rank's own tokens through the
+/// whole MLP (hidden dim split over tensor only), or EP-as-TP -- the expert group's tokens
+/// (all-gathered when the tokens are split over the expert axes) with the hidden dim split over
+/// tensor x expert. Its stages and their functions, and the transposes. The MLP itself
+/// (shared_mlp_forward / backward) is shared with EP-TP.
 
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
@@ -17,8 +18,8 @@
 namespace moe::distributed::stages {
 
 // ---------------------------------------------------------------------------- plan
-/// Its partial outputs go back to their tokens' owners: reduce-scatter when the group's tokens
-/// were gathered (`spans`), else a sum over the expert group.
+/// EP-as-TP's partial outputs go back to their tokens' owners: reduce-scatter when the group's
+/// tokens were gathered (`spans`), else a sum over the expert group.
 inline void plan_shared_reduce(PlanBuilder const& b, Stage& st, std::string const& what,
                                bool spans) {
   if (spans)
@@ -26,12 +27,21 @@ inline void plan_shared_reduce(PlanBuilder const& b, Stage& st, std::string cons
   else
     b.all_reduce(st, "reduce " + what + " (expert)", b.lay.ep_axes, b.T * b.D);
 }
-/// The forward stage; `spans`: the tokens are split over the expert axes (and gathered here).
-inline void plan_shared_forward(PlanBuilder& b, bool spans) {
+/// The forward stage, as the layout's SharedExpert says.
+inline void plan_shared_forward(PlanBuilder& b) {
   Extent const Tg = b.shared_tokens(), D = b.emb();
-  auto& st = b.stage(StageKind::shared_expert, "moe::dist::shared_expert",
-                     {buf::x, compute(Weight::shared_wi_0), compute(Weight::shared_wi_1),
-                      compute(Weight::shared_wo)},
+  std::vector<Ref> const reads = {buf::x, compute(Weight::shared_wi_0),
+                                  compute(Weight::shared_wi_1), compute(Weight::shared_wo)};
+  if (b.lay.shared == SharedExpert::own) {
+    auto& st = b.stage(StageKind::shared_expert, "moe::dist::shared_expert", reads,
+                       {b.out(buf::y_shared, Tg, D),
+                        b.out(buf::y_shared_cols, b.tokens(), b.emb_cols()), buf::y_cols});
+    b.reduce_scatter(st, "reduce-scatter y shared (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
+    b.hold_shared_mlp(Tg);
+    return;
+  }
+  bool const spans = b.shared_spans();
+  auto& st = b.stage(StageKind::shared_expert, "moe::dist::shared_expert", reads,
                      {b.out(buf::x_shared, Tg, D), b.out(buf::y_shared, Tg, D),
                       b.out(buf::y_own, b.tokens(), D, Item::shared),
                       b.out(buf::y_shared_cols, b.tokens(), b.emb_cols()), buf::y_cols});
@@ -40,12 +50,21 @@ inline void plan_shared_forward(PlanBuilder& b, bool spans) {
   b.reduce_scatter(st, "reduce-scatter y shared (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
   b.hold_shared_mlp(Tg);
 }
-inline void plan_shared_backward(PlanBuilder& b, bool spans) {
+inline void plan_shared_backward(PlanBuilder& b) {
   Extent const Tg = b.shared_tokens(), D = b.emb();
+  std::vector<Ref> const reads = {Buf::dy, compute(Weight::shared_wi_0),
+                                  compute(Weight::shared_wi_1), compute(Weight::shared_wo)};
+  if (b.lay.shared == SharedExpert::own) {
+    auto& st = b.stage(StageKind::shared_expert, "moe::dist::shared_expert::backward", reads,
+                       {b.out(buf::dx_shared, Tg, D), Buf::dx, grad(Weight::shared_wi_0),
+                        grad(Weight::shared_wi_1), grad(Weight::shared_wo)});
+    b.all_reduce(st, "reduce d_x shared (tensor)", b.lay.tp_axes, b.T * b.D);
+    b.hold_shared_mlp(Tg);
+    return;
+  }
+  bool const spans = b.shared_spans();
   auto& st =
-      b.stage(StageKind::shared_expert, "moe::dist::shared_expert::backward",
-              {Buf::dy, compute(Weight::shared_wi_0), compute(Weight::shared_wi_1),
-               compute(Weight::shared_wo)},
+      b.stage(StageKind::shared_expert, "moe::dist::shared_expert::backward", reads,
               {b.out(buf::dy_shared, Tg, D), b.out(buf::dx_shared, Tg, D), buf::y_own, Buf::dx,
                grad(Weight::shared_wi_0), grad(Weight::shared_wi_1), grad(Weight::shared_wo)});
   if (spans) b.all_gather(st, "all-gather d_y (shared, expert)", b.lay.ep_axes, b.T, b.D, 0);
@@ -99,12 +118,19 @@ void shared_tokens_reduce(Ctx& ctx, typename Ctx::view2 work, typename Ctx::view
   }
 }
 
-/// EP-as-TP: the shared expert runs on the expert group's tokens with its hidden dim split over
-/// tensor x expert; partial outputs go back to their tokens' owners, then to the D/tp columns
-/// of y_c (added).
+/// The shared expert into the D/tp columns of y_c (added): on this rank's own tokens (the hidden
+/// dim split over tensor), or EP-as-TP -- on the expert group's tokens with its hidden dim split
+/// over tensor x expert, the partial outputs going back to their tokens' owners.
 template <class Ctx>
 void shared_forward(Ctx& ctx, typename Ctx::view2 x, typename Ctx::view2 y_c) {
   using cview2 = typename Ctx::cview2;
+  if (ctx.layout.shared == SharedExpert::own) {
+    auto ysh = shared_mlp_forward(ctx, cview2(x), buf::y_shared);
+    auto ysh_c = ctx.ws.make(buf::y_shared_cols);
+    ctx.reduce_scatter(ctx.tp(), ysh, ysh_c, 1);
+    moe::detail::add_into(ctx.space, ysh_c, y_c);
+    return;
+  }
   auto xsh = ctx.ws.make(buf::x_shared);
   shared_tokens_gather(ctx, cview2(x), xsh);
   auto ysh = shared_mlp_forward(ctx, cview2(xsh), buf::y_shared);
@@ -118,6 +144,12 @@ void shared_forward(Ctx& ctx, typename Ctx::view2 x, typename Ctx::view2 y_c) {
 template <class Ctx>
 void shared_backward(Ctx& ctx, typename Ctx::cview2 dy, typename Ctx::view2 dx) {
   using cview2 = typename Ctx::cview2;
+  if (ctx.layout.shared == SharedExpert::own) {
+    auto dxsh = shared_mlp_backward(ctx, dy, buf::dx_shared);
+    ctx.all_reduce(ctx.tp(), dxsh);
+    moe::detail::add_into(ctx.space, dxsh, dx);
+    return;
+  }
   auto dysh = ctx.ws.make(buf::dy_shared);
   shared_tokens_gather(ctx, dy, dysh);
   auto dxsh = shared_mlp_backward(ctx, cview2(dysh), buf::dx_shared);
