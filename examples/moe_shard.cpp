@@ -3,7 +3,8 @@
 //   moe-shard [--rules FILE.yml] [--preset NAME] --mesh axis=size,...
 //             --tensor NAME=logical1,logical2,... [--tensor ...] [--drop-size-one]
 //   moe-shard --plan [CFG.yml ...] [key=value ...] [--json] [--ranks N] [--rank R] [--batch B]
-//             [--seq S] [--dtype float32|float64]
+//             [--seq S] [--dtype float32|float64] [--machine NAME|MACHINE.yml]
+//             [machine.KEY=VALUE ...]
 //
 // Prints {"mesh": {axis: size, ...}, "tensors": {NAME: [null | "axis" | ["a", "b"], ...]}}.
 // A preset (--preset, or the file's custom_mesh_and_rule) replaces the file's mesh axes and rules;
@@ -24,9 +25,13 @@
 // The plan is followed by the layer's memory estimate for one rank (moe::estimate_layer_memory of
 // a training step: the bytes per item and the keys that scale it; "memory" in the JSON), and a
 // WARNING when a tensor exceeds the host kernels' index limits (moe::check_index_limits).
+// --machine (a described machine, h100-ib or cpu-cluster, or a YAML file of `preset: NAME` and
+// machine keys; machine.KEY=VALUE overrides a field) adds the step's predicted cost per stage
+// (moe::estimate_step_cost; "cost" in the JSON).
 //
 // Errors: one line on stderr, exit code 2.
 #include <moe/config.hpp>
+#include <moe/distributed/cost.hpp>
 #include <moe/distributed/memory.hpp>
 #include <moe/distributed/parallel_config.hpp>
 #include <moe/distributed/plan.hpp>
@@ -69,6 +74,8 @@ struct Args {
   std::int64_t batch = 0, seq = 0;  // 0: from the config
   std::size_t scalar_bytes = sizeof(float);
   std::vector<std::string> plan_flags;  // given --plan-only flags, for the error message
+  std::string machine;                  // --machine: a described machine or a YAML file
+  std::vector<std::pair<std::string, std::string>> machine_keys;  // machine.KEY=VALUE
 };
 
 int parse_size(std::string const& axis, std::string const& text) {
@@ -130,10 +137,13 @@ void usage() {
       "                 --tensor NAME=logical1,logical2,... [--tensor ...] [--drop-size-one]\n"
       "       moe-shard --plan [CFG.yml ...] [key=value ...] [--json] [--ranks N] [--rank R]\n"
       "                 [--batch B] [--seq S] [--dtype float32|float64]\n"
+      "                 [--machine h100-ib|cpu-cluster|MACHINE.yml] [machine.KEY=VALUE ...]\n"
       "A dimension without a logical name is written None. --rules is optional with --preset.\n"
       "--plan: the config files (MaxText's base.yml and model files as they are), then the\n"
       "overrides, later wins; model_name=NAME gives a published model's MoE shapes. Ranks default\n"
-      "to the product of the ici_* degrees.");
+      "to the product of the ici_* degrees. --machine adds the step's predicted cost (FLOPs, "
+      "bytes,\n"
+      "time per stage) on a described machine; machine.KEY=VALUE overrides its fields.");
 }
 
 Args parse_args(int argc, char** argv) {
@@ -183,11 +193,16 @@ Args parse_args(int argc, char** argv) {
       else
         throw ConfigError(cat("--dtype ", t, " is not one of float32|float64"));
       a.plan_flags.push_back(s);
+    } else if (s == "--machine") {
+      a.machine = value("--machine");
+      a.plan_flags.push_back(s);
     } else if (s == "-h" || s == "--help") {
       usage();
       std::exit(0);
     } else if (s.rfind("--", 0) == 0)
       throw ConfigError(cat("unknown flag '", s, "'"));
+    else if (s.rfind("machine.", 0) == 0 && s.find('=') != std::string::npos)
+      a.machine_keys.emplace_back(s.substr(8, s.find('=') - 8), s.substr(s.find('=') + 1));
     else if (s.find('=') != std::string::npos)
       a.overrides.push_back(moe::cli::parse_override(s));
     else if (a.plan)
@@ -271,6 +286,27 @@ int run_plan(Args const& a) {
   if (a.rank >= ranks)
     throw ConfigError(cat("--rank ", a.rank, " is outside [0, ", ranks, ") for ", ranks, " ranks"));
   auto const plan = moe::make_plan(cfg, par, ranks, a.rank, batch, seq, a.scalar_bytes);
+  // The cost model, on a described machine (--machine) with its fields overridden.
+  std::unique_ptr<moe::StepCost> cost;
+  if (!a.machine.empty() || !a.machine_keys.empty()) {
+    moe::Machine m;
+    std::vector<std::pair<std::string, std::string>> keys;
+    if (a.machine.size() > 4 && (a.machine.rfind(".yml") == a.machine.size() - 4 ||
+                                 a.machine.rfind(".yaml") == a.machine.size() - 5)) {
+      // A YAML file: `preset: NAME` (optional, h100-ib by default) and machine keys.
+      for (auto const& [k, v] : moe::cli::read_yaml(a.machine, "--machine"))
+        if (k == "preset")
+          m = moe::Machine::preset(v);
+        else
+          keys.emplace_back(k, v);
+      m.name = a.machine;
+    } else if (!a.machine.empty()) {
+      m = moe::Machine::preset(a.machine);
+    }
+    for (auto const& kv : a.machine_keys) keys.push_back(kv);
+    for (auto const& [k, v] : keys) m.set(k, v);
+    cost = std::make_unique<moe::StepCost>(moe::estimate_step_cost(plan, m));
+  }
   // The memory estimate of one training step on this rank, and the index limits of host kernels.
   bool const packed = moe::default_packed_weights(plan);
   auto const memory = moe::estimate_layer_memory(plan, cfg, true, packed);
@@ -290,6 +326,7 @@ int run_plan(Args const& a) {
     mem["index_limit_error"] = limit_error.empty() ? moe::detail::ordered_json(nullptr)
                                                    : moe::detail::ordered_json(limit_error);
     j["memory"] = mem;
+    if (cost) j["cost"] = cost->json();
     out = moe::detail::json_text(j) + "\n";
   } else {
     out = plan.to_text();
@@ -301,6 +338,7 @@ int run_plan(Args const& a) {
             "item):\n",
             memory.to_text());
     if (!limit_error.empty()) out += "WARNING: " + limit_error + "\n";
+    if (cost) out += "\n" + cost->to_text();
   }
   moe::cli::maxtext::print_ignored(loaded, "moe-shard", true);  // stderr: --json stays JSON
   std::fputs(out.c_str(), stdout);

@@ -4,9 +4,11 @@
 // (moe/distributed/memory.hpp, train_moe's examples/train_moe/memory.hpp): exact bytes of weights
 // and gradients, activations linear in the batch, overflow and index-limit errors, the machine's
 // available memory, and the estimate against the Kokkos allocations of a real layer step.
+#include <moe/distributed/cost.hpp>
 #include <moe/distributed/layer.hpp>
 #include <moe/distributed/memory.hpp>
 #include <moe/distributed/plan.hpp>
+#include <moe/models.hpp>
 
 #include <gtest/gtest.h>
 #include <Kokkos_Core.hpp>
@@ -627,6 +629,155 @@ TEST(Plan, SharedExpertStrategyIsChosenByBytesAndFlops) {
   EXPECT_EQ(j["choices"][0]["alternatives"][1]["name"], "ep-as-tp");
 }
 
+namespace {
+
+/// A published model's MoE layer (models.hpp) planned on `ranks` ranks, one 4,096-token
+/// sequence per rank (or one token per rank at decode), in the layout a user would pick.
+struct ScaleCase {
+  std::string model, layout;
+  int ranks;
+};
+moe::LayerPlan scale_plan(ScaleCase const& c, int rank = 0) {
+  moe::LayerConfig cfg;
+  moe::ParallelConfig par;
+  for (auto const& [k, v] : moe::model_facts(c.model).key_values())
+    if (moe::LayerConfig::has_key(k))
+      cfg.set(k, v);
+    else
+      par.set(k, v);
+  int const E = cfg.num_experts, n = c.ranks;
+  int const ep = std::min(n, E), rest = n / ep;
+  auto set = [&](char const* k, int v) { par.set(k, std::to_string(v)); };
+  std::int64_t batch = n, seq = 4096;
+  if (c.layout == "ep a2a" || c.layout == "ring") {
+    set("ici_expert_parallelism", ep);
+    set("ici_data_parallelism", rest);
+    if (c.layout == "ring") par.set("use_ring_of_experts", "true");
+  } else if (c.layout == "ep + fsdp") {  // EP over min(ranks, E) / 8, FSDP over up to 8, data
+    int const e = std::max(1, ep / 8), f = std::min(8, n / e);
+    set("ici_expert_parallelism", e);
+    set("ici_fsdp_parallelism", f);
+    set("ici_data_parallelism", n / (e * f));
+  } else if (c.layout == "shard-exp-on-fsdp") {
+    par.set("custom_mesh_and_rule", "shard-exp-on-fsdp");
+    set("ici_fsdp_parallelism", ep);
+    set("ici_data_parallelism", rest);
+  } else {  // "ep-tp decode": one token per rank
+    par.set("custom_mesh_and_rule", "ep-tp");
+    set("ici_expert_parallelism", ep);
+    set("ici_data_parallelism", rest);
+    seq = 1;
+    batch = rest;
+  }
+  return moe::make_plan(cfg, par, n, rank, batch, seq);
+}
+
+std::vector<ScaleCase> scale_cases() {
+  std::vector<ScaleCase> v;
+  for (char const* m : {"deepseek3-671b", "qwen3-235b-a22b", "mixtral-8x22b"})
+    for (int n : {8, 64, 256, 2048})
+      for (char const* l : {"ep a2a", "ring", "ep + fsdp", "shard-exp-on-fsdp", "ep-tp decode"})
+        v.push_back({m, l, n});
+  return v;
+}
+
+}  // namespace
+
+// Plans at cluster scale (#30, plan only): for three published models, 8 to 2,048 ranks and the
+// layouts a user would pick, no FFN moves more than it must -- where a choice of strategy is
+// left, the plan takes one of the fewest FLOPs and, among those, of the fewest bytes -- and on the
+// expert-parallel layouts the forward moves at most 1.25 x what dispatch, combine and the weight
+// gathers must (on the first and the last rank); the cost model prices every stage.
+TEST(PlanAtScale, NoStrategyMovesMoreThanItMust) {
+  int planned = 0;
+  for (auto const& c : scale_cases()) {
+    SCOPED_TRACE(c.model + " " + c.layout + " at " + std::to_string(c.ranks));
+    for (int rank : {0, c.ranks - 1}) {
+      auto const p = scale_plan(c, rank);
+      ++planned;
+      for (auto const& ch : p.choices) {
+        auto const& chosen = *std::find_if(ch.alternatives.begin(), ch.alternatives.end(),
+                                           [&](auto const& a) { return a.name == ch.chosen; });
+        for (auto const& a : ch.alternatives) {
+          EXPECT_LE(chosen.flops, a.flops) << ch.what << ": " << a.name;
+          if (a.flops == chosen.flops)
+            EXPECT_LE(chosen.bytes, a.bytes) << ch.what << ": " << a.name;
+        }
+      }
+      bool const ep = c.layout == "ep a2a" || c.layout == "ring" || c.layout == "ep + fsdp";
+      if (ep && p.layout.ep() > 1) {
+        std::int64_t must = 0;
+        for (auto const& col : p.collectives) {
+          if (col.backward) continue;
+          bool const weights = col.what.rfind("gather ", 0) == 0;
+          bool const tokens = col.what == "dispatch" || col.what == "combine" ||
+                              col.what == "all-gather tokens (ring)" ||
+                              col.what == "reduce-scatter y (expert)";
+          if (weights || tokens) must += col.bytes;
+        }
+        EXPECT_LE(double(p.bytes(false)), 1.25 * double(must)) << p.to_text();
+      }
+      auto const cost = moe::estimate_step_cost(p, moe::Machine::preset("h100-ib"));
+      EXPECT_GT(cost.seconds, 0);
+      EXPECT_EQ(cost.stages.size(), p.step.forward.size() + p.step.backward.size());
+    }
+  }
+  EXPECT_EQ(planned, 2 * 3 * 4 * 5);
+}
+
+// The cost model against hand counts on a two-node machine: a collective inside a node runs on
+// the node's links, one that spans nodes on the network; an all-to-all splits its bytes between
+// them; GEMM FLOPs at the value type's throughput; the overlapped stage of the chunked ring takes
+// the larger of its compute and communication.
+TEST(PlanCost, StagesArePricedByTheirLinksAndFlops) {
+  moe::Machine m = moe::Machine::preset("cpu-cluster");
+  m.set("ranks_per_node", "2");
+  m.set("intra_gbps", "10");
+  m.set("inter_gbps", "1");
+  m.set("intra_latency_us", "1");
+  m.set("inter_latency_us", "10");
+  m.set("gemm_gflops_fp32", "1");
+  m.set("memory_gbps", "1000000");
+  // EP over 4 ranks on 2 nodes: dispatch / combine all-to-alls span the nodes (1 of the 3 peers
+  // is on this node).
+  auto const p = plan(4, {"ici_expert_parallelism=-1"});
+  auto const c = moe::estimate_step_cost(p, m);
+  auto const& d = c.stages[2];
+  ASSERT_EQ(d.region, "moe::dispatch::ragged_all_to_all");
+  double const bytes = double(bytes_of(p, "dispatch"));
+  EXPECT_DOUBLE_EQ(d.comm_s, std::max(bytes / 3 / 10e9, bytes * 2 / 3 / 1e9) + 3 * 10e-6);
+  // The experts: 6 x n x D x F FLOPs, n = T*K = 8*2 balanced rows, at 1 GFLOP/s.
+  auto const& e = c.stages[3];
+  EXPECT_EQ(e.region, "moe::dist::experts");
+  EXPECT_DOUBLE_EQ(e.flops, 6.0 * 16 * 16 * 8);
+  EXPECT_DOUBLE_EQ(e.compute_s, e.flops / 1e9);
+  // FSDP over 2 ranks of one node: the weight gathers on the node's links.
+  auto const f = plan(2, {"ici_fsdp_parallelism=-1"});
+  auto const fc = moe::estimate_step_cost(f, m);
+  double want = 0;
+  for (auto const& col : f.step.forward[0].collectives) want += double(col.bytes) / 10e9 + 1e-6;
+  EXPECT_DOUBLE_EQ(fc.stages[0].comm_s, want);
+  // The chunked ring overlaps its chunk gathers with its GEMMs.
+  auto const r =
+      plan(2, {"ici_expert_parallelism=-1", "use_ring_of_experts=true", "num_moe_emb_chunks=2"});
+  auto const rc = moe::estimate_step_cost(r, m);
+  auto const it = std::find_if(rc.stages.begin(), rc.stages.end(), [](auto const& s) {
+    return s.region == "moe::dist::experts::chunked";
+  });
+  ASSERT_NE(it, rc.stages.end());
+  EXPECT_TRUE(it->overlapped);
+  EXPECT_DOUBLE_EQ(it->seconds, std::max(it->compute_s + it->memory_s, it->comm_s));
+  // Sums, the dominant stage, bad machine keys.
+  double sum = 0;
+  for (auto const& s : c.stages) sum += s.seconds;
+  EXPECT_DOUBLE_EQ(c.seconds, sum);
+  for (auto const& s : c.stages) EXPECT_LE(s.seconds, c.stages[c.dominant].seconds);
+  expect_error([&] { m.set("inter_gbps", "-1"); },
+               {"machine.inter_gbps='-1' must be a number > 0"});
+  expect_error([&] { m.set("warp_speed", "9"); }, {"machine.warp_speed is not a machine key"});
+  expect_error([] { moe::Machine::preset("tpu"); }, {"machine='tpu' is not a described machine"});
+}
+
 TEST(Plan, ShardExpOnFsdpGathersTheExpertDim) {
   auto const p = plan(2, {"custom_mesh_and_rule=shard-exp-on-fsdp", "ici_fsdp_parallelism=-1"});
   EXPECT_EQ(p.layout.preset, "shard-exp-on-fsdp");
@@ -1086,6 +1237,35 @@ TEST(MoeShardPlan, Errors) {
   check("--plan '" + f.path() + "' --rank 4", {"--rank 4"});
   check("--plan '" + f.path() + "' --dtype half", {"--dtype half"});
   check("--preset default --mesh data=2 --ranks 2", {"only valid with --plan"});
+  check("--plan '" + f.path() + "' --machine tpu", {"machine='tpu' is not a described machine"});
+  check("--plan '" + f.path() + "' --machine h100-ib machine.inter_gbps=0",
+        {"machine.inter_gbps='0' must be a number > 0"});
+  check("--plan '" + f.path() + "' machine.warp=2", {"machine.warp is not a machine key"});
+}
+
+// --machine: the plan, the memory estimate, then the step's cost on the machine, the same as the
+// library's; a machine file and machine.KEY overrides change what they name.
+TEST(MoeShardPlan, MachineAddsTheCost) {
+#ifndef MOE_SHARD_EXE
+  GTEST_SKIP() << "moe-shard not built";
+#endif
+  PlanFile const f(kConfig);
+  auto const want =
+      moe::make_plan(layer_config(), parallel_config({"ici_expert_parallelism=4"}), 4, 0, 8, 4);
+  auto const t = run_shard("--plan '" + f.path() + "' --machine h100-ib");
+  ASSERT_EQ(t.status, 0) << t.err;
+  auto const cost = moe::estimate_step_cost(want, moe::Machine::preset("h100-ib"));
+  EXPECT_NE(t.out.find(cost.to_text()), std::string::npos) << t.out;
+  PlanFile const m("preset: cpu-cluster\nranks_per_node: 4\n");
+  auto const j = run_shard("--plan '" + f.path() + "' --json --machine '" + m.path() +
+                           "' machine.memory_gbps=123");
+  ASSERT_EQ(j.status, 0) << j.err;
+  auto const js = nlohmann::json::parse(j.out);
+  EXPECT_EQ(js["cost"]["machine"]["ranks_per_node"], 4);
+  EXPECT_EQ(js["cost"]["machine"]["memory_gbps"], 123.0);
+  EXPECT_EQ(js["cost"]["machine"]["gemm_gflops_fp32"], 4000.0);
+  EXPECT_EQ(js["cost"]["stages"].size(), want.step.forward.size() + want.step.backward.size());
+  EXPECT_GT(js["cost"]["step_seconds"].get<double>(), 0);
 }
 
 // ---------------------------------------------------------------------------------------------

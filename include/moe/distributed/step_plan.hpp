@@ -89,6 +89,8 @@ struct Stage {
   std::vector<Ref> reads, writes;
   std::vector<PlannedCollective> collectives;  ///< in the order the stage runs them
   double flops = 0;  ///< floating-point operations of its GEMMs on this rank (balanced routing)
+  /// Its collectives run under its compute (the chunked ring's token gathers), not before it.
+  bool overlapped = false;
 
   bool lists(Ref r, bool write) const {
     auto has = [r](std::vector<Ref> const& v) {

@@ -139,6 +139,7 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
          b.out(buf::y_local, n, b.emb())});
     for (std::int64_t c = 0; c < b.chunks; ++c)
       b.all_gather(e, chunk_gather_name(c, b.chunks), lay.ep_axes, b.T, b.D / b.chunks, 0);
+    e.overlapped = true;
     b.hold_expert_ffn(n);
     plan_after_experts(b);  // the ring's
     return b.finish();

@@ -1,0 +1,299 @@
+#pragma once
+/// \file
+/// The cost model of a layer plan (#30): for one rank of a LayerPlan on a described machine, each
+/// stage's FLOPs, the bytes it sends and touches, and its predicted time; the step's total and its
+/// dominant stage. Pure, like the plan (no MPI, no Kokkos): a 2,048-rank run can be planned and
+/// costed on a laptop.
+///
+/// **The machine** (Machine): ranks per node; per-rank bandwidth and latency of collectives inside
+/// a node and between nodes; GEMM throughput per rank for each value type; memory bandwidth per
+/// rank. Ranks fill nodes in order (rank r runs on node r / ranks_per_node), the mesh's rank
+/// numbering is MaxText's (row-major over the mesh axes). Two documented descriptions ship
+/// (Machine::preset): `h100-ib` and `cpu-cluster`; every field can be overridden.
+///
+/// **The model**, per stage (the plan's records: StepPlan stages, their collectives and buffers):
+///  * compute: the stage's GEMM FLOPs / the GEMM throughput of the value type;
+///  * memory: the bytes of the workspace buffers the stage makes (each written once and read
+///    once afterwards) / the memory bandwidth -- the permutes, gathers, combines and copies;
+///  * communication, by the collective's algorithm over its group of P ranks: the bytes this rank
+///    sends (the plan's: ring all-gather and reduce-scatter (P-1) blocks, ring all-reduce
+///    2(P-1)/P of the buffer, pairwise all-to-all (P-1)/P of the rows) over the link's bandwidth,
+///    plus (P-1) latencies (2(P-1) for an all-reduce). A group inside one node uses the node's
+///    links; a group that spans nodes runs its ring through the inter-node links, and an
+///    all-to-all sends its other-node share over them and its same-node share over the node's,
+///    at the same time;
+///  * the stage's time: compute + memory + communication, in sequence, since moe's stages wait
+///    for their collectives -- except where the plan overlaps them (Stage::overlapped: the chunked
+///    ring's token gathers run under its GEMMs): max(compute + memory, communication).
+/// A roofline, not a simulator: no contention between stages, no kernel-launch overheads, and the
+/// routed rows are the plan's balanced ones.
+
+#include <moe/distributed/plan.hpp>
+#include <moe/error.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace moe::distributed {
+
+/// \brief What the cost model knows of a machine (see the file comment). Bandwidths in GB/s
+/// (10^9 bytes per second, one direction, per rank), latencies in microseconds, throughputs in
+/// GFLOP/s per rank.
+struct Machine {
+  std::string name = "h100-ib";
+  int ranks_per_node = 8;
+  double intra_gbps = 360, inter_gbps = 45;
+  double intra_latency_us = 3, inter_latency_us = 8;
+  double gemm_gflops_fp32 = 50000, gemm_gflops_fp64 = 55000, gemm_gflops_bf16 = 700000;
+  double memory_gbps = 3000;
+
+  /// \brief A described machine:
+  ///  * `h100-ib`: 8 H100 SXM GPUs per node on NVLink 4 (900 GB/s bidirectional per GPU: about
+  ///    360 GB/s of collective bandwidth per direction, as NCCL measures it), one 400 Gb/s
+  ///    InfiniBand NDR port per GPU between nodes (about 45 GB/s); GEMMs at 700 TFLOP/s in bf16
+  ///    (the H100's dense bf16 rate as measured on random data, ~800, less a margin), 50 in fp32
+  ///    (of its 67 FP32 peak), 55 in fp64 (FP64 tensor cores); 3.0 TB/s of its 3.35 of HBM3.
+  ///  * `cpu-cluster`: two 48-core AVX-512 sockets per node, one rank per socket, 200 Gb/s HDR
+  ///    InfiniBand between nodes (about 22 GB/s), shared memory across the sockets inside a node
+  ///    (about 40 GB/s); GEMMs at 4 TFLOP/s in fp32 per socket (of ~6 peak), 2 in fp64, 30 in bf16
+  ///    (AMX), 250 GB/s of DDR5 per socket.
+  /// The figures are typical published ones, to be overridden with measured ones (Machine::set).
+  static Machine preset(std::string const& name) {
+    Machine m;
+    if (name == "h100-ib") return m;
+    if (name == "cpu-cluster") {
+      m.name = name;
+      m.ranks_per_node = 2;
+      m.intra_gbps = 40;
+      m.inter_gbps = 22;
+      m.intra_latency_us = 1;
+      m.inter_latency_us = 2;
+      m.gemm_gflops_fp32 = 4000;
+      m.gemm_gflops_fp64 = 2000;
+      m.gemm_gflops_bf16 = 30000;
+      m.memory_gbps = 250;
+      return m;
+    }
+    throw ConfigError(
+        moe::detail::cat("machine='", name, "' is not a described machine (h100-ib, cpu-cluster)"));
+  }
+  /// The keys set() takes, in order.
+  static std::vector<std::string> keys() {
+    return {"ranks_per_node",   "intra_gbps",       "inter_gbps",
+            "intra_latency_us", "inter_latency_us", "gemm_gflops_fp32",
+            "gemm_gflops_fp64", "gemm_gflops_bf16", "memory_gbps"};
+  }
+  /// Sets one field by its key (keys()); ConfigError naming the key or the value otherwise
+  /// (every value must be > 0, ranks_per_node an integer).
+  void set(std::string const& key, std::string const& value) {
+    double v = 0;
+    std::size_t used = 0;
+    try {
+      v = std::stod(value, &used);
+    } catch (std::exception const&) {
+      used = 0;
+    }
+    moe::detail::require<ConfigError>(used == value.size() && used > 0 && v > 0 && v < 1e30,
+                                      "machine.", key, "='", value, "' must be a number > 0");
+    if (key == "ranks_per_node") {
+      moe::detail::require<ConfigError>(v == double(int(v)), "machine.ranks_per_node='", value,
+                                        "' must be an integer");
+      ranks_per_node = int(v);
+      return;
+    }
+    double* const fields[] = {&intra_gbps,       &inter_gbps,       &intra_latency_us,
+                              &inter_latency_us, &gemm_gflops_fp32, &gemm_gflops_fp64,
+                              &gemm_gflops_bf16, &memory_gbps};
+    auto const k = keys();
+    for (std::size_t i = 1; i < k.size(); ++i)
+      if (k[i] == key) {
+        *fields[i - 1] = v;
+        return;
+      }
+    std::string list;
+    for (auto const& n : k) list += (list.empty() ? "" : ", ") + n;
+    throw ConfigError(moe::detail::cat("machine.", key, " is not a machine key (", list, ")"));
+  }
+  /// GEMM throughput for values of `value_bytes` bytes (2: bf16, 4: fp32, 8: fp64), GFLOP/s.
+  double gemm_gflops(std::int64_t value_bytes) const {
+    return value_bytes == 2   ? gemm_gflops_bf16
+           : value_bytes == 8 ? gemm_gflops_fp64
+                              : gemm_gflops_fp32;
+  }
+};
+
+/// \brief The predicted cost of one stage of one rank.
+struct StageCost {
+  std::string region;  ///< the stage's profiling region
+  bool backward = false;
+  double flops = 0;              ///< GEMM FLOPs
+  std::int64_t bytes_sent = 0;   ///< by its collectives
+  std::int64_t bytes_moved = 0;  ///< workspace bytes it writes and reads back
+  double compute_s = 0, memory_s = 0, comm_s = 0;
+  double seconds = 0;  ///< predicted time of the stage
+  bool overlapped = false;
+};
+
+/// \brief The predicted cost of one training step (forward + backward) of one rank.
+struct StepCost {
+  /// Readable lines: the machine, one line per stage, the step and its dominant stage.
+  std::string to_text() const;
+  /// The cost as JSON (what `moe-shard --plan --json --machine` adds as "cost").
+  moe::detail::ordered_json json() const;
+
+  Machine machine;
+  std::vector<StageCost> stages;  ///< forward then backward, in order
+  double seconds = 0;             ///< the step: the stages in sequence
+  std::size_t dominant = 0;       ///< index of the slowest stage
+  double flops = 0;
+  std::int64_t bytes_sent = 0;
+  double forward_seconds() const {
+    double s = 0;
+    for (auto const& c : stages)
+      if (!c.backward) s += c.seconds;
+    return s;
+  }
+};
+
+namespace detail {
+
+/// Seconds of one collective of this rank on `m` (see the file comment).
+inline double collective_seconds(LayerPlan const& plan, PlannedCollective const& c,
+                                 Machine const& m) {
+  if (c.parts <= 1 || c.bytes == 0) return 0;
+  auto const members = plan.layout.mesh.group_members(plan.layout.rank, c.axes);
+  int const node = plan.layout.rank / m.ranks_per_node;
+  std::int64_t same = 0;
+  for (int r : members) same += r / m.ranks_per_node == node ? 1 : 0;
+  std::int64_t const P = std::int64_t(members.size());
+  bool const spans = same < P;
+  double const steps = c.kind == "all-reduce" ? 2.0 * double(P - 1) : double(P - 1);
+  double const lat = (spans ? m.inter_latency_us : m.intra_latency_us) * 1e-6 * steps;
+  double const bytes = double(c.bytes);
+  if (c.kind == "all-to-all" && spans) {
+    // The share for peers on this node over the node's links, the rest over the network, at
+    // the same time.
+    double const near = bytes * double(same - 1) / double(P - 1);
+    return std::max(near / (m.intra_gbps * 1e9), (bytes - near) / (m.inter_gbps * 1e9)) + lat;
+  }
+  return bytes / ((spans ? m.inter_gbps : m.intra_gbps) * 1e9) + lat;
+}
+
+}  // namespace detail
+
+/// \brief The predicted cost of one training step of the plan's rank on `machine` (see the file
+/// comment for the model).
+inline StepCost estimate_step_cost(LayerPlan const& plan, Machine const& machine) {
+  StepCost out;
+  out.machine = machine;
+  std::int64_t const s = std::int64_t(plan.scalar_bytes);
+  double const gemm = machine.gemm_gflops(s) * 1e9, mem = machine.memory_gbps * 1e9;
+  for (auto const* phase : {&plan.step.forward, &plan.step.backward})
+    for (auto const& st : *phase) {
+      StageCost c;
+      c.region = st.region;
+      c.backward = st.backward;
+      c.flops = st.flops;
+      c.overlapped = st.overlapped;
+      for (auto const& col : st.collectives) {
+        c.bytes_sent += col.bytes;
+        c.comm_s += detail::collective_seconds(plan, col, machine);
+      }
+      // What it makes is written now and read once later.
+      for (auto const& w : st.writes) {
+        if (w.form != Ref::Form::buffer) continue;
+        auto const* d = plan.step.find(static_cast<Buf>(w.id));
+        if (!d || d->dims.size() != 2) continue;
+        c.bytes_moved += 2 * d->dims[0].n * d->dims[1].n * elem_bytes(d->elem, s);
+      }
+      c.compute_s = c.flops / gemm;
+      c.memory_s = double(c.bytes_moved) / mem;
+      c.seconds = c.overlapped ? std::max(c.compute_s + c.memory_s, c.comm_s)
+                               : c.compute_s + c.memory_s + c.comm_s;
+      out.flops += c.flops;
+      out.bytes_sent += c.bytes_sent;
+      out.seconds += c.seconds;
+      out.stages.push_back(std::move(c));
+    }
+  for (std::size_t i = 1; i < out.stages.size(); ++i)
+    if (out.stages[i].seconds > out.stages[out.dominant].seconds) out.dominant = i;
+  return out;
+}
+
+inline std::string StepCost::to_text() const {
+  auto ms = [](double s) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.3f", s * 1e3);
+    return std::string(b);
+  };
+  auto g = [](double f) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.2f", f * 1e-9);
+    return std::string(b);
+  };
+  auto const& m = machine;
+  std::string o = moe::detail::cat(
+      "cost on ", m.name, " (", m.ranks_per_node, " ranks per node; links ", m.intra_gbps,
+      " GB/s inside a node, ", m.inter_gbps, " GB/s between nodes, latency ", m.intra_latency_us,
+      " / ", m.inter_latency_us, " us; GEMM ", m.gemm_gflops_fp32, " / ", m.gemm_gflops_fp64, " / ",
+      m.gemm_gflops_bf16, " GFLOP/s fp32 / fp64 / bf16; memory ", m.memory_gbps,
+      " GB/s): predicted ms per stage (compute + memory + communication, max where overlapped)\n");
+  for (std::size_t i = 0; i < stages.size(); ++i) {
+    auto const& c = stages[i];
+    o += moe::detail::cat("  ", c.backward ? "B " : "F ", detail::pad(c.region, 46), " ",
+                          g(c.flops), " GFLOP  ", c.bytes_sent, " B sent  ", ms(c.seconds), " ms (",
+                          ms(c.compute_s), " + ", ms(c.memory_s), " + ", ms(c.comm_s),
+                          c.overlapped ? ", overlapped)" : ")",
+                          i == dominant ? "  <- dominant" : "", "\n");
+  }
+  o += moe::detail::cat("  step ", ms(seconds), " ms (forward ", ms(forward_seconds()), "), ",
+                        g(flops), " GFLOP, ", bytes_sent, " B sent; dominant stage ",
+                        stages.empty() ? std::string("-") : stages[dominant].region, "\n");
+  return o;
+}
+
+inline moe::detail::ordered_json StepCost::json() const {
+  using moe::detail::ordered_json;
+  auto const& m = machine;
+  ordered_json o;
+  o["machine"] = {{"name", m.name},
+                  {"ranks_per_node", m.ranks_per_node},
+                  {"intra_gbps", m.intra_gbps},
+                  {"inter_gbps", m.inter_gbps},
+                  {"intra_latency_us", m.intra_latency_us},
+                  {"inter_latency_us", m.inter_latency_us},
+                  {"gemm_gflops_fp32", m.gemm_gflops_fp32},
+                  {"gemm_gflops_fp64", m.gemm_gflops_fp64},
+                  {"gemm_gflops_bf16", m.gemm_gflops_bf16},
+                  {"memory_gbps", m.memory_gbps}};
+  auto& st = o["stages"] = ordered_json::array();
+  for (auto const& c : stages)
+    st.push_back({{"phase", c.backward ? "backward" : "forward"},
+                  {"stage", c.region},
+                  {"flops", c.flops},
+                  {"bytes_sent", c.bytes_sent},
+                  {"bytes_moved", c.bytes_moved},
+                  {"compute_s", c.compute_s},
+                  {"memory_s", c.memory_s},
+                  {"comm_s", c.comm_s},
+                  {"overlapped", c.overlapped},
+                  {"seconds", c.seconds}});
+  o["step_seconds"] = seconds;
+  o["forward_seconds"] = forward_seconds();
+  o["flops"] = flops;
+  o["bytes_sent"] = bytes_sent;
+  o["dominant_stage"] = stages.empty() ? std::string() : stages[dominant].region;
+  return o;
+}
+
+}  // namespace moe::distributed
+
+namespace moe {
+using distributed::estimate_step_cost;
+using distributed::Machine;
+using distributed::StepCost;
+}  // namespace moe
