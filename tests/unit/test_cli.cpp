@@ -259,11 +259,21 @@ void expect_round_trips(moe::ConfigTable<C> const& t, Describe describe) {
   }
 }
 
+}  // namespace
+
+// Outside the anonymous namespace: nvcc's front end warns (#177-D "declared but never
+// referenced") about an internal-linkage operator T() that is only named in unevaluated operands
+// (std::optional<T>'s constructor constraints, via member_count<ParallelConfig>).
+namespace test_cli_detail {
 /// Converts to anything: counts the members of an aggregate (the largest N with T{any x N}).
 struct AnyMember {
   template <class T>
   operator T() const;
 };
+}  // namespace test_cli_detail
+
+namespace {
+using test_cli_detail::AnyMember;
 template <class T, std::size_t... I>
 constexpr auto brace_initializable(std::index_sequence<I...>)
     -> decltype(T{(void(I), AnyMember{})...}, true) {

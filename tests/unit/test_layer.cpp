@@ -566,7 +566,10 @@ int empty_batch_status(int B, int S, double cf, double lb) {
 
 TEST(LayerEdgeDeathTest, EmptyBatchNeverCrashes) {
   // B = 0 or S = 0 (no tokens): a clean moe::Error or an empty result with a finite lb_loss,
-  // never a crash. Each run is in a child process so that a crash fails only this test.
+  // never a crash. Each run is in a child process so that a crash fails only this test; the
+  // child runs the test binary afresh ("threadsafe"): a device runtime (CUDA) the parent has
+  // initialised cannot be used in a forked child.
+  ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
   for (auto [B, S] : std::vector<std::pair<int, int>>{{0, 4}, {2, 0}})
     for (double cf : {-1.0, 2.0})
       for (double lb : {0.0, 0.1}) {
