@@ -751,12 +751,73 @@ TEST(PlanCost, StagesArePricedByTheirLinksAndFlops) {
   EXPECT_EQ(e.region, "moe::dist::experts");
   EXPECT_DOUBLE_EQ(e.flops, 6.0 * 16 * 16 * 8);
   EXPECT_DOUBLE_EQ(e.compute_s, e.flops / 1e9);
+  // The dense path (every local expert on every token) runs each expert's forward again in its
+  // backward (nn::DenseExperts keeps one expert's hidden states): 9 GEMMs, 3 x the forward's.
+  auto const dense = plan(1, {}, {"sparse_matmul=false"});
+  double fwd = 0, bwd = 0;
+  for (auto const& st : dense.step.forward) fwd += st.region == "moe::dist::experts" ? st.flops : 0;
+  for (auto const& st : dense.step.backward)
+    bwd += st.region == "moe::dist::experts::backward" ? st.flops : 0;
+  EXPECT_EQ(fwd, 3 * 2.0 * (32 * 8) * 16 * 8);  // 3 GEMMs of (32 tokens x 8 experts) x D x F
+  EXPECT_EQ(bwd, 3 * fwd);
   // FSDP over 2 ranks of one node: the weight gathers on the node's links.
   auto const f = plan(2, {"ici_fsdp_parallelism=-1"});
   auto const fc = moe::estimate_step_cost(f, m);
   double want = 0;
   for (auto const& col : f.step.forward[0].collectives) want += double(col.bytes) / 10e9 + 1e-6;
   EXPECT_DOUBLE_EQ(fc.stages[0].comm_s, want);
+  // Weights: the gather writes the gathered compute blocks (read back by the GEMMs); where the
+  // GEMMs pack their weights, a grouped-GEMM stage packs its new expert weights (read, written):
+  // all of them in a training step, only the gathered ones when the weights stay.
+  double const expert_bytes = 3.0 * 8 * 16 * 8 * 4;  // wi_0, wi_1, wo: [E, D, F] floats
+  EXPECT_GE(double(fc.stages[0].bytes_moved), 2 * expert_bytes);
+  auto const experts_moved = [](moe::StepCost const& sc, char const* region) {
+    for (auto const& st : sc.stages)
+      if (st.region == region) return double(st.bytes_moved);
+    return -1.0;
+  };
+  auto const dp = plan(2, {"ici_data_parallelism=-1"});
+  for (char const* region : {"moe::dist::experts", "moe::dist::experts::backward"}) {
+    m.packs_weights = true;
+    double const trained = experts_moved(moe::estimate_step_cost(dp, m), region);
+    double const stays = experts_moved(moe::estimate_step_cost(dp, m, false), region);
+    EXPECT_DOUBLE_EQ(trained - stays, 2 * expert_bytes) << region;
+    EXPECT_DOUBLE_EQ(experts_moved(moe::estimate_step_cost(f, m, false), region) - stays,
+                     2 * expert_bytes)
+        << region;  // FSDP's gathered weights are new every step
+    m.packs_weights = false;
+    EXPECT_EQ(experts_moved(moe::estimate_step_cost(dp, m), region), stays) << region;
+  }
+  // A reduction lays each gradient out for its collectives (read and written: 2 x its bytes) and
+  // sums what it receives: 3 x the reduced bytes through memory (all-reduce: half of what it
+  // sends is reduced).
+  auto const dc = moe::estimate_step_cost(dp, m);
+  auto const& bw = dp.step.backward;
+  bool seen = false;
+  for (std::size_t i = 0; i < bw.size(); ++i) {
+    if (bw[i].region != "moe::dist::reduce_grads") continue;
+    double reduced = 0;
+    for (auto const& col : bw[i].collectives)
+      reduced += col.kind == "all-reduce"       ? double(col.bytes) / 2
+                 : col.kind == "reduce-scatter" ? double(col.bytes)
+                                                : 0;
+    EXPECT_GT(reduced, 0);
+    double laid_out = 0;
+    for (auto const& r : bw[i].reads) {
+      ASSERT_EQ(r.form, moe::distributed::Ref::Form::grad);
+      for (auto const& t : dp.tensors)
+        if (t.name == moe::distributed::to_string(static_cast<moe::distributed::Weight>(r.id))) {
+          double b = 4;
+          for (auto n : t.compute_shape) b *= double(n);
+          laid_out += 2 * b;
+        }
+    }
+    EXPECT_GE(laid_out, 2 * expert_bytes);
+    EXPECT_DOUBLE_EQ(double(dc.stages[dp.step.forward.size() + i].bytes_moved),
+                     laid_out + 3 * reduced);
+    seen = true;
+  }
+  EXPECT_TRUE(seen);
   // The chunked ring overlaps its chunk gathers with its GEMMs.
   auto const r =
       plan(2, {"ici_expert_parallelism=-1", "use_ring_of_experts=true", "num_moe_emb_chunks=2"});
@@ -775,6 +836,10 @@ TEST(PlanCost, StagesArePricedByTheirLinksAndFlops) {
   expect_error([&] { m.set("inter_gbps", "-1"); },
                {"machine.inter_gbps='-1' must be a number > 0"});
   expect_error([&] { m.set("warp_speed", "9"); }, {"machine.warp_speed is not a machine key"});
+  expect_error([&] { m.set("packs_weights", "1"); },
+               {"machine.packs_weights='1' must be true or false"});
+  m.set("packs_weights", "true");
+  EXPECT_TRUE(m.packs_weights);
   expect_error([] { moe::Machine::preset("tpu"); }, {"machine='tpu' is not a described machine"});
 }
 

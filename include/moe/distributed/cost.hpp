@@ -14,7 +14,15 @@
 /// **The model**, per stage (the plan's records: StepPlan stages, their collectives and buffers):
 ///  * compute: the stage's GEMM FLOPs / the GEMM throughput of the value type;
 ///  * memory: the bytes of the workspace buffers the stage makes (each written once and read
-///    once afterwards) / the memory bandwidth -- the permutes, gathers, combines and copies;
+///    once afterwards) / the memory bandwidth -- the permutes, gathers, combines and copies; the
+///    weights a stage gathers or slices into their compute blocks likewise; and on a machine whose
+///    GEMM packs its weights (Machine::packs_weights: oneDNN on CPUs), a pass over each expert
+///    weight (read and written) in every grouped-GEMM stage whose weights are new this step --
+///    all of them in a training step (the optimizer changes them), only the gathered or sliced
+///    ones when the weights stay (estimate_step_cost's `weights_updated`, false for a benchmark
+///    of the layer alone); the gradients a stage reduces, laid out for their collectives (read
+///    and written once: the transpose of the gather's write); and the sums of the reductions
+///    (all-reduce, reduce-scatter: each reduced element read twice and written once);
 ///  * communication, by the collective's algorithm over its group of P ranks: the bytes this rank
 ///    sends (the plan's: ring all-gather and reduce-scatter (P-1) blocks, ring all-reduce
 ///    2(P-1)/P of the buffer, pairwise all-to-all (P-1)/P of the rows) over the link's bandwidth,
@@ -50,6 +58,9 @@ struct Machine {
   double intra_latency_us = 3, inter_latency_us = 8;
   double gemm_gflops_fp32 = 50000, gemm_gflops_fp64 = 55000, gemm_gflops_bf16 = 700000;
   double memory_gbps = 3000;
+  /// The GEMM backend repacks a weight each time it changes (oneDNN's packed kernels on CPUs);
+  /// false where it reads the weights as they are (cuBLAS).
+  bool packs_weights = false;
 
   /// \brief A described machine:
   ///  * `h100-ib`: 8 H100 SXM GPUs per node on NVLink 4 (900 GB/s bidirectional per GPU: about
@@ -60,7 +71,7 @@ struct Machine {
   ///  * `cpu-cluster`: two 48-core AVX-512 sockets per node, one rank per socket, 200 Gb/s HDR
   ///    InfiniBand between nodes (about 22 GB/s), shared memory across the sockets inside a node
   ///    (about 40 GB/s); GEMMs at 4 TFLOP/s in fp32 per socket (of ~6 peak), 2 in fp64, 30 in bf16
-  ///    (AMX), 250 GB/s of DDR5 per socket.
+  ///    (AMX), 250 GB/s of DDR5 per socket; oneDNN's GEMMs pack the weights.
   /// The figures are typical published ones, to be overridden with measured ones (Machine::set).
   static Machine preset(std::string const& name) {
     Machine m;
@@ -76,6 +87,7 @@ struct Machine {
       m.gemm_gflops_fp64 = 2000;
       m.gemm_gflops_bf16 = 30000;
       m.memory_gbps = 250;
+      m.packs_weights = true;
       return m;
     }
     throw ConfigError(
@@ -83,13 +95,20 @@ struct Machine {
   }
   /// The keys set() takes, in order.
   static std::vector<std::string> keys() {
-    return {"ranks_per_node",   "intra_gbps",       "inter_gbps",
-            "intra_latency_us", "inter_latency_us", "gemm_gflops_fp32",
-            "gemm_gflops_fp64", "gemm_gflops_bf16", "memory_gbps"};
+    return {"ranks_per_node",   "intra_gbps",       "inter_gbps",       "intra_latency_us",
+            "inter_latency_us", "gemm_gflops_fp32", "gemm_gflops_fp64", "gemm_gflops_bf16",
+            "memory_gbps",      "packs_weights"};
   }
   /// Sets one field by its key (keys()); ConfigError naming the key or the value otherwise
-  /// (every value must be > 0, ranks_per_node an integer).
+  /// (every value must be > 0, ranks_per_node an integer, packs_weights true or false).
   void set(std::string const& key, std::string const& value) {
+    if (key == "packs_weights") {
+      moe::detail::require<ConfigError>(value == "true" || value == "false",
+                                        "machine.packs_weights='", value,
+                                        "' must be true or false");
+      packs_weights = value == "true";
+      return;
+    }
     double v = 0;
     std::size_t used = 0;
     try {
@@ -109,7 +128,7 @@ struct Machine {
                               &inter_latency_us, &gemm_gflops_fp32, &gemm_gflops_fp64,
                               &gemm_gflops_bf16, &memory_gbps};
     auto const k = keys();
-    for (std::size_t i = 1; i < k.size(); ++i)
+    for (std::size_t i = 1; i + 1 < k.size(); ++i)
       if (k[i] == key) {
         *fields[i - 1] = v;
         return;
@@ -186,11 +205,31 @@ inline double collective_seconds(LayerPlan const& plan, PlannedCollective const&
 }  // namespace detail
 
 /// \brief The predicted cost of one training step of the plan's rank on `machine` (see the file
-/// comment for the model).
-inline StepCost estimate_step_cost(LayerPlan const& plan, Machine const& machine) {
+/// comment for the model). `weights_updated`: the weights change every step (training: true);
+/// false prices the layer run again on the same weights, where only the gathered or sliced
+/// compute blocks are new (what a benchmark of the layer alone measures).
+inline StepCost estimate_step_cost(LayerPlan const& plan, Machine const& machine,
+                                   bool weights_updated = true) {
   StepCost out;
   out.machine = machine;
   std::int64_t const s = std::int64_t(plan.scalar_bytes);
+  // A weight's compute block: its bytes, whether it is rebuilt from the stored block every step
+  // (gathered or sliced), whether it is an expert weight ([E, D, F]: the grouped GEMM's).
+  struct ComputeWeight {
+    std::int64_t bytes = 0;
+    bool moved = false, expert = false;
+  };
+  auto weight = [&](std::uint8_t id) {
+    ComputeWeight w;
+    for (auto const& t : plan.tensors)
+      if (t.name == to_string(static_cast<Weight>(id))) {
+        w.bytes = s;
+        for (auto n : t.compute_shape) w.bytes *= n;
+        w.moved = t.compute_shape != t.local_shape;
+        w.expert = t.compute_shape.size() == 3;
+      }
+    return w;
+  };
   double const gemm = machine.gemm_gflops(s) * 1e9, mem = machine.memory_gbps * 1e9;
   for (auto const* phase : {&plan.step.forward, &plan.step.backward})
     for (auto const& st : *phase) {
@@ -202,14 +241,36 @@ inline StepCost estimate_step_cost(LayerPlan const& plan, Machine const& machine
       for (auto const& col : st.collectives) {
         c.bytes_sent += col.bytes;
         c.comm_s += detail::collective_seconds(plan, col, machine);
+        // A reduction sums what it receives into its own block in memory: each reduced element
+        // read twice and written once ((P-1)/P of the buffer: what a reduce-scatter sends, half
+        // of what an all-reduce sends).
+        if (col.kind == "reduce-scatter" || col.kind == "all-reduce")
+          c.bytes_moved += 3 * (col.kind == "all-reduce" ? col.bytes / 2 : col.bytes);
       }
-      // What it makes is written now and read once later.
+      // What it makes is written now and read once later: its buffers, and the compute blocks
+      // of the weights it gathers or slices.
       for (auto const& w : st.writes) {
+        if (w.form == Ref::Form::compute) {
+          auto const cw = weight(w.id);
+          if (cw.moved) c.bytes_moved += 2 * cw.bytes;
+        }
         if (w.form != Ref::Form::buffer) continue;
         auto const* d = plan.step.find(static_cast<Buf>(w.id));
         if (!d || d->dims.size() != 2) continue;
         c.bytes_moved += 2 * d->dims[0].n * d->dims[1].n * elem_bytes(d->elem, s);
       }
+      // A reduction of weight gradients reads each compute-block gradient and lays it out for
+      // its collectives (read and written once), the transpose of the gather's write above.
+      if (!st.collectives.empty())
+        for (auto const& r : st.reads)
+          if (r.form == Ref::Form::grad) c.bytes_moved += 2 * weight(r.id).bytes;
+      // A grouped GEMM on new expert weights packs them first (read and written once).
+      if (machine.packs_weights && !plan.step.dense && st.flops > 0)
+        for (auto const& r : st.reads) {
+          if (r.form != Ref::Form::compute) continue;
+          auto const cw = weight(r.id);
+          if (cw.expert && (weights_updated || cw.moved)) c.bytes_moved += 2 * cw.bytes;
+        }
       c.compute_s = c.flops / gemm;
       c.memory_s = double(c.bytes_moved) / mem;
       c.seconds = c.overlapped ? std::max(c.compute_s + c.memory_s, c.comm_s)
@@ -240,8 +301,9 @@ inline std::string StepCost::to_text() const {
       "cost on ", m.name, " (", m.ranks_per_node, " ranks per node; links ", m.intra_gbps,
       " GB/s inside a node, ", m.inter_gbps, " GB/s between nodes, latency ", m.intra_latency_us,
       " / ", m.inter_latency_us, " us; GEMM ", m.gemm_gflops_fp32, " / ", m.gemm_gflops_fp64, " / ",
-      m.gemm_gflops_bf16, " GFLOP/s fp32 / fp64 / bf16; memory ", m.memory_gbps,
-      " GB/s): predicted ms per stage (compute + memory + communication, max where overlapped)\n");
+      m.gemm_gflops_bf16, " GFLOP/s fp32 / fp64 / bf16; memory ", m.memory_gbps, " GB/s",
+      m.packs_weights ? "; GEMMs pack their weights" : "",
+      "): predicted ms per stage (compute + memory + communication, max where overlapped)\n");
   for (std::size_t i = 0; i < stages.size(); ++i) {
     auto const& c = stages[i];
     o += moe::detail::cat("  ", c.backward ? "B " : "F ", detail::pad(c.region, 46), " ",
@@ -269,7 +331,8 @@ inline moe::detail::ordered_json StepCost::json() const {
                   {"gemm_gflops_fp32", m.gemm_gflops_fp32},
                   {"gemm_gflops_fp64", m.gemm_gflops_fp64},
                   {"gemm_gflops_bf16", m.gemm_gflops_bf16},
-                  {"memory_gbps", m.memory_gbps}};
+                  {"memory_gbps", m.memory_gbps},
+                  {"packs_weights", m.packs_weights}};
   auto& st = o["stages"] = ordered_json::array();
   for (auto const& c : stages)
     st.push_back({{"phase", c.backward ? "backward" : "forward"},

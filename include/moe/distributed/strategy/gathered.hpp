@@ -200,7 +200,10 @@ struct DenseExperts {
             {buf::dy_work, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
             {b.out(buf::dx_work, Tw, b.emb()), b.out(buf::d_weights_work, Tw, b.topk()),
              grad(Weight::wi_0), grad(Weight::wi_1), grad(Weight::wo)});
-    b.plan().backward.back().flops = b.ffn_flops(double(b.Tw) * double(b.L), double(b.F));
+    // nn::DenseExperts keeps one expert's hidden states, so its backward runs each expert's
+    // forward again: 3 GEMMs more than the 6 of the gradients.
+    double const rows = double(b.Tw) * double(b.L);
+    b.plan().backward.back().flops = b.ffn_flops(rows, double(b.F)) + 3 * b.gemm(rows, b.D, b.F);
     b.hold(Buf::dy_expert, {Tw, b.emb()});
     for (Buf h : {Buf::d_act, Buf::d_h1}) b.hold(h, {Tw, b.mlp()});
     b.hold(Buf::d_dense_weights, {Tw, L});
