@@ -281,13 +281,23 @@ inline bool is_out_of_memory(std::exception const& e) {
 ///   collective: the failing rank prints `TOOL: error: ...` and ends the whole job with
 ///   MPI_Abort(2), so no rank waits forever in a collective;
 /// - any other exception prints `TOOL: internal error: ...` and aborts every rank (exit 3).
-/// Finalises MPI; returns the exit code.
+/// Finalises MPI; returns the exit code. `thread_multiple` asks MPI for MPI_THREAD_MULTIPLE (a
+/// tool with a thread of its own that calls MPI: train_moe's watchdog; it checks what it got
+/// with MPI_Query_thread).
 template <class Body>
-int tool_main(char const* tool, char const* usage, int& argc, char** argv, Body&& body) {
+int tool_main(char const* tool, char const* usage, int& argc, char** argv, Body&& body,
+              bool thread_multiple = false) {
   // Past a file-size limit a write fails with EFBIG, which the writers report naming the file
   // (and clean up after), instead of SIGXFSZ killing the process mid-file.
   std::signal(SIGXFSZ, SIG_IGN);
+#if MOE_ENABLE_MPI
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, thread_multiple ? MPI_THREAD_MULTIPLE : MPI_THREAD_SINGLE,
+                  &provided);
+#else
+  (void)thread_multiple;
   MPI_Init(&argc, &argv);
+#endif
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);

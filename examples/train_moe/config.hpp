@@ -112,7 +112,7 @@ struct TrainConfig {
   /// difference from the checkpoint is refused.
   std::string resume_allow_changed;
   /// Longest wait of one rank in one MPI call, seconds (0: no limit): longer, and train_moe ends
-  /// the job naming the call (kExitWatchdog): another rank is stopped, dead or stuck.
+  /// the job naming the call and the ranks that are elsewhere (kExitWatchdog).
   double collective_timeout_s = 600;
 
   /// Keys given explicitly through set() (their canonical names).

@@ -35,6 +35,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -84,35 +85,151 @@ struct MpiTimed {
 };
 #endif
 
-/// Starts the watchdog: every timeout/10 (10 ms .. 1 s) it looks at the MPI call this rank is
-/// in; one that has waited more than timeout_s seconds ends the process with one line on stderr
-/// (which call, how long, which step) and train::kExitWatchdog. mpirun then ends the other ranks,
-/// the stuck one included. No MPI call is made from this thread.
-void start_watchdog(double timeout_s, int rank) {
-  std::thread([timeout_s, rank] {
-    auto const limit = std::int64_t(std::min(timeout_s, 1e9) * 1e9);  // 1e9 s: no limit
-    auto const poll = std::chrono::milliseconds(
-        std::clamp<std::int64_t>(std::int64_t(timeout_s * 100), 10, 1000));
+#if MOE_ENABLE_MPI
+/// The collective watchdog of one rank (collective_timeout_s): a thread that every timeout/10
+/// (10 ms .. 1 s) looks at the MPI call this rank is in. One that has waited longer than the
+/// limit ends the process with one line on stderr (which call, how long, which step, and which
+/// ranks are not where this one waits) and train::kExitWatchdog; mpirun then ends the other
+/// ranks, the stuck one included.
+///
+/// Naming the missing ranks needs a channel outside the collective that hangs: where MPI gives
+/// MPI_THREAD_MULTIPLE, the thread owns a duplicate of the world communicator on which it
+/// answers other ranks' questions (where it is: in which MPI call since when, at which step) and,
+/// when its own wait runs out, asks every other rank and waits up to half the limit (0.5 .. 5 s)
+/// for the answers. A stopped or dead rank does not answer; one computing (not in MPI) answers
+/// so; one in another call or step answers which. Without MPI_THREAD_MULTIPLE the line says
+/// "another rank is stopped, gone or stuck". Nothing is sent on the side channel unless a wait
+/// has run out, so a healthy run pays one MPI_Iprobe per poll. The thread calls PMPI_ directly
+/// (its calls are not the step's). Stopped and joined before MPI_Finalize (the destructor).
+class Watchdog {
+ public:
+  Watchdog(double timeout_s, int rank, int size) : timeout_s_(timeout_s), rank_(rank), size_(size) {
+    int level = MPI_THREAD_SINGLE;
+    PMPI_Query_thread(&level);
+    if (level == MPI_THREAD_MULTIPLE) {  // the same on every rank (one MPI library, one request)
+      PMPI_Comm_dup(MPI_COMM_WORLD, &side_);
+      PMPI_Comm_set_errhandler(side_, MPI_ERRORS_RETURN);  // a dead peer is an answer, not a crash
+    }
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~Watchdog() {
+    stop_ = true;
+    thread_.join();
+  }
+  Watchdog(Watchdog const&) = delete;
+  Watchdog& operator=(Watchdog const&) = delete;
+
+ private:
+  static constexpr int kAsk = 1, kAnswer = 2;
+  /// Where a rank is: in `call` since `waited_ns` (0: not in an MPI call), at `step`.
+  struct Where {
+    std::int64_t step = -1, waited_ns = 0;
+    char call[32] = {};
+  };
+  static Where here() {
+    Where w;
+    w.step = g_step.load();
+    std::int64_t const since = g_mpi_since_ns.load();
+    w.waited_ns = since == 0 ? 0 : std::max<std::int64_t>(1, steady_ns() - since);
+    std::snprintf(w.call, sizeof w.call, "%s", g_mpi_call.load());
+    return w;
+  }
+  /// Answers every question waiting on the side channel (blocking sends of a few bytes: eager).
+  void answer() {
     for (;;) {
+      int flag = 0;
+      MPI_Status st;
+      if (PMPI_Iprobe(MPI_ANY_SOURCE, kAsk, side_, &flag, &st) != MPI_SUCCESS || flag == 0) return;
+      char none = 0;
+      PMPI_Recv(&none, 0, MPI_BYTE, st.MPI_SOURCE, kAsk, side_, MPI_STATUS_IGNORE);
+      Where const w = here();
+      PMPI_Send(&w, int(sizeof w), MPI_BYTE, st.MPI_SOURCE, kAnswer, side_);
+    }
+  }
+  /// Asks every other rank where it is; what this one waits in is `mine`. Returns the ranks that
+  /// are elsewhere, e.g. "rank 1 gave no answer (stopped, gone or stuck outside MPI)".
+  std::string ask(Where const& mine) {
+    std::vector<MPI_Request> asks;
+    char none = 0;
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_) {
+        asks.emplace_back();
+        PMPI_Isend(&none, 0, MPI_BYTE, r, kAsk, side_, &asks.back());
+      }
+    std::vector<Where> where(static_cast<std::size_t>(size_));
+    std::vector<char> answered(static_cast<std::size_t>(size_), 0);
+    int missing = size_ - 1;
+    auto const wait = std::clamp(timeout_s_ / 2, 0.5, 5.0);
+    auto const until = steady_ns() + std::int64_t(wait * 1e9);
+    while (missing > 0 && steady_ns() < until) {
+      answer();  // the others ask too
+      int flag = 0;
+      MPI_Status st;
+      if (PMPI_Iprobe(MPI_ANY_SOURCE, kAnswer, side_, &flag, &st) == MPI_SUCCESS && flag != 0) {
+        auto const r = std::size_t(st.MPI_SOURCE);
+        PMPI_Recv(&where[r], int(sizeof(Where)), MPI_BYTE, st.MPI_SOURCE, kAnswer, side_,
+                  MPI_STATUS_IGNORE);
+        where[r].call[sizeof where[r].call - 1] = 0;
+        missing -= answered[r] == 0;
+        answered[r] = 1;
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    std::string out;
+    int named = 0, more = 0;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      Where const& w = where[std::size_t(r)];
+      std::string what;
+      if (answered[std::size_t(r)] == 0)
+        what = "gave no answer (stopped, gone or stuck outside MPI)";
+      else if (w.waited_ns == 0)
+        what = moe::detail::cat("is not in an MPI call (step ", w.step, ")");
+      else if (w.step != mine.step || std::string(w.call) != mine.call)
+        what = moe::detail::cat("waits in ", w.call, " (step ", w.step, ")");
+      if (what.empty()) continue;
+      if (named++ < 8)
+        out += moe::detail::cat(out.empty() ? "" : ", ", "rank ", r, " ", what);
+      else
+        ++more;
+    }
+    if (more > 0) out += moe::detail::cat(" and ", more, " more");
+    return out.empty()
+               ? moe::detail::cat("every rank waits in ", mine.call, " (step ", mine.step, ")")
+               : out;
+  }
+  void loop() {
+    auto const limit = std::int64_t(std::min(timeout_s_, 1e9) * 1e9);  // 1e9 s: no limit
+    auto const poll = std::chrono::milliseconds(
+        std::clamp<std::int64_t>(std::int64_t(timeout_s_ * 100), 10, 1000));
+    while (!stop_) {
       std::this_thread::sleep_for(poll);
-      std::int64_t const since = g_mpi_since_ns.load();
-      if (since == 0) continue;
-      std::int64_t const waited = steady_ns() - since;
-      if (waited < limit || g_mpi_since_ns.load() != since) continue;
-      char msg[512];
-      int const n = std::snprintf(
-          msg, sizeof msg,
-          "train_moe: rank %d: waited %.1f s in %s (step %lld), longer than "
-          "collective_timeout_s=%g: another rank is stopped, gone or stuck; ending the job "
-          "(exit code %d)\n",
-          rank, double(waited) * 1e-9, g_mpi_call.load(), static_cast<long long>(g_step.load()),
-          timeout_s, train::kExitWatchdog);
-      ssize_t const ignored = ::write(2, msg, std::size_t(std::max(0, std::min(n, 511))));
+      if (side_ != MPI_COMM_NULL) answer();
+      Where const mine = here();
+      if (mine.waited_ns < limit) continue;
+      std::string const others = side_ != MPI_COMM_NULL
+                                     ? ask(mine)
+                                     : std::string("another rank is stopped, gone or stuck");
+      char waited[32];
+      std::snprintf(waited, sizeof waited, "%.1f", double(mine.waited_ns) * 1e-9);
+      std::string const line = moe::detail::cat(
+          "train_moe: rank ", rank_, ": waited ", waited, " s in ", mine.call, " (step ", mine.step,
+          "), longer than collective_timeout_s=", timeout_s_, ": ", others,
+          "; ending the job (exit code ", train::kExitWatchdog, ")\n");
+      ssize_t const ignored = ::write(2, line.data(), line.size());
       (void)ignored;
       std::_Exit(train::kExitWatchdog);
     }
-  }).detach();
-}
+  }
+
+  double timeout_s_;
+  int rank_, size_;
+  MPI_Comm side_ = MPI_COMM_NULL;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+#endif
 
 // ---- Preemption (save_on_signal) ---------------------------------------------------------------
 // SIGTERM, SIGINT, SIGHUP and SIGUSR1 are blocked in main() before MPI_Init, so every thread
@@ -280,11 +397,25 @@ int run(int argc, char** argv, moe::comm::Communicator const& world) {
   auto const signals = train::stop_signal_numbers(cfg.save_on_signal);  // validated above
   for (int sig : signals.value_or(std::vector<int>{})) mask |= 1u << sig;
   g_save_mask = mask;
-  if (MOE_ENABLE_MPI && world.size() > 1 && cfg.collective_timeout_s > 0)
-    start_watchdog(cfg.collective_timeout_s, world.rank());
+#if MOE_ENABLE_MPI
+  std::optional<Watchdog> watchdog;
+  if (world.size() > 1 && cfg.collective_timeout_s > 0)
+    watchdog.emplace(cfg.collective_timeout_s, world.rank(), world.size());
+#endif
   train::RunOptions opts;
   opts.comm_seconds = [] { return g_mpi_seconds; };
-  opts.on_step = [](std::int64_t step) { g_step = step; };
+  // Test hook of the watchdog: MOE_TRAIN_TEST_STALL=RANK:STEP makes that rank stop computing
+  // for ever at the start of that step, outside MPI (a rank stuck in its own code).
+  std::int64_t stall_step = -1;
+  if (char const* stall = std::getenv("MOE_TRAIN_TEST_STALL")) {
+    int r = -1;
+    long long st = -1;
+    if (std::sscanf(stall, "%d:%lld", &r, &st) == 2 && r == world.rank()) stall_step = st;
+  }
+  opts.on_step = [stall_step](std::int64_t step) {
+    g_step = step;
+    while (step == stall_step) std::this_thread::sleep_for(std::chrono::seconds(1));
+  };
   opts.stop_signal = [] { return g_stop_signal.load(); };
   auto const r = train::run_training(world, cfg, opts);
   return r.stopped_by_signal != 0 ? train::kExitStoppedBySignal : 0;
@@ -294,8 +425,11 @@ int run(int argc, char** argv, moe::comm::Communicator const& world) {
 
 int main(int argc, char** argv) {
   start_signal_watcher();
-  return moe::cli::tool_main("train_moe", kUsage, argc, argv, [&] {
-    moe::comm::Communicator world(MPI_COMM_WORLD);
-    return run(argc, argv, world);
-  });
+  return moe::cli::tool_main(
+      "train_moe", kUsage, argc, argv,
+      [&] {
+        moe::comm::Communicator world(MPI_COMM_WORLD);
+        return run(argc, argv, world);
+      },
+      /*thread_multiple=*/true);
 }
