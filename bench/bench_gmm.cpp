@@ -22,9 +22,17 @@
 //   weight_gbs   bytes of the weights touched / seconds, 1e9 B/s: experts with >= 1 row x D*F*4
 //   bw_ratio     median over iterations of (this iteration's weight bytes per second / one triad
 //                pass of the GEMM threads right after it: PairedMachine)
+//
+// Model rows (#31): gmm_model/<model>/EP=<ep>/<balanced|zipf>/T=<tokens> and tgmm_model/... (the
+// weight gradient, x^T dy per group) run the expert GEMMs of a published model's MoE layer
+// (moe/models.hpp: mixtral-8x7b at EP=8, qwen3-30b-a3b at EP=8, qwen3-235b-a22b at EP=16,
+// deepseek3-671b at EP=32) as one rank's slice: its E/EP local experts and the tokens x K x L / E
+// rows they receive from `tokens` tokens, through Auto; counters gflops, dense_ratio (a dense
+// GEMM of the same FLOPs), peak_ratio, local_experts, min_rows, max_rows, ref_runs.
 #include "bench_common.hpp"
 
 #include <moe/gmm/gmm.hpp>
+#include <moe/models.hpp>
 
 #include <benchmark/benchmark.h>
 
@@ -153,6 +161,91 @@ void register_policy(std::string const& name, int iterations) {
     }
 }
 
+/// One rank's slice of a published model's experts under expert parallelism `ep` (#31): its
+/// E/ep local experts ([L, D, F] weights) and the rows they receive when `tokens` tokens pick K
+/// experts each over all E (tokens x K x L / E rows: balanced, or Zipf over the L experts).
+struct ModelSlice {
+  std::string model;
+  int ep;
+};
+
+/// gmm (forward: x[rows, D] x W[L, D, F]) or tgmm (weight gradient: x^T dy per group, [L, D, F])
+/// of a model slice through the Auto policy (what the layer runs); counters as bench_gmm's.
+void bench_model(benchmark::State& state, ModelSlice const& m, std::string const& dist,
+                 int64_t tokens, bool weight_gradient) {
+  using moe::gmm::Auto;
+  auto const& f = moe::model_facts(m.model);
+  int const L = f.num_experts / m.ep;
+  int64_t const D = f.base_emb_dim, F = f.base_moe_mlp_dim;
+  int64_t const rows = tokens * f.num_experts_per_tok * L / f.num_experts;
+  state.SetLabel(moe::gmm::backend_name<Auto, Exec, float>());
+  auto const sizes = group_sizes(dist, rows, L);
+  auto const groups = moe::gmm::make_groups<Mem>(sizes);
+  Mat<float> x("moe::bench::model::x", rows, D), y("moe::bench::model::y", rows, F);
+  Tensor<float> w("moe::bench::model::w", L, D, F);
+  fill_uniform(x, 7);
+  fill_uniform(y, 9);
+  fill_uniform(w, 11, -0.05, 0.05);
+  Exec space;
+  ReferenceRuns reference_runs;
+  moe::gmm::PackCache cache;
+  moe::gmm::GmmOptions opt;
+  opt.pack_cache = &cache;
+  opt.rhs_version = 1;
+  auto run = [&] {
+    if (weight_gradient)
+      moe::gmm::tgmm(space, Auto{}, x, y, groups, w, opt);
+    else
+      moe::gmm::gmm(space, Auto{}, x, w, groups, y, opt);
+    space.fence();
+  };
+  run();  // warm-up: threads, primitives, the packed weights of version 1
+  DenseYardstick dense_gemm(rows, D, F);
+  PairedMachine machine(false);
+  std::vector<double> times;
+  for (auto _ : state) {
+    double const t0 = now();
+    run();
+    double const dt = now() - t0;
+    state.SetIterationTime(dt);
+    times.push_back(dt);
+    dense_gemm.run();
+    machine.run();
+  }
+  double const flops = 2.0 * double(rows) * double(D) * double(F);
+  state.counters["gflops"] = flops / median(times) * 1e-9;
+  state.counters["dense_ratio"] = dense_gemm.paired_ratio(times, flops);
+  state.counters["dense_gflops"] = dense_gemm.gflops();
+  state.counters["dense_packed"] = dense_gemm.packed();
+  state.counters["peak_ratio"] = machine.peak_ratio(times, flops);
+  state.counters["ref_runs"] = reference_runs.since();
+  state.counters["local_experts"] = L;
+  state.counters["min_rows"] = double(*std::min_element(sizes.begin(), sizes.end()));
+  state.counters["max_rows"] = double(*std::max_element(sizes.begin(), sizes.end()));
+}
+
+/// gmm_model/<model>/EP=<ep>/<dist>/T=<tokens> and tgmm_model/...: the expert GEMMs of today's
+/// MoE shapes (moe/models.hpp), one rank's slice each.
+void register_model_rows() {
+  std::vector<ModelSlice> const slices = {
+      {"mixtral-8x7b", 8}, {"qwen3-30b-a3b", 8}, {"qwen3-235b-a22b", 16}, {"deepseek3-671b", 32}};
+  for (bool weight_gradient : {false, true})
+    for (auto const& m : slices)
+      for (char const* dist : {"balanced", "zipf"})
+        for (int64_t tokens : {1024, 4096}) {
+          std::string const label = std::string(weight_gradient ? "tgmm_model/" : "gmm_model/") +
+                                    m.model + "/EP=" + std::to_string(m.ep) + "/" + dist +
+                                    "/T=" + std::to_string(tokens) + isa_suffix();
+          std::string const d = dist;
+          benchmark::RegisterBenchmark(
+              label.c_str(),
+              [=](benchmark::State& state) { bench_model(state, m, d, tokens, weight_gradient); })
+              ->UseManualTime()
+              ->Iterations(3)
+              ->Unit(benchmark::kMillisecond);
+        }
+}
+
 }  // namespace
 
 void moe::bench::register_gmm_benchmarks() {
@@ -161,4 +254,5 @@ void moe::bench::register_gmm_benchmarks() {
   if (moe::gmm::is_available<moe::gmm::OneDnn, Exec, float>::value)
     register_policy<moe::gmm::OneDnn>("OneDnn", 3);
   register_policy<moe::gmm::Auto>("Auto", 2);  // = OneDnn or Vendor: checks the resolution
+  register_model_rows();
 }
