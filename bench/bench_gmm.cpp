@@ -71,6 +71,30 @@ Mat<float> const& outputs(int64_t rows) {
   return cache.get(rows, [&] { return Mat<float>("moe::bench::gmm::y", rows, kF); });
 }
 
+/// Times `run` once per benchmark iteration, each followed by the dense yardstick and the FMA
+/// burst (paired), and sets the counters every GEMM row reports (gflops, dense_ratio,
+/// dense_gflops, dense_packed, peak_ratio) from the median time; returns the times.
+template <class Run>
+std::vector<double> time_paired(benchmark::State& state, Run&& run, double flops,
+                                DenseYardstick& dense_gemm, PairedMachine& machine) {
+  std::vector<double> times;
+  for (auto _ : state) {
+    double const t0 = now();
+    run();
+    double const dt = now() - t0;
+    state.SetIterationTime(dt);
+    times.push_back(dt);
+    dense_gemm.run();
+    machine.run();
+  }
+  state.counters["gflops"] = flops / median(times) * 1e-9;
+  state.counters["dense_ratio"] = dense_gemm.paired_ratio(times, flops);
+  state.counters["dense_gflops"] = dense_gemm.gflops();
+  state.counters["dense_packed"] = dense_gemm.packed();
+  state.counters["peak_ratio"] = machine.peak_ratio(times, flops);
+  return times;
+}
+
 template <class Policy>
 void bench_gmm(benchmark::State& state, int experts, std::string const& dist, int64_t tokens,
                int top_k, bool decode) {
@@ -98,25 +122,13 @@ void bench_gmm(benchmark::State& state, int experts, std::string const& dist, in
   double const repack = now() - w0;
   DenseYardstick dense_gemm(rows, kD, kF);
   PairedMachine machine(decode);
-  std::vector<double> times;
-  for (auto _ : state) {
-    double const t0 = now();
-    moe::gmm::gmm(space, Policy{}, x, w, groups, y, opt);
-    space.fence();
-    double const dt = now() - t0;
-    state.SetIterationTime(dt);
-    times.push_back(dt);
-    dense_gemm.run();
-    machine.run();
-  }
-  double const flops = 2.0 * double(rows) * double(kD) * double(kF);
-  double const gflops = flops / median(times) * 1e-9;
-  state.counters["gflops"] = gflops;
-  double const dense = dense_gemm.gflops();
-  state.counters["dense_ratio"] = dense_gemm.paired_ratio(times, flops);
-  state.counters["dense_gflops"] = dense;
-  state.counters["dense_packed"] = dense_gemm.packed();
-  state.counters["peak_ratio"] = machine.peak_ratio(times, flops);
+  auto const times = time_paired(
+      state,
+      [&] {
+        moe::gmm::gmm(space, Policy{}, x, w, groups, y, opt);
+        space.fence();
+      },
+      2.0 * double(rows) * double(kD) * double(kF), dense_gemm, machine);
   if (decode) {
     auto const touched = std::count_if(sizes.begin(), sizes.end(), [](int64_t s) { return s > 0; });
     double const bytes = double(touched) * double(kD) * double(kF) * sizeof(float);
@@ -202,22 +214,7 @@ void bench_model(benchmark::State& state, ModelSlice const& m, std::string const
   run();  // warm-up: threads, primitives, the packed weights of version 1
   DenseYardstick dense_gemm(rows, D, F);
   PairedMachine machine(false);
-  std::vector<double> times;
-  for (auto _ : state) {
-    double const t0 = now();
-    run();
-    double const dt = now() - t0;
-    state.SetIterationTime(dt);
-    times.push_back(dt);
-    dense_gemm.run();
-    machine.run();
-  }
-  double const flops = 2.0 * double(rows) * double(D) * double(F);
-  state.counters["gflops"] = flops / median(times) * 1e-9;
-  state.counters["dense_ratio"] = dense_gemm.paired_ratio(times, flops);
-  state.counters["dense_gflops"] = dense_gemm.gflops();
-  state.counters["dense_packed"] = dense_gemm.packed();
-  state.counters["peak_ratio"] = machine.peak_ratio(times, flops);
+  time_paired(state, run, 2.0 * double(rows) * double(D) * double(F), dense_gemm, machine);
   state.counters["ref_runs"] = reference_runs.since();
   state.counters["local_experts"] = L;
   state.counters["min_rows"] = double(*std::min_element(sizes.begin(), sizes.end()));
