@@ -95,6 +95,14 @@ std::vector<double> time_paired(benchmark::State& state, Run&& run, double flops
   return times;
 }
 
+/// The counters of the groups every GEMM row reports: ref_runs, min_rows, max_rows.
+void group_counters(benchmark::State& state, std::vector<int64_t> const& sizes,
+                    ReferenceRuns& reference_runs) {
+  state.counters["ref_runs"] = reference_runs.since();
+  state.counters["min_rows"] = double(*std::min_element(sizes.begin(), sizes.end()));
+  state.counters["max_rows"] = double(*std::max_element(sizes.begin(), sizes.end()));
+}
+
 template <class Policy>
 void bench_gmm(benchmark::State& state, int experts, std::string const& dist, int64_t tokens,
                int top_k, bool decode) {
@@ -136,9 +144,7 @@ void bench_gmm(benchmark::State& state, int experts, std::string const& dist, in
     state.counters["bw_ratio"] = machine.bw_ratio(times, bytes);
   }
   state.counters["pack_ms"] = cache.packs() > 0 ? std::max(0.0, repack - median(times)) * 1e3 : 0.0;
-  state.counters["ref_runs"] = reference_runs.since();
-  state.counters["min_rows"] = double(*std::min_element(sizes.begin(), sizes.end()));
-  state.counters["max_rows"] = double(*std::max_element(sizes.begin(), sizes.end()));
+  group_counters(state, sizes, reference_runs);
 }
 
 /// Host tile: of 64x64x64, 64x32x128, 64x64x128, 64x64x256 and 128x64x128 (Serial, SSE2 and
@@ -215,10 +221,8 @@ void bench_model(benchmark::State& state, ModelSlice const& m, std::string const
   DenseYardstick dense_gemm(rows, D, F);
   PairedMachine machine(false);
   time_paired(state, run, 2.0 * double(rows) * double(D) * double(F), dense_gemm, machine);
-  state.counters["ref_runs"] = reference_runs.since();
   state.counters["local_experts"] = L;
-  state.counters["min_rows"] = double(*std::min_element(sizes.begin(), sizes.end()));
-  state.counters["max_rows"] = double(*std::max_element(sizes.begin(), sizes.end()));
+  group_counters(state, sizes, reference_runs);
 }
 
 /// gmm_model/<model>/EP=<ep>/<dist>/T=<tokens> and tgmm_model/...: the expert GEMMs of today's
