@@ -44,6 +44,7 @@
 #include <cstdio>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moe::distributed {
@@ -95,9 +96,21 @@ struct Machine {
   }
   /// The keys set() takes, in order.
   static std::vector<std::string> keys() {
-    return {"ranks_per_node",   "intra_gbps",       "inter_gbps",       "intra_latency_us",
-            "inter_latency_us", "gemm_gflops_fp32", "gemm_gflops_fp64", "gemm_gflops_bf16",
-            "memory_gbps",      "packs_weights"};
+    std::vector<std::string> k{"ranks_per_node"};
+    for (auto const& f : Machine().number_fields()) k.emplace_back(f.first);
+    k.emplace_back("packs_weights");
+    return k;
+  }
+  /// The fields set() takes as a number > 0, by key.
+  std::vector<std::pair<char const*, double*>> number_fields() {
+    return {{"intra_gbps", &intra_gbps},
+            {"inter_gbps", &inter_gbps},
+            {"intra_latency_us", &intra_latency_us},
+            {"inter_latency_us", &inter_latency_us},
+            {"gemm_gflops_fp32", &gemm_gflops_fp32},
+            {"gemm_gflops_fp64", &gemm_gflops_fp64},
+            {"gemm_gflops_bf16", &gemm_gflops_bf16},
+            {"memory_gbps", &memory_gbps}};
   }
   /// Sets one field by its key (keys()); ConfigError naming the key or the value otherwise
   /// (every value must be > 0, ranks_per_node an integer, packs_weights true or false).
@@ -124,17 +137,13 @@ struct Machine {
       ranks_per_node = int(v);
       return;
     }
-    double* const fields[] = {&intra_gbps,       &inter_gbps,       &intra_latency_us,
-                              &inter_latency_us, &gemm_gflops_fp32, &gemm_gflops_fp64,
-                              &gemm_gflops_bf16, &memory_gbps};
-    auto const k = keys();
-    for (std::size_t i = 1; i + 1 < k.size(); ++i)
-      if (k[i] == key) {
-        *fields[i - 1] = v;
+    for (auto const& [name, field] : number_fields())
+      if (key == name) {
+        *field = v;
         return;
       }
     std::string list;
-    for (auto const& n : k) list += (list.empty() ? "" : ", ") + n;
+    for (auto const& n : keys()) list += (list.empty() ? "" : ", ") + n;
     throw ConfigError(moe::detail::cat("machine.", key, " is not a machine key (", list, ")"));
   }
   /// GEMM throughput for values of `value_bytes` bytes (2: bf16, 4: fp32, 8: fp64), GFLOP/s.
