@@ -700,8 +700,9 @@ TEST(PlanAtScale, NoStrategyMovesMoreThanItMust) {
                                            [&](auto const& a) { return a.name == ch.chosen; });
         for (auto const& a : ch.alternatives) {
           EXPECT_LE(chosen.flops, a.flops) << ch.what << ": " << a.name;
-          if (a.flops == chosen.flops)
+          if (a.flops == chosen.flops) {
             EXPECT_LE(chosen.bytes, a.bytes) << ch.what << ": " << a.name;
+          }
         }
       }
       bool const ep = c.layout == "ep a2a" || c.layout == "ring" || c.layout == "ep + fsdp";
