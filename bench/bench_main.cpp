@@ -191,6 +191,9 @@ void add_context() {
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
   benchmark::AddCustomContext("mpi_ranks", std::to_string(ranks));
   add_machine_context();
+#if defined(MOE_QUICK_BUILD)
+  benchmark::AddCustomContext("warning_build", moe::bench::kQuickBuildWarning);
+#endif
 }
 
 }  // namespace

@@ -53,6 +53,11 @@
 
 namespace moe::bench {
 
+/// The context line of a benchmark binary built with MOE_QUICK_BUILD (the test command's -O1).
+inline constexpr char kQuickBuildWarning[] =
+    "built with MOE_QUICK_BUILD=ON (-O1, the test command's build): these timings do not "
+    "represent moe; build with -DMOE_QUICK_BUILD=OFF (scripts/bench.sh does) to measure";
+
 /// Threads of the process's dense host GEMMs: omp_get_max_threads() when moe is built with
 /// oneDNN (oneDNN runs on OpenMP), else OpenBLAS's thread count; the hardware's core count when
 /// neither runtime is loaded.

@@ -7,15 +7,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 PACKAGES=(
-  build-essential cmake ccache pkg-config git
+  build-essential cmake ninja-build ccache pkg-config git
   libtrilinos-kokkos-dev libtrilinos-kokkos-kernels-dev
   libopenmpi-dev openmpi-bin
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libopenblas0-pthread libopenblas-dev
   libdnnl-dev ocl-icd-opencl-dev
   libyaml-cpp-dev nlohmann-json3-dev
-  python3 python3-matplotlib
+  python3
 )
+# The plots (bench/plot_bench.py, scripts/plot_loss.py); the test command leaves them out.
+[ "${MOE_PLOTTING:-1}" = 0 ] || PACKAGES+=(python3-matplotlib)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -14,6 +14,7 @@
 #include <moe/comm/ragged_all_to_all.hpp>
 #include <moe/moe_config.hpp>
 
+#include "../yardsticks.hpp"
 #include "bench_mpi_common.hpp"
 
 #include <benchmark/benchmark.h>
@@ -179,6 +180,9 @@ int main(int argc, char** argv) {
       benchmark::AddCustomContext("kokkos_version", std::to_string(KOKKOS_VERSION));
       benchmark::AddCustomContext("kokkos_execution_space", Exec::name());
       benchmark::AddCustomContext("moe_gpu_aware_mpi", std::to_string(MOE_ENABLE_GPU_AWARE_MPI));
+#if defined(MOE_QUICK_BUILD)
+      benchmark::AddCustomContext("warning_build", moe::bench::kQuickBuildWarning);
+#endif
       NullReporter null;
       if (rank == 0)
         benchmark::RunSpecifiedBenchmarks();

@@ -34,6 +34,9 @@ run() {
   if [ -n "${OMP_NUM_THREADS:-}" ]; then
     threads=("OMP_NUM_THREADS=$(( OMP_NUM_THREADS / np > 0 ? OMP_NUM_THREADS / np : 1 ))")
   fi
+  # One rank: no other rank to end, so no grace period in mpirun's kill sequence after a
+  # non-zero exit (odls_base_sigkill_timeout, 1 s, otherwise paid twice per expected error).
+  [ "$np" -eq 1 ] && threads+=(OMPI_MCA_odls_base_sigkill_timeout=0)
   env "${threads[@]}" timeout "$LIMIT" "${MPI[@]}" -np "$np" "$RUN" "$@" >"$log" 2>&1
 }
 
