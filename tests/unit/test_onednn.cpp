@@ -220,6 +220,34 @@ std::vector<Shape> chunk_shapes() {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, OneDnnChunks, ::testing::ValuesIn(chunk_shapes()), shape_name);
 
+// The row cap of a packed call: 256 on one thread, else a thread's even share of all rows
+// (multiple of 16, 32 to 256); and one 256-row group at this process's thread count runs as that
+// many calls, all on a direct kernel (before, it was one call: one thread busy, the rest idle).
+TEST(OneDnnKernels, FewLargeGroupsGiveEveryThreadACall) {
+  EXPECT_EQ(dn::chunk_cap(256, 1), 256);
+  EXPECT_EQ(dn::chunk_cap(256, 2), 128);
+  EXPECT_EQ(dn::chunk_cap(2048, 2), 256);
+  EXPECT_EQ(dn::chunk_cap(2048, 16), 128);
+  EXPECT_EQ(dn::chunk_cap(250, 3), 96);
+  EXPECT_EQ(dn::chunk_cap(100, 8), 32);
+  EXPECT_EQ(dn::chunk_rows(256, 0, 256, 96).rows, 96);
+  EXPECT_EQ(dn::chunk_rows(64, 192, 256, 96).run, 64);
+
+  GmmCase c({256}, 128, 192, false, 11);
+  c.run(false);  // packs the weights (a reorder run)
+  StatsDelta d;  // the second run: the multiplies alone
+  c.run(false);
+  EXPECT_TRUE(c.check(1.0, 1));
+  auto const st = moe::gmm::onednn_stats();
+  EXPECT_EQ(c.cache.packs(), 1u) << "the weights were not packed (plain mode): " << st.summary();
+  std::uint64_t calls = 0;
+  for (auto const& [impl, n] : st.runs) calls += d.runs(st, impl);
+  std::int64_t const cap = dn::chunk_cap(256, dn::max_threads());
+  EXPECT_EQ(calls, std::uint64_t((256 + cap - 1) / cap))
+      << dn::max_threads() << " threads, cap " << cap << ": " << st.summary();
+  EXPECT_EQ(d.runs(st, "sgemm"), 0u) << st.summary();
+}
+
 // A packed layout no kernel accepts, forced on each family (and the probe's check skipped, as a
 // layout picked for other rows or threads would have passed it): every chunk's kernel is refused
 // and runs as sgemm on the weights in place. Proves the per-chunk check on any CPU.

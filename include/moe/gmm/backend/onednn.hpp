@@ -23,7 +23,8 @@
 ///  * Packed mode (a direct kernel, and a PackCache to keep the packed copy in; without one
 ///    nothing could reuse it, so the call runs plain): every expert's weights are reordered once
 ///    per weight version into the caller's PackCache; each group runs as row chunks (chunk_rows:
-///    256, then the rest rounded up to a multiple of 16 where the rows exist, exact below 16) on
+///    256 or a thread's share of all rows when that is smaller (chunk_cap, not below 32), then
+///    the rest rounded up to a multiple of 16 where the rows exist, exact below 16) on
 ///    primitives made once per chunk size, accumulation through a sum post-op: a steady-state
 ///    step creates no primitive and packs nothing.
 ///  * Plain mode (no direct kernel for this CPU or these strides): the weights used in place, one
@@ -214,9 +215,10 @@ struct Impl<moe::gmm::OneDnn> {
     fence(space, "moe::gmm::gmm<OneDnn>: done");
   }
 
-  /// Packed layout: each group as row chunks (chunk_rows) on the plan's kernels, reading lhs in
-  /// place. The calls are listed first (kernels are made and checked here, once per run size),
-  /// then run side by side on the threads (for_each_item), each call on one thread: a chunk
+  /// Packed layout: each group as row chunks (chunk_rows, at most chunk_cap rows: a thread's
+  /// share of all rows, so few large groups still use every thread) on the plan's kernels, reading
+  /// lhs in place. The calls are listed first (kernels are made and checked here, once per run
+  /// size), then run side by side on the threads (for_each_item), each call on one thread: a chunk
   /// rounded up past its group writes into the thread's own buffer and copies (or, when
   /// accumulating, adds) its group's rows, so no call writes rows of another. A chunk whose run
   /// size has no direct kernel (KernelPlan::kernel() is null) runs as sgemm on the weights in
@@ -240,10 +242,11 @@ struct Impl<moe::gmm::OneDnn> {
       dn::Kernel const* kernel;  // null: sgemm on the weights in place
     };
     std::vector<Call> calls;
+    std::int64_t const cap = dn::chunk_cap(off(go + num_local) - off(go), dn::max_threads());
     for (int g = 0; g < num_local; ++g) {
       std::int64_t const r1 = off(go + g + 1);
       for (std::int64_t c0 = off(go + g); c0 < r1;) {
-        dn::Chunk c = dn::chunk_rows(r1 - c0, c0, m);
+        dn::Chunk c = dn::chunk_rows(r1 - c0, c0, m, cap);
         dn::Kernel const* kernel = p.kernel(c.run, acc && c.run == c.rows);
         if (!kernel) c.run = c.rows;
         calls.push_back({g, c0, c, kernel});

@@ -62,14 +62,31 @@ struct Chunk {
   std::int64_t rows, run;
 };
 
-/// The next call at row c0 of m when `left` rows of the group remain: max_chunk_rows; else all
+/// Smallest row cap chunk_cap() lowers to: below it, a call's reading of its expert's packed
+/// weights starts to cost as much as its multiply.
+inline constexpr std::int64_t min_chunk_cap = 32;
+
+/// Rows per packed call when `total` rows run on `threads` threads: max_chunk_rows, lowered to
+/// the evenly spread share of a thread (rounded up to row_bucket, not below min_chunk_cap), so
+/// that one or a few large groups still give every thread a call (before, a single 256-row group
+/// ran on one thread while the others waited).
+inline std::int64_t chunk_cap(std::int64_t total, int threads) {
+  if (threads <= 1) return max_chunk_rows;
+  std::int64_t const share = (total + threads - 1) / threads;
+  std::int64_t const up = (share + row_bucket - 1) / row_bucket * row_bucket;
+  return std::clamp(up, min_chunk_cap, max_chunk_rows);
+}
+
+/// The next call at row c0 of m when `left` rows of the group remain: `cap` (a multiple of
+/// row_bucket, at most max_chunk_rows: chunk_cap()); else all
 /// `left` rows over the multiple of row_bucket at or above `left` when those rows exist (c0 +
 /// run <= m); else the multiple below (the rest follows exactly); all `left` when below 16
 /// (exact: a decode group is not padded to 16 rows). Rounding up costs < 16 rows of FLOPs; a
 /// separate call for the < 16 leftover rows would read the expert's weights again. At most 31
 /// distinct run sizes, so primitives are made once each.
-inline Chunk chunk_rows(std::int64_t left, std::int64_t c0, std::int64_t m) {
-  if (left >= max_chunk_rows) return {max_chunk_rows, max_chunk_rows};
+inline Chunk chunk_rows(std::int64_t left, std::int64_t c0, std::int64_t m,
+                        std::int64_t cap = max_chunk_rows) {
+  if (left >= cap) return {cap, cap};
   if (left < row_bucket) return {left, left};
   std::int64_t const up = (left + row_bucket - 1) / row_bucket * row_bucket;
   if (c0 + up <= m) return {left, up};
