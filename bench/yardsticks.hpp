@@ -55,7 +55,7 @@ namespace moe::bench {
 
 /// The context line of a benchmark binary built with MOE_QUICK_BUILD (the test command's -O1).
 inline constexpr char kQuickBuildWarning[] =
-    "built with MOE_QUICK_BUILD=ON (-O1, the test command's build): these timings do not "
+    "built with MOE_QUICK_BUILD=ON (-O0, the test command's build): these timings do not "
     "represent moe; build with -DMOE_QUICK_BUILD=OFF (scripts/bench.sh does) to measure";
 
 /// Threads of the process's dense host GEMMs: omp_get_max_threads() when moe is built with

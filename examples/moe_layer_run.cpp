@@ -421,7 +421,9 @@ moe::io::File run_dtype(moe::comm::Communicator const& world, Setup const& s, Su
   if (s.args.gmm == "dense") return run_case<T, moe::gmm::Dense>(world, s, sum);
   if (s.args.gmm == "vendor") return run_case<T, moe::gmm::Vendor>(world, s, sum);
   if (s.args.gmm == "onednn") return run_case<T, moe::gmm::OneDnn>(world, s, sum);
-  return run_case<T, moe::gmm::Auto>(world, s, sum);
+  // Auto as the backend it resolves to: the same layer type as that backend's case, compiled once.
+  return run_case<T, moe::gmm::resolve_t<moe::gmm::Auto, Kokkos::DefaultExecutionSpace, T>>(world,
+                                                                                            s, sum);
 }
 
 double norm(moe::io::Tensor const& t) {

@@ -3,7 +3,7 @@
 # Extra arguments go to cmake's configure step. Prints one "[moe] ..." line per phase and a compact
 # build progress line; cmake's and the compiler's output go to ${MOE_BUILD_DIR:-build}/moe-setup.log
 # (MOE_VERBOSE=1 shows it too); MOE_BUILD_TARGETS="a b" builds only those targets; MOE_QUICK_BUILD=ON
-# compiles the project's tests, tools and benchmarks at -O1 (CMake option MOE_QUICK_BUILD). On
+# compiles the project's tests and tools at -O1, benchmarks at -O0 (CMake option MOE_QUICK_BUILD). On
 # failure: the log's last lines, its path, a non-zero exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
