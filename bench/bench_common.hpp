@@ -80,6 +80,19 @@ class ReferenceRuns {
   std::uint64_t before_;
 };
 
+/// GEMM options as a layer passes them: its own PackCache and weight version 1, so a backend
+/// that packs the weights does so in the first call only. Not copyable (opt points at cache).
+struct LayerGmmOptions {
+  moe::gmm::PackCache cache;
+  moe::gmm::GmmOptions opt;
+  LayerGmmOptions() {
+    opt.pack_cache = &cache;
+    opt.rhs_version = 1;
+  }
+  LayerGmmOptions(LayerGmmOptions const&) = delete;
+  LayerGmmOptions& operator=(LayerGmmOptions const&) = delete;
+};
+
 /// Wall-clock seconds since some fixed point (steady clock).
 inline double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

@@ -117,10 +117,8 @@ void bench_gmm(benchmark::State& state, int experts, std::string const& dist, in
   // As in a layer: the weights come with a PackCache and a version, so a backend that packs
   // them does so in the first (warm-up) call only; pack_ms reports what that costs.
   ReferenceRuns reference_runs;
-  moe::gmm::PackCache cache;
-  moe::gmm::GmmOptions opt;
-  opt.pack_cache = &cache;
-  opt.rhs_version = 1;
+  LayerGmmOptions packed;
+  auto& opt = packed.opt;
   moe::gmm::gmm(space, Policy{}, x, w, groups, y, opt);  // warm-up: threads, primitives, caches
   space.fence();
   opt.rhs_version = 2;  // a new weight version (as after an optimizer step): packs again
@@ -143,7 +141,8 @@ void bench_gmm(benchmark::State& state, int experts, std::string const& dist, in
     state.counters["weight_gbs"] = bytes / median(times) * 1e-9;
     state.counters["bw_ratio"] = machine.bw_ratio(times, bytes);
   }
-  state.counters["pack_ms"] = cache.packs() > 0 ? std::max(0.0, repack - median(times)) * 1e3 : 0.0;
+  state.counters["pack_ms"] =
+      packed.cache.packs() > 0 ? std::max(0.0, repack - median(times)) * 1e3 : 0.0;
   group_counters(state, sizes, reference_runs);
 }
 
@@ -206,10 +205,8 @@ void bench_model(benchmark::State& state, ModelSlice const& m, std::string const
   fill_uniform(w, 11, -0.05, 0.05);
   Exec space;
   ReferenceRuns reference_runs;
-  moe::gmm::PackCache cache;
-  moe::gmm::GmmOptions opt;
-  opt.pack_cache = &cache;
-  opt.rhs_version = 1;
+  LayerGmmOptions packed;
+  auto const& opt = packed.opt;
   auto run = [&] {
     if (weight_gradient)
       moe::gmm::tgmm(space, Auto{}, x, y, groups, w, opt);

@@ -141,9 +141,7 @@ class GemmsAlone {
   void run() {
     Exec space;
     double const t0 = now();
-    moe::gmm::GmmOptions opt;  // weights packed once, as in the layer (own cache, one version)
-    opt.pack_cache = &cache_;
-    opt.rhs_version = 1;
+    auto const& opt = packed_.opt;  // weights packed once, as in the layer
     moe::gmm::gmm(space, Gmm{}, xs_, p_.wi_0, groups_, h_, opt);
     moe::gmm::gmm(space, Gmm{}, xs_, p_.wi_1, groups_, h_, opt);
     moe::gmm::gmm(space, Gmm{}, a_, p_.wo, groups_, ys_, opt);
@@ -157,7 +155,7 @@ class GemmsAlone {
 
  private:
   typename Layer::params_type const& p_;
-  moe::gmm::PackCache cache_;
+  moe::bench::LayerGmmOptions packed_;
   moe::gmm::Groups<Mem> groups_;
   moe::View2<float, Mem> xs_, h_, a_, ys_;
   std::vector<double> times_;
