@@ -17,54 +17,32 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace moe::comm {
 
-/// \brief MPI datatype of a C++ type: `MpiType<T>::get()`. Only the types moe sends have one.
+/// \brief Whether T has an MPI datatype: only the types moe sends (float, double, int32_t,
+/// int64_t, uint64_t, char) have one.
 template <class T>
-struct MpiType {
-  static constexpr bool available = false;
-};
-template <>
-struct MpiType<float> {
-  static constexpr bool available = true;
-  static MPI_Datatype get() { return MPI_FLOAT; }
-};
-template <>
-struct MpiType<double> {
-  static constexpr bool available = true;
-  static MPI_Datatype get() { return MPI_DOUBLE; }
-};
-template <>
-struct MpiType<std::int32_t> {
-  static constexpr bool available = true;
-  static MPI_Datatype get() { return MPI_INT32_T; }
-};
-template <>
-struct MpiType<std::int64_t> {
-  static constexpr bool available = true;
-  static MPI_Datatype get() { return MPI_INT64_T; }
-};
-template <>
-struct MpiType<std::uint64_t> {
-  static constexpr bool available = true;
-  static MPI_Datatype get() { return MPI_UINT64_T; }
-};
-template <>
-struct MpiType<char> {
-  static constexpr bool available = true;
-  static MPI_Datatype get() { return MPI_CHAR; }
-};
+inline constexpr bool has_mpi_type =
+    std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, std::int32_t> ||
+    std::is_same_v<T, std::int64_t> || std::is_same_v<T, std::uint64_t> || std::is_same_v<T, char>;
 
 /// \brief The MPI datatype of T (compile error for types without one).
 template <class T>
 MPI_Datatype mpi_type() {
-  static_assert(MpiType<T>::available,
+  static_assert(has_mpi_type<T>,
                 "moe::comm::mpi_type<T>: T has no MPI datatype (float, double, int32_t, int64_t, "
                 "uint64_t and char have one)");
-  return MpiType<T>::get();
+  using std::is_same_v;
+  return is_same_v<T, float>           ? MPI_FLOAT
+         : is_same_v<T, double>        ? MPI_DOUBLE
+         : is_same_v<T, std::int32_t>  ? MPI_INT32_T
+         : is_same_v<T, std::int64_t>  ? MPI_INT64_T
+         : is_same_v<T, std::uint64_t> ? MPI_UINT64_T
+                                       : MPI_CHAR;
 }
 
 /// \brief Throws moe::CommError naming the MPI call and MPI's reason when it did not return

@@ -12,9 +12,9 @@
 /// send and a receive of the same communicator and tag match in order (a blocking send is
 /// buffered); a receive or a wait that nothing can ever match, a peer or root other than 0, and
 /// a count over the receive buffer return an error instead of waiting for ever.
-/// Its functions live in moe::comm::serial_mpi and are brought into the global namespace by
-/// using-declarations, so they never clash with a real MPI library's symbols; including the real
-/// `<mpi.h>` as well fails to compile, which is the point.
+/// Its functions live in moe::comm::serial_mpi::functions and are brought into the global
+/// namespace by a using-directive, so they never clash with a real MPI library's symbols;
+/// including the real `<mpi.h>` as well fails to compile, which is the point.
 ///
 /// MOE_ENABLE_MPI comes from moe_config.hpp (the configured choice); a program may define it to 0
 /// itself (every translation unit alike, and without linking MPI) to build on the stand-in from
@@ -29,7 +29,6 @@
 #else
 
 #include <chrono>
-#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -72,7 +71,6 @@ inline constexpr MPI_Datatype MPI_CHAR = 1, MPI_BYTE = 1, MPI_INT = sizeof(int),
 inline constexpr MPI_Op MPI_SUM = 1, MPI_MAX = 2, MPI_MIN = 3;
 inline MPI_Status* const MPI_STATUS_IGNORE = nullptr;
 inline MPI_Status* const MPI_STATUSES_IGNORE = nullptr;
-inline void* const MPI_IN_PLACE = reinterpret_cast<void*>(static_cast<std::uintptr_t>(1));
 
 namespace moe::comm::serial_mpi {
 
@@ -158,14 +156,17 @@ inline int post_recv(void* buf, long long room, int src, int tag, MPI_Comm comm,
   return MPI_SUCCESS;
 }
 
-/// Copies n bytes unless source and destination are the same (or the source is MPI_IN_PLACE).
+/// Copies n bytes unless source and destination are the same.
 inline void copy(void* to, void const* from, long long n) {
-  if (from != MPI_IN_PLACE && to != from && n > 0) std::memmove(to, from, std::size_t(n));
+  if (to != from && n > 0) std::memmove(to, from, std::size_t(n));
 }
 inline char* at(void* p, long long bytes) { return static_cast<char*>(p) + bytes; }
 inline char const* at(void const* p, long long bytes) {
   return static_cast<char const*>(p) + bytes;
 }
+
+/// The MPI functions of the stand-in (its state and helpers above stay out of the global scope).
+namespace functions {
 
 // ------------------------------------------------------------------ environment --------------
 inline int MPI_Init(int*, char***) {
@@ -331,42 +332,10 @@ inline int MPI_Irecv(void* buf, int n, MPI_Datatype t, int src, int tag, MPI_Com
   return post_recv(buf, 1LL * n * t, src, tag, comm, req);
 }
 
+}  // namespace functions
 }  // namespace moe::comm::serial_mpi
 
-using moe::comm::serial_mpi::MPI_Abort;
-using moe::comm::serial_mpi::MPI_Allgather;
-using moe::comm::serial_mpi::MPI_Allgatherv;
-using moe::comm::serial_mpi::MPI_Allreduce;
-using moe::comm::serial_mpi::MPI_Alltoall;
-using moe::comm::serial_mpi::MPI_Alltoallv;
-using moe::comm::serial_mpi::MPI_Barrier;
-using moe::comm::serial_mpi::MPI_Bcast;
-using moe::comm::serial_mpi::MPI_Comm_compare;
-using moe::comm::serial_mpi::MPI_Comm_dup;
-using moe::comm::serial_mpi::MPI_Comm_free;
-using moe::comm::serial_mpi::MPI_Comm_get_errhandler;
-using moe::comm::serial_mpi::MPI_Comm_rank;
-using moe::comm::serial_mpi::MPI_Comm_set_errhandler;
-using moe::comm::serial_mpi::MPI_Comm_size;
-using moe::comm::serial_mpi::MPI_Comm_split;
-using moe::comm::serial_mpi::MPI_Comm_split_type;
-using moe::comm::serial_mpi::MPI_Errhandler_free;
-using moe::comm::serial_mpi::MPI_Error_string;
-using moe::comm::serial_mpi::MPI_Finalize;
-using moe::comm::serial_mpi::MPI_Finalized;
-using moe::comm::serial_mpi::MPI_Iallgather;
-using moe::comm::serial_mpi::MPI_Init;
-using moe::comm::serial_mpi::MPI_Initialized;
-using moe::comm::serial_mpi::MPI_Irecv;
-using moe::comm::serial_mpi::MPI_Isend;
-using moe::comm::serial_mpi::MPI_Recv;
-using moe::comm::serial_mpi::MPI_Send;
-using moe::comm::serial_mpi::MPI_Testall;
-using moe::comm::serial_mpi::MPI_Type_commit;
-using moe::comm::serial_mpi::MPI_Type_contiguous;
-using moe::comm::serial_mpi::MPI_Type_free;
-using moe::comm::serial_mpi::MPI_Wait;
-using moe::comm::serial_mpi::MPI_Waitall;
-using moe::comm::serial_mpi::MPI_Wtime;
+// The stand-in's functions, visible as MPI's are (and clashing with a real <mpi.h>).
+using namespace moe::comm::serial_mpi::functions;  // NOLINT(google-build-using-namespace)
 
 #endif  // MOE_ENABLE_MPI

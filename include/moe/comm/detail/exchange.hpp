@@ -273,7 +273,7 @@ constexpr void check_view_type() {
           (View::rank == 1 && std::is_same_v<typename View::array_layout, Kokkos::LayoutLeft>),
       "moe::comm: views must be LayoutRight (row-major, contiguous); rank-1 views may "
       "also be LayoutLeft");
-  static_assert(MpiType<typename View::non_const_value_type>::available,
+  static_assert(has_mpi_type<typename View::non_const_value_type>,
                 "moe::comm: the value type needs an MPI datatype (float, double, int32_t, "
                 "int64_t)");
   static_assert(Kokkos::SpaceAccessibility<ExecSpace, typename View::memory_space>::accessible,
