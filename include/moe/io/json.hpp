@@ -20,12 +20,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include <charconv>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
-#include <limits>
 #include <set>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -64,21 +65,9 @@ struct JsonValue {
 
 /// The kind of a JSON value as a message says it ("null", "a boolean", "an object", ...).
 inline char const* json_kind_name(JsonValue::Kind k) {
-  switch (k) {
-    case JsonValue::Kind::Null:
-      return "null";
-    case JsonValue::Kind::Bool:
-      return "a boolean";
-    case JsonValue::Kind::Number:
-      return "a number";
-    case JsonValue::Kind::String:
-      return "a string";
-    case JsonValue::Kind::Array:
-      return "an array";
-    case JsonValue::Kind::Object:
-      return "an object";
-  }
-  return "?";
+  static char const* const names[] = {"null",     "a boolean", "a number",
+                                      "a string", "an array",  "an object"};
+  return names[static_cast<int>(k)];
 }
 
 /// The SAX handler behind JsonParser: builds the JsonValue tree and stops at the first duplicate
@@ -87,11 +76,7 @@ inline char const* json_kind_name(JsonValue::Kind k) {
 class JsonTreeBuilder {
  public:
   static constexpr int kMaxDepth = 64;
-  using number_integer_t = nlohmann::json::number_integer_t;
-  using number_unsigned_t = nlohmann::json::number_unsigned_t;
-  using number_float_t = nlohmann::json::number_float_t;
-  using string_t = nlohmann::json::string_t;
-  using binary_t = nlohmann::json::binary_t;
+  using json = nlohmann::json;
 
   JsonValue root;
   std::string error;         ///< why parsing stopped ("" if it did not)
@@ -105,28 +90,28 @@ class JsonTreeBuilder {
     v.boolean = b;
     return leaf(std::move(v));
   }
-  bool number_integer(number_integer_t i) { return number(std::to_string(i)); }
-  bool number_unsigned(number_unsigned_t u) { return number(std::to_string(u)); }
-  bool number_float(number_float_t, string_t const& literal) { return number(literal); }
-  bool string(string_t& s) {
+  bool number_integer(json::number_integer_t i) { return number(std::to_string(i)); }
+  bool number_unsigned(json::number_unsigned_t u) { return number(std::to_string(u)); }
+  bool number_float(json::number_float_t, json::string_t const& literal) { return number(literal); }
+  bool string(json::string_t& s) {
     JsonValue v;
     v.kind = JsonValue::Kind::String;
     v.text = std::move(s);
     return leaf(std::move(v));
   }
-  bool binary(binary_t&) { return stop("binary data"); }
+  bool binary(json::binary_t&) { return stop("binary data"); }
   bool start_object(std::size_t) { return open(JsonValue::Kind::Object); }
   bool end_object() { return close(); }
   bool start_array(std::size_t) { return open(JsonValue::Kind::Array); }
   bool end_array() { return close(); }
-  bool key(string_t& k) {
+  bool key(json::string_t& k) {
     auto& seen = keys_.back();
     if (!seen.insert(k).second) return stop(cat("duplicate key \"", k, "\""));
     pending_key_ = std::move(k);
     return true;
   }
   bool parse_error(std::size_t position, std::string const& /*last_token*/,
-                   nlohmann::json::exception const& e) {
+                   json::exception const& e) {
     error_at = position > 0 ? position - 1 : 0;
     located = true;
     error = describe(e.what());
@@ -260,27 +245,11 @@ class JsonParser {
 /// Reads the JSON number \p v as an int64; false if it is not an integer literal or out of range.
 inline bool json_to_int64(JsonValue const& v, std::int64_t& out) {
   if (v.kind != JsonValue::Kind::Number) return false;
-  std::string const& t = v.text;
-  bool const neg = !t.empty() && t[0] == '-';
-  std::uint64_t mag = 0;
-  std::uint64_t const limit =
-      static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) + (neg ? 1 : 0);
-  if (t.size() == std::size_t(neg ? 1 : 0)) return false;
-  for (std::size_t i = neg ? 1 : 0; i < t.size(); ++i) {
-    if (t[i] < '0' || t[i] > '9') return false;  // fraction or exponent
-    std::uint64_t const digit = static_cast<std::uint64_t>(t[i] - '0');
-    if (mag > (limit - digit) / 10) return false;
-    mag = mag * 10 + digit;
-  }
-  if (neg) {
-    out = mag == 0
-              ? 0
-              : (mag - 1 == static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())
-                     ? std::numeric_limits<std::int64_t>::min()
-                     : -static_cast<std::int64_t>(mag));
-  } else {
-    out = static_cast<std::int64_t>(mag);
-  }
+  char const* const end = v.text.data() + v.text.size();
+  std::int64_t x = 0;
+  auto const r = std::from_chars(v.text.data(), end, x);  // stops at a fraction or exponent
+  if (r.ec != std::errc() || r.ptr != end) return false;
+  out = x;
   return true;
 }
 
