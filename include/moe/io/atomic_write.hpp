@@ -25,8 +25,17 @@ namespace moe::io {
 namespace detail {
 using moe::detail::cat;
 
-/// The text of an errno value.
-inline std::string errno_text(int e) { return std::strerror(e); }
+/// fsync of the directory \p dir, which makes the renames in it durable: 0, or the errno of a
+/// failed fsync. A directory that cannot be opened for reading (no read permission) or a file
+/// system that cannot sync directories (EINVAL, ENOTSUP) is not an error.
+inline int fsync_dir(std::string const& dir) {
+  int const fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  int const rc = ::fsync(fd);
+  int const e = errno;
+  ::close(fd);
+  return rc != 0 && e != EINVAL && e != ENOTSUP ? e : 0;
+}
 
 }  // namespace detail
 
@@ -44,8 +53,7 @@ inline std::string resolve_links(std::string path) {
     ssize_t n = ::readlink(path.c_str(), target.data(), target.size());
     if (n < 0) {
       int const e = errno;
-      throw IoError(detail::cat("cannot read the symbolic link '", path, "': ",
-                                detail::errno_text(e)));
+      throw IoError(detail::cat("cannot read the symbolic link '", path, "': ", std::strerror(e)));
     }
     target.resize(std::size_t(n));
     if (!target.empty() && target[0] != '/') {
@@ -72,7 +80,6 @@ struct ByteSpan {
 /// link is written through (resolve_links): the file it names is replaced, the link stays.
 inline void write_atomic(std::string const& link, std::vector<ByteSpan> const& pieces) {
   using detail::cat;
-  using detail::errno_text;
   if (link.empty()) throw IoError("write_atomic: the output path is empty");
   std::string const path = resolve_links(link);
   std::string const tmp = cat(path, ".tmp.", static_cast<long>(::getpid()));
@@ -80,12 +87,12 @@ inline void write_atomic(std::string const& link, std::vector<ByteSpan> const& p
   if (fd < 0) {
     int const e = errno;
     throw IoError(cat("cannot write '", path, "': cannot create the temporary file '", tmp,
-                      "': ", errno_text(e)));
+                      "': ", std::strerror(e)));
   }
   auto fail = [&](std::string const& step, int e) {
     if (fd >= 0) ::close(fd);
     ::unlink(tmp.c_str());
-    throw IoError(cat("cannot write '", path, "': ", step, " failed: ", errno_text(e)));
+    throw IoError(cat("cannot write '", path, "': ", step, " failed: ", std::strerror(e)));
   };
   for (ByteSpan const& piece : pieces) {
     auto const* p = static_cast<unsigned char const*>(piece.data);
@@ -114,20 +121,12 @@ inline void write_atomic(std::string const& link, std::vector<ByteSpan> const& p
     int const e = errno;
     fail(cat("renaming '", tmp, "' to '", path, "'"), e);
   }
-  // Make the rename durable. A directory that cannot be opened for reading (no read permission)
-  // or a file system that cannot sync directories (EINVAL) is not an error: the file is in place.
   std::size_t const slash = path.find_last_of('/');
   std::string const dir =
       slash == std::string::npos ? std::string(".") : (slash == 0 ? "/" : path.substr(0, slash));
-  int const dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    int const synced = ::fsync(dfd);
-    int const e = errno;
-    ::close(dfd);
-    if (synced != 0 && e != EINVAL && e != ENOTSUP) {
-      throw IoError(cat("wrote '", path, "' but the fsync of its directory '", dir,
-                        "' failed: ", errno_text(e)));
-    }
+  if (int const e = detail::fsync_dir(dir)) {
+    throw IoError(cat("wrote '", path, "' but the fsync of its directory '", dir,
+                      "' failed: ", std::strerror(e)));
   }
 }
 

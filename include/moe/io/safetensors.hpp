@@ -154,13 +154,13 @@ inline File File::read(std::string const& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
     int const e = errno;
-    throw IoError(cat("cannot read ", file, ": ", detail::errno_text(e)));
+    throw IoError(cat("cannot read ", file, ": ", std::strerror(e)));
   }
   if (!S_ISREG(st.st_mode)) throw IoError(cat("cannot read ", file, ": not a regular file"));
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     int const e = errno;
-    throw IoError(cat("cannot read ", file, ": ", detail::errno_text(e)));
+    throw IoError(cat("cannot read ", file, ": ", std::strerror(e)));
   }
   std::uint64_t const file_size = static_cast<std::uint64_t>(st.st_size);
   if (file_size < 8) {

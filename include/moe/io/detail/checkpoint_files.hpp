@@ -6,6 +6,7 @@
 /// POSIX; Linux for renameat2(RENAME_EXCHANGE).
 
 #include <moe/error.hpp>
+#include <moe/io/atomic_write.hpp>
 #include <moe/io/checkpoint_index.hpp>
 
 #include <algorithm>
@@ -43,58 +44,54 @@ inline void crash_point(char const* name) {
     throw IoError(cat("checkpoint: a write failed at ", name, " (MOE_CHECKPOINT_TEST_FAIL)"));
 }
 
-/// \brief The temporary directory of a save, removed with everything in it when the save ends
-/// by an exception, whatever step failed (dismiss() once it is installed).
-class TempDir {
- public:
-  TempDir() = default;
-  explicit TempDir(std::string path) : path_(std::move(path)) {}
-  TempDir(TempDir&& o) noexcept : path_(std::move(o.path_)) { o.path_.clear(); }
-  TempDir& operator=(TempDir&& o) noexcept {
-    std::swap(path_, o.path_);
-    return *this;
-  }
-  TempDir(TempDir const&) = delete;
-  TempDir& operator=(TempDir const&) = delete;
-  ~TempDir() {
-    if (path_.empty()) return;
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  /// The directory was installed: nothing to remove.
-  void dismiss() { path_.clear(); }
-
- private:
-  std::string path_;
-};
-
 /// "<dir>/<name>".
 inline std::string join(std::string const& dir, std::string const& name) {
   return (fs::path(dir) / name).string();
 }
 
+/// A problem that does not fail the save, on stderr.
+inline void warn(std::string const& msg) { std::cerr << ("checkpoint: warning: " + msg + "\n"); }
+
+/// Removes \p path and everything in it; a failure is a warning that starts with \p what.
+inline void remove_or_warn(std::string const& path, char const* what = "cannot remove '") {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+  if (ec) warn(cat(what, path, "': ", ec.message()));
+}
+
+/// The temporary directory of a save (set path once made), removed with everything in it when
+/// the save ends by an exception, whatever step failed (dismiss() once it is installed).
+struct TempDir {
+  std::string path;
+  TempDir() = default;
+  TempDir(TempDir const&) = delete;
+  TempDir& operator=(TempDir const&) = delete;
+  ~TempDir() {
+    std::error_code ec;
+    if (!path.empty()) fs::remove_all(path, ec);
+  }
+  /// The directory was installed: nothing to remove.
+  void dismiss() { path.clear(); }
+};
+
+/// "<dir>/.<prefix><name>.<pid>": a hidden entry of this process's save (".tmp_step_*",
+/// ".trash_step_*"), never read as a checkpoint.
+inline std::string hidden_path(std::string const& dir, char const* prefix,
+                               std::string const& name) {
+  return join(dir, cat(".", prefix, name, ".", static_cast<long>(::getpid())));
+}
+
 /// fsync of a directory; file systems that cannot sync directories are not an error.
 inline void sync_dir(std::string const& dir) {
-  int const fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;
-  int const rc = ::fsync(fd);
-  int const e = errno;
-  ::close(fd);
-  if (rc != 0 && e != EINVAL && e != ENOTSUP) {
+  if (int const e = fsync_dir(dir))
     throw IoError(cat("checkpoint: fsync of the directory '", dir, "' failed: ", std::strerror(e)));
-  }
 }
 
 /// "step_<digits>" directories of \p dir, newest first. Throws IoError if \p dir cannot be listed.
 inline std::vector<std::pair<std::int64_t, std::string>> list_steps(std::string const& dir) {
   std::vector<std::pair<std::int64_t, std::string>> out;
   std::error_code ec;
-  fs::directory_iterator it(dir, ec), end;
-  if (ec) {
-    throw IoError(
-        cat("checkpoint: cannot list the checkpoint directory '", dir, "': ", ec.message()));
-  }
-  for (; it != end; it.increment(ec)) {
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     std::string const name = it->path().filename().string();
     if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 || name.size() > 5 + 18) continue;
     if (!std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
@@ -113,9 +110,6 @@ inline std::vector<std::pair<std::int64_t, std::string>> list_steps(std::string 
   return out;
 }
 
-/// A problem that does not fail the save, on stderr.
-inline void warn(std::string const& msg) { std::cerr << ("checkpoint: warning: " + msg + "\n"); }
-
 /// Removes leftovers of interrupted saves (".tmp_step_*", ".trash_step_*").
 inline void remove_leftovers(std::string const& dir) {
   std::error_code ec;
@@ -125,11 +119,7 @@ inline void remove_leftovers(std::string const& dir) {
     if (name.rfind(".tmp_step_", 0) == 0 || name.rfind(".trash_step_", 0) == 0)
       stale.push_back(it->path());
   }
-  for (fs::path const& p : stale) {
-    std::error_code rec;
-    fs::remove_all(p, rec);
-    if (rec) warn(cat("cannot remove '", p.string(), "': ", rec.message()));
-  }
+  for (fs::path const& p : stale) remove_or_warn(p.string());
 }
 
 /// Renames the complete temporary directory \p tmp to \p final_dir (replacing an existing one).
@@ -154,8 +144,7 @@ inline void install(std::string const& dir, std::string const& tmp, std::string 
   }
 #endif
   if (!exchanged) {
-    old = join(dir, cat(".trash_", fs::path(final_dir).filename().string(), ".",
-                        static_cast<long>(::getpid())));
+    old = hidden_path(dir, "trash_", fs::path(final_dir).filename().string());
     if (::rename(final_dir.c_str(), old.c_str()) != 0) {
       throw IoError(cat("checkpoint: cannot move '", final_dir, "' aside: ", std::strerror(errno)));
     }
@@ -167,9 +156,7 @@ inline void install(std::string const& dir, std::string const& tmp, std::string 
     }
   }
   sync_dir(dir);
-  std::error_code ec;
-  fs::remove_all(old, ec);
-  if (ec) warn(cat("cannot remove the replaced checkpoint '", old, "': ", ec.message()));
+  remove_or_warn(old, "cannot remove the replaced checkpoint '");
 }
 
 /// Keeps the checkpoint of \p step and the keep - 1 newest complete ones before it.
@@ -193,16 +180,13 @@ inline void retain(std::string const& dir, std::int64_t step, int keep) {
       ++kept;
       continue;
     }
-    std::string const trash = join(dir, cat(".trash_", fs::path(path).filename().string(), ".",
-                                            static_cast<long>(::getpid())));
+    std::string const trash = hidden_path(dir, "trash_", fs::path(path).filename().string());
     if (::rename(path.c_str(), trash.c_str()) != 0) {
       warn(cat("cannot remove the old checkpoint '", path, "': ", std::strerror(errno)));
       continue;
     }
     crash_point("retention");
-    std::error_code ec;
-    fs::remove_all(trash, ec);
-    if (ec) warn(cat("cannot remove '", trash, "': ", ec.message()));
+    remove_or_warn(trash);
   }
   try {
     sync_dir(dir);
