@@ -11,17 +11,11 @@
 /// another number of ranks or with another sharding (resharding), because every rank fills its
 /// blocks from the global tensors, whatever they are.
 ///
-/// On-disk format (`dir` is the checkpoint directory; N the step, printed with at least 8 digits):
-///
-///     dir/step_<NNNNNNNN>/model.safetensors   every global tensor, plus the caller's metadata as
-///                                             the safetensors "__metadata__" (string -> string)
-///     dir/step_<NNNNNNNN>/index.json          written last (checkpoint_index_text): format
-///                                             "moe-checkpoint", version 1, step, file name,
-///                                             bytes (file size), sha256 (64 hex digits) and
-///                                             the tensors' names, dtypes and shapes
-///
-/// The SHA-256 is the plain digest of model.safetensors, so `sha256sum` checks it too. Temporary
-/// entries of the directory start with a dot (".tmp_step_*", ".trash_step_*") and are never read.
+/// On disk, `dir/step_<N>/` (N printed with at least 8 digits) holds model.safetensors (every
+/// global tensor, and the caller's metadata as "__metadata__") and index.json, written last (its
+/// size, SHA-256 and tensor list: moe/io/checkpoint_index.hpp has the format). The SHA-256 is the
+/// plain digest, so `sha256sum` checks it too. Temporary entries of the directory start with a dot
+/// (".tmp_step_*", ".trash_step_*") and are never read.
 ///
 /// Saving (collective). Every rank checks its blocks (dtype F32/F64, offset + local shape within
 /// the global shape, data present) and the ranks compare their step, keep, directory and
@@ -51,24 +45,15 @@
 /// previous checkpoints and no new "step_<N>" (only a hidden temporary directory, removed by the
 /// next save), or the new checkpoint complete. Errors raise the same exception on every rank
 /// (moe::ConfigError for bad arguments or blocks, moe::IoError for the file system) and remove
-/// the temporary directory.
-///
-/// One writer per directory: a save runs under the exclusive lock of "dir/LOCK" (an fcntl lock
-/// that dies with its process), taken for the save unless this process holds it already; a job
-/// takes it for its whole life with CheckpointDirLock (train_moe does, before resuming). A second
-/// job fails with a moe::IoError naming the holder instead of destroying the first's checkpoints.
+/// the temporary directory. A save runs under the lock of "dir/LOCK" (moe/io/checkpoint_lock.hpp:
+/// one writer per directory), taken for the save unless this process holds it already.
 ///
 /// Loading (collective). Rank 0 lists "step_<digits>" directories, newest first, and takes the
-/// first that verifies: index.json parses and names this step, the file has the recorded size and
-/// SHA-256, moe::io::File::read validates it, its tensors are those of the index, and every
-/// tensor some rank requests exists with the requested dtype and global shape. Each rejected
+/// first that verify_checkpoint accepts for the tensors the ranks request. Each rejected
 /// directory is reported on stderr as "checkpoint: skipping <dir>: <reason>". The choice, the step
 /// and the metadata are broadcast; rank 0 then cuts every rank's blocks out of the global tensors
 /// and sends them (only rank 0 reads the file). A missing directory or no valid checkpoint returns
 /// false on every rank and leaves `metadata` and `step` unchanged.
-///
-/// Test hook: when the environment variable MOE_CHECKPOINT_TEST_CRASH names a point of the save
-/// ("model_written", "index_written", "installed", "retention"), rank 0 calls _exit(86) there.
 ///
 /// POSIX (Linux for the atomic exchange) is required. The format is stable: a checkpoint written
 /// before this code moved into moe/io (tests/data/checkpoint_v1) loads and is tested.
@@ -76,6 +61,7 @@
 #include <moe/comm/bytes.hpp>
 #include <moe/comm/communicator.hpp>
 #include <moe/detail/hash.hpp>
+#include <moe/detail/json.hpp>
 #include <moe/error.hpp>
 #include <moe/io/checkpoint_index.hpp>
 #include <moe/io/checkpoint_lock.hpp>
@@ -196,7 +182,8 @@ inline void save_checkpoint(moe::comm::Communicator const& comm, std::string con
   });
   moe::comm::check_agreement(comm, "checkpoint directory, step and keep",
                              cat(dir, "\n", step, "\n", keep));
-  moe::comm::check_agreement(comm, "checkpoint metadata", cd::map_text(metadata));
+  moe::comm::check_agreement(comm, "checkpoint metadata",
+                             moe::detail::json_text(moe::detail::ordered_json(metadata)));
   std::vector<std::vector<cd::Desc>> const all =
       cd::decode(moe::comm::all_gather_bytes(comm, mine, "checkpoint: the block descriptions"));
   std::map<std::string, cd::TensorPlan> plan;
@@ -204,8 +191,7 @@ inline void save_checkpoint(moe::comm::Communicator const& comm, std::string con
 
   // Rank 0: the directory, the temporary directory and the global tensors.
   bool const root = comm.rank() == 0;
-  std::string const tmp =
-      cd::join(dir, cat(".tmp_", checkpoint_step_name(step), ".", static_cast<long>(::getpid())));
+  std::string const tmp = cd::hidden_path(dir, "tmp_", checkpoint_step_name(step));
   std::map<std::string, Tensor> tensors;
   cd::DirLock save_lock;  // for this save, when this process does not hold the lock already
   cd::TempDir tmp_dir;    // rank 0: removed on every error path of the save
@@ -221,7 +207,7 @@ inline void save_checkpoint(moe::comm::Communicator const& comm, std::string con
       throw moe::IoError(cat("checkpoint: cannot create '", tmp,
                              "' in the checkpoint directory: ", std::strerror(errno)));
     }
-    tmp_dir = cd::TempDir(tmp);
+    tmp_dir.path = tmp;
     cd::crash_point("tmp_made");
     try {
       for (auto const& kv : plan) {
@@ -240,8 +226,8 @@ inline void save_checkpoint(moe::comm::Communicator const& comm, std::string con
   // Every distinct block travels from its owner to rank 0, in plan order.
   std::vector<unsigned char> buf;
   for (auto const& kv : plan) {
-    for (cd::Piece const& p : kv.second.pieces) {
-      cd::Desc const& d = *p.owner;
+    for (cd::Desc const* p : kv.second.pieces) {
+      cd::Desc const& d = *p;
       std::size_t const esz = dtype_size(d.dtype);
       void* const data = d.rank == comm.rank() ? blocks[d.index].data : nullptr;
       if (root) {
@@ -340,7 +326,7 @@ inline bool load_latest_checkpoint(moe::comm::Communicator const& comm, std::str
   moe::comm::check_mpi(MPI_Bcast(found, 2, MPI_INT64_T, 0, comm.get()), "MPI_Bcast");
   if (!found[0]) return false;
   std::string const meta =
-      moe::comm::broadcast_bytes(comm, 0, root ? cd::encode_map(file.metadata) : "");
+      moe::comm::broadcast_bytes(comm, 0, root ? nlohmann::json(file.metadata).dump() : "");
 
   // Rank 0 cuts every block out of the global tensors: its own by copy, the others' by message.
   if (root) {
@@ -376,7 +362,7 @@ inline bool load_latest_checkpoint(moe::comm::Communicator const& comm, std::str
       if (d.numel > 0) moe::comm::recv_bytes(comm, 0, blocks[d.index].data, cd::nbytes(d));
     }
   }
-  metadata = cd::decode_map(meta);
+  metadata = nlohmann::json::parse(meta).get<std::map<std::string, std::string>>();
   step = found[1];
   return true;
 }
