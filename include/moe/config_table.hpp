@@ -38,23 +38,9 @@ enum class FieldType {
 
 /// Name of a FieldType in key listings.
 inline char const* type_name(FieldType t) {
-  switch (t) {
-    case FieldType::Int:
-      return "int";
-    case FieldType::Int64:
-      return "int64";
-    case FieldType::UInt64:
-      return "uint64";
-    case FieldType::Double:
-      return "float";
-    case FieldType::Bool:
-      return "bool";
-    case FieldType::String:
-      return "string";
-    case FieldType::Choice:
-      return "choice";
-  }
-  return "?";
+  static char const* const names[] = {"int",  "int64",  "uint64", "float",
+                                      "bool", "string", "choice"};
+  return names[static_cast<int>(t)];
 }
 
 /// \brief How describe() writes numbers: std::to_string (integers; 6 decimals for floats) or 17
@@ -132,8 +118,7 @@ class ConfigTable {
         seen.push_back(v);
         f.choices.push_back(s);
       }
-    std::string list;
-    for (auto const& s : f.choices) list += (list.empty() ? "" : " | ") + (s.empty() ? "\"\"" : s);
+    std::string const list = choice_list(f.choices);
     f.parse = [m, spellings, list](C& c, std::string const& k, std::string const& v) {
       std::string const t = detail::trim(v);
       for (auto const& [s, value] : spellings)
@@ -286,11 +271,7 @@ class ConfigTable {
       for (auto const& a : f.aliases) s += " (alias " + a + ")";
       s += ": ";
       s += type_name(f.type);
-      if (f.type == FieldType::Choice) {
-        std::string list;
-        for (auto const& c : f.choices) list += (list.empty() ? "" : " | ") + quoted(c);
-        s += " (" + list + ")";
-      }
+      if (f.type == FieldType::Choice) s += " (" + choice_list(f.choices) + ")";
       s += ", default " + quoted(f.text(defaults)) + " -- " + f.doc;
       for (auto const& r : rules_)
         if (r.key == f.key && !r.doc.empty()) s += "; " + r.doc;
@@ -306,6 +287,13 @@ class ConfigTable {
   std::vector<ConfigRule<C>> rules_;
 
   static std::string quoted(std::string const& s) { return s.empty() ? "\"\"" : s; }
+
+  /// "a | b | \"\"": the accepted values of a choice, as messages and listings show them.
+  static std::string choice_list(std::vector<std::string> const& choices) {
+    std::string list;
+    for (auto const& c : choices) list += (list.empty() ? "" : " | ") + quoted(c);
+    return list;
+  }
 
   ConfigField<C>& last() {
     if (fields_.empty()) throw std::logic_error("config table: no field to modify yet");

@@ -1,18 +1,12 @@
 #pragma once
 /// \file
-/// oneDNN on the host: the CPU engine and stream of the process, dense float GEMM through
-/// oneDNN's sgemm (JIT kernels chosen from the CPUID feature bits), what oneDNN runs on this CPU,
-/// and Kernel: a oneDNN primitive whose implementation was checked when it was made and whose
-/// executions are counted (Counters). Compiled only when moe was configured with oneDNN
-/// (MOE_HAS_ONEDNN).
+/// oneDNN on the host (only with MOE_HAS_ONEDNN): the process's CPU engine and streams, dense
+/// float GEMM through oneDNN's sgemm, the ISA oneDNN dispatches to, and Kernel: a oneDNN
+/// primitive whose executions are counted (Counters, read by moe::gmm::onednn_stats()).
 ///
-/// oneDNN picks an implementation for every primitive descriptor; when none of its optimized
-/// kernels accepts the descriptor (for instance a weight layout the kernel for these rows and
-/// threads would not have chosen) it silently returns its reference implementation ("ref:any"),
-/// which is correct but hundreds of times slower. moe never runs one: every descriptor is checked
-/// (direct_kernel()) before a primitive is made from it, and the caller takes another path when
-/// the check fails. Counters (moe::gmm::onednn_stats()) count what ran, so tests and tools can
-/// prove it.
+/// When none of oneDNN's optimized kernels accepts a descriptor it silently returns its
+/// reference implementation, hundreds of times slower; moe checks every descriptor
+/// (direct_kernel()) before making a primitive and takes another path when the check fails.
 
 #include <moe/moe_config.hpp>
 
@@ -76,12 +70,10 @@ inline int max_threads() {
 #endif
 }
 
-/// Runs body(i) for every i in [0, n), each call on one OpenMP thread, in dynamic order (item
-/// i+1 may start before item i ends). oneDNN calls made inside run single-threaded (oneDNN runs
-/// sequentially inside a parallel region), so the items of independent experts run side by
-/// side instead of every call splitting one expert over all threads. Items must write disjoint
-/// memory. An exception thrown by an item is rethrown here after the loop (items not yet
-/// started are skipped).
+/// Runs body(i) for every i in [0, n), each call on one OpenMP thread, in dynamic order. oneDNN
+/// runs single-threaded inside a parallel region, so independent items (experts) run side by
+/// side. Items must write disjoint memory; the first exception an item throws is rethrown after
+/// the loop (items not yet started are skipped).
 template <class Body>
 void for_each_item(std::int64_t n, Body&& body) {
   std::exception_ptr error;
@@ -123,6 +115,9 @@ inline bool direct_kernel(std::string const& impl) {
   return impl.rfind("gemm", 0) != 0 && !reference_impl(impl);
 }
 
+/// Most descriptions Counters keeps of refusals and reference runs (the counts go on).
+inline constexpr std::size_t max_described = 16;
+
 /// What the process's oneDNN calls did (moe::gmm::onednn_stats() reads it). Counters only grow.
 struct Counters {
   std::atomic<std::uint64_t> primitives{0};      ///< Kernels made (primitives created)
@@ -136,21 +131,19 @@ struct Counters {
   std::vector<std::string> rejected_what;   ///< the latest refused descriptors, described
   std::vector<std::string> reference_what;  ///< the latest reference executions, described
 
-  /// Appends to a list of descriptions, keeping the latest max_described (mutex held).
-  static void describe(std::vector<std::string>& list, std::string text);
+  /// ++count, and `what (impl)` appended to `list` (which keeps the latest max_described).
+  void note(std::atomic<std::uint64_t>& count, std::vector<std::string>& list,
+            std::string const& what, std::string const& impl) {
+    ++count;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (list.size() == max_described) list.erase(list.begin());
+    list.push_back(what + " (" + impl + ")");
+  }
 };
 
 inline Counters& counters() {
   static Counters c;
   return c;
-}
-
-/// Most descriptions Counters keeps of refusals and reference runs (the counts go on).
-inline constexpr std::size_t max_described = 16;
-
-inline void Counters::describe(std::vector<std::string>& list, std::string text) {
-  if (list.size() == max_described) list.erase(list.begin());
-  list.push_back(std::move(text));
 }
 
 /// The execution counter of an implementation name.
@@ -164,15 +157,12 @@ inline std::atomic<std::uint64_t>& run_counter(std::string const& impl) {
 /// offered); the caller runs another path.
 inline void note_rejected(std::string const& what, std::string const& impl) {
   auto& c = counters();
-  ++c.rejected;
-  std::lock_guard<std::mutex> lock(c.mutex);
-  Counters::describe(c.rejected_what, what + " (" + impl + ")");
+  c.note(c.rejected, c.rejected_what, what, impl);
 }
 
 /// Sets the calling thread's OpenMP thread count for a scope. oneDNN sizes a primitive's work
-/// split and scratchpad for the threads it sees when the descriptor is made; a primitive that
-/// will run on one thread (inside for_each_item) is made under ScopedThreads(1), so its kernel,
-/// weight layout and scratchpad do not depend on the process's thread count.
+/// split and scratchpad for the threads it sees when it is made, so a primitive that runs on one
+/// thread (inside for_each_item) is made under ScopedThreads(1).
 class ScopedThreads {
  public:
   explicit ScopedThreads([[maybe_unused]] int n) {
@@ -193,12 +183,10 @@ class ScopedThreads {
   [[maybe_unused]] int saved_ = 1;
 };
 
-/// \brief One oneDNN primitive, the only way moe executes one: it keeps the implementation name
-/// and a description of the operation, passes the scratchpad its descriptor asks for (moe makes
-/// every descriptor in user scratchpad mode, so a primitive may run on any thread, on several at
-/// once, each with its own scratchpad), and counts its executions by implementation; a reference
-/// implementation's are also counted apart and described (Counters::reference_*). Callers check
-/// direct_kernel(impl()) before making one for a hot path (make it only when the check passes).
+/// \brief One oneDNN primitive, the only way moe executes one: made in user scratchpad mode, it
+/// runs on any thread (several at once) with that thread's scratchpad, and counts its executions
+/// by implementation name (a reference implementation's also apart, described). Callers check
+/// direct_kernel() of the descriptor before making one for a hot path.
 class Kernel {
  public:
   /// `what`: the operation and its shape, for messages ("matmul 256x1024x2816").
@@ -223,9 +211,7 @@ class Kernel {
     ++*runs_;
     if (reference_impl(impl_)) {
       auto& c = counters();
-      ++c.reference_runs;
-      std::lock_guard<std::mutex> lock(c.mutex);
-      Counters::describe(c.reference_what, what_ + " (" + impl_ + ")");
+      c.note(c.reference_runs, c.reference_what, what_, impl_);
     }
     prim_.execute(thread_stream(), args);
     thread_stream().wait();
@@ -256,26 +242,19 @@ inline void sgemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t
 
 /// Name of the instruction set oneDNN dispatches to on this CPU (e.g. "avx2", "avx512_core").
 inline std::string isa_name() {
-  switch (static_cast<int>(dnnl::get_effective_cpu_isa())) {
-    case static_cast<int>(dnnl::cpu_isa::sse41):
-      return "sse41";
-    case static_cast<int>(dnnl::cpu_isa::avx):
-      return "avx";
-    case static_cast<int>(dnnl::cpu_isa::avx2):
-      return "avx2";
-    case static_cast<int>(dnnl::cpu_isa::avx2_vnni):
-      return "avx2_vnni";
-    case static_cast<int>(dnnl::cpu_isa::avx512_core):
-      return "avx512_core";
-    case static_cast<int>(dnnl::cpu_isa::avx512_core_vnni):
-      return "avx512_core_vnni";
-    case static_cast<int>(dnnl::cpu_isa::avx512_core_bf16):
-      return "avx512_core_bf16";
-    case static_cast<int>(dnnl::cpu_isa::avx512_core_amx):
-      return "avx512_core_amx";
-    default:
-      return "isa#" + std::to_string(static_cast<int>(dnnl::get_effective_cpu_isa()));
-  }
+  using isa = dnnl::cpu_isa;
+  static std::pair<isa, char const*> const names[] = {{isa::sse41, "sse41"},
+                                                      {isa::avx, "avx"},
+                                                      {isa::avx2, "avx2"},
+                                                      {isa::avx2_vnni, "avx2_vnni"},
+                                                      {isa::avx512_core, "avx512_core"},
+                                                      {isa::avx512_core_vnni, "avx512_core_vnni"},
+                                                      {isa::avx512_core_bf16, "avx512_core_bf16"},
+                                                      {isa::avx512_core_amx, "avx512_core_amx"}};
+  isa const mine = dnnl::get_effective_cpu_isa();
+  for (auto const& [i, name] : names)
+    if (i == mine) return name;
+  return "isa#" + std::to_string(static_cast<int>(mine));
 }
 
 /// "oneDNN 2.6.3 avx2".

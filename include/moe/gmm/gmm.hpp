@@ -83,17 +83,8 @@ void gmm(ExecSpace const& space, Policy, LhsView const& lhs, RhsView const& rhs,
          Groups<typename ExecSpace::memory_space> const& groups, OutView const& out,
          GmmOptions opt = {}) {
   namespace impl = moe::gmm::detail;
-  static_assert(is_policy<Policy>::value, "moe::gmm::gmm: Policy is not a grouped-GEMM policy tag");
-  impl::static_checks<ExecSpace, LhsView, RhsView, OutView>();
-  static_assert(LhsView::rank == 2 && RhsView::rank == 3 && OutView::rank == 2,
-                "moe::gmm::gmm: lhs must be rank 2, rhs rank 3, out rank 2");
+  impl::static_checks<Policy, ExecSpace, LhsView, RhsView, OutView, 2>();
   using S = typename OutView::non_const_value_type;
-  static_assert(std::is_same<typename LhsView::non_const_value_type, S>::value &&
-                    std::is_same<typename RhsView::non_const_value_type, S>::value,
-                "moe::gmm::gmm: lhs, rhs and out must have the same scalar type");
-  static_assert(std::is_floating_point<S>::value, "moe::gmm::gmm: Scalar must be float or double");
-  static_assert(std::is_same<typename OutView::value_type, S>::value,
-                "moe::gmm::gmm: out must be writable (non-const)");
   impl::check_gmm(lhs, rhs, groups, out, opt);
   using ML = typename LhsView::memory_space;
   using MR = typename RhsView::memory_space;
@@ -130,18 +121,8 @@ void tgmm(ExecSpace const& space, Policy, LhsView const& lhs, DyView const& dy,
           Groups<typename ExecSpace::memory_space> const& groups, OutView const& out,
           GmmOptions opt = {}) {
   namespace impl = moe::gmm::detail;
-  static_assert(is_policy<Policy>::value,
-                "moe::gmm::tgmm: Policy is not a grouped-GEMM policy tag");
-  impl::static_checks<ExecSpace, LhsView, DyView, OutView>();
-  static_assert(LhsView::rank == 2 && DyView::rank == 2 && OutView::rank == 3,
-                "moe::gmm::tgmm: lhs must be rank 2, dy rank 2, out rank 3");
+  impl::static_checks<Policy, ExecSpace, LhsView, DyView, OutView, 3>();
   using S = typename OutView::non_const_value_type;
-  static_assert(std::is_same<typename LhsView::non_const_value_type, S>::value &&
-                    std::is_same<typename DyView::non_const_value_type, S>::value,
-                "moe::gmm::tgmm: lhs, dy and out must have the same scalar type");
-  static_assert(std::is_floating_point<S>::value, "moe::gmm::tgmm: Scalar must be float or double");
-  static_assert(std::is_same<typename OutView::value_type, S>::value,
-                "moe::gmm::tgmm: out must be writable (non-const)");
   impl::check_tgmm(lhs, dy, groups, out, opt);
   using ML = typename LhsView::memory_space;
   using MD = typename DyView::memory_space;

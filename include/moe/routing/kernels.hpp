@@ -23,27 +23,20 @@
 
 namespace moe::routing {
 
-/// \brief Whether T is a routing policy (the tags below; a new policy specialises it beside its
-/// tag, and moe::Policies accepts it).
-template <class T>
-struct is_policy : std::false_type {};
-
 /// \brief Routing policy: decided from the config (`decoder_block`, `use_random_routing`).
 struct Auto {};
-template <>
-struct is_policy<Auto> : std::true_type {};
 /// \brief Routing policy: generic top-k + softmax over the K selected scores (Mixtral, Qwen).
 struct TopKSoftmax {};
-template <>
-struct is_policy<TopKSoftmax> : std::true_type {};
 /// \brief Routing policy: DeepSeek (biased selection, pre-bias weights, groups, scaling).
 struct DeepSeek {};
-template <>
-struct is_policy<DeepSeek> : std::true_type {};
 /// \brief Routing policy: experts drawn uniformly at random per (token, slot), seeded.
 struct Random {};
-template <>
-struct is_policy<Random> : std::true_type {};
+
+/// \brief Whether T is a routing policy (the tags above; a new policy specialises it beside its
+/// tag, and moe::Policies accepts it).
+template <class T>
+struct is_policy : std::bool_constant<std::is_same_v<T, Auto> || std::is_same_v<T, TopKSoftmax> ||
+                                      std::is_same_v<T, DeepSeek> || std::is_same_v<T, Random>> {};
 
 /// \brief Which selection rule and which weight post-processing run.
 struct Kind {

@@ -66,9 +66,14 @@ inline void check_blas_extent(char const* what, char const* name, int64_t value)
 // ----------------------------------------------------------------------------------------------
 // Shape checks (host)
 
+/// The checks gmm and tgmm share: `local` = rhs or out names the per-group operand, whose
+/// extent(0) is G_local; lhs has m rows.
 template <class Mem>
-void check_groups(char const* what, moe::gmm::Groups<Mem> const& groups, int num_local,
-                  moe::gmm::GmmOptions const& opt) {
+void check_groups(char const* what, char const* local, std::size_t g_local, int64_t m,
+                  moe::gmm::Groups<Mem> const& groups, moe::gmm::GmmOptions const& opt) {
+  moe::detail::require<ShapeError>(g_local <= INT_MAX, what, ": ", local, ".extent(0)=", g_local,
+                                   " groups is more than ", INT_MAX);
+  int const num_local = static_cast<int>(g_local);
   moe::detail::require<ShapeError>(
       groups.offsets.extent(0) == groups.offsets_host.extent(0) && groups.offsets.extent(0) >= 1,
       what, ": groups.offsets.extent(0)=", groups.offsets.extent(0),
@@ -80,6 +85,9 @@ void check_groups(char const* what, moe::gmm::Groups<Mem> const& groups, int num
       static_cast<int64_t>(opt.group_offset) + num_local <= groups.num_groups(), what,
       ": group_offset=", opt.group_offset, " + G_local=", num_local,
       " exceeds the number of groups G=", groups.num_groups());
+  moe::detail::require<ShapeError>(m >= groups.rows(), what, ": lhs.extent(0)=", m,
+                                   " is smaller than the number of grouped rows ", groups.rows(),
+                                   " (sum of group sizes); lhs needs a row for each");
 }
 
 template <class L, class R, class O, class Mem>
@@ -89,13 +97,7 @@ void check_gmm(L const& lhs, R const& rhs, moe::gmm::Groups<Mem> const& groups, 
   int64_t const m = lhs.extent(0), k = lhs.extent(1);
   int64_t const rk = opt.transpose_rhs ? rhs.extent(2) : rhs.extent(1);
   int64_t const n = opt.transpose_rhs ? rhs.extent(1) : rhs.extent(2);
-  moe::detail::require<ShapeError>(rhs.extent(0) <= INT_MAX, what,
-                                   ": rhs.extent(0)=", rhs.extent(0), " groups is more than ",
-                                   INT_MAX);
-  check_groups(what, groups, static_cast<int>(rhs.extent(0)), opt);
-  moe::detail::require<ShapeError>(m >= groups.rows(), what, ": lhs.extent(0)=", m,
-                                   " is smaller than the number of grouped rows ", groups.rows(),
-                                   " (sum of group sizes); lhs needs a row for each");
+  check_groups(what, "rhs", rhs.extent(0), m, groups, opt);
   moe::detail::require<ShapeError>(
       rk == k, what, ": lhs is [", m, ",", k, "] but rhs is [", rhs.extent(0), ",", rhs.extent(1),
       ",", rhs.extent(2), "]; rhs.extent(", opt.transpose_rhs ? 2 : 1, ")=", rk,
@@ -110,13 +112,7 @@ void check_tgmm(L const& lhs, D const& dy, moe::gmm::Groups<Mem> const& groups, 
                 moe::gmm::GmmOptions const& opt) {
   char const* what = "moe::gmm::tgmm";
   int64_t const m = lhs.extent(0), k = lhs.extent(1), n = dy.extent(1);
-  moe::detail::require<ShapeError>(out.extent(0) <= INT_MAX, what,
-                                   ": out.extent(0)=", out.extent(0), " groups is more than ",
-                                   INT_MAX);
-  check_groups(what, groups, static_cast<int>(out.extent(0)), opt);
-  moe::detail::require<ShapeError>(m >= groups.rows(), what, ": lhs.extent(0)=", m,
-                                   " is smaller than the number of grouped rows ", groups.rows(),
-                                   " (sum of group sizes); lhs needs a row for each");
+  check_groups(what, "out", out.extent(0), m, groups, opt);
   moe::detail::require<ShapeError>(int64_t(dy.extent(0)) == m, what,
                                    ": dy.extent(0)=", dy.extent(0),
                                    " must equal lhs.extent(0)=", m);
@@ -135,7 +131,7 @@ struct Impl {
 };
 
 template <class ExecSpace, class... Views>
-constexpr void static_checks() {
+constexpr void view_checks() {
   static_assert(Kokkos::is_execution_space<ExecSpace>::value,
                 "moe::gmm: the first argument must be a Kokkos execution space instance");
   static_assert((Kokkos::is_view<Views>::value && ...), "moe::gmm: operands must be Kokkos::Views");
@@ -144,6 +140,24 @@ constexpr void static_checks() {
   static_assert(
       (Kokkos::SpaceAccessibility<ExecSpace, typename Views::memory_space>::accessible && ...),
       "moe::gmm: operands must be accessible from the execution space");
+}
+
+/// The compile-time rules of gmm (`Rhs` = rhs [G,k,n], out [m,n]) and tgmm (`Rhs` = dy [m,n],
+/// out [G,k,n]).
+template <class Policy, class ExecSpace, class Lhs, class Rhs, class Out, unsigned OutRank>
+constexpr void static_checks() {
+  static_assert(is_policy<Policy>::value, "moe::gmm: Policy is not a grouped-GEMM policy tag");
+  view_checks<ExecSpace, Lhs, Rhs, Out>();
+  static_assert(Lhs::rank == 2 && Rhs::rank == 5 - OutRank && Out::rank == OutRank,
+                "moe::gmm: lhs must be rank 2, rhs rank 3 and out rank 2 (gmm), dy rank 2 and out "
+                "rank 3 (tgmm)");
+  using S = typename Out::non_const_value_type;
+  static_assert(std::is_same<typename Lhs::non_const_value_type, S>::value &&
+                    std::is_same<typename Rhs::non_const_value_type, S>::value,
+                "moe::gmm: lhs, rhs (or dy) and out must have the same scalar type");
+  static_assert(std::is_floating_point<S>::value, "moe::gmm: Scalar must be float or double");
+  static_assert(std::is_same<typename Out::value_type, S>::value,
+                "moe::gmm: out must be writable (non-const)");
 }
 
 }  // namespace moe::gmm::detail

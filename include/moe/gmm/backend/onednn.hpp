@@ -3,48 +3,23 @@
 /// gmm::OneDnn: grouped GEMM on the host through oneDNN, whose kernels are chosen from the CPU's
 /// feature bits (so a CPU newer than the BLAS still gets its widest vector ISA).
 ///
-/// An expert projection x[rows, k] * W[k, n] runs on a oneDNN primitive whose weights were
-/// reordered ("packed") once into a blocked layout of the kernel's own, so the per-call packing
-/// of a BLAS sgemm (a full read and write of each expert's weights on every call) is gone. For
-/// each weight shape (k, n, as is or transposed, row strides) the backend asks oneDNN once which
-/// kernel it would run (KernelPlan), trying two primitive families in turn:
-///  * matmul: oneDNN's brgemm matmul (AVX-512 and newer: "brg:avx512_core") over one fixed
-///    blocked weight layout (48-column blocks: KernelPlan::packed_layouts), which it accepts for
-///    every row count and thread count, so one packed copy serves every chunk size;
-///  * a 1x1 convolution over `rows` pixels with k input and n output channels (jit_1x1 on SSE4.1,
-///    AVX and AVX2, where matmul has only its GEMM-based implementation).
-/// The first family with a direct kernel (detail::onednn::direct_kernel) wins; its layout is
-/// fixed, and the primitive of every chunk size is checked again when it is made: a chunk size
-/// oneDNN has no direct kernel for with that layout runs as sgemm on the weights in place, never
-/// on a reference implementation. (A 1x1 convolution's preferred layout on AVX-512 depends on
-/// the rows and the threads, so a layout probed at one chunk size fell back to oneDNN's
-/// reference convolution at others, 300-550x slower; the matmul family has no such dependence,
-/// and measured as fast as the convolution with its own best layout at 16-256 rows.)
-///  * Packed mode (a direct kernel, and a PackCache to keep the packed copy in; without one
-///    nothing could reuse it, so the call runs plain): every expert's weights are reordered once
-///    per weight version into the caller's PackCache; each group runs as row chunks (chunk_rows:
-///    256 or a thread's share of all rows when that is smaller (chunk_cap, not below 32), then
-///    the rest rounded up to a multiple of 16 where the rows exist, exact below 16) on
-///    primitives made once per chunk size, accumulation through a sum post-op: a steady-state
-///    step creates no primitive and packs nothing.
-///  * Plain mode (no direct kernel for this CPU or these strides): the weights used in place, one
-///    oneDNN sgemm per group, and a streaming kernel (few_rows) for groups of 2-3 rows.
-/// tgmm (weight gradients: two activations, nothing to pack) is one oneDNN sgemm per group, or
-/// per column block of a large group.
-/// Packed-mode chunks and tgmm calls run side by side on the OpenMP threads, one call per thread
-/// (oneDNN runs single-threaded inside a parallel region; its primitives are made for one
-/// thread): measured on 2 Zen 3 cores this beats splitting every call over both threads by
-/// 15-25 % at 32-128 rows per expert and 2-5 % at 256 and more, and by 6-13 % for tgmm. Results
-/// do not depend on which thread runs a call.
-/// What ran is counted: moe::gmm::onednn_stats() (primitives made, tensors packed, descriptors
-/// refused, executions per implementation, reference executions).
+/// Per weight shape the backend asks oneDNN once for a direct kernel (KernelPlan: a brgemm
+/// matmul over 48-column blocked weights, else a jit 1x1 convolution; onednn_kernels.hpp), never
+/// running a reference implementation.
+///  * Packed mode (a direct kernel and a PackCache): every expert's weights are reordered once
+///    per weight version into the cache; each group runs as row chunks (chunk_rows) on
+///    primitives made once per chunk size, so a steady-state step creates and packs nothing.
+///  * Plain mode (no direct kernel, or no cache): one oneDNN sgemm per group on the weights in
+///    place, and a streaming kernel (few_rows) for groups of 2-3 rows.
+/// tgmm is one sgemm per group, or per column block of a large group. Packed chunks and tgmm
+/// calls run side by side, one single-threaded call per OpenMP thread (measured on 2 Zen 3
+/// cores: 15-25 % faster at 32-128 rows per expert than splitting each call over both threads);
+/// results do not depend on which thread runs a call. What ran is counted (onednn_stats()).
 /// Float only: oneDNN has no double GEMM on CPUs, so OneDnn with double runs as Vendor.
 
-#include <moe/detail/hash.hpp>
 #include <moe/detail/onednn.hpp>
 #include <moe/gmm/backend/common.hpp>
 #include <moe/gmm/backend/onednn_kernels.hpp>
-#include <moe/gmm/backend/vendor.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -137,39 +112,14 @@ inline OneDnnStats onednn_stats() {
 
 namespace moe::gmm::detail {
 
+#if MOE_HAS_ONEDNN
+// Only instantiated where is_available<OneDnn> holds (resolve_t picks Vendor elsewhere).
 template <>
 struct Impl<moe::gmm::OneDnn> {
-  template <class E, class S, class ML, class MR, class MO, class Mem>
-  static void gmm(E const& space, CMat<E, S, ML> const& lhs, CTensor<E, S, MR> const& rhs,
-                  moe::gmm::Groups<Mem> const& groups, Mat<E, S, MO> const& out,
-                  moe::gmm::GmmOptions const& opt) {
-#if MOE_HAS_ONEDNN
-    if constexpr (moe::gmm::is_available<moe::gmm::OneDnn, E, S>::value) {
-      run_gmm(space, lhs, rhs, groups, out, opt);
-      return;
-    }
-#endif
-    Impl<moe::gmm::Vendor>::gmm(space, lhs, rhs, groups, out, opt);
-  }
-
-  template <class E, class S, class ML, class MD, class MO, class Mem>
-  static void tgmm(E const& space, CMat<E, S, ML> const& lhs, CMat<E, S, MD> const& dy,
-                   moe::gmm::Groups<Mem> const& groups, Tensor<E, S, MO> const& out,
-                   moe::gmm::GmmOptions const& opt) {
-#if MOE_HAS_ONEDNN
-    if constexpr (moe::gmm::is_available<moe::gmm::OneDnn, E, S>::value) {
-      run_tgmm(space, lhs, dy, groups, out, opt);
-      return;
-    }
-#endif
-    Impl<moe::gmm::Vendor>::tgmm(space, lhs, dy, groups, out, opt);
-  }
-
-#if MOE_HAS_ONEDNN
   template <class E, class ML, class MR, class MO, class Mem>
-  static void run_gmm(E const& space, CMat<E, float, ML> const& lhs,
-                      CTensor<E, float, MR> const& rhs, moe::gmm::Groups<Mem> const& groups,
-                      Mat<E, float, MO> const& out, moe::gmm::GmmOptions const& opt) {
+  static void gmm(E const& space, CMat<E, float, ML> const& lhs, CTensor<E, float, MR> const& rhs,
+                  moe::gmm::Groups<Mem> const& groups, Mat<E, float, MO> const& out,
+                  moe::gmm::GmmOptions const& opt) {
     namespace dn = moe::detail::onednn;
     int const num_local = rhs.extent(0);
     std::int64_t const m = lhs.extent(0), k = lhs.extent(1), n = out.extent(1);
@@ -215,14 +165,11 @@ struct Impl<moe::gmm::OneDnn> {
     fence(space, "moe::gmm::gmm<OneDnn>: done");
   }
 
-  /// Packed layout: each group as row chunks (chunk_rows, at most chunk_cap rows: a thread's
-  /// share of all rows, so few large groups still use every thread) on the plan's kernels, reading
-  /// lhs in place. The calls are listed first (kernels are made and checked here, once per run
-  /// size), then run side by side on the threads (for_each_item), each call on one thread: a chunk
-  /// rounded up past its group writes into the thread's own buffer and copies (or, when
-  /// accumulating, adds) its group's rows, so no call writes rows of another. A chunk whose run
-  /// size has no direct kernel (KernelPlan::kernel() is null) runs as sgemm on the weights in
-  /// place, over its own rows only.
+  /// Packed layout: each group as row chunks (at most chunk_cap rows, so few large groups still
+  /// use every thread) on the plan's kernels, reading lhs in place. The calls are listed first
+  /// (kernels are made and checked here), then run one per thread (for_each_item): a chunk
+  /// rounded up past its group writes into the thread's own buffer and copies (or adds) its
+  /// group's rows. A chunk without a direct kernel runs as sgemm over its own rows.
   template <class E, class ML, class MR, class MO, class Mem>
   static void packed_gmm(moe::detail::onednn::KernelPlan& p, CMat<E, float, ML> const& lhs,
                          CTensor<E, float, MR> const& rhs, moe::gmm::Groups<Mem> const& groups,
@@ -270,8 +217,7 @@ struct Impl<moe::gmm::OneDnn> {
       dnnl::memory const out_rows(p.dst_desc(c.chunk.run), dn::engine(), dst);
       c.kernel->run({{DNNL_ARG_SRC, src},
                      {DNNL_ARG_WEIGHTS, pk->experts[std::size_t(c.g)]},
-                     { DNNL_ARG_DST,
-                       out_rows }});
+                     {DNNL_ARG_DST, out_rows}});
       if (spill)
         for (std::int64_t r = 0; r < c.chunk.rows; ++r) {
           float const* from = dst + r * ldc;
@@ -284,14 +230,13 @@ struct Impl<moe::gmm::OneDnn> {
     });
   }
 
-  /// Weight gradients, one oneDNN sgemm per (group, block of output columns), the calls side by
-  /// side on the threads (for_each_item; each sgemm single-threaded). A group is split into
-  /// column blocks when its rows exceed half a thread's share of all rows, so one hot expert
-  /// does not leave the other threads idle; blocks are multiples of 16 columns.
+  /// Weight gradients: one single-threaded sgemm per (group, block of output columns), the calls
+  /// side by side (for_each_item). A group whose rows exceed half a thread's share of all rows
+  /// is split into column blocks (multiples of 16), so one hot expert does not idle the others.
   template <class E, class ML, class MD, class MO, class Mem>
-  static void run_tgmm(E const& space, CMat<E, float, ML> const& lhs, CMat<E, float, MD> const& dy,
-                       moe::gmm::Groups<Mem> const& groups, Tensor<E, float, MO> const& out,
-                       moe::gmm::GmmOptions const& opt) {
+  static void tgmm(E const& space, CMat<E, float, ML> const& lhs, CMat<E, float, MD> const& dy,
+                   moe::gmm::Groups<Mem> const& groups, Tensor<E, float, MO> const& out,
+                   moe::gmm::GmmOptions const& opt) {
     namespace dn = moe::detail::onednn;
     int const num_local = out.extent(0);
     std::int64_t const k = out.extent(1), n = out.extent(2);
@@ -334,7 +279,7 @@ struct Impl<moe::gmm::OneDnn> {
     });
     fence(space, "moe::gmm::tgmm<OneDnn>: done");
   }
-#endif
 };
+#endif
 
 }  // namespace moe::gmm::detail

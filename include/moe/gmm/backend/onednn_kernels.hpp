@@ -35,13 +35,10 @@ enum class Family { matmul, conv };
 
 inline char const* family_name(Family f) { return f == Family::matmul ? "matmul" : "conv1x1"; }
 
-/// Test hooks: run OneDnn in a mode, family or weight layout that oneDNN would not have chosen,
-/// so every path runs on every CPU.
-///  * mode plain: never pack; mode packed: pack even without a PackCache, and take the family
-///    (and layout) given here without checking its probe (each chunk's kernel is still checked);
-///  * family: try only this family (matmul or conv);
-///  * layout: this packed weight layout instead of oneDNN's (a forced mismatch: with a layout no
-///    kernel accepts, every chunk is refused and runs plain).
+/// Test hooks, so every path runs on every CPU: mode plain never packs; mode packed packs even
+/// without a PackCache and takes the first allowed family unchecked when none passes its probe
+/// (each chunk's kernel is still checked); `family` limits the families tried; `layout` forces a
+/// packed weight layout (one no kernel accepts makes every chunk run plain).
 struct Forced {
   enum class Mode { chosen, plain, packed } mode = Mode::chosen;
   bool any_family = true;
@@ -55,21 +52,19 @@ inline Forced& forced() {
   return f;
 }
 
-/// One packed call: `rows` rows of a group from row c0, computed over `run` rows (run > rows:
-/// the rows past the group are read, and the call writes into a thread's own buffer, from which
-/// the group's rows are copied or added).
+/// One packed call: `rows` rows of a group computed over `run` >= rows rows (the rows past the
+/// group go to a thread's own buffer, from which the group's rows are copied or added).
 struct Chunk {
   std::int64_t rows, run;
 };
 
-/// Smallest row cap chunk_cap() lowers to: below it, a call's reading of its expert's packed
-/// weights starts to cost as much as its multiply.
+/// Smallest chunk_cap(): below it, reading an expert's packed weights costs as much as the
+/// multiply.
 inline constexpr std::int64_t min_chunk_cap = 32;
 
-/// Rows per packed call when `total` rows run on `threads` threads: max_chunk_rows, lowered to
-/// the evenly spread share of a thread (rounded up to row_bucket, not below min_chunk_cap), so
-/// that one or a few large groups still give every thread a call (before, a single 256-row group
-/// ran on one thread while the others waited).
+/// Rows per packed call when `total` rows run on `threads` threads: max_chunk_rows, lowered to a
+/// thread's even share (rounded up to row_bucket, at least min_chunk_cap), so that a few large
+/// groups still give every thread a call.
 inline std::int64_t chunk_cap(std::int64_t total, int threads) {
   if (threads <= 1) return max_chunk_rows;
   std::int64_t const share = (total + threads - 1) / threads;
@@ -77,13 +72,11 @@ inline std::int64_t chunk_cap(std::int64_t total, int threads) {
   return std::clamp(up, min_chunk_cap, max_chunk_rows);
 }
 
-/// The next call at row c0 of m when `left` rows of the group remain: `cap` (a multiple of
-/// row_bucket, at most max_chunk_rows: chunk_cap()); else all
-/// `left` rows over the multiple of row_bucket at or above `left` when those rows exist (c0 +
-/// run <= m); else the multiple below (the rest follows exactly); all `left` when below 16
-/// (exact: a decode group is not padded to 16 rows). Rounding up costs < 16 rows of FLOPs; a
-/// separate call for the < 16 leftover rows would read the expert's weights again. At most 31
-/// distinct run sizes, so primitives are made once each.
+/// The next call at row c0 of m when `left` rows of the group remain: `cap` rows; else all `left`
+/// rows over the next multiple of row_bucket when those rows exist (c0 + run <= m), or the
+/// multiple below (the rest follows); all `left` below 16 (a decode group is not padded).
+/// Rounding up costs < 16 rows of FLOPs, where a separate call for the leftover rows would read
+/// the expert's weights again. At most 31 distinct run sizes, so primitives are made once each.
 inline Chunk chunk_rows(std::int64_t left, std::int64_t c0, std::int64_t m,
                         std::int64_t cap = max_chunk_rows) {
   if (left >= cap) return {cap, cap};
@@ -94,11 +87,9 @@ inline Chunk chunk_rows(std::int64_t left, std::int64_t c0, std::int64_t m,
   return {down, down};
 }
 
-/// Groups of 2 to few_rows_max rows run on few_rows() in the plain mode: oneDNN's sgemm copies
-/// (packs) the weights in every call, which for a handful of rows (decode) costs more than the
-/// multiply; few_rows() reads each weight once, straight from memory. One row stays on sgemm,
-/// whose GEMV reads the weights once too (measured on AVX2, 2 threads, 1024 x 2816: 1 row sgemm
-/// 25 GB/s vs few_rows 20; 2 rows 10 vs 17; 4 rows 11 vs 10).
+/// Groups of 2 to few_rows_max rows run on few_rows() in the plain mode: sgemm packs the weights
+/// on every call, which for a handful of rows costs more than the multiply (AVX2, 2 threads,
+/// 1024 x 2816: 2 rows sgemm 10 GB/s vs few_rows 17; 1 row 25 vs 20; 4 rows 11 vs 10).
 inline constexpr std::int64_t few_rows_max = 3;
 
 /// acc[r, :] += sum_{c in [c0,c1)} x[r, c] * W[c, :] for the R rows: W's rows are read in memory
@@ -118,10 +109,9 @@ void few_rows_part(std::int64_t c0, std::int64_t c1, std::int64_t n, float const
   }
 }
 
-/// out[r, :] (+)= sum_c x[r, c] * W[c, :] for r < rows <= few_rows_max (3), W [k,n] with row stride
-/// ldw. Each OpenMP thread (oneDNN's pool, when moe is compiled with OpenMP) streams a contiguous
-/// range of W's rows into its own partial sums; the partials are then added in thread order, so
-/// a run is reproducible for a given thread count.
+/// out[r, :] (+)= sum_c x[r, c] * W[c, :] for r < rows <= few_rows_max, W [k,n] with row stride
+/// ldw. Each OpenMP thread streams a contiguous range of W's rows into its own partial sums,
+/// added in thread order afterwards: reproducible for a given thread count.
 inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float const* x,
                      std::int64_t ldx, float const* w, std::int64_t ldw, float* out,
                      std::int64_t ldo, bool accumulate) {
@@ -129,18 +119,15 @@ inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float co
   ++runs;
   // Below ~1 MB of weights a thread team costs more than it saves.
   int const threads = k * n < (std::int64_t(1) << 18) ? 1 : max_threads();
-  // Reused across calls (a decode step makes one call per expert): no allocation per call.
-  // The team's threads reach it through `sums` (a thread_local named inside the parallel region
-  // would be each thread's own, empty buffer).
+  // Reused across calls; the team reaches it through `sums` (naming a thread_local inside the
+  // parallel region would give each thread its own, empty buffer).
   static thread_local std::vector<float> partial;
   partial.assign(std::size_t(threads) * std::size_t(rows * n), 0.0f);
   float* const sums = partial.data();
   auto part = [&](int t) {
     std::int64_t const c0 = k * t / threads, c1 = k * (t + 1) / threads;
     float* acc = sums + std::size_t(t) * std::size_t(rows * n);
-    if (rows == 1)
-      few_rows_part<1>(c0, c1, n, x, ldx, w, ldw, acc);
-    else if (rows == 2)
+    if (rows == 2)
       few_rows_part<2>(c0, c1, n, x, ldx, w, ldw, acc);
     else
       few_rows_part<3>(c0, c1, n, x, ldx, w, ldw, acc);
@@ -201,8 +188,7 @@ inline dnnl::memory::desc tagged_weights(Family f, std::int64_t k, std::int64_t 
                             dnnl::memory::data_type::f32, tag);
 }
 
-/// User scratchpad (a primitive may then run on any thread, several at once, each with its own
-/// scratchpad: Kernel passes it) and, to accumulate (out += x * W), a sum post-op.
+/// User scratchpad (Kernel passes each thread's own) and, to accumulate, a sum post-op.
 inline dnnl::primitive_attr kernel_attr(bool accumulate) {
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -214,9 +200,8 @@ inline dnnl::primitive_attr kernel_attr(bool accumulate) {
   return attr;
 }
 
-/// Calls use(pd) with the family's primitive descriptor of out[rows, n] (+)= x[rows, k] * W,
-/// weights `w` (a concrete layout, or format_tag::any), row strides lda and ldc; returns what use
-/// returns. Throws dnnl::error when oneDNN has no implementation at all.
+/// use(pd) for the family's primitive descriptor of out[rows, n] (+)= x[rows, k] * W, weights `w`
+/// (a layout, or format_tag::any); throws dnnl::error when oneDNN has no implementation at all.
 template <class Use>
 auto with_pd(Family f, std::int64_t rows, std::int64_t k, std::int64_t n, std::int64_t lda,
              std::int64_t ldc, dnnl::memory::desc const& w, bool accumulate, Use&& use) {
@@ -252,10 +237,8 @@ inline std::string kernel_what(Family f, std::int64_t rows, std::int64_t k, std:
 }
 
 /// \brief How one weight shape runs: packed (a family, its fixed weight layout, the reorder that
-/// packs an expert into it, a checked kernel per chunk size) or plain.
-///
-/// Made once per shape (plan()), for one thread (ScopedThreads(1): the calls run side by side,
-/// one per thread), so nothing depends on the process's thread count.
+/// packs an expert into it, a checked kernel per chunk size) or plain. Made once per shape
+/// (plan()) under ScopedThreads(1), as the calls run one per thread.
 class KernelPlan {
  public:
   /// k: contraction, n: output columns, trans/ldw: how the weights are stored (row-major [k, n],
@@ -266,7 +249,6 @@ class KernelPlan {
     Forced const f = forced();
     if (f.mode == Forced::Mode::plain) return;
     ScopedThreads one(1);
-    // A forced packed mode takes the first allowed family unchecked when none passes the check.
     std::string refused;  // why each family was not taken (a refusal only if none is)
     for (bool checked : {true, false}) {
       if (!checked && f.mode != Forced::Mode::packed) break;
@@ -287,8 +269,7 @@ class KernelPlan {
   Kernel const& packer() const { return *packer_; }
 
   /// The kernel over `rows` rows (a chunk_rows() run), made and checked on first use; nullptr
-  /// when oneDNN has no direct kernel for this run size with the packed layout (the chunk then
-  /// runs plain). Not to be called inside a parallel region (call it while listing the calls).
+  /// when no direct kernel takes the packed layout at this size. Not inside a parallel region.
   Kernel const* kernel(std::int64_t rows, bool accumulate) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto [it, fresh] = kernels_.try_emplace({rows, accumulate});
@@ -318,9 +299,9 @@ class KernelPlan {
   }
 
  private:
-  /// Takes `fam` when it has a direct kernel at max_chunk_rows with the first of its layouts
-  /// (packed_layouts()) that has one, unless `checked` is false, and a reorder into that layout
-  /// that is not a reference one. Appends why not to `refused` otherwise.
+  /// Takes `fam` with the first of its packed_layouts() that has a direct kernel at
+  /// max_chunk_rows (any, unless `checked`) and a non-reference reorder; else appends why not to
+  /// `refused`.
   bool choose(Family fam, bool trans, std::int64_t ldw, Forced const& f, bool checked,
               std::string& refused) {
     auto refuse = [&](std::string const& why) {
@@ -356,13 +337,10 @@ class KernelPlan {
     return false;
   }
 
-  /// The weight layouts to try for a family, best first: the forced one; else for matmul the
-  /// 48-column blocks (BA16a48b), then oneDNN's own choice (format_tag::any, 64-column blocks for
-  /// f32). Measured on 1 thread of a Zen 4 core (AVX-512) over the expert shapes of Mixtral,
-  /// Qwen3 and DeepSeek-V3 (k x n from 768 x 2048 to 7168 x 2048 both ways): 48 columns run 1-3
-  /// rows at 19-25 GB/s of weights against 12-16 for 64 (the decode regime, where a row chunk
-  /// streams the expert's weights once), and 16-256 rows within 2 % of 64 (110-114 GFLOP/s); 32
-  /// columns streamed faster still (23-28 GB/s) but lost 16 % at 256 rows on 1024 x 2816.
+  /// The weight layouts to try, best first: the forced one; for matmul 48-column blocks
+  /// (BA16a48b), then oneDNN's choice (64-column blocks). On a Zen 4 core over the Mixtral, Qwen3
+  /// and DeepSeek-V3 expert shapes, 48 columns streamed 1-3 rows at 19-25 GB/s against 12-16 for
+  /// 64 and ran 16-256 rows within 2 %; 32 columns streamed faster but lost 16 % at 256 rows.
   static std::vector<dnnl::memory::format_tag> packed_layouts(Family fam, Forced const& f) {
     using tag = dnnl::memory::format_tag;
     if (f.layout != tag::undef) return {f.layout};
@@ -378,8 +356,7 @@ class KernelPlan {
   std::map<std::pair<std::int64_t, bool>, std::unique_ptr<Kernel>> kernels_;
 };
 
-/// The process-wide plans, one per weight shape and storage (k, n, trans, ldw, lda, ldc) and
-/// test hook state: kernels are made once.
+/// The process-wide plan of a weight shape and storage (and test hook state).
 inline KernelPlan& plan(std::int64_t k, std::int64_t n, bool trans, std::int64_t ldw,
                         std::int64_t lda, std::int64_t ldc) {
   using Key = std::tuple<std::int64_t, std::int64_t, bool, std::int64_t, std::int64_t, std::int64_t,
@@ -412,7 +389,7 @@ std::uint64_t sample_hash(Tensor const& rhs) {
   return h;
 }
 
-/// The packed copy of rhs for `p`: from the cache when it holds this version, else reordered now
+/// The packed copy of rhs for `p`: the cache's when it holds this version, else reordered now
 /// (and stored when a cache was given).
 template <class Tensor>
 std::shared_ptr<PackedTensor> packed(KernelPlan& p, Tensor const& rhs, bool trans,
@@ -427,8 +404,7 @@ std::shared_ptr<PackedTensor> packed(KernelPlan& p, Tensor const& rhs, bool tran
   if (opt.pack_cache)
     if (auto hit = opt.pack_cache->find(key, opt.rhs_version, samples))
       return std::static_pointer_cast<PackedTensor>(hit);
-  // A new version of a tensor packed before is written into the old copy's storage (first
-  // touch of fresh pages costs several times the reorder itself).
+  // A new version is written into the old copy's storage (fresh pages cost more than the reorder).
   std::shared_ptr<PackedTensor> out;
   if (opt.pack_cache) out = std::static_pointer_cast<PackedTensor>(opt.pack_cache->previous(key));
   if (!out || out->experts.size() != rhs.extent(0) ||
