@@ -26,26 +26,8 @@
 namespace moe::comm {
 namespace detail {
 
-template <class View>
-bool overlaps(View const& a, void const* b_begin, std::size_t b_bytes) {
-  auto const* a0 = reinterpret_cast<char const*>(a.data());
-  auto const* b0 = static_cast<char const*>(b_begin);
-  std::size_t const a_bytes = a.size() * sizeof(typename View::value_type);
-  return a_bytes > 0 && b_bytes > 0 && a0 < b0 + b_bytes && b0 < a0 + a_bytes;
-}
-
-template <class View>
-std::string shape_of(View const& v) {
-  std::string s = "[";
-  for (unsigned d = 0; d < View::rank; ++d) {
-    if (d) s += ',';
-    s += std::to_string(v.extent(d));
-  }
-  return s + "]";
-}
-
 /// all_gather of n rows per rank (row elements each) into P*n rows; shapes already agreed.
-template <class T, class InMS, class OutMS, class ExecSpace>
+template <class InMS, class OutMS, class T, class ExecSpace>
 void all_gather_rows(Communicator const& comm, ExecSpace const& space, T const* in, T* out,
                      std::int64_t n, std::int64_t row) {
   int const P = comm.size();
@@ -54,9 +36,7 @@ void all_gather_rows(Communicator const& comm, ExecSpace const& space, T const* 
   auto const send = MpiRange<T, InMS>::send(space, in, n * row, "moe::comm::all_gather::send");
   auto const recv = MpiRange<T, OutMS>::recv(out, P * n * row, "moe::comm::all_gather::recv");
   if (send.is_staged()) fence(space, "moe::comm::all_gather: staged");
-  Blocks s{std::vector<std::int64_t>(P, n), std::vector<std::int64_t>(P, 0)};
-  Blocks r{std::vector<std::int64_t>(P, n), std::vector<std::int64_t>(P)};
-  for (int i = 0; i < P; ++i) r.displs[i] = i * n;
+  auto const [s, r] = gather_blocks(P, n);
   exchange_rows(comm, Pattern::allgather, send.data(), s, recv.data(), r, row, fast);
   recv.finish(space);
   if (recv.is_staged()) fence(space, "moe::comm::all_gather: unstaged");
@@ -64,7 +44,7 @@ void all_gather_rows(Communicator const& comm, ExecSpace const& space, T const* 
 
 /// reduce_scatter of P*c rows into c rows: chunk j of every rank goes to rank j, which sums the P
 /// chunks in rank order. Shapes already agreed.
-template <class T, class InMS, class OutMS, class ExecSpace>
+template <class InMS, class OutMS, class T, class ExecSpace>
 void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T const* in, T* out,
                          std::int64_t c, std::int64_t row,
                          moe::detail::ScratchPool<OutMS>* pool = nullptr) {
@@ -99,18 +79,14 @@ void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T con
   fence(space, "moe::comm::reduce_scatter: summed");
 }
 
-}  // namespace detail
-
-namespace detail {
-
-/// Shared checks of all_gather and reduce_scatter: `small` holds c rows, `big` size*c rows of the
-/// same width; both contiguous, not overlapping. Collective: a failure on any rank is the same
-/// ShapeError on every rank. Returns (c, elements per row).
-template <class ExecSpace, class InView, class OutView, class Small, class Big>
+/// Shared checks of all_gather (`gather`: in [c, ...], out [size*c, ...]) and reduce_scatter (in
+/// [size*c, ...], out [c, ...]): rows of the same width, both contiguous, not overlapping.
+/// Collective: a failure on any rank is the same ShapeError on every rank. Returns (c, elements
+/// per row).
+template <class ExecSpace, class InView, class OutView>
 std::pair<std::int64_t, std::int64_t> check_row_pair(Communicator const& comm, char const* what,
                                                      InView const& in, OutView const& out,
-                                                     Small const& small, Big const& big,
-                                                     char const* rule) {
+                                                     bool gather) {
   check_view_type<ExecSpace, InView>();
   check_view_type<ExecSpace, OutView>();
   using T = typename OutView::non_const_value_type;
@@ -118,18 +94,22 @@ std::pair<std::int64_t, std::int64_t> check_row_pair(Communicator const& comm, c
                     !std::is_const_v<typename OutView::value_type> &&
                     int(InView::rank) == int(OutView::rank),
                 "moe::comm: in and out need the same value type and rank, out writable");
-  auto const [c, row] = rows_of(small);
-  auto const [n, row_big] = rows_of(big);
   auto const [in_rows, in_row] = rows_of(in);
+  auto const [out_rows, out_row] = rows_of(out);
+  std::int64_t const c = gather ? in_rows : out_rows, n = gather ? out_rows : in_rows;
   int const P = comm.size();
   bool const bad = !in.span_is_contiguous() || !out.span_is_contiguous() || n != P * c ||
-                   row_big != row || overlaps(in, out.data(), out.size() * sizeof(T));
+                   out_row != in_row || overlaps(in, out.data(), out.size() * sizeof(T));
+  char const* rule = gather ? "out must be [size*n, ...] with the trailing extents of in, both "
+                              "contiguous and not overlapping"
+                            : "in must be [size*c, ...] and out [c, ...] with the same trailing "
+                              "extents, both contiguous and not overlapping";
   std::string const msg = bad ? moe::detail::cat(what, ": in ", shape_of(in), " and out ",
                                                  shape_of(out), " do not fit ", P, " ranks; ", rule)
                               : std::string();
   collective_check(comm, what, bad, msg, ErrorKind::shape,
                    {{"rows of in", in_rows}, {"elements per row", in_row}});
-  return {c, row};
+  return {c, gather ? in_row : out_row};
 }
 
 }  // namespace detail
@@ -141,12 +121,9 @@ template <class ExecSpace, class InView, class OutView>
 void all_gather(Communicator const& comm, ExecSpace const& space, InView const& in,
                 OutView const& out) {
   moe::detail::Region region("moe::comm::all_gather");
-  using T = typename OutView::non_const_value_type;
-  auto const [n, row] = detail::check_row_pair<ExecSpace>(
-      comm, "moe::comm::all_gather", in, out, in, out,
-      "out must be [size*n, ...] with the trailing extents of in, both contiguous and not "
-      "overlapping");
-  detail::all_gather_rows<T, typename InView::memory_space, typename OutView::memory_space>(
+  auto const [n, row] =
+      detail::check_row_pair<ExecSpace>(comm, "moe::comm::all_gather", in, out, true);
+  detail::all_gather_rows<typename InView::memory_space, typename OutView::memory_space>(
       comm, space, in.data(), out.data(), n, row);
 }
 
@@ -162,12 +139,9 @@ void reduce_scatter(Communicator const& comm, ExecSpace const& space, InView con
                     OutView const& out,
                     moe::detail::ScratchPool<typename OutView::memory_space>* pool = nullptr) {
   moe::detail::Region region("moe::comm::reduce_scatter");
-  using T = typename OutView::non_const_value_type;
-  auto const [c, row] = detail::check_row_pair<ExecSpace>(
-      comm, "moe::comm::reduce_scatter", in, out, out, in,
-      "in must be [size*c, ...] and out [c, ...] with the same trailing extents, both contiguous "
-      "and not overlapping");
-  detail::reduce_scatter_rows<T, typename InView::memory_space, typename OutView::memory_space>(
+  auto const [c, row] =
+      detail::check_row_pair<ExecSpace>(comm, "moe::comm::reduce_scatter", in, out, false);
+  detail::reduce_scatter_rows<typename InView::memory_space, typename OutView::memory_space>(
       comm, space, in.data(), out.data(), c, row, pool);
 }
 
@@ -198,22 +172,22 @@ void all_reduce(Communicator const& comm, ExecSpace const& space, View const& v)
   using Buffer = Kokkos::View<T*, Kokkos::LayoutRight, MS>;
   Buffer mine(Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::all_reduce::mine"),
               static_cast<std::size_t>(c));
-  detail::Flat<T, MS> flat(v.data(), static_cast<std::size_t>(N));
-  if (N == P * c) {
-    detail::reduce_scatter_rows<T, MS, MS>(comm, space, v.data(), mine.data(), c, 1);
-    detail::all_gather_rows<T, MS, MS>(comm, space, mine.data(), v.data(), c, 1);
-    detail::fence(space, "moe::comm::all_reduce: done");
-    return;
+  detail::Flat<T, MS> const flat(v.data(), static_cast<std::size_t>(N));
+  // A size that P does not divide is reduced in a zero-padded copy.
+  bool const pad = N != P * c;
+  Buffer padded;
+  if (pad) {
+    padded = Buffer(
+        Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::all_reduce::padded"),
+        static_cast<std::size_t>(P * c));
+    Kokkos::deep_copy(space, Kokkos::subview(padded, std::make_pair(std::int64_t(0), N)), flat);
+    Kokkos::deep_copy(space, Kokkos::subview(padded, std::make_pair(N, P * c)), T(0));
   }
-  Buffer padded(
-      Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::all_reduce::padded"),
-      static_cast<std::size_t>(P * c));
-  auto const head = Kokkos::subview(padded, std::make_pair(std::int64_t(0), N));
-  Kokkos::deep_copy(space, head, flat);
-  Kokkos::deep_copy(space, Kokkos::subview(padded, std::make_pair(N, P * c)), T(0));
-  detail::reduce_scatter_rows<T, MS, MS>(comm, space, padded.data(), mine.data(), c, 1);
-  detail::all_gather_rows<T, MS, MS>(comm, space, mine.data(), padded.data(), c, 1);
-  Kokkos::deep_copy(space, flat, head);
+  T* const data = pad ? padded.data() : v.data();
+  detail::reduce_scatter_rows<MS, MS>(comm, space, data, mine.data(), c, 1);
+  detail::all_gather_rows<MS, MS>(comm, space, mine.data(), data, c, 1);
+  if (pad)
+    Kokkos::deep_copy(space, flat, Kokkos::subview(padded, std::make_pair(std::int64_t(0), N)));
   detail::fence(space, "moe::comm::all_reduce: done");
 }
 

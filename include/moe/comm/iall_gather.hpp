@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -38,12 +39,10 @@ class AllGatherRequest {
   AllGatherRequest& operator=(AllGatherRequest&& o) noexcept {
     if (this != &o) {
       abandon();
-      reqs_ = std::move(o.reqs_);
-      o.reqs_.clear();
+      reqs_ = std::exchange(o.reqs_, {});
       send_ = std::move(o.send_);
       recv_ = std::move(o.recv_);
-      pending_ = o.pending_;
-      o.pending_ = false;
+      pending_ = std::exchange(o.pending_, false);
     }
     return *this;
   }
@@ -63,10 +62,7 @@ class AllGatherRequest {
   template <class ExecSpace>
   void wait(ExecSpace const& space) {
     if (!pending_) return;
-    if (!reqs_.empty())
-      check_mpi(MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE),
-                "MPI_Waitall");
-    reqs_.clear();
+    detail::wait_all(reqs_);
     pending_ = false;
     if (recv_ && recv_->is_staged()) {
       recv_->finish(space);
@@ -99,25 +95,10 @@ class AllGatherRequest {
       check_mpi(MPI_Iallgather(s, static_cast<int>(count), type, r, static_cast<int>(count), type,
                                comm.get(), reqs_.data()),
                 "MPI_Iallgather");
-      return;
+    } else {  // large counts: point-to-point pieces of at most count_limit() elements
+      auto const [sb, rb] = detail::gather_blocks(P, n);
+      reqs_ = detail::post_pieces(comm, s, sb, r, rb, row);
     }
-    // Large counts: point-to-point pieces of at most count_limit() elements (self included).
-    auto post = [&](bool is_send, int peer, std::int64_t base) {
-      for (std::int64_t off = 0; off < count; off += limit) {
-        int const len = static_cast<int>(count - off < limit ? count - off : limit);
-        reqs_.emplace_back();
-        if (is_send)
-          check_mpi(
-              MPI_Isend(s + off, len, type, peer, detail::exchange_tag, comm.get(), &reqs_.back()),
-              "MPI_Isend");
-        else
-          check_mpi(MPI_Irecv(r + base + off, len, type, peer, detail::exchange_tag, comm.get(),
-                              &reqs_.back()),
-                    "MPI_Irecv");
-      }
-    };
-    for (int i = 0; i < P; ++i) post(false, i, i * count);
-    for (int j = 0; j < P; ++j) post(true, j, 0);
   }
 
  private:
@@ -147,12 +128,8 @@ class AllGatherPieces {
   template <class ExecSpace, class InView, class OutView>
   AllGatherPieces(Communicator const& comm, ExecSpace const&, InView const& in, OutView const& out)
       : comm_(&comm) {
-    auto const nr = detail::check_row_pair<ExecSpace>(
-        comm, "moe::comm::iall_gather", in, out, in, out,
-        "out must be [size*n, ...] with the trailing extents of in, both contiguous and not "
-        "overlapping");
-    n_ = nr.first;
-    row_ = nr.second;
+    std::tie(n_, row_) =
+        detail::check_row_pair<ExecSpace>(comm, "moe::comm::iall_gather", in, out, true);
   }
 
   /// \brief Starts gathering every rank's piece `in` into `out` (see iall_gather).

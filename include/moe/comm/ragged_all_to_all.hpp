@@ -235,7 +235,6 @@ class RaggedAllToAll {
     }
     recv_.displs = detail::exclusive_cumsum(recv_.counts);
     recv_total_ = P > 0 ? recv_.displs[P - 1] + recv_.counts[P - 1] : 0;
-    capacity_ = recv_capacity;
     // The reverse writes every block back: that needs blocks that do not overlap.
     std::vector<std::pair<std::int64_t, std::int64_t>> blocks;
     for (int j = 0; j < P; ++j) {
@@ -270,8 +269,6 @@ class RaggedAllToAll {
     for (std::size_t j = 0; j < kept_.size(); ++j) d += send_.counts[j] - kept_[j];
     return d;
   }
-  /// \brief This rank's receive capacity (< 0: unlimited).
-  std::int64_t recv_capacity() const { return capacity_; }
 
   /// \brief Collective: sends each peer's block of `send` to it; the rows arrive packed in peer
   /// order in `recv`. Rows of `recv` beyond recv_total() are set to zero.
@@ -323,11 +320,7 @@ class RaggedAllToAll {
                              " elements and destination ", dst_rows, " rows of ", dst_row,
                              "; the plan needs at least ", src_rows_needed, " and ",
                              dst_rows_needed, " rows of equal length");
-    else if (dst.size() > 0 && src.size() > 0 &&
-             reinterpret_cast<char const*>(src.data()) <
-                 reinterpret_cast<char const*>(dst.data() + dst.size()) &&
-             reinterpret_cast<char const*>(dst.data()) <
-                 reinterpret_cast<char const*>(src.data() + src.size()))
+    else if (detail::overlaps(src, dst.data(), dst.size() * sizeof(T)))
       msg = moe::detail::cat(who, ": source and destination overlap");
     else if (is_reverse && !reversible_)
       msg = moe::detail::cat(who,
@@ -366,7 +359,7 @@ class RaggedAllToAll {
   Communicator comm_;
   detail::Blocks send_, recv_;
   std::vector<std::int64_t> kept_;
-  std::int64_t recv_total_ = 0, send_extent_ = 0, capacity_ = -1;
+  std::int64_t recv_total_ = 0, send_extent_ = 0;
   bool reversible_ = true;
   /// Host staging buffers (send, receive) reused across applications; only used for memory MPI
   /// cannot access. A plan is therefore not to be applied from several threads at once.

@@ -175,16 +175,20 @@ class RowType {
   MPI_Datatype type_ = MPI_DATATYPE_NULL;
 };
 
-inline std::vector<int> to_int(std::vector<std::int64_t> const& v) {
-  return std::vector<int>(v.begin(), v.end());
+/// Blocks of an all-gather of n rows per rank: the same n rows to every peer, peer i's at i*n.
+inline std::pair<Blocks, Blocks> gather_blocks(int P, std::int64_t n) {
+  Blocks s{std::vector<std::int64_t>(P, n), std::vector<std::int64_t>(P, 0)}, r = s;
+  for (int i = 0; i < P; ++i) r.displs[i] = i * n;
+  return {s, r};
 }
 
-/// The large-count path of every exchange: each (peer, block) travels as Isend/Irecv pieces of at
-/// most count_limit() elements, self-messages included (so device pointers work with GPU-aware
-/// MPI). Receiver and sender agree on the pieces because both know the block's row count.
+/// The large-count path of every exchange: posts each (peer, block) as Isend/Irecv pieces of at
+/// most count_limit() elements, receives first, self-messages included (so device pointers work
+/// with GPU-aware MPI). Receiver and sender agree on the pieces because both know the block's row
+/// count. Returns the requests to wait for.
 template <class T>
-void exchange_pieces(Communicator const& comm, T const* send, Blocks const& s, T* recv,
-                     Blocks const& r, std::int64_t row_elems) {
+std::vector<MPI_Request> post_pieces(Communicator const& comm, T const* send, Blocks const& s,
+                                     T* recv, Blocks const& r, std::int64_t row_elems) {
   std::int64_t const piece = count_limit();
   MPI_Datatype const type = mpi_type<T>();
   std::vector<MPI_Request> reqs;
@@ -205,8 +209,15 @@ void exchange_pieces(Communicator const& comm, T const* send, Blocks const& s, T
   };
   for (int i = 0; i < comm.size(); ++i) post(false, i, r.counts[i], r.displs[i]);
   for (int j = 0; j < comm.size(); ++j) post(true, j, s.counts[j], s.displs[j]);
-  check_mpi(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE),
-            "MPI_Waitall");
+  return reqs;
+}
+
+/// Completes every request of `reqs` (MPI_Waitall) and empties it.
+inline void wait_all(std::vector<MPI_Request>& reqs) {
+  if (!reqs.empty())
+    check_mpi(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE),
+              "MPI_Waitall");
+  reqs.clear();
 }
 
 /// Which MPI collective the fast path uses; the large-count path is the same for all three.
@@ -219,7 +230,10 @@ enum class Pattern { alltoallv, alltoall, allgather };
 template <class T>
 void exchange_rows(Communicator const& comm, Pattern pattern, T const* send, Blocks const& s,
                    T* recv, Blocks const& r, std::int64_t row_elems, bool fast) {
-  if (!fast) return exchange_pieces(comm, send, s, recv, r, row_elems);
+  if (!fast) {
+    auto reqs = post_pieces(comm, send, s, recv, r, row_elems);
+    return wait_all(reqs);
+  }
   if (row_elems != 1) {
     // Counts in elements of T when they fit (no derived type to build); otherwise in rows of a
     // contiguous type. Both have the same type signature, so ranks may choose differently.
@@ -232,24 +246,19 @@ void exchange_rows(Communicator const& comm, Pattern pattern, T const* send, Blo
   std::optional<RowType> row_type;
   if (row_elems != 1) row_type.emplace(mpi_type<T>(), row_elems);
   MPI_Datatype const row = row_type ? row_type->get() : mpi_type<T>();
-  switch (pattern) {
-    case Pattern::alltoall: {
-      int const n = static_cast<int>(s.counts.empty() ? 0 : s.counts[0]);
-      check_mpi(MPI_Alltoall(send, n, row, recv, n, row, comm.get()), "MPI_Alltoall");
-      break;
-    }
-    case Pattern::allgather: {
-      int const n = static_cast<int>(s.counts.empty() ? 0 : s.counts[0]);
-      check_mpi(MPI_Allgather(send, n, row, recv, n, row, comm.get()), "MPI_Allgather");
-      break;
-    }
-    default: {
-      auto const sc = to_int(s.counts), sd = to_int(s.displs);
-      auto const rc = to_int(r.counts), rd = to_int(r.displs);
-      check_mpi(MPI_Alltoallv(send, sc.data(), sd.data(), row, recv, rc.data(), rd.data(), row,
-                              comm.get()),
-                "MPI_Alltoallv");
-    }
+  int const n = static_cast<int>(s.counts.empty() ? 0 : s.counts[0]);  // alltoall, allgather
+  if (pattern == Pattern::alltoall) {
+    check_mpi(MPI_Alltoall(send, n, row, recv, n, row, comm.get()), "MPI_Alltoall");
+  } else if (pattern == Pattern::allgather) {
+    check_mpi(MPI_Allgather(send, n, row, recv, n, row, comm.get()), "MPI_Allgather");
+  } else {
+    auto ints = [](std::vector<std::int64_t> const& v) {
+      return std::vector<int>(v.begin(), v.end());
+    };
+    auto const sc = ints(s.counts), sd = ints(s.displs), rc = ints(r.counts), rd = ints(r.displs);
+    check_mpi(
+        MPI_Alltoallv(send, sc.data(), sd.data(), row, recv, rc.data(), rd.data(), row, comm.get()),
+        "MPI_Alltoallv");
   }
 }
 
@@ -259,6 +268,26 @@ std::pair<std::int64_t, std::int64_t> rows_of(View const& v) {
   std::int64_t row = 1;
   for (unsigned d = 1; d < View::rank; ++d) row *= static_cast<std::int64_t>(v.extent(d));
   return {static_cast<std::int64_t>(v.extent(0)), row};
+}
+
+/// Whether the elements of `a` and the b_bytes bytes at b_begin share memory.
+template <class View>
+bool overlaps(View const& a, void const* b_begin, std::size_t b_bytes) {
+  auto const* a0 = reinterpret_cast<char const*>(a.data());
+  auto const* b0 = static_cast<char const*>(b_begin);
+  std::size_t const a_bytes = a.size() * sizeof(typename View::value_type);
+  return a_bytes > 0 && b_bytes > 0 && a0 < b0 + b_bytes && b0 < a0 + a_bytes;
+}
+
+/// "[2,3]": the extents of a view, for messages.
+template <class View>
+std::string shape_of(View const& v) {
+  std::string s = "[";
+  for (unsigned d = 0; d < View::rank; ++d) {
+    if (d) s += ',';
+    s += std::to_string(v.extent(d));
+  }
+  return s + "]";
 }
 
 /// Compile-time contract shared by the public entry points.
