@@ -1,21 +1,11 @@
 #pragma once
 /// \file
-/// moe::bf16: bfloat16, the 16-bit storage type of MaxText's `dtype: bfloat16` and of the public
-/// MoE checkpoints: 1 sign, 8 exponent and 7 fraction bits -- the upper half of an IEEE float, so
-/// it has float's range and 8 bits of precision. A plain 16-bit struct (trivial, no Kokkos
-/// dependency beyond the function markers), so it lives in Kokkos Views on every backend (Kokkos
-/// 3.4 has no bfloat16 type; the conversions below are moe's own on every backend, so results do
-/// not depend on which one runs them).
-///
-/// Conversions:
-///  * float -> bf16 rounds to nearest, ties to even (the rounding of MaxText / JAX and PyTorch's
-///    `.to(torch.bfloat16)`): finite values round on their bits, subnormals included; a value at
-///    or past the largest bf16 plus half its spacing becomes +-Inf; +-Inf stays +-Inf; +-0 stays
-///    +-0; NaN stays NaN (quiet, sign and the upper payload bits kept).
-///  * bf16 -> float is exact.
-/// The same for the IEEE half (F16, 1-5-10 bits: safetensors files) on the host, where only
-/// files need it: detail::float_to_half_bits (round to nearest even, subnormals, overflow to
-/// Inf, NaN quiet) and detail::half_bits_to_float (exact).
+/// moe::bf16: bfloat16 (1 sign, 8 exponent, 7 fraction bits: the upper half of an IEEE float),
+/// the storage type of MaxText's `dtype: bfloat16` and of public MoE checkpoints. A plain 16-bit
+/// struct, so it lives in Kokkos Views on every backend (Kokkos 3.4 has none), with moe's own
+/// conversions: float -> bf16 rounds to nearest even (as JAX and PyTorch), overflowing to +-Inf
+/// and keeping NaN quiet; bf16 -> float is exact. The same for IEEE half (F16, safetensors
+/// files) on the host: detail::float_to_half_bits and detail::half_bits_to_float.
 
 #include <Kokkos_Macros.hpp>
 

@@ -23,15 +23,9 @@ namespace moe {
 /// \brief One Mixture-of-Experts layer: router, sort, expert FFN (gated, grouped GEMM), unsort,
 /// combine, optional shared expert; forward and backward.
 ///
-/// forward() keeps what backward() needs, so call them in pairs (backward may be called once per
-/// forward). y = sum_k w[t,k] * FFN_{e[t,k]}(x[t]) (+ shared FFN(x[t])). backward() returns the
-/// gradients of sum(y * dy) + lb_loss.
-///
-/// It runs the stages of the distributed step plan on one rank (step_plan(): gather weights,
-/// route, dispatch, experts, combine, shared expert, output, and their backward with the gradient
-/// reduction; every group has one rank, so no stage communicates): the same code as every
-/// parallel layout. The independent check is the double-precision reference of
-/// tests/unit/test_layer.cpp. Move-only.
+/// y = sum_k w[t,k] * FFN_{e[t,k]}(x[t]) (+ shared FFN(x[t])); backward() returns the gradients
+/// of sum(y * dy) + lb_loss, once per forward(). It runs the distributed step plan on one rank
+/// (step_plan(); no stage communicates), the same code as every parallel layout. Move-only.
 ///
 /// \tparam Scalar float or double; every step computes in this type.
 /// \tparam Policy moe::Policies<Routing, Gmm, Partition>.

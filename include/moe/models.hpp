@@ -1,17 +1,9 @@
 #pragma once
 /// \file
-/// The MoE shapes of published models, by MaxText's `model_name`: what `model_name=X` sets in
-/// the tools (MaxText loads configs/models/X.yml on top of base.yml; moe gives the MoE layer's keys
-/// of that file from this table). Pure data, no YAML; every value is a published fact of the model
-/// and was checked against MaxText's model file of the same name.
-///
-/// Only the keys that shape or route the MoE layer are listed (LayerConfig keys, and one
-/// ParallelConfig key where MaxText's model file sets it); attention, vocabulary and the decoder
-/// stack are not the layer's. Where MaxText's model file and the model's own release differ, the
-/// table follows MaxText (the layer must compute what MaxText computes): deepseek3-671b has no
-/// group-limited routing (MaxText's file leaves n_routing_groups at -1, the release uses 8 groups,
-/// top 4). MaxText's `qwen3_moe` decoder block routes with the generic top-k path, which moe calls
-/// decoder_block=mixtral (softmax over the K values, then norm_topk_prob).
+/// The MoE shapes of published models, by MaxText's `model_name` (what configs/models/X.yml sets
+/// of the MoE layer's keys), checked against MaxText's model files. Where MaxText and the model's
+/// release differ the table follows MaxText: deepseek3-671b has no group-limited routing, and
+/// MaxText's `qwen3_moe` block routes with the generic top-k path (decoder_block=mixtral).
 
 #include <moe/config_table.hpp>
 #include <moe/error.hpp>

@@ -16,13 +16,9 @@ struct Local {};
 }  // namespace partition
 
 /// \brief The policies of one layer type.
-/// \tparam Routing routing::Auto (from the config), routing::TopKSoftmax, routing::DeepSeek or
-///         routing::Random.
-/// \tparam Gmm gmm::Auto (oneDNN on the host when moe was built with it, else Vendor on host
-///         spaces and gmm::DeviceTiled on device spaces),
-///         gmm::OneDnn, gmm::Vendor (Kokkos Kernels GEMM per expert group), gmm::Tiled<TM,TK,TN>
-///         (portable team kernel), or gmm::Dense (every expert on every token, masked: the
-///         reference path; it is also what `sparse_matmul: false` selects at run time).
+/// \tparam Routing routing::Auto (from the config), TopKSoftmax, DeepSeek or Random.
+/// \tparam Gmm gmm::Auto (the backend's best), OneDnn, Vendor, Tiled<TM,TK,TN> or Dense (every
+///         expert on every token, masked: the reference, also what `sparse_matmul: false` runs).
 /// \tparam Partition partition::Local.
 template <class Routing = routing::Auto, class Gmm = gmm::Auto, class Partition = partition::Local>
 struct Policies {

@@ -1,15 +1,10 @@
 #pragma once
 /// \file
-/// Host threads under MPI: the ranks x threads rule and the one-line description of the GEMM
-/// backend a process runs.
-///
-/// Rule: a rank runs `threads = max(1, min(cores it may run on, cores of the node / ranks on the
-/// node))` host threads, so `mpirun -np N` on a node never runs more threads than cores. It sets
-/// OpenMP's default thread count (oneDNN's threads, and Kokkos' OpenMP backend when it is
-/// initialised afterwards) and OpenBLAS's. A user who sets OMP_NUM_THREADS (or, for the BLAS
-/// alone, OPENBLAS_NUM_THREADS) keeps that choice; the description then says "as set".
-/// Call apply_host_threads() after MPI_Init and before Kokkos::initialize (a process without
-/// MPI: apply_host_threads(host_threads_rule_for(1))).
+/// Host threads under MPI: a rank runs `max(1, min(cores it may run on, node cores / ranks on the
+/// node))` threads, set as OpenMP's (oneDNN, Kokkos OpenMP) and OpenBLAS's default unless the
+/// user set OMP_NUM_THREADS / OPENBLAS_NUM_THREADS; plus the one-line description of the GEMM
+/// backend. Call apply_host_threads() after MPI_Init and before Kokkos::initialize (without MPI:
+/// apply_host_threads(host_threads_rule_for(1))).
 
 #include <moe/moe_config.hpp>
 

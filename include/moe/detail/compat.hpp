@@ -5,7 +5,6 @@
 
 #include <Kokkos_Core.hpp>
 
-#include <cfloat>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -84,17 +83,5 @@ class Region {
   Region(Region const&) = delete;
   Region& operator=(Region const&) = delete;
 };
-
-/// Largest finite value of T (device safe).
-template <class T>
-KOKKOS_INLINE_FUNCTION constexpr T finite_max();
-template <>
-KOKKOS_INLINE_FUNCTION constexpr float finite_max<float>() {
-  return FLT_MAX;
-}
-template <>
-KOKKOS_INLINE_FUNCTION constexpr double finite_max<double>() {
-  return DBL_MAX;
-}
 
 }  // namespace moe::detail

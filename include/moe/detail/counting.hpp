@@ -1,13 +1,10 @@
 #pragma once
 /// \file
-/// Parallel skeletons of the routing bookkeeping, shaped for GPUs and deterministic on every
-/// backend (integer counts, fixed summation trees, no floating-point atomics):
-///  * counting_cursors(): the count + scan half of a stable counting sort of [T,K] slots by key,
-///    within segments of consecutive slots. The expert sort (one segment) and the capacity mask
-///    (one segment per sequence) place their slots with it.
-///  * segment_column_sums(): per-segment column sums of a [T,E] function, summed over fixed row
-///    chunks and then over the chunks in order.
-/// Work items are proportional to T*K (and T*E/256), not to the number of segments or keys.
+/// Parallel skeletons of the routing bookkeeping, deterministic on every backend (integer counts,
+/// fixed summation trees, no floating-point atomics): counting_cursors(), the count + scan half
+/// of a stable counting sort of [T,K] slots by key within segments (the expert sort, the capacity
+/// mask per sequence), and segment_column_sums(), per-segment column sums of a [T,E] function
+/// over fixed row chunks. Work is proportional to T*K (and T*E/256), not to segments or keys.
 
 #include <moe/detail/compat.hpp>
 #include <moe/detail/row_caps.hpp>

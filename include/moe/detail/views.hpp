@@ -26,15 +26,6 @@ ViewT alloc(ExecSpace const& space, std::string const& label, Extents... n) {
                static_cast<std::size_t>(n)...);
 }
 
-/// Allocates a zero-filled view with a moe:: label on the given execution space instance.
-template <class ViewT, class ExecSpace, class... Extents>
-ViewT zeros(ExecSpace const& space, std::string const& label, Extents... n) {
-  ViewT v(Kokkos::view_alloc(space, Kokkos::WithoutInitializing, label),
-          static_cast<std::size_t>(n)...);
-  Kokkos::deep_copy(space, v, typename ViewT::non_const_value_type{});
-  return v;
-}
-
 /// (Re)allocates v without initialising when its extents differ from the requested ones.
 template <class ViewT, class ExecSpace, class... Extents>
 void ensure(ExecSpace const& space, ViewT& v, std::string const& label, Extents... n) {

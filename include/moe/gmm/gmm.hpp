@@ -6,15 +6,10 @@
 ///   gmm : out[rows of group go+g, :] = lhs[rows, :] * rhs[g]   (rhs[g]^T with transpose_rhs)
 ///   tgmm: out[g] = lhs[rows of group go+g, :]^T * dy[same rows, :]          (weight gradient)
 ///
-/// The algorithm is a compile-time policy; each lives in its own file under gmm/backend/:
-///   Auto            the best available backend of the execution space and scalar (resolve_t)
-///   OneDnn          oneDNN on the host (float), weights packed once into its preferred layout
-///   Vendor          one Kokkos Kernels GEMM per group (BLAS, cuBLAS, rocBLAS)
-///   Tiled<TM,TK,TN> the portable Kokkos team kernel
-///   Dense           every group's weight on all rows, masked (the reference)
-/// Group sizes are runtime data held as CSR offsets with a host copy (gmm/groups.hpp), so no
-/// launch waits on the device. Semantics follow SEMANTICS.md §1.8 items 26-27, except that rows
-/// outside the visited groups are always zeroed (never "unspecified") unless the call accumulates.
+/// The algorithm is a compile-time policy, one file each under gmm/backend/ (Auto, OneDnn,
+/// Vendor, Tiled<TM,TK,TN>, Dense). Group sizes are CSR offsets with a host copy (groups.hpp), so
+/// no launch waits on the device. Semantics follow SEMANTICS.md §1.8 items 26-27, except that
+/// rows outside the visited groups are always zeroed unless the call accumulates.
 
 #include <moe/detail/compat.hpp>
 #include <moe/gmm/backend/dense.hpp>

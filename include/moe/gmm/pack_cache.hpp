@@ -12,17 +12,12 @@
 namespace moe::gmm {
 
 /// \brief Reordered ("packed") copies of rhs weight tensors, owned by the caller and passed to
-/// gmm through GmmOptions::pack_cache together with the version of the weights' contents.
+/// gmm through GmmOptions::pack_cache with the version of the weights' contents.
 ///
-/// An entry is keyed by the tensor's address, shape, scalar size and use (as is or transposed)
-/// and remembers the version it was packed from. A call with another version repacks, so a cache
-/// is only as right as the versions it is given: whoever writes the weights (optimizer step,
-/// FSDP gather, checkpoint load) must hand the next call a new version (MoeLayer::weights_changed
-/// does it for the layers). As a second guard an entry also keeps a hash of a few sampled weight
-/// values per expert and repacks when they differ (an update that forgot the version is caught
-/// whenever it changes a sampled value, which any optimizer step does).
-///
-/// Not thread-safe: one cache per layer, used from the thread that runs the layer.
+/// An entry is keyed by the tensor's address, shape, scalar size and use, and repacks when the
+/// version differs: whoever writes the weights must hand the next call a new version
+/// (MoeLayer::weights_changed). As a second guard it keeps a hash of sampled weight values and
+/// repacks when they differ. Not thread-safe: one cache per layer.
 class PackCache {
  public:
   /// Identity of one use of one tensor.

@@ -1,12 +1,8 @@
 #pragma once
 /// \file
-/// Grouped-GEMM policy traits. Each backend file (gmm/backend/*.hpp) defines its policy tag and
-/// specialises the traits beside it, in the manner of Kokkos Kernels' `*_tpl_spec_avail`:
-///   is_policy<P>            P is a grouped-GEMM policy tag;
-///   is_available<P, E, S>   P has a native implementation for execution space E and scalar S
-///                           (false: the call runs on the fallback, Vendor);
-/// and `Auto` resolves to the best available backend of (E, S). Adding a backend touches its own
-/// file, the include list of gmm.hpp and, if Auto should pick it, `resolve`.
+/// Grouped-GEMM policy traits, in the manner of Kokkos Kernels' `*_tpl_spec_avail`: each backend
+/// file (gmm/backend/*.hpp) defines its tag and specialises is_policy<P> and is_available<P, E, S>
+/// (false: the call runs on Vendor) beside it; `Auto` resolves to the best available backend.
 
 #include <moe/moe_config.hpp>
 

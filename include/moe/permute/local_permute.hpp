@@ -1,21 +1,14 @@
 #pragma once
 /// \file
 /// Local permute after the expert-parallel dispatch (SEMANTICS.md §1.9 items 32.6 and 34, exact
-/// vectors §7.7): regroups the rows a shard received by its L = E/EP local experts.
-///
-/// All-to-all variant: the receive buffer is the concatenation over senders i of sender i's rows
-/// for my experts, each sender's block sorted by expert. The local order is by local expert, and
-/// within an expert by sender (stable). With a receive buffer of R rows the [senders, L] block
-/// sizes are flattened row-major, prefix-summed, clamped to R and differenced -- the same rule by
-/// which RaggedAllToAll drops rows, so the two agree.
-///
-/// Replicated-batch variant: every shard holds the same globally sorted buffer; shard s's rows are
-/// [offset_s, offset_s + n_s) with offset_s = sum of the group sizes of the experts before its
-/// first, and are already in local order; local expert ids are global ids mod L.
-///
-/// Both are one layout (a list of blocks, one per (sender, local expert)): the replicated variant
-/// is the single-sender case whose blocks start at offset_s. Metadata is computed on the host; the
-/// permutation and the row moves are Kokkos kernels on the given execution space.
+/// vectors §7.7): regroups the rows a shard received by its L = E/EP local experts, by local
+/// expert, then by sender (stable). Both variants are one layout, a list of (sender, local
+/// expert) blocks:
+///  * all-to-all: the receive buffer is the senders' blocks in turn; with R rows the block sizes
+///    are clamped as RaggedAllToAll drops rows (detail::clamp_prefix), so the two agree;
+///  * replicated batch: one sender whose blocks start at offset_s (the sizes of the experts
+///    before the shard's first) of the globally sorted buffer.
+/// Metadata is computed on the host; the permutation and row moves are Kokkos kernels.
 
 #include <moe/detail/compat.hpp>
 #include <moe/detail/counting.hpp>

@@ -1,22 +1,11 @@
 #pragma once
 /// \file
-/// Mesh: ordered named axes with sizes laid over the ranks of a communicator. Pure (no MPI): the
-/// communicators of a mesh's groups are moe::comm::MeshComm's (moe/comm/mesh_comm.hpp).
-///
-/// Vocabulary:
-///  - *axis*: a named mesh dimension (`data`, `fsdp`, `expert`, ...) with a size >= 1.
-///  - *coordinates*: rank r sits at the row-major position of r in the mesh (first axis slowest),
-///    the way a device list is reshaped into a device mesh.
-///  - *group* of an axis set A (e.g. {"fsdp", "fsdp_transpose"}): the ranks whose coordinates
-///    differ only on the axes of A. Inside a group the ranks are ordered row-major over A **in the
-///    order A is given** (so the group {"context", "expert"} numbers its members
-///    context_coord * expert_size + expert_coord, as a collective over that axis tuple does).
-///  - *group index*: which group of A a rank belongs to: the row-major index of its coordinates on
-///    the axes not in A, in mesh order.
-///
-/// Axes that are not part of the mesh count as axes of size 1 (coordinate 0) everywhere: logical
-/// rules may name every base axis while a preset's mesh lists only a few, as in MaxText where the
-/// mesh always carries all its axes and the unused ones have size 1.
+/// Mesh: ordered named axes with sizes laid over the ranks of a communicator (pure; the group
+/// communicators are moe::comm::MeshComm's). Rank r sits at the row-major position of r (first
+/// axis slowest). The *group* of an axis set A holds the ranks whose coordinates differ only on
+/// A, ordered row-major over A in the order A is given (as a collective over that axis tuple);
+/// its *group index* is the row-major index of the coordinates on the other axes. Axes not in
+/// the mesh count as size 1 (coordinate 0), as MaxText's unused mesh axes do.
 
 #include <moe/error.hpp>
 

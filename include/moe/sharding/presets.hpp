@@ -1,15 +1,9 @@
 #pragma once
 /// \file
 /// The library's default logical-axis rules (the MoE-relevant part of MaxText's base config) and
-/// the custom mesh-and-rule presets (`custom_mesh_and_rule`), each with its own mesh axes.
-///
-/// Only the logical names an MoE layer (and the dense blocks around it) uses are listed: weights
-/// `exp`, `embed_moe`, `mlp_moe`, `mlp_no_fsdp`, `exp_with_fsdp`, `embed`, `mlp`, `layers`,
-/// `moe_layers`; activations `activation_batch(_moe)`, `activation_length(_moe)`,
-/// `activation_norm_length(_moe)`, `activation_embed(_moe)`, `activation_mlp(_moe)`,
-/// `activation_exp`. Names outside this list resolve to unsharded, as names missing from a MaxText
-/// preset do. `decode_batch_moe` is left out: MaxText defines it only in its inference configs
-/// (replicated-batch decode), which this library does not model.
+/// the `custom_mesh_and_rule` presets, each with its own mesh axes. Only the logical names an MoE
+/// layer and its dense neighbours use are listed; other names resolve to unsharded, as names
+/// missing from a MaxText preset do (`decode_batch_moe`, inference-only in MaxText, is left out).
 ///
 /// Rule order reproduces MaxText's conflicts: `mlp` precedes `embed` and `exp` < `mlp_moe` <
 /// `embed_moe`, so a weight's embed dimension falls back to its second rule when the mlp dimension
