@@ -198,10 +198,7 @@ inline void save_checkpoint(moe::comm::Communicator const& comm, std::string con
   moe::comm::collective_guard(comm, [&] {
     if (!root) return;
     cd::make_dir(dir);
-    if (!cd::holds_lock(dir))
-      save_lock = cd::DirLock(dir);
-    else
-      cd::check_lock_file(dir);  // the job's lock: its LOCK file must still be the one locked
+    if (!cd::holds_lock(dir)) save_lock = cd::DirLock(dir);
     cd::remove_leftovers(dir);
     if (::mkdir(tmp.c_str(), 0777) != 0) {
       throw moe::IoError(cat("checkpoint: cannot create '", tmp,

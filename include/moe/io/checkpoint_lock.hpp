@@ -19,6 +19,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -64,36 +65,36 @@ struct HeldLock {
 };
 
 /// The directories whose lock this process holds (fcntl locks belong to the process: a second
-/// F_SETLK of the same process succeeds silently, so the table is what detects it).
-inline std::map<DirKey, HeldLock>& held_locks() {
-  static std::map<DirKey, HeldLock> table;
-  return table;
-}
-/// Guards held_locks().
-inline std::mutex& held_locks_mutex() {
-  static std::mutex m;
-  return m;
+/// F_SETLK of the same process succeeds silently, so the table is what detects it), and the mutex
+/// that guards the table.
+struct HeldLocks {
+  std::mutex mutex;
+  std::map<DirKey, HeldLock> table;
+
+  /// This process's entry for \p key, or null; the caller holds the mutex.
+  HeldLock const* find(DirKey const& key) const {
+    auto const it = table.find(key);
+    bool const mine = it != table.end() && it->second.pid == static_cast<long>(::getpid());
+    return mine ? &it->second : nullptr;
+  }
+};
+inline HeldLocks& held_locks() {
+  static HeldLocks locks;
+  return locks;
 }
 
-/// Whether this process holds the lock of \p dir (an existing directory).
+/// Whether this process holds the lock of \p dir (an existing directory). When it does, throws
+/// IoError unless the LOCK file it locked is still the file at dir/LOCK: a LOCK deleted or
+/// replaced while the job runs would let a second job lock the directory, so the holder stops
+/// writing into it.
 inline bool holds_lock(std::string const& dir) {
-  DirKey const key = dir_key(dir);
-  std::lock_guard<std::mutex> const guard(held_locks_mutex());
-  auto const it = held_locks().find(key);
-  return it != held_locks().end() && it->second.pid == static_cast<long>(::getpid());
-}
-
-/// Throws IoError unless the LOCK file this process locked in \p dir is still the file at
-/// dir/LOCK: a LOCK deleted or replaced while the job runs would let a second job lock the
-/// directory, so the holder stops writing into it. Nothing to check for a lock not held.
-inline void check_lock_file(std::string const& dir) {
   DirKey const key = dir_key(dir);
   int fd = -1;
   {
-    std::lock_guard<std::mutex> const guard(held_locks_mutex());
-    auto const it = held_locks().find(key);
-    if (it == held_locks().end() || it->second.pid != static_cast<long>(::getpid())) return;
-    fd = it->second.fd;
+    std::lock_guard<std::mutex> const guard(held_locks().mutex);
+    HeldLock const* held = held_locks().find(key);
+    if (!held) return false;
+    fd = held->fd;
   }
   struct stat mine {};
   struct stat now {};
@@ -105,6 +106,7 @@ inline void check_lock_file(std::string const& dir) {
                       "', was deleted or replaced while the job ran, so another job may ",
                       "be writing there too; this job saves nothing more into it: stop the other ",
                       "job, or restart this one with another checkpoint_dir"));
+  return true;
 }
 
 /// Who this process is, as written into LOCK: "key=value" lines.
@@ -170,11 +172,10 @@ class DirLock {
   explicit DirLock(std::string const& dir) {
     DirKey const key = dir_key(dir);
     long const self = static_cast<long>(::getpid());
-    std::lock_guard<std::mutex> const guard(held_locks_mutex());
-    auto const it = held_locks().find(key);
-    if (it != held_locks().end() && it->second.pid == self) {
-      throw ConfigError(cat("checkpoint_dir '", dir, "' is already locked by this process (pid=",
-                            self, ", as '", it->second.dir,
+    std::lock_guard<std::mutex> const guard(held_locks().mutex);
+    if (HeldLock const* held = held_locks().find(key)) {
+      throw ConfigError(cat("checkpoint_dir '", dir,
+                            "' is already locked by this process (pid=", self, ", as '", held->dir,
                             "'): one writer per checkpoint directory; release that lock "
                             "first, or use another checkpoint_dir"));
     }
@@ -187,13 +188,12 @@ class DirLock {
     }
     auto const deadline = std::chrono::steady_clock::now() +
                           std::chrono::duration<double>(std::max(0.0, lock_wait_seconds()));
+    struct flock whole {};  // a write lock on the whole file (l_start = l_len = 0)
+    whole.l_type = F_WRLCK;
+    whole.l_whence = SEEK_SET;
     bool locked = false;
     for (;;) {
-      struct flock fl {};
-      fl.l_type = F_WRLCK;
-      fl.l_whence = SEEK_SET;
-      fl.l_start = 0;
-      fl.l_len = 0;  // the whole file
+      struct flock fl = whole;
       if (::fcntl(fd, F_SETLK, &fl) == 0) {
         locked = true;
         break;
@@ -219,9 +219,7 @@ class DirLock {
       std::string text(4096, '\0');
       ssize_t const got = ::pread(fd, &text[0], text.size(), 0);
       text.resize(got > 0 ? static_cast<std::size_t>(got) : 0);
-      struct flock probe {};
-      probe.l_type = F_WRLCK;
-      probe.l_whence = SEEK_SET;
+      struct flock probe = whole;
       long lock_pid = 0;
       if (::fcntl(fd, F_GETLK, &probe) == 0 && probe.l_type != F_UNLCK)
         lock_pid = static_cast<long>(probe.l_pid);
@@ -237,57 +235,38 @@ class DirLock {
           ::ftruncate(fd, 0) == 0 && ::pwrite(fd, identity.data(), identity.size(), 0) == size;
       if (!written) warn(cat("cannot write the holder into '", path, "': ", std::strerror(errno)));
     }
-    held_locks()[key] = HeldLock{self, dir, fd};
-    fd_ = fd;
-    locked_ = locked;
-    pid_ = self;
-    key_ = key;
+    held_.reset(new Held{fd, locked, self, key});
+    held_locks().table[key] = HeldLock{self, dir, fd};
   }
-
-  DirLock(DirLock&& o) noexcept { swap(o); }
-  DirLock& operator=(DirLock&& o) noexcept {
-    if (this != &o) {
-      release();
-      swap(o);
-    }
-    return *this;
-  }
-  DirLock(DirLock const&) = delete;
-  DirLock& operator=(DirLock const&) = delete;
-  ~DirLock() { release(); }
 
   /// Whether this object holds a lock (false once released or moved from).
-  bool held() const { return fd_ >= 0; }
+  bool held() const { return held_ != nullptr; }
 
   /// Unlocks (LOCK is emptied first, so that it names nobody, and stays).
-  void release() noexcept {
-    if (fd_ < 0) return;
-    if (pid_ == static_cast<long>(::getpid())) {  // not in a forked child, which holds nothing
-      {
-        std::lock_guard<std::mutex> const guard(held_locks_mutex());
-        auto const it = held_locks().find(key_);
-        if (it != held_locks().end() && it->second.pid == pid_) held_locks().erase(it);
-      }
-      if (locked_ && ::ftruncate(fd_, 0) != 0) {
-        // the lock goes anyway; the text of an unlocked LOCK means nothing
-      }
-    }
-    ::close(fd_);
-    fd_ = -1;
-  }
+  void release() noexcept { held_.reset(); }
 
  private:
-  void swap(DirLock& o) noexcept {
-    std::swap(fd_, o.fd_);
-    std::swap(locked_, o.locked_);
-    std::swap(pid_, o.pid_);
-    std::swap(key_, o.key_);
-  }
+  /// A lock taken; its destructor unlocks.
+  struct Held {
+    int fd = -1;
+    bool locked = false;  ///< false where the file system keeps no locks (see the warning)
+    long pid = 0;
+    DirKey key{};
 
-  int fd_ = -1;
-  bool locked_ = false;  ///< false where the file system keeps no locks (see the warning)
-  long pid_ = 0;
-  DirKey key_{};
+    ~Held() {
+      if (pid == static_cast<long>(::getpid())) {  // not in a forked child, which holds nothing
+        {
+          std::lock_guard<std::mutex> const guard(held_locks().mutex);
+          if (held_locks().find(key)) held_locks().table.erase(key);
+        }
+        if (locked && ::ftruncate(fd, 0) != 0) {
+          // the lock goes anyway; the text of an unlocked LOCK means nothing
+        }
+      }
+      ::close(fd);
+    }
+  };
+  std::unique_ptr<Held> held_;
 };
 
 }  // namespace detail
@@ -296,31 +275,27 @@ class DirLock {
 /// will save into, held for as long as the object lives (normally the job's lifetime).
 ///
 /// Collective. Creates the directory when missing (as save_checkpoint does), then rank 0 takes an
-/// fcntl write lock on "<dir>/LOCK" and writes its identity into it (hostname, pid, start time in
-/// UTC, the batch job id when SLURM_JOB_ID, PBS_JOBID, LSB_JOBID, FLUX_JOB_ID or JOB_ID is set,
-/// and the command line). When another process holds it (after a grace of
+/// fcntl write lock on "<dir>/LOCK" (detail::DirLock) and writes its identity into it (hostname,
+/// pid, start time in UTC, the batch job id when SLURM_JOB_ID, PBS_JOBID, LSB_JOBID, FLUX_JOB_ID
+/// or JOB_ID is set, and the command line). When another process holds it (after a grace of
 /// detail::lock_wait_seconds(), 2 s, for a job killed a moment ago), every rank throws the
 /// same moe::IoError, "checkpoint_dir '<dir>' is in use by another job (hostname=..., pid=...,
 /// since=..., command=...); two jobs must not share a checkpoint directory: ...", before the job
 /// has read or written anything there; when this process already holds it (by any path),
-/// moe::ConfigError. The kernel releases the lock when the holding process ends, however it ends,
-/// so a job killed with SIGKILL leaves no stale lock; a normal end (or release()) also empties
-/// LOCK. The file LOCK stays in the directory; never delete it while a job runs.
+/// moe::ConfigError. A normal end (or release()) empties LOCK; the file stays.
 ///
 /// Who takes it: a job that will save into the directory, before it resumes from it (train_moe
 /// does, when enable_checkpointing is set), so that it never loads a checkpoint another job is
-/// rotating away, and a second job fails within seconds. save_checkpoint also takes the lock for
-/// the time of one save when this process does not hold it already, so savers that never took it
-/// still cannot write at the same time (but only a lock held for the whole job keeps another job
-/// from pruning the checkpoints between saves). load_latest_checkpoint takes no lock: a read-only
-/// use (inspecting a directory, resharding into another one) may read a directory a job is
-/// writing; it never sees a partial checkpoint, but the writer's retention may remove the one it is
-/// reading (it is then skipped with a message, or the load fails).
+/// rotating away. save_checkpoint also takes it for one save when this process does not hold it,
+/// but only a lock held for the whole job keeps another job from pruning the checkpoints between
+/// saves. load_latest_checkpoint takes no lock: a read-only use may read a directory a job is
+/// writing; it never sees a partial checkpoint, but the writer's retention may remove the one it
+/// is reading (it is then skipped with a message, or the load fails).
 ///
 /// fcntl locks depend on the file system: local file systems and NFS (v4, or v3 with lockd) keep
 /// them across hosts; where the file system keeps none (some FUSE or Lustre mounts without
-/// flock), the lock cannot be taken and a warning on stderr says so, and nothing stops a second
-/// job. A lock is per process: a forked child does not inherit it.
+/// flock), a warning on stderr says so, and nothing stops a second job. A forked child does not
+/// inherit the lock.
 class CheckpointDirLock {
  public:
   /// Holds nothing.
