@@ -108,83 +108,70 @@ inline std::deque<Pending>::iterator match(std::deque<Pending>& q, MPI_Comm comm
     if (it->comm == comm && it->tag == tag) return it;
   return q.end();
 }
+/// Removes the pending entry `it` of `q`, just matched (its request completes), and completes
+/// the new side's request `req` (if any) at once; returns the delivery's code `rc`.
+inline int matched(std::deque<Pending>& q, std::deque<Pending>::iterator it, MPI_Request* req,
+                   int rc) {
+  open_requests.erase(it->request);
+  q.erase(it);
+  if (req) *req = MPI_REQUEST_NULL;
+  return rc;
+}
+/// Queues an unmatched side `p` in `q`, with a new open request in `*req` when it has one.
+inline int queue(std::deque<Pending>& q, Pending p, MPI_Request* req) {
+  if (req) {
+    p.request = *req = next_request++;
+    open_requests.insert(p.request);
+  }
+  q.push_back(std::move(p));
+  return MPI_SUCCESS;
+}
 inline int post_send(void const* buf, long long bytes, int dest, int tag, MPI_Comm comm,
                      MPI_Request* req) {
   if (dest != 0) return MPI_ERR_RANK;
+  auto const* from = static_cast<char const*>(buf);
   auto r = match(recvs, comm, tag);
-  if (r != recvs.end()) {
-    int const rc = deliver(static_cast<char const*>(buf), bytes, r->into, r->bytes);
-    open_requests.erase(r->request);
-    recvs.erase(r);
-    if (req) *req = MPI_REQUEST_NULL;
-    return rc;
-  }
-  Pending p;
-  p.comm = comm;
-  p.tag = tag;
-  p.bytes = bytes;
-  if (req) {
-    p.data = static_cast<char const*>(buf);
-    p.request = *req = next_request++;
-    open_requests.insert(p.request);
-  } else {
-    p.copy.assign(static_cast<char const*>(buf), static_cast<char const*>(buf) + bytes);
-  }
-  sends.push_back(std::move(p));
-  return MPI_SUCCESS;
+  if (r != recvs.end()) return matched(recvs, r, req, deliver(from, bytes, r->into, r->bytes));
+  Pending p{comm, tag, req ? from : nullptr, {}, nullptr, bytes};
+  if (!req) p.copy.assign(from, from + bytes);
+  return queue(sends, std::move(p), req);
 }
 inline int post_recv(void* buf, long long room, int src, int tag, MPI_Comm comm, MPI_Request* req) {
   if (src != 0) return MPI_ERR_RANK;
+  auto* into = static_cast<char*>(buf);
   auto s = match(sends, comm, tag);
-  if (s != sends.end()) {
-    int const rc =
-        deliver(s->data ? s->data : s->copy.data(), s->bytes, static_cast<char*>(buf), room);
-    open_requests.erase(s->request);
-    sends.erase(s);
-    if (req) *req = MPI_REQUEST_NULL;
-    return rc;
-  }
+  if (s != sends.end())
+    return matched(sends, s, req,
+                   deliver(s->data ? s->data : s->copy.data(), s->bytes, into, room));
   if (!req) return MPI_ERR_OTHER;  // a blocking receive nothing was sent to: waits for ever
-  Pending p;
-  p.comm = comm;
-  p.tag = tag;
-  p.into = static_cast<char*>(buf);
-  p.bytes = room;
-  p.request = *req = next_request++;
-  open_requests.insert(p.request);
-  recvs.push_back(std::move(p));
-  return MPI_SUCCESS;
+  return queue(recvs, Pending{comm, tag, nullptr, {}, into, room}, req);
 }
 
-/// Copies n bytes unless source and destination are the same.
-inline void copy(void* to, void const* from, long long n) {
+/// Copies n bytes unless source and destination are the same; succeeds.
+inline int copy(void* to, void const* from, long long n) {
   if (to != from && n > 0) std::memmove(to, from, std::size_t(n));
+  return MPI_SUCCESS;
 }
 inline char* at(void* p, long long bytes) { return static_cast<char*>(p) + bytes; }
 inline char const* at(void const* p, long long bytes) {
   return static_cast<char const*>(p) + bytes;
+}
+/// Writes `value` to the output argument `*out` and succeeds: most calls of one process do
+/// nothing else.
+template <class T, class V>
+int put(T* out, V value) {
+  *out = static_cast<T>(value);
+  return MPI_SUCCESS;
 }
 
 /// The MPI functions of the stand-in (its state and helpers above stay out of the global scope).
 namespace functions {
 
 // ------------------------------------------------------------------ environment --------------
-inline int MPI_Init(int*, char***) {
-  state = 1;
-  return MPI_SUCCESS;
-}
-inline int MPI_Initialized(int* flag) {
-  *flag = state >= 1;
-  return MPI_SUCCESS;
-}
-inline int MPI_Finalize() {
-  state = 2;
-  return MPI_SUCCESS;
-}
-inline int MPI_Finalized(int* flag) {
-  *flag = state == 2;
-  return MPI_SUCCESS;
-}
+inline int MPI_Init(int*, char***) { return put(&state, 1); }
+inline int MPI_Initialized(int* flag) { return put(flag, state >= 1); }
+inline int MPI_Finalize() { return put(&state, 2); }
+inline int MPI_Finalized(int* flag) { return put(flag, state == 2); }
 [[noreturn]] inline int MPI_Abort(MPI_Comm, int code) {
   std::fflush(nullptr);
   std::_Exit(code);
@@ -201,63 +188,38 @@ inline int MPI_Error_string(int code, char* text, int* len) {
       : code == MPI_ERR_TRUNCATE ? "message truncated"
                                  : "a message to itself that nothing can match would wait for "
                                    "ever (one process; moe built without MPI)";
-  *len = std::snprintf(text, MPI_MAX_ERROR_STRING, "%s", what);
-  return MPI_SUCCESS;
+  return put(len, std::snprintf(text, MPI_MAX_ERROR_STRING, "%s", what));
 }
 
 // ------------------------------------------------------------------ communicators ------------
-inline int MPI_Comm_size(MPI_Comm, int* size) {
-  *size = 1;
-  return MPI_SUCCESS;
-}
-inline int MPI_Comm_rank(MPI_Comm, int* rank) {
-  *rank = 0;
-  return MPI_SUCCESS;
-}
-inline int MPI_Comm_dup(MPI_Comm, MPI_Comm* out) {
-  *out = next_comm++;
-  return MPI_SUCCESS;
-}
+inline int MPI_Comm_size(MPI_Comm, int* size) { return put(size, 1); }
+inline int MPI_Comm_rank(MPI_Comm, int* rank) { return put(rank, 0); }
+inline int MPI_Comm_dup(MPI_Comm, MPI_Comm* out) { return put(out, next_comm++); }
 inline int MPI_Comm_split(MPI_Comm, int color, int, MPI_Comm* out) {
-  *out = color < 0 ? MPI_COMM_NULL : next_comm++;  // MPI_UNDEFINED (negative): no group
-  return MPI_SUCCESS;
+  return put(out, color < 0 ? MPI_COMM_NULL : next_comm++);  // MPI_UNDEFINED (< 0): no group
 }
 inline int MPI_Comm_split_type(MPI_Comm, int, int, MPI_Info, MPI_Comm* out) {
-  *out = next_comm++;
-  return MPI_SUCCESS;
+  return put(out, next_comm++);
 }
-inline int MPI_Comm_free(MPI_Comm* comm) {
-  *comm = MPI_COMM_NULL;
-  return MPI_SUCCESS;
-}
+inline int MPI_Comm_free(MPI_Comm* comm) { return put(comm, MPI_COMM_NULL); }
 inline int MPI_Comm_compare(MPI_Comm a, MPI_Comm b, int* result) {
-  *result = a == b ? MPI_IDENT : MPI_CONGRUENT;  // every one-process group is the same group
-  return MPI_SUCCESS;
+  return put(result, a == b ? MPI_IDENT : MPI_CONGRUENT);  // one-process groups are all equal
 }
 inline int MPI_Comm_set_errhandler(MPI_Comm comm, MPI_Errhandler h) {
-  handlers[comm] = h;
-  return MPI_SUCCESS;
+  return put(&handlers[comm], h);
 }
 inline int MPI_Comm_get_errhandler(MPI_Comm comm, MPI_Errhandler* h) {
   auto it = handlers.find(comm);
-  *h = it == handlers.end() ? MPI_ERRORS_ARE_FATAL : it->second;
-  return MPI_SUCCESS;
+  return put(h, it == handlers.end() ? MPI_ERRORS_ARE_FATAL : it->second);
 }
-inline int MPI_Errhandler_free(MPI_Errhandler* h) {
-  *h = 0;
-  return MPI_SUCCESS;
-}
+inline int MPI_Errhandler_free(MPI_Errhandler* h) { return put(h, 0); }
 
 // ------------------------------------------------------------------ datatypes ----------------
 inline int MPI_Type_contiguous(int count, MPI_Datatype old, MPI_Datatype* out) {
-  *out = count * old;
-  return MPI_SUCCESS;
+  return put(out, count * old);
 }
 inline int MPI_Type_commit(MPI_Datatype*) { return MPI_SUCCESS; }
-inline int MPI_Type_free(MPI_Datatype* t) {
-  *t = MPI_DATATYPE_NULL;
-  return MPI_SUCCESS;
-}
+inline int MPI_Type_free(MPI_Datatype* t) { return put(t, MPI_DATATYPE_NULL); }
 
 // ------------------------------------------------------------------ collectives (one rank) ---
 inline int MPI_Barrier(MPI_Comm) { return MPI_SUCCESS; }
@@ -266,41 +228,35 @@ inline int MPI_Bcast(void*, int, MPI_Datatype, int root, MPI_Comm) {
 }
 inline int MPI_Allreduce(void const* send, void* recv, int count, MPI_Datatype t, MPI_Op,
                          MPI_Comm) {
-  copy(recv, send, 1LL * count * t);
-  return MPI_SUCCESS;
+  return copy(recv, send, 1LL * count * t);
 }
 inline int MPI_Allgather(void const* send, int scount, MPI_Datatype st, void* recv, int,
                          MPI_Datatype, MPI_Comm) {
-  copy(recv, send, 1LL * scount * st);
-  return MPI_SUCCESS;
+  return copy(recv, send, 1LL * scount * st);
 }
 inline int MPI_Allgatherv(void const* send, int scount, MPI_Datatype st, void* recv, int const*,
                           int const* displs, MPI_Datatype rt, MPI_Comm) {
-  copy(at(recv, 1LL * displs[0] * rt), send, 1LL * scount * st);
-  return MPI_SUCCESS;
+  return copy(at(recv, 1LL * displs[0] * rt), send, 1LL * scount * st);
 }
 inline int MPI_Alltoall(void const* send, int scount, MPI_Datatype st, void* recv, int,
                         MPI_Datatype, MPI_Comm) {
-  copy(recv, send, 1LL * scount * st);
-  return MPI_SUCCESS;
+  return copy(recv, send, 1LL * scount * st);
 }
 inline int MPI_Alltoallv(void const* send, int const* scounts, int const* sdispls, MPI_Datatype st,
                          void* recv, int const*, int const* rdispls, MPI_Datatype rt, MPI_Comm) {
-  copy(at(recv, 1LL * rdispls[0] * rt), at(send, 1LL * sdispls[0] * st), 1LL * scounts[0] * st);
-  return MPI_SUCCESS;
+  return copy(at(recv, 1LL * rdispls[0] * rt), at(send, 1LL * sdispls[0] * st),
+              1LL * scounts[0] * st);
 }
 inline int MPI_Iallgather(void const* send, int scount, MPI_Datatype st, void* recv, int,
                           MPI_Datatype, MPI_Comm, MPI_Request* req) {
-  copy(recv, send, 1LL * scount * st);
   *req = MPI_REQUEST_NULL;  // complete at once
-  return MPI_SUCCESS;
+  return copy(recv, send, 1LL * scount * st);
 }
 /// A request still open when waited on can never complete: one process has no one else to
 /// match it (an error, where MPI would wait for ever).
 inline int MPI_Wait(MPI_Request* req, MPI_Status*) {
   if (*req != MPI_REQUEST_NULL && open_requests.count(*req)) return MPI_ERR_OTHER;
-  *req = MPI_REQUEST_NULL;
-  return MPI_SUCCESS;
+  return put(req, MPI_REQUEST_NULL);
 }
 inline int MPI_Waitall(int n, MPI_Request* reqs, MPI_Status*) {
   for (int i = 0; i < n; ++i)
