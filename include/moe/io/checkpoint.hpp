@@ -325,33 +325,21 @@ inline bool load_latest_checkpoint(moe::comm::Communicator const& comm, std::str
   std::string const meta =
       moe::comm::broadcast_bytes(comm, 0, root ? nlohmann::json(file.metadata).dump() : "");
 
-  // Rank 0 cuts every block out of the global tensors: its own by copy, the others' by message.
+  // Rank 0 cuts every block out of the global tensors (little-endian, as in the file; each block
+  // is turned into host order): its own by copy, the others' by message.
   if (root) {
-    std::map<std::string, std::vector<unsigned char>> native;  // big-endian hosts only
-    auto global_of = [&](cd::Desc const& d) -> unsigned char* {
-      Tensor const& t = file.at(d.name);
-      auto* p = const_cast<unsigned char*>(t.bytes.data());
-      if (detail::host_is_little_endian()) return p;
-      auto it = native.find(d.name);
-      if (it == native.end()) {
-        it = native.emplace(d.name, t.bytes).first;
-        cd::swap_to_le(it->second.data(), it->second.size(), dtype_size(t.dtype));
-      }
-      return it->second.data();
-    };
     std::vector<unsigned char> buf;
     for (auto const& rank_descs : all) {
       for (cd::Desc const& d : rank_descs) {
         if (d.numel == 0) continue;
         std::size_t const esz = dtype_size(d.dtype);
-        if (d.rank == 0) {
-          cd::copy_box(global_of(d), d.global, static_cast<unsigned char*>(blocks[d.index].data),
-                       d.local, d.offset, esz, false);
-          continue;
-        }
-        buf.resize(cd::nbytes(d));
-        cd::copy_box(global_of(d), d.global, buf.data(), d.local, d.offset, esz, false);
-        moe::comm::send_bytes(comm, d.rank, buf.data(), buf.size());
+        if (d.rank != 0) buf.resize(cd::nbytes(d));
+        auto* const dst =
+            d.rank == 0 ? static_cast<unsigned char*>(blocks[d.index].data) : buf.data();
+        auto* const src = const_cast<unsigned char*>(file.at(d.name).bytes.data());
+        cd::copy_box(src, d.global, dst, d.local, d.offset, esz, false);
+        cd::swap_to_le(dst, cd::nbytes(d), esz);
+        if (d.rank != 0) moe::comm::send_bytes(comm, d.rank, dst, cd::nbytes(d));
       }
     }
   } else {

@@ -224,25 +224,22 @@ inline File File::read(std::string const& path) {
       throw IoError(cat(ctx, "entry is ", detail::json_kind_name(info.kind),
                         "; it must be an object with dtype, shape and data_offsets"));
     }
-    JsonValue const* dtype = nullptr;
-    JsonValue const* shape = nullptr;
-    JsonValue const* offsets = nullptr;
+    static char const* const kFields[] = {"dtype", "shape", "data_offsets"};
+    JsonValue const* fields[3] = {};
     for (std::size_t f = 0; f < info.keys.size(); ++f) {
-      std::string const& key = info.keys[f];
-      if (key == "dtype") {
-        dtype = &info.items[f];
-      } else if (key == "shape") {
-        shape = &info.items[f];
-      } else if (key == "data_offsets") {
-        offsets = &info.items[f];
-      } else {
-        throw IoError(cat(ctx, "unknown key \"", key,
+      auto const k = std::find(std::begin(kFields), std::end(kFields), info.keys[f]);
+      if (k == std::end(kFields)) {
+        throw IoError(cat(ctx, "unknown key \"", info.keys[f],
                           "\" (an entry has exactly dtype, shape and data_offsets)"));
       }
+      fields[k - std::begin(kFields)] = &info.items[f];
     }
-    if (!dtype) throw IoError(cat(ctx, "entry has no \"dtype\""));
-    if (!shape) throw IoError(cat(ctx, "entry has no \"shape\""));
-    if (!offsets) throw IoError(cat(ctx, "entry has no \"data_offsets\""));
+    for (std::size_t f = 0; f < 3; ++f) {
+      if (!fields[f]) throw IoError(cat(ctx, "entry has no \"", kFields[f], "\""));
+    }
+    JsonValue const* const dtype = fields[0];
+    JsonValue const* const shape = fields[1];
+    JsonValue const* const offsets = fields[2];
 
     Entry e;
     e.name = name;
@@ -349,21 +346,10 @@ inline void File::write(std::string const& path) const {
                         "' or its value is not valid UTF-8"));
     }
   }
+  // The metadata (sorted by key, valid UTF-8) as nlohmann-json prints it compactly.
   std::string header = "{";
-  if (!metadata.empty()) {
-    header += "\"__metadata__\":{";
-    bool first = true;
-    for (auto const& kv : metadata) {
-      if (!first) header += ',';
-      first = false;
-      detail::append_json_string(header, kv.first);
-      header += ':';
-      detail::append_json_string(header, kv.second);
-    }
-    header += '}';
-  }
+  if (!metadata.empty()) header += "\"__metadata__\":" + nlohmann::json(metadata).dump();
   std::uint64_t offset = 0;
-  bool first = metadata.empty();
   for (auto const& kv : tensors_) {
     std::string const& name = kv.first;
     Tensor const& t = kv.second;
@@ -375,8 +361,7 @@ inline void File::write(std::string const& path) const {
     } catch (IoError const& e) {
       throw IoError(cat("cannot write ", file, ": tensor '", name, "': ", e.what()));
     }
-    if (!first) header += ',';
-    first = false;
+    if (header.size() > 1) header += ',';
     detail::append_json_string(header, name);
     header += cat(":{\"dtype\":\"", dtype_name(t.dtype), "\",\"shape\":[");
     for (std::size_t a = 0; a < t.shape.size(); ++a) header += cat(a ? "," : "", t.shape[a]);
