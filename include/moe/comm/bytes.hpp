@@ -29,17 +29,14 @@ namespace detail {
 /// Tag of send_bytes / recv_bytes, distinct from exchange_tag.
 inline constexpr int bytes_tag = 0x636b;
 
-/// Bytes per MPI call: count_limit(), the same on every rank.
-inline std::size_t byte_piece() {
-  return static_cast<std::size_t>(std::max<std::int64_t>(1, count_limit()));
-}
-
-/// Calls call(offset, count) for consecutive pieces of at most byte_piece() of n bytes.
-template <class Call>
-void for_pieces(std::size_t n, Call&& call) {
+/// Calls call(p, k) for consecutive pieces [p, p + k) of the n bytes at `data`, each at most
+/// count_limit() bytes (the same on every rank).
+template <class Byte, class Call>
+void for_pieces(Byte* data, std::size_t n, Call&& call) {
+  auto const piece = static_cast<std::size_t>(std::max<std::int64_t>(1, count_limit()));
   for (std::size_t done = 0; done < n;) {
-    std::size_t const k = std::min(byte_piece(), n - done);
-    call(done, static_cast<int>(k));
+    std::size_t const k = std::min(piece, n - done);
+    call(data + done, static_cast<int>(k));
     done += k;
   }
 }
@@ -48,18 +45,16 @@ void for_pieces(std::size_t n, Call&& call) {
 
 /// \brief Sends \p n bytes at \p data to rank \p dest (blocking; matched by recv_bytes).
 inline void send_bytes(Communicator const& comm, int dest, void const* data, std::size_t n) {
-  auto const* c = static_cast<char const*>(data);
-  detail::for_pieces(n, [&](std::size_t at, int k) {
-    check_mpi(MPI_Send(c + at, k, MPI_BYTE, dest, detail::bytes_tag, comm.get()), "MPI_Send");
+  detail::for_pieces(static_cast<char const*>(data), n, [&](char const* p, int k) {
+    check_mpi(MPI_Send(p, k, MPI_BYTE, dest, detail::bytes_tag, comm.get()), "MPI_Send");
   });
 }
 
 /// \brief Receives \p n bytes from rank \p src into \p data (blocking; matches send_bytes of the
 /// same length).
 inline void recv_bytes(Communicator const& comm, int src, void* data, std::size_t n) {
-  auto* c = static_cast<char*>(data);
-  detail::for_pieces(n, [&](std::size_t at, int k) {
-    check_mpi(MPI_Recv(c + at, k, MPI_BYTE, src, detail::bytes_tag, comm.get(), MPI_STATUS_IGNORE),
+  detail::for_pieces(static_cast<char*>(data), n, [&](char* p, int k) {
+    check_mpi(MPI_Recv(p, k, MPI_BYTE, src, detail::bytes_tag, comm.get(), MPI_STATUS_IGNORE),
               "MPI_Recv");
   });
 }
@@ -67,9 +62,8 @@ inline void recv_bytes(Communicator const& comm, int src, void* data, std::size_
 /// \brief Collective: the \p n bytes at \p data on \p root are copied into \p data on every rank
 /// (\p n must be the same on every rank).
 inline void broadcast_bytes(Communicator const& comm, int root, void* data, std::size_t n) {
-  auto* c = static_cast<char*>(data);
-  detail::for_pieces(n, [&](std::size_t at, int k) {
-    check_mpi(MPI_Bcast(c + at, k, MPI_BYTE, root, comm.get()), "MPI_Bcast");
+  detail::for_pieces(static_cast<char*>(data), n, [&](char* p, int k) {
+    check_mpi(MPI_Bcast(p, k, MPI_BYTE, root, comm.get()), "MPI_Bcast");
   });
 }
 

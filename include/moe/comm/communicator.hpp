@@ -192,6 +192,37 @@ inline std::string broadcast_string(Communicator const& comm, int root, std::str
              moe::detail::cat(text, " [rank ", root, " of ", comm.size(), "]"));
 }
 
+/// Collective, one MPI_Allreduce: every rank throws the lowest failing rank's error when any
+/// rank failed its local checks, and the same ShapeError when one of `agree` (name, value)
+/// differs across ranks. Returns the OR over ranks of `flag`.
+inline bool collective_check(Communicator const& comm, char const* who, bool local_failed,
+                             std::string const& msg, ErrorKind kind,
+                             std::vector<std::pair<char const*, std::int64_t>> const& agree,
+                             bool flag = false) {
+  if (comm.is_local()) {  // one rank, no MPI: its own checks decide
+    if (local_failed) throw_kind(kind, msg);
+    return flag;
+  }
+  std::vector<std::int64_t> v;
+  v.reserve(2 + 2 * agree.size());
+  v.push_back(-static_cast<std::int64_t>(local_failed ? comm.rank() : comm.size()));
+  v.push_back(flag ? 1 : 0);
+  for (auto const& a : agree) v.push_back(a.second), v.push_back(-a.second);
+  std::vector<std::int64_t> r(v.size());
+  check_mpi(MPI_Allreduce(v.data(), r.data(), static_cast<int>(v.size()), MPI_INT64_T, MPI_MAX,
+                          comm.get()),
+            "MPI_Allreduce");
+  int const lowest = static_cast<int>(-r[0]);
+  if (lowest < comm.size()) rethrow_from(comm, lowest, kind, msg);
+  for (std::size_t i = 0; i < agree.size(); ++i) {
+    std::int64_t const hi = r[2 + 2 * i], lo = -r[3 + 2 * i];
+    if (hi != lo)
+      throw ShapeError(moe::detail::cat(who, ": ", agree[i].first, " differs across ranks (from ",
+                                        lo, " to ", hi, "); every rank must pass the same value"));
+  }
+  return r[1] != 0;
+}
+
 }  // namespace detail
 
 /// \brief Collective: throws the same exception on every rank when any rank failed.
@@ -204,24 +235,14 @@ inline std::string broadcast_string(Communicator const& comm, int root, std::str
 /// \param kind the exception type to throw
 inline void any_error(Communicator const& comm, bool local_failed, std::string const& msg,
                       ErrorKind kind = ErrorKind::error) {
-  if (comm.is_local()) {  // one rank, no MPI: its own error, as it is
-    if (local_failed) detail::throw_kind(kind, msg);
-    return;
-  }
-  int const mine = local_failed ? comm.rank() : comm.size();
-  int lowest = comm.size();
-  check_mpi(MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, comm.get()), "MPI_Allreduce");
-  if (lowest < comm.size()) detail::rethrow_from(comm, lowest, kind, msg);
+  detail::collective_check(comm, "moe::comm::any_error", local_failed, msg, kind, {});
 }
 
 /// \brief Collective: whether `flag` is true on any rank (one MPI_Allreduce; none on a local()
 /// communicator).
 inline bool any_rank(Communicator const& comm, bool flag) {
-  if (comm.is_local()) return flag;
-  int const mine = flag ? 1 : 0;
-  int any = 0;
-  check_mpi(MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm.get()), "MPI_Allreduce");
-  return any != 0;
+  return detail::collective_check(comm, "moe::comm::any_rank", false, "", ErrorKind::error, {},
+                                  flag);
 }
 
 /// \brief Collective: runs the purely local `f()` on every rank; if it throws on any rank, every

@@ -40,14 +40,12 @@ inline bool& force_staging() {
   return force;
 }
 
-/// Whether MPI may read and write memory of MS directly.
-template <class MS>
-inline constexpr bool mpi_accessible =
-    MOE_ENABLE_GPU_AWARE_MPI != 0 || Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible;
-
+/// Whether memory of MS is staged through host buffers: MPI cannot reach it (or a test says so).
 template <class MS>
 bool staged() {
-  return !mpi_accessible<MS> || force_staging();
+  return !(MOE_ENABLE_GPU_AWARE_MPI != 0 ||
+           Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible) ||
+         force_staging();
 }
 
 using moe::detail::fence;
@@ -110,37 +108,6 @@ class MpiRange {
   std::int64_t n_;
   HostBuffer buffer_;
 };
-
-/// Collective, one MPI_Allreduce: every rank throws the lowest failing rank's error when any
-/// rank failed its local checks, and the same ShapeError when one of `agree` (name, value)
-/// differs across ranks. Returns the OR over ranks of `flag`.
-inline bool collective_check(Communicator const& comm, char const* who, bool local_failed,
-                             std::string const& msg, ErrorKind kind,
-                             std::vector<std::pair<char const*, std::int64_t>> const& agree,
-                             bool flag = false) {
-  if (comm.is_local()) {  // one rank, no MPI: its own checks decide
-    if (local_failed) throw_kind(kind, msg);
-    return flag;
-  }
-  std::vector<std::int64_t> v;
-  v.reserve(2 + 2 * agree.size());
-  v.push_back(-static_cast<std::int64_t>(local_failed ? comm.rank() : comm.size()));
-  v.push_back(flag ? 1 : 0);
-  for (auto const& a : agree) v.push_back(a.second), v.push_back(-a.second);
-  std::vector<std::int64_t> r(v.size());
-  check_mpi(MPI_Allreduce(v.data(), r.data(), static_cast<int>(v.size()), MPI_INT64_T, MPI_MAX,
-                          comm.get()),
-            "MPI_Allreduce");
-  int const lowest = static_cast<int>(-r[0]);
-  if (lowest < comm.size()) rethrow_from(comm, lowest, kind, msg);
-  for (std::size_t i = 0; i < agree.size(); ++i) {
-    std::int64_t const hi = r[2 + 2 * i], lo = -r[3 + 2 * i];
-    if (hi != lo)
-      throw ShapeError(moe::detail::cat(who, ": ", agree[i].first, " differs across ranks (from ",
-                                        lo, " to ", hi, "); every rank must pass the same value"));
-  }
-  return r[1] != 0;
-}
 
 /// Row counts and displacements of one side of an all-to-all.
 struct Blocks {
