@@ -50,11 +50,6 @@ std::vector<std::int64_t> view_shape(V const& v) {
   return view_shape(v, std::make_index_sequence<static_cast<std::size_t>(V::rank)>());
 }
 
-template <class V>
-std::string view_extents_str(V const& v) {
-  return shape_text(view_shape(v));
-}
-
 template <class V, std::size_t... I>
 V make_view(std::string const& label, std::vector<std::int64_t> const& shape,
             std::index_sequence<I...>) {
@@ -67,7 +62,7 @@ V make_view(std::string const& label, std::vector<std::int64_t> const& shape,
 template <class View>
 Tensor to_tensor(View const& v) {
   using T = std::remove_const_t<typename View::value_type>;
-  static_assert(detail::has_dtype<T>::value,
+  static_assert(detail::has_dtype<T>,
                 "to_tensor: the View's value type must be a 32/64-bit float or signed integer");
   auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
   std::vector<std::int64_t> shape = detail::view_shape(v);
@@ -87,7 +82,7 @@ void copy_to_view(Tensor const& t, View const& v, std::string const& what = "ten
   if (t.shape != detail::view_shape(v)) {
     throw ShapeError(detail::cat(what, " has shape ", detail::shape_text(t.shape),
                                  " but the View '", v.label(), "' has extents ",
-                                 detail::view_extents_str(v)));
+                                 detail::shape_text(detail::view_shape(v))));
   }
   std::vector<T> values;
   try {

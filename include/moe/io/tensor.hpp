@@ -59,40 +59,25 @@ using ::moe::detail::cat;
 
 // ---- element types ---------------------------------------------------------------------------
 
-/// dtype_of<T>::value is the DType that stores T: 32/64-bit IEEE floats and 32/64-bit signed
-/// integers (any spelling: int, long, long long, ...). Other types have no `value`.
-template <class T, class = void>
-struct dtype_of {};
+/// The DType that stores T as an int: 32/64-bit IEEE floats, moe::bf16 and 32/64-bit signed
+/// integers (any spelling: int, long, long long, ...); -1 for other types.
 template <class T>
-struct dtype_of<T, std::enable_if_t<std::is_floating_point<T>::value &&
-                                    std::numeric_limits<T>::is_iec559 && sizeof(T) == 4>> {
-  static constexpr DType value = DType::F32;
-};
+constexpr int dtype_code() {
+  constexpr bool ieee = std::is_floating_point<T>::value && std::numeric_limits<T>::is_iec559;
+  constexpr bool sint = std::is_integral<T>::value && std::is_signed<T>::value;
+  if (std::is_same<T, moe::bf16>::value) return static_cast<int>(DType::BF16);
+  if (ieee && sizeof(T) == 4) return static_cast<int>(DType::F32);
+  if (ieee && sizeof(T) == 8) return static_cast<int>(DType::F64);
+  if (sint && sizeof(T) == 4) return static_cast<int>(DType::I32);
+  if (sint && sizeof(T) == 8) return static_cast<int>(DType::I64);
+  return -1;
+}
+/// Whether T has a DType (dtype_code).
 template <class T>
-struct dtype_of<T, std::enable_if_t<std::is_floating_point<T>::value &&
-                                    std::numeric_limits<T>::is_iec559 && sizeof(T) == 8>> {
-  static constexpr DType value = DType::F64;
-};
+inline constexpr bool has_dtype = dtype_code<T>() >= 0;
+/// The DType that stores T (only where has_dtype<T>).
 template <class T>
-struct dtype_of<
-    T, std::enable_if_t<std::is_integral<T>::value && std::is_signed<T>::value && sizeof(T) == 4>> {
-  static constexpr DType value = DType::I32;
-};
-template <class T>
-struct dtype_of<
-    T, std::enable_if_t<std::is_integral<T>::value && std::is_signed<T>::value && sizeof(T) == 8>> {
-  static constexpr DType value = DType::I64;
-};
-
-template <class T>
-struct dtype_of<T, std::enable_if_t<std::is_same<T, moe::bf16>::value>> {
-  static constexpr DType value = DType::BF16;
-};
-
-template <class T, class = void>
-struct has_dtype : std::false_type {};
-template <class T>
-struct has_dtype<T, std::void_t<decltype(dtype_of<T>::value)>> : std::true_type {};
+inline constexpr DType dtype_of = static_cast<DType>(dtype_code<T>());
 
 /// A readable name of T for messages.
 template <class T>
@@ -117,11 +102,8 @@ inline bool host_is_little_endian() {
 template <class T>
 T load_le(unsigned char const* p) {
   unsigned char buf[sizeof(T)];
-  if (host_is_little_endian()) {
-    std::memcpy(buf, p, sizeof(T));
-  } else {
-    for (std::size_t i = 0; i < sizeof(T); ++i) buf[i] = p[sizeof(T) - 1 - i];
-  }
+  std::memcpy(buf, p, sizeof(T));
+  if (!host_is_little_endian()) std::reverse(buf, buf + sizeof(T));
   T v;
   std::memcpy(&v, buf, sizeof(T));
   return v;
@@ -130,13 +112,8 @@ T load_le(unsigned char const* p) {
 /// Stores \p v little-endian at \p p.
 template <class T>
 void store_le(T v, unsigned char* p) {
-  unsigned char buf[sizeof(T)];
-  std::memcpy(buf, &v, sizeof(T));
-  if (host_is_little_endian()) {
-    std::memcpy(p, buf, sizeof(T));
-  } else {
-    for (std::size_t i = 0; i < sizeof(T); ++i) p[i] = buf[sizeof(T) - 1 - i];
-  }
+  std::memcpy(p, &v, sizeof(T));
+  if (!host_is_little_endian()) std::reverse(p, p + sizeof(T));
 }
 
 /// "[2, 3]"
@@ -152,9 +129,7 @@ inline std::int64_t checked_numel(std::vector<std::int64_t> const& shape,
                         " at axis ", i, "; dimensions must be >= 0"));
     }
   }
-  for (std::int64_t d : shape) {
-    if (d == 0) return 0;
-  }
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return 0;
   std::int64_t n = 1;
   for (std::int64_t d : shape) {
     if (n > std::numeric_limits<std::int64_t>::max() / d) {
@@ -322,11 +297,11 @@ struct Tensor {
   /// does not hold values.size() elements.
   template <class T>
   static Tensor from(std::vector<std::int64_t> shape, std::vector<T> const& values) {
-    static_assert(detail::has_dtype<T>::value,
+    static_assert(detail::has_dtype<T>,
                   "Tensor::from<T>: T must be a 32/64-bit float, moe::bf16 or a 32/64-bit signed "
                   "integer");
     Tensor t;
-    t.dtype = detail::dtype_of<T>::value;
+    t.dtype = detail::dtype_of<T>;
     t.shape = std::move(shape);
     std::int64_t const n = t.numel();
     if (static_cast<std::uint64_t>(n) != values.size()) {
