@@ -83,22 +83,12 @@ class JsonTreeBuilder {
   std::size_t error_at = 0;  ///< byte offset of a syntax error (located == true)
   bool located = false;      ///< whether nlohmann-json located the error (a syntax error)
 
-  bool null() { return leaf(JsonValue{}); }
-  bool boolean(bool b) {
-    JsonValue v;
-    v.kind = JsonValue::Kind::Bool;
-    v.boolean = b;
-    return leaf(std::move(v));
-  }
+  bool null() { return leaf(JsonValue::Kind::Null); }
+  bool boolean(bool b) { return leaf(JsonValue::Kind::Bool, {}, b); }
   bool number_integer(json::number_integer_t i) { return number(std::to_string(i)); }
   bool number_unsigned(json::number_unsigned_t u) { return number(std::to_string(u)); }
   bool number_float(json::number_float_t, json::string_t const& literal) { return number(literal); }
-  bool string(json::string_t& s) {
-    JsonValue v;
-    v.kind = JsonValue::Kind::String;
-    v.text = std::move(s);
-    return leaf(std::move(v));
-  }
+  bool string(json::string_t& s) { return leaf(JsonValue::Kind::String, std::move(s)); }
   bool binary(json::binary_t&) { return stop("binary data"); }
   bool start_object(std::size_t) { return open(JsonValue::Kind::Object); }
   bool end_object() { return close(); }
@@ -135,12 +125,7 @@ class JsonTreeBuilder {
     error = std::move(why);
     return false;
   }
-  bool number(std::string text) {
-    JsonValue v;
-    v.kind = JsonValue::Kind::Number;
-    v.text = std::move(text);
-    return leaf(std::move(v));
-  }
+  bool number(std::string text) { return leaf(JsonValue::Kind::Number, std::move(text)); }
   /// Places v in the open container (under the pending key in an object), or as the root.
   JsonValue* place(JsonValue v) {
     if (stack_.empty()) {
@@ -152,7 +137,11 @@ class JsonTreeBuilder {
     parent.items.push_back(std::move(v));
     return &parent.items.back();
   }
-  bool leaf(JsonValue v) {
+  bool leaf(JsonValue::Kind kind, std::string text = {}, bool b = false) {
+    JsonValue v;
+    v.kind = kind;
+    v.boolean = b;
+    v.text = std::move(text);
     place(std::move(v));
     return true;
   }

@@ -187,10 +187,12 @@ inline File File::read(std::string const& path) {
   std::uint64_t const buffer_size = file_size - 8 - header_len;
 
   JsonValue const root = detail::JsonParser(header, file + ": ").parse_document();
-  if (root.kind != JsonValue::Kind::Object) {
-    throw IoError(
-        cat(file, ": the header is ", detail::json_kind_name(root.kind), ", not a JSON object"));
-  }
+  // Throws "<what> is <kind of v><rule>" unless v is of \p kind.
+  auto expect = [](JsonValue const& v, JsonValue::Kind kind, std::string const& what,
+                   char const* rule) {
+    if (v.kind != kind) throw IoError(cat(what, " is ", detail::json_kind_name(v.kind), rule));
+  };
+  expect(root, JsonValue::Kind::Object, file + ": the header", ", not a JSON object");
 
   struct Entry {
     std::string name;
@@ -206,24 +208,18 @@ inline File File::read(std::string const& path) {
     JsonValue const& info = root.items[k];
     if (name == "__metadata__") {
       if (info.kind == JsonValue::Kind::Null) continue;
-      if (info.kind != JsonValue::Kind::Object) {
-        throw IoError(cat(file, ": \"__metadata__\" is ", detail::json_kind_name(info.kind),
-                          "; it must be an object of string values"));
-      }
+      expect(info, JsonValue::Kind::Object, file + ": \"__metadata__\"",
+             "; it must be an object of string values");
       for (std::size_t m = 0; m < info.keys.size(); ++m) {
-        if (info.items[m].kind != JsonValue::Kind::String) {
-          throw IoError(cat(file, ": metadata value of key '", info.keys[m], "' is ",
-                            detail::json_kind_name(info.items[m].kind), "; it must be a string"));
-        }
+        expect(info.items[m], JsonValue::Kind::String,
+               cat(file, ": metadata value of key '", info.keys[m], "'"), "; it must be a string");
         out.metadata[info.keys[m]] = info.items[m].text;
       }
       continue;
     }
     std::string const ctx = cat(file, ": tensor '", name, "': ");
-    if (info.kind != JsonValue::Kind::Object) {
-      throw IoError(cat(ctx, "entry is ", detail::json_kind_name(info.kind),
-                        "; it must be an object with dtype, shape and data_offsets"));
-    }
+    expect(info, JsonValue::Kind::Object, ctx + "entry",
+           "; it must be an object with dtype, shape and data_offsets");
     static char const* const kFields[] = {"dtype", "shape", "data_offsets"};
     JsonValue const* fields[3] = {};
     for (std::size_t f = 0; f < info.keys.size(); ++f) {
@@ -243,23 +239,16 @@ inline File File::read(std::string const& path) {
 
     Entry e;
     e.name = name;
-    if (dtype->kind != JsonValue::Kind::String) {
-      throw IoError(
-          cat(ctx, "dtype is ", detail::json_kind_name(dtype->kind), "; it must be a string"));
-    }
+    expect(*dtype, JsonValue::Kind::String, ctx + "dtype", "; it must be a string");
     if (!parse_dtype(dtype->text, e.tensor.dtype)) {
       static char const* const known[] = {"BOOL", "U8",  "I8",  "F8_E5M2", "F8_E4M3",
                                           "I16",  "U16", "U32", "U64"};
       bool const is_known =
-          std::find_if(std::begin(known), std::end(known),
-                       [&](char const* other) { return dtype->text == other; }) != std::end(known);
+          std::find(std::begin(known), std::end(known), dtype->text) != std::end(known);
       throw IoError(cat(ctx, is_known ? "unsupported dtype '" : "unknown dtype '", dtype->text,
                         "' (moe reads F32, F64, BF16, F16, I32 and I64)"));
     }
-    if (shape->kind != JsonValue::Kind::Array) {
-      throw IoError(cat(ctx, "shape is ", detail::json_kind_name(shape->kind),
-                        "; it must be an array of integers"));
-    }
+    expect(*shape, JsonValue::Kind::Array, ctx + "shape", "; it must be an array of integers");
     for (std::size_t a = 0; a < shape->items.size(); ++a) {
       std::int64_t d = 0;
       if (!detail::json_to_int64(shape->items[a], d)) {
