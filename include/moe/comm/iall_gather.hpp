@@ -40,9 +40,8 @@ class AllGatherRequest {
     if (this != &o) {
       abandon();
       reqs_ = std::exchange(o.reqs_, {});
-      send_ = std::move(o.send_);
-      recv_ = std::move(o.recv_);
-      pending_ = std::exchange(o.pending_, false);
+      send_ = std::exchange(o.send_, std::nullopt);
+      recv_ = std::exchange(o.recv_, std::nullopt);
     }
     return *this;
   }
@@ -50,7 +49,7 @@ class AllGatherRequest {
 
   /// \brief Lets MPI progress the gather; true once it has completed (then wait() only unstages).
   bool test() {
-    if (!pending_ || reqs_.empty()) return true;
+    if (reqs_.empty()) return true;
     int flag = 0;
     check_mpi(MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE),
               "MPI_Testall");
@@ -61,9 +60,8 @@ class AllGatherRequest {
   /// \brief Completes the gather: `out` holds every rank's block when this returns (fenced).
   template <class ExecSpace>
   void wait(ExecSpace const& space) {
-    if (!pending_) return;
+    if (!pending()) return;
     detail::wait_all(reqs_);
-    pending_ = false;
     if (recv_ && recv_->is_staged()) {
       recv_->finish(space);
       detail::fence(space, "moe::comm::iall_gather: unstaged");
@@ -73,7 +71,7 @@ class AllGatherRequest {
   }
 
   /// Whether the gather was started and not yet waited for.
-  bool pending() const { return pending_; }
+  bool pending() const { return send_.has_value(); }
 
   /// Internal: started by iall_gather (n rows of `row` elements per rank).
   template <class ExecSpace>
@@ -88,7 +86,6 @@ class AllGatherRequest {
     if (send_->is_staged()) detail::fence(space, "moe::comm::iall_gather: staged");
     T const* s = send_->data();
     T* r = recv_->data();
-    pending_ = true;
     MPI_Datatype const type = mpi_type<T>();
     if (count <= limit && P * count <= limit) {
       reqs_.resize(1);
@@ -103,17 +100,15 @@ class AllGatherRequest {
 
  private:
   void abandon() noexcept {
-    if (pending_ && !reqs_.empty())
+    if (!reqs_.empty())
       MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE);
     reqs_.clear();
-    pending_ = false;
   }
 
   std::vector<MPI_Request> reqs_;
   // The ranges MPI reads and writes (their staging buffers, when staged, live until wait()).
   std::optional<detail::MpiRange<T, InMS>> send_;
   std::optional<detail::MpiRange<T, OutMS>> recv_;
-  bool pending_ = false;
 };
 
 /// \brief The agreed shape of an all-gather started in pieces (e.g. one piece per D-chunk of the

@@ -214,6 +214,7 @@ class RaggedAllToAll {
     check_mpi(MPI_Alltoall(out.data(), 2, MPI_INT64_T, in.data(), 2, MPI_INT64_T, comm_.get()),
               "MPI_Alltoall");
     bool any_capped = false;
+    recv_.counts.resize(P);
     for (int i = 0; i < P; ++i) {
       if (in[2 * i] < 0)
         detail::rethrow_from(
@@ -221,10 +222,9 @@ class RaggedAllToAll {
             moe::detail::cat("moe::comm::RaggedAllToAll: send_counts (", send_counts.size(),
                              " entries) and send_displs (", send_displs.size(),
                              " entries) must have one non-negative entry per rank (", P, ")"));
+      recv_.counts[i] = in[2 * i];
       any_capped = any_capped || in[2 * i + 1] != 0;
     }
-    recv_.counts.resize(P);
-    for (int i = 0; i < P; ++i) recv_.counts[i] = in[2 * i];
     kept_ = send_counts;
     if (any_capped) {
       // Each receiver truncates its column and tells every sender how many rows it keeps.
@@ -235,14 +235,10 @@ class RaggedAllToAll {
     }
     recv_.displs = detail::exclusive_cumsum(recv_.counts);
     recv_total_ = P > 0 ? recv_.displs[P - 1] + recv_.counts[P - 1] : 0;
-    // The reverse writes every block back: that needs blocks that do not overlap.
-    std::vector<std::pair<std::int64_t, std::int64_t>> blocks;
-    for (int j = 0; j < P; ++j) {
+    for (int j = 0; j < P; ++j)
       send_extent_ = std::max(send_extent_, send_.displs[j] + send_.counts[j]);
-      if (send_.counts[j] > 0)
-        blocks.emplace_back(send_.displs[j], send_.displs[j] + send_.counts[j]);
-    }
-    std::sort(blocks.begin(), blocks.end());
+    // The reverse writes every block back: that needs blocks that do not overlap.
+    auto const blocks = detail::sorted_blocks(send_);
     for (std::size_t b = 1; b < blocks.size(); ++b)
       reversible_ = reversible_ && blocks[b - 1].second <= blocks[b].first;
   }
@@ -277,8 +273,8 @@ class RaggedAllToAll {
   template <class ExecSpace, class SendView, class RecvView>
   void forward(ExecSpace const& space, SendView const& send, RecvView const& recv) const {
     moe::detail::Region region("moe::comm::ragged_all_to_all");
-    apply(space, "moe::comm::RaggedAllToAll::forward", false, send, send_.displs, kept_, recv,
-          recv_.displs, recv_.counts, send_extent_, recv_total_);
+    apply(space, "moe::comm::RaggedAllToAll::forward", false, send, {kept_, send_.displs}, recv,
+          recv_, send_extent_, recv_total_);
   }
 
   /// \brief Collective: the reverse of forward: rows of `in` (laid out as forward's receive
@@ -289,18 +285,15 @@ class RaggedAllToAll {
   template <class ExecSpace, class InView, class OutView>
   void reverse(ExecSpace const& space, InView const& in, OutView const& out) const {
     moe::detail::Region region("moe::comm::ragged_all_to_all::reverse");
-    apply(space, "moe::comm::RaggedAllToAll::reverse", true, in, recv_.displs, recv_.counts, out,
-          send_.displs, kept_, recv_total_, send_extent_);
+    apply(space, "moe::comm::RaggedAllToAll::reverse", true, in, recv_, out, {kept_, send_.displs},
+          recv_total_, send_extent_);
   }
 
  private:
   template <class ExecSpace, class SrcView, class DstView>
   void apply(ExecSpace const& space, char const* who, bool is_reverse, SrcView const& src,
-             std::vector<std::int64_t> const& src_displs,
-             std::vector<std::int64_t> const& src_counts, DstView const& dst,
-             std::vector<std::int64_t> const& dst_displs,
-             std::vector<std::int64_t> const& dst_counts, std::int64_t src_rows_needed,
-             std::int64_t dst_rows_needed) const {
+             detail::Blocks const& s, DstView const& dst, detail::Blocks const& r,
+             std::int64_t src_rows_needed, std::int64_t dst_rows_needed) const {
     detail::check_view_type<ExecSpace, SrcView>();
     detail::check_view_type<ExecSpace, DstView>();
     using T = typename DstView::non_const_value_type;
@@ -326,22 +319,9 @@ class RaggedAllToAll {
       msg = moe::detail::cat(who,
                              ": the plan's send blocks overlap, so rows cannot be sent back "
                              "to them; build the plan with disjoint blocks");
-    detail::Blocks const s{src_counts, src_displs}, r{dst_counts, dst_displs};
     bool const slow = !detail::fits(row, {&s, &r});
     bool const any_slow = detail::collective_check(comm_, who, !msg.empty(), msg, ErrorKind::shape,
                                                    {{"elements per row", row}}, slow);
-
-    // Rows of the destination that nothing is written to.
-    std::vector<std::pair<std::int64_t, std::int64_t>> gaps, filled;
-    for (std::size_t i = 0; i < dst_counts.size(); ++i)
-      if (dst_counts[i] > 0) filled.emplace_back(dst_displs[i], dst_displs[i] + dst_counts[i]);
-    std::sort(filled.begin(), filled.end());
-    std::int64_t at = 0;
-    for (auto const& f : filled) {
-      if (f.first > at) gaps.emplace_back(at, f.first);
-      at = std::max(at, f.second);
-    }
-    if (dst_rows > at) gaps.emplace_back(at, dst_rows);
 
     detail::fence(space, "moe::comm::RaggedAllToAll: source ready");
     auto const send_buf = detail::MpiRange<T, SrcMS>::send(
@@ -352,7 +332,19 @@ class RaggedAllToAll {
     detail::exchange_rows(comm_, detail::Pattern::alltoallv, send_buf.data(), s, recv_buf.data(), r,
                           row, !any_slow);
     recv_buf.finish(space);
-    detail::zero_rows<ExecSpace, T, DstMS>(space, dst.data(), row, gaps);
+    // Rows of the destination that nothing is written to are set to zero: the gaps before each
+    // block and after the last (an empty block at dst_rows closes the list).
+    auto blocks = detail::sorted_blocks(r);
+    blocks.emplace_back(dst_rows, dst_rows);
+    std::int64_t at = 0;
+    for (auto const& b : blocks) {
+      if (b.first > at)
+        Kokkos::deep_copy(space,
+                          detail::Flat<T, DstMS>(dst.data() + at * row,
+                                                 static_cast<std::size_t>((b.first - at) * row)),
+                          T(0));
+      at = std::max(at, b.second);
+    }
     if (recv_buf.is_staged()) detail::fence(space, "moe::comm::RaggedAllToAll: unstaged");
   }
 

@@ -13,6 +13,7 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <optional>
@@ -113,6 +114,15 @@ class MpiRange {
 struct Blocks {
   std::vector<std::int64_t> counts, displs;
 };
+
+/// The non-empty blocks [displ, displ + count) of one side, sorted.
+inline std::vector<std::pair<std::int64_t, std::int64_t>> sorted_blocks(Blocks const& b) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> out;
+  for (std::size_t i = 0; i < b.counts.size(); ++i)
+    if (b.counts[i] > 0) out.emplace_back(b.displs[i], b.displs[i] + b.counts[i]);
+  std::sort(out.begin(), out.end());
+  return out;
+}
 
 /// Whether every count and displacement (in rows) and the row length fit count_limit().
 inline bool fits(std::int64_t row_elems, std::initializer_list<Blocks const*> sides) {
@@ -274,18 +284,6 @@ constexpr void check_view_type() {
                 "int64_t)");
   static_assert(Kokkos::SpaceAccessibility<ExecSpace, typename View::memory_space>::accessible,
                 "moe::comm: the views must be accessible from the execution space");
-}
-
-/// Zeroes rows [begin, end) of each range of a row view (rows of row_elems elements).
-template <class ExecSpace, class T, class MS>
-void zero_rows(ExecSpace const& space, T* data, std::int64_t row_elems,
-               std::vector<std::pair<std::int64_t, std::int64_t>> const& ranges) {
-  for (auto const& g : ranges)
-    if (g.second > g.first && row_elems > 0)
-      Kokkos::deep_copy(space,
-                        Flat<T, MS>(data + g.first * row_elems,
-                                    static_cast<std::size_t>((g.second - g.first) * row_elems)),
-                        T(0));
 }
 
 }  // namespace moe::comm::detail
