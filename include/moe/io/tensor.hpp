@@ -164,36 +164,25 @@ inline float load_16(unsigned char const* src, std::size_t i, DType d) {
   return d == DType::BF16 ? moe::detail::bf16_to_float(b) : moe::detail::half_bits_to_float(b);
 }
 
-/// Converts \p n elements of type S stored little-endian at \p src into \p out.
+/// Converts \p n elements of type S stored little-endian at \p src into \p out (S = uint16_t for
+/// BF16 and F16, read exactly as floats). Integer -> integer conversions are range-checked.
 template <class S, class T>
 void convert_elements(unsigned char const* src, std::size_t n, DType d, std::vector<T>& out) {
   out.resize(n);
-  if constexpr (std::is_same<S, std::uint16_t>::value) {  // BF16, F16: through float
-    for (std::size_t i = 0; i < n; ++i) {
-      float const v = load_16(src, i, d);
-      if constexpr (std::is_same<T, moe::bf16>::value)
-        out[i] = moe::bf16(v);
-      else
-        out[i] = static_cast<T>(v);
-    }
-  } else {
-    for (std::size_t i = 0; i < n; ++i) {
+  for (std::size_t i = 0; i < n; ++i) {
+    if constexpr (std::is_same<S, std::uint16_t>::value) {
+      out[i] = static_cast<T>(load_16(src, i, d));
+    } else if constexpr (std::is_floating_point<T>::value || std::is_same<T, moe::bf16>::value) {
+      out[i] = static_cast<T>(load_le<S>(src + i * sizeof(S)));
+    } else if constexpr (std::is_integral<S>::value) {
       S const v = load_le<S>(src + i * sizeof(S));
-      if constexpr (std::is_same<T, moe::bf16>::value) {
-        out[i] = moe::bf16(static_cast<float>(v));
-      } else if constexpr (std::is_floating_point<T>::value) {
-        out[i] = static_cast<T>(v);
-      } else if constexpr (std::is_floating_point<S>::value) {
-        // Rejected before the loop (float -> integer is never implicit).
-        (void)d;
-        out[i] = T{};
-      } else {
-        if (!int_fits<T>(v)) {
-          throw IoError(cat("element ", i, " of a ", dtype_name(d), " tensor is ", v,
-                            ", which does not fit in ", type_label<T>()));
-        }
-        out[i] = static_cast<T>(v);
+      if (!int_fits<T>(v)) {
+        throw IoError(cat("element ", i, " of a ", dtype_name(d), " tensor is ", v,
+                          ", which does not fit in ", type_label<T>()));
       }
+      out[i] = static_cast<T>(v);
+    } else {
+      (void)src, (void)d;  // float -> integer: rejected before the call, never implicit
     }
   }
 }
@@ -278,17 +267,17 @@ struct Tensor {
                                 ": only floating tensors convert between floating "
                                 "types"));
     if (to == dtype) return *this;
-    Tensor t;
-    t.dtype = to;
-    t.shape = shape;
     if (to == DType::F64) return Tensor::from(shape, to_vector<double>());
     if (to == DType::F32) return Tensor::from(shape, to_vector<float>());
+    if (to == DType::BF16) return Tensor::from(shape, to_vector<moe::bf16>());
+    Tensor t;  // F16, which has no C++ element type here
+    t.dtype = to;
+    t.shape = shape;
     auto const v = to_vector<float>();
     t.bytes.resize(v.size() * 2);
     for (std::size_t i = 0; i < v.size(); ++i)
-      detail::store_le<std::uint16_t>(
-          to == DType::BF16 ? moe::bf16(v[i]).bits : moe::detail::float_to_half_bits(v[i]),
-          t.bytes.data() + 2 * i);
+      detail::store_le<std::uint16_t>(moe::detail::float_to_half_bits(v[i]),
+                                      t.bytes.data() + 2 * i);
     return t;
   }
 

@@ -125,38 +125,32 @@ inline void remove_leftovers(std::string const& dir) {
 /// Renames the complete temporary directory \p tmp to \p final_dir (replacing an existing one).
 inline void install(std::string const& dir, std::string const& tmp, std::string const& final_dir) {
   struct stat st {};
-  if (::lstat(final_dir.c_str(), &st) != 0) {
-    if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
-      throw IoError(cat("checkpoint: cannot rename '", tmp, "' to '", final_dir,
+  std::string old;  // where the replaced checkpoint ends up; empty when there is none
+  if (::lstat(final_dir.c_str(), &st) == 0) {
+#ifdef RENAME_EXCHANGE
+    if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+      old = tmp;
+    } else if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) {
+      throw IoError(cat("checkpoint: cannot exchange '", tmp, "' and '", final_dir,
                         "': ", std::strerror(errno)));
     }
-    sync_dir(dir);
-    return;
-  }
-  std::string old = tmp;  // where the replaced checkpoint ends up
-  bool exchanged = false;
-#ifdef RENAME_EXCHANGE
-  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
-    exchanged = true;
-  } else if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) {
-    throw IoError(cat("checkpoint: cannot exchange '", tmp, "' and '", final_dir,
-                      "': ", std::strerror(errno)));
-  }
 #endif
-  if (!exchanged) {
-    old = hidden_path(dir, "trash_", fs::path(final_dir).filename().string());
-    if (::rename(final_dir.c_str(), old.c_str()) != 0) {
-      throw IoError(cat("checkpoint: cannot move '", final_dir, "' aside: ", std::strerror(errno)));
+    if (old.empty()) {  // no exchange: move the old one aside first
+      old = hidden_path(dir, "trash_", fs::path(final_dir).filename().string());
+      if (::rename(final_dir.c_str(), old.c_str()) != 0) {
+        throw IoError(
+            cat("checkpoint: cannot move '", final_dir, "' aside: ", std::strerror(errno)));
+      }
     }
-    if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
-      int const e = errno;
-      ::rename(old.c_str(), final_dir.c_str());  // put the old one back
-      throw IoError(
-          cat("checkpoint: cannot rename '", tmp, "' to '", final_dir, "': ", std::strerror(e)));
-    }
+  }
+  if (old != tmp && ::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+    int const e = errno;
+    if (!old.empty()) ::rename(old.c_str(), final_dir.c_str());  // put the old one back
+    throw IoError(
+        cat("checkpoint: cannot rename '", tmp, "' to '", final_dir, "': ", std::strerror(e)));
   }
   sync_dir(dir);
-  remove_or_warn(old, "cannot remove the replaced checkpoint '");
+  if (!old.empty()) remove_or_warn(old, "cannot remove the replaced checkpoint '");
 }
 
 /// Keeps the checkpoint of \p step and the keep - 1 newest complete ones before it.
