@@ -15,8 +15,31 @@
 #include <moe/sharding/rules.hpp>
 
 #include <algorithm>
+#include <initializer_list>
 #include <string>
 #include <vector>
+
+namespace moe::detail {
+
+/// A rule of a preset table; with `twin`, a rule `<name>_moe` with the same axes follows it.
+struct TwinRule {
+  std::string name;
+  sharding::DimAxes axes;
+  bool twin = false;
+};
+
+inline constexpr bool moe_too = true;
+
+inline sharding::LogicalRules rules_with_twins(std::initializer_list<TwinRule> rules) {
+  sharding::LogicalRules out;
+  for (auto const& r : rules) {
+    out.add(r.name, r.axes);
+    if (r.twin) out.add(r.name + "_moe", r.axes);
+  }
+  return out;
+}
+
+}  // namespace moe::detail
 
 namespace moe::sharding {
 
@@ -29,18 +52,15 @@ struct Preset {
 
 /// \brief The library's default rules (MaxText base config, MoE-relevant names).
 inline LogicalRules default_rules() {
-  return LogicalRules{
+  return detail::rules_with_twins({
       // Activations. Batch rules come before activation_exp (see file comment).
-      {"activation_batch", {"data", "fsdp", "fsdp_transpose", "expert"}},
-      {"activation_batch_moe", {"data", "fsdp", "fsdp_transpose", "expert"}},
-      {"activation_length", {"context", "context_usp_ulysses"}},
-      {"activation_length_moe", {"context", "context_usp_ulysses"}},
-      {"activation_norm_length", {"tensor_sequence", "context", "context_usp_ulysses"}},
-      {"activation_norm_length_moe", {"tensor_sequence", "context", "context_usp_ulysses"}},
-      {"activation_embed", {"tensor"}},
-      {"activation_embed_moe", {"tensor"}},
-      {"activation_mlp", {"tensor", "tensor_sequence"}},
-      {"activation_mlp_moe", {"tensor", "tensor_sequence"}},
+      {"activation_batch", {"data", "fsdp", "fsdp_transpose", "expert"}, detail::moe_too},
+      {"activation_length", {"context", "context_usp_ulysses"}, detail::moe_too},
+      {"activation_norm_length",
+       {"tensor_sequence", "context", "context_usp_ulysses"},
+       detail::moe_too},
+      {"activation_embed", {"tensor"}, detail::moe_too},
+      {"activation_mlp", {"tensor", "tensor_sequence"}, detail::moe_too},
       {"activation_exp", {"expert"}},
       // Dense / shared-expert weights: mlp first so embed falls back when mlp has fsdp_transpose.
       {"mlp", {"fsdp_transpose", "tensor", "tensor_sequence", "autoregressive"}},
@@ -55,7 +75,7 @@ inline LogicalRules default_rules() {
       {"embed_moe", {"fsdp", "fsdp_transpose", "context", "context_usp_ulysses"}},
       {"embed_moe", {"fsdp", "context", "context_usp_ulysses"}},
       {"exp_with_fsdp", {"fsdp"}},
-  };
+  });
 }
 
 /// \brief Names accepted by preset(), "default" first.
@@ -94,27 +114,20 @@ inline Preset preset(std::string const& name) {
   if (name == "pure-fsdp")
     return {name,
             {"fsdp"},
-            {
-                {"activation_batch", {"fsdp"}},
-                {"activation_batch_moe", {"fsdp"}},
-                {"embed", {"fsdp"}},
-                {"embed_moe", {"fsdp"}},
+            detail::rules_with_twins({
+                {"activation_batch", {"fsdp"}, detail::moe_too},
+                {"embed", {"fsdp"}, detail::moe_too},
                 {"exp_with_fsdp", {"fsdp"}},
-            }};
+            })};
   if (name == "ep-as-dp")  // expert acts as a data axis outside the MoE
     return {name,
             {"data", "fsdp", "fsdp_transpose", "expert"},
-            {
-                {"activation_batch", {"data", "fsdp", "fsdp_transpose", "expert"}},
-                {"activation_batch_moe", {"data", "fsdp", "fsdp_transpose", "expert"}},
-                {"activation_length", {}},
-                {"activation_length_moe", {}},
-                {"activation_norm_length", {}},
-                {"activation_norm_length_moe", {}},
-                {"activation_embed", {}},
-                {"activation_embed_moe", {}},
-                {"activation_mlp", {}},
-                {"activation_mlp_moe", {}},
+            detail::rules_with_twins({
+                {"activation_batch", {"data", "fsdp", "fsdp_transpose", "expert"}, detail::moe_too},
+                {"activation_length", {}, detail::moe_too},
+                {"activation_norm_length", {}, detail::moe_too},
+                {"activation_embed", {}, detail::moe_too},
+                {"activation_mlp", {}, detail::moe_too},
                 {"activation_exp", {"expert"}},
                 {"mlp", {"fsdp_transpose"}},
                 {"embed", {"fsdp", "fsdp_transpose"}},
@@ -123,13 +136,12 @@ inline Preset preset(std::string const& name) {
                 {"mlp_moe", {"fsdp_transpose"}},
                 {"embed_moe", {"fsdp"}},
                 {"exp_with_fsdp", {"fsdp"}},
-            }};
+            })};
   if (name == "ep-as-cp")  // expert shards the sequence outside the MoE
     return {name,
             {"data", "stage", "fsdp", "expert"},
-            {
-                {"activation_batch", {"data", "fsdp"}},
-                {"activation_batch_moe", {"data", "fsdp"}},
+            detail::rules_with_twins({
+                {"activation_batch", {"data", "fsdp"}, detail::moe_too},
                 {"activation_length", {"expert"}},
                 {"activation_norm_length", {"expert"}},
                 {"activation_embed", {}},
@@ -140,11 +152,11 @@ inline Preset preset(std::string const& name) {
                 {"layers", {"stage"}},
                 {"exp", {"expert"}},
                 {"embed_moe", {"fsdp"}},
-            }};
+            })};
   if (name == "cp-as-ep")  // the EP group is the (context, expert) tuple
     return {name,
             {"data", "stage", "fsdp", "context", "expert"},
-            {
+            detail::rules_with_twins({
                 {"activation_batch", {"data", "fsdp", "expert"}},
                 {"activation_batch_moe", {"data", "fsdp"}},
                 {"activation_length", {"context"}},
@@ -157,20 +169,17 @@ inline Preset preset(std::string const& name) {
                 {"layers", {"stage"}},
                 {"exp", {"context", "expert"}},
                 {"embed_moe", {"fsdp"}},
-            }};
+            })};
   if (name == "shard-exp-on-fsdp")  // expert dim stored on (expert, fsdp), embed_moe on context
     return {name,
             {"data", "stage", "fsdp", "fsdp_transpose", "context", "expert"},
-            {
+            detail::rules_with_twins({
                 {"activation_batch", {"data", "fsdp", "fsdp_transpose", "expert"}},
                 {"activation_batch_moe", {"data", "fsdp", "fsdp_transpose"}},
-                {"activation_length", {"context"}},
-                {"activation_length_moe", {"context"}},
-                {"activation_norm_length", {"context"}},
-                {"activation_norm_length_moe", {"context"}},
+                {"activation_length", {"context"}, detail::moe_too},
+                {"activation_norm_length", {"context"}, detail::moe_too},
                 {"activation_embed", {}},
-                {"activation_mlp", {}},
-                {"activation_mlp_moe", {}},
+                {"activation_mlp", {}, detail::moe_too},
                 {"activation_exp", {"expert"}},
                 {"mlp", {"fsdp_transpose"}},
                 {"embed", {"fsdp", "context", "expert"}},
@@ -178,20 +187,17 @@ inline Preset preset(std::string const& name) {
                 {"exp", {"expert", "fsdp"}},
                 {"mlp_moe", {"fsdp_transpose"}},
                 {"embed_moe", {"context"}},
-            }};
+            })};
   if (name == "pipeline-large-moe")
     return {name,
             {"data", "stage", "fsdp", "context", "tensor", "expert"},
-            {
+            detail::rules_with_twins({
                 {"activation_batch", {"data", "fsdp", "expert"}},
                 {"activation_batch_moe", {"data", "fsdp"}},
                 {"activation_length", {"context"}},
-                {"activation_norm_length", {"context"}},
-                {"activation_norm_length_moe", {"context"}},
-                {"activation_embed", {"tensor"}},
-                {"activation_embed_moe", {"tensor"}},
-                {"activation_mlp", {"tensor"}},
-                {"activation_mlp_moe", {"tensor"}},
+                {"activation_norm_length", {"context"}, detail::moe_too},
+                {"activation_embed", {"tensor"}, detail::moe_too},
+                {"activation_mlp", {"tensor"}, detail::moe_too},
                 {"activation_exp", {"expert"}},
                 {"mlp", {"tensor"}},
                 {"mlp_no_fsdp", {"tensor"}},
@@ -201,7 +207,7 @@ inline Preset preset(std::string const& name) {
                 {"mlp_moe", {"tensor"}},
                 {"embed_moe", {"fsdp"}},
                 {"exp_with_fsdp", {"fsdp"}},
-            }};
+            })};
   // EP-TP (MaxText PR #3600; no file in MaxText's snapshot, so the rules are this library's):
   // outside the routed experts the expert axis acts as tensor parallelism. The token activations
   // are split on the embedding dimension over `expert` and on the batch over data and fsdp; the
@@ -211,27 +217,22 @@ inline Preset preset(std::string const& name) {
   if (name == "ep-tp")
     return {name,
             {"data", "fsdp", "expert"},
-            {
-                {"activation_batch", {"data", "fsdp"}},
-                {"activation_batch_moe", {"data", "fsdp"}},
-                {"activation_length", {}},
-                {"activation_length_moe", {}},
-                {"activation_norm_length", {}},
-                {"activation_norm_length_moe", {}},
+            detail::rules_with_twins({
+                {"activation_batch", {"data", "fsdp"}, detail::moe_too},
+                {"activation_length", {}, detail::moe_too},
+                {"activation_norm_length", {}, detail::moe_too},
                 // activation_exp before the embed rules: a dispatch tensor [E, B, C, D] keeps
                 // its expert dimension on `expert`.
                 {"activation_exp", {"expert"}},
-                {"activation_embed", {"expert"}},
-                {"activation_embed_moe", {"expert"}},
-                {"activation_mlp", {}},
-                {"activation_mlp_moe", {}},
+                {"activation_embed", {"expert"}, detail::moe_too},
+                {"activation_mlp", {}, detail::moe_too},
                 {"mlp", {"expert"}},
                 {"embed", {"fsdp"}},
                 {"exp", {"expert"}},
                 {"mlp_moe", {}},
                 {"embed_moe", {"fsdp"}},
                 {"exp_with_fsdp", {"fsdp"}},
-            }};
+            })};
   std::string known;
   for (auto const& n : preset_names()) known += (known.empty() ? "" : ", ") + n;
   throw ConfigError(

@@ -318,24 +318,14 @@ struct Impl<moe::gmm::Tiled<TM, TK, TN>> {
     int64_t const n_tiles = (n + TN - 1) / TN;
     moe::detail::require<ShapeError>(n_tiles <= INT_MAX, what, ": n=", n, " is too large");
 
-    auto offsets = groups.offsets;
-
     int level = 0;
     auto policy = tile_policy(space, m_tiles * n_tiles, Core::team_size(), Core::scratch_bytes(),
                               level, what);
+    int64_t const k = lhs.extent(1);
+    int const nt = static_cast<int>(n_tiles);
     auto launch = [&](auto trans) {
       TiledGmmKernel<E, S, TM, TK, TN, decltype(trans)::value, ML, MR, MO, Mem> kernel{
-          lhs,
-          rhs,
-          out,
-          offsets,
-          go,
-          num_local,
-          int64_t(lhs.extent(1)),
-          n,
-          static_cast<int>(n_tiles),
-          opt.accumulate,
-          level};
+          lhs, rhs, out, groups.offsets, go, num_local, k, n, nt, opt.accumulate, level};
       Kokkos::parallel_for("moe::gmm::gmm<Tiled>", policy, kernel);
     };
     if (opt.transpose_rhs)
@@ -359,17 +349,9 @@ struct Impl<moe::gmm::Tiled<TM, TK, TN>> {
     int level = 0;
     auto policy = tile_policy(space, num_local * k_tiles * n_tiles, Core::team_size(),
                               Core::scratch_bytes(), level, what);
-    TiledTgmmKernel<E, S, TM, TK, TN, ML, MD, MO, Mem> kernel{lhs,
-                                                              dy,
-                                                              out,
-                                                              groups.offsets,
-                                                              opt.group_offset,
-                                                              k,
-                                                              n,
-                                                              static_cast<int>(k_tiles),
-                                                              static_cast<int>(n_tiles),
-                                                              opt.accumulate,
-                                                              level};
+    int const kt = static_cast<int>(k_tiles), nt = static_cast<int>(n_tiles);
+    TiledTgmmKernel<E, S, TM, TK, TN, ML, MD, MO, Mem> kernel{
+        lhs, dy, out, groups.offsets, opt.group_offset, k, n, kt, nt, opt.accumulate, level};
     Kokkos::parallel_for("moe::gmm::tgmm<Tiled>", policy, kernel);
   }
 };
