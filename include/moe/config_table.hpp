@@ -1,11 +1,8 @@
 #pragma once
 /// \file
-/// Config field tables: one descriptor per key (name, aliases, the member it sets, its type, its
-/// name in describe(), a doc line) and the rules between the values, in one table per config
-/// struct. Parsing (`set`), the key list (`keys`, unknown keys with the nearest one suggested),
-/// the canonical text the ranks compare (`describe`) and `validate` all come from the table, so a
-/// field is added in one place. LayerConfig (moe/config.hpp), ParallelConfig
-/// (moe/distributed/parallel_config.hpp) and train_moe's TrainConfig each build one.
+/// Config field tables: one descriptor per key and the rules between the values, one table per
+/// config struct, from which set(), keys(), describe() and validate() all come, so a field is
+/// added in one place.
 
 #include <moe/detail/parse.hpp>
 #include <moe/error.hpp>
@@ -78,11 +75,8 @@ struct ConfigRule {
   std::function<void(C const&)> check;
 };
 
-/// \brief The field table of config struct `C`: built once (a function-local static), then used
-/// by C's set(), keys(), describe() and validate().
-///
-/// Building it checks that no key (or alias) and no member is listed twice and that every rule
-/// names a field of the table; a mistake there throws std::logic_error on first use.
+/// \brief The field table of config struct `C`, built once (a function-local static). A key or
+/// member listed twice, or a rule naming no field, throws std::logic_error on first use.
 template <class C>
 class ConfigTable {
  public:

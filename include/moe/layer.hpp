@@ -1,9 +1,7 @@
 #pragma once
 /// \file
-/// MoeLayer: one Mixture-of-Experts layer on one rank. It is the one-rank case of the distributed
-/// step pipeline: a DistributedMoeLayer on comm::Communicator::local() (no MPI call, MPI need not
-/// be initialised) whose plan is re-made for each new batch shape, behind the single-rank API
-/// (any [B, S] per call, ForwardOptions, messages in the config's terms).
+/// MoeLayer: one Mixture-of-Experts layer on one rank, a DistributedMoeLayer on
+/// comm::Communicator::local() (no MPI call) whose plan is re-made for each new batch shape.
 
 #include <moe/comm/communicator.hpp>
 #include <moe/config.hpp>
@@ -24,8 +22,7 @@ namespace moe {
 /// combine, optional shared expert; forward and backward.
 ///
 /// y = sum_k w[t,k] * FFN_{e[t,k]}(x[t]) (+ shared FFN(x[t])); backward() returns the gradients
-/// of sum(y * dy) + lb_loss, once per forward(). It runs the distributed step plan on one rank
-/// (step_plan(); no stage communicates), the same code as every parallel layout. Move-only.
+/// of sum(y * dy) + lb_loss, once per forward(). Move-only.
 ///
 /// \tparam Scalar float or double; every step computes in this type.
 /// \tparam Policy moe::Policies<Routing, Gmm, Partition>.

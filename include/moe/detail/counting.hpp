@@ -45,11 +45,8 @@ struct CountingShape {
 
 /// \brief Count + exclusive scan of a stable counting sort of the slots s = t*K + k of `keys`
 /// [T,K] (keys in [0, E)), skipping slots whose `mask` is 0 (an empty mask keeps every slot).
-///
-/// On return, cursor[(g*E + e)*C + c] is the position, in the global order by (segment, key,
-/// slot), of the first slot of key e in chunk c of segment g; cursor[last] is the number of
-/// slots counted. A placing pass visits each chunk's slots in order and takes positions with
-/// cursor[...]++ (each chunk owns its cursors, so chunks place concurrently).
+/// cursor[sh.at(g, e, c, C)] is then the sorted position of the first slot of key e in chunk c of
+/// segment g (cursor[last]: slots counted); a placing pass takes positions with cursor[...]++.
 template <class ExecSpace, class MS>
 void counting_cursors(ExecSpace const& space, View2<int const, MS> keys, View2<int const, MS> mask,
                       CountingShape const& sh, View1<std::int64_t, MS> cursor) {

@@ -1,12 +1,9 @@
 #pragma once
 /// \file
-/// oneDNN on the host (only with MOE_HAS_ONEDNN): the process's CPU engine and streams, dense
-/// float GEMM through oneDNN's sgemm, the ISA oneDNN dispatches to, and Kernel: a oneDNN
-/// primitive whose executions are counted (Counters, read by moe::gmm::onednn_stats()).
-///
-/// When none of oneDNN's optimized kernels accepts a descriptor it silently returns its
-/// reference implementation, hundreds of times slower; moe checks every descriptor
-/// (direct_kernel()) before making a primitive and takes another path when the check fails.
+/// oneDNN on the host (only with MOE_HAS_ONEDNN): engine, streams, sgemm, ISA name and counted
+/// primitives (Kernel). When no optimized kernel accepts a descriptor oneDNN silently returns its
+/// reference implementation, hundreds of times slower, so moe checks every descriptor
+/// (direct_kernel()) before making a primitive.
 
 #include <moe/moe_config.hpp>
 
@@ -38,22 +35,14 @@ inline dnnl::engine& engine() {
   return e;
 }
 
-/// The process's in-order CPU stream (host primitives run synchronously on the calling thread).
-inline dnnl::stream& stream() {
-  static dnnl::stream s(engine());
-  return s;
-}
-
-/// The calling thread's own stream (a thread running primitives inside a parallel region uses
-/// its own stream, never another thread's).
+/// The calling thread's own stream (threads inside a parallel region never share one).
 inline dnnl::stream& thread_stream() {
   thread_local dnnl::stream s(engine());
   return s;
 }
 
-/// A buffer of at least `count` floats owned by the calling thread (slot 0 or 1: two buffers
-/// per thread); it only grows, so a steady-state step allocates nothing. Valid until the same
-/// thread asks for the same slot again.
+/// A growing buffer of at least `count` floats owned by the calling thread (slot 0 or 1), valid
+/// until the same thread asks for the same slot again.
 inline float* thread_buffer(int slot, std::size_t count) {
   thread_local std::vector<float> buffers[2];
   auto& b = buffers[slot];
@@ -70,10 +59,9 @@ inline int max_threads() {
 #endif
 }
 
-/// Runs body(i) for every i in [0, n), each call on one OpenMP thread, in dynamic order. oneDNN
-/// runs single-threaded inside a parallel region, so independent items (experts) run side by
-/// side. Items must write disjoint memory; the first exception an item throws is rethrown after
-/// the loop (items not yet started are skipped).
+/// Runs body(i) for every i in [0, n), each call on one OpenMP thread (oneDNN runs
+/// single-threaded inside a parallel region). Items must write disjoint memory; the first
+/// exception is rethrown after the loop (items not yet started are skipped).
 template <class Body>
 void for_each_item(std::int64_t n, Body&& body) {
   std::exception_ptr error;
@@ -102,8 +90,8 @@ inline void check(dnnl_status_t st, char const* what) {
                               static_cast<int>(st));
 }
 
-/// Whether an implementation name (impl_info_str) is one of oneDNN's reference implementations
-/// ("ref:any", "gemm:ref", ...): correct, unoptimized, never to run in a hot path.
+/// Whether an impl_info_str names one of oneDNN's reference implementations ("ref:any",
+/// "gemm:ref", ...).
 inline bool reference_impl(std::string const& impl) {
   return impl.rfind("ref", 0) == 0 || impl.find(":ref") != std::string::npos;
 }
@@ -118,15 +106,14 @@ inline bool direct_kernel(std::string const& impl) {
 /// Most descriptions Counters keeps of refusals and reference runs (the counts go on).
 inline constexpr std::size_t max_described = 16;
 
-/// What the process's oneDNN calls did (moe::gmm::onednn_stats() reads it). Counters only grow.
+/// What the process's oneDNN calls did (read by moe::gmm::onednn_stats()).
 struct Counters {
   std::atomic<std::uint64_t> primitives{0};      ///< Kernels made (primitives created)
   std::atomic<std::uint64_t> packed_tensors{0};  ///< weight tensors reordered into a packed layout
   std::atomic<std::uint64_t> rejected{0};        ///< shapes / chunk sizes run plain: no kernel
   std::atomic<std::uint64_t> reference_runs{0};  ///< executions of a reference implementation
   std::mutex mutex;                              ///< guards the members below
-  /// Executions per implementation name ("brg:avx512_core", "jit_1x1:avx2", "sgemm", ...); a
-  /// node's address is stable, so a Kernel keeps a pointer to its counter.
+  /// Executions per implementation name; a Kernel keeps a pointer to its (stable) node.
   std::map<std::string, std::atomic<std::uint64_t>> runs;
   std::vector<std::string> rejected_what;   ///< the latest refused descriptors, described
   std::vector<std::string> reference_what;  ///< the latest reference executions, described
@@ -153,8 +140,7 @@ inline std::atomic<std::uint64_t>& run_counter(std::string const& impl) {
   return c.runs.try_emplace(impl, 0).first->second;
 }
 
-/// Records a descriptor that was refused (`what`: the operation and shape, `impl`: what oneDNN
-/// offered); the caller runs another path.
+/// Records a refused descriptor (`what`: operation and shape, `impl`: what oneDNN offered).
 inline void note_rejected(std::string const& what, std::string const& impl) {
   auto& c = counters();
   c.note(c.rejected, c.rejected_what, what, impl);
@@ -183,10 +169,8 @@ class ScopedThreads {
   [[maybe_unused]] int saved_ = 1;
 };
 
-/// \brief One oneDNN primitive, the only way moe executes one: made in user scratchpad mode, it
-/// runs on any thread (several at once) with that thread's scratchpad, and counts its executions
-/// by implementation name (a reference implementation's also apart, described). Callers check
-/// direct_kernel() of the descriptor before making one for a hot path.
+/// \brief One oneDNN primitive in user scratchpad mode: runs on any thread (several at once) with
+/// that thread's scratchpad and counts its executions by implementation name.
 class Kernel {
  public:
   /// `what`: the operation and its shape, for messages ("matmul 256x1024x2816").
@@ -201,7 +185,6 @@ class Kernel {
   }
 
   std::string const& impl() const { return impl_; }
-  std::string const& what() const { return what_; }
 
   /// Runs on the calling thread's stream, with that thread's scratchpad, and waits.
   void run(std::unordered_map<int, dnnl::memory> args) const {

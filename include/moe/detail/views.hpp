@@ -37,12 +37,9 @@ void ensure(ExecSpace const& space, ViewT& v, std::string const& label, Extents.
   if (!same) v = alloc<ViewT>(space, label, n...);
 }
 
-/// \brief The View type `Expected` that a public entry point takes, made from the View the
-/// caller passed. Any View of the right rank, value type and memory space in LayoutRight converts
+/// \brief The View type `Expected` that a public entry point takes, made from the caller's View
 /// (non-const to const, unmanaged, other memory traits); anything else stops the build with a
-/// static_assert that names the rule, instead of a page of Kokkos conversion errors. moe's
-/// tensors are row-major like MaxText's: on CUDA and HIP a View declared without a layout is
-/// LayoutLeft, so callers spell Kokkos::LayoutRight (or deep_copy into such a View).
+/// static_assert naming the rule instead of a page of Kokkos conversion errors.
 template <class Expected, class Given>
 Expected api_view(Given const& v) {
   static_assert(Kokkos::is_view<Given>::value, "moe: this argument must be a Kokkos::View");
@@ -71,12 +68,6 @@ Expected api_view(Given const& v) {
     if constexpr (rank_ok && layout_ok && value_ok && space_ok) return Expected(v);
   }
   return Expected();
-}
-
-/// 2-D row-major view over the same memory as a contiguous 3-D view [A,B,C] -> [A*B, C].
-template <class T, class MS>
-View2<T, MS> flatten(View3<T, MS> const& v) {
-  return View2<T, MS>(v.data(), v.extent(0) * v.extent(1), v.extent(2));
 }
 
 }  // namespace detail

@@ -1,15 +1,9 @@
 #pragma once
 /// \file
-/// Grouped matrix multiply (GMM) of a MoE layer: the rows of the activations are split into
-/// consecutive groups (one per expert) and every group is multiplied by its own weight matrix.
-///
-///   gmm : out[rows of group go+g, :] = lhs[rows, :] * rhs[g]   (rhs[g]^T with transpose_rhs)
-///   tgmm: out[g] = lhs[rows of group go+g, :]^T * dy[same rows, :]          (weight gradient)
-///
-/// The algorithm is a compile-time policy, one file each under gmm/backend/ (Auto, OneDnn,
-/// Vendor, Tiled<TM,TK,TN>, Dense). Group sizes are CSR offsets with a host copy (groups.hpp), so
-/// no launch waits on the device. Semantics follow SEMANTICS.md §1.8 items 26-27, except that
-/// rows outside the visited groups are always zeroed unless the call accumulates.
+/// Grouped matrix multiply (GMM): consecutive row groups of the activations (one per expert), each
+/// multiplied by its own weight matrix. The algorithm is a compile-time policy, one file each under
+/// gmm/backend/. Semantics follow SEMANTICS.md §1.8 items 26-27, except that rows outside the
+/// visited groups are always zeroed unless the call accumulates.
 
 #include <moe/detail/compat.hpp>
 #include <moe/gmm/backend/dense.hpp>
@@ -25,8 +19,8 @@
 namespace moe::gmm {
 
 /// \brief The policy that runs for `Policy` on (ExecSpace, Scalar): Auto becomes OneDnn where
-/// it is available, Vendor on other host spaces, and DeviceTiled (one launch per grouped GEMM)
-/// on device spaces; a policy not available there runs as Vendor.
+/// available, else Vendor on host and DeviceTiled on device spaces; an unavailable policy runs as
+/// Vendor.
 template <class Policy, class ExecSpace, class Scalar>
 struct resolve {
   using type = std::conditional_t<is_available<Policy, ExecSpace, Scalar>::value, Policy, Vendor>;
@@ -54,24 +48,13 @@ constexpr char const* backend_name() {
     return "Tiled";
 }
 
-}  // namespace moe::gmm
-
-namespace moe::gmm {
-
 /// \brief Grouped GEMM: out[rows of group group_offset+g, :] = lhs[rows, :] * rhs[g] for
-/// g in [0, G_local) (rhs[g]^T with opt.transpose_rhs).
+/// g in [0, G_local) (rhs[g]^T with opt.transpose_rhs), on the instance `space`.
 ///
-/// Rows that belong to no visited group (groups outside [group_offset, group_offset+G_local) and
-/// rows >= groups.rows()) are set to zero, unless opt.accumulate, which adds the result to out
-/// and leaves every other row unchanged. out must not alias lhs or rhs.
+/// lhs [m, k] with m >= groups.rows(), rhs [G_local, k, n] ([G_local, n, k] transposed), out
+/// [m, n], not aliasing lhs or rhs. Rows of no visited group are zeroed, unless opt.accumulate,
+/// which adds to out and leaves other rows unchanged. Throws moe::ShapeError if extents disagree.
 /// \tparam Policy Auto, OneDnn, Vendor, Tiled<TM,TK,TN> or Dense (see moe::gmm::is_policy)
-/// \param space execution space instance every kernel and copy runs on
-/// \param lhs [m, k], m >= groups.rows()
-/// \param rhs [G_local, k, n], or [G_local, n, k] with opt.transpose_rhs
-/// \param groups row partition of lhs (G >= group_offset + G_local groups)
-/// \param out [m, n]
-/// \param opt transpose_rhs, group_offset, accumulate
-/// \throws moe::ShapeError if the extents disagree
 template <class Policy, class ExecSpace, class LhsView, class RhsView, class OutView,
           class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
 void gmm(ExecSpace const& space, Policy, LhsView const& lhs, RhsView const& rhs,
@@ -100,16 +83,9 @@ void gmm(Policy policy, LhsView const& lhs, RhsView const& rhs,
 }
 
 /// \brief Weight gradient of gmm: out[g] = lhs[rows of group group_offset+g, :]^T * dy[same rows,
-/// :] for g in [0, G_local). Empty groups produce zero blocks; opt.accumulate adds to out instead.
-/// opt.transpose_rhs is ignored.
-/// \tparam Policy Auto, OneDnn, Vendor, Tiled<TM,TK,TN> or Dense (see moe::gmm::is_policy)
-/// \param space execution space instance every kernel and copy runs on
-/// \param lhs [m, k], m >= groups.rows()
-/// \param dy [m, n]
-/// \param groups row partition of lhs and dy
-/// \param out [G_local, k, n]
-/// \param opt group_offset, accumulate
-/// \throws moe::ShapeError if the extents disagree
+/// :] for g in [0, G_local); lhs [m, k], dy [m, n], out [G_local, k, n]. Empty groups give zero
+/// blocks; opt.accumulate adds to out instead; opt.transpose_rhs is ignored. Throws
+/// moe::ShapeError if extents disagree. Policy as for gmm.
 template <class Policy, class ExecSpace, class LhsView, class DyView, class OutView,
           class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
 void tgmm(ExecSpace const& space, Policy, LhsView const& lhs, DyView const& dy,

@@ -13,16 +13,12 @@
 
 namespace moe::gmm {
 
-/// \brief Row partition of the lhs into consecutive groups, as CSR offsets.
-///
-/// offsets[0] = 0 and offsets[g+1] - offsets[g] is the size of group g. The host copy lets a
+/// \brief Row partition of the lhs into consecutive groups, as CSR offsets. The host copy lets a
 /// launch size its grid and slice its operands without reading device memory.
-/// \tparam MemorySpace where `offsets` lives (the memory space of the execution space used)
 template <class MemorySpace>
 struct Groups {
-  /// [G+1] exclusive cumulative sum of the group sizes, on the device.
-  Kokkos::View<int64_t*, MemorySpace> offsets;
-  /// Host copy of `offsets` (same values).
+  Kokkos::View<int64_t*, MemorySpace> offsets;  ///< [G+1] exclusive cumsum of the group sizes
+  /// Host copy of `offsets`.
   typename Kokkos::View<int64_t*, MemorySpace>::HostMirror offsets_host;
 
   /// \brief Number of groups G.

@@ -1,14 +1,9 @@
 #pragma once
 /// \file
-/// Local permute after the expert-parallel dispatch (SEMANTICS.md §1.9 items 32.6 and 34, exact
-/// vectors §7.7): regroups the rows a shard received by its L = E/EP local experts, by local
-/// expert, then by sender (stable). Both variants are one layout, a list of (sender, local
-/// expert) blocks:
-///  * all-to-all: the receive buffer is the senders' blocks in turn; with R rows the block sizes
-///    are clamped as RaggedAllToAll drops rows (detail::clamp_prefix), so the two agree;
-///  * replicated batch: one sender whose blocks start at offset_s (the sizes of the experts
-///    before the shard's first) of the globally sorted buffer.
-/// Metadata is computed on the host; the permutation and row moves are Kokkos kernels.
+/// Local permute after the expert-parallel dispatch (SEMANTICS.md §1.9 items 32.6 and 34, §7.7):
+/// regroups the rows a shard received by local expert, then by sender (stable). Both variants are
+/// a list of (sender, local expert) blocks: the all-to-all's receive buffer (clamped to R rows
+/// as RaggedAllToAll drops them), or one sender at offset_s of the globally sorted buffer.
 
 #include <moe/detail/compat.hpp>
 #include <moe/detail/counting.hpp>
@@ -48,8 +43,7 @@ namespace moe::permute::detail {
 
 using moe::detail::fence;
 
-/// Truncates the row-major block sizes to R rows (moe::detail::clamp_prefix; R < 0: no cap) and
-/// fills the per-expert sizes and the kept / dropped counts.
+/// Truncates the block sizes to R rows (R < 0: no cap); fills group sizes, kept and dropped.
 inline void truncate_blocks(moe::permute::LocalLayout& lay, std::int64_t R) {
   std::int64_t const total =
       std::accumulate(lay.block_sizes.begin(), lay.block_sizes.end(), std::int64_t(0));
@@ -72,13 +66,8 @@ inline void check_sizes(char const* who, std::vector<std::int64_t> const& v) {
 
 namespace moe::permute {
 
-/// \brief Layout of the all-to-all variant.
-/// \param G  [S*E] row-major, G[i*E+e] = rows sender i routed to global expert e (the
-///           all-gathered group sizes; S is normally EP)
-/// \param E  number of experts
-/// \param ep expert-parallel size (L = E/ep)
-/// \param me this shard (local experts me*L .. me*L+L-1)
-/// \param R  receive buffer rows (< 0: unlimited)
+/// \brief Layout of the all-to-all variant for shard `me` of `ep` (local experts me*L.. with
+/// L = E/ep): G [S*E], G[i*E+e] = rows sender i routed to expert e; R receive rows (< 0: no cap).
 inline LocalLayout local_layout(std::vector<std::int64_t> const& G, int E, int ep, int me,
                                 std::int64_t R = -1) {
   char const* who = "moe::permute::local_layout";
@@ -99,9 +88,8 @@ inline LocalLayout local_layout(std::vector<std::int64_t> const& G, int E, int e
   return lay;
 }
 
-/// \brief Layout of the replicated-batch variant (MaxText `local_permute(is_offset=True)`).
-/// \param global_group_sizes [E] rows per global expert of the globally sorted buffer
-/// \param R rows kept (< 0: unlimited); later local experts lose rows first
+/// \brief Layout of the replicated-batch variant (MaxText `local_permute(is_offset=True)`) from
+/// the [E] group sizes of the globally sorted buffer; R rows kept (< 0: all), later experts first.
 inline LocalLayout local_layout_replicated(std::vector<std::int64_t> const& global_group_sizes,
                                            int ep, int me, std::int64_t R = -1) {
   char const* who = "moe::permute::local_layout_replicated";
@@ -142,14 +130,12 @@ struct LocalPermutation {
   /// \brief Local experts L.
   int num_local() const { return layout.num_local; }
 
-  /// Buffers reused when make_local_permutation refills this object (perm, inverse and
-  /// expert_ids view the pool's storage; seg_host stages the block table on the host).
+  /// Buffers reused when make_local_permutation refills this object.
   moe::detail::ScratchPool<MemorySpace> scratch;
   View1<std::int64_t, Kokkos::HostSpace> seg_host;
 };
 
-/// \brief Builds the permutation of a layout into `lp`: one kernel over the kept rows on
-/// `space`. A steady-state call reuses lp's buffers (no allocation when the shapes repeat).
+/// \brief Builds the permutation of a layout into `lp`, reusing lp's buffers.
 template <class ExecSpace>
 void make_local_permutation(ExecSpace const& space, LocalLayout const& layout,
                             LocalPermutation<typename ExecSpace::memory_space>& lp) {
@@ -274,8 +260,6 @@ void gather_by(ExecSpace const& space, char const* label, Map const& map, std::i
 namespace moe::permute {
 
 /// \brief dst[p] = src[perm[p]] for the rows() kept rows; later rows of dst are zeroed.
-/// \param src the source buffer (received rows, or the global sorted buffer)
-/// \param dst [>= rows(), D]
 template <class ExecSpace, class MS, class SrcView, class DstView>
 void permute_rows(ExecSpace const& space, LocalPermutation<MS> const& lp, SrcView const& src,
                   DstView const& dst) {
@@ -286,10 +270,8 @@ void permute_rows(ExecSpace const& space, LocalPermutation<MS> const& lp, SrcVie
   detail::gather_by(space, "moe::permute::local::permute_rows", lp.perm, lp.rows(), src, dst);
 }
 
-/// \brief Inverse of permute_rows: dst[q] = src[inverse[q]] for the rows() kept rows, in source
-/// order packed from 0 (source row layout.source_offset + q); later rows of dst are zeroed. It is
-/// also the backward of permute_rows, and permute_rows is its backward.
-/// \param src [>= rows(), D] rows in local (sorted) order
+/// \brief Inverse (and backward) of permute_rows: dst[q] = src[inverse[q]] for the rows() kept
+/// rows, q = source row - layout.source_offset; later rows of dst are zeroed.
 template <class ExecSpace, class MS, class SrcView, class DstView>
 void unpermute_rows(ExecSpace const& space, LocalPermutation<MS> const& lp, SrcView const& src,
                     DstView const& dst) {

@@ -1,12 +1,8 @@
 #pragma once
 /// \file
-/// Sort / unsort of the T*K routed slots by expert.
-///
-/// Vocabulary: a *slot* is one (token t, choice k) pair, numbered t*K + k. The *permutation*
-/// maps sorted positions to slots (perm) and slots to sorted positions (inverse; -1 = dropped).
-/// Sorted rows are grouped by expert in expert order, and within an expert in slot order (the
-/// sort is stable). Every backward here is a gather by the other direction of the permutation,
-/// never a scatter-add, so results are deterministic on every backend.
+/// Sort / unsort of the T*K routed slots (token t, choice k; numbered t*K + k) by expert, stable.
+/// Every backward here is a gather by the other direction of the permutation, never a
+/// scatter-add, so results are deterministic on every backend.
 
 #include <moe/detail/compat.hpp>
 #include <moe/detail/counting.hpp>
@@ -20,9 +16,8 @@
 
 namespace moe::permute {
 
-/// \brief Counting-sort permutation of the routed slots, with per-expert groups.
-///
-/// Holds its buffers between calls: a steady-state sort_by_expert allocates nothing.
+/// \brief Counting-sort permutation of the routed slots, with per-expert groups; holds its
+/// buffers between calls.
 template <class MemorySpace>
 struct Permutation {
   View1<std::int64_t, MemorySpace> perm;     ///< [rows] sorted position -> slot t*K+k
@@ -34,13 +29,9 @@ struct Permutation {
   moe::detail::ScratchPool<MemorySpace> scratch;
 };
 
-/// \brief Stable counting sort of the slots by expert id, skipping slots with kept == 0.
-///
-/// Work O(T*K) in T*K/chunk work items (detail::counting_chunk: long chunks on host spaces,
-/// short ones on devices): each chunk counts its slots per expert, one exclusive scan over
-/// (expert, chunk) gives every chunk its write cursors, then each chunk places its slots in
-/// order. No atomics: the result is the same on every backend. One host synchronisation: the
-/// group sizes, which the grouped GEMMs' shapes need.
+/// \brief Stable counting sort of the slots by expert id, skipping slots with kept == 0: chunks
+/// count their slots per expert, a scan gives each chunk its write cursors, then each chunk
+/// places its slots (no atomics). One host synchronisation: the group sizes.
 template <class ExecSpace, class MS>
 void sort_by_expert(ExecSpace const& space, View2<int const, MS> ids, View2<int const, MS> kept,
                     int E, Permutation<MS>& out) {

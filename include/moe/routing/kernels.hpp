@@ -1,11 +1,8 @@
 #pragma once
 /// \file
-/// Routing kernels, forward: the policies, the routing state, score functions, top-k (generic,
-/// DeepSeek group-limited, random), weight post-processing, capacity masks, load-balance
-/// statistics, expert counts, the loss-free bias update and the routed bias.
-///
-/// All kernels run one token per work item over its E scores, so their cost is O(T * E * K) and
-/// their results do not depend on the backend (no atomics on floating-point values).
+/// Routing kernels, forward: policies, routing state, score functions, top-k, weight
+/// post-processing, capacity masks, load-balance statistics and the routed bias. No atomics on
+/// floating-point values, so results do not depend on the backend.
 
 #include <moe/config_types.hpp>
 #include <moe/detail/compat.hpp>
@@ -32,8 +29,7 @@ struct DeepSeek {};
 /// \brief Routing policy: experts drawn uniformly at random per (token, slot), seeded.
 struct Random {};
 
-/// \brief Whether T is a routing policy (the tags above; a new policy specialises it beside its
-/// tag, and moe::Policies accepts it).
+/// \brief Whether T is a routing policy tag.
 template <class T>
 struct is_policy : std::bool_constant<std::is_same_v<T, Auto> || std::is_same_v<T, TopKSoftmax> ||
                                       std::is_same_v<T, DeepSeek> || std::is_same_v<T, Random>> {};
@@ -90,7 +86,7 @@ using moe::detail::log1p;
 using moe::detail::sqrt;
 
 /// Total order used by top-k: larger value first, NaN below everything, ties to the lower index
-/// (as lax.top_k). Never produces an out-of-range index whatever the values are.
+/// (as lax.top_k).
 template <class S>
 KOKKOS_INLINE_FUNCTION bool key_greater(S va, int ia, S vb, int ib) {
   bool const na = isnan(va), nb = isnan(vb);
@@ -182,11 +178,9 @@ void apply_score(ExecSpace const& space, ScoreFunc f, View2<Scalar const, MS> lo
       });
 }
 
-/// \brief Selects K experts per token and computes their combine weights.
-///
-/// `biased` is the selection input (scores + bias), `scores` the pre-bias scores (DeepSeek takes
-/// its weights from them). token_offset is the global index of the first token (random routing
-/// draws from (seed, global token, slot), so a token's experts do not depend on the layout).
+/// \brief Selects K experts per token from `biased` and computes their combine weights (DeepSeek
+/// from the pre-bias `scores`). Random routing draws from (seed, token_offset + t, slot), so a
+/// token's experts do not depend on the layout.
 template <class ExecSpace, class Scalar, class MS>
 void select_topk(ExecSpace const& space, RouteParams const& p, std::uint64_t token_offset,
                  View2<Scalar const, MS> scores, View2<Scalar const, MS> biased, View2<int, MS> ids,
@@ -274,12 +268,10 @@ void select_topk(ExecSpace const& space, RouteParams const& p, std::uint64_t tok
       });
 }
 
-/// \brief Capacity mask (MaxText's per-sequence capacity): within each sequence of length S the
-/// slots are visited in (s, k) order; a slot is kept iff its 1-based position in its expert's
-/// queue is <= capacity. capacity < 0 keeps every slot (dropless); capacity 0 drops every slot.
-///
-/// Parallel over chunks of slots (detail::counting_cursors with one segment per sequence): each
-/// slot's queue position is its cursor minus the first cursor of its (sequence, expert).
+/// \brief Capacity mask (MaxText's per-sequence capacity): in (s, k) order within a sequence, a
+/// slot is kept iff its 1-based position in its expert's queue is <= capacity (< 0: keep all).
+/// Parallel over chunks of slots: a queue position is the slot's counting cursor minus the first
+/// cursor of its (sequence, expert).
 template <class ExecSpace, class MS>
 void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_t seq_len,
                    std::int64_t capacity, int E, View2<int, MS> kept,
@@ -325,12 +317,9 @@ void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_
 }
 
 /// \brief Per-sequence statistics of the load-balance loss: counts[b,e] = slots of sequence b on
-/// expert e, probs[b,e] = sum over the sequence of softmax(biased over E). Returns (on the host)
-/// sum_b sum_e counts*probs; the loss is weight * E * that / (B_total * S^2).
-///
-/// Parallel over tokens: a softmax kernel per token, integer atomic counts (exact), and probs as
-/// fixed-order column sums (detail::segment_column_sums), so the result is the same on every
-/// backend and thread count.
+/// expert e, probs[b,e] = sum over the sequence of softmax(biased). Returns (on the host) sum_b
+/// sum_e counts*probs. Counts are integer atomics and probs fixed-order column sums, so the
+/// result is the same on every backend and thread count.
 template <class ExecSpace, class Scalar, class MS>
 double lb_statistics(ExecSpace const& space, View2<Scalar const, MS> biased,
                      View2<int const, MS> ids, std::int64_t seq_len, View2<std::int64_t, MS> counts,

@@ -1,8 +1,6 @@
 #pragma once
 /// \file
-/// The routing stage of a layer (Router): gate GEMM, then the routing kernels of
-/// routing/kernels.hpp forward and routing/backward.hpp backward, with the buffers kept between
-/// steps.
+/// The routing stage of a layer (Router), with its buffers kept between steps.
 
 #include <moe/config_types.hpp>
 #include <moe/detail/blas.hpp>
@@ -18,11 +16,9 @@
 namespace moe::routing {
 
 /// \brief The routing stage of a layer, forward and backward: gate GEMM, score function, bias,
-/// top-k, capacity mask, load-balance statistics and expert counts. MoeLayer and
-/// DistributedMoeLayer each own one: the single-rank layer routes its T tokens as one block; the
-/// distributed ring path routes the expert group's gathered tokens as one block per member (each
-/// with the global index of its first token, which random routing draws from) and keeps the
-/// statistics and the backward to its own block.
+/// top-k, capacity mask, load-balance statistics and expert counts. The distributed ring path
+/// routes the expert group's gathered tokens as one block per member and keeps the statistics
+/// and the backward to its own block.
 template <class Scalar, class ExecSpace>
 class Router {
  public:

@@ -1,11 +1,9 @@
 #pragma once
 /// \file
-/// Mesh: ordered named axes with sizes laid over the ranks of a communicator (pure; the group
-/// communicators are moe::comm::MeshComm's). Rank r sits at the row-major position of r (first
-/// axis slowest). The *group* of an axis set A holds the ranks whose coordinates differ only on
-/// A, ordered row-major over A in the order A is given (as a collective over that axis tuple);
-/// its *group index* is the row-major index of the coordinates on the other axes. Axes not in
-/// the mesh count as size 1 (coordinate 0), as MaxText's unused mesh axes do.
+/// Mesh: ordered named axes with sizes over the ranks (first axis slowest). The *group* of an axis
+/// set A holds the ranks whose coordinates differ only on A, ordered row-major over A as given;
+/// its *group index* is the row-major index of the other coordinates. Axes not in the mesh count
+/// as size 1, as MaxText's unused mesh axes do.
 
 #include <moe/error.hpp>
 
@@ -51,10 +49,8 @@ inline std::vector<std::pair<std::string, std::string>> const& ici_parallelism_k
   return keys;
 }
 
-/// \brief Ordered named axes with sizes; the pure (MPI-free) description of a device mesh.
-///
-/// The product of the sizes is the number of ranks the mesh spans. All queries are functions of
-/// the mesh alone, so they can be evaluated for any rank on any process (and unit-tested on one).
+/// \brief Ordered named axes with sizes; the pure (MPI-free) description of a device mesh. All
+/// queries are functions of the mesh alone, so they work for any rank on any process.
 class Mesh {
  public:
   /// \brief An empty mesh: no axes, one rank.
@@ -79,12 +75,9 @@ class Mesh {
     }
   }
 
-  /// \brief A mesh over `axis_names` whose sizes are given per axis; axes not in `sizes` get 1 and
-  /// at most one size may be -1, which takes whatever is left of `num_ranks`.
-  ///
-  /// The product of the sizes must equal `num_ranks`. Throws ConfigError naming the product and
-  /// the communicator size otherwise, or for a size of 0 / below -1, a second -1, or a size given
-  /// for an axis that is not in `axis_names`.
+  /// \brief A mesh over `axis_names` with the given sizes (others 1); at most one size may be -1,
+  /// which takes what is left of `num_ranks`. Throws ConfigError unless the product is
+  /// `num_ranks`, for a size of 0 or below -1, a second -1, or an axis not in `axis_names`.
   static Mesh with_fill(std::vector<std::string> const& axis_names,
                         std::vector<std::pair<std::string, int>> const& sizes, int num_ranks) {
     detail::require<ConfigError>(num_ranks >= 1, "communicator size ", num_ranks, " must be >= 1");
@@ -131,10 +124,8 @@ class Mesh {
     return Mesh(std::move(axes));
   }
 
-  /// \brief A mesh from MaxText's `ici_*_parallelism` degrees (keys of ici_parallelism_keys(); the
-  /// rest are 1). Exactly as with_fill: one degree may be -1, the product must be `num_ranks`.
-  /// \param ici (key, degree) pairs; unknown keys throw ConfigError listing the known ones.
-  /// \param mesh_axes the mesh's axis names and order (a preset's `mesh_axes`, or the base ones).
+  /// \brief with_fill() from MaxText's `ici_*_parallelism` (key, degree) pairs (keys of
+  /// ici_parallelism_keys(); unknown keys throw ConfigError) over the axes `mesh_axes`.
   static Mesh from_ici(std::vector<std::pair<std::string, int>> const& ici, int num_ranks,
                        std::vector<std::string> const& mesh_axes = base_mesh_axes()) {
     std::vector<std::pair<std::string, int>> sizes;

@@ -1,13 +1,9 @@
 #pragma once
 /// \file
-/// Logical-axis rules and their resolution into PartitionSpecs, with the semantics of Flax's
-/// `logical_to_mesh_axes` as MaxText uses it (SEMANTICS.md §3.1), and the PartitionSpec utilities
-/// MaxText applies on top (fsdp removal for shard_map in-specs, size-1 axis dropping, the
-/// `moe_dispatch_no_expert_sharding` repair).
-///
-/// Resolution is a function of the rules and the tensor's logical names alone; it never looks at a
-/// mesh. Mesh axes a rule names but the mesh lacks behave as axes of size 1: they stay in resolved
-/// specs (as size-1 axes do in MaxText's parameter shardings) and go away with drop_size_one().
+/// Logical-axis rules resolved into PartitionSpecs as Flax's `logical_to_mesh_axes` does for
+/// MaxText (SEMANTICS.md §3.1), and MaxText's PartitionSpec utilities. Resolution never looks at
+/// a mesh: axes the mesh lacks stay in resolved specs (as size-1 axes do in MaxText's parameter
+/// shardings) and go away with drop_size_one().
 
 #include <moe/detail/json.hpp>
 #include <moe/error.hpp>
@@ -73,18 +69,15 @@ inline std::string to_json(PartitionSpec const& spec) {
   return ::moe::detail::json_text(json(spec));
 }
 
-/// \brief Ordered list of logical-axis rules (MaxText's `logical_axis_rules`).
-///
-/// Several rules may share a name: they are fallbacks tried in order. Order across names decides
-/// which dimension gets a mesh axis when two want it.
+/// \brief Ordered list of logical-axis rules (MaxText's `logical_axis_rules`). Rules sharing a
+/// name are fallbacks tried in order; order across names decides which dimension gets an axis.
 class LogicalRules {
  public:
   /// \brief No rules: everything resolves to unsharded.
   LogicalRules() = default;
   /// \brief Rules in the given order (validated as add() does).
-  LogicalRules(std::initializer_list<LogicalRule> rules) {
-    for (auto const& r : rules) add(r.name, r.axes);
-  }
+  LogicalRules(std::initializer_list<LogicalRule> rules)
+      : LogicalRules(std::vector<LogicalRule>(rules)) {}
   /// \brief Rules in the given order (validated as add() does).
   explicit LogicalRules(std::vector<LogicalRule> const& rules) {
     for (auto const& r : rules) add(r.name, r.axes);
@@ -124,13 +117,10 @@ class LogicalRules {
     return out;
   }
 
-  /// \brief Resolves a tensor's logical names jointly (Flax `logical_to_mesh_axes`).
-  ///
-  /// Rules are visited in order; a rule assigns its axes to the dimension carrying its name when
-  /// that dimension is still unassigned and none of its axes is already used by any dimension (an
-  /// empty rule always assigns "unsharded" and so blocks later rules of that name). Dimensions no
-  /// rule assigned, and unnamed (nullopt) dimensions, are unsharded. Size-1 axes are kept.
-  /// Throws ConfigError when a logical name occurs twice in the tensor.
+  /// \brief Resolves a tensor's logical names jointly (Flax `logical_to_mesh_axes`): in rule order,
+  /// a rule assigns its axes to its dimension when that is unassigned and none of the axes is used
+  /// yet (an empty rule assigns "unsharded"); the rest is unsharded. Throws ConfigError when a
+  /// logical name occurs twice in the tensor.
   PartitionSpec resolve(LogicalAxes const& logical) const {
     check_distinct(logical);
     std::vector<bool> assigned(logical.size(), false);
@@ -152,9 +142,8 @@ class LogicalRules {
     return spec;
   }
 
-  /// \brief Resolves every dimension on its own, as a one-dimensional tensor, so no dimension can
-  /// take an axis from another (the first step of the `moe_dispatch_no_expert_sharding` repair;
-  /// the result may use one mesh axis in several dimensions).
+  /// \brief Resolves every dimension on its own (the first step of the
+  /// `moe_dispatch_no_expert_sharding` repair; one mesh axis may then serve several dimensions).
   PartitionSpec resolve_each_dim(LogicalAxes const& logical) const {
     check_distinct(logical);
     PartitionSpec spec;
@@ -220,8 +209,7 @@ inline LogicalAxes parse_logical_axes(std::string const& csv) {
 }
 
 /// \brief Removes the given mesh axes from every dimension (MaxText
-/// `remove_mesh_axes_from_partition_spec`); a dimension left with no axis becomes unsharded.
-/// Used to turn weight storage specs into shard_map in-specs (`axes = {"fsdp"}`).
+/// `remove_mesh_axes_from_partition_spec`, e.g. fsdp for shard_map in-specs).
 inline PartitionSpec remove_mesh_axes(PartitionSpec spec, std::vector<std::string> const& axes) {
   for (auto& dim : spec)
     dim.erase(std::remove_if(dim.begin(), dim.end(),
@@ -263,8 +251,8 @@ inline PartitionSpec remove_expert_from_batch(PartitionSpec spec, int batch_dim 
 }
 
 /// \brief Spec of the dense-path dispatch/MLP tensors `(activation_exp, activation_batch_moe,
-/// ...)`: resolved jointly, or with `moe_dispatch_no_expert_sharding` resolved per dimension with
-/// `expert` then stripped from the batch dimension (dimension 1).
+/// ...)`: resolved jointly, or (`moe_dispatch_no_expert_sharding`) per dimension without batch
+/// `expert`.
 inline PartitionSpec resolve_dispatch(LogicalRules const& rules, LogicalAxes const& logical,
                                       bool moe_dispatch_no_expert_sharding) {
   if (!moe_dispatch_no_expert_sharding) return rules.resolve(logical);

@@ -1,21 +1,14 @@
 #pragma once
 /// \file
-/// gmm::OneDnn: grouped GEMM on the host through oneDNN, whose kernels are chosen from the CPU's
-/// feature bits (so a CPU newer than the BLAS still gets its widest vector ISA).
-///
-/// Per weight shape the backend asks oneDNN once for a direct kernel (KernelPlan: a brgemm
-/// matmul over 48-column blocked weights, else a jit 1x1 convolution; onednn_kernels.hpp), never
-/// running a reference implementation.
-///  * Packed mode (a direct kernel and a PackCache): every expert's weights are reordered once
-///    per weight version into the cache; each group runs as row chunks (chunk_rows) on
-///    primitives made once per chunk size, so a steady-state step creates and packs nothing.
-///  * Plain mode (no direct kernel, or no cache): one oneDNN sgemm per group on the weights in
-///    place, and a streaming kernel (few_rows) for groups of 2-3 rows.
-/// tgmm is one sgemm per group, or per column block of a large group. Packed chunks and tgmm
-/// calls run side by side, one single-threaded call per OpenMP thread (measured on 2 Zen 3
-/// cores: 15-25 % faster at 32-128 rows per expert than splitting each call over both threads);
-/// results do not depend on which thread runs a call. What ran is counted (onednn_stats()).
-/// Float only: oneDNN has no double GEMM on CPUs, so OneDnn with double runs as Vendor.
+/// gmm::OneDnn: grouped GEMM on the host through oneDNN, whose kernels follow the CPU's feature
+/// bits (a CPU newer than the BLAS still gets its widest ISA). Per weight shape oneDNN is asked
+/// once for a direct kernel (KernelPlan, onednn_kernels.hpp), never a reference implementation.
+///  * Packed mode (a direct kernel and a PackCache): weights reordered once per weight version;
+///    each group runs as row chunks on primitives made once per chunk size.
+///  * Plain mode: one oneDNN sgemm per group on the weights in place, few_rows for 2-3 rows.
+/// Packed chunks and tgmm calls run one single-threaded call per OpenMP thread (2 Zen 3 cores:
+/// 15-25 % faster at 32-128 rows per expert than splitting each call over both threads); results
+/// do not depend on which thread runs a call. Float only (oneDNN has no double GEMM on CPUs).
 
 #include <moe/detail/onednn.hpp>
 #include <moe/gmm/backend/common.hpp>
@@ -24,19 +17,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
-#include <memory>
 #include <mutex>
 #include <string>
-#include <tuple>
-#include <unordered_map>
-#include <utility>
 #include <vector>
 
 namespace moe::gmm {
 
-/// \brief Policy: oneDNN on host execution spaces (float), with weights reordered once into
-/// oneDNN's preferred layout where it has one. Auto's choice on the host when moe was configured
-/// with oneDNN. Runs as Vendor on device spaces, for double, and without oneDNN.
+/// \brief Policy: oneDNN on host execution spaces (float), Auto's choice there when moe has
+/// oneDNN. Runs as Vendor on device spaces, for double, and without oneDNN.
 struct OneDnn {};
 
 template <>
@@ -52,18 +40,14 @@ struct OneDnnStats {
   std::string isa;                   ///< oneDNN's instruction set ("avx2", "avx512_core", ...)
   std::uint64_t primitives = 0;      ///< oneDNN primitives made (each once, then reused)
   std::uint64_t packed_tensors = 0;  ///< weight tensors reordered into a packed layout
-  /// Weight shapes (no family had a direct kernel) and chunk sizes (no direct kernel for the
-  /// packed layout at that size) that ran plain, as sgemm on the weights in place
-  std::uint64_t rejected = 0;
+  std::uint64_t rejected = 0;        ///< weight shapes and chunk sizes run plain: no direct kernel
   std::uint64_t reference_runs = 0;  ///< executions of a oneDNN reference implementation: 0
-  /// Executions per implementation: oneDNN's names ("brg:avx512_core", "jit_1x1:avx2") for
-  /// primitives, "sgemm" for oneDNN's sgemm, "few_rows" for moe's streaming kernel.
+  /// Executions per implementation: oneDNN's names ("brg:avx512_core"), "sgemm", "few_rows".
   std::map<std::string, std::uint64_t> runs;
   std::vector<std::string> rejected_what;   ///< the latest refused descriptors (shape, impl)
   std::vector<std::string> reference_what;  ///< the latest reference executions (shape, impl)
 
-  /// "avx512_core: brg:avx512_core 1200, sgemm 300; 9 primitives, 12 tensors packed, 0
-  /// refused, 0 reference runs".
+  /// "avx512_core: brg:avx512_core 1200, sgemm 300; 9 primitives, 12 tensors packed, ...".
   std::string summary() const {
     std::string s = isa + ":";
     bool first = true;
@@ -165,11 +149,10 @@ struct Impl<moe::gmm::OneDnn> {
     fence(space, "moe::gmm::gmm<OneDnn>: done");
   }
 
-  /// Packed layout: each group as row chunks (at most chunk_cap rows, so few large groups still
-  /// use every thread) on the plan's kernels, reading lhs in place. The calls are listed first
-  /// (kernels are made and checked here), then run one per thread (for_each_item): a chunk
+  /// Packed layout: each group as row chunks (at most chunk_cap rows) on the plan's kernels. The
+  /// calls are listed first (kernels made and checked here), then run one per thread: a chunk
   /// rounded up past its group writes into the thread's own buffer and copies (or adds) its
-  /// group's rows. A chunk without a direct kernel runs as sgemm over its own rows.
+  /// group's rows; a chunk without a direct kernel runs as sgemm.
   template <class E, class ML, class MR, class MO, class Mem>
   static void packed_gmm(moe::detail::onednn::KernelPlan& p, CMat<E, float, ML> const& lhs,
                          CTensor<E, float, MR> const& rhs, moe::gmm::Groups<Mem> const& groups,
@@ -230,9 +213,9 @@ struct Impl<moe::gmm::OneDnn> {
     });
   }
 
-  /// Weight gradients: one single-threaded sgemm per (group, block of output columns), the calls
-  /// side by side (for_each_item). A group whose rows exceed half a thread's share of all rows
-  /// is split into column blocks (multiples of 16), so one hot expert does not idle the others.
+  /// One single-threaded sgemm per (group, block of output columns), side by side: a group with
+  /// more than half a thread's share of the rows is split into column blocks (multiples of 16),
+  /// so one hot expert does not idle the others.
   template <class E, class ML, class MD, class MO, class Mem>
   static void tgmm(E const& space, CMat<E, float, ML> const& lhs, CMat<E, float, MD> const& dy,
                    moe::gmm::Groups<Mem> const& groups, Tensor<E, float, MO> const& out,

@@ -1,9 +1,7 @@
 #pragma once
 /// \file
-/// The kernels behind gmm::OneDnn (gmm/backend/onednn.hpp): row chunking, the streaming kernel
-/// for 2-3 rows, oneDNN descriptors, the kernel plan of one weight shape (KernelPlan: which
-/// primitive family, its fixed packed weight layout, a primitive per chunk size) and the packing
-/// of expert weights into a PackCache. See onednn.hpp for the design.
+/// The kernels behind gmm::OneDnn (design: gmm/backend/onednn.hpp): row chunking, the streaming
+/// kernel for 2-3 rows, oneDNN descriptors, the kernel plan of a weight shape and weight packing.
 
 #include <moe/detail/hash.hpp>
 #include <moe/detail/onednn.hpp>
@@ -16,7 +14,6 @@
 #include <mutex>
 #include <string>
 #include <tuple>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -35,10 +32,9 @@ enum class Family { matmul, conv };
 
 inline char const* family_name(Family f) { return f == Family::matmul ? "matmul" : "conv1x1"; }
 
-/// Test hooks, so every path runs on every CPU: mode plain never packs; mode packed packs even
-/// without a PackCache and takes the first allowed family unchecked when none passes its probe
-/// (each chunk's kernel is still checked); `family` limits the families tried; `layout` forces a
-/// packed weight layout (one no kernel accepts makes every chunk run plain).
+/// Test hooks, so every path runs on every CPU: plain never packs; packed packs without a
+/// PackCache and takes the first allowed family unchecked when none passes (chunks are still
+/// checked); `family` limits the families tried; `layout` forces a packed weight layout.
 struct Forced {
   enum class Mode { chosen, plain, packed } mode = Mode::chosen;
   bool any_family = true;
@@ -72,11 +68,10 @@ inline std::int64_t chunk_cap(std::int64_t total, int threads) {
   return std::clamp(up, min_chunk_cap, max_chunk_rows);
 }
 
-/// The next call at row c0 of m when `left` rows of the group remain: `cap` rows; else all `left`
-/// rows over the next multiple of row_bucket when those rows exist (c0 + run <= m), or the
-/// multiple below (the rest follows); all `left` below 16 (a decode group is not padded).
-/// Rounding up costs < 16 rows of FLOPs, where a separate call for the leftover rows would read
-/// the expert's weights again. At most 31 distinct run sizes, so primitives are made once each.
+/// The next call at row c0 of m when `left` rows of the group remain: `cap` rows; else `left`
+/// rounded up to row_bucket when those rows exist (c0 + run <= m), else rounded down (the rest
+/// follows); below 16 rows, `left` as is. Rounding up costs < 16 rows of FLOPs, where another call
+/// would read the expert's weights again; at most 31 run sizes, so few primitives.
 inline Chunk chunk_rows(std::int64_t left, std::int64_t c0, std::int64_t m,
                         std::int64_t cap = max_chunk_rows) {
   if (left >= cap) return {cap, cap};
@@ -109,9 +104,8 @@ void few_rows_part(std::int64_t c0, std::int64_t c1, std::int64_t n, float const
   }
 }
 
-/// out[r, :] (+)= sum_c x[r, c] * W[c, :] for r < rows <= few_rows_max, W [k,n] with row stride
-/// ldw. Each OpenMP thread streams a contiguous range of W's rows into its own partial sums,
-/// added in thread order afterwards: reproducible for a given thread count.
+/// out[r, :] (+)= sum_c x[r, c] * W[c, :] for r < rows <= few_rows_max, W [k,n] (row stride ldw).
+/// Each thread streams a range of W's rows into its own partial sums, added in thread order.
 inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float const* x,
                      std::int64_t ldx, float const* w, std::int64_t ldw, float* out,
                      std::int64_t ldo, bool accumulate) {
@@ -236,9 +230,8 @@ inline std::string kernel_what(Family f, std::int64_t rows, std::int64_t k, std:
          std::to_string(n) + (accumulate ? " +=" : "");
 }
 
-/// \brief How one weight shape runs: packed (a family, its fixed weight layout, the reorder that
-/// packs an expert into it, a checked kernel per chunk size) or plain. Made once per shape
-/// (plan()) under ScopedThreads(1), as the calls run one per thread.
+/// \brief How one weight shape runs: packed (a family, its weight layout, the reorder that packs
+/// an expert, a checked kernel per chunk size) or plain. Made once per shape, single-threaded.
 class KernelPlan {
  public:
   /// k: contraction, n: output columns, trans/ldw: how the weights are stored (row-major [k, n],
@@ -299,9 +292,8 @@ class KernelPlan {
   }
 
  private:
-  /// Takes `fam` with the first of its packed_layouts() that has a direct kernel at
-  /// max_chunk_rows (any, unless `checked`) and a non-reference reorder; else appends why not to
-  /// `refused`.
+  /// Takes `fam` with its first packed layout that has a direct kernel at max_chunk_rows (any,
+  /// unless `checked`) and a non-reference reorder; else appends why not to `refused`.
   bool choose(Family fam, bool trans, std::int64_t ldw, Forced const& f, bool checked,
               std::string& refused) {
     auto refuse = [&](std::string const& why) {
