@@ -60,20 +60,6 @@ inline void check_mpi(int rc, char const* call) {
                                    " (MPI error code ", rc, ")"));
 }
 
-namespace detail {
-
-struct CommFree {
-  void operator()(MPI_Comm* comm) const {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    // After MPI_Finalize the handle is dead and freeing it is erroneous: only release the memory.
-    if (!finalized && *comm != MPI_COMM_NULL) MPI_Comm_free(comm);
-    delete comm;
-  }
-};
-
-}  // namespace detail
-
 /// \brief An MPI communicator owned by moe: a duplicate of the user's, freed with the last copy.
 ///
 /// Copies share the same duplicate. moe's messages travel on it with fixed private tags, so they
@@ -131,7 +117,13 @@ class Communicator {
   struct Adopt {};
   Communicator(Adopt, MPI_Comm owned) { adopt(owned); }
   void adopt(MPI_Comm owned) {
-    comm_ = std::shared_ptr<MPI_Comm>(new MPI_Comm(owned), detail::CommFree{});
+    comm_ = std::shared_ptr<MPI_Comm>(new MPI_Comm(owned), [](MPI_Comm* comm) {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      // After MPI_Finalize the handle is dead and freeing it is erroneous: only release the memory.
+      if (!finalized && *comm != MPI_COMM_NULL) MPI_Comm_free(comm);
+      delete comm;
+    });
     // Failed MPI calls on moe's communicators return their code (check_mpi turns it into a
     // moe::CommError) instead of aborting the job from inside MPI.
     check_mpi(MPI_Comm_set_errhandler(owned, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
@@ -153,20 +145,12 @@ namespace detail {
 inline constexpr std::size_t max_message = 1 << 16;
 
 [[noreturn]] inline void throw_kind(ErrorKind kind, std::string const& msg) {
-  switch (kind) {
-    case ErrorKind::config:
-      throw ConfigError(msg);
-    case ErrorKind::shape:
-      throw ShapeError(msg);
-    case ErrorKind::input:
-      throw InputError(msg);
-    case ErrorKind::io:
-      throw IoError(msg);
-    case ErrorKind::numeric:
-      throw NumericError(msg);
-    default:
-      throw Error(msg);
-  }
+  if (kind == ErrorKind::config) throw ConfigError(msg);
+  if (kind == ErrorKind::shape) throw ShapeError(msg);
+  if (kind == ErrorKind::input) throw InputError(msg);
+  if (kind == ErrorKind::io) throw IoError(msg);
+  if (kind == ErrorKind::numeric) throw NumericError(msg);
+  throw Error(msg);
 }
 
 /// Collective: broadcasts a string from `root` (its value on other ranks is ignored).

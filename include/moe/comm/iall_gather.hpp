@@ -111,11 +111,9 @@ class AllGatherRequest {
   std::optional<detail::MpiRange<T, OutMS>> recv_;
 };
 
-/// \brief The agreed shape of an all-gather started in pieces (e.g. one piece per D-chunk of the
-/// tokens, num_moe_emb_chunks): made collectively once from the first piece's views, which checks
-/// the shapes on every rank at once (a bad shape is the same ShapeError everywhere), it then
-/// starts each piece without another collective check. Every piece must have the first one's
-/// extents (checked locally: a piece that differs is a caller's bug, not a rank's bad input).
+/// \brief The agreed shape of an all-gather started in pieces (e.g. one per D-chunk of the tokens,
+/// num_moe_emb_chunks): checked collectively once, from the first piece's views; every piece must
+/// have those extents (checked locally: a piece that differs is a caller's bug).
 template <class T, class InMS, class OutMS>
 class AllGatherPieces {
  public:

@@ -26,13 +26,8 @@ struct AxisGroup {
 };
 
 /// \brief A sharding::Mesh laid over a communicator: this rank's coordinates and the cached
-/// communicators of its axis groups.
-///
-/// group(axes) is the one place groups are made: collective over comm() the first time a given
-/// ordered axis list is requested, a lookup afterwards. Every rank must therefore request the same
-/// lists in the same order (it is checked on each first request: ranks that ask for different
-/// lists get the same ConfigError instead of mismatched groups). Copies share the groups made
-/// before the copy; each copy caches later ones on its own.
+/// communicators of its axis groups, which group(axes) is the one place to make. Copies share the
+/// groups made before the copy; each copy caches later ones on its own.
 class MeshComm {
  public:
   /// \brief Lays `mesh` over a duplicate of `comm` (moe never frees the user's communicator).
