@@ -1,14 +1,13 @@
 #pragma once
 /// \file
-/// Atomic file writes (POSIX): the bytes go to a temporary file beside the target, which is
-/// fsync'ed and renamed over it, then the directory is fsync'ed, so a reader sees the old file or
-/// the new one and a failure never leaves a half-written file. The safetensors writer and the
-/// checkpoint index use it. A path that is a symbolic link is written through: the file the link
-/// names is replaced and the link stays a link (resolve_links).
+/// Atomic file writes (POSIX, write_atomic): a reader sees the old file or the new one, and a
+/// failure never leaves a half-written file. The safetensors writer and the checkpoint index use
+/// it.
 
 #include <moe/detail/text.hpp>
 #include <moe/error.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
@@ -17,7 +16,6 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <sys/types.h>
 #include <unistd.h>
 
 namespace moe::io {

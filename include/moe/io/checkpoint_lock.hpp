@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -137,12 +138,8 @@ inline std::string holder_identity() {
 /// The holder named by the text of LOCK, on one line ("hostname=h, pid=1, since=..., ...").
 inline std::string describe_holder(std::string const& text, long lock_pid) {
   std::string out;
-  std::size_t at = 0;
-  while (at < text.size() && out.size() < 1000) {
-    std::size_t end = text.find('\n', at);
-    if (end == std::string::npos) end = text.size();
-    std::string line = text.substr(at, end - at);
-    at = end + 1;
+  std::istringstream lines(text);
+  for (std::string line; out.size() < 1000 && std::getline(lines, line);) {
     for (char& c : line) {
       if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
     }
@@ -153,15 +150,12 @@ inline std::string describe_holder(std::string const& text, long lock_pid) {
   return "unknown: LOCK names no holder";
 }
 
-/// \brief The exclusive lock of a checkpoint directory, held by this process (rank-local).
-///
-/// An fcntl (POSIX record) write lock on all of "<dir>/LOCK", whose text names the holder. The
-/// kernel drops the lock when the process ends, however it ends (SIGKILL included), so a dead
-/// job never leaves a stale lock; the text of an unlocked LOCK means nothing. fcntl locks belong
-/// to the process and closing *any* descriptor of the file drops them: LOCK is opened nowhere
-/// else, and a table of the directories locked by this process makes a second lock of the same
-/// directory (by any path) an error instead of a silent success. Never delete LOCK while a job
-/// runs: a new LOCK is another file, which a second job could lock.
+/// \brief The exclusive lock of a checkpoint directory, held by this process (rank-local): an
+/// fcntl write lock on all of "<dir>/LOCK", whose text names the holder. The kernel drops it when
+/// the process ends, however it ends, so a dead job leaves no stale lock. Closing *any*
+/// descriptor of the file drops an fcntl lock: LOCK is opened nowhere else (see HeldLocks for a
+/// second lock by the same process). Never delete LOCK while a job runs: a new LOCK is another
+/// file, which a second job could lock.
 class DirLock {
  public:
   DirLock() = default;

@@ -1,10 +1,9 @@
 #pragma once
 /// \file
-/// JSON in moe/io, on nlohmann-json (Debian `nlohmann-json3-dev`; `find_package(moe)` finds it):
-/// a strict reader (JsonParser -> JsonValue), integer reading (json_to_int64), string literal
-/// writing (append_json_string) and a UTF-8 check (valid_utf8). The safetensors header
-/// (moe/io/safetensors.hpp) and the checkpoint index (moe/io/checkpoint_index.hpp) are read with
-/// it, so both formats share one parser and one set of rules.
+/// JSON in moe/io (namespace moe::io::detail; host-only), on nlohmann-json (Debian
+/// `nlohmann-json3-dev`; `find_package(moe)` finds it): a strict reader (JsonParser -> JsonValue)
+/// shared by the safetensors header and the checkpoint index, json_to_int64, append_json_string
+/// and valid_utf8.
 ///
 /// nlohmann-json's SAX interface does the lexing (RFC 8259, UTF-8 checked, no stack recursion);
 /// the handler here adds what a file format from an untrusted source needs on top: duplicate
@@ -12,9 +11,6 @@
 /// numbers keep their exact value (integers as their decimal text, so a 64-bit offset is never
 /// rounded through a double), and every error is a moe::IoError that says what and at which
 /// byte.
-///
-/// Everything here is an implementation detail of moe/io (namespace moe::io::detail): host-only,
-/// no Kokkos, no MPI.
 
 #include <moe/error.hpp>
 

@@ -15,9 +15,8 @@
 /// before any tensor is used. Writing is deterministic (tensors in sorted name order, header padded
 /// to a multiple of 8 bytes) and atomic (temporary file, fsync, rename, fsync of the directory).
 ///
-/// The header is host-only and needs no Kokkos; moe/io/safetensors_view.hpp copies tensors to and
-/// from Kokkos Views. The JSON header is parsed by moe's own small parser (moe/io/json.hpp, which
-/// says why), so consumers need no JSON library. POSIX is required for the atomic write.
+/// Host-only (moe/io/safetensors_view.hpp copies tensors to and from Kokkos Views); the header is
+/// read by the strict parser of moe/io/json.hpp. POSIX is required for the atomic write.
 
 #include <moe/detail/text.hpp>
 #include <moe/error.hpp>
@@ -35,14 +34,10 @@
 #include <limits>
 #include <map>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
-#include <fcntl.h>
 #include <sys/stat.h>
-#include <sys/types.h>
-#include <unistd.h>
 
 namespace moe::io {
 

@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -182,11 +181,8 @@ inline void retain(std::string const& dir, std::int64_t step, int keep) {
     crash_point("retention");
     remove_or_warn(trash);
   }
-  try {
-    sync_dir(dir);
-  } catch (IoError const& e) {
-    warn(e.what());
-  }
+  if (int const e = fsync_dir(dir))
+    warn(cat("checkpoint: fsync of the directory '", dir, "' failed: ", std::strerror(e)));
 }
 
 /// Creates \p dir and its parents when missing (fsyncing the parent of a new one). Throws IoError.
