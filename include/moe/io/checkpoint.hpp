@@ -17,43 +17,38 @@
 /// plain digest, so `sha256sum` checks it too. Temporary entries of the directory start with a dot
 /// (".tmp_step_*", ".trash_step_*") and are never read.
 ///
-/// Saving (collective). Every rank checks its blocks (dtype F32/F64, offset + local shape within
-/// the global shape, data present) and the ranks compare their step, keep, directory and
-/// metadata, which must be identical. The block descriptions are all-gathered, so every rank
-/// builds the same plan and raises the same ConfigError when: two blocks of one tensor disagree
-/// on dtype or global shape; two distinct blocks overlap partially (blocks must be identical or
-/// disjoint); the blocks do not cover the whole tensor; or two copies of one block hold different
-/// bytes (compared by a 64-bit hash of each copy). A rank need not hold every tensor, may hold
-/// several blocks of one tensor, and a tensor may be held whole by one rank. Of identical blocks
-/// only the lowest rank's copy is sent: rank 0 receives each distinct block (point-to-point, in a
-/// fixed order, in pieces of at most 1 GiB), assembles the global tensors in memory (rank 0 needs
+/// Saving (collective). Every rank checks its blocks and the ranks compare their step, keep,
+/// directory and metadata, which must be identical. The block descriptions are all-gathered, so
+/// every rank builds the same plan (detail::save_plan) and raises the same ConfigError on blocks
+/// that disagree, overlap partially, leave a gap, or are copies holding different bytes. A rank
+/// need not hold every tensor and may hold several blocks of one. Of identical blocks only the
+/// lowest rank's copy is sent: rank 0 receives each distinct block (point-to-point, in a fixed
+/// order, in pieces of at most 1 GiB), assembles the global tensors in memory (rank 0 needs
 /// memory for the whole model) and writes:
 ///
-///   1. "dir/.tmp_step_<N>.<pid>/": model.safetensors (temporary file, fsync, rename, fsync of the
-///      directory), then index.json with the size and SHA-256 of the file read back from disk
-///      (same atomic write);
+///   1. "dir/.tmp_step_<N>.<pid>/": model.safetensors, then index.json with the size and SHA-256
+///      of the file read back from disk (each an atomic write: moe/io/atomic_write.hpp);
 ///   2. renames the temporary directory to "dir/step_<N>" and fsyncs "dir". An existing
 ///      "step_<N>" (a step saved again) is swapped atomically with renameat2(RENAME_EXCHANGE);
 ///      where the file system cannot exchange, it is first moved aside, so a crash between the two
 ///      renames loses that step's old copy (never an older checkpoint);
 ///   3. keeps the last `keep` complete checkpoints: of the directories with a readable index and a
-///      step below N, the newest keep - 1 stay and the others are renamed to ".trash_step_*" and
-///      removed. Checkpoints with a step above N (left by a run that was rolled back) are never
-///      deleted, and a failure to delete is a warning on stderr, not an error.
+///      step below N, the newest keep - 1 stay and the others are removed. Checkpoints with a step
+///      above N (left by a run that was rolled back) are never deleted, and a failure to delete is
+///      a warning on stderr, not an error.
 ///
-/// A process killed at any moment (SIGKILL, power loss after the fsyncs) thus leaves either the
-/// previous checkpoints and no new "step_<N>" (only a hidden temporary directory, removed by the
-/// next save), or the new checkpoint complete. Errors raise the same exception on every rank
-/// (moe::ConfigError for bad arguments or blocks, moe::IoError for the file system) and remove
-/// the temporary directory. A save runs under the lock of "dir/LOCK" (moe/io/checkpoint_lock.hpp:
-/// one writer per directory), taken for the save unless this process holds it already.
+/// A process killed at any moment thus leaves either the previous checkpoints and no new
+/// "step_<N>" (only a hidden temporary directory, removed by the next save), or the new
+/// checkpoint complete. Errors raise the same exception on every rank (moe::ConfigError for bad
+/// arguments or blocks, moe::IoError for the file system) and remove the temporary directory. A
+/// save runs under the lock of "dir/LOCK" (moe/io/checkpoint_lock.hpp: one writer per
+/// directory), taken for the save unless this process holds it already.
 ///
-/// Loading (collective). Rank 0 lists "step_<digits>" directories, newest first, and takes the
-/// first that verify_checkpoint accepts for the tensors the ranks request. Each rejected
-/// directory is reported on stderr as "checkpoint: skipping <dir>: <reason>". The choice, the step
-/// and the metadata are broadcast; rank 0 then cuts every rank's blocks out of the global tensors
-/// and sends them (only rank 0 reads the file). A missing directory or no valid checkpoint returns
-/// false on every rank and leaves `metadata` and `step` unchanged.
+/// Loading (collective). Rank 0 takes the newest "step_<digits>" directory that
+/// verify_checkpoint accepts for the tensors the ranks request, reporting each one rejected on
+/// stderr ("checkpoint: skipping <dir>: <reason>"), then cuts every rank's blocks out of the
+/// global tensors and sends them (only rank 0 reads the file). A missing directory or no valid
+/// checkpoint returns false on every rank and leaves `metadata` and `step` unchanged.
 ///
 /// POSIX (Linux for the atomic exchange) is required. The format is stable: a checkpoint written
 /// before this code moved into moe/io (tests/data/checkpoint_v1) loads and is tested.
@@ -146,12 +141,8 @@ inline Desc describe(BlockRef const& b, std::size_t i, int rank, bool with_hash)
                          shape_text(t.local_shape), ") does not lie within the global shape ",
                          shape_text(t.global_shape), " (axis ", a, ")");
   }
-  std::int64_t global_numel = 0;
-  try {
-    global_numel = checked_numel(t.global_shape, "");
-  } catch (IoError const& e) {
-    throw ConfigError(cat(what, e.what()));
-  }
+  std::int64_t const global_numel =
+      rethrow_with<ConfigError>([&] { return checked_numel(t.global_shape, ""); }, what);
   std::int64_t const esz = static_cast<std::int64_t>(dtype_size(d.dtype));
   require<ConfigError>(global_numel <= INT64_MAX / esz, what, "the global tensor is too large");
   d.global = t.global_shape;

@@ -279,17 +279,15 @@ class DirLock {
 /// moe::ConfigError. A normal end (or release()) empties LOCK; the file stays.
 ///
 /// Who takes it: a job that will save into the directory, before it resumes from it (train_moe
-/// does, when enable_checkpointing is set), so that it never loads a checkpoint another job is
-/// rotating away. save_checkpoint also takes it for one save when this process does not hold it,
-/// but only a lock held for the whole job keeps another job from pruning the checkpoints between
-/// saves. load_latest_checkpoint takes no lock: a read-only use may read a directory a job is
-/// writing; it never sees a partial checkpoint, but the writer's retention may remove the one it
-/// is reading (it is then skipped with a message, or the load fails).
+/// does), so that it never loads a checkpoint another job is rotating away. save_checkpoint takes
+/// it for one save when this process does not hold it, but only a lock held for the whole job
+/// keeps another job from pruning checkpoints between saves. load_latest_checkpoint takes none: a
+/// read-only use never sees a partial checkpoint, but a writer's retention may remove the one it
+/// reads (it is then skipped with a message, or the load fails).
 ///
 /// fcntl locks depend on the file system: local file systems and NFS (v4, or v3 with lockd) keep
-/// them across hosts; where the file system keeps none (some FUSE or Lustre mounts without
-/// flock), a warning on stderr says so, and nothing stops a second job. A forked child does not
-/// inherit the lock.
+/// them across hosts; where one keeps none (some FUSE or Lustre mounts), a warning on stderr says
+/// so, and nothing stops a second job. A forked child does not inherit the lock.
 class CheckpointDirLock {
  public:
   /// Holds nothing.

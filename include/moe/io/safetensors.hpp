@@ -92,11 +92,8 @@ class File {
   template <class T>
   std::vector<T> get(std::string const& name) const {
     Tensor const& t = at(name);
-    try {
-      return t.to_vector<T>();
-    } catch (IoError const& e) {
-      throw IoError(detail::cat(where(), ": tensor '", name, "': ", e.what()));
-    }
+    return detail::rethrow_with([&] { return t.to_vector<T>(); }, where(), ": tensor '", name,
+                                "': ");
   }
 
   /// Adds or replaces \p name. Throws IoError if the tensor is inconsistent (see
@@ -106,11 +103,7 @@ class File {
       throw IoError(
           "a tensor cannot be named \"__metadata__\" (the name is reserved for metadata)");
     }
-    try {
-      t.validate();
-    } catch (IoError const& e) {
-      throw IoError(detail::cat("cannot set tensor '", name, "': ", e.what()));
-    }
+    detail::rethrow_with([&] { t.validate(); }, "cannot set tensor '", name, "': ");
     tensors_[name] = std::move(t);
   }
 
@@ -340,11 +333,7 @@ inline void File::write(std::string const& path) const {
     if (!detail::valid_utf8(name)) {
       throw IoError(cat("cannot write ", file, ": tensor name '", name, "' is not valid UTF-8"));
     }
-    try {
-      t.validate();
-    } catch (IoError const& e) {
-      throw IoError(cat("cannot write ", file, ": tensor '", name, "': ", e.what()));
-    }
+    detail::rethrow_with([&] { t.validate(); }, "cannot write ", file, ": tensor '", name, "': ");
     if (header.size() > 1) header += ',';
     detail::append_json_string(header, name);
     header += cat(":{\"dtype\":\"", dtype_name(t.dtype), "\",\"shape\":[");

@@ -84,12 +84,7 @@ void copy_to_view(Tensor const& t, View const& v, std::string const& what = "ten
                                  " but the View '", v.label(), "' has extents ",
                                  detail::shape_text(detail::view_shape(v))));
   }
-  std::vector<T> values;
-  try {
-    values = t.to_vector<T>();
-  } catch (IoError const& e) {
-    throw IoError(detail::cat(what, ": ", e.what()));
-  }
+  std::vector<T> const values = detail::rethrow_with([&] { return t.to_vector<T>(); }, what, ": ");
   auto host = Kokkos::create_mirror_view(v);
   std::size_t i = 0;
   detail::for_each_row_major(host, [&](T& x) { x = values[i++]; });
@@ -106,11 +101,7 @@ View to_view(Tensor const& t, std::string const& label) {
     throw ShapeError(detail::cat(label, " has shape ", detail::shape_text(t.shape), " (rank ",
                                  t.shape.size(), ") but the View type has rank ", R));
   }
-  try {
-    t.validate();
-  } catch (IoError const& e) {
-    throw IoError(detail::cat(label, ": ", e.what()));
-  }
+  detail::rethrow_with([&] { t.validate(); }, label, ": ");
   View v = detail::make_view<View>(label, t.shape, std::make_index_sequence<RD>{});
   copy_to_view(t, v, label);
   return v;

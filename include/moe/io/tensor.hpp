@@ -119,6 +119,17 @@ void store_le(T v, unsigned char* p) {
 /// "[2, 3]"
 using moe::detail::shape_text;
 
+/// f(), with an IoError it throws turned into an E whose message is \p context... followed by
+/// the IoError's.
+template <class E = IoError, class F, class... Context>
+auto rethrow_with(F&& f, Context const&... context) -> decltype(f()) {
+  try {
+    return f();
+  } catch (IoError const& e) {
+    throw E(cat(context..., e.what()));
+  }
+}
+
 /// Product of \p shape; throws IoError (prefixed by \p where) on a negative dimension or when the
 /// product does not fit in int64. A zero dimension makes the product 0 whatever the others are.
 inline std::int64_t checked_numel(std::vector<std::int64_t> const& shape,
