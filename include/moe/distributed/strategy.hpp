@@ -16,9 +16,9 @@
 /// choose_strategy() picks one from the layout, once per planned batch shape; the layer holds it
 /// in a std::variant and visits it once per forward / backward. A strategy lists the stages of
 /// its step, top to bottom (plan(): pure, what moe-shard --plan prints and the layer checks
-/// against), and runs each of them (forward() / backward(), one case per stage kind it plans);
-/// nothing after the choice tests the route. The stages every strategy shares (weight gathers,
-/// output, gradient reduction) are run by the layer.
+/// against), and runs each of them (a static function per stage kind and phase, called by
+/// run_forward / run_backward); nothing after the choice tests the route. The
+/// stages every strategy shares (weight gathers, output, gradient reduction) are run by the layer.
 ///
 /// Adding a layout: an ExpertRoute and its choice in layout.hpp, a strategy file, its alternative
 /// here, and its case in tests/mpi/layout_cases.hpp.
@@ -62,6 +62,48 @@ inline Strategy choose_strategy(Layout const& lay, ParallelConfig const& par) {
   }
   if (lay.dense) return Gathered<DenseExperts, false>{};
   return Gathered<SortedExperts, false>{};
+}
+
+/// Runs forward stage `st` of strategy S (the stages every strategy shares are the layer's).
+template <class S, class Ctx>
+void run_forward(S const&, Ctx& c, Stage const& st, std::uint64_t weights_version) {
+  switch (st.kind) {
+    case StageKind::gather_tokens:
+      return S::gather_tokens(c);
+    case StageKind::route:
+      return S::route(c);
+    case StageKind::dispatch:
+      return S::dispatch(c);
+    case StageKind::experts:
+      return S::experts(c, weights_version);
+    case StageKind::combine:
+      return S::combine(c);
+    case StageKind::shared_expert:
+      return S::shared_forward(c);
+    default:
+      stages::no_stage(st);
+  }
+}
+/// Runs backward stage `st` of strategy S.
+template <class S, class Ctx>
+void run_backward(S const&, Ctx& c, Stage const& st, typename Ctx::cview2 dy,
+                  typename Ctx::view2 dx) {
+  switch (st.kind) {
+    case StageKind::output:
+      return S::output_backward(c, dy);
+    case StageKind::combine:
+      return S::combine_backward(c);
+    case StageKind::experts:
+      return S::experts_backward(c);
+    case StageKind::dispatch:
+      return S::dispatch_backward(c, dx);
+    case StageKind::shared_expert:
+      return S::shared_backward(c, dy, dx);
+    case StageKind::route:
+      return S::route_backward(c, dx);
+    default:
+      stages::no_stage(st);
+  }
 }
 
 /// \brief The step plan of `strategy` on the rank `lay` describes (pure: no MPI, no device).

@@ -112,17 +112,4 @@ void route_backward(Ctx& ctx, typename Ctx::view2 dx) {
                       ctx.gc.gate, ctx.gc.gate_bias);
 }
 
-/// EP-TP: the router's backward on the full-D tokens: dx += d_logits gate^T for this rank's D
-/// columns only (the rows of the gate this rank's columns multiply); d_gate is the full, same on
-/// every expert rank.
-template <class Ctx>
-void ep_tp_route_backward(Ctx& ctx, typename Ctx::view2 dx) {
-  using cview2 = typename Ctx::cview2;
-  std::int64_t const E = ctx.cfg.num_experts, Dl = ctx.plan.token_cols;
-  cview2 gate_rows(ctx.cp.gate.data() + ctx.x_col0 * E, Dl, E);
-  ctx.router.backward(ctx.space, cview2(ctx.ws.at(buf::x_work)), gate_rows,
-                      cview2(ctx.ws.at(buf::d_weights)), ctx.router.lb_coefficient(ctx.B), dx,
-                      ctx.gc.gate, ctx.gc.gate_bias);
-}
-
 }  // namespace moe::distributed::stages

@@ -10,9 +10,7 @@
 #include <moe/detail/views.hpp>
 #include <moe/distributed/plan_builder.hpp>
 #include <moe/distributed/reshard.hpp>
-#include <moe/distributed/stages/route.hpp>
 #include <moe/distributed/strategy/gathered.hpp>
-#include <moe/distributed/strategy/shared_expert.hpp>
 #include <moe/permute/permute.hpp>
 
 #include <cstdint>
@@ -145,18 +143,18 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
     return b.finish();
   }
 
+  // Its own route, dispatch and experts; the other stages are the ring's.
   template <class Ctx>
-  void forward(Ctx& c, Stage const& st, std::uint64_t weights_version) const {
-    switch (st.kind) {
-      case StageKind::route:
-        return stages::route_gathered_logits(c, c.ws.at(buf::x));
-      case StageKind::dispatch:
-        return stages::local_sort(c);
-      case StageKind::experts:
-        return stages::chunked_ring_experts(c, c.ws.at(buf::x), weights_version);
-      default:
-        return Gathered<SortedExperts, true>::forward(c, st, weights_version);
-    }
+  static void route(Ctx& c) {
+    stages::route_gathered_logits(c, c.ws.at(buf::x));
+  }
+  template <class Ctx>
+  static void dispatch(Ctx& c) {
+    stages::local_sort(c);
+  }
+  template <class Ctx>
+  static void experts(Ctx& c, std::uint64_t weights_version) {
+    stages::chunked_ring_experts(c, c.ws.at(buf::x), weights_version);
   }
 };
 

@@ -12,9 +12,7 @@
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/distributed/plan_builder.hpp>
-#include <moe/distributed/stages/route.hpp>
 #include <moe/distributed/strategy/gathered.hpp>
-#include <moe/distributed/strategy/shared_expert.hpp>
 #include <moe/permute/permute.hpp>
 
 #include <cstdint>
@@ -22,11 +20,6 @@
 
 namespace moe::distributed {
 namespace stages {
-
-// ------------------------------------------------------- strategy: EP-TP ------------------
-// The tokens are split on D over the expert axes; x_work holds the full-D tokens, the same on
-// every expert rank. Dispatch and experts are the gathered path's (local experts, routed rows
-// only); partial outputs are reduce-scattered back to this rank's D columns.
 
 /// Reduce-scatters partial full-D rows over the expert axes to this rank's D columns (the
 /// workspace buffer `cols`) and adds them to `into`.
@@ -37,45 +30,12 @@ void scatter_cols_into(Ctx& ctx, typename Ctx::view2 full, Handle<Values> cols,
   ctx.reduce_scatter(ctx.ep(), full, c, 1);
   moe::detail::add_into(ctx.space, c, into);
 }
-template <class Ctx>
-void ep_tp_combine(Ctx& ctx, typename Ctx::view2 yw) {
-  ctx.reduce_scatter(ctx.ep(), yw, ctx.ws.make(buf::y_cols), 1);
-}
-template <class Ctx>
-void ep_tp_output_backward(Ctx& ctx, typename Ctx::cview2 dy) {
-  ctx.all_gather(ctx.ep(), dy, ctx.ws.make(buf::dy_work), 1);
-}
-/// dxw: the working tokens' dx (EP-TP: work_tokens == tokens, the full-D rows of this rank's
-/// batch).
-template <class Ctx>
-void ep_tp_dispatch_backward(Ctx& ctx, typename Ctx::view2 dxw, typename Ctx::view2 dx) {
-  // Every expert rank holds the same tokens: d_weights (only the local experts' slots) summed,
-  // dx (only the local experts' rows) summed and split on D.
-  auto dw = ctx.ws.make(buf::d_weights);
-  Kokkos::deep_copy(ctx.space, dw, ctx.ws.at(buf::d_weights_work));
-  ctx.all_reduce(ctx.ep(), dw);
-  ctx.reduce_scatter(ctx.ep(), dxw, dx, 1);
-}
-/// The shared expert on the full-D tokens, hidden dim split over the expert axes: partial
-/// outputs reduce-scattered to this rank's D columns and added to y_c.
-template <class Ctx>
-void ep_tp_shared_forward(Ctx& ctx, typename Ctx::view2 xw, typename Ctx::view2 y_c) {
-  using cview2 = typename Ctx::cview2;
-  auto ysh = shared_mlp_forward(ctx, cview2(xw), buf::y_shared);  // [T, D]: x_work is this rank's T
-  scatter_cols_into(ctx, ysh, buf::y_shared_cols, y_c);
-}
-template <class Ctx>
-void ep_tp_shared_backward(Ctx& ctx, typename Ctx::view2 dyw, typename Ctx::view2 dx) {
-  using cview2 = typename Ctx::cview2;
-  auto dxsh = shared_mlp_backward(ctx, cview2(dyw), buf::dx_shared);
-  scatter_cols_into(ctx, dxsh, buf::dx_shared_cols, dx);
-}
 
 }  // namespace stages
 
 /// \brief The EP-TP strategy (see the file comment).
 template <class Experts>
-struct EpTp {
+struct EpTp : Experts {
   StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
                 std::int64_t value_bytes) const {
     PlanBuilder b(lay, cfg, par, value_bytes, false);
@@ -124,51 +84,70 @@ struct EpTp {
     return b.finish();
   }
 
+  // x_work holds the full-D tokens, the same on every expert rank: the experts run on it.
   template <class Ctx>
-  void forward(Ctx& c, Stage const& st, std::uint64_t weights_version) const {
-    switch (st.kind) {
-      case StageKind::gather_tokens:  // this rank's D columns -> the full-D tokens
-        return c.all_gather(c.ep(), c.ws.at(buf::x), c.ws.make(buf::x_work), 1);
-      case StageKind::route:
-        return stages::route_tokens(c, c.ws.at(buf::x_work), false);
-      case StageKind::dispatch:
-        if constexpr (!Experts::dense) return Experts::dispatch(c, c.ws.at(buf::x_work));
-        break;
-      case StageKind::experts:
-        return Experts::experts(c, buf::x_work, weights_version);
-      case StageKind::combine:
-        return stages::ep_tp_combine(c, Experts::combined(c));
-      case StageKind::shared_expert:
-        return stages::ep_tp_shared_forward(c, c.ws.at(buf::x_work), c.ws.at(buf::y_cols));
-      default:
-        break;
-    }
-    stages::no_stage(st);
+  static void gather_tokens(Ctx& c) {  // this rank's D columns -> the full-D tokens
+    c.all_gather(c.ep(), c.ws.at(buf::x), c.ws.make(buf::x_work), 1);
   }
   template <class Ctx>
-  void backward(Ctx& c, Stage const& st, typename Ctx::cview2 dy, typename Ctx::view2 dx) const {
-    switch (st.kind) {
-      case StageKind::output:
-        return stages::ep_tp_output_backward(c, dy);
-      case StageKind::combine:
-        if constexpr (!Experts::dense) return Experts::combine_backward(c);
-        break;
-      case StageKind::experts:
-        return Experts::experts_backward(c);
-      case StageKind::dispatch:
-        return stages::ep_tp_dispatch_backward(c, Experts::work_dx(c), dx);
-      case StageKind::shared_expert:
-        return stages::ep_tp_shared_backward(c, c.ws.at(buf::dy_work), dx);
-      case StageKind::route:
-        return stages::ep_tp_route_backward(c, dx);
-      default:
-        break;
-    }
-    stages::no_stage(st);
+  static void route(Ctx& c) {
+    stages::route_tokens(c, c.ws.at(buf::x_work), false);
   }
   template <class Ctx>
-  std::int64_t routed_rows(Ctx const& c) const {
-    return Experts::routed_rows(c);
+  static void dispatch(Ctx& c) {
+    Experts::dispatch(c, c.ws.at(buf::x_work));
+  }
+  template <class Ctx>
+  static void experts(Ctx& c, std::uint64_t weights_version) {
+    Experts::experts(c, buf::x_work, weights_version);
+  }
+  /// Partial outputs reduce-scattered back to this rank's D columns.
+  template <class Ctx>
+  static void combine(Ctx& c) {
+    auto yw = Experts::combined(c);
+    c.reduce_scatter(c.ep(), yw, c.ws.make(buf::y_cols), 1);
+  }
+  /// The shared expert on the full-D tokens, hidden dim split over the expert axes: partial
+  /// outputs reduce-scattered to this rank's D columns and added to y_cols.
+  template <class Ctx>
+  static void shared_forward(Ctx& c) {
+    using cview2 = typename Ctx::cview2;
+    auto xw = c.ws.at(buf::x_work);  // [T, D]: x_work is this rank's T
+    auto y_c = c.ws.at(buf::y_cols);
+    auto ysh = stages::shared_mlp_forward(c, cview2(xw), buf::y_shared);
+    stages::scatter_cols_into(c, ysh, buf::y_shared_cols, y_c);
+  }
+  template <class Ctx>
+  static void output_backward(Ctx& c, typename Ctx::cview2 dy) {
+    c.all_gather(c.ep(), dy, c.ws.make(buf::dy_work), 1);
+  }
+  template <class Ctx>
+  static void dispatch_backward(Ctx& c, typename Ctx::view2 dx) {
+    auto dxw = Experts::work_dx(c);
+    // Every expert rank holds the same tokens: d_weights (only the local experts' slots) summed,
+    // dx (only the local experts' rows) summed and split on D.
+    auto dw = c.ws.make(buf::d_weights);
+    Kokkos::deep_copy(c.space, dw, c.ws.at(buf::d_weights_work));
+    c.all_reduce(c.ep(), dw);
+    c.reduce_scatter(c.ep(), dxw, dx, 1);
+  }
+  template <class Ctx>
+  static void shared_backward(Ctx& c, typename Ctx::cview2 /*dy*/, typename Ctx::view2 dx) {
+    using cview2 = typename Ctx::cview2;
+    auto dxsh = stages::shared_mlp_backward(c, cview2(c.ws.at(buf::dy_work)), buf::dx_shared);
+    stages::scatter_cols_into(c, dxsh, buf::dx_shared_cols, dx);
+  }
+  /// The router's backward on the full-D tokens: dx += d_logits gate^T for this rank's D columns
+  /// only (the rows of the gate this rank's columns multiply); d_gate is the full, same on every
+  /// expert rank.
+  template <class Ctx>
+  static void route_backward(Ctx& c, typename Ctx::view2 dx) {
+    using cview2 = typename Ctx::cview2;
+    std::int64_t const E = c.cfg.num_experts, Dl = c.plan.token_cols;
+    cview2 gate_rows(c.cp.gate.data() + c.x_col0 * E, Dl, E);
+    c.router.backward(c.space, cview2(c.ws.at(buf::x_work)), gate_rows,
+                      cview2(c.ws.at(buf::d_weights)), c.router.lb_coefficient(c.B), dx, c.gc.gate,
+                      c.gc.gate_bias);
   }
 };
 

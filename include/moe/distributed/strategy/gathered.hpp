@@ -10,7 +10,6 @@
 
 #include <moe/detail/views.hpp>
 #include <moe/distributed/plan_builder.hpp>
-#include <moe/distributed/stages/route.hpp>
 #include <moe/distributed/strategy/shared_expert.hpp>
 #include <moe/permute/local_permute.hpp>
 #include <moe/permute/permute.hpp>
@@ -48,40 +47,12 @@ void tokens_reduce(Ctx& ctx, typename Ctx::view2 work, typename Ctx::view2 own) 
     Kokkos::deep_copy(ctx.space, own, work);
   }
 }
-/// The working tokens' routed outputs yw summed onto each rank's own tokens, then split over
-/// tensor into y_cols.
-template <bool Ring, class Ctx>
-void gathered_combine(Ctx& ctx, typename Ctx::view2 yw) {
-  auto yo = ctx.ws.make(buf::y_own);
-  tokens_reduce<Ring>(ctx, yw, yo);
-  auto y_c = ctx.ws.make(buf::y_cols);
-  ctx.reduce_scatter(ctx.tp(), yo, y_c, 1);
-}
-template <bool Ring, class Ctx>
-void gathered_output_backward(Ctx& ctx, typename Ctx::cview2 dy) {
-  auto dyw = ctx.ws.make(buf::dy_work);
-  if constexpr (Ring)
-    ctx.all_gather(ctx.ep(), dy, dyw, 0);
-  else
-    Kokkos::deep_copy(ctx.space, dyw, dy);
-}
-/// The working tokens' d_weights and dx (dxw) back to the ranks that own the tokens: both are
-/// partial over the tensor-split hidden dim and over the expert group's local experts.
-template <bool Ring, class Ctx>
-void gathered_dispatch_backward(Ctx& ctx, typename Ctx::view2 dxw, typename Ctx::view2 dx) {
-  auto dww = ctx.ws.at(buf::d_weights_work);
-  ctx.all_reduce(ctx.tp(), dww);
-  tokens_reduce<Ring>(ctx, dww, ctx.ws.make(buf::d_weights));
-  ctx.all_reduce(ctx.tp(), dxw);
-  tokens_reduce<Ring>(ctx, dxw, dx);
-}
-
 }  // namespace stages
 
 /// \brief The routed rows of the working tokens sorted by local expert through the grouped
 /// GEMMs: a dispatch stage (sort, gather rows), the experts, and on the way back a combine
 /// backward (d_weights, the rows' dy) before the experts' backward.
-struct SortedExperts {
+struct SortedExperts : StageDefaults {
   static constexpr bool dense = false;
   /// What the experts write (the combine reads it) and what the dispatch backward reads.
   static constexpr auto rows_out = buf::y_local;
@@ -176,7 +147,7 @@ struct SortedExperts {
 
 /// \brief The dense masked experts (Gmm = Dense or sparse_matmul = false): every working token
 /// through every local expert, masked by the routing; no sort, no dispatch stage.
-struct DenseExperts {
+struct DenseExperts : StageDefaults {
   static constexpr bool dense = true;
   static constexpr auto rows_out = buf::y_work;
   static constexpr auto dx_rows = buf::dx_work;
@@ -300,7 +271,7 @@ void plan_gathered_backward(PlanBuilder& b) {
 /// rank's tokens are its own (no expert parallelism) or replicated over the expert group, whose
 /// partial outputs are summed (ExpertRoute::Local, Replicated).
 template <class Experts, bool Ring>
-struct Gathered {
+struct Gathered : Experts {
   /// The working tokens: the expert group's (the ring) or this rank's.
   static constexpr auto xw = Ring ? buf::x_work : buf::x;
 
@@ -343,50 +314,49 @@ struct Gathered {
   }
 
   template <class Ctx>
-  void forward(Ctx& c, Stage const& st, std::uint64_t weights_version) const {
-    switch (st.kind) {
-      case StageKind::gather_tokens:
-        return c.all_gather(c.ep(), c.ws.at(buf::x), c.ws.make(buf::x_work), 0);
-      case StageKind::route:
-        return stages::route_tokens(c, c.ws.at(xw), Ring);
-      case StageKind::dispatch:
-        if constexpr (!Experts::dense) return Experts::dispatch(c, c.ws.at(xw));
-        break;
-      case StageKind::experts:
-        return Experts::experts(c, xw, weights_version);
-      case StageKind::combine:
-        return stages::gathered_combine<Ring>(c, Experts::combined(c));
-      case StageKind::shared_expert:
-        return stages::shared_forward(c, c.ws.at(buf::x), c.ws.at(buf::y_cols));
-      default:
-        break;
-    }
-    stages::no_stage(st);
+  static void gather_tokens(Ctx& c) {
+    c.all_gather(c.ep(), c.ws.at(buf::x), c.ws.make(buf::x_work), 0);
   }
   template <class Ctx>
-  void backward(Ctx& c, Stage const& st, typename Ctx::cview2 dy, typename Ctx::view2 dx) const {
-    switch (st.kind) {
-      case StageKind::output:
-        return stages::gathered_output_backward<Ring>(c, dy);
-      case StageKind::combine:
-        if constexpr (!Experts::dense) return Experts::combine_backward(c);
-        break;
-      case StageKind::experts:
-        return Experts::experts_backward(c);
-      case StageKind::dispatch:
-        return stages::gathered_dispatch_backward<Ring>(c, Experts::work_dx(c), dx);
-      case StageKind::shared_expert:
-        return stages::shared_backward(c, dy, dx);
-      case StageKind::route:
-        return stages::route_backward(c, dx);
-      default:
-        break;
-    }
-    stages::no_stage(st);
+  static void route(Ctx& c) {
+    stages::route_tokens(c, c.ws.at(xw), Ring);
   }
   template <class Ctx>
-  std::int64_t routed_rows(Ctx const& c) const {
-    return Experts::routed_rows(c);
+  static void dispatch(Ctx& c) {
+    Experts::dispatch(c, c.ws.at(xw));
+  }
+  template <class Ctx>
+  static void experts(Ctx& c, std::uint64_t weights_version) {
+    Experts::experts(c, xw, weights_version);
+  }
+  /// The working tokens' routed outputs summed onto each rank's own tokens, then split over
+  /// tensor into y_cols.
+  template <class Ctx>
+  static void combine(Ctx& c) {
+    auto yw = Experts::combined(c);
+    auto yo = c.ws.make(buf::y_own);
+    stages::tokens_reduce<Ring>(c, yw, yo);
+    auto y_c = c.ws.make(buf::y_cols);
+    c.reduce_scatter(c.tp(), yo, y_c, 1);
+  }
+  template <class Ctx>
+  static void output_backward(Ctx& c, typename Ctx::cview2 dy) {
+    auto dyw = c.ws.make(buf::dy_work);
+    if constexpr (Ring)
+      c.all_gather(c.ep(), dy, dyw, 0);
+    else
+      Kokkos::deep_copy(c.space, dyw, dy);
+  }
+  /// The working tokens' d_weights and dx back to the ranks that own the tokens: both are
+  /// partial over the tensor-split hidden dim and over the expert group's local experts.
+  template <class Ctx>
+  static void dispatch_backward(Ctx& c, typename Ctx::view2 dx) {
+    auto dxw = Experts::work_dx(c);
+    auto dww = c.ws.at(buf::d_weights_work);
+    c.all_reduce(c.tp(), dww);
+    stages::tokens_reduce<Ring>(c, dww, c.ws.make(buf::d_weights));
+    c.all_reduce(c.tp(), dxw);
+    stages::tokens_reduce<Ring>(c, dxw, dx);
   }
 };
 

@@ -5,11 +5,13 @@
 /// whole MLP (hidden dim split over tensor only), or EP-as-TP -- the expert group's tokens
 /// (all-gathered when the tokens are split over the expert axes) with the hidden dim split over
 /// tensor x expert. Its stages and their functions, and the transposes. The MLP itself
-/// (shared_mlp_forward / backward) is shared with EP-TP.
+/// (shared_mlp_forward / backward) is shared with EP-TP. And StageDefaults: the stage functions
+/// of a strategy that it does not define itself (strategy.hpp's run_forward calls them).
 
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/distributed/plan_builder.hpp>
+#include <moe/distributed/stages/route.hpp>
 
 #include <cstdint>
 #include <string>
@@ -160,3 +162,39 @@ void shared_backward(Ctx& ctx, typename Ctx::cview2 dy, typename Ctx::view2 dx) 
 }
 
 }  // namespace moe::distributed::stages
+
+namespace moe::distributed {
+
+/// \brief The stage functions a strategy (deriving from it) does not define itself.
+struct StageDefaults {
+  // A kind the strategy never plans (any arguments): an internal error naming the stage.
+  template <class Ctx, class... Args>
+  static void gather_tokens(Ctx& c, Args&&...) {
+    stages::no_stage(*c.stage);
+  }
+  template <class Ctx, class... Args>
+  static void dispatch(Ctx& c, Args&&...) {
+    stages::no_stage(*c.stage);
+  }
+  template <class Ctx, class... Args>
+  static void combine_backward(Ctx& c, Args&&...) {
+    stages::no_stage(*c.stage);
+  }
+
+  /// The shared expert (as the layout chose it) into y_cols, and its transpose.
+  template <class Ctx>
+  static void shared_forward(Ctx& c) {
+    stages::shared_forward(c, c.ws.at(buf::x), c.ws.at(buf::y_cols));
+  }
+  template <class Ctx>
+  static void shared_backward(Ctx& c, typename Ctx::cview2 dy, typename Ctx::view2 dx) {
+    stages::shared_backward(c, dy, dx);
+  }
+  /// The router's backward on this rank's tokens.
+  template <class Ctx>
+  static void route_backward(Ctx& c, typename Ctx::view2 dx) {
+    stages::route_backward(c, dx);
+  }
+};
+
+}  // namespace moe::distributed
