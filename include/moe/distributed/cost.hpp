@@ -365,7 +365,5 @@ inline moe::detail::ordered_json StepCost::json() const {
 }  // namespace moe::distributed
 
 namespace moe {
-using distributed::estimate_step_cost;
-using distributed::Machine;
-using distributed::StepCost;
+using distributed::estimate_step_cost, distributed::Machine, distributed::StepCost;
 }  // namespace moe

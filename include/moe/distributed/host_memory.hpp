@@ -151,8 +151,6 @@ inline void require_fits(std::string const& who, MemoryEstimate const& est, std:
 }  // namespace moe::distributed
 
 namespace moe {
-using distributed::available_memory_bytes;
-using distributed::memory_check_skipped;
-using distributed::ranks_on_node;
-using distributed::require_fits;
+using distributed::available_memory_bytes, distributed::memory_check_skipped,
+    distributed::ranks_on_node, distributed::require_fits;
 }  // namespace moe

@@ -27,8 +27,7 @@ enum class ExpertRoute {
   RaggedA2A,   ///< batch split over the expert axis: rows travel by ragged all-to-all
   Ring,        ///< tokens all-gathered over the expert axis, outputs reduce-scattered
   Replicated,  ///< every expert-axis rank holds the same tokens: outputs all-reduced
-  EpTp  ///< tokens split on D over the expert axis: all-gathered on D, outputs reduce-scattered on
-        ///< D
+  EpTp  ///< tokens split on D over the expert axis: gathered on D, outputs reduce-scattered on D
 };
 
 /// \brief How the shared expert is computed under expert parallelism (ExpertRoute != Local).
@@ -55,18 +54,8 @@ inline char const* to_string(SharedExpert s) {
 
 /// \brief Stable name of a route: "local", "ragged_all_to_all", "ring", "replicated", "ep_tp".
 inline char const* to_string(ExpertRoute r) {
-  switch (r) {
-    case ExpertRoute::RaggedA2A:
-      return "ragged_all_to_all";
-    case ExpertRoute::Ring:
-      return "ring";
-    case ExpertRoute::Replicated:
-      return "replicated";
-    case ExpertRoute::EpTp:
-      return "ep_tp";
-    default:
-      return "local";
-  }
+  static char const* const names[] = {"local", "ragged_all_to_all", "ring", "replicated", "ep_tp"};
+  return names[static_cast<int>(r)];
 }
 
 /// Layout of one dimension of one tensor.
@@ -475,7 +464,5 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
 }  // namespace moe::distributed
 
 namespace moe {
-using distributed::ExpertRoute;
-using distributed::SharedExpert;
-using distributed::to_string;
+using distributed::ExpertRoute, distributed::SharedExpert, distributed::to_string;
 }  // namespace moe

@@ -281,12 +281,9 @@ inline void check_index_limits(LayerPlan const& plan,
   }
 }
 
-// ------------------------------------------------------------------ the machine ---------------
-
 }  // namespace moe::distributed
 
 namespace moe {
-using distributed::check_index_limits;
-using distributed::default_packed_weights;
-using distributed::estimate_layer_memory;
+using distributed::check_index_limits, distributed::default_packed_weights,
+    distributed::estimate_layer_memory;
 }  // namespace moe

@@ -26,17 +26,14 @@ namespace moe::distributed {
 /// \brief "1.5 GiB", "12.0 MiB", "3.2 KiB", "100 B".
 inline std::string format_bytes(std::int64_t bytes) {
   char buf[64];
-  double const b = double(bytes);
-  if (bytes >= (std::int64_t(1) << 40))
-    std::snprintf(buf, sizeof buf, "%.1f TiB", b / double(std::int64_t(1) << 40));
-  else if (bytes >= (std::int64_t(1) << 30))
-    std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(std::int64_t(1) << 30));
-  else if (bytes >= (std::int64_t(1) << 20))
-    std::snprintf(buf, sizeof buf, "%.1f MiB", b / double(std::int64_t(1) << 20));
-  else if (bytes >= 1024)
-    std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
-  else
+  static char const* const units[] = {"KiB", "MiB", "GiB", "TiB"};
+  int u = 4;
+  while (u > 0 && bytes < (std::int64_t(1) << (10 * u))) --u;
+  if (u == 0)
     std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
+  else
+    std::snprintf(buf, sizeof buf, "%.1f %s", double(bytes) / double(std::int64_t(1) << (10 * u)),
+                  units[u - 1]);
   return buf;
 }
 
@@ -127,22 +124,17 @@ struct MemoryEstimate {
 
   /// Multi-line table, one item per line with its bytes and keys, then the total.
   std::string to_text() const {
-    std::string o;
     std::size_t w = 5;
     for (auto const& i : items) w = std::max(w, i.what.size());
-    for (auto const& i : items) {
-      std::string name = i.what;
+    auto row = [w](std::string name, std::int64_t bytes) {
       name.append(w - name.size() + 2, ' ');
-      std::string b = format_bytes(i.bytes);
+      std::string b = format_bytes(bytes);
       if (b.size() < 10) b.insert(0, 10 - b.size(), ' ');
-      o += "  " + name + b + "  (" + i.keys + ")\n";
-    }
-    std::string name = "total";
-    name.append(w - name.size() + 2, ' ');
-    std::string b = format_bytes(total());
-    if (b.size() < 10) b.insert(0, 10 - b.size(), ' ');
-    o += "  " + name + b + moe::detail::cat("  (", total(), " bytes)\n");
-    return o;
+      return "  " + name + b;
+    };
+    std::string o;
+    for (auto const& i : items) o += row(i.what, i.bytes) + "  (" + i.keys + ")\n";
+    return o + row("total", total()) + moe::detail::cat("  (", total(), " bytes)\n");
   }
 
   /// JSON object: {"total_bytes": N, "items": [{"what": ..., "bytes": N, "keys": [...]}, ...]}.
@@ -215,8 +207,6 @@ struct IndexLimits {
 }  // namespace moe::distributed
 
 namespace moe {
-using distributed::format_bytes;
-using distributed::IndexLimits;
-using distributed::MemoryEstimate;
-using distributed::MemoryItem;
+using distributed::format_bytes, distributed::IndexLimits, distributed::MemoryEstimate,
+    distributed::MemoryItem;
 }  // namespace moe

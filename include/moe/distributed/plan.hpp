@@ -480,9 +480,6 @@ inline moe::detail::ordered_json LayerPlan::json() const {
 }  // namespace moe::distributed
 
 namespace moe {
-using distributed::LayerPlan;
-using distributed::make_plan;
-using distributed::PlanChoice;
-using distributed::PlanCollective;
-using distributed::PlanTensor;
+using distributed::LayerPlan, distributed::make_plan, distributed::PlanChoice,
+    distributed::PlanCollective, distributed::PlanTensor;
 }  // namespace moe

@@ -196,6 +196,20 @@ class PlanBuilder {
       for (Buf b : {Buf::d_act, Buf::d_h1}) hold(b, {rows, mlp()});
   }
 
+  /// A shared-expert stage of the current phase on `rows` tokens: reads `x` and the shared
+  /// weights' compute blocks, writes `writes` and (backward) the weights' gradients.
+  Stage& shared_stage(Ref x, Extent rows, std::vector<Out> writes) {
+    std::vector<Ref> reads{x};
+    for (Weight w : {Weight::shared_wi_0, Weight::shared_wi_1, Weight::shared_wo}) {
+      reads.push_back(compute(w));
+      if (backward) writes.push_back(grad(w));
+    }
+    auto& st = stage(StageKind::shared_expert,
+                     backward ? "moe::dist::shared_expert::backward" : "moe::dist::shared_expert",
+                     std::move(reads), std::move(writes));
+    hold_shared_mlp(rows);
+    return st;
+  }
   /// The shared MLP's hidden states on `rows` tokens: h0, h1, act forward; d_act backward
   /// (nn::DenseMlp), and the rows it hands to its GEMMs.
   void hold_shared_mlp(Extent rows) {

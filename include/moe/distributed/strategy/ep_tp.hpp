@@ -55,13 +55,10 @@ struct EpTp : Experts {
                       {b.out(buf::y_work, T, D), b.out(buf::y_cols, T, Dl)});
     b.reduce_scatter(c, "reduce-scatter y (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
     if (b.shared()) {
-      auto& st =
-          b.stage(StageKind::shared_expert, "moe::dist::shared_expert",
-                  {buf::x_work, compute(Weight::shared_wi_0), compute(Weight::shared_wi_1),
-                   compute(Weight::shared_wo)},
-                  {b.out(buf::y_shared, T, D), b.out(buf::y_shared_cols, T, Dl), buf::y_cols});
+      auto& st = b.shared_stage(
+          buf::x_work, T,
+          {b.out(buf::y_shared, T, D), b.out(buf::y_shared_cols, T, Dl), buf::y_cols});
       b.reduce_scatter(st, "reduce-scatter y shared (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
-      b.hold_shared_mlp(T);
     }
     b.output();
     b.backward = true;
@@ -70,13 +67,9 @@ struct EpTp : Experts {
     b.reduce_scatter(d, "reduce-scatter d_x (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
     if (b.shared()) {
       auto& st =
-          b.stage(StageKind::shared_expert, "moe::dist::shared_expert::backward",
-                  {buf::dy_work, compute(Weight::shared_wi_0), compute(Weight::shared_wi_1),
-                   compute(Weight::shared_wo)},
-                  {b.out(buf::dx_shared, T, D), b.out(buf::dx_shared_cols, T, Dl), Buf::dx,
-                   grad(Weight::shared_wi_0), grad(Weight::shared_wi_1), grad(Weight::shared_wo)});
+          b.shared_stage(buf::dy_work, T,
+                         {b.out(buf::dx_shared, T, D), b.out(buf::dx_shared_cols, T, Dl), Buf::dx});
       b.reduce_scatter(st, "reduce-scatter d_x shared (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
-      b.hold_shared_mlp(T);
     }
     // The router's dx for this rank's D columns, from the full-D tokens.
     b.route_backward(buf::x_work);

@@ -31,48 +31,37 @@ inline void plan_shared_reduce(PlanBuilder const& b, Stage& st, std::string cons
 }
 /// The forward stage, as the layout's SharedExpert says.
 inline void plan_shared_forward(PlanBuilder& b) {
-  Extent const Tg = b.shared_tokens(), D = b.emb();
-  std::vector<Ref> const reads = {buf::x, compute(Weight::shared_wi_0),
-                                  compute(Weight::shared_wi_1), compute(Weight::shared_wo)};
+  Extent const Tg = b.shared_tokens(), D = b.emb(), cols = b.emb_cols();
   if (b.lay.shared == SharedExpert::own) {
-    auto& st = b.stage(StageKind::shared_expert, "moe::dist::shared_expert", reads,
-                       {b.out(buf::y_shared, Tg, D),
-                        b.out(buf::y_shared_cols, b.tokens(), b.emb_cols()), buf::y_cols});
+    auto& st = b.shared_stage(
+        buf::x, Tg,
+        {b.out(buf::y_shared, Tg, D), b.out(buf::y_shared_cols, b.tokens(), cols), buf::y_cols});
     b.reduce_scatter(st, "reduce-scatter y shared (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
-    b.hold_shared_mlp(Tg);
     return;
   }
   bool const spans = b.shared_spans();
-  auto& st = b.stage(StageKind::shared_expert, "moe::dist::shared_expert", reads,
-                     {b.out(buf::x_shared, Tg, D), b.out(buf::y_shared, Tg, D),
-                      b.out(buf::y_own, b.tokens(), D, Item::shared),
-                      b.out(buf::y_shared_cols, b.tokens(), b.emb_cols()), buf::y_cols});
+  auto& st = b.shared_stage(buf::x, Tg,
+                            {b.out(buf::x_shared, Tg, D), b.out(buf::y_shared, Tg, D),
+                             b.out(buf::y_own, b.tokens(), D, Item::shared),
+                             b.out(buf::y_shared_cols, b.tokens(), cols), buf::y_cols});
   if (spans) b.all_gather(st, "all-gather x (shared, expert)", b.lay.ep_axes, b.T, b.D, 0);
   plan_shared_reduce(b, st, "y shared", spans);
   b.reduce_scatter(st, "reduce-scatter y shared (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
-  b.hold_shared_mlp(Tg);
 }
 inline void plan_shared_backward(PlanBuilder& b) {
   Extent const Tg = b.shared_tokens(), D = b.emb();
-  std::vector<Ref> const reads = {Buf::dy, compute(Weight::shared_wi_0),
-                                  compute(Weight::shared_wi_1), compute(Weight::shared_wo)};
   if (b.lay.shared == SharedExpert::own) {
-    auto& st = b.stage(StageKind::shared_expert, "moe::dist::shared_expert::backward", reads,
-                       {b.out(buf::dx_shared, Tg, D), Buf::dx, grad(Weight::shared_wi_0),
-                        grad(Weight::shared_wi_1), grad(Weight::shared_wo)});
+    auto& st = b.shared_stage(Buf::dy, Tg, {b.out(buf::dx_shared, Tg, D), Buf::dx});
     b.all_reduce(st, "reduce d_x shared (tensor)", b.lay.tp_axes, b.T * b.D);
-    b.hold_shared_mlp(Tg);
     return;
   }
   bool const spans = b.shared_spans();
-  auto& st =
-      b.stage(StageKind::shared_expert, "moe::dist::shared_expert::backward", reads,
-              {b.out(buf::dy_shared, Tg, D), b.out(buf::dx_shared, Tg, D), buf::y_own, Buf::dx,
-               grad(Weight::shared_wi_0), grad(Weight::shared_wi_1), grad(Weight::shared_wo)});
+  auto& st = b.shared_stage(
+      Buf::dy, Tg,
+      {b.out(buf::dy_shared, Tg, D), b.out(buf::dx_shared, Tg, D), buf::y_own, Buf::dx});
   if (spans) b.all_gather(st, "all-gather d_y (shared, expert)", b.lay.ep_axes, b.T, b.D, 0);
   b.all_reduce(st, "reduce d_x shared (tensor)", b.lay.tp_axes, b.T * (spans ? b.ep : 1) * b.D);
   plan_shared_reduce(b, st, "d_x shared", spans);
-  b.hold_shared_mlp(Tg);
 }
 
 // ---------------------------------------------------------------------------- run
