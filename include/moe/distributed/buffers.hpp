@@ -1,22 +1,13 @@
 #pragma once
 /// \file
-/// The buffers of one step of the distributed layer, named by enumerators, not strings: what the
-/// step plan's stages read and write (distributed/step_plan.hpp), what the step workspace hands
-/// out (distributed/workspace.hpp), and what the memory estimate counts
-/// (distributed/memory.hpp). One table (kBufferInfo) gives each buffer its printed name, its
-/// element type and the memory-estimate item it is counted under.
-///
-/// Two kinds of buffer:
-///  * workspace buffers, [rows, cols], made by a stage through a typed handle (namespace buf):
-///    `ws.make(buf::x_sorted, rows)` gives a View of the handle's element type, so a stage cannot
-///    ask for an int buffer as values; the plan declares every one's shape (BufferDecl) and the
-///    workspace checks each make against it;
-///  * buffers a component keeps between steps (the router's logits, the sort's permutation, the
-///    expert FFN's hidden states, ...): declared by the stage that runs the component, so that
-///    the memory estimate and the index limits read them from the plan too.
-///
-/// Element types are roles (Elem), not C++ types: `value` is the layer's value type (today the
-/// Scalar of float or double); the workspace maps each role to its type.
+/// The buffers of one step of the distributed layer, named by enumerators (Buf), not strings; one
+/// table (kBufferInfo) gives each its printed name, element role and memory-estimate item. Two
+/// kinds: workspace buffers [rows, cols], made by a stage through a typed handle (namespace buf:
+/// `ws.make(buf::x_sorted, rows)` gives a View of the handle's element type) in the shape the plan
+/// declares (BufferDecl); and buffers a component keeps between steps (the router's logits, the
+/// sort's permutation, the FFNs' hidden states), declared by the stage that runs the component so
+/// that the memory estimate and the index limits read them from the plan too. Element types are
+/// roles (Elem): `value` is the layer's Scalar; the workspace maps each role to its type.
 
 #include <moe/error.hpp>
 

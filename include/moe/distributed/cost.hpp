@@ -1,40 +1,23 @@
 #pragma once
 /// \file
-/// The cost model of a layer plan (#30): for one rank of a LayerPlan on a described machine, each
-/// stage's FLOPs, the bytes it sends and touches, and its predicted time; the step's total and its
-/// dominant stage. Pure, like the plan (no MPI, no Kokkos): a 2,048-rank run can be planned and
-/// costed on a laptop.
+/// The cost model of a layer plan (#30): for one rank of a LayerPlan on a described Machine, each
+/// stage's FLOPs, the bytes it sends and moves, and its predicted time; the step's total and its
+/// dominant stage. Pure, like the plan: a 2,048-rank run can be costed on a laptop. Ranks fill
+/// nodes in order (rank r on node r / ranks_per_node); the mesh numbers ranks row-major.
 ///
-/// **The machine** (Machine): ranks per node; per-rank bandwidth and latency of collectives inside
-/// a node and between nodes; GEMM throughput per rank for each value type; memory bandwidth per
-/// rank. Ranks fill nodes in order (rank r runs on node r / ranks_per_node), the mesh's rank
-/// numbering is MaxText's (row-major over the mesh axes). Two documented descriptions ship
-/// (Machine::preset): `h100-ib` and `cpu-cluster`; every field can be overridden.
-///
-/// **The model**, per stage (the plan's records: StepPlan stages, their collectives and buffers):
-///  * compute: the stage's GEMM FLOPs / the GEMM throughput of the value type;
-///  * memory: the bytes of the workspace buffers the stage makes (each written once and read
-///    once afterwards) / the memory bandwidth -- the permutes, gathers, combines and copies; the
-///    weights a stage gathers or slices into their compute blocks likewise; and on a machine whose
-///    GEMM packs its weights (Machine::packs_weights: oneDNN on CPUs), a pass over each expert
-///    weight (read and written) in every grouped-GEMM stage whose weights are new this step --
-///    all of them in a training step (the optimizer changes them), only the gathered or sliced
-///    ones when the weights stay (estimate_step_cost's `weights_updated`, false for a benchmark
-///    of the layer alone); the gradients a stage reduces, laid out for their collectives (read
-///    and written once: the transpose of the gather's write); and the sums of the reductions
-///    (all-reduce, reduce-scatter: each reduced element read twice and written once);
-///  * communication, by the collective's algorithm over its group of P ranks: the bytes this rank
-///    sends (the plan's: ring all-gather and reduce-scatter (P-1) blocks, ring all-reduce
-///    2(P-1)/P of the buffer, pairwise all-to-all (P-1)/P of the rows) over the link's bandwidth,
-///    plus (P-1) latencies (2(P-1) for an all-reduce). A group inside one node uses the node's
-///    links; a group that spans nodes runs its ring through the inter-node links, and an
-///    all-to-all sends its other-node share over them and its same-node share over the node's,
-///    at the same time;
-///  * the stage's time: compute + memory + communication, in sequence, since moe's stages wait
-///    for their collectives -- except where the plan overlaps them (Stage::overlapped: the chunked
-///    ring's token gathers run under its GEMMs): max(compute + memory, communication).
-/// A roofline, not a simulator: no contention between stages, no kernel-launch overheads, and the
-/// routed rows are the plan's balanced ones.
+/// A roofline per stage, not a simulator (no contention, no launch overheads, balanced routing):
+///  * compute: the stage's GEMM FLOPs at the value type's GEMM throughput;
+///  * memory, at the memory bandwidth: the workspace buffers the stage makes (written once, read
+///    once), the weight compute blocks it gathers or slices, the gradients it lays out for a
+///    reduction, the sums of its reductions (each reduced element read twice, written once), and
+///    where the GEMM packs its weights (Machine::packs_weights) a pass over each expert weight new
+///    this step (all of them when `weights_updated`, else the gathered or sliced ones);
+///  * communication: the bytes this rank sends (the plan's) over the link's bandwidth plus P-1
+///    latencies (2(P-1) for an all-reduce); a group inside one node uses the node's links, one
+///    that spans nodes the network (an all-to-all sends its same-node share over the node's links
+///    at the same time);
+///  * time: compute + memory + communication, or max(compute + memory, communication) where the
+///    plan overlaps them (Stage::overlapped: the chunked ring).
 
 #include <moe/distributed/plan.hpp>
 #include <moe/error.hpp>
@@ -63,17 +46,13 @@ struct Machine {
   /// false where it reads the weights as they are (cuBLAS).
   bool packs_weights = false;
 
-  /// \brief A described machine:
-  ///  * `h100-ib`: 8 H100 SXM GPUs per node on NVLink 4 (900 GB/s bidirectional per GPU: about
-  ///    360 GB/s of collective bandwidth per direction, as NCCL measures it), one 400 Gb/s
-  ///    InfiniBand NDR port per GPU between nodes (about 45 GB/s); GEMMs at 700 TFLOP/s in bf16
-  ///    (the H100's dense bf16 rate as measured on random data, ~800, less a margin), 50 in fp32
-  ///    (of its 67 FP32 peak), 55 in fp64 (FP64 tensor cores); 3.0 TB/s of its 3.35 of HBM3.
-  ///  * `cpu-cluster`: two 48-core AVX-512 sockets per node, one rank per socket, 200 Gb/s HDR
-  ///    InfiniBand between nodes (about 22 GB/s), shared memory across the sockets inside a node
-  ///    (about 40 GB/s); GEMMs at 4 TFLOP/s in fp32 per socket (of ~6 peak), 2 in fp64, 30 in bf16
-  ///    (AMX), 250 GB/s of DDR5 per socket; oneDNN's GEMMs pack the weights.
-  /// The figures are typical published ones, to be overridden with measured ones (Machine::set).
+  /// \brief A described machine (typical published figures, to override with measured ones):
+  ///  * `h100-ib`: 8 H100 SXM per node, NVLink 4 (~360 GB/s per direction as NCCL measures it),
+  ///    one 400 Gb/s InfiniBand NDR port per GPU (~45 GB/s); GEMMs at 700 TFLOP/s bf16 (measured
+  ///    ~800, less a margin), 50 fp32, 55 fp64 (tensor cores); 3.0 of its 3.35 TB/s of HBM3.
+  ///  * `cpu-cluster`: two 48-core AVX-512 sockets per node, one rank per socket, shared memory
+  ///    between them (~40 GB/s), 200 Gb/s HDR InfiniBand (~22 GB/s); GEMMs at 4 TFLOP/s fp32 per
+  ///    socket, 2 fp64, 30 bf16 (AMX); 250 GB/s of DDR5; oneDNN's GEMMs pack the weights.
   static Machine preset(std::string const& name) {
     Machine m;
     if (name == "h100-ib") return m;
@@ -97,20 +76,20 @@ struct Machine {
   /// The keys set() takes, in order.
   static std::vector<std::string> keys() {
     std::vector<std::string> k{"ranks_per_node"};
-    for (auto const& f : Machine().number_fields()) k.emplace_back(f.first);
+    for (auto const& f : number_fields()) k.emplace_back(f.first);
     k.emplace_back("packs_weights");
     return k;
   }
-  /// The fields set() takes as a number > 0, by key.
-  std::vector<std::pair<char const*, double*>> number_fields() {
-    return {{"intra_gbps", &intra_gbps},
-            {"inter_gbps", &inter_gbps},
-            {"intra_latency_us", &intra_latency_us},
-            {"inter_latency_us", &inter_latency_us},
-            {"gemm_gflops_fp32", &gemm_gflops_fp32},
-            {"gemm_gflops_fp64", &gemm_gflops_fp64},
-            {"gemm_gflops_bf16", &gemm_gflops_bf16},
-            {"memory_gbps", &memory_gbps}};
+  /// The fields set() takes as a number > 0, by key (in the order of keys() and the JSON).
+  static std::vector<std::pair<char const*, double Machine::*>> number_fields() {
+    return {{"intra_gbps", &Machine::intra_gbps},
+            {"inter_gbps", &Machine::inter_gbps},
+            {"intra_latency_us", &Machine::intra_latency_us},
+            {"inter_latency_us", &Machine::inter_latency_us},
+            {"gemm_gflops_fp32", &Machine::gemm_gflops_fp32},
+            {"gemm_gflops_fp64", &Machine::gemm_gflops_fp64},
+            {"gemm_gflops_bf16", &Machine::gemm_gflops_bf16},
+            {"memory_gbps", &Machine::memory_gbps}};
   }
   /// Sets one field by its key (keys()); ConfigError naming the key or the value otherwise
   /// (every value must be > 0, ranks_per_node an integer, packs_weights true or false).
@@ -139,12 +118,11 @@ struct Machine {
     }
     for (auto const& [name, field] : number_fields())
       if (key == name) {
-        *field = v;
+        this->*field = v;
         return;
       }
-    std::string list;
-    for (auto const& n : keys()) list += (list.empty() ? "" : ", ") + n;
-    throw ConfigError(moe::detail::cat("machine.", key, " is not a machine key (", list, ")"));
+    throw ConfigError(moe::detail::cat("machine.", key, " is not a machine key (",
+                                       detail::join(keys(), ", "), ")"));
   }
   /// GEMM throughput for values of `value_bytes` bytes (2: bf16, 4: fp32, 8: fp64), GFLOP/s.
   double gemm_gflops(std::int64_t value_bytes) const {
@@ -331,17 +309,9 @@ inline moe::detail::ordered_json StepCost::json() const {
   using moe::detail::ordered_json;
   auto const& m = machine;
   ordered_json o;
-  o["machine"] = {{"name", m.name},
-                  {"ranks_per_node", m.ranks_per_node},
-                  {"intra_gbps", m.intra_gbps},
-                  {"inter_gbps", m.inter_gbps},
-                  {"intra_latency_us", m.intra_latency_us},
-                  {"inter_latency_us", m.inter_latency_us},
-                  {"gemm_gflops_fp32", m.gemm_gflops_fp32},
-                  {"gemm_gflops_fp64", m.gemm_gflops_fp64},
-                  {"gemm_gflops_bf16", m.gemm_gflops_bf16},
-                  {"memory_gbps", m.memory_gbps},
-                  {"packs_weights", m.packs_weights}};
+  auto& mj = o["machine"] = {{"name", m.name}, {"ranks_per_node", m.ranks_per_node}};
+  for (auto const& [key, field] : Machine::number_fields()) mj[key] = m.*field;
+  mj["packs_weights"] = m.packs_weights;
   auto& st = o["stages"] = ordered_json::array();
   for (auto const& c : stages)
     st.push_back({{"phase", c.backward ? "backward" : "forward"},

@@ -1,37 +1,12 @@
 #pragma once
 /// \file
 /// DistributedMoeLayer: one MoE layer laid out over MPI ranks by a mesh and MaxText's logical-axis
-/// rules -- data, FSDP, expert (ragged all-to-all or ring of experts), tensor parallelism, the
-/// shard-exp-on-fsdp preset and EP-as-TP for the shared expert -- forward and backward.
-///
-/// Every layout gives the single-rank result (outputs and every gradient) up to floating-point
-/// reassociation. How:
-///  * Tokens: the batch dimension is split over the resolved `activation_batch` axes (ranks that
-///    differ only in other axes, e.g. `tensor`, hold the same tokens). When the global batch does
-///    not divide over them and `expert` is one of them, the batch is replicated over the expert
-///    axis instead (decode).
-///  * Weights are stored in the blocks their resolved specs give (keeping what MaxText keeps) and,
-///    per step, gathered over the axes the compute spec drops (FSDP, fsdp_transpose, the fsdp part
-///    of shard-exp-on-fsdp, the expert dimension under shard_exp_on_fsdp / use_2d_fsdp_sharding)
-///    and sliced over axes the compute spec adds (EP-as-TP for the shared
-///    expert). Their gradients take the transposed path: all-gather <-> reduce-scatter, slice <->
-///    all-gather; contributions of ranks that hold other tokens are summed.
-///  * Routed experts: with the batch split over the expert axis the rows travel by ragged
-///    all-to-all (dispatch, local permute, grouped GEMMs, reverse); with `use_ring_of_experts`,
-///    a replicated batch, or the dense path whose dispatch spec lets the batch claim `expert`
-///    (the default; `moe_dispatch_no_expert_sharding` peels it off and the dense path takes the
-///    all-to-all) the tokens are all-gathered over the expert axis and the partial outputs
-///    reduce-scattered back. Tensor parallelism splits the expert hidden dim;
-///    partial down-projections are reduce-scattered over `tensor`.
-///  * The load-balance loss and the bias update are global: their statistics are summed over all
-///    ranks that hold different tokens.
-///
-/// Each strategy is a type of its own (distributed/strategy.hpp), chosen once from the layout for
-/// each planned batch shape; it lists the stages of the step (step_plan.hpp) and runs them. The
-/// layer walks the stages in order (one std::visit per forward / backward) and runs those every
-/// strategy shares (weight gathers, output, gradient reduction, distributed/stages/); the stage
-/// functions read and write the step's shared state, a distributed::StepContext
-/// (step_context.hpp).
+/// rules (data, FSDP, expert, tensor parallelism, EP-as-TP for the shared expert), forward and
+/// backward; every layout gives the single-rank result up to floating-point reassociation (see
+/// docs/architecture.md). The layout (layout.hpp) picks a strategy (strategy.hpp), which lists
+/// the stages of the step (step_plan.hpp) and runs them; the layer walks the stages in order and
+/// runs those every strategy shares (weight gathers, output, gradient reduction, stages/), all on
+/// the step's shared state, a StepContext (step_context.hpp).
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/mesh_comm.hpp>

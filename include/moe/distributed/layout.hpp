@@ -88,11 +88,13 @@ inline std::vector<std::string> minus(std::vector<std::string> const& a,
     if (!contains(b, x)) out.push_back(x);
   return out;
 }
-/// "a,b" ("none" when empty), for messages and communicator keys.
-inline std::string join(std::vector<std::string> const& v) {
+/// The names of v separated by `sep`, `empty` when there is none ("a,b" / "none" for messages
+/// and communicator keys).
+inline std::string join(std::vector<std::string> const& v, char const* sep = ",",
+                        char const* empty = "none") {
   std::string s;
-  for (auto const& a : v) s += (s.empty() ? "" : ",") + a;
-  return s.empty() ? "none" : s;
+  for (auto const& a : v) s += (s.empty() ? "" : sep) + a;
+  return s.empty() ? empty : s;
 }
 
 /// Logical names of the dense-path dispatch tensor [E, B, C, D] (MaxText's `dispatch_axis`).

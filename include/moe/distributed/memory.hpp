@@ -1,55 +1,27 @@
 #pragma once
 /// \file
 /// Up-front memory estimate and index-limit check of one distributed MoE layer (issue #12): before
-/// anything is allocated, a tool can say how many bytes a rank will need and refuse a configuration
-/// that cannot fit, or whose tensors have more elements than the kernels can index, with a
-/// ConfigError that names the quantity and the keys to change -- instead of being ended by the OOM
-/// killer or computing on wrapped indices.
+/// anything is allocated, a tool can refuse a configuration that cannot fit, or whose tensors have
+/// more elements than the kernels index, with a ConfigError naming the quantity and the keys to
+/// change -- instead of the OOM killer or wrapped indices. Pure, like moe::make_plan: made from a
+/// LayerPlan. The report type and the checked arithmetic are in memory_estimate.hpp; the
+/// host-memory query and the fit check (host memory only) in host_memory.hpp.
 ///
-/// Pure, like moe::make_plan (no Kokkos, no collective): the estimate is made from a LayerPlan.
-/// The report type and the checked arithmetic are in memory_estimate.hpp; the host-memory query
-/// and the fit check (available_memory_bytes, require_fits), included here too, in
-/// host_memory.hpp: a tool compares the estimate with the host's memory only when the layer's
-/// memory space is host memory.
+/// **The model** (estimate_layer_memory) is the step plan itself, so the estimate, the printed
+/// plan and the running layer describe one step. Per rank: the weights' stored blocks; every block
+/// of their stored -> compute ops; oneDNN's packed copies of the expert weights (float on the host:
+/// once for the forward, once transposed for the backward); in training the gradients (stored
+/// blocks, compute blocks that need an op to reach them, the ops' blocks); every buffer of
+/// StepPlan::buffers under its item (backward ones only in training; routed rows balanced, as the
+/// plan's bytes); and the layer's scratch pool, one buffer per kind of collective grown to its
+/// largest use, plus the largest all-reduce temporary. Not included: the caller's x, y, dy, dx;
+/// MPI's and the runtime's own memory; device staging buffers. Measured within 1 % of the peak of
+/// a layer step's Kokkos allocations (tests/unit/test_plan.cpp).
 ///
-/// **The model** (estimate_layer_memory) is the step plan itself (distributed/step_plan.hpp): the
-/// buffers its stages declare, the blocks of its weight ops and the sizes of its collectives, so
-/// the estimate, the printed plan and the running layer describe one step. Per rank, with
-/// s = bytes per value (4 or 8):
-///  * weights: the stored blocks (LayerPlan tensor local_shape), s bytes per element;
-///  * gathered weights: every block the plan's stored -> compute ops make (FSDP all-gathers, one
-///    per gather stage: two with moe_fsdp_use_two_stage_all_gather; EP-as-TP slices);
-///  * packed expert weights (float with oneDNN on the host): oneDNN's reordered copies of the
-///    compute blocks of wi_0, wi_1, wo -- once for the forward, once more transposed for the
-///    backward;
-///  * weight gradients (training): the stored-block gradients, the compute-block gradients (for
-///    weights whose gradient needs an op to reach its stored block) and the blocks of those ops;
-///  * routing, token rows, expert hidden states, shared expert: every buffer of StepPlan::buffers
-///    under the item it declares (backward buffers only when training) -- the workspace buffers
-///    the stages make ([rows, cols]: the layer's copy of x, sorted / received / permuted rows,
-///    column blocks, work rows, ...) and what the components keep (the router's logits, scores,
-///    top-k and statistics; the sort's permutation; the expert FFN's and the shared MLP's hidden
-///    states). Rows that depend on the routing assume balanced routing, as the plan's byte counts
-///    do (Extent::routed; per-sequence capacity and ragged_buffer_factor applied);
-///  * communication buffers: the layer's scratch pool keeps one buffer per kind of collective,
-///    grown to its largest use -- the all-gather unpack and the reduce-scatter pack of the
-///    collectives along a non-leading dimension (PlannedCollective::lead > 1), the reduce-scatter
-///    receive buffer -- plus the largest all-reduce temporary (allocated and freed per call).
-/// Not included: the caller's x, y, dy, dx; MPI's and the runtime's own memory (already resident
-/// when a tool checks, so already outside MemAvailable); device staging buffers. Measured: within
-/// 1 % of the peak of a layer step's Kokkos allocations (tests/unit/test_plan.cpp) and, with the
-/// process's libraries added, of train_moe's peak resident set (the README).
-///
-/// **Index limits** (check_index_limits). Every extent is a 64-bit integer in moe, and messages
-/// over INT_MAX elements are split by moe/comm (count_limit(): point-to-point pieces), so MPI's
-/// int counts are no limit. What is: (1) rows handed to a dense GEMM (router, shared expert, the
-/// Vendor grouped GEMM's per-group rows: the plan's row_limits) go to a BLAS with 32-bit int
-/// dimensions, and the reshard row copies launch one team per row (an int league): at most
-/// INT_MAX rows; (2) the flat
-/// element-wise kernels (activations, check_finite, add_into, ...) use Kokkos::RangePolicy's
-/// default index type, ExecSpace::size_type -- size_t on host spaces, but `unsigned int` on CUDA
-/// and HIP, where a kernel over more than 2^32-1 elements would wrap; (3) every element and byte
-/// count must fit int64 (checked multiplication throws a ConfigError naming the quantity).
+/// **Index limits** (check_index_limits): rows handed to a 32-bit BLAS call or a row-copy launch
+/// (one team per row: an int league) at most INT_MAX; the flat element-wise kernels index with
+/// ExecSpace::size_type (`unsigned int` on CUDA and HIP); every element and byte count must fit
+/// int64. MPI's int counts are no limit (moe/comm splits larger messages).
 
 #include <moe/config.hpp>
 #include <moe/distributed/host_memory.hpp>

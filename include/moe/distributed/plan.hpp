@@ -2,19 +2,13 @@
 /// \file
 /// The partition plan of one distributed MoE layer (DESIGN.md §4): for one rank of a layout, the
 /// mesh, how the experts are reached, the local and compute blocks of every tensor, and the
-/// collectives one training step (forward + backward) runs with the bytes this rank sends. Pure:
-/// no MPI call, so a plan for any rank of any mesh can be made (and printed) on one process.
-///
-/// The plan is built from distributed::compute_layout, the layout DistributedMoeLayer itself runs
-/// on, and holds the layer's own step plan (distributed::make_step_plan): the stages the layer
-/// executes, so its collective list is the layer's comm_log() record for record (same names,
-/// kinds, axes and order). Bytes are exact where they follow from shapes.
-/// Where they depend on routing -- the token all-to-alls and the tensor-axis collectives on the
-/// rows they deliver -- they assume balanced routing (every expert gets T_local*K/E slots of
-/// each rank), so each dispatch and each combine sends T_local*K*D*sizeof*(ep-1)/ep bytes.
-///
-/// It also flags the failure that motivated MaxText's `moe_dispatch_no_expert_sharding`
-/// (SEMANTICS.md §1.13): a dense dispatch tensor whose batch dimension claims the `expert` axis.
+/// collectives of one training step with the bytes this rank sends. Pure: a plan for any rank of
+/// any mesh can be made (and printed) on one process. It holds the layer's own step plan
+/// (make_step_plan on compute_layout), so its collectives are the layer's comm_log() record for
+/// record. Bytes are exact where they follow from shapes; the all-to-alls and the tensor-axis
+/// collectives on the rows they deliver assume balanced routing (T_local*K/E slots per expert).
+/// It also flags the dense dispatch tensor whose batch dimension claims the `expert` axis, the
+/// failure behind MaxText's `moe_dispatch_no_expert_sharding` (SEMANTICS.md §1.13).
 
 #include <moe/comm/comm_log.hpp>
 #include <moe/config.hpp>
@@ -123,11 +117,8 @@ namespace detail {
 
 using Axes = std::vector<std::string>;
 
-inline std::string list_text(Axes const& a) {
-  std::string s;
-  for (auto const& x : a) s += (s.empty() ? "" : ", ") + x;
-  return s;
-}
+/// "a, b" ("" when empty).
+inline std::string list_text(Axes const& a) { return join(a, ", ", ""); }
 using moe::detail::shape_text;
 /// [a, (b,c), -] : one entry per dimension.
 inline std::string spec_text(sharding::PartitionSpec const& spec) {

@@ -1,29 +1,14 @@
 #pragma once
 /// \file
-/// The step plan of the distributed layer: the stages of one training step in the order the
-/// layer runs them, each with the buffers it reads and writes and the collectives it performs
-/// (kind, mesh axes, sizes, predicted bytes); every buffer of the step with its shape
-/// (distributed/buffers.hpp); and for every weight the gathers and slices between its stored
-/// and compute blocks. Built once from the layout by the layout's dispatch strategy
-/// (distributed/strategy.hpp) with a PlanBuilder (distributed/plan_builder.hpp): a pure
-/// function, no MPI, no device.
-///
-/// One plan, four users:
-///  * DistributedMoeLayer executes it: forward() and backward() walk the stages in order, take
-///    the record name of every collective from the plan and check its kind and axes against it
-///    (moe::Error on a mismatch), and hand out buffers only by the handles a stage declares, in
-///    the shapes the plan declares (distributed/workspace.hpp).
-///  * moe::make_plan (plan.hpp) prints it (`moe-shard --plan`), for any rank of any mesh.
-///  * moe::estimate_layer_memory (memory.hpp) sums its buffers, the weights' blocks and the
-///    collectives' staging buffers, and checks its row counts against the kernels' limits.
-///  * The comm log records what actually ran; tests/mpi/test_plan.cpp checks log = plan.
-///
-/// A stage's collectives are predicted exactly where the bytes follow from shapes. Where they
-/// depend on routing (the token all-to-alls and the tensor-axis collectives on the rows they
-/// deliver) they assume balanced routing and are marked `balanced`, as are the extents of the
-/// buffers that hold routed rows (Extent::routed).
-///
-/// A new parallel layout is a new strategy: see distributed/strategy.hpp.
+/// The step plan of the distributed layer: the stages of one training step in the order the layer
+/// runs them, each with the buffers it reads and writes and its collectives (kind, mesh axes,
+/// sizes, predicted bytes); every buffer of the step with its shape (buffers.hpp); and each
+/// weight's ops between its stored and compute blocks. The layout's strategy builds it
+/// (strategy.hpp, with a PlanBuilder): pure, no MPI, no device. DistributedMoeLayer executes it
+/// (checking each collective's kind and axes and each buffer's shape against it), moe::make_plan
+/// prints it, the memory estimate and the cost model read it, and tests/mpi/test_plan.cpp checks
+/// that the comm log equals it. Where bytes or rows depend on the routing they assume balanced
+/// routing (PlannedCollective::balanced, Extent::routed).
 
 #include <moe/distributed/buffers.hpp>
 #include <moe/distributed/layout.hpp>
@@ -189,12 +174,7 @@ inline std::string chunk_gather_name(std::int64_t c, std::int64_t n) {
 
 namespace detail {
 /// "a,b" ("-" when empty): mesh axes as the plan prints them.
-inline std::string axes_text(std::vector<std::string> const& a) {
-  if (a.empty()) return "-";
-  std::string s;
-  for (auto const& x : a) s += (s.empty() ? "" : ",") + x;
-  return s;
-}
+inline std::string axes_text(std::vector<std::string> const& a) { return join(a, ",", "-"); }
 inline std::int64_t product(std::vector<std::int64_t> const& v) {
   std::int64_t p = 1;
   for (auto e : v) p *= e;
