@@ -76,10 +76,6 @@ class LayerBuffers {
            std::string const& keys, bool rows_limited = false) {
     bufs_.push_back({item, std::move(name), std::move(shape), elem_bytes, keys, rows_limited});
   }
-  /// Checked element count of a shape.
-  static std::int64_t numel(Shape const& s, std::string const& what) {
-    return checked_product(s, "the element count of " + what);
-  }
 
   // ---- weights: stored blocks, the blocks of their gathers and slices, packed copies, gradients
   void weights() {

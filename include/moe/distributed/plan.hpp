@@ -166,10 +166,6 @@ inline moe::detail::ordered_json json_logical(sharding::LogicalAxes const& l) {
   return j;
 }
 
-}  // namespace detail
-
-namespace detail {
-
 /// What the shared expert of `step` moves (its stages' collectives and its weights' gathers and
 /// gradient reductions) and computes in one step.
 inline PlanChoice::Alternative shared_expert_cost(StepPlan const& step, char const* name) {
@@ -325,10 +321,7 @@ inline std::string LayerPlan::to_text() const {
       big.push_back(moe::detail::cat(name, "=", size));
     else
       one.push_back(name);
-  std::string mesh;
-  for (auto const& a : big) mesh += (mesh.empty() ? "" : " x ") + a;
-  if (mesh.empty()) mesh = "every axis of size 1";
-  line(moe::detail::cat("mesh (", lay.preset, "): ", mesh,
+  line(moe::detail::cat("mesh (", lay.preset, "): ", join(big, " x ", "every axis of size 1"),
                         one.empty() ? "" : "; size 1: " + list_text(one)));
   line(moe::detail::cat("batch axes: ", axes_text(lay.batch_axes), " (", lay.global_batch, " / ",
                         lay.batch_parts, " = ", lay.global_batch / lay.batch_parts,

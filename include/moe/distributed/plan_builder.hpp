@@ -1,9 +1,10 @@
 #pragma once
 /// \file
 /// PlanBuilder: what every dispatch strategy writes its step plan (distributed/step_plan.hpp)
-/// with -- this rank's step sizes and the extents of its buffers, the stages every route shares,
-/// the buffers the shared components keep, and one helper per collective that plans it with its
-/// sizes and predicted bytes.
+/// with -- this rank's step sizes and the extents of its buffers, the stages every route shares
+/// (weight gathers and gradient reductions, router, output), the buffers the shared components
+/// keep, and one helper per collective that plans it with its sizes and predicted bytes (a group
+/// of one rank plans nothing).
 
 #include <moe/comm/sent_bytes.hpp>
 #include <moe/config.hpp>
@@ -36,12 +37,8 @@ struct Out {
   Out(BufferDecl d) : ref(d.id), declares(true), decl(std::move(d)) {}  // NOLINT
 };
 
-/// \brief What every dispatch strategy builds its plan with: this rank's step sizes and the
-/// extents of its buffers, the stages every route shares (the weight gathers and gradient
-/// reductions, the router, the output), the buffers the shared components keep, and one helper
-/// per collective that plans it with its sizes and predicted bytes (a group of one rank plans
-/// nothing). A strategy (distributed/strategy/) lists its stages with these, top to bottom;
-/// make_step_plan() runs the layout's strategy on one.
+/// \brief What every dispatch strategy builds its plan with (see the file comment); a strategy
+/// (distributed/strategy/) lists its stages with it, top to bottom.
 class PlanBuilder {
  public:
   using Axes = std::vector<std::string>;

@@ -98,6 +98,12 @@ std::int64_t bytes_of(V const& v) {
   return std::int64_t(v.span()) * std::int64_t(sizeof(typename V::value_type));
 }
 
+/// Records a collective in `log`, when there is one.
+inline void record(CommLog* log, std::string const& what, char const* kind, AxisGroup const& g,
+                   std::int64_t bytes) {
+  if (log) log->add(what, kind, g.axes, bytes);
+}
+
 }  // namespace detail
 
 /// \brief out = in gathered along dimension d over the group (block p at offset p*n along d).
@@ -111,8 +117,7 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
   if (detail::copy_if_alone(space, g, in, out)) return;
   int const P = g.size();
   auto const s = detail::split_at(in, d);
-  if (log)
-    log->add(what, "all-gather", g.axes, comm::sent_bytes::all_gather(detail::bytes_of(in), P));
+  detail::record(log, what, "all-gather", g, comm::sent_bytes::all_gather(detail::bytes_of(in), P));
   View1<T const, MS> src(in.data(), in.span());
   if (s.A == 1) {
     comm::all_gather(g.comm, space, src, View1<T, MS>(out.data(), out.span()));
@@ -132,9 +137,9 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
 template <class ExecSpace, class Pieces, class InV, class OutV>
 auto start_gather_rows(ExecSpace const& space, AxisGroup const& g, Pieces const& pieces,
                        InV const& in, OutV const& out, CommLog* log, std::string const& what) {
-  if (log && g.size() > 1)
-    log->add(what, "all-gather", g.axes,
-             comm::sent_bytes::all_gather(detail::bytes_of(in), g.size()));
+  if (g.size() > 1)
+    detail::record(log, what, "all-gather", g,
+                   comm::sent_bytes::all_gather(detail::bytes_of(in), g.size()));
   return pieces.start(space, in, out);
 }
 
@@ -149,9 +154,8 @@ void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& i
   if (detail::copy_if_alone(space, g, in, out)) return;
   int const P = g.size();
   auto const s = detail::split_at(out, d);
-  if (log)
-    log->add(what, "reduce-scatter", g.axes,
-             comm::sent_bytes::reduce_scatter(detail::bytes_of(out), P));
+  detail::record(log, what, "reduce-scatter", g,
+                 comm::sent_bytes::reduce_scatter(detail::bytes_of(out), P));
   View1<T, MS> dst(out.data(), out.span());
   if (s.A == 1) {
     comm::reduce_scatter(g.comm, space, View1<T const, MS>(in.data(), in.span()), dst, pool);
@@ -184,9 +188,8 @@ void all_reduce(ExecSpace const& space, AxisGroup const& g, V const& v, CommLog*
   if (g.size() == 1 || v.span() == 0) return;
   using T = typename V::non_const_value_type;
   using MS = typename V::memory_space;
-  if (log)
-    log->add(what, "all-reduce", g.axes,
-             comm::sent_bytes::all_reduce(detail::bytes_of(v), g.size()));
+  detail::record(log, what, "all-reduce", g,
+                 comm::sent_bytes::all_reduce(detail::bytes_of(v), g.size()));
   comm::all_reduce(g.comm, space, View1<T, MS>(v.data(), v.span()));
 }
 
