@@ -305,7 +305,7 @@ class DistributedMoeLayer
       case K::output:
         return c.all_gather(c.tp(), c.ws.at(distributed::buf::y_cols), y, 1);
       default:
-        return distributed::run_forward(s, c, st, weights_version_);
+        return distributed::run_stage(s, c, st, weights_version_, {}, {});
     }
   }
   /// One backward stage of strategy `s`.
@@ -314,7 +314,7 @@ class DistributedMoeLayer
                     params_type& grads) {
     if (st.kind == distributed::StageKind::reduce_grads)
       return distributed::stages::reduce_grads(ctx_, ctx_.gc, grads);
-    distributed::run_backward(s, ctx_, st, dy, dx);
+    distributed::run_stage(s, ctx_, st, weights_version_, dy, dx);
   }
 
   // ------------------------------------------------------------------ layout ----------------

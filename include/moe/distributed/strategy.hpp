@@ -17,8 +17,8 @@
 /// in a std::variant and visits it once per forward / backward. A strategy lists the stages of
 /// its step, top to bottom (plan(): pure, what moe-shard --plan prints and the layer checks
 /// against), and runs each of them (a static function per stage kind and phase, called by
-/// run_forward / run_backward); nothing after the choice tests the route. The
-/// stages every strategy shares (weight gathers, output, gradient reduction) are run by the layer.
+/// run_stage); nothing after the choice tests the route. The stages every strategy shares
+/// (weight gathers, output, gradient reduction) are run by the layer.
 ///
 /// Adding a layout: an ExpertRoute and its choice in layout.hpp, a strategy file, its alternative
 /// here, and its case in tests/mpi/layout_cases.hpp.
@@ -64,43 +64,27 @@ inline Strategy choose_strategy(Layout const& lay, ParallelConfig const& par) {
   return Gathered<SortedExperts, false>{};
 }
 
-/// Runs forward stage `st` of strategy S (the stages every strategy shares are the layer's).
+/// Runs stage `st` of strategy S, forward or backward (dy, dx: the backward's; the stages every
+/// strategy shares are the layer's).
 template <class S, class Ctx>
-void run_forward(S const&, Ctx& c, Stage const& st, std::uint64_t weights_version) {
+void run_stage(S const&, Ctx& c, Stage const& st, std::uint64_t weights_version,
+               typename Ctx::cview2 dy, typename Ctx::view2 dx) {
+  bool const bw = st.backward;
   switch (st.kind) {
-    case StageKind::gather_tokens:
+    case StageKind::gather_tokens:  // forward only
       return S::gather_tokens(c);
     case StageKind::route:
-      return S::route(c);
+      return bw ? S::route_backward(c, dx) : S::route(c);
     case StageKind::dispatch:
-      return S::dispatch(c);
+      return bw ? S::dispatch_backward(c, dx) : S::dispatch(c);
     case StageKind::experts:
-      return S::experts(c, weights_version);
+      return bw ? S::experts_backward(c) : S::experts(c, weights_version);
     case StageKind::combine:
-      return S::combine(c);
+      return bw ? S::combine_backward(c) : S::combine(c);
     case StageKind::shared_expert:
-      return S::shared_forward(c);
-    default:
-      stages::no_stage(st);
-  }
-}
-/// Runs backward stage `st` of strategy S.
-template <class S, class Ctx>
-void run_backward(S const&, Ctx& c, Stage const& st, typename Ctx::cview2 dy,
-                  typename Ctx::view2 dx) {
-  switch (st.kind) {
-    case StageKind::output:
+      return bw ? S::shared_backward(c, dy, dx) : S::shared_forward(c);
+    case StageKind::output:  // the forward's is the layer's
       return S::output_backward(c, dy);
-    case StageKind::combine:
-      return S::combine_backward(c);
-    case StageKind::experts:
-      return S::experts_backward(c);
-    case StageKind::dispatch:
-      return S::dispatch_backward(c, dx);
-    case StageKind::shared_expert:
-      return S::shared_backward(c, dy, dx);
-    case StageKind::route:
-      return S::route_backward(c, dx);
     default:
       stages::no_stage(st);
   }

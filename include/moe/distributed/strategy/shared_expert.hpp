@@ -6,7 +6,7 @@
 /// (all-gathered when the tokens are split over the expert axes) with the hidden dim split over
 /// tensor x expert. Its stages and their functions, and the transposes. The MLP itself
 /// (shared_mlp_forward / backward) is shared with EP-TP. And StageDefaults: the stage functions
-/// of a strategy that it does not define itself (strategy.hpp's run_forward calls them).
+/// of a strategy that it does not define itself (strategy.hpp's run_stage calls them).
 
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
