@@ -130,10 +130,6 @@ class DistributedMoeLayer
 
   /// Collectives of the last forward + backward, with bytes sent by this rank.
   distributed::CommLog const& comm_log() const { return ctx_.log; }
-  /// Layout of every weight (storage, gathered and sliced axes, token axes reduced).
-  std::vector<distributed::WeightLayout> const& weight_layouts() const {
-    return ctx_.layout.weights;
-  }
   /// The whole layout (mesh, axes, route, weights); see moe::make_plan for a printable form.
   distributed::Layout const& layout() const { return ctx_.layout; }
   /// Mesh axes the batch is split over.
@@ -183,14 +179,7 @@ class DistributedMoeLayer
     ctx_.ws.enter(&ctx_.plan, nullptr);
     Kokkos::deep_copy(ctx_.space, ctx_.ws.make(distributed::buf::x), cview2(x.data(), T, D));
     auto y2 = view2(y.data(), T, D);
-    std::visit(
-        [&](auto const& s) {
-          for (auto const& st : ctx_.plan.forward) {
-            StageScope scope(*this, st);
-            run_forward(s, st, y2);
-          }
-        },
-        ctx_.strategy);
+    run_phase(ctx_.plan.forward, y2, {}, {}, nullptr);
     if (ctx_.cfg.check_finite) {
       // As the single-rank layer: only a non-finite y pays for scanning the weights, and then
       // every rank names the first non-finite block it holds (block indices are local).
@@ -230,14 +219,7 @@ class DistributedMoeLayer
     distributed::stages::alloc_compute_grads(ctx_, grads);
     auto dy2 = cview2(dy.data(), T, D);
     auto dx2 = view2(dx.data(), T, D);
-    std::visit(
-        [&](auto const& s) {
-          for (auto const& st : ctx_.plan.backward) {
-            StageScope scope(*this, st);
-            run_backward(s, st, dy2, dx2, grads);
-          }
-        },
-        ctx_.strategy);
+    run_phase(ctx_.plan.backward, {}, dy2, dx2, &grads);
     have_forward_ = false;
   }
 
@@ -292,29 +274,27 @@ class DistributedMoeLayer
     moe::detail::Region region;
   };
 
-  // The stages every strategy shares run here; the others are the strategy's.
-  /// One forward stage of strategy `s`.
-  template <class S>
-  void run_forward(S const& s, distributed::Stage const& st, view2 y) {
+  /// Runs the stages of one phase in order (y: the forward's output; dy, dx, grads: the
+  /// backward's). The stages every strategy shares run here; the others are the strategy's.
+  void run_phase(std::vector<distributed::Stage> const& phase, view2 y, cview2 dy, view2 dx,
+                 params_type* grads) {
     using K = distributed::StageKind;
-    auto& c = ctx_;
-    switch (st.kind) {
-      case K::gather_weights:
-        if (distributed::stages::gather_weights(c, params_, c.cp)) weights_changed();
-        return;
-      case K::output:
-        return c.all_gather(c.tp(), c.ws.at(distributed::buf::y_cols), y, 1);
-      default:
-        return distributed::run_stage(s, c, st, weights_version_, {}, {});
-    }
-  }
-  /// One backward stage of strategy `s`.
-  template <class S>
-  void run_backward(S const& s, distributed::Stage const& st, cview2 dy, view2 dx,
-                    params_type& grads) {
-    if (st.kind == distributed::StageKind::reduce_grads)
-      return distributed::stages::reduce_grads(ctx_, ctx_.gc, grads);
-    distributed::run_stage(s, ctx_, st, weights_version_, dy, dx);
+    std::visit(
+        [&](auto const& s) {
+          for (auto const& st : phase) {
+            StageScope scope(*this, st);
+            if (st.kind == K::gather_weights) {
+              if (distributed::stages::gather_weights(ctx_, params_, ctx_.cp)) weights_changed();
+            } else if (st.kind == K::output && !st.backward) {
+              ctx_.all_gather(ctx_.tp(), ctx_.ws.at(distributed::buf::y_cols), y, 1);
+            } else if (st.kind == K::reduce_grads) {
+              distributed::stages::reduce_grads(ctx_, ctx_.gc, *grads);
+            } else {
+              distributed::run_stage(s, ctx_, st, weights_version_, dy, dx);
+            }
+          }
+        },
+        ctx_.strategy);
   }
 
   // ------------------------------------------------------------------ layout ----------------
@@ -366,9 +346,6 @@ class DistributedMoeLayer
     group(ctx_.layout.tp_axes);
     group(ctx_.layout.batch_axes);
     for (auto const& axes : ctx_.plan.groups()) group(axes);
-    ctx_.ep_g = &ctx_.group_of(ctx_.layout.ep_axes);
-    ctx_.tp_g = &ctx_.group_of(ctx_.layout.tp_axes);
-    ctx_.batch_g = &ctx_.group_of(ctx_.layout.batch_axes);
   }
 
   params_type alloc_params(std::string const& prefix) const {

@@ -201,16 +201,14 @@ inline MemoryEstimate estimate_layer_memory(LayerPlan const& plan, LayerConfig c
         "token rows", "expert hidden states", "shared expert", "communication buffers"}) {
     std::int64_t bytes = 0;
     std::string keys;
-    bool any = false;
     for (auto const& b : lb.buffers()) {
       if (b.item != item) continue;
-      any = true;
       std::int64_t const n = checked_product(b.shape, "the element count of " + b.name);
       bytes = checked_add(bytes, checked_mul(n, b.elem_bytes, "the bytes of " + b.name),
                           std::string("the bytes of ") + item);
       keys = MemoryEstimate::merge_keys(keys, b.keys);
     }
-    if (any && bytes > 0) est.add(item, bytes, keys);
+    if (bytes > 0) est.add(item, bytes, keys);
   }
   return est;
 }

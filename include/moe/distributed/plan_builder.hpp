@@ -127,15 +127,8 @@ class PlanBuilder {
   }
   template <class Role>
   BufferDecl out(Handle<Role> h, Extent rows, Extent cols, Item item) const {
-    BufferDecl d;
-    d.id = h.id;
-    d.dims = {rows, cols};
-    d.elem = info(h.id).elem;
-    d.item = item;
-    d.backward = backward;
-    return d;
+    return {h.id, {rows, cols}, info(h.id).elem, item, backward};
   }
-
   /// Appends a stage of the current phase and returns it; the buffers `writes` declare join the
   /// plan's (a buffer is declared once, by the first stage that makes it).
   Stage& stage(StageKind kind, std::string region, std::vector<Ref> reads,
@@ -156,13 +149,7 @@ class PlanBuilder {
   /// Declares a buffer a component keeps between steps (a kBufferInfo row of kind held), made
   /// by the stage of the current phase that runs the component.
   void hold(Buf b, std::vector<Extent> dims) {
-    BufferDecl d;
-    d.id = b;
-    d.dims = std::move(dims);
-    d.elem = info(b).elem;
-    d.item = info(b).item;
-    d.backward = backward;
-    declare(std::move(d));
+    declare({b, std::move(dims), info(b).elem, info(b).item, backward});
   }
   /// A row count handed to one GEMM or kernel launch (checked against the index limits).
   void row_limit(std::string what, Extent rows) {
@@ -227,19 +214,14 @@ class PlanBuilder {
   /// All-gather of `rows` x `cols` input blocks along `dim`.
   void all_gather(Stage& st, std::string what, Axes const& axes, std::int64_t rows,
                   std::int64_t cols, int dim, bool balanced = false) const {
-    std::int64_t const P = lay.parts(axes);
-    if (P > 1)
-      add(st, std::move(what), "all-gather", axes, comm::sent_bytes::all_gather(rows * cols * s, P),
-          balanced, P, rows * cols * P, dim == 1 ? rows : 1);
+    blocks(st, std::move(what), true, axes, lay.parts(axes), rows * cols, dim == 1 ? rows : 1,
+           balanced);
   }
   /// Reduce-scatter into `rows` x `cols` output blocks along `dim`.
   void reduce_scatter(Stage& st, std::string what, Axes const& axes, std::int64_t rows,
                       std::int64_t cols, int dim, bool balanced = false) const {
-    std::int64_t const P = lay.parts(axes);
-    if (P > 1)
-      add(st, std::move(what), "reduce-scatter", axes,
-          comm::sent_bytes::reduce_scatter(rows * cols * s, P), balanced, P, rows * cols * P,
-          dim == 1 ? rows : 1);
+    blocks(st, std::move(what), false, axes, lay.parts(axes), rows * cols, dim == 1 ? rows : 1,
+           balanced);
   }
   /// An all-reduce of `elems` values.
   void all_reduce(Stage& st, std::string what, Axes const& axes, std::int64_t elems) const {
@@ -305,12 +287,10 @@ class PlanBuilder {
   /// The router on the tokens `x` (this rank's or the working tokens); `logits`: the chunked
   /// ring's, whose gate logits (full D, own tokens) are all-gathered instead of the tokens.
   void route(Ref x, bool logits = false) {
-    auto& st = logits
-                   ? stage(StageKind::route, "moe::dist::route",
-                           {buf::x, compute(Weight::gate), stored(Weight::gate_bias)},
-                           {out(buf::logits_own, tokens(), experts()), Buf::routing})
-                   : stage(StageKind::route, "moe::dist::route",
-                           {x, compute(Weight::gate), stored(Weight::gate_bias)}, {Buf::routing});
+    std::vector<Out> writes{Buf::routing};
+    if (logits) writes.insert(writes.begin(), out(buf::logits_own, tokens(), experts()));
+    auto& st = stage(StageKind::route, "moe::dist::route",
+                     {x, compute(Weight::gate), stored(Weight::gate_bias)}, std::move(writes));
     if (logits) all_gather(st, "all-gather logits (ring)", lay.ep_axes, T, E, 0);
     st.flops = gemm(logits ? T : Tw, D, E);  // the gate
     // Statistics are host doubles / int64: 8 bytes whatever the value type.
@@ -383,17 +363,18 @@ class PlanBuilder {
   void add(Stage& st, std::string what, char const* kind, Axes const& axes, std::int64_t bytes,
            bool balanced, std::int64_t parts, std::int64_t elems, std::int64_t lead,
            std::int64_t elem_bytes = 0) const {
-    PlannedCollective c;
-    c.what = std::move(what);
-    c.kind = kind;
-    c.axes = axes;
-    c.bytes = bytes;
-    c.balanced = balanced;
-    c.parts = parts;
-    c.elems = elems;
-    c.lead = lead;
-    c.elem_bytes = elem_bytes ? elem_bytes : s;
-    st.collectives.push_back(std::move(c));
+    st.collectives.push_back({std::move(what), kind, axes, bytes, balanced, parts, elems, lead,
+                              elem_bytes ? elem_bytes : s});
+  }
+  /// An all-gather (`gather`) or reduce-scatter over P ranks of `block` values per rank (the
+  /// whole buffer: P blocks); `lead`: the extents before the gathered or scattered dimension.
+  void blocks(Stage& st, std::string what, bool gather, Axes const& axes, std::int64_t P,
+              std::int64_t block, std::int64_t lead, bool balanced) const {
+    namespace sent = comm::sent_bytes;
+    if (P > 1)
+      add(st, std::move(what), gather ? "all-gather" : "reduce-scatter", axes,
+          gather ? sent::all_gather(block * s, P) : sent::reduce_scatter(block * s, P), balanced, P,
+          block * P, lead);
   }
   static std::vector<std::int64_t> stored_shape(WeightLayout const& w) {
     std::vector<std::int64_t> v;
@@ -402,15 +383,9 @@ class PlanBuilder {
   }
   WeightOp op(WeightOp::Kind kind, int dim, Axes axes, std::vector<std::int64_t> shape,
               std::string what) const {
-    WeightOp o;
-    o.kind = kind;
-    o.dim = dim;
-    o.parts = lay.parts(axes);
-    if (kind == WeightOp::Kind::slice) o.index = lay.shard_index(axes);
-    o.axes = std::move(axes);
-    o.shape = std::move(shape);
-    o.what = std::move(what);
-    return o;
+    std::int64_t const parts = lay.parts(axes);
+    std::int64_t const index = kind == WeightOp::Kind::slice ? lay.shard_index(axes) : 0;
+    return {kind, dim, std::move(axes), parts, index, std::move(shape), std::move(what)};
   }
   WeightSteps weight_steps(WeightLayout const& w) const {
     using detail::minus;
@@ -475,15 +450,12 @@ class PlanBuilder {
   /// Planned collective of a weight op (none for a slice).
   void weight_collective(Stage& st, WeightOp const& o,
                          std::vector<std::int64_t> const& before) const {
-    if (o.kind == Kind::slice) return;
-    std::int64_t const in = detail::product(before), out = detail::product(o.shape);
+    std::int64_t const in = detail::product(before), lead = detail::lead(before, o.dim);
     if (o.kind == Kind::all_gather)
-      add(st, o.what, "all-gather", o.axes, comm::sent_bytes::all_gather(in * s, o.parts), false,
-          o.parts, out, detail::lead(before, o.dim));
+      blocks(st, o.what, true, o.axes, o.parts, in, lead, false);
     else if (o.kind == Kind::reduce_scatter)
-      add(st, o.what, "reduce-scatter", o.axes, comm::sent_bytes::reduce_scatter(out * s, o.parts),
-          false, o.parts, in, detail::lead(before, o.dim));
-    else
+      blocks(st, o.what, false, o.axes, o.parts, detail::product(o.shape), lead, false);
+    else if (o.kind == Kind::all_reduce)
       add(st, o.what, "all-reduce", o.axes, comm::sent_bytes::all_reduce(in * s, o.parts), false,
           o.parts, in, 1);
   }

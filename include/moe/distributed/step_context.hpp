@@ -70,9 +70,6 @@ struct StepContext {
   std::int64_t B = 0, S = 0;
   std::int64_t x_col0 = 0;  // first D column of this rank's x block (EP-TP: rank x D/ep)
   std::unique_ptr<comm::MeshComm> mesh_comm;  // the one cache of the axis groups
-  AxisGroup const* ep_g = nullptr;
-  AxisGroup const* tp_g = nullptr;
-  AxisGroup const* batch_g = nullptr;
   Layout layout;
   Strategy strategy;  // chosen from the layout with the plan (choose_strategy)
   StepPlan plan;
@@ -97,9 +94,10 @@ struct StepContext {
   AxisGroup const& group_of(std::vector<std::string> const& axes) const {
     return static_cast<comm::MeshComm const&>(*mesh_comm).group(axes);
   }
-  AxisGroup const& ep() const { return *ep_g; }
-  AxisGroup const& tp() const { return *tp_g; }
-  AxisGroup const& batch() const { return *batch_g; }
+  /// The expert, tensor and batch groups.
+  AxisGroup const& ep() const { return group_of(layout.ep_axes); }
+  AxisGroup const& tp() const { return group_of(layout.tp_axes); }
+  AxisGroup const& batch() const { return group_of(layout.batch_axes); }
 
   // ------------------------------------------------------------------ routing state ---------
   View2<int const, memory_space> expert_ids() const {

@@ -105,11 +105,7 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
   StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
                 std::int64_t value_bytes) const {
     PlanBuilder b(lay, cfg, par, value_bytes, true);
-    StepPlan& p = b.begin();
-    p.route_text = "ring of experts: tokens all-gathered over " + detail::axes_text(lay.ep_axes) +
-                   ", outputs reduce-scattered";
-    p.token_gathered[0] = lay.ep_axes;
-    p.notes.push_back(moe::detail::cat(
+    begin(b).notes.push_back(moe::detail::cat(
         "num_moe_emb_chunks=", b.chunks,
         ": the ring gathers the gate logits for the routing, then the tokens in ", b.chunks,
         " non-blocking chunks of ", b.D / b.chunks,

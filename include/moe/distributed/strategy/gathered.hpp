@@ -36,17 +36,6 @@ void local_sort(Ctx& ctx) {
                           ctx.disp.perm);
 }
 
-/// Working tokens -> own tokens: reduce-scatter over the expert group (Ring) or a sum over it
-/// (replicated tokens; a copy without expert parallelism).
-template <bool Ring, class Ctx>
-void tokens_reduce(Ctx& ctx, typename Ctx::view2 work, typename Ctx::view2 own) {
-  if constexpr (Ring) {
-    ctx.reduce_scatter(ctx.ep(), work, own, 0);
-  } else {
-    ctx.all_reduce(ctx.ep(), work);
-    Kokkos::deep_copy(ctx.space, own, work);
-  }
-}
 }  // namespace stages
 
 /// \brief The routed rows of the working tokens sorted by local expert through the grouped
@@ -215,15 +204,6 @@ struct DenseExperts : StageDefaults {
 
 namespace stages {
 
-/// Working tokens -> own tokens in the plan: reduce-scatter on the ring, else a sum.
-template <bool Ring>
-void plan_tokens_reduce(PlanBuilder const& b, Stage& st, std::string const& what,
-                        std::int64_t cols) {
-  if constexpr (Ring)
-    b.reduce_scatter(st, "reduce-scatter " + what + " (expert)", b.lay.ep_axes, b.T, cols, 0);
-  else
-    b.all_reduce(st, "reduce " + what + " (expert)", b.lay.ep_axes, b.Tw * cols);
-}
 /// The forward's combine on gathered tokens: the experts' output summed onto the owners' tokens,
 /// then split into D/tp columns.
 template <bool Ring, class Experts>
@@ -232,7 +212,7 @@ void plan_gathered_combine(PlanBuilder& b) {
       b.stage(StageKind::combine, "moe::dist::combine", {Experts::rows_out, Buf::routing},
               {b.out(buf::y_work, b.work_tokens(), b.emb()), b.out(buf::y_own, b.tokens(), b.emb()),
                b.out(buf::y_cols, b.tokens(), b.emb_cols())});
-  plan_tokens_reduce<Ring>(b, c, "y", b.D);
+  plan_tokens_reduce(b, c, "y", b.D, Ring);
   b.reduce_scatter(c, "reduce-scatter y (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
 }
 /// The backward of the experts on gathered tokens: dy gathered over the expert axes as
@@ -259,9 +239,9 @@ void plan_gathered_backward(PlanBuilder& b) {
   auto& d = plan_gathered_experts_backward<Experts>(b, Ring ? "all-gather d_y (expert)" : nullptr,
                                                     b.D, 0);
   b.all_reduce(d, "reduce d_weights (tensor)", b.lay.tp_axes, b.Tw * b.K);
-  plan_tokens_reduce<Ring>(b, d, "d_weights", b.K);
+  plan_tokens_reduce(b, d, "d_weights", b.K, Ring);
   b.all_reduce(d, "reduce d_x (tensor)", b.lay.tp_axes, b.Tw * b.D);
-  plan_tokens_reduce<Ring>(b, d, "d_x", b.D);
+  plan_tokens_reduce(b, d, "d_x", b.D, Ring);
 }
 
 }  // namespace stages
@@ -279,16 +259,7 @@ struct Gathered : Experts {
   StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
                 std::int64_t value_bytes) const {
     PlanBuilder b(lay, cfg, par, value_bytes, Ring);
-    StepPlan& p = b.begin();
-    if constexpr (Ring) {
-      p.route_text = "ring of experts: tokens all-gathered over " + detail::axes_text(lay.ep_axes) +
-                     ", outputs reduce-scattered";
-      p.token_gathered[0] = lay.ep_axes;
-    } else {
-      p.route_text = b.ep > 1 ? "replicated batch over " + detail::axes_text(lay.ep_axes) +
-                                    ", outputs all-reduced"
-                              : std::string("local (no expert parallelism)");
-    }
+    begin(b);
     b.gather_weights();
     if constexpr (Ring) {
       auto& st = b.stage(StageKind::gather_tokens, "moe::dist::gather_tokens", {buf::x},
@@ -299,6 +270,20 @@ struct Gathered : Experts {
     Experts::plan_forward(b, xw);
     plan_after_experts(b);
     return b.finish();
+  }
+  /// Starts the plan (also the chunked ring's): how the experts are reached, which tokens.
+  static StepPlan& begin(PlanBuilder& b) {
+    StepPlan& p = b.begin();
+    auto const ep = detail::axes_text(b.lay.ep_axes);
+    if constexpr (Ring) {
+      p.route_text =
+          "ring of experts: tokens all-gathered over " + ep + ", outputs reduce-scattered";
+      p.token_gathered[0] = b.lay.ep_axes;
+    } else {
+      p.route_text = b.ep > 1 ? "replicated batch over " + ep + ", outputs all-reduced"
+                              : std::string("local (no expert parallelism)");
+    }
+    return p;
   }
   /// The stages after the experts (also the chunked ring's): combine, shared expert, output,
   /// and the whole backward.
@@ -335,17 +320,13 @@ struct Gathered : Experts {
   static void combine(Ctx& c) {
     auto yw = Experts::combined(c);
     auto yo = c.ws.make(buf::y_own);
-    stages::tokens_reduce<Ring>(c, yw, yo);
+    stages::tokens_reduce(c, Ring, yw, yo);
     auto y_c = c.ws.make(buf::y_cols);
     c.reduce_scatter(c.tp(), yo, y_c, 1);
   }
   template <class Ctx>
   static void output_backward(Ctx& c, typename Ctx::cview2 dy) {
-    auto dyw = c.ws.make(buf::dy_work);
-    if constexpr (Ring)
-      c.all_gather(c.ep(), dy, dyw, 0);
-    else
-      Kokkos::deep_copy(c.space, dyw, dy);
+    stages::tokens_gather(c, Ring, dy, c.ws.make(buf::dy_work));
   }
   /// The working tokens' d_weights and dx back to the ranks that own the tokens: both are
   /// partial over the tensor-split hidden dim and over the expert group's local experts.
@@ -354,9 +335,9 @@ struct Gathered : Experts {
     auto dxw = Experts::work_dx(c);
     auto dww = c.ws.at(buf::d_weights_work);
     c.all_reduce(c.tp(), dww);
-    stages::tokens_reduce<Ring>(c, dww, c.ws.make(buf::d_weights));
+    stages::tokens_reduce(c, Ring, dww, c.ws.make(buf::d_weights));
     c.all_reduce(c.tp(), dxw);
-    stages::tokens_reduce<Ring>(c, dxw, dx);
+    stages::tokens_reduce(c, Ring, dxw, dx);
   }
 };
 

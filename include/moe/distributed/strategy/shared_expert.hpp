@@ -20,14 +20,14 @@
 namespace moe::distributed::stages {
 
 // ---------------------------------------------------------------------------- plan
-/// EP-as-TP's partial outputs go back to their tokens' owners: reduce-scatter when the group's
-/// tokens were gathered (`spans`), else a sum over the expert group.
-inline void plan_shared_reduce(PlanBuilder const& b, Stage& st, std::string const& what,
-                               bool spans) {
+/// Working tokens -> own tokens in the plan: a reduce-scatter over the expert group when the
+/// working tokens are the group's (`spans`), else a sum over it.
+inline void plan_tokens_reduce(PlanBuilder const& b, Stage& st, std::string const& what,
+                               std::int64_t cols, bool spans) {
   if (spans)
-    b.reduce_scatter(st, "reduce-scatter " + what + " (expert)", b.lay.ep_axes, b.T, b.D, 0);
+    b.reduce_scatter(st, "reduce-scatter " + what + " (expert)", b.lay.ep_axes, b.T, cols, 0);
   else
-    b.all_reduce(st, "reduce " + what + " (expert)", b.lay.ep_axes, b.T * b.D);
+    b.all_reduce(st, "reduce " + what + " (expert)", b.lay.ep_axes, b.T * cols);
 }
 /// The forward stage, as the layout's SharedExpert says.
 inline void plan_shared_forward(PlanBuilder& b) {
@@ -45,7 +45,7 @@ inline void plan_shared_forward(PlanBuilder& b) {
                              b.out(buf::y_own, b.tokens(), D, Item::shared),
                              b.out(buf::y_shared_cols, b.tokens(), cols), buf::y_cols});
   if (spans) b.all_gather(st, "all-gather x (shared, expert)", b.lay.ep_axes, b.T, b.D, 0);
-  plan_shared_reduce(b, st, "y shared", spans);
+  plan_tokens_reduce(b, st, "y shared", b.D, spans);
   b.reduce_scatter(st, "reduce-scatter y shared (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
 }
 inline void plan_shared_backward(PlanBuilder& b) {
@@ -61,7 +61,7 @@ inline void plan_shared_backward(PlanBuilder& b) {
       {b.out(buf::dy_shared, Tg, D), b.out(buf::dx_shared, Tg, D), buf::y_own, Buf::dx});
   if (spans) b.all_gather(st, "all-gather d_y (shared, expert)", b.lay.ep_axes, b.T, b.D, 0);
   b.all_reduce(st, "reduce d_x shared (tensor)", b.lay.tp_axes, b.T * (spans ? b.ep : 1) * b.D);
-  plan_shared_reduce(b, st, "d_x shared", spans);
+  plan_tokens_reduce(b, st, "d_x shared", b.D, spans);
 }
 
 // ---------------------------------------------------------------------------- run
@@ -88,20 +88,26 @@ typename Ctx::view2 shared_mlp_backward(Ctx& ctx, typename Ctx::cview2 dy, Handl
   return dx;
 }
 
+/// Whether the shared expert's tokens are the expert group's.
 template <class Ctx>
 bool shared_spans_group(Ctx const& ctx) {
   return ctx.plan.shared_tokens > ctx.plan.tokens;
 }
+/// Own tokens -> working tokens: an all-gather over the expert group when the working tokens
+/// are the group's (`spans`), else a copy.
 template <class Ctx>
-void shared_tokens_gather(Ctx& ctx, typename Ctx::cview2 own, typename Ctx::view2 work) {
-  if (shared_spans_group(ctx))
+void tokens_gather(Ctx& ctx, bool spans, typename Ctx::cview2 own, typename Ctx::view2 work) {
+  if (spans)
     ctx.all_gather(ctx.ep(), own, work, 0);
   else
     Kokkos::deep_copy(ctx.space, work, own);
 }
+/// Working tokens -> own tokens: a reduce-scatter over the expert group when the working tokens
+/// are the group's (`spans`), else a sum over it (replicated tokens; a copy without expert
+/// parallelism).
 template <class Ctx>
-void shared_tokens_reduce(Ctx& ctx, typename Ctx::view2 work, typename Ctx::view2 own) {
-  if (shared_spans_group(ctx)) {
+void tokens_reduce(Ctx& ctx, bool spans, typename Ctx::view2 work, typename Ctx::view2 own) {
+  if (spans) {
     ctx.reduce_scatter(ctx.ep(), work, own, 0);
   } else {
     ctx.all_reduce(ctx.ep(), work);
@@ -123,10 +129,10 @@ void shared_forward(Ctx& ctx, typename Ctx::view2 x, typename Ctx::view2 y_c) {
     return;
   }
   auto xsh = ctx.ws.make(buf::x_shared);
-  shared_tokens_gather(ctx, cview2(x), xsh);
+  tokens_gather(ctx, shared_spans_group(ctx), cview2(x), xsh);
   auto ysh = shared_mlp_forward(ctx, cview2(xsh), buf::y_shared);
   auto yo = ctx.ws.make(buf::y_own);
-  shared_tokens_reduce(ctx, ysh, yo);
+  tokens_reduce(ctx, shared_spans_group(ctx), ysh, yo);
   auto ysh_c = ctx.ws.make(buf::y_shared_cols);
   ctx.reduce_scatter(ctx.tp(), yo, ysh_c, 1);
   moe::detail::add_into(ctx.space, ysh_c, y_c);
@@ -142,11 +148,11 @@ void shared_backward(Ctx& ctx, typename Ctx::cview2 dy, typename Ctx::view2 dx) 
     return;
   }
   auto dysh = ctx.ws.make(buf::dy_shared);
-  shared_tokens_gather(ctx, dy, dysh);
+  tokens_gather(ctx, shared_spans_group(ctx), dy, dysh);
   auto dxsh = shared_mlp_backward(ctx, cview2(dysh), buf::dx_shared);
   ctx.all_reduce(ctx.tp(), dxsh);
   auto yo = ctx.ws.make(buf::y_own);
-  shared_tokens_reduce(ctx, dxsh, yo);
+  tokens_reduce(ctx, shared_spans_group(ctx), dxsh, yo);
   moe::detail::add_into(ctx.space, yo, dx);
 }
 
