@@ -1,23 +1,12 @@
 #pragma once
 /// \file
-/// The cost model of a layer plan (#30): for one rank of a LayerPlan on a described Machine, each
-/// stage's FLOPs, the bytes it sends and moves, and its predicted time; the step's total and its
-/// dominant stage. Pure, like the plan: a 2,048-rank run can be costed on a laptop. Ranks fill
-/// nodes in order (rank r on node r / ranks_per_node); the mesh numbers ranks row-major.
-///
-/// A roofline per stage, not a simulator (no contention, no launch overheads, balanced routing):
-///  * compute: the stage's GEMM FLOPs at the value type's GEMM throughput;
-///  * memory, at the memory bandwidth: the workspace buffers the stage makes (written once, read
-///    once), the weight compute blocks it gathers or slices, the gradients it lays out for a
-///    reduction, the sums of its reductions (each reduced element read twice, written once), and
-///    where the GEMM packs its weights (Machine::packs_weights) a pass over each expert weight new
-///    this step (all of them when `weights_updated`, else the gathered or sliced ones);
-///  * communication: the bytes this rank sends (the plan's) over the link's bandwidth plus P-1
-///    latencies (2(P-1) for an all-reduce); a group inside one node uses the node's links, one
-///    that spans nodes the network (an all-to-all sends its same-node share over the node's links
-///    at the same time);
-///  * time: compute + memory + communication, or max(compute + memory, communication) where the
-///    plan overlaps them (Stage::overlapped: the chunked ring).
+/// The cost model of a layer plan (#30; README.md, "Cost model"): for one rank of a LayerPlan on
+/// a described Machine, each stage's FLOPs, the bytes it sends and moves, and its predicted time;
+/// the step's total and its dominant stage. Pure, like the plan. A roofline per stage, not a
+/// simulator (no contention, no launch overheads, balanced routing): compute at the GEMM
+/// throughput, memory traffic at the memory bandwidth, each collective's bytes over the links of
+/// its group plus its latencies (ranks fill nodes in order: rank r on node r / ranks_per_node);
+/// the three summed, or max(compute + memory, communication) where the plan overlaps them.
 
 #include <moe/distributed/plan.hpp>
 #include <moe/error.hpp>
@@ -25,7 +14,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -273,16 +261,13 @@ inline StepCost estimate_step_cost(LayerPlan const& plan, Machine const& machine
 }
 
 inline std::string StepCost::to_text() const {
-  auto ms = [](double s) {
+  auto fixed = [](char const* format, double v) {
     char b[32];
-    std::snprintf(b, sizeof b, "%.3f", s * 1e3);
+    std::snprintf(b, sizeof b, format, v);
     return std::string(b);
   };
-  auto g = [](double f) {
-    char b[32];
-    std::snprintf(b, sizeof b, "%.2f", f * 1e-9);
-    return std::string(b);
-  };
+  auto ms = [&](double s) { return fixed("%.3f", s * 1e3); };
+  auto g = [&](double f) { return fixed("%.2f", f * 1e-9); };
   auto const& m = machine;
   std::string o = moe::detail::cat(
       "cost on ", m.name, " (", m.ranks_per_node, " ranks per node; links ", m.intra_gbps,

@@ -112,23 +112,17 @@ inline int ranks_on_node(MPI_Comm comm) {
   return std::max(1, n);
 }
 
-/// \brief Whether MOE_SKIP_MEMORY_CHECK is set to a non-empty value other than 0 (the tools then
-/// run without comparing their estimate with the available memory).
-inline bool memory_check_skipped() {
-  char const* v = std::getenv("MOE_SKIP_MEMORY_CHECK");
-  return v != nullptr && *v != '\0' && std::string(v) != "0";
-}
-
 /// \brief Throws ConfigError when `est` does not fit this rank's share of the node's memory:
 /// "<who> needs about 93.1 GiB per rank (items...) but this node has 22.6 GiB available for 2
 /// ranks (11.3 GiB each): reduce <keys> (or set MOE_SKIP_MEMORY_CHECK=1 to run anyway)".
-/// Does nothing when `available` < 0 (unknown) or MOE_SKIP_MEMORY_CHECK is set.
+/// Does nothing when `available` < 0 (unknown) or MOE_SKIP_MEMORY_CHECK is set (non-empty, not 0).
 /// \param available available_memory_bytes() of the node (or cgroup)
 /// \param ranks_on_node ranks sharing it (ranks_on_node(comm)), >= 1
 /// \param keys_hint the keys to name; empty: the keys of the largest items (keys_to_reduce())
 inline void require_fits(std::string const& who, MemoryEstimate const& est, std::int64_t available,
                          int ranks_on_node, std::string const& keys_hint = "") {
-  if (available < 0 || memory_check_skipped()) return;
+  char const* skip = std::getenv("MOE_SKIP_MEMORY_CHECK");
+  if (available < 0 || (skip && *skip != '\0' && std::string(skip) != "0")) return;
   int const ranks = std::max(1, ranks_on_node);
   std::int64_t const share = available / ranks;
   std::int64_t const need = est.total();
@@ -151,6 +145,5 @@ inline void require_fits(std::string const& who, MemoryEstimate const& est, std:
 }  // namespace moe::distributed
 
 namespace moe {
-using distributed::available_memory_bytes, distributed::memory_check_skipped,
-    distributed::ranks_on_node, distributed::require_fits;
+using distributed::available_memory_bytes, distributed::ranks_on_node, distributed::require_fits;
 }  // namespace moe

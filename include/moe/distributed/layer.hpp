@@ -43,10 +43,9 @@ namespace moe::distributed {
 
 /// \brief One MoE layer over MPI ranks (see the file comment for the strategies).
 ///
-/// Collective calls: the constructor, set_batch_shape(), forward() and backward() are collective
-/// over `comm`;
-/// every rank must call them with the same configuration (checked before the first collective:
-/// a rank whose config differs gets the same ConfigError as every other rank).
+/// The constructor, set_batch_shape(), forward() and backward() are collective over `comm`: every
+/// rank must call them with the same configuration (checked before the first collective: a rank
+/// whose config differs gets the same ConfigError as every other rank).
 ///
 /// \tparam Scalar float or double.
 /// \tparam Policy moe::Policies<Routing, Gmm>; the partition is decided at run time by the mesh.
@@ -298,14 +297,14 @@ class DistributedMoeLayer
   }
 
   // ------------------------------------------------------------------ layout ----------------
-  /// Collective. Resolves every spec for the agreed global batch [B, S], checks divisibility
-  /// (distributed::compute_layout, a pure function of the agreed configuration, so every rank
-  /// throws the same error), plans the step and makes its groups. keep_blocks: the parameter
-  /// blocks must stay those already stored (set_batch_shape); nothing changes on a ConfigError.
+  /// Collective: every rank was given the same global batch [B, S].
   void agree_batch_shape(std::int64_t B, std::int64_t S) const {
     comm::check_agreement(ctx_.world, "global batch shape",
                           "B=" + std::to_string(B) + ";S=" + std::to_string(S));
   }
+  /// Collective. The layout of the agreed [B, S] (the same ConfigError on every rank), its
+  /// strategy and step plan, and the groups the plan needs. keep_blocks: the parameter blocks must
+  /// stay those already stored (set_batch_shape); nothing changes on a ConfigError.
   void plan_batch(std::int64_t B, std::int64_t S, bool keep_blocks) {
     distributed::Layout layout;
     distributed::Strategy strategy;

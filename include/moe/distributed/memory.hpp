@@ -1,27 +1,12 @@
 #pragma once
 /// \file
-/// Up-front memory estimate and index-limit check of one distributed MoE layer (issue #12): before
-/// anything is allocated, a tool can refuse a configuration that cannot fit, or whose tensors have
-/// more elements than the kernels index, with a ConfigError naming the quantity and the keys to
-/// change -- instead of the OOM killer or wrapped indices. Pure, like moe::make_plan: made from a
-/// LayerPlan. The report type and the checked arithmetic are in memory_estimate.hpp; the
-/// host-memory query and the fit check (host memory only) in host_memory.hpp.
-///
-/// **The model** (estimate_layer_memory) is the step plan itself, so the estimate, the printed
-/// plan and the running layer describe one step. Per rank: the weights' stored blocks; every block
-/// of their stored -> compute ops; oneDNN's packed copies of the expert weights (float on the host:
-/// once for the forward, once transposed for the backward); in training the gradients (stored
-/// blocks, compute blocks that need an op to reach them, the ops' blocks); every buffer of
-/// StepPlan::buffers under its item (backward ones only in training; routed rows balanced, as the
-/// plan's bytes); and the layer's scratch pool, one buffer per kind of collective grown to its
-/// largest use, plus the largest all-reduce temporary. Not included: the caller's x, y, dy, dx;
-/// MPI's and the runtime's own memory; device staging buffers. Measured within 1 % of the peak of
-/// a layer step's Kokkos allocations (tests/unit/test_plan.cpp).
-///
-/// **Index limits** (check_index_limits): rows handed to a 32-bit BLAS call or a row-copy launch
-/// (one team per row: an int league) at most INT_MAX; the flat element-wise kernels index with
-/// ExecSpace::size_type (`unsigned int` on CUDA and HIP); every element and byte count must fit
-/// int64. MPI's int counts are no limit (moe/comm splits larger messages).
+/// Up-front memory estimate and index-limit check of one distributed MoE layer (issue #12;
+/// README.md, "memory estimate"): before anything is allocated, a tool can refuse a configuration
+/// that cannot fit, or whose tensors have more elements than the kernels index, with a
+/// ConfigError naming the quantity and the keys to change. Pure: made from a LayerPlan, whose step
+/// plan is the model (estimate_layer_memory says what it counts), so the estimate, the printed
+/// plan and the running layer describe one step. Measured within 1 % of the peak of a layer
+/// step's Kokkos allocations (tests/unit/test_plan.cpp).
 
 #include <moe/config.hpp>
 #include <moe/distributed/host_memory.hpp>
@@ -54,9 +39,9 @@ struct Buffer {
   bool rows_limited = false;
 };
 
-/// Every buffer of one DistributedMoeLayer on the plan's rank, read off its step plan (see the
-/// file comment). `extra` collects the scratch-pool maxima and the largest all-reduce temporary
-/// separately (they are shared, not summed).
+/// Every buffer of one DistributedMoeLayer on the plan's rank, read off its step plan
+/// (estimate_layer_memory says what it counts). `extra` collects the scratch-pool maxima and the
+/// largest all-reduce temporary separately (they are shared, not summed).
 class LayerBuffers {
  public:
   LayerBuffers(LayerPlan const& plan, LayerConfig const& cfg, bool training, bool packed)
@@ -186,9 +171,11 @@ inline bool default_packed_weights(LayerPlan const& plan) {
   return MOE_HAS_ONEDNN != 0 && plan.scalar_bytes == 4;
 }
 
-/// \brief Bytes one DistributedMoeLayer needs on the plan's rank (see the file comment for the
-/// model and what it leaves out). Buffers the layer keeps from step to step are counted whole;
-/// collective temporaries by their largest use.
+/// \brief Bytes one DistributedMoeLayer needs on the plan's rank, read off its step plan: the
+/// weights' stored blocks and the blocks of their stored -> compute ops, oneDNN's packed copies of
+/// the expert weights, in training the gradients, every buffer of StepPlan::buffers (backward ones
+/// only in training), and the collectives' temporaries by their largest use. Not counted: the
+/// caller's x, y, dy, dx; MPI's and the runtime's own memory; device staging buffers.
 /// \param training forward + backward (gradients, backward buffers); false: forward only
 /// \param packed_weights count oneDNN's packed copies of the expert weights (float, host)
 /// \throws ConfigError naming the quantity when an element or byte count does not fit int64.
@@ -220,10 +207,10 @@ inline MemoryEstimate estimate_layer_memory(LayerPlan const& plan, LayerConfig c
 }
 
 /// \brief Refuses (ConfigError naming the tensor, its size, the limit and the keys to reduce) a
-/// plan whose tensors on this rank exceed the kernels' index limits (see the file comment):
-/// more rows than a 32-bit BLAS call or a kernel launch takes, more elements than one flat kernel
-/// of the execution space indexes, or counts that do not fit int64. MPI counts are no limit
-/// (moe/comm splits larger messages). Pure; the same on every rank of a symmetric layout.
+/// plan whose tensors on this rank exceed the kernels' index limits: more rows than a 32-bit BLAS
+/// call or a kernel launch takes, more elements than one flat kernel of the execution space
+/// indexes, or counts that do not fit int64. MPI counts are no limit (moe/comm splits larger
+/// messages). Pure; the same on every rank of a symmetric layout.
 inline void check_index_limits(LayerPlan const& plan,
                                IndexLimits const& limits = IndexLimits::host()) {
   detail::LayerBuffers const lb(plan, plan.config, true, false);

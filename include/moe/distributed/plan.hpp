@@ -185,18 +185,17 @@ inline PlanChoice::Alternative shared_expert_cost(StepPlan const& step, char con
 /// whose rules put the hidden dim on the expert axes).
 inline std::vector<PlanChoice> shared_expert_choice(LayerConfig const& cfg,
                                                     ParallelConfig const& par, int world_size,
-                                                    int rank, std::int64_t global_batch,
-                                                    std::int64_t seq_len, std::size_t scalar_bytes,
-                                                    Layout const& lay) {
+                                                    std::size_t scalar_bytes, Layout const& lay) {
   if (lay.shared == SharedExpert::none || lay.ep() == 1 || lay.route == ExpertRoute::EpTp)
     return {};
   PlanChoice c;
   c.what = "shared expert";
   c.chosen = to_string(lay.shared);
   for (SharedExpert mode : {SharedExpert::own, SharedExpert::split}) {
-    Layout const other = mode == lay.shared ? lay
-                                            : compute_layout(cfg, par, world_size, rank,
-                                                             global_batch, seq_len, false, mode);
+    Layout const other = mode == lay.shared
+                             ? lay
+                             : compute_layout(cfg, par, world_size, lay.rank, lay.global_batch,
+                                              lay.seq_len, false, mode);
     c.alternatives.push_back(
         shared_expert_cost(make_step_plan(other, cfg, par, scalar_bytes), to_string(mode)));
   }
@@ -232,37 +231,33 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
   p.local_tokens = lay.block("x").local_shape[0] * seq_len;
   p.step = distributed::make_step_plan(lay, cfg, par, scalar_bytes);
 
-  // Tokens: split over the batch axes; the ring gathers them over the expert axes to compute.
-  for (char const* name : {"x", "y"}) {
-    PlanTensor t;
-    t.name = name;
-    t.logical = lay.token_logical;
-    t.spec = lay.token_spec;
-    t.storage = {lay.batch_axes, {}, lay.emb_axes};
-    t.gathered = {{}, {}, {}};
-    t.sliced = {{}, {}, {}};
+  // A tensor with the block this rank stores.
+  auto tensor = [&lay](std::string name, sharding::LogicalAxes logical,
+                       sharding::PartitionSpec spec) {
     auto const b = lay.block(name);
+    PlanTensor t;
+    t.name = std::move(name);
+    t.logical = std::move(logical);
+    t.spec = std::move(spec);
     t.global_shape = b.global_shape;
     t.local_shape = b.local_shape;
     t.offset = b.offset;
-    t.compute_shape = b.local_shape;
-    // The tokens the experts compute with: gathered over the axes the strategy names.
-    for (std::size_t d = 0; d < 3; ++d) {
-      t.gathered[d] = p.step.token_gathered[d];
-      t.compute_shape[d] *= lay.parts(t.gathered[d]);
-    }
+    return t;
+  };
+  // Tokens: split over the batch axes; the experts compute with them gathered over the axes the
+  // strategy names (the ring: the batch over the expert axes).
+  for (char const* name : {"x", "y"}) {
+    PlanTensor t = tensor(name, lay.token_logical, lay.token_spec);
+    t.storage = {lay.batch_axes, {}, lay.emb_axes};
+    t.gathered = p.step.token_gathered;
+    t.sliced = {{}, {}, {}};
+    t.compute_shape = t.local_shape;
+    for (std::size_t d = 0; d < 3; ++d) t.compute_shape[d] *= lay.parts(t.gathered[d]);
     p.tensors.push_back(std::move(t));
   }
   for (auto const& w : lay.weights) {
-    PlanTensor t;
-    t.name = w.name;
-    t.logical = w.logical;
-    t.spec = w.spec;
+    PlanTensor t = tensor(w.name, w.logical, w.spec);
     t.reduced = w.reduce;
-    auto const b = lay.block(w.name);
-    t.global_shape = b.global_shape;
-    t.local_shape = b.local_shape;
-    t.offset = b.offset;
     for (auto const& d : w.dims) {
       t.storage.push_back(d.storage);
       t.gathered.push_back(d.gather);
@@ -278,8 +273,7 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
         p.collectives.push_back(
             {st.backward, c.what, c.kind, c.axes, c.bytes, c.balanced, st.region});
 
-  p.choices = detail::shared_expert_choice(cfg, par, world_size, rank, global_batch, seq_len,
-                                           scalar_bytes, lay);
+  p.choices = detail::shared_expert_choice(cfg, par, world_size, scalar_bytes, lay);
   p.notes = p.step.notes;  // the strategy's, then the plan's
   p.notes.push_back(
       "all-reduce bytes are 2*(P-1)/P of the buffer (ring algorithm); count exchanges and error "

@@ -1,14 +1,10 @@
 #pragma once
 /// \file
-/// The step plan of the distributed layer: the stages of one training step in the order the layer
-/// runs them, each with the buffers it reads and writes and its collectives (kind, mesh axes,
-/// sizes, predicted bytes); every buffer of the step with its shape (buffers.hpp); and each
-/// weight's ops between its stored and compute blocks. The layout's strategy builds it
-/// (strategy.hpp, with a PlanBuilder): pure, no MPI, no device. DistributedMoeLayer executes it
-/// (checking each collective's kind and axes and each buffer's shape against it), moe::make_plan
-/// prints it, the memory estimate and the cost model read it, and tests/mpi/test_plan.cpp checks
-/// that the comm log equals it. Where bytes or rows depend on the routing they assume balanced
-/// routing (PlannedCollective::balanced, Extent::routed).
+/// The step plan of the distributed layer (docs/architecture.md, "The step plan"): the stages of
+/// one step in order, each with the buffers it reads and writes and its collectives; every buffer
+/// of the step with its shape; each weight's ops between its stored and compute blocks. Pure; the
+/// layer executes it and checks itself against it, moe::make_plan prints it, the memory estimate
+/// and the cost model read it. Routing-dependent sizes assume balanced routing.
 
 #include <moe/distributed/buffers.hpp>
 #include <moe/distributed/layout.hpp>

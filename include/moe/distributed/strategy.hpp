@@ -1,27 +1,9 @@
 #pragma once
 /// \file
 /// The dispatch strategies of the distributed layer, one type per way the routed experts are
-/// reached, each in its own file under distributed/strategy/:
-///
-/// | strategy                          | ExpertRoute          | file                          |
-/// |-----------------------------------|----------------------|-------------------------------|
-/// | RaggedA2A                         | RaggedA2A            | strategy/ragged_a2a.hpp       |
-/// | Gathered<SortedExperts, false>    | Local, Replicated    | strategy/gathered.hpp         |
-/// | Gathered<DenseExperts, false>     | Local, Replicated    | strategy/gathered.hpp         |
-/// | Gathered<SortedExperts, true>     | Ring                 | strategy/gathered.hpp         |
-/// | Gathered<DenseExperts, true>      | Ring (dense path)    | strategy/gathered.hpp         |
-/// | ChunkedRing                       | Ring, emb chunks > 0 | strategy/chunked_ring.hpp     |
-/// | EpTp<SortedExperts / DenseExperts>| EpTp                 | strategy/ep_tp.hpp            |
-///
-/// choose_strategy() picks one from the layout, once per planned batch shape; the layer holds it
-/// in a std::variant and visits it once per forward / backward. A strategy lists the stages of
-/// its step, top to bottom (plan(): pure, what moe-shard --plan prints and the layer checks
-/// against), and runs each of them (a static function per stage kind and phase, called by
-/// run_stage); nothing after the choice tests the route. The stages every strategy shares
-/// (weight gathers, output, gradient reduction) are run by the layer.
-///
-/// Adding a layout: an ExpertRoute and its choice in layout.hpp, a strategy file, its alternative
-/// here, and its case in tests/mpi/layout_cases.hpp.
+/// reached, each in its own file under distributed/strategy/: choose_strategy() picks one from
+/// the layout, make_step_plan() lists its stages (its plan()), run_stage() runs one of them
+/// (docs/architecture.md: the design, and how to add a layout).
 
 #include <moe/config.hpp>
 #include <moe/distributed/layout.hpp>
