@@ -28,16 +28,7 @@ enum class Elem : std::uint8_t {
 
 /// Bytes of one element of role `e` when a value has `value_bytes` bytes.
 inline std::int64_t elem_bytes(Elem e, std::int64_t value_bytes) {
-  switch (e) {
-    case Elem::value:
-      return value_bytes;
-    case Elem::i32:
-      return 4;
-    case Elem::i64:
-    case Elem::f64:
-      break;
-  }
-  return 8;
+  return e == Elem::value ? value_bytes : e == Elem::i32 ? 4 : 8;
 }
 
 /// \brief The memory-estimate item a buffer is counted under.

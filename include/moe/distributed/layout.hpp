@@ -272,10 +272,8 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   auto const emb_over = dimaxes(xs, 2);  // the tensor axes there are ignored, as ever
   // Expert weights: stored under their kernel axes, computed under the shard_map in-specs.
   auto const ew = detail::expert_weight_axes(par);
-  auto const& wi_l = ew.wi;
-  auto const& wo_l = ew.wo;
-  auto const wi_st = resolve(wi_l);
-  auto const wo_st = resolve(wo_l);
+  auto const wi_st = resolve(ew.wi);
+  auto const wo_st = resolve(ew.wo);
   auto const wi_cp = sharding::remove_mesh_axes(resolve(ew.wi_compute), ew.strip);
   auto const wo_cp = sharding::remove_mesh_axes(resolve(ew.wo_compute), ew.strip);
   if (par.shard_exp_on_fsdp || par.use_2d_fsdp_sharding) {
@@ -322,12 +320,9 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
     if (contains(ep_axes, a)) lay.emb_axes.push_back(a);
   if (!lay.emb_axes.empty()) {
     require<ConfigError>(lay.emb_axes == ep_axes,
-                         "the embedding dimension of the tokens resolves "
-                         "to the expert axes [",
-                         join(lay.emb_axes),
-                         "] but the experts are "
-                         "split over [",
-                         join(ep_axes), "]: EP-TP needs them to be the same");
+                         "the embedding dimension of the tokens resolves to the expert axes [",
+                         join(lay.emb_axes), "] but the experts are split over [", join(ep_axes),
+                         "]: EP-TP needs them to be the same");
     require<ConfigError>(lay.tp_axes.empty(), "EP-TP (the tokens' embedding dimension over [",
                          join(ep_axes), "]) does not compose with tensor parallelism over [",
                          join(lay.tp_axes), "]: set those ici_* degrees to 1");
@@ -424,9 +419,9 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
     lay.weights.push_back(std::move(w));
   };
   auto const expert_reduce = minus(batch_axes, ep_axes);
-  make("wi_0", wi_l, wi_st, wi_cp, {E, D, F}, expert_reduce);
-  make("wi_1", wi_l, wi_st, wi_cp, {E, D, F}, expert_reduce);
-  make("wo", wo_l, wo_st, wo_cp, {E, F, D}, expert_reduce);
+  for (char const* name : {"wi_0", "wi_1"})
+    make(name, ew.wi, wi_st, wi_cp, {E, D, F}, expert_reduce);
+  make("wo", ew.wo, wo_st, wo_cp, {E, F, D}, expert_reduce);
   sharding::LogicalAxes const gate_l = {cfg.shared_experts > 0 ? "embed_moe" : "embed",
                                         std::nullopt};
   make("gate", gate_l, resolve(gate_l), {{}, {}}, {D, E}, batch_axes);
@@ -454,8 +449,8 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
     auto const sh_reduce =
         lay.shared == SharedExpert::own || same_tokens ? batch_axes : minus(batch_axes, ep_axes);
     sharding::LogicalAxes const in_l = {"embed", "mlp"}, out_l = {"mlp", "embed"};
-    make("shared_wi_0", in_l, resolve(in_l), cp_in, {D, Fs}, sh_reduce);
-    make("shared_wi_1", in_l, resolve(in_l), cp_in, {D, Fs}, sh_reduce);
+    for (char const* name : {"shared_wi_0", "shared_wi_1"})
+      make(name, in_l, resolve(in_l), cp_in, {D, Fs}, sh_reduce);
     make("shared_wo", out_l, resolve(out_l), cp_out, {Fs, D}, sh_reduce);
   }
   lay.local_experts = E / ep;

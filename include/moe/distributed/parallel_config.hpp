@@ -34,27 +34,20 @@ struct ParallelConfig {
   bool moe_fsdp_use_two_stage_all_gather = false;
   /// Preset of mesh axes + rules ("" = the library's default rules).
   std::string custom_mesh_and_rule;
-  /// Dense (sparse_matmul=false) path with an expert axis: peel `expert` off the dispatch batch
-  /// dimension so the experts stay expert-parallel (all-to-all) instead of the all-gather /
-  /// reduce-scatter fallback (MaxText PR #4179; default false).
+  /// Dense path with an expert axis: peel `expert` off the dispatch batch dimension (MaxText PR
+  /// #4179), so the experts stay expert-parallel.
   bool moe_dispatch_no_expert_sharding = false;
-  /// Store the expert dimension of the expert weights on `fsdp` too (MaxText's flag beside the
-  /// shard-exp-on-fsdp preset).
+  /// Store the expert dimension of the expert weights on `fsdp` too.
   bool shard_exp_on_fsdp = false;
   /// Shard the expert weights on both `fsdp` and `fsdp_transpose`.
   bool use_2d_fsdp_sharding = false;
-  /// What the expert axis shards outside the routed experts: "fsdp" (the batch, default),
-  /// "context", or "tp" (the embedding dimension of the layer's input and output, EP-TP).
+  /// What the expert axis shards outside the routed experts: fsdp (the batch), context, tp (D).
   std::string expert_shard_attention_option = "fsdp";
-  /// > 0: the ring's token all-gather runs in this many chunks of the embedding dimension, each
-  /// overlapped with the grouped GEMM of the previous chunk (0: off).
+  /// > 0: the ring's token all-gather in this many D-chunks, overlapped with the grouped GEMM.
   int num_moe_emb_chunks = 0;
-  /// \brief Mesh axes and logical-axis rules read from a config file (MaxText's `mesh_axes` and
-  /// `logical_axis_rules`), used by the layout instead of the `custom_mesh_and_rule` preset.
-  ///
-  /// Not a key: the tools set it when their config files carry those keys and name no preset
-  /// (moe_maxtext_config.hpp); unset, the preset (or the library's default rules) is used, as
-  /// before. Part of describe() only when set, so the ranks agree on it.
+  /// \brief Mesh axes and logical-axis rules of a config file (MaxText's `mesh_axes` and
+  /// `logical_axis_rules`; not a key: the tools set it, moe_maxtext_config.hpp), used unless
+  /// custom_mesh_and_rule names a preset (effective_preset()). In describe() only when set.
   std::optional<sharding::Preset> sharding;
 
   /// (key, degree) pairs of the ici_* keys, in table order.

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -180,17 +181,21 @@ class PlanBuilder {
       for (Buf b : {Buf::d_act, Buf::d_h1}) hold(b, {rows, mlp()});
   }
 
-  /// A shared-expert stage of the current phase on `rows` tokens: reads `x` and the shared
+  /// A stage of the current phase running the routed experts: reads `reads` and the expert
   /// weights' compute blocks, writes `writes` and (backward) the weights' gradients.
-  Stage& shared_stage(Ref x, Extent rows, std::vector<Out> writes) {
-    std::vector<Ref> reads{x};
-    for (Weight w : {Weight::shared_wi_0, Weight::shared_wi_1, Weight::shared_wo}) {
-      reads.push_back(compute(w));
-      if (backward) writes.push_back(grad(w));
-    }
-    auto& st = stage(StageKind::shared_expert,
-                     backward ? "moe::dist::shared_expert::backward" : "moe::dist::shared_expert",
+  Stage& experts_stage(std::vector<Ref> reads, std::vector<Out> writes,
+                       char const* region = nullptr) {
+    if (!region) region = backward ? "moe::dist::experts::backward" : "moe::dist::experts";
+    return ffn_stage(StageKind::experts, region, {Weight::wi_0, Weight::wi_1, Weight::wo},
                      std::move(reads), std::move(writes));
+  }
+  /// A shared-expert stage of the current phase on `rows` tokens `x`, as experts_stage with the
+  /// shared weights.
+  Stage& shared_stage(Ref x, Extent rows, std::vector<Out> writes) {
+    auto& st = ffn_stage(
+        StageKind::shared_expert,
+        backward ? "moe::dist::shared_expert::backward" : "moe::dist::shared_expert",
+        {Weight::shared_wi_0, Weight::shared_wi_1, Weight::shared_wo}, {x}, std::move(writes));
     hold_shared_mlp(rows);
     return st;
   }
@@ -266,8 +271,13 @@ class PlanBuilder {
     declare(out(buf::x, tokens(), token_cols()));
     return p;
   }
-  /// The plan built so far (moved out: the builder is done).
-  StepPlan finish() { return std::move(plan_); }
+  /// The backward's last stages, the router's backward on the tokens `x` it routed and the
+  /// gradient reduction; returns the plan (moved out: the builder is done).
+  StepPlan finish(Ref x) {
+    route_backward(x);
+    reduce_grads();
+    return std::move(plan_);
+  }
   /// The plan being built.
   StepPlan& plan() { return plan_; }
 
@@ -312,10 +322,12 @@ class PlanBuilder {
     }
     if (cfg.capacity_factor > 0) hold(Buf::capacity_cursors, {{2, 0}, seqs, experts()});
   }
-  /// The forward's last stage: the D/tp column blocks of y -> full y.
+  /// The forward's last stage: the D/tp column blocks of y -> full y. The stages added after it
+  /// are the backward's.
   void output() {
     auto& o = stage(StageKind::output, "moe::dist::output", {buf::y_cols}, {Buf::y});
     all_gather(o, "all-gather y (tensor)", lay.tp_axes, T, Dc, 1);
+    backward = true;
   }
   /// The router's backward on the tokens `x` it routed (dx sums path + shared + router, in
   /// this order, on every route).
@@ -349,6 +361,14 @@ class PlanBuilder {
 
  private:
   using Kind = WeightOp::Kind;
+  Stage& ffn_stage(StageKind kind, char const* region, std::initializer_list<Weight> weights,
+                   std::vector<Ref> reads, std::vector<Out> writes) {
+    for (Weight w : weights) {
+      reads.push_back(compute(w));
+      if (backward) writes.push_back(grad(w));
+    }
+    return stage(kind, region, std::move(reads), std::move(writes));
+  }
   void declare(BufferDecl d) {
     for (auto const& have : plan_.buffers)
       if (have.id == d.id) {

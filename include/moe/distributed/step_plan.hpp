@@ -153,12 +153,10 @@ struct StepPlan {
     for (auto const* phase : {&forward, &backward})
       for (auto const& st : *phase)
         for (auto const& c : st.collectives) add(c.axes);
-    for (auto const& w : weights) {
-      for (auto const& op : w.to_compute)
-        if (op.kind != WeightOp::Kind::slice) add(op.axes);
-      for (auto const& op : w.to_storage)
-        if (op.kind != WeightOp::Kind::slice) add(op.axes);
-    }
+    for (auto const& w : weights)
+      for (auto const* ops : {&w.to_compute, &w.to_storage})
+        for (auto const& op : *ops)
+          if (op.kind != WeightOp::Kind::slice) add(op.axes);
     return out;
   }
 };

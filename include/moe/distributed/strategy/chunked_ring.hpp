@@ -124,19 +124,17 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
     // i+1 in flight while the first grouped GEMMs of chunk i accumulate), then runs the
     // activation and the down projection. The chunk gathers send exactly the bytes of the
     // one-piece gather.
-    auto& e = b.stage(
-        StageKind::experts, "moe::dist::experts::chunked",
-        {buf::x, Buf::routing, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
-        {b.out(buf::x_chunks_own, {b.chunks * b.T, PlanBuilder::tok}, Dn),
-         b.out(buf::x_chunks, {b.chunks * b.Tw, PlanBuilder::tok}, Dn),
-         b.out(buf::x_local_chunk, n, Dn), b.out(buf::x_local, n, b.emb()),
-         b.out(buf::y_local, n, b.emb())});
+    auto& e = b.experts_stage({buf::x, Buf::routing},
+                              {b.out(buf::x_chunks_own, {b.chunks * b.T, PlanBuilder::tok}, Dn),
+                               b.out(buf::x_chunks, {b.chunks * b.Tw, PlanBuilder::tok}, Dn),
+                               b.out(buf::x_local_chunk, n, Dn), b.out(buf::x_local, n, b.emb()),
+                               b.out(buf::y_local, n, b.emb())},
+                              "moe::dist::experts::chunked");
     for (std::int64_t c = 0; c < b.chunks; ++c)
       b.all_gather(e, chunk_gather_name(c, b.chunks), lay.ep_axes, b.T, b.D / b.chunks, 0);
     e.overlapped = true;
     b.hold_expert_ffn(n);
-    plan_after_experts(b);  // the ring's
-    return b.finish();
+    return plan_after_experts(b);  // the ring's
   }
 
   // Its own route, dispatch and experts; the other stages are the ring's.

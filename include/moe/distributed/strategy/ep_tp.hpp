@@ -61,7 +61,6 @@ struct EpTp : Experts {
       b.reduce_scatter(st, "reduce-scatter y shared (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
     }
     b.output();
-    b.backward = true;
     auto& d = stages::plan_gathered_experts_backward<Experts>(b, "all-gather d_y (ep-tp)", b.Dl, 1);
     b.all_reduce(d, "reduce d_weights (expert)", lay.ep_axes, b.T * b.K);
     b.reduce_scatter(d, "reduce-scatter d_x (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
@@ -72,9 +71,7 @@ struct EpTp : Experts {
       b.reduce_scatter(st, "reduce-scatter d_x shared (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
     }
     // The router's dx for this rank's D columns, from the full-D tokens.
-    b.route_backward(buf::x_work);
-    b.reduce_grads();
-    return b.finish();
+    return b.finish(buf::x_work);
   }
 
   // x_work holds the full-D tokens, the same on every expert rank: the experts run on it.

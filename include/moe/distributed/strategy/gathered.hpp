@@ -55,9 +55,7 @@ struct SortedExperts : StageDefaults {
              b.out(buf::x_local, n, D)});
     b.hold_sort({b.Tw * b.K, PlanBuilder::slot}, b.L);
     b.row_limit("sorted rows", n);
-    b.stage(StageKind::experts, "moe::dist::experts",
-            {buf::x_local, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
-            {b.out(buf::y_local, n, D)});
+    b.experts_stage({buf::x_local}, {b.out(buf::y_local, n, D)});
     b.hold_expert_ffn(n);
   }
   static void plan_backward(PlanBuilder& b) {
@@ -66,9 +64,7 @@ struct SortedExperts : StageDefaults {
         StageKind::combine, "moe::dist::combine::backward",
         {buf::dy_work, buf::y_local, Buf::routing},
         {b.out(buf::dy_local, n, b.emb()), b.out(buf::d_weights_work, b.work_tokens(), b.topk())});
-    b.stage(StageKind::experts, "moe::dist::experts::backward",
-            {buf::dy_local, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
-            {buf::dy_local, grad(Weight::wi_0), grad(Weight::wi_1), grad(Weight::wo)});
+    b.experts_stage({buf::dy_local}, {buf::dy_local});
     b.hold_expert_ffn(n);
   }
 
@@ -143,9 +139,7 @@ struct DenseExperts : StageDefaults {
 
   static void plan_forward(PlanBuilder& b, Handle<Values> xw) {
     Extent const Tw = b.work_tokens(), L{b.L, scale_experts};
-    b.stage(StageKind::experts, "moe::dist::experts",
-            {xw, Buf::routing, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
-            {b.out(buf::y_work, Tw, b.emb())});
+    b.experts_stage({xw, Buf::routing}, {b.out(buf::y_work, Tw, b.emb())});
     // What nn::DenseExperts keeps: the masked combine weights of the local experts, the hidden
     // states and one expert's output, on every working token.
     b.row_limit("dense expert rows", Tw);
@@ -156,10 +150,8 @@ struct DenseExperts : StageDefaults {
   }
   static void plan_backward(PlanBuilder& b) {
     Extent const Tw = b.work_tokens(), L{b.L, scale_experts};
-    b.stage(StageKind::experts, "moe::dist::experts::backward",
-            {buf::dy_work, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
-            {b.out(buf::dx_work, Tw, b.emb()), b.out(buf::d_weights_work, Tw, b.topk()),
-             grad(Weight::wi_0), grad(Weight::wi_1), grad(Weight::wo)});
+    b.experts_stage({buf::dy_work},
+                    {b.out(buf::dx_work, Tw, b.emb()), b.out(buf::d_weights_work, Tw, b.topk())});
     // nn::DenseExperts keeps one expert's hidden states, so its backward runs each expert's
     // forward again: 3 GEMMs more than the 6 of the gradients.
     double const rows = double(b.Tw) * double(b.L);
@@ -268,8 +260,7 @@ struct Gathered : Experts {
     }
     b.route(xw);
     Experts::plan_forward(b, xw);
-    plan_after_experts(b);
-    return b.finish();
+    return plan_after_experts(b);
   }
   /// Starts the plan (also the chunked ring's): how the experts are reached, which tokens.
   static StepPlan& begin(PlanBuilder& b) {
@@ -287,15 +278,13 @@ struct Gathered : Experts {
   }
   /// The stages after the experts (also the chunked ring's): combine, shared expert, output,
   /// and the whole backward.
-  static void plan_after_experts(PlanBuilder& b) {
+  static StepPlan plan_after_experts(PlanBuilder& b) {
     stages::plan_gathered_combine<Ring, Experts>(b);
     if (b.shared()) stages::plan_shared_forward(b);
     b.output();
-    b.backward = true;
     stages::plan_gathered_backward<Ring, Experts>(b);
     if (b.shared()) stages::plan_shared_backward(b);
-    b.route_backward(buf::x);
-    b.reduce_grads();
+    return b.finish(buf::x);
   }
 
   template <class Ctx>

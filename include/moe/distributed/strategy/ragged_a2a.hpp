@@ -53,10 +53,8 @@ struct RaggedA2A : StageDefaults {
     b.hold(Buf::local_expert_ids, {recv});
     b.row_limit("sorted rows", sent);
     b.row_limit("received rows", recv);
-    auto& e =
-        b.stage(StageKind::experts, "moe::dist::experts",
-                {buf::x_local, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
-                {b.out(buf::y_local, recv, D), b.out(buf::y_local_cols, recv, Dc)});
+    auto& e = b.experts_stage({buf::x_local},
+                              {b.out(buf::y_local, recv, D), b.out(buf::y_local_cols, recv, Dc)});
     b.reduce_scatter(e, "reduce-scatter y (tensor)", lay.tp_axes, b.recv, b.Dc, 1, true);
     b.hold_expert_ffn(recv);
     auto& c = b.stage(StageKind::combine, "moe::dist::combine", {buf::y_local_cols, Buf::routing},
@@ -65,7 +63,6 @@ struct RaggedA2A : StageDefaults {
     b.all_to_all(c, "combine", b.recv, b.Dc);
     if (b.shared()) stages::plan_shared_forward(b);
     b.output();
-    b.backward = true;
     b.stage(StageKind::output, "moe::dist::output::backward", {Buf::dy},
             {b.out(buf::dy_cols, b.tokens(), Dc)});
     auto& cb =
@@ -75,11 +72,8 @@ struct RaggedA2A : StageDefaults {
                  b.out(buf::dy_received_cols, recv, Dc), b.out(buf::dy_local_cols, recv, Dc)});
     b.all_reduce(cb, "reduce d_weights (tensor)", lay.tp_axes, b.T * b.K);
     b.all_to_all(cb, "dispatch d_y", b.sent, b.Dc);
-    auto& eb = b.stage(
-        StageKind::experts, "moe::dist::experts::backward",
-        {buf::dy_local_cols, compute(Weight::wi_0), compute(Weight::wi_1), compute(Weight::wo)},
-        {b.out(buf::dy_local, recv, D), buf::dy_local_cols, grad(Weight::wi_0), grad(Weight::wi_1),
-         grad(Weight::wo)});
+    auto& eb =
+        b.experts_stage({buf::dy_local_cols}, {b.out(buf::dy_local, recv, D), buf::dy_local_cols});
     b.all_gather(eb, "all-gather d_y (tensor)", lay.tp_axes, b.recv, b.Dc, 1, true);
     b.reduce_scatter(eb, "reduce-scatter d_x (tensor)", lay.tp_axes, b.recv, b.Dc, 1, true);
     b.hold_expert_ffn(recv);
@@ -89,9 +83,7 @@ struct RaggedA2A : StageDefaults {
     b.all_to_all(db, "combine d_x", b.recv, b.Dc);
     b.all_gather(db, "all-gather d_x (tensor)", lay.tp_axes, b.T, b.Dc, 1);
     if (b.shared()) stages::plan_shared_backward(b);
-    b.route_backward(buf::x);
-    b.reduce_grads();
-    return b.finish();
+    return b.finish(buf::x);
   }
 
   template <class Ctx>
