@@ -34,16 +34,13 @@ enum class ExpertRoute {
 /// Both give the same result; they differ in what they move and compute per rank.
 enum class SharedExpert {
   none,  ///< no shared expert
-  /// This rank's own tokens through the whole shared MLP (its hidden dim split over tensor only):
-  /// the weights are all-gathered over the axes that store them (FSDP-style, MaxText's reading of
-  /// the `embed` rule), no activation moves. The default wherever the tokens are split over the
-  /// expert axes: the same FLOPs as `split` with fewer bytes.
+  /// This rank's own tokens through the whole shared MLP (hidden dim split over tensor only; the
+  /// weights all-gathered as stored, no activation moves): the default where the tokens are split
+  /// over the expert axes (the same FLOPs as `split`, fewer bytes).
   own,
-  /// EP-as-TP: the hidden dim split over tensor x expert; the expert group's tokens all-gathered
-  /// for it and the partial outputs reduce-scattered back (tokens split over the expert axes), or
-  /// summed (tokens replicated over them: decode, EP-TP). Chosen where it computes less (the
-  /// tokens are the same on every expert rank) or where the rules put the hidden dim on the
-  /// expert axes (EP-TP).
+  /// EP-as-TP: the hidden dim split over tensor x expert, on the expert group's tokens (gathered,
+  /// or the same on every expert rank: decode, EP-TP); chosen where it computes less or EP-TP's
+  /// rules put the hidden dim on the expert axes.
   split
 };
 
@@ -158,13 +155,8 @@ struct Layout {
   /// all-to-all route even when the config asks for the dense path (gmm::Dense or
   /// sparse_matmul=false): the rows that arrive there run the grouped GEMMs.
   bool dense = false;
-  /// The dense-path dispatch tensor `(activation_exp, activation_batch_moe, None,
-  /// activation_embed_moe)` as MaxText resolves it: jointly, or with
-  /// `moe_dispatch_no_expert_sharding` per dimension with `expert` peeled off the batch dimension
-  /// (sharding::resolve_dispatch). With expert parallelism the dense path follows it: expert
-  /// dimension on the expert axes and batch dimension off them -> the expert-parallel all-to-all
-  /// (ExpertRoute::RaggedA2A); the batch dimension claiming an expert axis -> the all-gather /
-  /// reduce-scatter fallback (ExpertRoute::Ring).
+  /// The dense-path dispatch tensor as MaxText resolves it (sharding::resolve_dispatch); with
+  /// expert parallelism the dense path follows it (compute_layout: the all-to-all or the ring).
   sharding::PartitionSpec dispatch_spec;
   std::vector<WeightLayout> weights;
 

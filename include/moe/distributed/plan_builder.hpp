@@ -130,6 +130,7 @@ class PlanBuilder {
   BufferDecl out(Handle<Role> h, Extent rows, Extent cols, Item item) const {
     return {h.id, {rows, cols}, info(h.id).elem, item, backward};
   }
+
   /// Appends a stage of the current phase and returns it; the buffers `writes` declare join the
   /// plan's (a buffer is declared once, by the first stage that makes it).
   Stage& stage(StageKind kind, std::string region, std::vector<Ref> reads,

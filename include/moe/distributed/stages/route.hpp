@@ -11,47 +11,26 @@
 #include <moe/routing/kernels.hpp>
 #include <moe/routing/router.hpp>
 
-#include <algorithm>
-#include <cstddef>
 #include <cstdint>
 #include <vector>
 
 namespace moe::distributed::stages {
 
-/// Batch block index of the m-th member of this rank's expert group.
-template <class Ctx>
-std::int64_t member_batch_index(Ctx const& ctx, int m) {
-  // The member differs from this rank only in the expert axes: substitute its coordinates.
-  std::int64_t idx = 0;
-  int const rank = ctx.world.rank();
-  std::int64_t rem = m;
-  auto const& ep_axes = ctx.layout.ep_axes;
-  auto const& mesh = ctx.layout.mesh;
-  std::vector<std::int64_t> ep_coord(ep_axes.size());
-  for (std::size_t i = ep_axes.size(); i-- > 0;) {
-    ep_coord[i] = rem % ctx.layout.axis_size(ep_axes[i]);
-    rem /= ctx.layout.axis_size(ep_axes[i]);
-  }
-  for (auto const& a : ctx.layout.batch_axes) {
-    auto it = std::find(ep_axes.begin(), ep_axes.end(), a);
-    std::int64_t const c = it != ep_axes.end() ? ep_coord[it - ep_axes.begin()]
-                                               : (mesh.has_axis(a) ? mesh.coord(rank, a) : 0);
-    idx = idx * ctx.layout.axis_size(a) + c;
-  }
-  return idx;
-}
-
 /// Global token index of the first token of each member of the routed block (random routing
-/// draws from it): the expert group's members when the tokens were gathered over it (`ring`),
-/// else this rank's block.
+/// draws from it): the expert group's members, in group rank order, when the tokens were gathered
+/// over it (`ring`), else this rank's block. A member's tokens are the batch block at its mesh
+/// coordinates.
 template <class Ctx>
 std::vector<std::uint64_t> member_token_offsets(Ctx const& ctx, bool ring) {
-  int const members = ring ? ctx.ep().size() : 1;
-  std::vector<std::uint64_t> offsets(std::size_t(members), 0);
-  for (int m = 0; m < members; ++m)
-    offsets[std::size_t(m)] = ctx.token_offset + std::uint64_t((ring ? member_batch_index(ctx, m)
-                                                                     : ctx.layout.batch_index) *
-                                                               ctx.plan.tokens);
+  auto const& lay = ctx.layout;
+  std::vector<int> const members =
+      ring ? lay.mesh.group_members(lay.rank, lay.ep_axes) : std::vector<int>{lay.rank};
+  std::vector<std::uint64_t> offsets;
+  for (int r : members) {
+    std::int64_t block = 0;
+    for (auto const& a : lay.batch_axes) block = block * lay.axis_size(a) + lay.mesh.coord(r, a);
+    offsets.push_back(ctx.token_offset + std::uint64_t(block * ctx.plan.tokens));
+  }
   return offsets;
 }
 
