@@ -1,13 +1,11 @@
 #pragma once
 /// \file
-/// The buffers of one step of the distributed layer, named by enumerators (Buf), not strings; one
-/// table (kBufferInfo) gives each its printed name, element role and memory-estimate item. Two
-/// kinds: workspace buffers [rows, cols], made by a stage through a typed handle (namespace buf:
-/// `ws.make(buf::x_sorted, rows)` gives a View of the handle's element type) in the shape the plan
-/// declares (BufferDecl); and buffers a component keeps between steps (the router's logits, the
-/// sort's permutation, the FFNs' hidden states), declared by the stage that runs the component so
-/// that the memory estimate and the index limits read them from the plan too. Element types are
-/// roles (Elem): `value` is the layer's Scalar; the workspace maps each role to its type.
+/// The buffers of one step of the distributed layer, named by enumerators (Buf); one table
+/// (kBufferInfo) gives each its printed name, element role and memory-estimate item. Workspace
+/// buffers [rows, cols] are made by a stage through a typed handle (`ws.make(buf::x_sorted, rows)`)
+/// in the shape the plan declares (BufferDecl); held buffers are what a component keeps between
+/// steps (the router's logits, the sort, the FFNs' hidden states), declared so that the memory
+/// estimate reads them from the plan too.
 
 #include <moe/error.hpp>
 

@@ -1,12 +1,9 @@
 #pragma once
 /// \file
-/// DistributedMoeLayer: one MoE layer laid out over MPI ranks by a mesh and MaxText's logical-axis
-/// rules (data, FSDP, expert, tensor parallelism, EP-as-TP for the shared expert), forward and
-/// backward; every layout gives the single-rank result up to floating-point reassociation (see
-/// docs/architecture.md). The layout (layout.hpp) picks a strategy (strategy.hpp), which lists
-/// the stages of the step (step_plan.hpp) and runs them; the layer walks the stages in order and
-/// runs those every strategy shares (weight gathers, output, gradient reduction, stages/), all on
-/// the step's shared state, a StepContext (step_context.hpp).
+/// DistributedMoeLayer: one MoE layer over MPI ranks, laid out by a mesh and MaxText's logical-axis
+/// rules; every layout gives the single-rank result up to floating-point reassociation. The layout
+/// picks a strategy (strategy.hpp) that lists the step's stages; the layer runs them in order on
+/// a StepContext (docs/architecture.md).
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/mesh_comm.hpp>

@@ -1,14 +1,11 @@
 #pragma once
 /// \file
-/// The partition plan of one distributed MoE layer (DESIGN.md §4): for one rank of a layout, the
-/// mesh, how the experts are reached, the local and compute blocks of every tensor, and the
-/// collectives of one training step with the bytes this rank sends. Pure: a plan for any rank of
-/// any mesh can be made (and printed) on one process. It holds the layer's own step plan
-/// (make_step_plan on compute_layout), so its collectives are the layer's comm_log() record for
-/// record. Bytes are exact where they follow from shapes; the all-to-alls and the tensor-axis
-/// collectives on the rows they deliver assume balanced routing (T_local*K/E slots per expert).
-/// It also flags the dense dispatch tensor whose batch dimension claims the `expert` axis, the
-/// failure behind MaxText's `moe_dispatch_no_expert_sharding` (SEMANTICS.md §1.13).
+/// The partition plan of one distributed MoE layer (what `moe-shard --plan` prints): for one rank
+/// of a layout, the mesh, the route, every tensor's blocks and the layer's own step plan with the
+/// bytes this rank sends (its collectives are the layer's comm_log() record for record; balanced
+/// routing where rows depend on it). Pure: any rank of any mesh can be planned on one process. It
+/// also flags the dense dispatch tensor whose batch dimension claims the `expert` axis (MaxText's
+/// `moe_dispatch_no_expert_sharding`, SEMANTICS.md §1.13).
 
 #include <moe/comm/comm_log.hpp>
 #include <moe/config.hpp>

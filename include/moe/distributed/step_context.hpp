@@ -1,11 +1,8 @@
 #pragma once
 /// \file
-/// The state the stages of the distributed layer share (StepContext): the configuration, the
-/// layout and step plan, the axis groups, the components the stages run (router, expert FFNs),
-/// the compute-block parameters and gradients, the dispatch state, the step's buffers and the
-/// comm log; and the planned collectives, each checked against the running stage's plan.
-/// DistributedMoeLayer (distributed/layer.hpp) owns one and passes it to its strategy's stage
-/// functions (distributed/strategy/, distributed/stages/).
+/// StepContext: the state the stages of the distributed layer share (configuration, layout, step
+/// plan, groups, components, compute blocks, dispatch state, buffers, comm log), and the planned
+/// collectives, each checked against the running stage's plan.
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/mesh_comm.hpp>

@@ -1,11 +1,9 @@
 #pragma once
 /// \file
-/// The buffers of one step of the distributed layer, by the typed handles of
-/// distributed/buffers.hpp. Storage comes from one scratch pool kept from step to step, so a
-/// steady-state step allocates nothing. A stage gets a buffer only through a handle it declares
-/// (reads or writes), only of the handle's element type (a compile-time rule), and only in the
-/// shape the step plan declares for it (rows may differ only where they count routed rows): the
-/// printed plan, the memory estimate and the running code cannot drift apart.
+/// The buffers of one step of the distributed layer by their typed handles (buffers.hpp), from one
+/// scratch pool kept between steps. A stage gets only the buffers its plan lists, of the handle's
+/// element type, in the plan's shape (rows may differ where they are routed), so the printed plan,
+/// the memory estimate and the running code cannot drift apart.
 
 #include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>

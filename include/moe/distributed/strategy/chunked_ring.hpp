@@ -44,11 +44,9 @@ auto start_chunk_gather(Ctx& ctx, chunk_pieces<Ctx> const& pieces, typename Ctx:
   return distributed::start_gather_rows(ctx.space, ctx.ep(), pieces, v.first, v.second, &ctx.log,
                                         what);
 }
-/// Chunked ring (num_moe_emb_chunks = nc): the expert group's tokens arrive in nc chunks of
-/// Dc = D/nc columns, each by a non-blocking all-gather started before the first grouped GEMMs
-/// of the previous chunk run (one GEMM piece per local expert, MPI progressed between pieces),
-/// so the transfer of chunk c+1 overlaps the GEMMs of chunk c. Each chunk's sorted rows go to
-/// the GEMMs and into their columns of x_local (kept for the backward).
+/// The experts stage of the chunked ring (see the file comment): chunk c+1's all-gather is in
+/// flight (progressed between the per-expert GEMM pieces) while chunk c's sorted rows go through
+/// the first grouped GEMMs and into their columns of x_local (kept for the backward).
 template <class Ctx>
 void chunked_ring_experts(Ctx& ctx, typename Ctx::view2 x, std::uint64_t weights_version) {
   using view2 = typename Ctx::view2;
@@ -120,10 +118,8 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
             {b.out(buf::local_ids, Tw, b.topk()), b.out(buf::local_kept, Tw, b.topk())});
     b.hold_sort({b.Tw * b.K, PlanBuilder::slot}, b.L);
     b.row_limit("sorted rows", n);
-    // One overlapped stage gathers the tokens in n chunks of D/n columns (non-blocking, chunk
-    // i+1 in flight while the first grouped GEMMs of chunk i accumulate), then runs the
-    // activation and the down projection. The chunk gathers send exactly the bytes of the
-    // one-piece gather.
+    // One overlapped stage: the chunk gathers (together the bytes of the one-piece gather) and
+    // the GEMMs, then the activation and the down projection.
     auto& e = b.experts_stage({buf::x, Buf::routing},
                               {b.out(buf::x_chunks_own, {b.chunks * b.T, PlanBuilder::tok}, Dn),
                                b.out(buf::x_chunks, {b.chunks * b.Tw, PlanBuilder::tok}, Dn),

@@ -1,13 +1,10 @@
 #pragma once
 /// \file
-/// The EP-TP strategy of the distributed layer (ExpertRoute::EpTp): the tokens are split on D
-/// over the expert axes (the expert axis acts as tensor parallelism outside the routed experts);
-/// every expert rank all-gathers its D columns into the full-D tokens (the same on every expert
-/// rank), routes them, runs only its local experts on only the rows routed to them (sorted
-/// through the grouped GEMMs, or the dense masked experts: the gathered path's SortedExperts /
-/// DenseExperts), and reduce-scatters the partial outputs back to D columns. The shared expert
-/// runs on the full-D tokens with its hidden dim split over the expert axes. The transposes: dy
-/// all-gathered on D, dx reduce-scattered on D, d_weights summed over the expert group.
+/// The EP-TP strategy (ExpertRoute::EpTp): the tokens are split on D over the expert axes; each
+/// expert rank all-gathers them to full D (the same on every expert rank), routes them, runs its
+/// local experts on their routed rows (SortedExperts / DenseExperts) and reduce-scatters the
+/// partial outputs back to D columns; the shared expert has its hidden dim over the expert axes.
+/// The backward is the transpose.
 
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>

@@ -1,12 +1,10 @@
 #pragma once
 /// \file
-/// The gathered-tokens strategy of the distributed layer (ExpertRoute::Ring, Replicated, Local):
-/// each rank routes the working tokens (its own, or on the ring the expert group's, all-gathered)
-/// and runs its local experts [e0, e0+L) on them, either sorted through the grouped GEMMs
-/// (SortedExperts) or as the dense masked experts (DenseExperts); the partial outputs (local
-/// experts only, tensor-split hidden dim) are summed back onto their owners. Its stages and their
-/// functions, forward and backward. SortedExperts / DenseExperts and the token reductions here
-/// are reused by the chunked ring (strategy/chunked_ring.hpp) and EP-TP (strategy/ep_tp.hpp).
+/// The gathered-tokens strategy (ExpertRoute::Ring, Replicated, Local): each rank routes the
+/// working tokens (its own, or on the ring the expert group's, all-gathered) and runs its local
+/// experts on them, sorted through the grouped GEMMs (SortedExperts) or dense and masked
+/// (DenseExperts); the partial outputs are summed back onto their owners. SortedExperts /
+/// DenseExperts are reused by the chunked ring and EP-TP.
 
 #include <moe/detail/views.hpp>
 #include <moe/distributed/plan_builder.hpp>

@@ -1,12 +1,9 @@
 #pragma once
 /// \file
-/// The shared expert of every strategy but EP-TP (whose own is in strategy/ep_tp.hpp), as the
-/// layout chose it (SharedExpert, distributed/layout.hpp): each rank's own tokens through the
-/// whole MLP (hidden dim split over tensor only), or EP-as-TP -- the expert group's tokens
-/// (all-gathered when the tokens are split over the expert axes) with the hidden dim split over
-/// tensor x expert. Its stages and their functions, and the transposes. The MLP itself
-/// (shared_mlp_forward / backward) is shared with EP-TP. And StageDefaults: the stage functions
-/// of a strategy that it does not define itself (strategy.hpp's run_stage calls them).
+/// The shared expert of every strategy but EP-TP, as the layout chose it (SharedExpert): this
+/// rank's own tokens through the whole MLP, or EP-as-TP on the expert group's tokens; its stages,
+/// their functions, and the MLP itself (shared with EP-TP). And StageDefaults: the stage functions
+/// a strategy does not define itself.
 
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
