@@ -45,7 +45,7 @@ struct Buffer {
 class LayerBuffers {
  public:
   LayerBuffers(LayerPlan const& plan, LayerConfig const& cfg, bool training, bool packed)
-      : plan_(plan), lay_(plan.layout), training_(training), packed_(packed) {
+      : plan_(plan), training_(training), packed_(packed) {
     s_ = std::int64_t(plan.scalar_bytes);
     weight_keys_ = "num_experts, base_emb_dim, base_moe_mlp_dim";
     if (cfg.shared_mlp_dim() > 0) weight_keys_ += ", shared_experts";
@@ -64,9 +64,10 @@ class LayerBuffers {
 
   // ---- weights: stored blocks, the blocks of their gathers and slices, packed copies, gradients
   void weights() {
-    for (auto const& w : lay_.weights) {
-      Shape stored, computed;
-      for (auto const& d : w.dims) stored.push_back(d.stored), computed.push_back(d.computed);
+    for (auto const& w : plan_.layout.weights) {
+      // The plan's blocks of the weight: stored on this rank, and the one the step computes with.
+      Shape const& stored = plan_.tensor(w.name).local_shape;
+      Shape const& computed = plan_.tensor(w.name).compute_shape;
       std::string const wkeys = w.name.rfind("shared_", 0) == 0
                                     ? "shared_experts, base_emb_dim, base_moe_mlp_dim"
                                 : w.name.rfind("gate", 0) == 0 ? "num_experts, base_emb_dim"
@@ -155,7 +156,6 @@ class LayerBuffers {
   }
 
   LayerPlan const& plan_;
-  distributed::Layout const& lay_;
   bool training_, packed_;
   std::int64_t s_ = 4;
   std::int64_t gather_pool_ = 0, rs_pool_ = 0, parts_pool_ = 0, ar_temp_ = 0;  // values

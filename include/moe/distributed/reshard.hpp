@@ -118,16 +118,15 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
   int const P = g.size();
   auto const s = detail::split_at(in, d);
   detail::record(log, what, "all-gather", g, comm::sent_bytes::all_gather(detail::bytes_of(in), P));
-  View1<T const, MS> src(in.data(), in.span());
-  if (s.A == 1) {
-    comm::all_gather(g.comm, space, src, View1<T, MS>(out.data(), out.span()));
-    return;
-  }
-  auto buf = detail::temporary<T>(space, pool, "moe::reshard::gather", out.span());
-  comm::all_gather(g.comm, space, src, buf);
-  // buf is [P, A, n*C]; out is [A, P, n*C]
-  detail::copy_rows(space, "moe::reshard::gather_unpack", buf.data(), out.data(), P * s.A,
-                    s.n * s.C, detail::Identity{}, detail::PaToAp{P, s.A});
+  // With A > 1 the blocks arrive [P, A, n*C] in a temporary and are reordered into out's
+  // [A, P, n*C].
+  View1<T, MS> const got =
+      s.A == 1 ? View1<T, MS>(out.data(), out.span())
+               : detail::temporary<T>(space, pool, "moe::reshard::gather", out.span());
+  comm::all_gather(g.comm, space, View1<T const, MS>(in.data(), in.span()), got);
+  if (s.A > 1)
+    detail::copy_rows(space, "moe::reshard::gather_unpack", got.data(), out.data(), P * s.A,
+                      s.n * s.C, detail::Identity{}, detail::PaToAp{P, s.A});
 }
 
 /// \brief Starts out = in gathered along dimension 0 over the group without blocking (see
@@ -156,16 +155,15 @@ void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& i
   auto const s = detail::split_at(out, d);
   detail::record(log, what, "reduce-scatter", g,
                  comm::sent_bytes::reduce_scatter(detail::bytes_of(out), P));
-  View1<T, MS> dst(out.data(), out.span());
-  if (s.A == 1) {
-    comm::reduce_scatter(g.comm, space, View1<T const, MS>(in.data(), in.span()), dst, pool);
-    return;
+  View1<T const, MS> src(in.data(), in.span());
+  if (s.A > 1) {
+    // in is [A, P, n*C]: packed [P, A, n*C] into a temporary first.
+    auto buf = detail::temporary<T>(space, pool, "moe::reshard::rs", in.span());
+    detail::copy_rows(space, "moe::reshard::rs_pack", in.data(), buf.data(), P * s.A, s.n * s.C,
+                      detail::PaToAp{P, s.A}, detail::Identity{});
+    src = buf;
   }
-  auto buf = detail::temporary<T>(space, pool, "moe::reshard::rs", in.span());
-  // in is [A, P, n*C]; buf is [P, A, n*C]
-  detail::copy_rows(space, "moe::reshard::rs_pack", in.data(), buf.data(), P * s.A, s.n * s.C,
-                    detail::PaToAp{P, s.A}, detail::Identity{});
-  comm::reduce_scatter(g.comm, space, View1<T const, MS>(buf.data(), buf.span()), dst, pool);
+  comm::reduce_scatter(g.comm, space, src, View1<T, MS>(out.data(), out.span()), pool);
 }
 
 /// \brief out = this rank's block along d of in (no communication).
