@@ -14,6 +14,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <tuple>
 #include <type_traits>
 
 namespace moe::distributed {
@@ -55,11 +56,7 @@ class StepWorkspace {
     auto buf = pool_.template get<elem_t<Role>>(to_string(h.id), std::size_t(rows * cols));
     view_t<Role> v(buf.data(), rows, cols);
     made_[index(h.id)] = true;
-    if constexpr (std::is_same_v<Role, Ints>)
-      ints_[index(h.id)] = v;
-    else
-      values_[index(h.id)] = v;
-    return v;
+    return std::get<Views<Role>>(views_)[index(h.id)] = v;
   }
 
   /// \brief The buffer `h` as the last make() shaped it; the running stage must list it among
@@ -69,10 +66,7 @@ class StepWorkspace {
     declared(h, false);
     moe::detail::require<Error>(made_[index(h.id)], "moe internal error: step buffer '",
                                 to_string(h.id), "' is read before any stage wrote it");
-    if constexpr (std::is_same_v<Role, Ints>)
-      return ints_[index(h.id)];
-    else
-      return values_[index(h.id)];
+    return std::get<Views<Role>>(views_)[index(h.id)];
   }
 
   /// The pool behind the buffers, for the temporaries of collectives and weight gathers.
@@ -81,6 +75,9 @@ class StepWorkspace {
  private:
   static constexpr std::size_t N = std::size_t(Buf::count_);
   static std::size_t index(Buf b) { return static_cast<std::size_t>(b); }
+  /// The views of every buffer of one role, by Buf.
+  template <class Role>
+  using Views = std::array<view_t<Role>, N>;
 
   std::string where() const {
     return stage_ ? "stage " + stage_->region : std::string("the step's input");
@@ -101,8 +98,7 @@ class StepWorkspace {
   }
 
   moe::detail::ScratchPool<MemorySpace> pool_;
-  std::array<View2<Value, MemorySpace>, N> values_;
-  std::array<View2<int, MemorySpace>, N> ints_;
+  std::tuple<Views<Values>, Views<Ints>> views_;
   std::array<bool, N> made_{};
   StepPlan const* plan_ = nullptr;
   Stage const* stage_ = nullptr;

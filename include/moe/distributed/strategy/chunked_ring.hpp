@@ -49,11 +49,10 @@ auto start_chunk_gather(Ctx& ctx, chunk_pieces<Ctx> const& pieces, typename Ctx:
 /// the first grouped GEMMs and into their columns of x_local (kept for the backward).
 template <class Ctx>
 void chunked_ring_experts(Ctx& ctx, typename Ctx::view2 x, std::uint64_t weights_version) {
-  using view2 = typename Ctx::view2;
   using view3 = typename Ctx::view3;
   using cview2 = typename Ctx::cview2;
   using ivec = typename Ctx::ivec;
-  std::int64_t const D = ctx.cfg.base_emb_dim, T = ctx.plan.tokens, Tw = ctx.plan.work_tokens;
+  std::int64_t const D = ctx.cfg.base_emb_dim, T = ctx.plan.tokens;
   std::int64_t const nc = ctx.plan.emb_chunks, Dc = D / nc, n = ctx.disp.perm.rows();
   std::int64_t const L = ctx.layout.local_experts, F = ctx.cp.wi_0.extent(2);
   int const K = ctx.cfg.num_experts_per_tok;
@@ -65,9 +64,6 @@ void chunked_ring_experts(Ctx& ctx, typename Ctx::view2 x, std::uint64_t weights
   auto got = ctx.ws.make(buf::x_chunks);
   auto xs = ctx.ws.make(buf::x_local, n);
   auto xs_c = ctx.ws.make(buf::x_local_chunk, n);
-  auto rows = [](view2 const& v, std::int64_t r0, std::int64_t r) {
-    return view2(v.data() + r0 * std::int64_t(v.extent(1)), r, v.extent(1));
-  };
   // The chunks' shapes are agreed on once (one collective check, not one per chunk).
   auto const first = chunk_views(ctx, own, got, 0);
   chunk_pieces<Ctx> const pieces(ctx.ep().comm, ctx.space, first.first, first.second);
@@ -78,8 +74,8 @@ void chunked_ring_experts(Ctx& ctx, typename Ctx::view2 x, std::uint64_t weights
     request cur = std::move(next);
     cur.wait(ctx.space);
     if (c + 1 < nc) next = start_chunk_gather(ctx, pieces, own, got, c + 1);
-    permute::gather_rows(ctx.space, cview2(rows(got, c * Tw, Tw)), ivec(ctx.disp.perm.perm), K,
-                         xs_c);
+    permute::gather_rows(ctx.space, cview2(chunk_views(ctx, own, got, c).second),
+                         ivec(ctx.disp.perm.perm), K, xs_c);
     distributed::detail::copy_rows(ctx.space, "moe::dist::chunk_unpack", xs_c.data(), xs.data(), n,
                                    Dc, distributed::detail::Identity{},
                                    distributed::detail::Block{nc, c});
