@@ -229,22 +229,15 @@ class PlanBuilder {
     blocks(st, std::move(what), false, axes, lay.parts(axes), rows * cols, dim == 1 ? rows : 1,
            balanced);
   }
-  /// An all-reduce of `elems` values.
-  void all_reduce(Stage& st, std::string what, Axes const& axes, std::int64_t elems) const {
-    std::int64_t const P = lay.parts(axes);
-    if (P > 1 && elems > 0)
-      add(st, std::move(what), "all-reduce", axes, comm::sent_bytes::all_reduce(elems * s, P),
-          false, P, elems, 1);
-  }
-  /// An all-reduce of `elems` host statistics of 8 bytes (doubles or int64, whatever the value
-  /// type).
-  void all_reduce_statistics(Stage& st, std::string what, Axes const& axes,
-                             std::int64_t elems) const {
-    std::int64_t const P = lay.parts(axes);
+  /// An all-reduce of `elems` values, or (`host`) of host statistics of 8 bytes (doubles or
+  /// int64, whatever the value type).
+  void all_reduce(Stage& st, std::string what, Axes const& axes, std::int64_t elems,
+                  bool host = false) const {
+    std::int64_t const P = lay.parts(axes), bytes = host ? 8 : s;
     if (P > 1 && elems > 0) {
-      add(st, std::move(what), "all-reduce", axes, comm::sent_bytes::all_reduce(elems * 8, P),
-          false, P, elems, 1, 8);
-      st.collectives.back().host = true;
+      add(st, std::move(what), "all-reduce", axes, comm::sent_bytes::all_reduce(elems * bytes, P),
+          false, P, elems, 1, bytes);
+      st.collectives.back().host = host;
     }
   }
   /// A ragged all-to-all over the expert axes of rows x cols values (balanced routing).
@@ -304,10 +297,8 @@ class PlanBuilder {
                      {x, compute(Weight::gate), stored(Weight::gate_bias)}, std::move(writes));
     if (logits) all_gather(st, "all-gather logits (ring)", lay.ep_axes, T, E, 0);
     st.flops = gemm(logits ? T : Tw, D, E);  // the gate
-    // Statistics are host doubles / int64: 8 bytes whatever the value type.
-    if (cfg.load_balance_loss_weight > 0) all_reduce_statistics(st, "lb loss", lay.batch_axes, 1);
-    if (cfg.routed_bias_update_rate > 0)
-      all_reduce_statistics(st, "bias counts", lay.batch_axes, E);
+    if (cfg.load_balance_loss_weight > 0) all_reduce(st, "lb loss", lay.batch_axes, 1, true);
+    if (cfg.routed_bias_update_rate > 0) all_reduce(st, "bias counts", lay.batch_axes, E, true);
     // What the router keeps (routing::Router): for the Tw rows it routes, the scores and the
     // top-k choice; the load-balance statistics per sequence; the capacity cursors.
     Extent const R = work_tokens(), seqs{S > 0 ? T / S : 0, tok};
