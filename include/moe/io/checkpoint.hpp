@@ -451,10 +451,9 @@ inline bool load_latest_checkpoint(moe::comm::Communicator const& comm, std::str
     if (!root) return;
     std::error_code ec;
     bool const exists = fs::exists(dir, ec);
-    if (ec) {
+    if (ec)
       throw moe::IoError(
           cat("checkpoint: cannot access the checkpoint directory '", dir, "': ", ec.message()));
-    }
     if (!exists) return;
     if (!fs::is_directory(dir, ec))
       throw moe::IoError(cat("checkpoint: '", dir, "' is not a directory"));
