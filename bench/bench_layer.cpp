@@ -29,6 +29,8 @@
 //                  experts that received >= 1 token x 3 matrices x D*F*4 bytes
 //   bw_ratio       (decode rows) median over iterations of (weight bytes per second / one triad
 //                  pass of the GEMM threads right after the iteration: PairedMachine)
+// layer_fwd_model/ and layer_bwd_model/<model>/EP=<ep>/<dist>/T=<tokens> (#31): one rank's slice
+// of a published model's layer (see register_layer_benchmarks), the counters of layer_fwd/bwd.
 // permute/ (counting sort, + row gather of x[T, D] unless sort/) counts ns_per_slot only: it does
 // no FLOPs, and its timing includes the sort, so neither peak_ratio nor a bandwidth ratio applies.
 //
@@ -36,6 +38,7 @@
 // token carries a one-hot-like pattern there, so the slots follow the requested distribution
 // (balanced or Zipf-1.0) while the layer runs its full routing code. The remaining features are
 // random so the expert GEMMs do real work.
+#include <moe/models.hpp>
 #include <moe/moe.hpp>
 
 #include <benchmark/benchmark.h>
@@ -101,7 +104,7 @@ void setup(Layer& layer, moe::View3<float, Mem> x, std::string const& dist, int 
   for (int e = 0; e < E; ++e) g(e, e) = 1.0f;
   Kokkos::deep_copy(p.gate, g);
   auto xh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x);
-  auto x2 = moe::View2<float, Kokkos::HostSpace>(xh.data(), T, kD);
+  auto x2 = moe::View2<float, Kokkos::HostSpace>(xh.data(), T, x.extent(2));
   for (std::int64_t t = 0; t < T; ++t) {
     for (int e = 0; e < E; ++e) x2(t, e) = 0.0f;
     for (int k = 0; k < K; ++k) x2(t, ids[t * K + k]) = float(8 - k);  // order = k
@@ -109,12 +112,18 @@ void setup(Layer& layer, moe::View3<float, Mem> x, std::string const& dist, int 
   Kokkos::deep_copy(x, xh);
 }
 
-moe::LayerConfig bench_config(int E, int K) {
+/// A layer's shape: experts, experts per token, model and expert hidden dimensions.
+struct LayerShape {
+  int E, K;
+  int D = kD, F = kF;
+};
+
+moe::LayerConfig bench_config(LayerShape const& s) {
   moe::LayerConfig cfg;
-  cfg.num_experts = E;
-  cfg.num_experts_per_tok = K;
-  cfg.base_emb_dim = kD;
-  cfg.base_moe_mlp_dim = kF;
+  cfg.num_experts = s.E;
+  cfg.num_experts_per_tok = s.K;
+  cfg.base_emb_dim = s.D;
+  cfg.base_moe_mlp_dim = s.F;
   return cfg;
 }
 
@@ -130,11 +139,11 @@ class GemmsAlone {
     for (std::size_t t = 0; t < ids.extent(0); ++t)
       for (int k = 0; k < K; ++k) ++sizes[ids(t, k)];
     groups_ = moe::gmm::make_groups<Mem>(sizes);
-    std::int64_t const n = groups_.rows();
-    xs_ = moe::View2<float, Mem>("xs", n, kD);
-    h_ = moe::View2<float, Mem>("h", n, kF);
-    a_ = moe::View2<float, Mem>("a", n, kF);
-    ys_ = moe::View2<float, Mem>("ys", n, kD);
+    std::int64_t const n = groups_.rows(), D = p_.wi_0.extent(1), F = p_.wi_0.extent(2);
+    xs_ = moe::View2<float, Mem>("xs", n, D);
+    h_ = moe::View2<float, Mem>("h", n, F);
+    a_ = moe::View2<float, Mem>("a", n, F);
+    ys_ = moe::View2<float, Mem>("ys", n, D);
     fill_uniform(xs_, 21);
     fill_uniform(a_, 22);
   }
@@ -162,13 +171,15 @@ class GemmsAlone {
 };
 
 template <class Gmm>
-void bench_layer(benchmark::State& state, bool backward, int E, std::string const& dist,
-                 std::int64_t T, int K, bool decode) {
+void bench_layer(benchmark::State& state, bool backward, LayerShape const& shape,
+                 std::string const& dist, std::int64_t T, bool decode) {
   state.SetLabel(moe::gmm::backend_name<Gmm, Exec, float>());
   using Layer = moe::MoeLayer<float, moe::Policies<moe::routing::Auto, Gmm>>;
-  Layer layer(bench_config(E, K));
-  std::int64_t const B = 4, S = T / B;
-  moe::View3<float, Mem> x("x", B, S, kD), y("y", B, S, kD), dx("dx", B, S, kD);
+  int const E = shape.E, K = shape.K;
+  std::int64_t const D = shape.D, F = shape.F;
+  Layer layer(bench_config(shape));
+  std::int64_t const B = T % 4 == 0 ? 4 : 1, S = T / B;
+  moe::View3<float, Mem> x("x", B, S, D), y("y", B, S, D), dx("dx", B, S, D);
   setup(layer, x, dist, E, K);
   typename Layer::params_type grads;
   Exec space;
@@ -176,7 +187,7 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
   moe::bench::ReferenceRuns reference_runs;
   layer.forward(x, y);  // warm-up (allocations, BLAS threads)
   if (backward) layer.backward(y, dx, grads);
-  DenseYardstick dense_gemm(T * K, kD, kF);
+  DenseYardstick dense_gemm(T * K, D, F);
   moe::bench::PairedMachine machine(decode);
   std::optional<GemmsAlone<Gmm, Layer>> gemms;
   if (!backward) {
@@ -201,7 +212,7 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
     machine.run();
     if (gemms) gemms->run();
   }
-  double const gemm_flops = 2.0 * double(T * K) * kD * kF * (backward ? 6 : 3);
+  double const gemm_flops = 2.0 * double(T * K) * double(D) * double(F) * (backward ? 6 : 3);
   double const seconds = median(backward ? bwd : fwd);
   double const gflops = gemm_flops / seconds * 1e-9;
   state.counters["gflops"] = gflops;
@@ -216,7 +227,7 @@ void bench_layer(benchmark::State& state, bool backward, int E, std::string cons
     for (std::size_t t = 0; t < ids.extent(0); ++t)
       for (int k = 0; k < K; ++k) hit[ids(t, k)] = 1;
     double const touched = double(std::count(hit.begin(), hit.end(), 1));
-    double const bytes = touched * 3.0 * kD * kF * sizeof(float);
+    double const bytes = touched * 3.0 * double(D) * double(F) * sizeof(float);
     state.counters["weight_gbs"] = bytes / seconds * 1e-9;
     state.counters["bw_ratio"] = machine.bw_ratio(fwd, bytes);
   }
@@ -289,7 +300,9 @@ void moe::bench::register_layer_benchmarks() {
                                      moe::bench::isa_suffix();
             benchmark::RegisterBenchmark(
                 name.c_str(),
-                [=](benchmark::State& st) { bench_layer<G>(st, bwd, E, d, s.T, s.K, s.decode); })
+                [=](benchmark::State& st) {
+                  bench_layer<G>(st, bwd, LayerShape{E, s.K}, d, s.T, s.decode);
+                })
                 ->UseManualTime()
                 ->Iterations(iters)
                 ->Unit(benchmark::kMillisecond);
@@ -301,6 +314,39 @@ void moe::bench::register_layer_benchmarks() {
           add("Auto", moe::gmm::Auto{}, 5);  // = OneDnn or Vendor: a check of the resolution
         }
       }
+  // Model rows (#31): layer_fwd_model|layer_bwd_model/<model>/EP=<ep>/<dist>/T=<tokens>, one
+  // rank's slice of a published model's MoE layer as a one-rank layer: its E/EP local experts at
+  // the model's D and F, receiving the rows tokens x K x (E/EP) / E that `tokens` tokens send them
+  // (as gmm_model's rows), from rows / K' tokens routed over the local experts with K' = min(K,
+  // max(1, E/EP/2)) (so Zipf stays possible). The routed experts only (no shared expert, no
+  // all-to-all); gflops and the ratios count the rows' GEMM FLOPs, as layer_fwd/layer_bwd.
+  struct Slice {
+    char const* model;
+    int ep;
+  };
+  for (bool bwd : {false, true})
+    for (Slice m : {Slice{"mixtral-8x7b", 8}, Slice{"qwen3-30b-a3b", 8},
+                    Slice{"qwen3-235b-a22b", 16}, Slice{"deepseek3-671b", 32}})
+      for (char const* dist : {"balanced", "zipf"})
+        for (std::int64_t tokens : {1024, 4096}) {
+          auto const& f = moe::model_facts(m.model);
+          int const L = f.num_experts / m.ep;
+          int const K = std::min(f.num_experts_per_tok, std::max(1, L / 2));
+          std::int64_t const rows = tokens * f.num_experts_per_tok * L / f.num_experts;
+          LayerShape const shape{L, K, f.base_emb_dim, f.base_moe_mlp_dim};
+          std::string const d = dist;
+          std::string const name = std::string(bwd ? "layer_bwd_model/" : "layer_fwd_model/") +
+                                   m.model + "/EP=" + std::to_string(m.ep) + "/" + d +
+                                   "/T=" + std::to_string(tokens) + moe::bench::isa_suffix();
+          benchmark::RegisterBenchmark(name.c_str(),
+                                       [=](benchmark::State& st) {
+                                         bench_layer<moe::gmm::Auto>(st, bwd, shape, d, rows / K,
+                                                                     false);
+                                       })
+              ->UseManualTime()
+              ->Iterations(3)
+              ->Unit(benchmark::kMillisecond);
+        }
   for (bool sort_only : {false, true})
     for (int E : {8, 64, 256})
       for (char const* dist : {"balanced", "zipf"})
