@@ -248,6 +248,27 @@ TEST(OneDnnKernels, FewLargeGroupsGiveEveryThreadACall) {
   EXPECT_EQ(d.runs(st, "sgemm"), 0u) << st.summary();
 }
 
+// The cap splits a group by the thread count, the result does not depend on it: the same group
+// on 1, 2, 3 and 8 threads (one 256-row call; 2 x 128; 96 + 96 + 64; 8 x 32) gives the same
+// bits, at the layer's shapes (wi: k=D=1024, n=F; wo: k=F=2816, n=D).
+TEST(OneDnnKernels, ResultsDoNotDependOnTheThreadCount) {
+  for (auto [k, n] : {std::make_pair(1024, 352), std::make_pair(2816, 128)}) {
+    SCOPED_TRACE("k=" + std::to_string(k) + " n=" + std::to_string(n));
+    Vec one;
+    for (int threads : {1, 2, 3, 8}) {
+      moe_ref::kk::ScopedThreads scoped(threads);
+      GmmCase c({256}, k, n, false, 5);
+      c.run(false);
+      auto const y = moe_ref::kk::to_vec(c.out);
+      if (threads == 1)
+        one = y;
+      else
+        EXPECT_TRUE(y == one) << threads << " threads (cap " << dn::chunk_cap(256, threads)
+                              << ") differ from 1 thread";
+    }
+  }
+}
+
 // A packed layout no kernel accepts, forced on each family (and the probe's check skipped, as a
 // layout picked for other rows or threads would have passed it): every chunk's kernel is refused
 // and runs as sgemm on the weights in place. Proves the per-chunk check on any CPU.
