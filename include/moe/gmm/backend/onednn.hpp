@@ -13,6 +13,7 @@
 #include <moe/detail/onednn.hpp>
 #include <moe/gmm/backend/common.hpp>
 #include <moe/gmm/backend/onednn_kernels.hpp>
+#include <moe/gmm/backend/vendor.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -97,7 +98,7 @@ inline OneDnnStats onednn_stats() {
 namespace moe::gmm::detail {
 
 #if MOE_HAS_ONEDNN
-// Only instantiated where is_available<OneDnn> holds (resolve_t picks Vendor elsewhere).
+// Where is_available<OneDnn> holds (resolve_t picks Vendor elsewhere).
 template <>
 struct Impl<moe::gmm::OneDnn> {
   template <class E, class ML, class MR, class MO, class Mem>
@@ -263,6 +264,11 @@ struct Impl<moe::gmm::OneDnn> {
     fence(space, "moe::gmm::tgmm<OneDnn>: done");
   }
 };
+#else
+// Without oneDNN the tag runs as Vendor (resolve_t never picks it; code that names
+// Impl<OneDnn> still compiles).
+template <>
+struct Impl<moe::gmm::OneDnn> : Impl<moe::gmm::Vendor> {};
 #endif
 
 }  // namespace moe::gmm::detail
