@@ -279,11 +279,11 @@ class DistributedMoeLayer
         [&](auto const& s) {
           for (auto const& st : phase) {
             StageScope scope(*this, st);
-            if (st.kind == K::gather_weights) {
+            if (st.kind == K::gather_weights && !st.backward) {
               if (distributed::stages::gather_weights(ctx_, params_, ctx_.cp)) weights_changed();
             } else if (st.kind == K::output && !st.backward) {
               ctx_.all_gather(ctx_.tp(), ctx_.ws.at(distributed::buf::y_cols), y, 1);
-            } else if (st.kind == K::reduce_grads) {
+            } else if (st.kind == K::reduce_grads && st.backward) {
               distributed::stages::reduce_grads(ctx_, ctx_.gc, *grads);
             } else {
               distributed::run_stage(s, ctx_, st, weights_version_, dy, dx);

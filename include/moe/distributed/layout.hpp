@@ -52,6 +52,8 @@ inline char const* to_string(SharedExpert s) {
 /// \brief Stable name of a route: "local", "ragged_all_to_all", "ring", "replicated", "ep_tp".
 inline char const* to_string(ExpertRoute r) {
   static char const* const names[] = {"local", "ragged_all_to_all", "ring", "replicated", "ep_tp"};
+  static_assert(sizeof(names) / sizeof(names[0]) == int(ExpertRoute::EpTp) + 1,
+                "one name per ExpertRoute");
   return names[static_cast<int>(r)];
 }
 

@@ -66,8 +66,9 @@ class LayerBuffers {
   void weights() {
     for (auto const& w : plan_.layout.weights) {
       // The plan's blocks of the weight: stored on this rank, and the one the step computes with.
-      Shape const& stored = plan_.tensor(w.name).local_shape;
-      Shape const& computed = plan_.tensor(w.name).compute_shape;
+      auto const& t = plan_.tensor(w.name);
+      Shape const& stored = t.local_shape;
+      Shape const& computed = t.compute_shape;
       std::string const wkeys = w.name.rfind("shared_", 0) == 0
                                     ? "shared_experts, base_emb_dim, base_moe_mlp_dim"
                                 : w.name.rfind("gate", 0) == 0 ? "num_experts, base_emb_dim"

@@ -54,7 +54,8 @@ void run_stage(S const&, Ctx& c, Stage const& st, std::uint64_t weights_version,
   bool const bw = st.backward;
   switch (st.kind) {
     case StageKind::gather_tokens:  // forward only
-      return S::gather_tokens(c);
+      if (!bw) return S::gather_tokens(c);
+      break;
     case StageKind::route:
       return bw ? S::route_backward(c, dx) : S::route(c);
     case StageKind::dispatch:
@@ -66,10 +67,12 @@ void run_stage(S const&, Ctx& c, Stage const& st, std::uint64_t weights_version,
     case StageKind::shared_expert:
       return bw ? S::shared_backward(c, dy, dx) : S::shared_forward(c);
     case StageKind::output:  // the forward's is the layer's
-      return S::output_backward(c, dy);
-    default:
-      stages::no_stage(st);
+      if (bw) return S::output_backward(c, dy);
+      break;
+    default:  // gather_weights, reduce_grads: the layer's
+      break;
   }
+  stages::no_stage(st);  // a kind this phase has no function for
 }
 
 /// \brief The step plan of `strategy` on the rank `lay` describes (pure: no MPI, no device).

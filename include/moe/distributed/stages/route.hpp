@@ -27,8 +27,7 @@ std::vector<std::uint64_t> member_token_offsets(Ctx const& ctx, bool ring) {
       ring ? lay.mesh.group_members(lay.rank, lay.ep_axes) : std::vector<int>{lay.rank};
   std::vector<std::uint64_t> offsets;
   for (int r : members) {
-    std::int64_t block = 0;
-    for (auto const& a : lay.batch_axes) block = block * lay.axis_size(a) + lay.mesh.coord(r, a);
+    std::int64_t const block = lay.mesh.rank_in_group(r, lay.batch_axes);
     offsets.push_back(ctx.token_offset + std::uint64_t(block * ctx.plan.tokens));
   }
   return offsets;
