@@ -37,6 +37,8 @@ enum class FieldType {
 inline char const* type_name(FieldType t) {
   static char const* const names[] = {"int",  "int64",  "uint64", "float",
                                       "bool", "string", "choice"};
+  static_assert(sizeof(names) / sizeof(names[0]) == int(FieldType::Choice) + 1,
+                "one name per FieldType");
   return names[static_cast<int>(t)];
 }
 
