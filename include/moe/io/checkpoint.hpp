@@ -175,8 +175,8 @@ inline std::vector<std::vector<Desc>> decode(std::vector<std::string> const& tex
   std::vector<std::vector<Desc>> out(texts.size());
   try {
     for (std::size_t r = 0; r < texts.size(); ++r) {
-      for (nlohmann::json const& e :
-           nlohmann::json::parse(texts[r]).get<nlohmann::json::array_t>()) {
+      nlohmann::json const doc = nlohmann::json::parse(texts[r]);
+      for (nlohmann::json const& e : doc.get_ref<nlohmann::json::array_t const&>()) {
         Desc d;
         d.rank = static_cast<int>(r);
         d.index = out[r].size();
@@ -446,7 +446,7 @@ inline bool load_latest_checkpoint(moe::comm::Communicator const& comm, std::str
 
   bool const root = comm.rank() == 0;
   File file;
-  nlohmann::json chosen;  // rank 0: the step and metadata of the checkpoint taken; null if none
+  std::string chosen_text = "null";  // rank 0: the step and metadata of the checkpoint taken
   moe::comm::collective_guard(comm, [&] {
     if (!root) return;
     std::error_code ec;
@@ -460,14 +460,14 @@ inline bool load_latest_checkpoint(moe::comm::Communicator const& comm, std::str
     for (auto const& [s, path] : cd::list_steps(dir)) {
       try {
         file = verify_checkpoint(path, s, specs);
-        chosen = {{"step", s}, {"metadata", file.metadata}};
+        chosen_text = nlohmann::json{{"step", s}, {"metadata", file.metadata}}.dump();
         return;
       } catch (std::exception const& e) {
         std::cerr << ("checkpoint: skipping " + path + ": " + e.what() + "\n");
       }
     }
   });
-  chosen = nlohmann::json::parse(moe::comm::broadcast_bytes(comm, 0, root ? chosen.dump() : ""));
+  auto const chosen = nlohmann::json::parse(moe::comm::broadcast_bytes(comm, 0, chosen_text));
   if (chosen.is_null()) return false;
 
   // Rank 0 cuts every block out of the global tensors (little-endian, as in the file; each block
