@@ -7,6 +7,7 @@
 #include "yardsticks.hpp"
 
 #include <moe/gmm/backend/onednn.hpp>
+#include <moe/models.hpp>
 #include <moe/moe_config.hpp>
 #if MOE_HAS_ONEDNN
 #include <moe/detail/onednn.hpp>
@@ -92,6 +93,29 @@ struct LayerGmmOptions {
   LayerGmmOptions(LayerGmmOptions const&) = delete;
   LayerGmmOptions& operator=(LayerGmmOptions const&) = delete;
 };
+
+/// One rank's slice of a published model's experts under expert parallelism `ep` (#31): its
+/// E/ep local experts and the rows they receive when `tokens` tokens pick K of all E experts.
+struct ModelSlice {
+  std::string model;
+  int ep;
+  moe::ModelFacts const& facts() const { return moe::model_facts(model); }
+  int local_experts() const { return facts().num_experts / ep; }
+  /// tokens x K x local_experts / E (balanced routing).
+  std::int64_t rows(std::int64_t tokens) const {
+    return tokens * facts().num_experts_per_tok * local_experts() / facts().num_experts;
+  }
+  /// "<model>/EP=<ep>", as the model rows name it.
+  std::string label() const { return model + "/EP=" + std::to_string(ep); }
+};
+
+/// The slices of the model rows: mixtral-8x7b and qwen3-30b-a3b at EP=8, qwen3-235b-a22b at
+/// EP=16, deepseek3-671b at EP=32 (shapes from moe/models.hpp).
+inline std::vector<ModelSlice> const& model_slices() {
+  static std::vector<ModelSlice> const s = {
+      {"mixtral-8x7b", 8}, {"qwen3-30b-a3b", 8}, {"qwen3-235b-a22b", 16}, {"deepseek3-671b", 32}};
+  return s;
+}
 
 /// Wall-clock seconds since some fixed point (steady clock).
 inline double now() {

@@ -178,23 +178,15 @@ void register_policy(std::string const& name, int iterations) {
     }
 }
 
-/// One rank's slice of a published model's experts under expert parallelism `ep` (#31): its
-/// E/ep local experts ([L, D, F] weights) and the rows they receive when `tokens` tokens pick K
-/// experts each over all E (tokens x K x L / E rows: balanced, or Zipf over the L experts).
-struct ModelSlice {
-  std::string model;
-  int ep;
-};
-
 /// gmm (forward: x[rows, D] x W[L, D, F]) or tgmm (weight gradient: x^T dy per group, [L, D, F])
 /// of a model slice through the Auto policy (what the layer runs); counters as bench_gmm's.
 void bench_model(benchmark::State& state, ModelSlice const& m, std::string const& dist,
                  int64_t tokens, bool weight_gradient) {
   using moe::gmm::Auto;
-  auto const& f = moe::model_facts(m.model);
-  int const L = f.num_experts / m.ep;
+  auto const& f = m.facts();
+  int const L = m.local_experts();
   int64_t const D = f.base_emb_dim, F = f.base_moe_mlp_dim;
-  int64_t const rows = tokens * f.num_experts_per_tok * L / f.num_experts;
+  int64_t const rows = m.rows(tokens);
   state.SetLabel(moe::gmm::backend_name<Auto, Exec, float>());
   auto const sizes = group_sizes(dist, rows, L);
   auto const groups = moe::gmm::make_groups<Mem>(sizes);
@@ -225,15 +217,13 @@ void bench_model(benchmark::State& state, ModelSlice const& m, std::string const
 /// gmm_model/<model>/EP=<ep>/<dist>/T=<tokens> and tgmm_model/...: the expert GEMMs of today's
 /// MoE shapes (moe/models.hpp), one rank's slice each.
 void register_model_rows() {
-  std::vector<ModelSlice> const slices = {
-      {"mixtral-8x7b", 8}, {"qwen3-30b-a3b", 8}, {"qwen3-235b-a22b", 16}, {"deepseek3-671b", 32}};
   for (bool weight_gradient : {false, true})
-    for (auto const& m : slices)
+    for (auto const& m : model_slices())
       for (char const* dist : {"balanced", "zipf"})
         for (int64_t tokens : {1024, 4096}) {
           std::string const label = std::string(weight_gradient ? "tgmm_model/" : "gmm_model/") +
-                                    m.model + "/EP=" + std::to_string(m.ep) + "/" + dist +
-                                    "/T=" + std::to_string(tokens) + isa_suffix();
+                                    m.label() + "/" + dist + "/T=" + std::to_string(tokens) +
+                                    isa_suffix();
           std::string const d = dist;
           benchmark::RegisterBenchmark(
               label.c_str(),

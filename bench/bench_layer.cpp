@@ -38,7 +38,6 @@
 // token carries a one-hot-like pattern there, so the slots follow the requested distribution
 // (balanced or Zipf-1.0) while the layer runs its full routing code. The remaining features are
 // random so the expert GEMMs do real work.
-#include <moe/models.hpp>
 #include <moe/moe.hpp>
 
 #include <benchmark/benchmark.h>
@@ -98,6 +97,8 @@ void setup(Layer& layer, moe::View3<float, Mem> x, std::string const& dist, int 
   fill_uniform(p.wo, 13, -0.02, 0.02);
   fill_uniform(x, 14, -1.0, 1.0);
   std::int64_t const T = x.extent(0) * x.extent(1);
+  // The gate is the identity on the first E features, so the tokens need D >= E of them.
+  moe::detail::require(std::int64_t(x.extent(2)) >= E, "bench setup: D=", x.extent(2), " < E=", E);
   auto ids = draw_ids(dist, T, K, E);
   auto g = Kokkos::create_mirror_view(p.gate);
   Kokkos::deep_copy(g, 0.0f);
@@ -320,24 +321,19 @@ void moe::bench::register_layer_benchmarks() {
   // (as gmm_model's rows), from rows / K' tokens routed over the local experts with K' = min(K,
   // max(1, E/EP/2)) (so Zipf stays possible). The routed experts only (no shared expert, no
   // all-to-all); gflops and the ratios count the rows' GEMM FLOPs, as layer_fwd/layer_bwd.
-  struct Slice {
-    char const* model;
-    int ep;
-  };
   for (bool bwd : {false, true})
-    for (Slice m : {Slice{"mixtral-8x7b", 8}, Slice{"qwen3-30b-a3b", 8},
-                    Slice{"qwen3-235b-a22b", 16}, Slice{"deepseek3-671b", 32}})
+    for (auto const& m : moe::bench::model_slices())
       for (char const* dist : {"balanced", "zipf"})
         for (std::int64_t tokens : {1024, 4096}) {
-          auto const& f = moe::model_facts(m.model);
-          int const L = f.num_experts / m.ep;
+          auto const& f = m.facts();
+          int const L = m.local_experts();
           int const K = std::min(f.num_experts_per_tok, std::max(1, L / 2));
-          std::int64_t const rows = tokens * f.num_experts_per_tok * L / f.num_experts;
+          std::int64_t const rows = m.rows(tokens);
           LayerShape const shape{L, K, f.base_emb_dim, f.base_moe_mlp_dim};
           std::string const d = dist;
           std::string const name = std::string(bwd ? "layer_bwd_model/" : "layer_fwd_model/") +
-                                   m.model + "/EP=" + std::to_string(m.ep) + "/" + d +
-                                   "/T=" + std::to_string(tokens) + moe::bench::isa_suffix();
+                                   m.label() + "/" + d + "/T=" + std::to_string(tokens) +
+                                   moe::bench::isa_suffix();
           benchmark::RegisterBenchmark(name.c_str(),
                                        [=](benchmark::State& st) {
                                          bench_layer<moe::gmm::Auto>(st, bwd, shape, d, rows / K,

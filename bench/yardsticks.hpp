@@ -53,7 +53,7 @@
 
 namespace moe::bench {
 
-/// The context line of a benchmark binary built with MOE_QUICK_BUILD (the test command's -O1).
+/// The context line of a benchmark binary built with MOE_QUICK_BUILD (benchmarks at -O0).
 inline constexpr char kQuickBuildWarning[] =
     "built with MOE_QUICK_BUILD=ON (-O0, the test command's build): these timings do not "
     "represent moe; build with -DMOE_QUICK_BUILD=OFF (scripts/bench.sh does) to measure";
