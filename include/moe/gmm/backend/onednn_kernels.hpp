@@ -109,8 +109,8 @@ void few_rows_part(std::int64_t c0, std::int64_t c1, std::int64_t n, float const
 inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float const* x,
                      std::int64_t ldx, float const* w, std::int64_t ldw, float* out,
                      std::int64_t ldo, bool accumulate) {
-  moe::detail::require(rows >= 2 && rows <= few_rows_max, "moe internal error: few_rows on ",
-                       rows, " rows (2 to ", few_rows_max, ")");
+  moe::detail::require(rows >= 2 && rows <= few_rows_max, "moe internal error: few_rows on ", rows,
+                       " rows (2 to ", few_rows_max, ")");
   static std::atomic<std::uint64_t>& runs = run_counter("few_rows");
   ++runs;
   // Below ~1 MB of weights a thread team costs more than it saves.
