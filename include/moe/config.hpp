@@ -88,6 +88,16 @@ inline ConfigTable<LayerConfig> const& LayerConfig::table() {
             "false: dense masked path (every expert on every token)");
     t.field("check_finite", &C::check_finite, "finite",
             "reject NaN/Inf in x, dy, the gate and every weight a token reaches");
+    t.choice("dtype", &C::dtype, "dtype",
+             {{"float32", ComputeDtype::Native},
+              {"float64", ComputeDtype::Native},
+              {"bfloat16", ComputeDtype::BFloat16}},
+             "float32 | float64: compute in the layer's Scalar; bfloat16: bf16 activations and "
+             "matmul inputs, fp32 accumulation and routing (docs/precision.md)");
+    t.field("float32_weight_sum", &C::float32_weight_sum, "f32sum",
+            "dtype=bfloat16: the top-k weighted sum takes fp32 routing weights");
+    t.field("float32_gate_logits", &C::float32_gate_logits, "f32gate",
+            "dtype=bfloat16: the gate matmul and its logits stay fp32");
 
     // Rules, in the order validate() checks them.
     t.at_least(&C::num_experts, 1);

@@ -25,6 +25,12 @@ enum class DecoderBlock {
   DeepSeek  ///< selection on biased scores, weights from pre-bias scores, groups, scaling
 };
 
+/// \brief Compute type of activations and matmul inputs (`dtype`, MaxText's meaning).
+enum class ComputeDtype {
+  Native,   ///< float32 / float64: everything in the layer's Scalar
+  BFloat16  ///< bf16 activations and matmul inputs, fp32 accumulation (docs/precision.md)
+};
+
 template <class C>
 class ConfigTable;
 
@@ -55,6 +61,14 @@ struct LayerConfig {
   int shared_experts = 0;     ///< shared expert of hidden size shared_experts * base_moe_mlp_dim
   bool sparse_matmul = true;  ///< false: dense masked path (every expert on every token)
   bool check_finite = true;   ///< reject NaN/Inf in x, dy and every weight a token reaches
+  /// `dtype`: bfloat16 rounds activations and matmul inputs to bf16 at MaxText's cast points
+  /// and keeps the layer's Scalar (float) for storage and accumulation (docs/precision.md).
+  ComputeDtype dtype = ComputeDtype::Native;
+  bool float32_weight_sum = true;    ///< bf16: the top-k combine takes fp32 weights
+  bool float32_gate_logits = false;  ///< bf16: the gate matmul in fp32 (x, gate and logits)
+
+  /// True when activations and matmul inputs are bf16 (dtype=bfloat16).
+  bool bf16() const { return dtype == ComputeDtype::BFloat16; }
 
   /// Hidden size of the shared expert (0 when there is none).
   int shared_mlp_dim() const { return shared_experts * base_moe_mlp_dim; }

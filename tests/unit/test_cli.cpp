@@ -318,11 +318,11 @@ TEST(ConfigTable, TablesListEveryMemberOnce) {
   EXPECT_EQ(member_count<moe::ParallelConfig>(), moe::ParallelConfig::table().fields().size() + 1);
   // TrainConfig's own table, plus its members layer, par and given.
   EXPECT_EQ(member_count<train::TrainConfig>(), train::TrainConfig::table().fields().size() + 3);
-  EXPECT_EQ(moe::LayerConfig::keys().size(), 20u);
+  EXPECT_EQ(moe::LayerConfig::keys().size(), 23u);
   EXPECT_EQ(moe::ParallelConfig::keys().size(), 15u);
   // train_moe: its own keys (two aliases), then the layer's and the parallelism's (seed is its).
   EXPECT_EQ(train::TrainConfig::own_keys().size(), 34u);
-  EXPECT_EQ(train::TrainConfig::all_keys().size(), 34u + 20u - 1u + 15u);
+  EXPECT_EQ(train::TrainConfig::all_keys().size(), 34u + 23u - 2u + 15u);
   // ParallelConfig::ici() comes from the table: the ici_* keys in order.
   moe::ParallelConfig p;
   p.ici_tensor_parallelism = 4;
