@@ -29,6 +29,10 @@
 //                  experts that received >= 1 token x 3 matrices x D*F*4 bytes
 //   bw_ratio       (decode rows) median over iterations of (weight bytes per second / one triad
 //                  pass of the GEMM threads right after the iteration: PairedMachine)
+// layer_fwd_bf16/ and layer_bwd_bf16/Auto/E=8/balanced/T=4096/K=2 (#29): the layer with
+// dtype=bfloat16 (docs/precision.md), the counters of layer_fwd/bwd plus
+//   over_fp32      median over iterations of (this forward or backward / the same step of a
+//                  float32 layer on the same inputs, run right after it)
 // layer_fwd_model/ and layer_bwd_model/<model>/EP=<ep>/<dist>/T=<tokens> (#31): one rank's slice
 // of a published model's layer (see register_layer_benchmarks), the counters of layer_fwd/bwd.
 // permute/ (counting sort, + row gather of x[T, D] unless sort/) counts ns_per_slot only: it does
@@ -117,6 +121,7 @@ void setup(Layer& layer, moe::View3<float, Mem> x, std::string const& dist, int 
 struct LayerShape {
   int E, K;
   int D = kD, F = kF;
+  bool bf16 = false;  ///< dtype=bfloat16
 };
 
 moe::LayerConfig bench_config(LayerShape const& s) {
@@ -125,6 +130,7 @@ moe::LayerConfig bench_config(LayerShape const& s) {
   cfg.num_experts_per_tok = s.K;
   cfg.base_emb_dim = s.D;
   cfg.base_moe_mlp_dim = s.F;
+  if (s.bf16) cfg.dtype = moe::ComputeDtype::BFloat16;
   return cfg;
 }
 
@@ -191,6 +197,22 @@ void bench_layer(benchmark::State& state, bool backward, LayerShape const& shape
   DenseYardstick dense_gemm(T * K, D, F);
   moe::bench::PairedMachine machine(decode);
   std::optional<GemmsAlone<Gmm, Layer>> gemms;
+  // bf16 rows: the float32 layer on the same inputs, timed right after each iteration.
+  std::optional<Layer> fp32;
+  std::vector<double> fp32_times;
+  typename Layer::params_type fp32_grads;
+  if (shape.bf16) {
+    LayerShape s32 = shape;
+    s32.bf16 = false;
+    fp32.emplace(bench_config(s32));
+    fp32->parameters().for_each([&](char const* n, auto const& v) {
+      layer.parameters().for_each([&](char const* m, auto const& w) {
+        if (std::string(n) == m) Kokkos::deep_copy(v, w);
+      });
+    });
+    fp32->forward(x, y);
+    if (backward) fp32->backward(y, dx, fp32_grads);
+  }
   if (!backward) {
     gemms.emplace(layer, K);
     gemms->run();  // warm-up: packs its copy of the weights
@@ -212,6 +234,17 @@ void bench_layer(benchmark::State& state, bool backward, LayerShape const& shape
     dense_gemm.run();
     machine.run();
     if (gemms) gemms->run();
+    if (fp32) {
+      double const u0 = now();
+      fp32->forward(x, y);
+      space.fence();
+      double const u1 = now();
+      if (backward) {
+        fp32->backward(y, dx, fp32_grads);
+        space.fence();
+      }
+      fp32_times.push_back(backward ? now() - u1 : u1 - u0);
+    }
   }
   double const gemm_flops = 2.0 * double(T * K) * double(D) * double(F) * (backward ? 6 : 3);
   double const seconds = median(backward ? bwd : fwd);
@@ -242,6 +275,8 @@ void bench_layer(benchmark::State& state, bool backward, LayerShape const& shape
       rest.push_back(fwd[i] - gemms->times()[i]);
     state.counters["nongemm_ms"] = median(rest) * 1e3;
   }
+  if (fp32)
+    state.counters["over_fp32"] = moe::bench::paired_ratio(fp32_times, backward ? bwd : fwd);
   state.counters["threads"] = Exec().concurrency();
   state.counters["ref_runs"] = reference_runs.since();
 }
@@ -315,6 +350,21 @@ void moe::bench::register_layer_benchmarks() {
           add("Auto", moe::gmm::Auto{}, 5);  // = OneDnn or Vendor: a check of the resolution
         }
       }
+  // bf16 rows (#29): the shape, beside layer_fwd|layer_bwd/Auto/E=8/balanced/T=4096/K=2.
+  for (bool bwd : {false, true}) {
+    std::string const name = std::string(bwd ? "layer_bwd_bf16/" : "layer_fwd_bf16/") +
+                             "Auto/E=8/balanced/T=4096/K=2" + moe::bench::isa_suffix();
+    LayerShape shape{8, 2};
+    shape.bf16 = true;
+    benchmark::RegisterBenchmark(name.c_str(),
+                                 [=](benchmark::State& st) {
+                                   bench_layer<moe::gmm::Auto>(st, bwd, shape, "balanced", 4096,
+                                                               false);
+                                 })
+        ->UseManualTime()
+        ->Iterations(5)
+        ->Unit(benchmark::kMillisecond);
+  }
   // Model rows (#31): layer_fwd_model|layer_bwd_model/<model>/EP=<ep>/<dist>/T=<tokens>, one
   // rank's slice of a published model's MoE layer as a one-rank layer: its E/EP local experts at
   // the model's D and F, receiving the rows tokens x K x (E/EP) / E that `tokens` tokens send them

@@ -201,9 +201,9 @@ CaseDims check_case_layout(moe::io::File const& in, std::string const& file) {
   for (char const* name : {"x", "gate", "wi_0", "wi_1", "wo"})
     if (!in.has(name)) throw moe::IoError(cat(where, "has no tensor '", name, "' (required)"));
   auto const dtype = in.at("x").dtype;
-  if (dtype != moe::io::DType::F64 && dtype != moe::io::DType::F32)
-    throw moe::IoError(
-        cat(where, "tensor x is ", moe::io::dtype_name(dtype), ": only F32 and F64 are supported"));
+  if (dtype != moe::io::DType::F64 && dtype != moe::io::DType::F32 && dtype != moe::io::DType::BF16)
+    throw moe::IoError(cat(where, "tensor x is ", moe::io::dtype_name(dtype),
+                           ": only F32, F64 and BF16 are supported"));
   for (auto const& name : in.names())
     if (in.at(name).dtype != dtype)
       throw moe::IoError(cat(where, "tensor ", name, " is ", moe::io::dtype_name(in.at(name).dtype),
@@ -309,6 +309,9 @@ Setup prepare(int argc, char** argv) {
     cfg.base_moe_mlp_dim = int(dims.F);
     cfg.shared_experts = int(dims.Fs / dims.F);
     cfg.routed_bias = in.has("gate_bias");
+    // A BF16 CASE computes in bf16 (a float layer, docs/precision.md) unless the config says
+    // dtype=float32.
+    if (in.at("x").dtype == moe::io::DType::BF16) cfg.dtype = moe::ComputeDtype::BFloat16;
   }
   // The --config files in order, then the overrides, read as MaxText reads them.
   s.loaded = moe::cli::maxtext::load(
@@ -520,6 +523,10 @@ int run(int argc, char** argv) {
   Summary sum;
   moe::io::File out = s.dtype == moe::io::DType::F64 ? run_dtype<double>(world, s, sum)
                                                      : run_dtype<float>(world, s, sum);
+  // dtype=bfloat16: y and dx are bf16 values, written as BF16; weight gradients stay F32.
+  if (s.cfg.bf16() && s.dtype != moe::io::DType::F64)
+    for (char const* n : {"y", "dx"})
+      if (out.has(n)) out.set(n, out.at(n).as(moe::io::DType::BF16));
   // Only rank 0 writes; a failure there is reported by every rank.
   moe::comm::collective_guard(world, [&] {
     if (world.rank() == 0 && !s.args.out.empty()) out.write(s.args.out);

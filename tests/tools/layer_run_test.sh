@@ -3,9 +3,9 @@
 #
 #   layer_run_test.sh MODE LAYER_RUN CASE_TOOL WORKDIR MPIEXEC [MPIEXEC_FLAGS...]
 #
-# MODE f64 | f32: writes a CASE with dy, runs it on 1 rank (the reference), then on 2 and 4 ranks
-#   in several layouts, and compares every RESULT tensor with the 1-rank RESULT (f64: rel 1e-10,
-#   f32: rel 1e-4; expert_ids exactly).
+# MODE f64 | f32 | bf16: writes a CASE with dy, runs it on 1 rank (the reference), then on 2 and 4
+#   ranks in several layouts, and compares every RESULT tensor with the 1-rank RESULT (f64: rel
+#   1e-10, f32: rel 1e-4, bf16 (dtype=bfloat16, y and dx BF16): rel 2e-2; expert_ids exactly).
 # MODE errors: bad inputs give exit code 2 and the same one-line error on every rank, no hang,
 #   and no RESULT file.
 # MODE example: --example on 1 and 2 ranks prints the same routing summary; --keys lists the keys.
@@ -42,7 +42,11 @@ run() {
 
 layouts() {
   local dtype=$1 rtol=$2
-  if [[ $dtype == f64 ]]; then
+  if [[ $dtype == bf16 ]]; then
+    # A BF16 CASE: the layer computes in bf16 (docs/precision.md); y and dx come back BF16.
+    "$CASE_TOOL" write case.safetensors --dtype bf16 --shared 1 --seed 5 || exit 1
+    printf 'num_experts_per_tok: 2\nload_balance_loss_weight: 0.05\n' >cfg.yml
+  elif [[ $dtype == f64 ]]; then
     "$CASE_TOOL" write case.safetensors --dtype f64 --shared 1 --bias --seed 11 || exit 1
     cat >cfg.yml <<'EOF'
 # DeepSeek routing: sigmoid scores, gate bias, group-limited top-k, loss-free bias update.
@@ -69,6 +73,9 @@ EOF
   run 1 ref.log --config cfg.yml --in case.safetensors --out ref.safetensors ||
     { cat ref.log; fail "1-rank reference run"; return; }
   cat ref.log
+  if [[ $dtype == bf16 ]] && ! grep -q 'dtype=BF16' ref.log; then
+    fail "a BF16 CASE does not run as BF16"
+  fi
   # The comparison must be able to fail: a slightly different layer must not match.
   if [[ $dtype == f64 ]]; then
     run 1 perturbed.log --config cfg.yml --in case.safetensors --out perturbed.safetensors \
@@ -283,6 +290,7 @@ example() {
 case $MODE in
   f64) layouts f64 1e-10 ;;
   f32) layouts f32 1e-4 ;;
+  bf16) layouts bf16 2e-2 ;;
   errors) errors ;;
   example) example ;;
   *)

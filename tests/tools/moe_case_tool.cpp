@@ -1,6 +1,7 @@
 // Test helper of the moe-layer-run tests (tests/tools/layer_run_test.sh):
 //
-//   moe_case_tool write CASE.safetensors --dtype f32|f64 [--B n] [--S n] [--D n] [--E n] [--F n]
+//   moe_case_tool write CASE.safetensors --dtype f32|f64|bf16 [--B n] [--S n] [--D n] [--E n] [--F
+//   n]
 //                 [--shared n] [--bias] [--no-dy] [--seed n]
 //       writes a random CASE (x, gate, [gate_bias], wi_0, wi_1, wo, [shared_*], [dy])
 //   moe_case_tool mix-dtype IN OUT      copies IN with `gate` converted to the other float dtype
@@ -28,7 +29,8 @@ using moe::io::Tensor;
 
 int usage() {
   std::fputs(
-      "usage: moe_case_tool write CASE --dtype f32|f64 [--B n] [--S n] [--D n] [--E n] [--F n]\n"
+      "usage: moe_case_tool write CASE --dtype f32|f64|bf16 [--B n] [--S n] [--D n] [--E n] [--F "
+      "n]\n"
       "                     [--shared n] [--bias] [--no-dy] [--seed n]\n"
       "       moe_case_tool mix-dtype IN OUT\n"
       "       moe_case_tool poison IN OUT TENSOR INDEX nan|inf\n"
@@ -111,7 +113,12 @@ int cmd_write(int argc, char** argv) {
     write_case<double>(path, B, S, D, E, F, shared, bias, dy, seed);
   else if (dtype == "f32")
     write_case<float>(path, B, S, D, E, F, shared, bias, dy, seed);
-  else
+  else if (dtype == "bf16") {  // the f32 case with every tensor rounded to BF16
+    write_case<float>(path, B, S, D, E, F, shared, bias, dy, seed);
+    File f = File::read(path);
+    for (auto const& n : f.names()) f.set(n, f.at(n).as(DType::BF16));
+    f.write(path);
+  } else
     return usage();
   return 0;
 }

@@ -434,7 +434,7 @@ TEST(ConfigTable, DescribeTextsStayTheSame) {
   EXPECT_EQ(moe::describe(moe::LayerConfig()),
             "E=8;K=2;D=64;F=128;block=0;score=0;bias=0;scale=1.000000;groups=-1/-1;norm=0;"
             "random=0;seed=0;cf=-1.000000;lb=0.000000;rate=0.000000;act=0;shared=0;sparse=1;"
-            "finite=1");
+            "finite=1;dtype=0;f32sum=1;f32gate=0");
   moe::LayerConfig c;
   c.set("decoder_block", "deepseek");
   c.set("n_routing_groups", "4");
@@ -445,7 +445,7 @@ TEST(ConfigTable, DescribeTextsStayTheSame) {
   EXPECT_EQ(moe::describe(c),
             "E=8;K=2;D=64;F=128;block=1;score=2;bias=0;scale=1.000000;groups=4/2;norm=0;"
             "random=0;seed=0;cf=1.500000;lb=0.000000;rate=0.000000;act=1;shared=0;sparse=1;"
-            "finite=1");
+            "finite=1;dtype=0;f32sum=1;f32gate=0");
   EXPECT_EQ(moe::ParallelConfig().describe(),
             "ici_data_parallelism=1;ici_fsdp_parallelism=1;ici_fsdp_transpose_parallelism=1;"
             "ici_expert_parallelism=1;ici_tensor_parallelism=1;ici_context_parallelism=1;ring=0;"

@@ -5,6 +5,7 @@
 /// function is a private or protected member, and a lambda in a member function would capture
 /// `this` (a host pointer) for device code.
 
+#include <moe/bf16.hpp>
 #include <moe/detail/compat.hpp>
 #include <moe/error.hpp>
 
@@ -70,6 +71,23 @@ void add_into(ExecSpace const& space, Src const& src, Dst const& dst) {
   Kokkos::parallel_for(
       "moe::add_into", Kokkos::RangePolicy<ExecSpace>(space, 0, std::int64_t(dst.span())),
       KOKKOS_LAMBDA(std::int64_t i) { d[i] += s[i]; });
+}
+
+/// \brief Rounds every element of the contiguous view v to the nearest bf16 (ties to even), in
+/// place: the cast points of the bf16 scheme (docs/precision.md). Exact on values already bf16.
+template <class ExecSpace, class V>
+void round_bf16(ExecSpace const& space, V const& v) {
+  using T = typename V::non_const_value_type;
+  auto* p = v.data();
+  Kokkos::parallel_for(
+      "moe::round_bf16", Kokkos::RangePolicy<ExecSpace>(space, 0, std::int64_t(v.span())),
+      KOKKOS_LAMBDA(std::int64_t i) { p[i] = T(bf16_to_float(bf16_bits(float(p[i])))); });
+}
+
+/// round_bf16(space, v) when `on` (the layer's dtype is bfloat16); nothing otherwise.
+template <class ExecSpace, class V>
+void round_bf16_if(bool on, ExecSpace const& space, V const& v) {
+  if (on && v.span() > 0) round_bf16(space, v);
 }
 
 }  // namespace moe::detail

@@ -173,9 +173,12 @@ class DistributedMoeLayer
     });
     // The step keeps its own copy of x: the backward reads it after the caller may have moved on.
     ctx_.ws.enter(&ctx_.plan, nullptr);
-    Kokkos::deep_copy(ctx_.space, ctx_.ws.make(distributed::buf::x), cview2(x.data(), T, D));
+    auto const xc = ctx_.ws.make(distributed::buf::x);
+    Kokkos::deep_copy(ctx_.space, xc, cview2(x.data(), T, D));
+    moe::detail::round_bf16_if(ctx_.cfg.bf16(), ctx_.space, xc);  // docs/precision.md
     auto y2 = view2(y.data(), T, D);
     run_phase(ctx_.plan.forward, y2, {}, {}, nullptr);
+    moe::detail::round_bf16_if(ctx_.cfg.bf16(), ctx_.space, y2);
     if (ctx_.cfg.check_finite) {
       // As the single-rank layer: only a non-finite y pays for scanning the weights, and then
       // every rank names the first non-finite block it holds (block indices are local).
@@ -214,8 +217,16 @@ class DistributedMoeLayer
     if (!grads.gate.data()) grads = alloc_params("moe::grad::");
     distributed::stages::alloc_compute_grads(ctx_, grads);
     auto dy2 = cview2(dy.data(), T, D);
+    if (ctx_.cfg.bf16()) {  // a bf16 copy of dy (docs/precision.md)
+      auto const c = ctx_.ws.pool().template get<Scalar>("bf16.dy", std::size_t(T * D));
+      view2 dyc(c.data(), T, D);
+      Kokkos::deep_copy(ctx_.space, dyc, dy2);
+      moe::detail::round_bf16(ctx_.space, dyc);
+      dy2 = dyc;
+    }
     auto dx2 = view2(dx.data(), T, D);
     run_phase(ctx_.plan.backward, {}, dy2, dx2, &grads);
+    moe::detail::round_bf16_if(ctx_.cfg.bf16(), ctx_.space, dx2);
     have_forward_ = false;
   }
 
@@ -280,7 +291,9 @@ class DistributedMoeLayer
           for (auto const& st : phase) {
             StageScope scope(*this, st);
             if (st.kind == K::gather_weights && !st.backward) {
-              if (distributed::stages::gather_weights(ctx_, params_, ctx_.cp)) weights_changed();
+              if (distributed::stages::gather_weights(ctx_, params_, ctx_.cp, weights_version_))
+                weights_changed();
+              ctx_.rounded_version = weights_version_;
             } else if (st.kind == K::output && !st.backward) {
               ctx_.all_gather(ctx_.tp(), ctx_.ws.at(distributed::buf::y_cols), y, 1);
             } else if (st.kind == K::reduce_grads && st.backward) {

@@ -58,7 +58,9 @@ struct StepContext {
 
   StepContext(comm::Communicator comm, LayerConfig const& c, ParallelConfig const& p,
               ExecSpace const& s)
-      : world(std::move(comm)), cfg(c), par(p), space(s) {}
+      : world(std::move(comm)), cfg(c), par(p), space(s) {
+    ffn.bf16 = shared.bf16 = dense.bf16 = c.bf16();
+  }
 
   comm::Communicator world;
   LayerConfig cfg;
@@ -77,6 +79,8 @@ struct StepContext {
   nn::DenseExperts<Scalar, ExecSpace> dense;
   // Parameters: compute blocks, compute-block gradients (the stored blocks are the layer's).
   params_type cp, gc;
+  /// dtype=bfloat16: the stored weights version the rounded copies were made from.
+  std::uint64_t rounded_version = ~std::uint64_t(0);
   DispatchState<memory_space> disp;
   StepWorkspace<Scalar, memory_space> ws;  // the step's buffers, by plan name
   Stage const* stage = nullptr;            // the stage running

@@ -6,6 +6,7 @@
 
 #include <moe/config.hpp>
 #include <moe/detail/blas.hpp>
+#include <moe/detail/elementwise.hpp>
 #include <moe/detail/rows.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/gmm/gmm.hpp>
@@ -26,12 +27,23 @@ void ensure_gated(ExecSpace const& space, std::string const& owner, std::int64_t
   moe::detail::ensure(space, act, owner + "::act", n, F);
 }
 
+/// \brief Whether the FFNs round their activations to bf16 (docs/precision.md: h0, h1, the
+/// activation, the outputs and the activation gradients; weight gradients stay fp32). Set from
+/// LayerConfig::bf16(); the weights and inputs they are given are then bf16 already.
+struct Bf16Rounding {
+  bool bf16 = false;
+  template <class ExecSpace, class... V>
+  void round(ExecSpace const& space, V const&... v) const {
+    (moe::detail::round_bf16_if(bf16, space, v), ...);
+  }
+};
+
 /// \brief ys = (act(xs . wi_0[g]) * (xs . wi_1[g])) . wo[g] per group g; keeps what backward needs.
 /// Owns the PackCache of its weights: callers pass the version of the weights' contents, which
 /// must change whenever the weights are written (see gmm::PackCache).
 /// \tparam Gmm a grouped-GEMM policy (gmm::Auto, OneDnn, Vendor, Tiled<...>).
 template <class Scalar, class Gmm, class ExecSpace>
-class ExpertFfn {
+class ExpertFfn : public Bf16Rounding {
  public:
   using memory_space = typename ExecSpace::memory_space;
   using view2 = View2<Scalar, memory_space>;
@@ -52,8 +64,11 @@ class ExpertFfn {
     gmm::GmmOptions const fw = options(false, false);
     gmm::gmm(space, Gmm{}, xs, wi_0, groups, h0_, fw);
     gmm::gmm(space, Gmm{}, xs, wi_1, groups, h1_, fw);
+    round(space, h0_, h1_);
     gated_forward(space, act, n, cview2(h0_), cview2(h1_), a_);
+    round(space, a_);
     gmm::gmm(space, Gmm{}, a_, wo, groups, ys, fw);
+    round(space, ys);
   }
 
   /// \brief forward() with the first two GEMMs summed over chunks of D (the columns of xs may
@@ -86,8 +101,11 @@ class ExpertFfn {
   void forward_end(ExecSpace const& space, groups_type const& groups, view3 wo, view2 ys) {
     moe::detail::Region region("moe::expert_ffn");
     std::int64_t const n = xs_.extent(0);
+    round(space, h0_, h1_);
     gated_forward(space, act_, n, cview2(h0_), cview2(h1_), a_);
+    round(space, a_);
     gmm::gmm(space, Gmm{}, a_, wo, groups, ys, options(false, false));
+    round(space, ys);
   }
 
   /// From dys [n,D]: dxs [n,D] (may alias dys) and the weight gradients (overwritten). The
@@ -101,12 +119,15 @@ class ExpertFfn {
     gmm::tgmm(space, Gmm{}, a_, dys, groups, d_wo);
     gmm::GmmOptions const tr = options(true, false);
     gmm::gmm(space, Gmm{}, dys, wo, groups, da_, tr);
+    round(space, da_);
     // dh0 overwrites da (each element reads its own da before writing).
     gated_backward(space, act_, n, cview2(h0_), cview2(h1_), cview2(da_), da_, dh1_);
+    round(space, da_, dh1_);
     gmm::tgmm(space, Gmm{}, xs_, da_, groups, d_wi_0);
     gmm::tgmm(space, Gmm{}, xs_, dh1_, groups, d_wi_1);
     gmm::gmm(space, Gmm{}, da_, wi_0, groups, dxs, tr);
     gmm::gmm(space, Gmm{}, dh1_, wi_1, groups, dxs, options(true, true));
+    round(space, dxs);
   }
 
   /// The packed copies of the weights (empty unless the GEMM backend packs).
@@ -130,7 +151,7 @@ class ExpertFfn {
 
 /// \brief Dense gated MLP (the shared expert): out (+)= (act(x . w0) * (x . w1)) . wo.
 template <class Scalar, class ExecSpace>
-class DenseMlp {
+class DenseMlp : public Bf16Rounding {
  public:
   using memory_space = typename ExecSpace::memory_space;
   using view2 = View2<Scalar, memory_space>;
@@ -146,7 +167,9 @@ class DenseMlp {
     ensure_gated(space, "moe::mlp", T, H, h0_, h1_, a_);
     moe::detail::gemm(space, "N", "N", Scalar(1), x, w0, Scalar(0), h0_);
     moe::detail::gemm(space, "N", "N", Scalar(1), x, w1, Scalar(0), h1_);
+    round(space, h0_, h1_);
     gated_forward(space, act, T, cview2(h0_), cview2(h1_), a_);
+    round(space, a_);
     moe::detail::gemm(space, "N", "N", Scalar(1), a_, wo, Scalar(1), out);
   }
 
@@ -158,8 +181,10 @@ class DenseMlp {
     moe::detail::ensure(space, da_, "moe::mlp::d_act", T, H);
     moe::detail::gemm(space, "T", "N", Scalar(1), a_, dout, Scalar(0), d_wo);
     moe::detail::gemm(space, "N", "T", Scalar(1), dout, wo, Scalar(0), da_);
+    round(space, da_);
     // d_h0 overwrites d_act, d_h1 overwrites the saved activation (no longer needed).
     gated_backward(space, act_, T, cview2(h0_), cview2(h1_), cview2(da_), da_, a_);
+    round(space, da_, a_);
     moe::detail::gemm(space, "T", "N", Scalar(1), x_, da_, Scalar(0), d_w0);
     moe::detail::gemm(space, "T", "N", Scalar(1), x_, a_, Scalar(0), d_w1);
     moe::detail::gemm(space, "N", "T", Scalar(1), da_, w0, Scalar(1), dx);
@@ -176,7 +201,7 @@ class DenseMlp {
 /// every token, their outputs weighted by the routing weights of the slots that chose them
 /// (0 for tokens that did not, or whose slot was dropped). The reference for every sparse path.
 template <class Scalar, class ExecSpace>
-class DenseExperts {
+class DenseExperts : public Bf16Rounding {
  public:
   using memory_space = typename ExecSpace::memory_space;
   using view2 = View2<Scalar, memory_space>;
@@ -250,9 +275,12 @@ class DenseExperts {
             }
             dwd(t, l) = acc;
           });
+      round(space, dye_);
       moe::detail::gemm(space, "T", "N", Scalar(1), a_, dye_, Scalar(0), sub(d_wo, l));
       moe::detail::gemm(space, "N", "T", Scalar(1), dye_, sub(wo, l), Scalar(0), da_);
+      round(space, da_);
       gated_backward(space, act_, T, cview2(h0_), cview2(h1_), cview2(da_), da_, dh1_);
+      round(space, da_, dh1_);
       moe::detail::gemm(space, "T", "N", Scalar(1), x_, da_, Scalar(0), sub(d_wi_0, l));
       moe::detail::gemm(space, "T", "N", Scalar(1), x_, dh1_, Scalar(0), sub(d_wi_1, l));
       moe::detail::gemm(space, "N", "T", Scalar(1), da_, sub(wi_0, l), Scalar(1), dx);
@@ -280,8 +308,11 @@ class DenseExperts {
     auto sub = [l](view3 const& v) { return Kokkos::subview(v, l, Kokkos::ALL(), Kokkos::ALL()); };
     moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_0), Scalar(0), h0_);
     moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_1), Scalar(0), h1_);
+    round(space, h0_, h1_);
     gated_forward(space, act_, T, cview2(h0_), cview2(h1_), a_);
+    round(space, a_);
     moe::detail::gemm(space, "N", "N", Scalar(1), a_, sub(wo), Scalar(0), ye_);
+    round(space, ye_);
   }
 
   Activation act_ = Activation::Silu;

@@ -4,6 +4,7 @@
 
 #include <moe/config_types.hpp>
 #include <moe/detail/blas.hpp>
+#include <moe/detail/elementwise.hpp>
 #include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/error.hpp>
@@ -69,6 +70,8 @@ class Router {
     blocks_ = int(block_token_offsets.size());
     own_ = own;
     seq_len_ = seq_len;
+    // bf16 (docs/precision.md): bf16 logits unless float32_gate_logits; scores on in fp32.
+    moe::detail::round_bf16_if(bf16_logits(), space, st_.logits);
     if (cfg_.routed_score_func == ScoreFunc::None) {
       st_.scores = st_.logits;
     } else {
@@ -89,6 +92,8 @@ class Router {
       select_topk(space, params_, block_token_offsets[std::size_t(m)], cview2(block(st_.scores, m)),
                   cview2(block(st_.biased, m)), block(st_.expert_ids, m), block(st_.top_values, m),
                   block(st_.weights, m));
+    // bf16: the combine takes bf16 routing weights unless float32_weight_sum.
+    moe::detail::round_bf16_if(cfg_.bf16() && !cfg_.float32_weight_sum, space, st_.weights);
     auto const ids = View2<int const, memory_space>(st_.expert_ids);
     capacity_mask(space, ids, seq_len, cfg_.capacity_factor > 0 ? cfg_.capacity(seq_len) : -1, E,
                   st_.kept, scratch_);
@@ -168,12 +173,15 @@ class Router {
     moe::detail::ensure(space, d_logits_, "moe::routing::d_logits", T, E);
     route_backward(space, params_, own_state(), d_weights, seq_len_, lb_coef, d_top_, d_biased_,
                    d_logits_);
+    moe::detail::round_bf16_if(bf16_logits(), space, d_logits_);
     moe::detail::gemm(space, "T", "N", Scalar(1), x, d_logits_, Scalar(0), dgate);
     moe::detail::gemm(space, "N", "T", Scalar(1), d_logits_, gate, Scalar(1), dx);
     if (cfg_.routed_bias) column_sums(space, cview2(d_biased_), dbias, scratch_);
   }
 
  private:
+  /// The gate matmul's output is bf16 (dtype=bfloat16 without float32_gate_logits).
+  bool bf16_logits() const { return cfg_.bf16() && !cfg_.float32_gate_logits; }
   std::int64_t block_rows() const {
     return blocks_ > 0 ? std::int64_t(st_.logits.extent(0)) / blocks_ : 0;
   }

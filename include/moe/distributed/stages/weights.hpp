@@ -4,6 +4,7 @@
 /// to_compute ops: FSDP all-gathers, EP-as-TP slices) and compute-block gradients -> stored-block
 /// gradients (the transposes), on buffers kept from step to step.
 
+#include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/distributed/reshard.hpp>
 #include <moe/distributed/step_context.hpp>
@@ -54,19 +55,37 @@ V run_weight_ops(Ctx& ctx, std::vector<WeightOp> const& ops, V cur, std::string 
   return cur;
 }
 
-/// Stored blocks -> compute blocks (the plan's to_compute ops; the gate bias has none). Returns
-/// true when an expert weight's compute block is not its stored block: a gathered (or sliced)
-/// expert weight is new data in a reused buffer, so the caller declares a new weights version.
+/// Stored blocks -> compute blocks (the plan's to_compute ops; the gate bias has none). With
+/// dtype=bfloat16 each weight MaxText casts for compute (all but the gate bias; the gate unless
+/// float32_gate_logits) is first rounded into a copy of its stored block, remade only when the
+/// stored `version` differs from ctx.rounded_version (the caller records it), so the ops move bf16
+/// values and the fp32 masters stay as they are. Returns true when an expert weight's compute
+/// block is new data in a reused buffer (gathered, sliced or re-rounded): the caller declares a new
+/// weights version.
 template <class Ctx>
 bool gather_weights(Ctx& ctx, typename Ctx::params_type const& stored,
-                    typename Ctx::params_type& compute) {
+                    typename Ctx::params_type& compute, std::uint64_t version) {
   using params_type = typename Ctx::params_type;
+  bool const reround = ctx.cfg.bf16() && ctx.rounded_version != version;
+  bool fresh = reround;
   params_type::for_each_field(ctx.cfg, [&](char const* n, auto m) {
-    compute.*m =
-        run_weight_ops(ctx, ctx.plan.weight(n).to_compute, stored.*m, std::string("compute.") + n);
+    auto src = stored.*m;
+    std::string const name = n;
+    if (ctx.cfg.bf16() && name != "gate_bias" && (name != "gate" || !ctx.cfg.float32_gate_logits)) {
+      std::vector<std::int64_t> shape;
+      for (unsigned d = 0; d < src.rank; ++d) shape.push_back(std::int64_t(src.extent(d)));
+      auto copy = shaped<std::decay_t<decltype(src)>>(ctx, shape, "bf16." + name);
+      if (reround) {
+        Kokkos::deep_copy(ctx.space, copy, src);
+        moe::detail::round_bf16(ctx.space, copy);
+      }
+      src = copy;
+    }
+    compute.*m = run_weight_ops(ctx, ctx.plan.weight(n).to_compute, src, "compute." + name);
+    bool const expert = name == "wi_0" || name == "wi_1" || name == "wo";
+    fresh = fresh || (expert && (compute.*m).data() != src.data());  // gathered or sliced
   });
-  return compute.wi_0.data() != stored.wi_0.data() || compute.wi_1.data() != stored.wi_1.data() ||
-         compute.wo.data() != stored.wo.data();
+  return fresh;
 }
 
 /// The compute-block gradients the backward stages write (each stage overwrites every element
