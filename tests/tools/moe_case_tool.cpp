@@ -186,8 +186,6 @@ int cmd_transpose(int argc, char** argv) {
   return 0;
 }
 
-bool is_float(DType d) { return d == DType::F32 || d == DType::F64; }
-
 int cmd_compare(int argc, char** argv) {
   if (argc != 5) return usage();
   File const ref = File::read(argv[2]);
@@ -211,7 +209,7 @@ int cmd_compare(int argc, char** argv) {
       ok = false;
       continue;
     }
-    if (!is_float(r.dtype)) {
+    if (!moe::io::is_floating(r.dtype)) {
       auto const a = r.to_vector<std::int64_t>(), b = g.to_vector<std::int64_t>();
       std::size_t diff = 0;
       for (std::size_t i = 0; i < a.size(); ++i) diff += a[i] != b[i];
