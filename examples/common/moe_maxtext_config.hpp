@@ -195,11 +195,12 @@ inline std::vector<MoeKey> const& moe_keys() {
        "zero padding of F for MaxText's GMM v2 kernel; same values"},
       {"fuse_expert_scales", S::NoOp, "",
        "inference-time folding of per-expert scales (Gemma 4), which moe does not have"},
-      {"float32_weight_sum", S::NoOp, "",
-       "moe computes in float32 or float64, so the weighted sum of the experts is always at least "
-       "float32"},
-      {"float32_gate_logits", S::NoOp, "",
-       "moe computes the gate logits in float32 or float64, never below float32"},
+      {"float32_weight_sum", S::Implemented, "",
+       "dtype=bfloat16: the top-k weighted sum of the experts takes fp32 routing weights "
+       "(docs/precision.md); float32 and float64 runs always sum in their own type"},
+      {"float32_gate_logits", S::Implemented, "",
+       "dtype=bfloat16: the gate matmul and its logits stay fp32 (docs/precision.md); float32 "
+       "and float64 runs compute the gate in their own type"},
       {"moe_chunk_barrier", S::NoOp, "",
        "orders the chunks of num_moe_token_chunks, which moe accepts only at 1 (no chunks)"},
       {"use_batch_split_schedule", S::NoOp, "",

@@ -26,7 +26,9 @@
 namespace train::detail {
 
 /// The tensors of a checkpoint: params.NAME, opt_state.mu.NAME and opt_state.nu.NAME of every
-/// parameter, read from and written to the parameters' host mirrors.
+/// parameter, read from and written to the parameters' host mirrors (F32 or F64: moments stored
+/// in bf16 are written as the F32 values they hold and rounded back when loaded, exactly, so a
+/// checkpoint resumes with any mu_dtype).
 template <class Scalar>
 std::vector<moe::io::BlockRef> block_refs(std::vector<Param<Scalar>>& params) {
   std::string const dt = std::is_same_v<Scalar, float> ? "F32" : "F64";
@@ -87,11 +89,13 @@ template <class Scalar>
 void save(moe::comm::Communicator const& comm, TrainConfig const& cfg,
           std::vector<Param<Scalar>>& params, std::string const& mesh, std::int64_t step,
           std::string const& data_hash, std::ostream* out) {
-  for (auto& q : params) {
-    Kokkos::deep_copy(q.p_host, q.p);
-    Kokkos::deep_copy(q.m_host, q.m);
-    Kokkos::deep_copy(q.v_host, q.v);
-  }
+  for (auto& q : params) to_host(q);  // bf16 moments: widened into float mirrors for the save
+  struct Release {
+    std::vector<Param<Scalar>>& params;
+    ~Release() {
+      for (auto& q : params) release_moment_mirrors(q);
+    }
+  } release{params};
   // Never a non-finite checkpoint: every value is checked before anything is written, so the
   // checkpoints already in the directory (and their rotation) are untouched when one is not.
   moe::comm::collective_guard(comm, [&] {
@@ -133,6 +137,13 @@ std::optional<std::int64_t> resume(moe::comm::Communicator const& comm, TrainCon
                                    std::ostream* out) {
   std::map<std::string, std::string> md;
   std::int64_t step = 0;
+  for (auto& q : params) size_moment_mirrors(q);  // bf16 moments: the load's float mirrors
+  struct Release {
+    std::vector<Param<Scalar>>& params;
+    ~Release() {
+      for (auto& q : params) release_moment_mirrors(q);
+    }
+  } release{params};
   if (!moe::io::load_latest_checkpoint(comm, cfg.checkpoint_dir, block_refs(params), md, step)) {
     // Nothing loadable. Step directories that are there anyway belong to another model or are
     // damaged (the loader said why): training from scratch next to them would mix two runs.
@@ -183,11 +194,7 @@ std::optional<std::int64_t> resume(moe::comm::Communicator const& comm, TrainCon
                              : ": a checkpoint must hold finite values",
           "; use an earlier checkpoint or another checkpoint_dir"));
   });
-  for (auto& q : params) {
-    Kokkos::deep_copy(q.p, q.p_host);
-    Kokkos::deep_copy(q.m, q.m_host);
-    Kokkos::deep_copy(q.v, q.v_host);
-  }
+  for (auto& q : params) from_host(q);  // bf16 moments (and weights): rounded to bf16
   if (out) {
     *out << "resumed from checkpoint: step " << step << " in " << cfg.checkpoint_dir
          << " (written on " << (md.count("mesh") ? md.at("mesh") : std::string("?")) << ")\n";

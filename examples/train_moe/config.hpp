@@ -74,7 +74,11 @@ struct TrainConfig {
   int vocab_size = 16;                  ///< V (dataset_type=text: 256)
   int context_length = 4;               ///< C, window of the causal token mixing
   int base_num_decoder_layers = 2;      ///< residual MoE blocks
-  std::string dtype = "float32";        ///< float32 | float64
+  /// float32 | float64 | bfloat16 (the MoE layers' compute; everything else float32)
+  std::string dtype = "float32";
+  std::string weight_dtype = "float32";  ///< parameters: float32 | bfloat16 | float64
+  std::string grad_dtype = "float32";    ///< gradients: float32 (float64 with dtype=float64)
+  std::string mu_dtype;                  ///< AdamW first moment: "" (weight_dtype) | ...
   double normalization_layer_epsilon = 1e-5;
   std::uint64_t seed = 0;  ///< initialisation, data and random routing
 
@@ -199,6 +203,16 @@ struct TrainConfig {
   }
   /// Vocabulary in effect (dataset_type=text: 256 bytes).
   int vocab() const { return dataset_type == "text" ? 256 : vocab_size; }
+  /// The AdamW first moment's storage in effect (mu_dtype, or weight_dtype when it is "").
+  std::string const& mu_storage() const { return mu_dtype.empty() ? weight_dtype : mu_dtype; }
+  /// Whether the parameters are kept rounded to bf16 after every update (weight_dtype=bfloat16).
+  bool bf16_weights() const { return weight_dtype == "bfloat16"; }
+  /// Whether AdamW's first moment is stored as 16-bit moe::bf16 (mu_dtype, MaxText's meaning).
+  bool bf16_mu() const { return mu_storage() == "bfloat16"; }
+  /// \brief Whether AdamW's second moment is stored as 16-bit moe::bf16. MaxText stores nu in
+  /// the parameters' dtype (base.yml: "nu_dtype is always inherited from weights"; optax's
+  /// mu_dtype casts mu only): with weight_dtype=bfloat16 that is bf16.
+  bool bf16_nu() const { return bf16_weights(); }
 
   /// \brief Checks every value and rule (the table's, then the layer's and the parallelism's);
   /// ConfigError naming the key.
@@ -246,7 +260,9 @@ struct TrainConfig {
             {"global_batch", n(per_device_batch_size * ranks)},
             {"learning_rate", n(learning_rate)},
             {"schedule_steps", n(schedule_steps())},
-            {"warmup", n(warmup())}};
+            {"warmup", n(warmup())},
+            {"weight_dtype", weight_dtype},
+            {"mu_dtype", mu_storage()}};
   }
 
   /// A canonical text of every field (ranks must agree on it).
@@ -270,8 +286,41 @@ inline moe::ConfigTable<TrainConfig> const& TrainConfig::table() {
     t.field("context_length", &C::context_length, "C", "window C of the causal token mixing");
     t.field("base_num_decoder_layers", &C::base_num_decoder_layers, "L", "MoE blocks");
     t.choice("dtype", &C::dtype, "dtype",
-             {{"float32", std::string("float32")}, {"float64", std::string("float64")}},
-             "every layer computes in it");
+             {{"float32", std::string("float32")},
+              {"float64", std::string("float64")},
+              {"bfloat16", std::string("bfloat16")}},
+             "float32 | float64: the whole run's type; bfloat16: the MoE layers compute in bf16 "
+             "(docs/precision.md), everything else (embedding, norms, token mixing, LM head, "
+             "loss, optimizer) in float32");
+    {
+      // train_moe's dtype shadows the layer's key: it sets the layer's compute type too (float32
+      // and float64 are the layer's Native: the run's Scalar).
+      auto const own = t.fields().back().parse;
+      t.parse_with([own](C& c, std::string const& key, std::string const& value) {
+        own(c, key, value);
+        c.layer.dtype =
+            c.dtype == "bfloat16" ? moe::ComputeDtype::BFloat16 : moe::ComputeDtype::Native;
+      });
+    }
+    t.choice("weight_dtype", &C::weight_dtype, "wdtype",
+             {{"float32", std::string("float32")},
+              {"bfloat16", std::string("bfloat16")},
+              {"float64", std::string("float64")}},
+             "parameter storage (MaxText): bfloat16 keeps every parameter rounded to bf16 after "
+             "each update (dtype=bfloat16 only); float64 with dtype=float64 only");
+    t.choice("grad_dtype", &C::grad_dtype, "gdtype",
+             {{"float32", std::string("float32")},
+              {"bfloat16", std::string("bfloat16")},
+              {"float64", std::string("float64")}},
+             "gradient accumulation and reduction (MaxText): float32 (float64 with dtype=float64)");
+    t.choice("mu_dtype", &C::mu_dtype, "mudtype",
+             {{"", std::string()},
+              {"float32", std::string("float32")},
+              {"bfloat16", std::string("bfloat16")},
+              {"float64", std::string("float64")}},
+             "AdamW first-moment storage (MaxText): \"\" = weight_dtype; bfloat16: a 16-bit "
+             "array (the update in float, mu rounded when stored); the second moment is stored "
+             "as the weights are");
     t.field("normalization_layer_epsilon", &C::normalization_layer_epsilon, "eps",
             "RMSNorm epsilon");
     t.field("seed", &C::seed, "seed", "initialisation, data and random routing")
@@ -341,24 +390,66 @@ inline moe::ConfigTable<TrainConfig> const& TrainConfig::table() {
     t.at_least(&C::adam_weight_decay, 0.0);
     t.rule(&C::gradient_clipping_threshold, "must be >= 0 (0: no clipping)",
            [](double v) { return v >= 0; });
-    t.check("with dtype=float32, the real-valued keys stay nonzero, normal and finite in float32",
+    t.check(&C::weight_dtype, "bfloat16 needs dtype=bfloat16, float64 needs dtype=float64",
             [](C const& c) {
-              if (c.dtype != "float32") return;
-              for (auto const& [key, v] :
-                   {std::pair<char const*, double>{"learning_rate", c.learning_rate},
-                    {"adam_eps", c.adam_eps},
-                    {"adam_weight_decay", c.adam_weight_decay},
-                    {"normalization_layer_epsilon", c.normalization_layer_epsilon},
-                    {"gradient_clipping_threshold", c.gradient_clipping_threshold}}) {
-                float const f = float(v);
-                bool const ok = v == 0 || (std::isfinite(f) && std::isnormal(f));
-                moe::detail::require<moe::ConfigError>(
-                    ok, key, "=", v, " becomes ", f,
-                    " in float32 (dtype=float32): give a value whose magnitude is within [",
-                    std::numeric_limits<float>::min(), ", ", std::numeric_limits<float>::max(),
-                    "], or dtype=float64");
-              }
+              auto const& w = c.weight_dtype;
+              moe::detail::require<moe::ConfigError>(
+                  w != "bfloat16" || c.dtype == "bfloat16",
+                  "weight_dtype=bfloat16 with dtype=", c.dtype, " (bf16 weights with ",
+                  c.dtype == "float64" ? "fp64" : "fp32",
+                  " compute): bf16 weights need dtype=bfloat16; use weight_dtype=",
+                  c.dtype == "float64" ? "float64" : "float32", " or dtype=bfloat16");
+              moe::detail::require<moe::ConfigError>(
+                  w != "float64" || c.dtype == "float64",
+                  "weight_dtype=float64 with dtype=", c.dtype, " (fp64 weights with ",
+                  c.dtype == "bfloat16" ? "bf16" : "fp32",
+                  " compute): float64 weights need dtype=float64; use weight_dtype=float32 or "
+                  "dtype=float64");
             });
+    t.check(&C::grad_dtype, "float32 (float64 with dtype=float64)", [](C const& c) {
+      moe::detail::require<moe::ConfigError>(
+          c.grad_dtype != "bfloat16",
+          "grad_dtype=bfloat16 is not supported: moe accumulates and reduces gradients in "
+          "float32 (the weight-gradient GEMMs accumulate in fp32 and the all-reduces sum fp32); "
+          "use grad_dtype=float32");
+      moe::detail::require<moe::ConfigError>(
+          c.grad_dtype != "float64" || c.dtype == "float64",
+          "grad_dtype=float64 with dtype=", c.dtype, " (fp64 gradients with ",
+          c.dtype == "bfloat16" ? "bf16" : "fp32",
+          " compute): float64 gradients need dtype=float64; use grad_dtype=float32");
+    });
+    t.check(&C::mu_dtype, "bfloat16 needs dtype=float32 or bfloat16; float64 needs dtype=float64",
+            [](C const& c) {
+              moe::detail::require<moe::ConfigError>(
+                  c.mu_dtype != "bfloat16" || c.dtype != "float64",
+                  "mu_dtype=bfloat16 with dtype=float64 (bf16 moments with fp64 compute): a "
+                  "float64 run is the reference and keeps its moments in float64; use "
+                  "mu_dtype=\"\" or dtype=float32 / bfloat16");
+              moe::detail::require<moe::ConfigError>(
+                  c.mu_dtype != "float64" || c.dtype == "float64",
+                  "mu_dtype=float64 with dtype=", c.dtype, " (fp64 moments with ",
+                  c.dtype == "bfloat16" ? "bf16" : "fp32",
+                  " compute): float64 moments need dtype=float64; use mu_dtype=float32");
+            });
+    t.check(
+        "with dtype=float32 or bfloat16 (float storage), the real-valued keys stay nonzero, "
+        "normal and finite in float32",
+        [](C const& c) {
+          if (c.dtype == "float64") return;
+          for (auto const& [key, v] :
+               {std::pair<char const*, double>{"learning_rate", c.learning_rate},
+                {"adam_eps", c.adam_eps},
+                {"adam_weight_decay", c.adam_weight_decay},
+                {"normalization_layer_epsilon", c.normalization_layer_epsilon},
+                {"gradient_clipping_threshold", c.gradient_clipping_threshold}}) {
+            float const f = float(v);
+            bool const ok = v == 0 || (std::isfinite(f) && std::isnormal(f));
+            moe::detail::require<moe::ConfigError>(
+                ok, key, "=", v, " becomes ", f, " in float32 (dtype=", c.dtype,
+                "): give a value whose magnitude is within [", std::numeric_limits<float>::min(),
+                ", ", std::numeric_limits<float>::max(), "], or dtype=float64");
+          }
+        });
     t.check(&C::save_on_signal, "SIGTERM, SIGINT, SIGHUP, SIGUSR1 (comma-separated) or none",
             [](C const& c) {
               moe::detail::require<moe::ConfigError>(

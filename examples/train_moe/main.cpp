@@ -333,7 +333,9 @@ char const* const kUsage =
     "in, the CFG.yml files (MaxText's base.yml and model files as they are) and the key=value\n"
     "overrides are applied after them, later wins. Keys: see the README\n"
     "(steps, per_device_batch_size, max_target_length, base_emb_dim, num_experts, dtype,\n"
-    "ici_*_parallelism, dataset_type, enable_checkpointing, metrics_file, ...).\n";
+    "weight_dtype, mu_dtype, ici_*_parallelism, dataset_type, enable_checkpointing,\n"
+    "metrics_file, ...). dtype=bfloat16 (MaxText's default): the MoE layers compute in bf16,\n"
+    "the rest of the model in float32.\n";
 
 moe::cli::KeyValues parse_yaml_text(char const* text) {
   YAML::Node const root = YAML::Load(text);

@@ -11,7 +11,8 @@
 //    scales [D], output projection [D,V]) + N x the MoE layer's stored blocks;
 //  * gradients: the same for the non-MoE parameters + N x the MoE layer's weight gradients;
 //  * optimizer: AdamW's two moments of every parameter this rank stores (host mirrors alias
-//    them on host spaces);
+//    them on host spaces; a moment stored in bf16, mu_dtype / weight_dtype=bfloat16, takes 2
+//    bytes an element and is widened into a float mirror only while a checkpoint is written);
 //  * activations: the driver's [T,D] buffers (embedded, N + 1 residuals, N normed, N MoE outputs,
 //    the final norm, 4 backward rows: 3N + 7 in all), N + 1 inverse RMS [T], token losses, the
 //    token ids; logits and their gradient [T,V];
@@ -100,8 +101,14 @@ inline moe::MemoryEstimate estimate_memory(TrainConfig const& cfg, int ranks, bo
           checked_add(dense, checked_mul(layer.bytes("weight gradients"), N, "MoE gradients"),
                       "bytes of the gradients"),
           pkeys);
-  est.add("optimizer (AdamW moments)",
-          checked_mul(2, checked_add(dense, moe_weights, "parameters"), "AdamW moments"), pkeys);
+  // AdamW's moments: each in the parameters' bytes, or 2 bytes an element when stored in bf16
+  // (mu_dtype=bfloat16; both with weight_dtype=bfloat16).
+  std::int64_t const params_bytes = checked_add(dense, moe_weights, "parameters");
+  std::int64_t const moment16 = params_bytes / s * 2;
+  std::int64_t const mu_bytes = cfg.bf16_mu() ? moment16 : params_bytes;
+  std::int64_t const nu_bytes = cfg.bf16_nu() ? moment16 : params_bytes;
+  est.add("optimizer (AdamW moments)", checked_add(mu_bytes, nu_bytes, "AdamW moments"),
+          moe::MemoryEstimate::merge_keys(pkeys, "mu_dtype, weight_dtype"));
   for (char const* item : {"gathered weights", "packed expert weights"})
     if (layer.bytes(item) > 0) est.add(item, checked_mul(layer.bytes(item), N, item), wkeys);
 
@@ -151,6 +158,11 @@ inline moe::MemoryEstimate estimate_memory(TrainConfig const& cfg, int ranks, bo
             "global parameters");
     est.add("checkpoint (rank 0)", checked_mul(checked_mul(global, s, "checkpoint"), 3, "ckpt"),
             wkeys);
+    // bf16 moments are widened into float mirrors while a checkpoint is saved or loaded.
+    int const widened = (cfg.bf16_mu() ? 1 : 0) + (cfg.bf16_nu() ? 1 : 0);
+    if (widened > 0)
+      est.add("checkpoint (bf16 moments widened)",
+              checked_mul(params_bytes, widened, "bf16 moments widened"), pkeys);
   }
   // The expert-GEMM yardstick after the last step (Trainer::expert_gemm_seconds).
   {

@@ -11,8 +11,12 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <moe/bf16.hpp>
+#include <moe/error.hpp>
+
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace train::detail {
@@ -33,29 +37,89 @@ struct AdamW {
   Scalar b1 = 0, b2 = 0, eps = 0, rate = 0, grad_scale = 1, decay = 0, c1 = 1, c2 = 1;
 };
 
-/// AdamW on flat views (decoupled weight decay, bias-corrected moments): raw pointers and one
-/// load / one store per array and element, so the loop vectorises.
-template <class Exec, class Scalar, class V>
-void adamw_update(Exec const& space, AdamW<Scalar> const& a, V const& param, V const& grad,
-                  V const& mom1, V const& mom2) {
-  Scalar* p = param.data();
-  Scalar const* g = grad.data();
-  Scalar* mu = mom1.data();
-  Scalar* nu = mom2.data();
+/// \brief moe::detail::bf16_bits (round to nearest even, NaN kept quiet) with both outcomes
+/// computed and one selected: the same bits, without the early return that keeps GCC from
+/// vectorising the AdamW loop (tests/unit/test_train_layers.cpp compares the two).
+KOKKOS_INLINE_FUNCTION std::uint16_t bf16_bits_select(float f) {
+  std::uint32_t const u = moe::detail::float_bits(f);
+  std::uint32_t const rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  std::uint32_t const quiet_nan = (u >> 16) | 0x0040u;
+  return std::uint16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+/// `x` rounded to the nearest bf16, as Scalar (bf16_bits_select).
+template <class Scalar>
+KOKKOS_INLINE_FUNCTION Scalar round_to_bf16(Scalar x) {
+  return Scalar(moe::detail::bf16_to_float(bf16_bits_select(float(x))));
+}
+
+/// A stored moment as Scalar (bf16: exact) and a Scalar into its storage (bf16: rounded to
+/// nearest even).
+template <class Scalar>
+KOKKOS_INLINE_FUNCTION Scalar load_moment(Scalar x) {
+  return x;
+}
+template <class Scalar>
+KOKKOS_INLINE_FUNCTION Scalar load_moment(moe::bf16 x) {
+  return Scalar(moe::detail::bf16_to_float(x.bits));
+}
+template <class Stored, class Scalar>
+KOKKOS_INLINE_FUNCTION Stored store_moment(Scalar x) {
+  if constexpr (std::is_same_v<Stored, moe::bf16>)
+    return moe::bf16::from_bits(bf16_bits_select(float(x)));
+  else
+    return x;
+}
+
+/// \brief AdamW on flat arrays of n elements (decoupled weight decay, bias-corrected moments):
+/// raw pointers and one load / one store per array and element, so the loop vectorises.
+///
+/// Mu, Nu: the moments' storage, Scalar or moe::bf16 (mu_dtype / weight_dtype=bfloat16): the
+/// update is computed in Scalar from the stored moments and the new moments are rounded when
+/// stored (optax's mu_dtype: the update uses the unrounded moment). RoundWeights
+/// (weight_dtype=bfloat16): the new parameter is rounded to bf16.
+template <bool RoundWeights, class Exec, class Scalar, class Mu, class Nu>
+void adamw_update(Exec const& space, AdamW<Scalar> const& a, std::int64_t n, Scalar* p,
+                  Scalar const* g, Mu* mu, Nu* nu) {
   Scalar const b1 = a.b1, b2 = a.b2, eps = a.eps, rate = a.rate, gs = a.grad_scale, wd = a.decay,
                c1 = a.c1, c2 = a.c2;
   Kokkos::parallel_for(
-      "train::adamw", Kokkos::RangePolicy<Exec>(space, 0, param.extent(0)),
-      KOKKOS_LAMBDA(std::int64_t i) {
+      "train::adamw", Kokkos::RangePolicy<Exec>(space, 0, n), KOKKOS_LAMBDA(std::int64_t i) {
         Scalar const gi = gs * g[i];
-        Scalar const m = b1 * mu[i] + (Scalar(1) - b1) * gi;
-        Scalar const v = b2 * nu[i] + (Scalar(1) - b2) * gi * gi;
+        Scalar const m = b1 * load_moment<Scalar>(mu[i]) + (Scalar(1) - b1) * gi;
+        Scalar const v = b2 * load_moment<Scalar>(nu[i]) + (Scalar(1) - b2) * gi * gi;
         Scalar const u = m * c1 / (moe::detail::sqrt(v * c2) + eps);
         Scalar const w = p[i];
-        mu[i] = m;
-        nu[i] = v;
-        p[i] = w - rate * (u + wd * w);
+        mu[i] = store_moment<Mu>(m);
+        nu[i] = store_moment<Nu>(v);
+        Scalar const w1 = w - rate * (u + wd * w);
+        if constexpr (RoundWeights)
+          p[i] = round_to_bf16(w1);
+        else
+          p[i] = w1;
       });
+}
+
+/// AdamW on one parameter block, with its moments' storage and weight rounding (Param).
+template <class Exec, class Scalar>
+void adamw_update(Exec const& space, AdamW<Scalar> const& a, Param<Scalar>& q) {
+  Scalar* p = q.p.data();
+  Scalar const* g = q.g.data();
+  std::int64_t const n = q.size();
+  auto run = [&](auto* mu, auto* nu) {
+    if (q.bf16_weights)
+      adamw_update<true>(space, a, n, p, g, mu, nu);
+    else
+      adamw_update<false>(space, a, n, p, g, mu, nu);
+  };
+  if constexpr (std::is_same_v<Scalar, float>) {
+    if (q.m16.data() && q.v16.data()) return run(q.m16.data(), q.v16.data());
+    if (q.m16.data()) return run(q.m16.data(), q.v.data());
+    if (q.v16.data()) return run(q.m.data(), q.v16.data());
+  } else {
+    moe::detail::require<moe::Error>(!q.m16.data() && !q.v16.data() && !q.bf16_weights,
+                                     "train: bf16 optimizer state needs a float run");
+  }
+  run(q.m.data(), q.v.data());
 }
 
 /// Collective: the global gradient norm, every block counted once (its sum of squares divided
@@ -85,7 +149,7 @@ void adamw_step(Exec const& space, TrainConfig const& cfg, std::vector<Param<Sca
   a.c2 = Scalar(1.0 / (1.0 - std::pow(cfg.adam_b2, double(t))));
   for (auto& q : params) {
     a.decay = q.decay ? Scalar(cfg.adam_weight_decay) : Scalar(0);
-    adamw_update(space, a, q.p, q.g, q.m, q.v);
+    adamw_update(space, a, q);
   }
 }
 

@@ -211,6 +211,95 @@ TEST(TrainLayouts, ResumedRunContinuesTheUninterruptedRun) {
   EXPECT_TRUE(done.history.empty());
 }
 
+TEST(TrainPrecision, Bf16MarkovRunEndsWithinTwoPercentOfFloat32) {
+  // MaxText's defaults (dtype=bfloat16: bf16 MoE layers; fp32 weights, gradients and moments)
+  // against float32 on a short run of the default Markov source, one rank each.
+  auto cfg = [](char const* dtype) {
+    TrainConfig c;
+    c.apply({{"dtype", dtype},
+             {"steps", "40"},
+             {"per_device_batch_size", "4"},
+             {"max_target_length", "32"},
+             {"learning_rate", "1e-2"},
+             {"seed", "5"}});
+    return c;
+  };
+  auto const f32 = run(MPI_COMM_SELF, cfg("float32"));
+  auto const bf = run(MPI_COMM_SELF, cfg("bfloat16"));
+  ASSERT_EQ(bf.history.size(), 40u);
+  EXPECT_LT(f32.final_loss, 0.8 * f32.history.front().loss);  // it learns
+  EXPECT_LE(std::abs(bf.final_loss - f32.final_loss), 0.02 * f32.final_loss)
+      << "bfloat16 " << bf.final_loss << " vs float32 " << f32.final_loss;
+}
+
+/// Whether every value of v is a bf16 value.
+template <class V>
+bool all_bf16(V const& v) {
+  auto h = Kokkos::create_mirror_view(v);
+  Kokkos::deep_copy(h, v);
+  for (std::size_t i = 0; i < h.extent(0); ++i)
+    if (float(moe::bf16(h(i))) != h(i)) return false;
+  return true;
+}
+
+TEST(TrainPrecision, Bf16WeightsAndMomentsOfTheModel) {
+  moe::comm::Communicator comm(MPI_COMM_WORLD);
+  int const P = comm.size();
+  auto const ep = std::vector<std::string>{"ici_expert_parallelism=-1"};
+  using Model = train::detail::Model<float>;
+  Model f32(comm, config(ep, P, {"dtype=float32"}), nullptr);
+  Model mu(comm, config(ep, P, {"dtype=bfloat16", "mu_dtype=bfloat16"}), nullptr);
+  Model w(comm,
+          config(ep, P,
+                 {"dtype=bfloat16", "weight_dtype=bfloat16", "routed_bias=true",
+                  "routed_bias_update_rate=0.01", "decoder_block=deepseek",
+                  "routed_score_func=sigmoid"}),
+          nullptr);
+  // The optimizer state: mu_dtype=bfloat16 halves the first moment, bf16 weights both.
+  EXPECT_EQ(mu.optimizer_state_bytes() * 4, f32.optimizer_state_bytes() * 3);
+  Model f32b(comm,
+             config(ep, P,
+                    {"dtype=float32", "routed_bias=true", "routed_bias_update_rate=0.01",
+                     "decoder_block=deepseek", "routed_score_func=sigmoid"}),
+             nullptr);
+  EXPECT_EQ(w.optimizer_state_bytes() * 2, f32b.optimizer_state_bytes());
+  // weight_dtype=bfloat16: every parameter (the MoE layers', the rest, gate_bias after the
+  // bias update) is a bf16 value from the start and after every step.
+  for (auto const& q : w.params()) EXPECT_TRUE(all_bf16(q.p)) << q.name << " initially";
+  for (std::int64_t s = 0; s < 3; ++s) {
+    auto const m = w.train_step(s);
+    EXPECT_TRUE(std::isfinite(m.loss));
+    for (auto const& q : w.params()) EXPECT_TRUE(all_bf16(q.p)) << q.name << " step " << s;
+    mu.train_step(s);
+  }
+  bool some_not_bf16 = false;  // fp32 weights are not kept bf16
+  for (auto const& q : mu.params()) some_not_bf16 |= !all_bf16(q.p);
+  EXPECT_TRUE(some_not_bf16);
+}
+
+TEST(TrainPrecision, ResumedRunWithBf16MomentsContinuesTheUninterruptedRun) {
+  int const P = world_size();
+  TempDir dir;
+  ASSERT_FALSE(dir.path.empty());
+  std::vector<std::string> const bf = {"dtype=bfloat16", "weight_dtype=bfloat16", "steps=4",
+                                       "learning_rate_schedule_steps=4"};
+  auto const ep = std::vector<std::string>{"ici_expert_parallelism=-1"};
+  auto const whole = run(MPI_COMM_WORLD, config(ep, P, bf));
+  ASSERT_EQ(whole.history.size(), 4u);
+  auto first_cfg = bf;
+  first_cfg.insert(first_cfg.end(), {"enable_checkpointing=true", "checkpoint_period=2",
+                                     "checkpoint_dir=" + dir.path, "steps=2"});
+  run(MPI_COMM_WORLD, config(ep, P, first_cfg));
+  auto second_cfg = bf;
+  second_cfg.insert(second_cfg.end(), {"enable_checkpointing=true", "checkpoint_period=2",
+                                       "checkpoint_dir=" + dir.path});
+  auto const resumed = run(MPI_COMM_WORLD, config(ep, P, second_cfg));
+  EXPECT_TRUE(resumed.resumed);
+  ASSERT_EQ(resumed.history.size(), 2u);
+  for (int i = 0; i < 2; ++i)
+    EXPECT_EQ(resumed.history[i].loss, whole.history[2 + i].loss) << "step " << 2 + i;
+}
+
 TEST(TrainLayouts, ResumedRunReshardsToAnotherLayout) {
   int const P = world_size();
   std::vector<std::string> const sched = {"steps=6", "learning_rate_schedule_steps=6"};

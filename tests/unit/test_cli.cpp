@@ -320,9 +320,10 @@ TEST(ConfigTable, TablesListEveryMemberOnce) {
   EXPECT_EQ(member_count<train::TrainConfig>(), train::TrainConfig::table().fields().size() + 3);
   EXPECT_EQ(moe::LayerConfig::keys().size(), 23u);
   EXPECT_EQ(moe::ParallelConfig::keys().size(), 15u);
-  // train_moe: its own keys (two aliases), then the layer's and the parallelism's (seed is its).
-  EXPECT_EQ(train::TrainConfig::own_keys().size(), 34u);
-  EXPECT_EQ(train::TrainConfig::all_keys().size(), 34u + 23u - 2u + 15u);
+  // train_moe: its own keys (two aliases; with MaxText's precision keys weight_dtype, grad_dtype
+  // and mu_dtype), then the layer's and the parallelism's (seed and dtype are its).
+  EXPECT_EQ(train::TrainConfig::own_keys().size(), 37u);
+  EXPECT_EQ(train::TrainConfig::all_keys().size(), 37u + 23u - 2u + 15u);
   // ParallelConfig::ici() comes from the table: the ici_* keys in order.
   moe::ParallelConfig p;
   p.ici_tensor_parallelism = 4;
@@ -419,8 +420,8 @@ TEST(ConfigTable, WrongValuesNameTheKeyAndTheValue) {
   EXPECT_EQ(config_error([&] { p.set("ici_data_parallelism", "0"); }),
             "ici_data_parallelism=0 must be -1 (fill) or a positive degree");
   train::TrainConfig t;
-  EXPECT_EQ(config_error([&] { t.set("dtype", "bfloat16"); }),
-            "dtype=bfloat16 is not supported (float32 | float64)");
+  EXPECT_EQ(config_error([&] { t.set("dtype", "float16"); }),
+            "dtype=float16 is not supported (float32 | float64 | bfloat16)");
   EXPECT_EQ(config_error([&] { t.set("grad_clip", "x"); }), "grad_clip=x is not a finite number");
   EXPECT_EQ(config_error([&] { t.set("steps", "1.5"); }), "steps=1.5 is not an integer");
   // A rejected value leaves the field as it was.
@@ -453,8 +454,9 @@ TEST(ConfigTable, DescribeTextsStayTheSame) {
             "exp_attn=fsdp;emb_chunks=0");
   train::TrainConfig const t;
   std::string const own =
-      "|steps=400|pdbs=8|S=64|V=16|C=4|L=2|dtype=float32|eps=1.0000000000000001e-05|seed=0|"
-      "lr=0.0030000000000000001|warmup=-1|warmup_f=0.10000000000000001|sched=-1|"
+      "|steps=400|pdbs=8|S=64|V=16|C=4|L=2|dtype=float32|wdtype=float32|gdtype=float32|"
+      "mudtype=|eps=1.0000000000000001e-05|seed=0|lr=0.0030000000000000001|warmup=-1|warmup_f=0."
+      "10000000000000001|sched=-1|"
       "final=0.10000000000000001|b1=0.90000000000000002|b2=0.94999999999999996|aeps=1e-08|"
       "wd=0.01|clip=1|data=markov|path=|order=2|branch=3|ckpt=0|period=100|dir=checkpoints|"
       "keep=3|log=10|metrics=|sig=SIGTERM,SIGINT,SIGHUP,SIGUSR1|allow=|timeout=600";

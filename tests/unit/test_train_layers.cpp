@@ -5,14 +5,22 @@
 #include <train_moe/config.hpp>
 #include <train_moe/data.hpp>
 #include <train_moe/model.hpp>
+#include <train_moe/optimizer.hpp>
 
 #include <moe_cli.hpp>
+#include <moe_maxtext_config.hpp>
+
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <csignal>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <limits>
 #include <random>
 #include <set>
 #include <string>
@@ -324,7 +332,7 @@ TEST(TrainConfig, KeysValuesAndErrors) {
   };
   EXPECT_NE(message([] { train::TrainConfig().set("stepz", "3"); }).find("stepz"),
             std::string::npos);
-  EXPECT_NE(message([] { train::TrainConfig().set("dtype", "bfloat16"); }).find("dtype"),
+  EXPECT_NE(message([] { train::TrainConfig().set("dtype", "float16"); }).find("dtype"),
             std::string::npos);
   EXPECT_NE(message([] { train::TrainConfig().set("steps", "many"); }).find("steps"),
             std::string::npos);
@@ -455,3 +463,372 @@ TEST(TrainConfig, Float32NarrowingOfRealKeys) {
   EXPECT_EQ(message("adam_eps", "1e-50", "float64"), "no ConfigError");
   EXPECT_EQ(message("adam_weight_decay", "0", "float32"), "no ConfigError");
 }
+
+namespace {
+
+/// The message of the moe::ConfigError `f` throws ("no ConfigError" when it throws none).
+std::string config_message(std::function<void()> const& f) {
+  try {
+    f();
+  } catch (moe::ConfigError const& e) {
+    return e.what();
+  }
+  return "no ConfigError";
+}
+
+/// A TrainConfig with `kv` set in order, then validated.
+void set_and_validate(std::vector<std::pair<std::string, std::string>> const& kv) {
+  train::TrainConfig c;
+  c.apply(kv);
+  c.validate();
+}
+
+TEST(TrainConfig, PrecisionKeysParseAndSetTheLayersDtype) {
+  train::TrainConfig c;
+  EXPECT_EQ(c.dtype, "float32");
+  EXPECT_EQ(c.weight_dtype, "float32");
+  EXPECT_EQ(c.grad_dtype, "float32");
+  EXPECT_EQ(c.mu_dtype, "");
+  EXPECT_EQ(c.layer.dtype, moe::ComputeDtype::Native);
+  // train_moe's dtype shadows the layer's key (one `dtype` among all the keys) and sets it.
+  auto const all = train::TrainConfig::all_keys();
+  EXPECT_EQ(std::count(all.begin(), all.end(), "dtype"), 1);
+  c.set("dtype", "bfloat16");
+  EXPECT_EQ(c.dtype, "bfloat16");
+  EXPECT_TRUE(c.layer.bf16());
+  EXPECT_FALSE(c.bf16_weights() || c.bf16_mu() || c.bf16_nu());  // MaxText's defaults: fp32
+  EXPECT_NO_THROW(c.validate());
+  c.set("weight_dtype", "bfloat16");
+  EXPECT_TRUE(c.bf16_weights());
+  EXPECT_EQ(c.mu_storage(), "bfloat16");  // mu_dtype "" follows weight_dtype
+  EXPECT_TRUE(c.bf16_mu());
+  EXPECT_TRUE(c.bf16_nu());  // nu is stored as the weights are (MaxText)
+  EXPECT_NO_THROW(c.validate());
+  c.set("mu_dtype", "float32");
+  EXPECT_FALSE(c.bf16_mu());
+  EXPECT_TRUE(c.bf16_nu());
+  c.set("weight_dtype", "float32");
+  c.set("mu_dtype", "bfloat16");
+  EXPECT_TRUE(c.bf16_mu());
+  EXPECT_FALSE(c.bf16_nu());
+  c.set("grad_dtype", "float32");
+  EXPECT_NO_THROW(c.validate());
+  c.set("mu_dtype", "");
+  EXPECT_EQ(c.mu_dtype, "");
+  c.set("dtype", "float32");
+  EXPECT_EQ(c.layer.dtype, moe::ComputeDtype::Native);
+  c.set("dtype", "bfloat16");
+  c.set("dtype", "float64");
+  EXPECT_EQ(c.layer.dtype, moe::ComputeDtype::Native);
+  // Values that do not parse name the key, the value and the choices.
+  EXPECT_EQ(config_message([] { train::TrainConfig().set("dtype", "float16"); }),
+            "dtype=float16 is not supported (float32 | float64 | bfloat16)");
+  EXPECT_EQ(config_message([] { train::TrainConfig().set("weight_dtype", "int8"); }),
+            "weight_dtype=int8 is not supported (float32 | bfloat16 | float64)");
+  EXPECT_EQ(config_message([] { train::TrainConfig().set("grad_dtype", "fp8"); }),
+            "grad_dtype=fp8 is not supported (float32 | bfloat16 | float64)");
+  EXPECT_EQ(config_message([] { train::TrainConfig().set("mu_dtype", "half"); }),
+            "mu_dtype=half is not supported (\"\" | float32 | bfloat16 | float64)");
+  // Combinations that make no sense: a ConfigError naming the values and the rule.
+  struct Bad {
+    char const *dtype, *key, *value, *message;
+  };
+  for (auto const& b : std::vector<Bad>{
+           {"float32", "weight_dtype", "bfloat16",
+            "weight_dtype=bfloat16 with dtype=float32 (bf16 weights with fp32 compute): bf16 "
+            "weights need dtype=bfloat16"},
+           {"float64", "weight_dtype", "bfloat16",
+            "weight_dtype=bfloat16 with dtype=float64 (bf16 weights with fp64 compute)"},
+           {"float32", "weight_dtype", "float64",
+            "weight_dtype=float64 with dtype=float32 (fp64 weights with fp32 compute): float64 "
+            "weights need dtype=float64"},
+           {"bfloat16", "weight_dtype", "float64",
+            "weight_dtype=float64 with dtype=bfloat16 (fp64 weights with bf16 compute)"},
+           {"bfloat16", "grad_dtype", "bfloat16",
+            "grad_dtype=bfloat16 is not supported: moe accumulates and reduces gradients in "
+            "float32"},
+           {"float32", "grad_dtype", "bfloat16", "grad_dtype=bfloat16 is not supported"},
+           {"float32", "grad_dtype", "float64",
+            "grad_dtype=float64 with dtype=float32 (fp64 gradients with fp32 compute)"},
+           {"float64", "mu_dtype", "bfloat16",
+            "mu_dtype=bfloat16 with dtype=float64 (bf16 moments with fp64 compute)"},
+           {"bfloat16", "mu_dtype", "float64",
+            "mu_dtype=float64 with dtype=bfloat16 (fp64 moments with bf16 compute)"},
+       }) {
+    std::string const m = config_message([&] {
+      set_and_validate({{"dtype", b.dtype}, {b.key, b.value}});
+    });
+    EXPECT_NE(m.find(b.message), std::string::npos)
+        << b.dtype << " " << b.key << "=" << b.value << ": " << m;
+  }
+  // Combinations that do.
+  for (auto const& kv : std::vector<std::vector<std::pair<std::string, std::string>>>{
+           {{"dtype", "float64"},
+            {"weight_dtype", "float64"},
+            {"grad_dtype", "float64"},
+            {"mu_dtype", "float64"}},
+           {{"dtype", "float64"}},  // the float32 defaults: a float64 run stays float64
+           {{"dtype", "float32"}, {"mu_dtype", "bfloat16"}},
+           {{"dtype", "bfloat16"}, {"weight_dtype", "bfloat16"}, {"mu_dtype", "float32"}},
+       })
+    EXPECT_EQ(config_message([&] { set_and_validate(kv); }), "no ConfigError");
+  // bf16 runs keep float storage: the float32 range check applies to them.
+  std::string const m = config_message([] {
+    set_and_validate({{"dtype", "bfloat16"}, {"adam_eps", "1e-50"}});
+  });
+  EXPECT_NE(m.find("adam_eps=1e-50 becomes 0 in float32 (dtype=bfloat16)"), std::string::npos) << m;
+}
+
+TEST(TrainConfig, MaxTextPrecisionKeysKeepTheirMeaning) {
+  // base.yml's precision lines and a few of models/mixtral-8x7b.yml's (written here), then
+  // small-shape overrides, read as train_moe reads them.
+  auto const dir = std::filesystem::temp_directory_path() /
+                   ("moe_train_precision_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  auto write = [&](char const* name, char const* text) {
+    std::ofstream((dir / name).string()) << text;
+    return (dir / name).string();
+  };
+  std::string const base = write("base.yml",
+                                 "grad_dtype: \"float32\"\n"
+                                 "dtype: \"bfloat16\"\n"
+                                 "matmul_precision: \"default\"\n"
+                                 "activations_in_float32: false\n"
+                                 "weight_dtype: \"float32\"\n"
+                                 "float32_weight_sum: true\n"
+                                 "float32_gate_logits: false\n"
+                                 "opt_type: \"adamw\"\n"
+                                 "mu_dtype: \"\"\n");
+  std::string const model = write("mixtral.yml",
+                                  "base_emb_dim: 4096\n"
+                                  "base_moe_mlp_dim: 14336\n"
+                                  "base_num_decoder_layers: 32\n"
+                                  "mlp_activations: [\"silu\",\"linear\"]\n"
+                                  "num_experts: 8\n"
+                                  "num_experts_per_tok: 2\n"
+                                  "decoder_block: \"mixtral\"\n");
+  auto const tool_has_key = [](std::string const& key) {  // as train_moe's main
+    return train::TrainConfig::table().find(key) != nullptr || moe::LayerConfig::has_key(key) ||
+           moe::ParallelConfig::has_key(key);
+  };
+  auto load = [&](moe::cli::KeyValues overrides) {
+    overrides.insert(
+        overrides.begin(),
+        {{"base_emb_dim", "32"}, {"base_moe_mlp_dim", "64"}, {"base_num_decoder_layers", "1"}});
+    auto const l = moe::cli::maxtext::load({base, model}, overrides, tool_has_key,
+                                           train::TrainConfig::all_keys());
+    train::TrainConfig c;
+    c.apply(l.apply);
+    c.validate();
+    return std::make_pair(c, l);
+  };
+  auto const [c, l] = load({});
+  EXPECT_EQ(c.dtype, "bfloat16");
+  EXPECT_TRUE(c.layer.bf16());
+  EXPECT_TRUE(c.layer.float32_weight_sum);
+  EXPECT_FALSE(c.layer.float32_gate_logits);
+  EXPECT_EQ(c.weight_dtype, "float32");
+  EXPECT_EQ(c.grad_dtype, "float32");
+  EXPECT_EQ(c.mu_dtype, "");
+  EXPECT_FALSE(c.bf16_weights() || c.bf16_mu() || c.bf16_nu());
+  EXPECT_EQ(c.layer.base_emb_dim, 32);
+  // The precision keys are applied, not ignored; MaxText's others of the category are ignored.
+  ASSERT_TRUE(l.ignored.count("dtypes"));
+  EXPECT_EQ(l.ignored.at("dtypes"),
+            (std::vector<std::string>{"matmul_precision", "activations_in_float32"}));
+  // MaxText's bf16 weights: both moments bf16 (mu_dtype "" = weight_dtype).
+  auto const w = load({{"weight_dtype", "bfloat16"}}).first;
+  EXPECT_TRUE(w.bf16_weights() && w.bf16_mu() && w.bf16_nu());
+  auto const mu = load({{"mu_dtype", "bfloat16"}}).first;
+  EXPECT_TRUE(mu.bf16_mu() && !mu.bf16_nu() && !mu.bf16_weights());
+  // An override of dtype wins over base.yml's (and the layer follows).
+  auto const f = load({{"dtype", "float32"}}).first;
+  EXPECT_EQ(f.dtype, "float32");
+  EXPECT_FALSE(f.layer.bf16());
+  // MaxText values moe refuses: the ConfigError names them.
+  EXPECT_NE(config_message([&] {
+              load({{"grad_dtype", "bfloat16"}});
+            })
+                .find("grad_dtype=bfloat16 is not supported: moe accumulates and reduces "
+                      "gradients in float32"),
+            std::string::npos);
+  EXPECT_NE(config_message([&] {
+              load({{"dtype", "float32"}, {"weight_dtype", "bfloat16"}});
+            }).find("bf16 weights with fp32 compute"),
+            std::string::npos);
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+/// One AdamW parameter block of n float elements, moments in float or bf16.
+train::detail::Param<float> adam_block(std::int64_t n, bool mu16, bool nu16, bool bf16_weights) {
+  using P = train::detail::Param<float>;
+  P q;
+  q.name = "w";
+  q.block = moe::TensorBlock{{n}, {n}, {0}};
+  q.p = P::view1("p", n);
+  q.g = P::view1("g", n);
+  if (mu16)
+    q.m16 = P::view16("m16", n);
+  else
+    q.m = P::view1("m", n);
+  if (nu16)
+    q.v16 = P::view16("v16", n);
+  else
+    q.v = P::view1("v", n);
+  q.bf16_weights = bf16_weights;
+  q.p_host = Kokkos::create_mirror_view(q.p);
+  q.init = train::detail::Init{train::detail::Init::Normal, 0.5};
+  train::detail::initialise(q, 11);
+  return q;
+}
+
+/// The stored moment (first or second) of q as double (bf16: exact).
+std::vector<double> moment_values(train::detail::Param<float> const& q, bool first) {
+  auto const& f = first ? q.m : q.v;
+  auto const& h = first ? q.m16 : q.v16;
+  if (!h.data()) return values(f);
+  auto m = Kokkos::create_mirror_view(h);
+  Kokkos::deep_copy(m, h);
+  std::vector<double> out;
+  for (std::size_t i = 0; i < m.extent(0); ++i) out.push_back(double(float(m(i))));
+  return out;
+}
+
+double bf16_round(double x) { return double(float(moe::bf16(float(x)))); }
+bool bf16_representable(double x) { return bf16_round(x) == x; }
+
+/// Steps of train_moe's AdamW against AdamW in double from the same stored state, whose new
+/// moments (and, bf16 weights, parameters) are rounded to bf16 where the block stores bf16.
+void check_adamw_against_double(bool mu16, bool nu16, bool bf16_weights) {
+  std::int64_t const n = 4096;
+  std::vector<train::detail::Param<float>> params = {adam_block(n, mu16, nu16, bf16_weights)};
+  auto& q = params[0];
+  if (bf16_weights) {
+    for (double x : values(q.p)) ASSERT_TRUE(bf16_representable(x)) << "initial " << x;
+  }
+  train::TrainConfig cfg;
+  cfg.adam_weight_decay = 0.1;
+  double const lr = 1e-2, gs = 0.7;
+  std::size_t exact_mu = 0, exact_nu = 0, total = 0;
+  for (std::int64_t t = 1; t <= 5; ++t) {
+    randn(q.g, t == 3 ? 1e-3 : 1.0);  // one step of small gradients
+    auto const p0 = values(q.p), g = values(q.g);
+    auto const m0 = moment_values(q, true), v0 = moment_values(q, false);
+    train::detail::adamw_step(Exec(), cfg, params, lr, gs, t);
+    auto const p1 = values(q.p);
+    auto const m1 = moment_values(q, true), v1 = moment_values(q, false);
+    double const b1 = cfg.adam_b1, b2 = cfg.adam_b2, eps = cfg.adam_eps, wd = 0.1;
+    double const c1 = 1 / (1 - std::pow(b1, double(t))), c2 = 1 / (1 - std::pow(b2, double(t)));
+    for (std::int64_t i = 0; i < n; ++i) {
+      double const gi = gs * g[i];
+      double const m = b1 * m0[i] + (1 - b1) * gi, v = b2 * v0[i] + (1 - b2) * gi * gi;
+      double const u = m * c1 / (std::sqrt(v * c2) + eps);
+      double const w = p0[i] - lr * (u + wd * p0[i]);
+      // A stored bf16 moment is the reference's rounded to bf16 (one bf16 step apart where the
+      // float and double values straddle a rounding boundary: rare).
+      // float's error: relative to the terms summed (m may cancel).
+      double const m_err = 1e-6 * (b1 * std::abs(m0[i]) + (1 - b1) * std::abs(gi));
+      double const v_err = 1e-6 * v;
+      auto check_moment = [&](double got, double ref, double err, bool b16, std::size_t& exact,
+                              char const* what) {
+        if (!b16) {
+          EXPECT_NEAR(got, ref, err) << what << " " << i;
+          return;
+        }
+        EXPECT_TRUE(bf16_representable(got)) << what << " " << i;
+        EXPECT_LE(std::abs(got - ref), std::ldexp(std::abs(ref), -8) + err) << what << " " << i;
+        exact += got == bf16_round(ref) ? 1 : 0;
+      };
+      check_moment(m1[i], m, m_err, mu16, exact_mu, "mu");
+      check_moment(v1[i], v, v_err, nu16, exact_nu, "nu");
+      ++total;
+      // The update uses the unrounded moments; bf16 weights are rounded after it.
+      double const tol =
+          1e-6 * std::abs(w) + lr * (1e-5 + 4 * m_err * c1 / (std::sqrt(v * c2) + eps));
+      if (bf16_weights) {
+        EXPECT_TRUE(bf16_representable(p1[i])) << "p " << i << " step " << t;
+        EXPECT_LE(std::abs(p1[i] - w), std::ldexp(std::abs(w), -8) + tol) << i;
+      } else {
+        EXPECT_NEAR(p1[i], w, tol) << "p " << i << " step " << t;
+      }
+    }
+  }
+  if (mu16) {
+    EXPECT_GE(double(exact_mu), 0.999 * double(total));
+  }
+  if (nu16) {
+    EXPECT_GE(double(exact_nu), 0.999 * double(total));
+  }
+}
+
+TEST(TrainOptimizer, Bf16MomentsAreSixteenBitAndMatchADoubleReference) {
+  std::int64_t const n = 4096;
+  // The optimizer state's bytes: 4 + 4 per element in float, 2 per bf16 moment.
+  EXPECT_EQ(adam_block(n, false, false, false).moment_bytes(), 8 * n);
+  EXPECT_EQ(adam_block(n, true, false, false).moment_bytes(), 6 * n);  // mu_dtype=bfloat16
+  EXPECT_EQ(adam_block(n, true, true, true).moment_bytes(), 4 * n);    // weight_dtype=bfloat16
+  EXPECT_EQ(sizeof(train::detail::Param<float>::view16::value_type), 2u);
+  {
+    SCOPED_TRACE("float moments");
+    check_adamw_against_double(false, false, false);
+  }
+  {
+    SCOPED_TRACE("mu_dtype=bfloat16");
+    check_adamw_against_double(true, false, false);
+  }
+  {
+    SCOPED_TRACE("weight_dtype=bfloat16 (mu and nu bf16)");
+    check_adamw_against_double(true, true, true);
+  }
+  {
+    SCOPED_TRACE("bf16 weights, float moments");
+    check_adamw_against_double(false, false, true);
+  }
+}
+
+TEST(TrainOptimizer, Bf16MomentsRoundTripThroughTheirHostMirrors) {
+  // Checkpoints write bf16 moments as float and load them back: exactly the stored values.
+  std::vector<train::detail::Param<float>> params = {adam_block(64, true, true, true)};
+  auto& q = params[0];
+  train::TrainConfig cfg;
+  randn(q.g);
+  train::detail::adamw_step(Exec(), cfg, params, 1e-2, 1.0, 1);
+  auto const m = moment_values(q, true), v = moment_values(q, false), p = values(q.p);
+  train::detail::to_host(q);
+  ASSERT_EQ(q.m_host.extent(0), 64u);
+  for (std::size_t i = 0; i < 64; ++i) EXPECT_EQ(double(q.m_host(i)), m[i]);
+  Kokkos::deep_copy(q.m16, moe::bf16(1.0f));
+  Kokkos::deep_copy(q.v16, moe::bf16(1.0f));
+  train::detail::from_host(q);
+  train::detail::release_moment_mirrors(q);
+  EXPECT_EQ(q.m_host.extent(0), 0u);
+  EXPECT_EQ(moment_values(q, true), m);
+  EXPECT_EQ(moment_values(q, false), v);
+  EXPECT_EQ(values(q.p), p);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(TrainOptimizer, SelectRoundingEqualsMoeBf16) {
+  // The optimizer's branch-free rounding gives moe::detail::bf16_bits' bits: every upper half
+  // with lower halves on and around the rounding boundaries (ties to even), Inf and NaN included.
+  std::uint32_t const lows[] = {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu, 0x1234u};
+  std::size_t differ = 0;
+  for (std::uint32_t hi = 0; hi < 0x10000u; ++hi)
+    for (std::uint32_t lo : lows) {
+      float const f = moe::detail::bits_float((hi << 16) | lo);
+      differ += train::detail::bf16_bits_select(f) != moe::detail::bf16_bits(f) ? 1 : 0;
+    }
+  EXPECT_EQ(differ, 0u);
+  // Ties to even: 1 + 2^-8 is halfway between 1 and 1 + 2^-7, 1 + 3 x 2^-8 between 1 + 2^-7 and
+  // 1 + 2^-6; float's largest value is past bf16's and rounds to Inf.
+  EXPECT_EQ(train::detail::round_to_bf16(1.0f + 1.0f / 256), 1.0f);
+  EXPECT_EQ(train::detail::round_to_bf16(1.0f + 3.0f / 256), 1.0f + 1.0f / 64);
+  EXPECT_EQ(train::detail::round_to_bf16(std::numeric_limits<float>::max()),
+            std::numeric_limits<float>::infinity());
+}
+
+}  // namespace
