@@ -205,10 +205,8 @@ void bench_layer(benchmark::State& state, bool backward, LayerShape const& shape
     LayerShape s32 = shape;
     s32.bf16 = false;
     fp32.emplace(bench_config(s32));
-    fp32->parameters().for_each([&](char const* n, auto const& v) {
-      layer.parameters().for_each([&](char const* m, auto const& w) {
-        if (std::string(n) == m) Kokkos::deep_copy(v, w);
-      });
+    Layer::params_type::for_each_field(layer.config(), [&](char const*, auto m) {
+      Kokkos::deep_copy(fp32->parameters().*m, layer.parameters().*m);
     });
     fp32->forward(x, y);
     if (backward) fp32->backward(y, dx, fp32_grads);

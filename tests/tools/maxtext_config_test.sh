@@ -129,8 +129,9 @@ else
   grep -q "expert route: ragged all-to-all over expert; E=4, K=2" out.txt ||
     fail "expected expert parallelism: $(head -5 out.txt)"
   want=$((nkeys + 3)) # the generated keys, data_sharding, base_num_query_heads, base_mlp_dim
-  # + steps, dtype, enable_checkpointing, vocab_size, rope_max_timescale (not moe-shard's keys)
-  want=$((want + 5))
+  # + steps, enable_checkpointing, vocab_size, rope_max_timescale (not moe-shard's keys; dtype
+  # is a layer key)
+  want=$((want + 4))
   grep -q "^moe-shard: ignored MaxText keys: $want (" err.txt ||
     fail "summary: expected $want ignored keys: $(cat err.txt)"
   [[ $(wc -l <err.txt) -eq 1 ]] || fail "more than one stderr line: $(cat err.txt)"
