@@ -333,10 +333,10 @@ class RaggedAllToAll {
       // The rows travel as bf16: converted into 16-bit copies of the source and destination
       // ranges, moved, converted back (the gaps are zeroed below).
       using W = moe::bf16;
-      Kokkos::View<W*, SrcMS> s16(
+      Kokkos::View<W*, Kokkos::LayoutRight, SrcMS> s16(
           Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::RaggedAllToAll::s16"),
           std::size_t(n_src));
-      Kokkos::View<W*, DstMS> d16(
+      Kokkos::View<W*, Kokkos::LayoutRight, DstMS> d16(
           Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::RaggedAllToAll::d16"),
           std::size_t(n_dst));
       detail::convert(space, "moe::comm::RaggedAllToAll::to_bf16", src.data(), s16.data(), n_src);
