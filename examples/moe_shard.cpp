@@ -3,7 +3,7 @@
 //   moe-shard [--rules FILE.yml] [--preset NAME] --mesh axis=size,...
 //             --tensor NAME=logical1,logical2,... [--tensor ...] [--drop-size-one]
 //   moe-shard --plan [CFG.yml ...] [key=value ...] [--json] [--ranks N] [--rank R] [--batch B]
-//             [--seq S] [--dtype float32|float64] [--machine NAME|MACHINE.yml]
+//             [--seq S] [--dtype float32|float64|bfloat16] [--machine NAME|MACHINE.yml]
 //             [machine.KEY=VALUE ...]
 //
 // Prints {"mesh": {axis: size, ...}, "tensors": {NAME: [null | "axis" | ["a", "b"], ...]}}.
@@ -50,6 +50,7 @@
 #include <cstdlib>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -73,6 +74,8 @@ struct Args {
   int ranks = 0, rank = 0;          // 0: implied by the ici_* degrees
   std::int64_t batch = 0, seq = 0;  // 0: from the config
   std::size_t scalar_bytes = sizeof(float);
+  // --dtype given: the layer's dtype (bfloat16: float values, bf16 on the wire), over the config's.
+  std::optional<moe::ComputeDtype> dtype;
   std::vector<std::string> plan_flags;  // given --plan-only flags, for the error message
   std::string machine;                  // --machine: a described machine or a YAML file
   std::vector<std::pair<std::string, std::string>> machine_keys;  // machine.KEY=VALUE
@@ -136,7 +139,7 @@ void usage() {
       "usage: moe-shard [--rules FILE.yml] [--preset NAME] --mesh axis=size,...\n"
       "                 --tensor NAME=logical1,logical2,... [--tensor ...] [--drop-size-one]\n"
       "       moe-shard --plan [CFG.yml ...] [key=value ...] [--json] [--ranks N] [--rank R]\n"
-      "                 [--batch B] [--seq S] [--dtype float32|float64]\n"
+      "                 [--batch B] [--seq S] [--dtype float32|float64|bfloat16]\n"
       "                 [--machine h100-ib|cpu-cluster|MACHINE.yml] [machine.KEY=VALUE ...]\n"
       "A dimension without a logical name is written None. --rules is optional with --preset.\n"
       "--plan: the config files (MaxText's base.yml and model files as they are), then the\n"
@@ -187,11 +190,13 @@ Args parse_args(int argc, char** argv) {
     } else if (s == "--dtype") {
       std::string const t = value("--dtype");
       if (t == "float32" || t == "float")
-        a.scalar_bytes = 4;
+        a.scalar_bytes = 4, a.dtype = moe::ComputeDtype::Native;
       else if (t == "float64" || t == "double")
-        a.scalar_bytes = 8;
+        a.scalar_bytes = 8, a.dtype = moe::ComputeDtype::Native;
+      else if (t == "bfloat16" || t == "bf16")
+        a.scalar_bytes = 4, a.dtype = moe::ComputeDtype::BFloat16;
       else
-        throw ConfigError(cat("--dtype ", t, " is not one of float32|float64"));
+        throw ConfigError(cat("--dtype ", t, " is not one of float32|float64|bfloat16"));
       a.plan_flags.push_back(s);
     } else if (s == "--machine") {
       a.machine = value("--machine");
@@ -254,6 +259,7 @@ int run_plan(Args const& a) {
     }
   }
   loaded.apply_sharding(par);
+  if (a.dtype) cfg.dtype = *a.dtype;
   int ranks = a.ranks;
   if (ranks == 0) {
     std::int64_t product = 1;

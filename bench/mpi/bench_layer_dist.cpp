@@ -12,6 +12,10 @@
 //
 //   layer_dist/<strategy>/<fwd|bwd>/E=8/T=<global tokens>/K=2
 //
+// <strategy>_bf16 (ep_a2a_bf16, fsdp_bf16): the same layouts with dtype=bfloat16, whose
+// all-to-alls, activation collectives and weight gathers move 16-bit bf16 (docs/precision.md,
+// "Wire"): comm_MB_per_rank is half the fp32 row's but for the gradient reductions (fp32).
+//
 // EP-TP (ep_tp, and ep_tp_dense: every local expert on every token, the yardstick of expert work
 // that grows with the gathered tokens) also reports the rows after its all-gather
 // (gathered_rows, the same at every EP) and the rows its local experts computed
@@ -198,7 +202,9 @@ bool register_all() {
   std::vector<Strategy> const strategies = {
       {"dp", {"ici_data_parallelism=-1"}},
       {"fsdp", {"ici_fsdp_parallelism=-1"}},
+      {"fsdp_bf16", {"ici_fsdp_parallelism=-1"}, {"dtype=bfloat16"}},
       {"ep_a2a", {"ici_expert_parallelism=-1"}},
+      {"ep_a2a_bf16", {"ici_expert_parallelism=-1"}, {"dtype=bfloat16"}},
       {"ep_ring", {"ici_expert_parallelism=-1", "use_ring_of_experts=true"}},
       {"tp", {"ici_tensor_parallelism=-1"}},
       {"shard_exp_on_fsdp", {"custom_mesh_and_rule=shard-exp-on-fsdp", "ici_fsdp_parallelism=-1"}},

@@ -36,8 +36,9 @@ void set_all(T& c, std::vector<std::string> const& kvs) {
 template <class V>
 void fill_block(V const& v, moe::TensorBlock const& b, std::vector<double> const& global) {
   // Row-major copy of the block [offset, offset + local) of the global tensor.
+  using T = typename V::non_const_value_type;
   std::size_t const r = b.global_shape.size();
-  double* out = v.data();
+  T* out = v.data();
   std::int64_t n = 1;
   for (auto e : b.local_shape) n *= e;
   for (std::int64_t i = 0; i < n; ++i) {
@@ -48,7 +49,7 @@ void fill_block(V const& v, moe::TensorBlock const& b, std::vector<double> const
       rem /= b.local_shape[d];
     }
     for (std::size_t d = 0; d < r; ++d) flat = flat * b.global_shape[d] + b.offset[d] + c[d];
-    out[i] = global[std::size_t(flat)];
+    out[i] = T(global[std::size_t(flat)]);
   }
 }
 
@@ -78,22 +79,26 @@ struct AllocationTracker {
 /// Runs case `c` with D = `D`, F = 2D, `S` tokens per sequence: the plan against the layer's
 /// comm log (`memory` false), or the memory estimate against the peak of the layer's Kokkos
 /// allocations from its construction through two forward + backward steps (`memory` true).
-void run_case(Case const& c, bool memory = false, std::int64_t D = 16, std::int64_t S = 4) {
+/// Scalar float with `bf16`: the dtype=bfloat16 layer (its collectives on the bf16 wire).
+template <class Scalar = double>
+void run_case(Case const& c, bool memory = false, std::int64_t D = 16, std::int64_t S = 4,
+              bool bf16 = false) {
   int size = 1, rank = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   moe::LayerConfig cfg = test_layer_config(0.05, c.layer);
   cfg.base_emb_dim = int(D);
   if (memory) cfg.base_moe_mlp_dim = int(2 * D);
+  if (bf16) cfg.dtype = moe::ComputeDtype::BFloat16;
   moe::ParallelConfig par;
   set_all(par, c.layout);
   std::int64_t const B = c.batch, E = 8;
   std::unique_ptr<AllocationTracker> tracker;
   if (memory) tracker = std::make_unique<AllocationTracker>();
 
-  auto const plan = moe::make_plan(cfg, par, size, rank, B, S, sizeof(double));
+  auto const plan = moe::make_plan(cfg, par, size, rank, B, S, sizeof(Scalar));
   std::int64_t const before = AllocationTracker::live;
-  moe::DistributedMoeLayer<double> layer(MPI_COMM_WORLD, cfg, par, B, S);
+  moe::DistributedMoeLayer<Scalar> layer(MPI_COMM_WORLD, cfg, par, B, S);
   EXPECT_EQ(plan.layout.route, layer.expert_route());
   EXPECT_EQ(plan.layout.batch_axes, layer.batch_axes());
   for (auto const& t : plan.tensors) {
@@ -127,15 +132,15 @@ void run_case(Case const& c, bool memory = false, std::int64_t D = 16, std::int6
   });
   auto const xb = layer.block("x");
   std::int64_t const b_local = xb.local_shape[0], Dl = xb.local_shape[2];
-  moe::View3<double, Mem> lx("lx", b_local, S, Dl), ly("ly", b_local, S, Dl);
-  moe::View3<double, Mem> ldy("ldy", b_local, S, Dl), ldx("ldx", b_local, S, Dl);
+  moe::View3<Scalar, Mem> lx("lx", b_local, S, Dl), ly("ly", b_local, S, Dl);
+  moe::View3<Scalar, Mem> ldy("ldy", b_local, S, Dl), ldx("ldx", b_local, S, Dl);
   fill_block(lx, xb, x);
   Kokkos::deep_copy(ldy, 1.0);
   if (memory) {
     // The estimate's items (oneDNN's packed copies are not Kokkos allocations: not counted on
     // either side) against what the layer allocated beyond the caller's tensors.
-    std::int64_t const callers = 4 * b_local * S * Dl * std::int64_t(sizeof(double));
-    decltype(layer)::params_type grads;
+    std::int64_t const callers = 4 * b_local * S * Dl * std::int64_t(sizeof(Scalar));
+    typename moe::DistributedMoeLayer<Scalar>::params_type grads;
     for (int step = 0; step < 2; ++step) {
       layer.forward(lx, ly);
       layer.backward(ldy, ldx, grads);
@@ -148,7 +153,7 @@ void run_case(Case const& c, bool memory = false, std::int64_t D = 16, std::int6
     return;
   }
   layer.forward(lx, ly);
-  decltype(layer)::params_type grads;
+  typename moe::DistributedMoeLayer<Scalar>::params_type grads;
   layer.backward(ldy, ldx, grads);
 
   auto const& log = layer.comm_log().records;
@@ -200,6 +205,33 @@ TEST(DistributedPlan, MemoryEstimateMatchesTheAllocationsOfEveryLayout) {
     if (!c.balanced || !c.bias_boost.empty()) continue;
     SCOPED_TRACE(c.name);
     run_case(c, true, 64, 64);
+  }
+}
+
+// The dtype=bfloat16 layer: the plan's bytes (activations and weight gathers on the bf16 wire,
+// gradient reductions in fp32) are the layer's, and so is the memory estimate with the wire's
+// 16-bit buffers.
+TEST(DistributedPlan, PredictsTheBf16LayersCommLog) {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  auto all = cases(n);
+  for (auto const& c : ep_tp_cases(n)) all.push_back(c);
+  for (auto const& c : all) {
+    SCOPED_TRACE(c.name);
+    run_case<float>(c, false, 16, 4, true);
+  }
+}
+
+TEST(DistributedPlan, Bf16MemoryEstimateMatchesTheAllocationsOfEveryLayout) {
+  if (Kokkos::Tools::profileLibraryLoaded()) GTEST_SKIP() << "a Kokkos Tools library is loaded";
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  auto all = cases(n);
+  for (auto const& c : ep_tp_cases(n)) all.push_back(c);
+  for (auto const& c : all) {
+    if (!c.balanced || !c.bias_boost.empty()) continue;
+    SCOPED_TRACE(c.name);
+    run_case<float>(c, true, 64, 64, true);
   }
 }
 

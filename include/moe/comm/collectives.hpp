@@ -13,6 +13,7 @@
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
+#include <moe/comm/wire.hpp>
 #include <moe/detail/scratch.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -43,9 +44,10 @@ void all_gather_rows(Communicator const& comm, ExecSpace const& space, T const* 
 }
 
 /// reduce_scatter of P*c rows into c rows: chunk j of every rank goes to rank j, which sums the P
-/// chunks in rank order. Shapes already agreed.
-template <class InMS, class OutMS, class T, class ExecSpace>
-void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T const* in, T* out,
+/// chunks in rank order. Shapes already agreed. T: the type moved (a value type, or moe::bf16:
+/// then the chunks are summed in fp32 and the sum rounded to bf16 once), U: the output's type.
+template <class InMS, class OutMS, class T, class U, class ExecSpace>
+void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T const* in, U* out,
                          std::int64_t c, std::int64_t row,
                          moe::detail::ScratchPool<OutMS>* pool = nullptr) {
   int const P = comm.size();
@@ -71,9 +73,10 @@ void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T con
       "moe::comm::reduce_scatter::sum",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(space, 0, chunk),
       KOKKOS_LAMBDA(std::int64_t e) {
-        T acc = parts(e);
-        for (int i = 1; i < P; ++i) acc += parts(i * chunk + e);
-        out[e] = acc;
+        using Acc = wire_acc_t<T>;
+        Acc acc = WireCast<Acc>::from(parts(e));
+        for (int i = 1; i < P; ++i) acc += WireCast<Acc>::from(parts(i * chunk + e));
+        out[e] = WireCast<U>::from(WireCast<T>::from(acc));
       });
   // `parts` (and a staging buffer) are released on return: their users must be done.
   fence(space, "moe::comm::reduce_scatter: summed");
@@ -90,8 +93,10 @@ std::pair<std::int64_t, std::int64_t> check_row_pair(Communicator const& comm, c
   check_view_type<ExecSpace, InView>();
   check_view_type<ExecSpace, OutView>();
   using T = typename OutView::non_const_value_type;
-  static_assert(std::is_same_v<typename InView::non_const_value_type, T> &&
-                    !std::is_const_v<typename OutView::value_type> &&
+  using In = typename InView::non_const_value_type;
+  // A reduce-scatter may sum bf16 wire values into an output of a value type.
+  static_assert((std::is_same_v<In, T> ||
+                 std::is_same_v<In, moe::bf16>)&&!std::is_const_v<typename OutView::value_type> &&
                     int(InView::rank) == int(OutView::rank),
                 "moe::comm: in and out need the same value type and rank, out writable");
   auto const [in_rows, in_row] = rows_of(in);
@@ -130,7 +135,8 @@ void all_gather(Communicator const& comm, ExecSpace const& space, InView const& 
 /// \brief Collective: sums the ranks' `in` elementwise and gives rank r chunk r of the sum.
 ///
 /// `in` is [size*c, ...]; rank r receives rows [r*c, (r+1)*c) of sum over ranks, summed in rank
-/// order (deterministic).
+/// order (deterministic). `in` may hold moe::bf16 (the bf16 wire) with `out` of a value type:
+/// then the bf16 chunks are summed in fp32 and the sum is rounded to bf16 once.
 /// \param out [c, ...]; must not overlap `in`
 /// \param pool where the receive buffer (size*c rows) is kept between calls; nullptr: allocated
 ///             per call

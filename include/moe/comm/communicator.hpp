@@ -8,6 +8,7 @@
 /// Collective calls are marked "Collective" in their documentation: every rank of the communicator
 /// must make them, in the same order. moe never calls MPI_Init or MPI_Finalize.
 
+#include <moe/bf16.hpp>
 #include <moe/detail/hash.hpp>
 #include <moe/error.hpp>
 
@@ -24,24 +25,26 @@
 namespace moe::comm {
 
 /// \brief Whether T has an MPI datatype: only the types moe sends (float, double, int32_t,
-/// int64_t, uint64_t, char) have one.
+/// int64_t, uint64_t, char, and moe::bf16, the 16-bit wire type of bf16 payloads) have one.
 template <class T>
 inline constexpr bool has_mpi_type =
     std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, std::int32_t> ||
-    std::is_same_v<T, std::int64_t> || std::is_same_v<T, std::uint64_t> || std::is_same_v<T, char>;
+    std::is_same_v<T, std::int64_t> || std::is_same_v<T, std::uint64_t> ||
+    std::is_same_v<T, char> || std::is_same_v<T, moe::bf16>;
 
 /// \brief The MPI datatype of T (compile error for types without one).
 template <class T>
 MPI_Datatype mpi_type() {
   static_assert(has_mpi_type<T>,
                 "moe::comm::mpi_type<T>: T has no MPI datatype (float, double, int32_t, int64_t, "
-                "uint64_t and char have one)");
+                "uint64_t, char and moe::bf16 have one)");
   using std::is_same_v;
   return is_same_v<T, float>           ? MPI_FLOAT
          : is_same_v<T, double>        ? MPI_DOUBLE
          : is_same_v<T, std::int32_t>  ? MPI_INT32_T
          : is_same_v<T, std::int64_t>  ? MPI_INT64_T
          : is_same_v<T, std::uint64_t> ? MPI_UINT64_T
+         : is_same_v<T, moe::bf16>     ? MPI_UINT16_T  // MPI has no bf16: its 16 bits, moved as is
                                        : MPI_CHAR;
 }
 

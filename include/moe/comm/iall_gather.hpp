@@ -141,6 +141,18 @@ class AllGatherPieces {
     return req;
   }
 
+  /// \brief Starts gathering a piece already converted to its wire type W (comm/wire.hpp): `in`
+  /// holds the agreed n rows of the piece as W, `out` receives size*n such rows.
+  template <class W, class MS, class ExecSpace>
+  AllGatherRequest<W, MS, MS> start_wire(ExecSpace const& space, W const* in, W* out) const {
+    AllGatherRequest<W, MS, MS> req;
+    req.start(*comm_, space, in, out, n_, row_);
+    return req;
+  }
+  /// Rows per rank and elements per row of each piece, as agreed.
+  std::int64_t rows() const { return n_; }
+  std::int64_t row_elems() const { return row_; }
+
  private:
   Communicator const* comm_;
   std::int64_t n_ = 0, row_ = 0;

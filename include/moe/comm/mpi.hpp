@@ -67,7 +67,7 @@ inline constexpr MPI_Errhandler MPI_ERRORS_ARE_FATAL = 1, MPI_ERRORS_RETURN = 2;
 inline constexpr MPI_Datatype MPI_DATATYPE_NULL = 0;
 inline constexpr MPI_Datatype MPI_CHAR = 1, MPI_BYTE = 1, MPI_INT = sizeof(int),
                               MPI_LONG = sizeof(long), MPI_FLOAT = 4, MPI_DOUBLE = 8,
-                              MPI_INT32_T = 4, MPI_INT64_T = 8, MPI_UINT64_T = 8;
+                              MPI_INT32_T = 4, MPI_INT64_T = 8, MPI_UINT64_T = 8, MPI_UINT16_T = 2;
 inline constexpr MPI_Op MPI_SUM = 1, MPI_MAX = 2, MPI_MIN = 3;
 inline MPI_Status* const MPI_STATUS_IGNORE = nullptr;
 inline MPI_Status* const MPI_STATUSES_IGNORE = nullptr;

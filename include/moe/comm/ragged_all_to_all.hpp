@@ -21,6 +21,7 @@
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
+#include <moe/comm/wire.hpp>
 #include <moe/detail/counting.hpp>
 #include <moe/error.hpp>
 
@@ -270,11 +271,13 @@ class RaggedAllToAll {
   /// order in `recv`. Rows of `recv` beyond recv_total() are set to zero.
   /// \param send [>= send_extent(), ...] rows of any trailing shape (the same on every rank)
   /// \param recv [>= recv_total(), ...] same trailing shape; must not overlap `send`
+  /// \param wire what the values travel as (Wire::bf16: rounded to bf16, 16 bits each)
   template <class ExecSpace, class SendView, class RecvView>
-  void forward(ExecSpace const& space, SendView const& send, RecvView const& recv) const {
+  void forward(ExecSpace const& space, SendView const& send, RecvView const& recv,
+               Wire wire = Wire::native) const {
     moe::detail::Region region("moe::comm::ragged_all_to_all");
     apply(space, "moe::comm::RaggedAllToAll::forward", false, send, {kept_, send_.displs}, recv,
-          recv_, send_extent_, recv_total_);
+          recv_, send_extent_, recv_total_, wire);
   }
 
   /// \brief Collective: the reverse of forward: rows of `in` (laid out as forward's receive
@@ -282,18 +285,20 @@ class RaggedAllToAll {
   /// `out` that receive nothing (dropped rows, gaps, rows beyond send_extent()) are set to zero.
   /// \param in  [>= recv_total(), ...]
   /// \param out [>= send_extent(), ...] same trailing shape; must not overlap `in`
+  /// \param wire what the values travel as (as in forward)
   template <class ExecSpace, class InView, class OutView>
-  void reverse(ExecSpace const& space, InView const& in, OutView const& out) const {
+  void reverse(ExecSpace const& space, InView const& in, OutView const& out,
+               Wire wire = Wire::native) const {
     moe::detail::Region region("moe::comm::ragged_all_to_all::reverse");
     apply(space, "moe::comm::RaggedAllToAll::reverse", true, in, recv_, out, {kept_, send_.displs},
-          recv_total_, send_extent_);
+          recv_total_, send_extent_, wire);
   }
 
  private:
   template <class ExecSpace, class SrcView, class DstView>
   void apply(ExecSpace const& space, char const* who, bool is_reverse, SrcView const& src,
              detail::Blocks const& s, DstView const& dst, detail::Blocks const& r,
-             std::int64_t src_rows_needed, std::int64_t dst_rows_needed) const {
+             std::int64_t src_rows_needed, std::int64_t dst_rows_needed, Wire wire) const {
     detail::check_view_type<ExecSpace, SrcView>();
     detail::check_view_type<ExecSpace, DstView>();
     using T = typename DstView::non_const_value_type;
@@ -323,15 +328,24 @@ class RaggedAllToAll {
     bool const any_slow = detail::collective_check(comm_, who, !msg.empty(), msg, ErrorKind::shape,
                                                    {{"elements per row", row}}, slow);
 
-    detail::fence(space, "moe::comm::RaggedAllToAll: source ready");
-    auto const send_buf = detail::MpiRange<T, SrcMS>::send(
-        space, src.data(), src_rows_needed * row, "moe::comm::RaggedAllToAll::send", &stage_[0]);
-    auto const recv_buf = detail::MpiRange<T, DstMS>::recv(
-        dst.data(), dst_rows_needed * row, "moe::comm::RaggedAllToAll::recv", &stage_[1]);
-    if (send_buf.is_staged()) detail::fence(space, "moe::comm::RaggedAllToAll: staged");
-    detail::exchange_rows(comm_, detail::Pattern::alltoallv, send_buf.data(), s, recv_buf.data(), r,
-                          row, !any_slow);
-    recv_buf.finish(space);
+    std::int64_t const n_src = src_rows_needed * row, n_dst = dst_rows_needed * row;
+    if (wire == Wire::bf16) {
+      // The rows travel as bf16: converted into 16-bit copies of the source and destination
+      // ranges, moved, converted back (the gaps are zeroed below).
+      using W = moe::bf16;
+      Kokkos::View<W*, Kokkos::LayoutRight, SrcMS> s16(
+          Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::RaggedAllToAll::s16"),
+          std::size_t(n_src));
+      Kokkos::View<W*, Kokkos::LayoutRight, DstMS> d16(
+          Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::RaggedAllToAll::d16"),
+          std::size_t(n_dst));
+      detail::convert(space, "moe::comm::RaggedAllToAll::to_bf16", src.data(), s16.data(), n_src);
+      move_rows<W, SrcMS, DstMS>(space, s16.data(), s, d16.data(), r, n_src, n_dst, row, !any_slow);
+      detail::convert(space, "moe::comm::RaggedAllToAll::from_bf16", d16.data(), dst.data(), n_dst);
+      detail::fence(space, "moe::comm::RaggedAllToAll: converted");
+    } else {
+      move_rows<T, SrcMS, DstMS>(space, src.data(), s, dst.data(), r, n_src, n_dst, row, !any_slow);
+    }
     // Rows of the destination that nothing is written to are set to zero: the gaps before each
     // block and after the last (an empty block at dst_rows closes the list).
     auto blocks = detail::sorted_blocks(r);
@@ -345,6 +359,23 @@ class RaggedAllToAll {
                           T(0));
       at = std::max(at, b.second);
     }
+  }
+
+  /// Moves the rows of the blocks (elements of W, staged through host buffers when MPI cannot
+  /// reach the memory); the destination holds them when this returns (fenced when staged).
+  template <class W, class SrcMS, class DstMS, class ExecSpace>
+  void move_rows(ExecSpace const& space, W const* src, detail::Blocks const& s, W* dst,
+                 detail::Blocks const& r, std::int64_t n_src, std::int64_t n_dst, std::int64_t row,
+                 bool fast) const {
+    detail::fence(space, "moe::comm::RaggedAllToAll: source ready");
+    auto const send_buf = detail::MpiRange<W, SrcMS>::send(
+        space, src, n_src, "moe::comm::RaggedAllToAll::send", &stage_[0]);
+    auto const recv_buf =
+        detail::MpiRange<W, DstMS>::recv(dst, n_dst, "moe::comm::RaggedAllToAll::recv", &stage_[1]);
+    if (send_buf.is_staged()) detail::fence(space, "moe::comm::RaggedAllToAll: staged");
+    detail::exchange_rows(comm_, detail::Pattern::alltoallv, send_buf.data(), s, recv_buf.data(), r,
+                          row, fast);
+    recv_buf.finish(space);
     if (recv_buf.is_staged()) detail::fence(space, "moe::comm::RaggedAllToAll: unstaged");
   }
 

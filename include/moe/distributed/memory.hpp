@@ -115,22 +115,41 @@ class LayerBuffers {
   }
 
   // ---- the collectives' temporaries: the layer's scratch pool keeps one buffer per kind, grown
-  // to its largest use; all-reduce temporaries are allocated and freed per call
+  // to its largest use; all-reduce temporaries (and an all-to-all's bf16 copies) are allocated
+  // and freed per call. A collective on the bf16 wire (PlannedCollective::wire) converts into
+  // 16-bit buffers of its own and reorders while converting: no value-sized temporaries.
   void collectives() {
     for (auto const* phase : {&plan_.step.forward, &plan_.step.backward}) {
       if (phase == &plan_.step.backward && !training_) break;
       for (auto const& st : *phase)
         for (auto const& c : st.collectives) {
+          bool const bf16 = c.wire == comm::Wire::bf16;
           // Host statistics are not in the pool; an all-to-all sends from and receives into the
-          // step's own buffers. Every other collective moves values of s_ bytes.
-          if (c.host || c.kind == "all-to-all") continue;
+          // step's own buffers (on the bf16 wire: through 16-bit copies of both, per call).
+          if (c.host) continue;
+          if (c.kind == "all-to-all") {
+            if (bf16) a2a_wire_ = std::max(a2a_wire_, checked_mul(c.elems, 2, "all-to-all copies"));
+            continue;
+          }
           if (c.kind == "all-reduce") {
             all_reduce_temp(c.elems, c.parts);
             continue;
           }
-          if (c.kind == "reduce-scatter") parts_pool_ = std::max(parts_pool_, c.elems);
+          bool const gather = c.kind == "all-gather";
+          if (bf16) {
+            // Gathers: this rank's block and the gathered blocks (the chunked ring's overlapped
+            // gathers: two slots); reduce-scatters: the packed input and the received parts.
+            std::int64_t& send = st.overlapped ? igather_send_ : wire_send_;
+            std::int64_t& recv = st.overlapped ? igather_recv_ : (gather ? wire_recv_ : parts16_);
+            send = std::max(send, gather ? c.elems / c.parts : c.elems);
+            recv = std::max(recv, c.elems);
+            if (c.lead > 1)
+              launch_rows(c.what + " (row copies)", checked_mul(c.parts, c.lead, "rows of a copy"));
+            continue;
+          }
+          if (!gather) parts_pool_ = std::max(parts_pool_, c.elems);
           if (c.lead > 1) {
-            auto& pool = c.kind == "all-gather" ? gather_pool_ : rs_pool_;
+            auto& pool = gather ? gather_pool_ : rs_pool_;
             pool = std::max(pool, c.elems);
             launch_rows(c.what + " (row copies)", checked_mul(c.parts, c.lead, "rows of a copy"));
           }
@@ -140,8 +159,21 @@ class LayerBuffers {
     if (gather_pool_ > 0)
       add("communication buffers", "all-gather unpack", {gather_pool_}, s_, keys);
     if (rs_pool_ > 0) add("communication buffers", "reduce-scatter pack", {rs_pool_}, s_, keys);
-    if (parts_pool_ > 0)
-      add("communication buffers", "reduce-scatter receive", {parts_pool_}, s_, keys);
+    // The reduce-scatter's receive buffer is one pool buffer for both wires: its larger use.
+    if (parts_pool_ > 0 || parts16_ > 0) {
+      bool const wide = parts_pool_ * s_ >= parts16_ * 2;
+      add("communication buffers", "reduce-scatter receive", {wide ? parts_pool_ : parts16_},
+          wide ? s_ : 2, keys);
+    }
+    if (wire_send_ > 0) add("communication buffers", "bf16 wire send", {wire_send_}, 2, keys);
+    if (wire_recv_ > 0) add("communication buffers", "bf16 wire receive", {wire_recv_}, 2, keys);
+    if (igather_send_ > 0)
+      add("communication buffers", "bf16 wire send (overlapped gathers)", {2, igather_send_}, 2,
+          keys);
+    if (igather_recv_ > 0)
+      add("communication buffers", "bf16 wire receive (overlapped gathers)", {2, igather_recv_}, 2,
+          keys);
+    if (a2a_wire_ > 0) add("communication buffers", "bf16 all-to-all copies", {a2a_wire_}, 2, keys);
     if (ar_temp_ > 0) add("communication buffers", "all-reduce temporaries", {ar_temp_}, s_, keys);
   }
   /// comm::all_reduce of n elements over P ranks: mine [ceil(n/P)] and, unless P divides n, a
@@ -160,6 +192,9 @@ class LayerBuffers {
   bool training_, packed_;
   std::int64_t s_ = 4;
   std::int64_t gather_pool_ = 0, rs_pool_ = 0, parts_pool_ = 0, ar_temp_ = 0;  // values
+  // bf16 wire buffers, in 16-bit values
+  std::int64_t wire_send_ = 0, wire_recv_ = 0, parts16_ = 0, igather_send_ = 0, igather_recv_ = 0,
+               a2a_wire_ = 0;
   std::string weight_keys_;
   std::vector<Buffer> bufs_;
 };

@@ -305,7 +305,10 @@ inline std::string LayerPlan::to_text() const {
   auto line = [&o](std::string const& s) { o += s + "\n"; };
   line(moe::detail::cat("MoE layer plan: rank ", lay.rank, " of ", world_size, ", global batch [",
                         lay.global_batch, ", ", lay.seq_len, ", ", lay.emb_dim, "] (B, S, D), ",
-                        scalar_bytes == 8 ? "float64" : "float32", " values"));
+                        scalar_bytes == 8 ? "float64" : "float32", " values",
+                        config.bf16() ? " (dtype=bfloat16: activations and weight gathers move as "
+                                        "bf16, gradient reductions as fp32)"
+                                      : ""));
   Axes big, one;
   for (auto const& [name, size] : lay.mesh.axes())
     if (size > 1)

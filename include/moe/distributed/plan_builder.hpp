@@ -7,6 +7,7 @@
 /// of one rank plans nothing).
 
 #include <moe/comm/sent_bytes.hpp>
+#include <moe/comm/wire.hpp>
 #include <moe/config.hpp>
 #include <moe/detail/checked.hpp>
 #include <moe/detail/row_caps.hpp>
@@ -73,10 +74,28 @@ class PlanBuilder {
     local = E > 0 ? checked_mul(kept_slots(Tw), L, "local rows") / E : 0;
   }
 
+  /// What a collective moves, which decides its wire type (wire()).
+  enum class Payload {
+    activations,  ///< tokens, expert rows and outputs, and their gradients
+    logits,       ///< the gate logits (the chunked ring gathers them)
+    weights,      ///< a compute block of an expert or shared-expert weight
+    gate,         ///< the gate weight's compute block
+    gradients     ///< weight gradients and statistics (grad_dtype: fp32)
+  };
+  /// The wire type of a collective moving `p` (docs/precision.md, "Wire"): a bf16 layer moves
+  /// the values it holds in bf16 as bf16 (the gate and its logits unless float32_gate_logits);
+  /// gradients and statistics, and every value of a native layer, move in the value type.
+  comm::Wire wire(Payload p) const {
+    if (!cfg.bf16() || p == Payload::gradients) return comm::Wire::native;
+    if ((p == Payload::gate || p == Payload::logits) && cfg.float32_gate_logits)
+      return comm::Wire::native;
+    return comm::Wire::bf16;
+  }
+
   Layout const& lay;
   LayerConfig const& cfg;
   ParallelConfig const& par;
-  std::int64_t s;  ///< bytes of one value
+  std::int64_t s;  ///< bytes of one value (in memory; on the wire: wire())
   /// This rank's tokens, the tokens the experts see (the expert group's on the ring), the
   /// sequence length, D, its tensor column block, this rank's x columns (EP-TP: D / ep), K, E,
   /// the local experts and the expert hidden size of the compute block, the group sizes.
@@ -217,33 +236,36 @@ class PlanBuilder {
   // ------------------------------------------------------------ collectives
   // Collectives of a group of size 1 do not run (and are not planned). Token collectives move
   // [rows, cols] blocks along dim 0 (rows) or dim 1 (cols).
-  /// All-gather of `rows` x `cols` input blocks along `dim`.
+  /// All-gather of `rows` x `cols` input blocks along `dim` (of activations unless `p` says).
   void all_gather(Stage& st, std::string what, Axes const& axes, std::int64_t rows,
-                  std::int64_t cols, int dim, bool balanced = false) const {
+                  std::int64_t cols, int dim, bool balanced = false,
+                  Payload p = Payload::activations) const {
     blocks(st, std::move(what), true, axes, lay.parts(axes), rows * cols, dim == 1 ? rows : 1,
-           balanced);
+           balanced, wire(p));
   }
-  /// Reduce-scatter into `rows` x `cols` output blocks along `dim`.
+  /// Reduce-scatter into `rows` x `cols` output blocks along `dim` (of activations).
   void reduce_scatter(Stage& st, std::string what, Axes const& axes, std::int64_t rows,
                       std::int64_t cols, int dim, bool balanced = false) const {
     blocks(st, std::move(what), false, axes, lay.parts(axes), rows * cols, dim == 1 ? rows : 1,
-           balanced);
+           balanced, wire(Payload::activations));
   }
   /// An all-reduce of `elems` values, or (`host`) of host statistics of 8 bytes (doubles or
-  /// int64, whatever the value type).
+  /// int64, whatever the value type); gradients and statistics: always the native wire.
   void all_reduce(Stage& st, std::string what, Axes const& axes, std::int64_t elems,
                   bool host = false) const {
     std::int64_t const P = lay.parts(axes), bytes = host ? 8 : s;
     if (P > 1 && elems > 0) {
       add(st, std::move(what), "all-reduce", axes, comm::sent_bytes::all_reduce(elems * bytes, P),
-          false, P, elems, 1, bytes);
+          false, P, elems, 1, comm::Wire::native, bytes);
       st.collectives.back().host = host;
     }
   }
-  /// A ragged all-to-all over the expert axes of rows x cols values (balanced routing).
+  /// A ragged all-to-all over the expert axes of rows x cols activations (balanced routing).
   void all_to_all(Stage& st, std::string what, std::int64_t rows, std::int64_t cols) const {
+    comm::Wire const w = wire(Payload::activations);
     add(st, std::move(what), "all-to-all", lay.ep_axes,
-        comm::sent_bytes::all_to_all_balanced(rows * cols * s, ep), true, ep, rows * cols, 1);
+        comm::sent_bytes::all_to_all_balanced(rows * cols * comm::wire_bytes(w, s), ep), true, ep,
+        rows * cols, 1, w);
   }
 
   // ------------------------------------------------------------ the stages every route has
@@ -283,7 +305,7 @@ class PlanBuilder {
       st.writes.push_back(compute(n));
       auto cur = stored_shape(lay.weight(to_string(n)));
       for (auto const& o : plan_.weight(to_string(n)).to_compute) {
-        weight_collective(st, o, cur);
+        weight_collective(st, o, cur, n == Weight::gate ? Payload::gate : Payload::weights);
         cur = o.shape;
       }
     }
@@ -295,7 +317,8 @@ class PlanBuilder {
     if (logits) writes.insert(writes.begin(), out(buf::logits_own, tokens(), experts()));
     auto& st = stage(StageKind::route, "moe::dist::route",
                      {x, compute(Weight::gate), stored(Weight::gate_bias)}, std::move(writes));
-    if (logits) all_gather(st, "all-gather logits (ring)", lay.ep_axes, T, E, 0);
+    if (logits)
+      all_gather(st, "all-gather logits (ring)", lay.ep_axes, T, E, 0, false, Payload::logits);
     st.flops = gemm(logits ? T : Tw, D, E);  // the gate
     if (cfg.load_balance_loss_weight > 0) all_reduce(st, "lb loss", lay.batch_axes, 1, true);
     if (cfg.routed_bias_update_rate > 0) all_reduce(st, "bias counts", lay.batch_axes, E, true);
@@ -343,7 +366,7 @@ class PlanBuilder {
       std::vector<std::int64_t> cur;
       for (auto const& d : lay.weight(to_string(n)).dims) cur.push_back(d.computed);
       for (auto const& o : plan_.weight(to_string(n)).to_storage) {
-        weight_collective(st, o, cur);
+        weight_collective(st, o, cur, Payload::gradients);
         cur = o.shape;
       }
     }
@@ -372,21 +395,25 @@ class PlanBuilder {
       }
     plan_.buffers.push_back(std::move(d));
   }
+  /// Plans a collective; `elem_bytes` 0: a value on `w` (host statistics pass their own).
   void add(Stage& st, std::string what, char const* kind, Axes const& axes, std::int64_t bytes,
            bool balanced, std::int64_t parts, std::int64_t elems, std::int64_t lead,
-           std::int64_t elem_bytes = 0) const {
+           comm::Wire w = comm::Wire::native, std::int64_t elem_bytes = 0) const {
     st.collectives.push_back({std::move(what), kind, axes, bytes, balanced, parts, elems, lead,
-                              elem_bytes ? elem_bytes : s});
+                              elem_bytes ? elem_bytes : comm::wire_bytes(w, s)});
+    st.collectives.back().wire = w;
   }
   /// An all-gather (`gather`) or reduce-scatter over P ranks of `block` values per rank (the
-  /// whole buffer: P blocks); `lead`: the extents before the gathered or scattered dimension.
+  /// whole buffer: P blocks) on wire `w`; `lead`: the extents before the gathered or scattered
+  /// dimension.
   void blocks(Stage& st, std::string what, bool gather, Axes const& axes, std::int64_t P,
-              std::int64_t block, std::int64_t lead, bool balanced) const {
+              std::int64_t block, std::int64_t lead, bool balanced, comm::Wire w) const {
     namespace sent = comm::sent_bytes;
+    std::int64_t const b = block * comm::wire_bytes(w, s);
     if (P > 1)
       add(st, std::move(what), gather ? "all-gather" : "reduce-scatter", axes,
-          gather ? sent::all_gather(block * s, P) : sent::reduce_scatter(block * s, P), balanced, P,
-          block * P, lead);
+          gather ? sent::all_gather(b, P) : sent::reduce_scatter(b, P), balanced, P, block * P,
+          lead, w);
   }
   static std::vector<std::int64_t> stored_shape(WeightLayout const& w) {
     std::vector<std::int64_t> v;
@@ -459,14 +486,14 @@ class PlanBuilder {
     }
     return ws;
   }
-  /// Planned collective of a weight op (none for a slice).
-  void weight_collective(Stage& st, WeightOp const& o,
-                         std::vector<std::int64_t> const& before) const {
+  /// Planned collective of a weight op moving `p` (none for a slice).
+  void weight_collective(Stage& st, WeightOp const& o, std::vector<std::int64_t> const& before,
+                         Payload p) const {
     std::int64_t const in = detail::product(before), lead = detail::lead(before, o.dim);
     if (o.kind == Kind::all_gather)
-      blocks(st, o.what, true, o.axes, o.parts, in, lead, false);
+      blocks(st, o.what, true, o.axes, o.parts, in, lead, false, wire(p));
     else if (o.kind == Kind::reduce_scatter)
-      blocks(st, o.what, false, o.axes, o.parts, detail::product(o.shape), lead, false);
+      blocks(st, o.what, false, o.axes, o.parts, detail::product(o.shape), lead, false, wire(p));
     else if (o.kind == Kind::all_reduce)
       add(st, o.what, "all-reduce", o.axes, comm::sent_bytes::all_reduce(in * s, o.parts), false,
           o.parts, in, 1);

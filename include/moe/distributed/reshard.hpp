@@ -3,6 +3,8 @@
 /// Collectives along any dimension of a row-major tensor (viewed as [A, n, C] around dimension d),
 /// over a group of mesh axes, with a log of every byte moved. Built on moe::comm (rank-order
 /// deterministic) and used by the distributed layer for weight gathers and gradient reductions.
+/// Each collective moves its values as the wire type it is given (comm/wire.hpp): native, or
+/// bf16 (16 bits a value; the log records the bytes actually sent).
 
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/comm_log.hpp>
@@ -10,6 +12,7 @@
 #include <moe/comm/iall_gather.hpp>
 #include <moe/comm/mesh_comm.hpp>
 #include <moe/comm/sent_bytes.hpp>
+#include <moe/comm/wire.hpp>
 #include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
 
@@ -46,18 +49,21 @@ Split split_at(V const& v, int d) {
 }
 
 /// Copies `rows` rows of `len` contiguous elements: row i goes from src + from(i) * len to
-/// dst + to(i) * len (from, to: device-callable index maps). One team per row, the row split
-/// over the team: on host backends a plain vectorised copy, with no index arithmetic per element.
-template <class ExecSpace, class T, class From, class To>
-void copy_rows(ExecSpace const& space, char const* label, T const* src, T* dst, std::int64_t rows,
+/// dst + to(i) * len (from, to: device-callable index maps), each element converted to D
+/// (comm::detail::WireCast: a copy for one type, to or from bf16 for the bf16 wire). One team per
+/// row, the row split over the team: on host backends a plain vectorised copy, with no index
+/// arithmetic per element.
+template <class ExecSpace, class S, class D, class From, class To>
+void copy_rows(ExecSpace const& space, char const* label, S const* src, D* dst, std::int64_t rows,
                std::int64_t len, From from, To to) {
   using team = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   Kokkos::parallel_for(
       label, Kokkos::TeamPolicy<ExecSpace>(space, rows, Kokkos::AUTO),
       KOKKOS_LAMBDA(team const& m) {
-        T const* s = src + from(std::int64_t(m.league_rank())) * len;
-        T* d = dst + to(std::int64_t(m.league_rank())) * len;
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(m, len), [&](std::int64_t e) { d[e] = s[e]; });
+        S const* s = src + from(std::int64_t(m.league_rank())) * len;
+        D* d = dst + to(std::int64_t(m.league_rank())) * len;
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(m, len),
+                             [&](std::int64_t e) { d[e] = comm::detail::WireCast<D>::from(s[e]); });
       });
 }
 
@@ -93,9 +99,11 @@ View1<T, MS> temporary(ExecSpace const& space, moe::detail::ScratchPool<MS>* poo
   return View1<T, MS>(Kokkos::view_alloc(space, Kokkos::WithoutInitializing, std::string(key)), n);
 }
 
+/// Bytes of v's values on `wire`.
 template <class V>
-std::int64_t bytes_of(V const& v) {
-  return std::int64_t(v.span()) * std::int64_t(sizeof(typename V::value_type));
+std::int64_t bytes_of(V const& v, comm::Wire wire = comm::Wire::native) {
+  return std::int64_t(v.span()) *
+         comm::wire_bytes(wire, std::int64_t(sizeof(typename V::value_type)));
 }
 
 /// Records a collective in `log`, when there is one.
@@ -106,18 +114,34 @@ inline void record(CommLog* log, std::string const& what, char const* kind, Axis
 
 }  // namespace detail
 
-/// \brief out = in gathered along dimension d over the group (block p at offset p*n along d).
-/// `pool` (optional) keeps the temporary between calls.
+/// \brief out = in gathered along dimension d over the group (block p at offset p*n along d),
+/// the values moved as `wire` (bf16: every block, this rank's included, comes back rounded to
+/// bf16). `pool` (optional) keeps the temporaries between calls.
 template <class ExecSpace, class InV, class OutV>
 void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV const& out, int d,
                 CommLog* log, std::string const& what,
-                moe::detail::ScratchPool<typename OutV::memory_space>* pool = nullptr) {
+                moe::detail::ScratchPool<typename OutV::memory_space>* pool = nullptr,
+                comm::Wire wire = comm::Wire::native) {
   using T = typename OutV::non_const_value_type;
   using MS = typename OutV::memory_space;
   if (detail::copy_if_alone(space, g, in, out)) return;
   int const P = g.size();
   auto const s = detail::split_at(in, d);
-  detail::record(log, what, "all-gather", g, comm::sent_bytes::all_gather(detail::bytes_of(in), P));
+  detail::record(log, what, "all-gather", g,
+                 comm::sent_bytes::all_gather(detail::bytes_of(in, wire), P));
+  if (wire == comm::Wire::bf16) {
+    // in -> 16 bits, gathered [P, A, n*C], then converted back into out's [A, P, n*C] order.
+    using W = moe::bf16;
+    auto const mine = detail::temporary<W>(space, pool, "moe::reshard::wire_send", in.span());
+    auto const got = detail::temporary<W>(space, pool, "moe::reshard::wire_recv", out.span());
+    comm::detail::convert(space, "moe::reshard::to_bf16", in.data(), mine.data(),
+                          std::int64_t(in.span()));
+    comm::all_gather(g.comm, space, View1<W const, MS>(mine), got);
+    detail::copy_rows(space, "moe::reshard::gather_unpack", got.data(), out.data(), P * s.A,
+                      s.n * s.C, detail::Identity{}, detail::PaToAp{P, s.A});
+    moe::detail::fence(space, "moe::reshard::gather_dim: unpacked");
+    return;
+  }
   // With A > 1 the blocks arrive [P, A, n*C] in a temporary and are reordered into out's
   // [A, P, n*C].
   View1<T, MS> const got =
@@ -129,32 +153,87 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
                       s.n * s.C, detail::Identity{}, detail::PaToAp{P, s.A});
 }
 
+/// \brief An all-gather along dimension 0 in flight (start_gather_rows): test() lets it progress,
+/// wait() completes it (on the bf16 wire, also converting the gathered rows into `out`).
+template <class T, class MS>
+class GatherRowsRequest {
+ public:
+  bool test() { return wire_.pending() ? wire_.test() : native_.test(); }
+  template <class ExecSpace>
+  void wait(ExecSpace const& space) {
+    if (!wire_.pending()) return native_.wait(space);
+    wire_.wait(space);
+    comm::detail::convert(space, "moe::reshard::gather_rows_unpack", got_.data(), out_,
+                          std::int64_t(got_.span()));
+    moe::detail::fence(space, "moe::reshard::gather_rows: unpacked");
+  }
+
+  comm::AllGatherRequest<T, MS, MS> native_;
+  comm::AllGatherRequest<moe::bf16, MS, MS> wire_;
+  View1<moe::bf16, MS> got_;  ///< the bf16 wire: the gathered rows, converted into out_ on wait
+  T* out_ = nullptr;
+};
+
 /// \brief Starts out = in gathered along dimension 0 over the group without blocking (see
 /// comm::iall_gather: call test() on the request while computing, wait() before reading out) and
-/// logs it as the all-gather `what`, with the bytes gather_dim would send. `pieces` is the shape
-/// the group agreed on for the gather's pieces (comm::AllGatherPieces, made once per gather).
+/// logs it as the all-gather `what`, with the bytes gather_dim would send on `wire`. `pieces` is
+/// the shape the group agreed on for the gather's pieces (comm::AllGatherPieces, made once per
+/// gather). The bf16 wire stages the piece in `pool` buffers of `slot` (one slot per gather in
+/// flight at once).
 template <class ExecSpace, class Pieces, class InV, class OutV>
-auto start_gather_rows(ExecSpace const& space, AxisGroup const& g, Pieces const& pieces,
-                       InV const& in, OutV const& out, CommLog* log, std::string const& what) {
+GatherRowsRequest<typename OutV::non_const_value_type, typename OutV::memory_space>
+start_gather_rows(ExecSpace const& space, AxisGroup const& g, Pieces const& pieces, InV const& in,
+                  OutV const& out, CommLog* log, std::string const& what,
+                  comm::Wire wire = comm::Wire::native,
+                  moe::detail::ScratchPool<typename OutV::memory_space>* pool = nullptr,
+                  int slot = 0) {
+  using T = typename OutV::non_const_value_type;
+  using MS = typename OutV::memory_space;
+  GatherRowsRequest<T, MS> req;
   if (g.size() > 1)
     detail::record(log, what, "all-gather", g,
-                   comm::sent_bytes::all_gather(detail::bytes_of(in), g.size()));
-  return pieces.start(space, in, out);
+                   comm::sent_bytes::all_gather(detail::bytes_of(in, wire), g.size()));
+  if (wire != comm::Wire::bf16 || g.size() == 1) {
+    req.native_ = pieces.start(space, in, out);
+    return req;
+  }
+  using W = moe::bf16;
+  std::string const key = "moe::reshard::igather#" + std::to_string(slot);
+  auto const mine = detail::temporary<W>(space, pool, (key + " send").c_str(), in.span());
+  req.got_ = detail::temporary<W>(space, pool, (key + " recv").c_str(), out.span());
+  req.out_ = out.data();
+  comm::detail::convert(space, "moe::reshard::to_bf16", in.data(), mine.data(),
+                        std::int64_t(in.span()));
+  req.wire_ = pieces.template start_wire<W, MS>(space, mine.data(), req.got_.data());
+  return req;
 }
 
 /// \brief out (one block along d) = sum over the group of in's blocks along d (rank order).
 /// `pool` (optional) keeps the temporaries between calls.
+/// On the bf16 wire the blocks travel as bf16 and each rank sums the P blocks it receives in
+/// fp32, rank order, rounding the sum to bf16 once (docs/precision.md, "Wire").
 template <class ExecSpace, class InV, class OutV>
 void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV const& out,
                         int d, CommLog* log, std::string const& what,
-                        moe::detail::ScratchPool<typename OutV::memory_space>* pool = nullptr) {
+                        moe::detail::ScratchPool<typename OutV::memory_space>* pool = nullptr,
+                        comm::Wire wire = comm::Wire::native) {
   using T = typename OutV::non_const_value_type;
   using MS = typename OutV::memory_space;
   if (detail::copy_if_alone(space, g, in, out)) return;
   int const P = g.size();
   auto const s = detail::split_at(out, d);
   detail::record(log, what, "reduce-scatter", g,
-                 comm::sent_bytes::reduce_scatter(detail::bytes_of(out), P));
+                 comm::sent_bytes::reduce_scatter(detail::bytes_of(out, wire), P));
+  if (wire == comm::Wire::bf16) {
+    // in [A, P, n*C] -> 16 bits in [P, A, n*C] order, in one pass.
+    using W = moe::bf16;
+    auto const buf = detail::temporary<W>(space, pool, "moe::reshard::wire_send", in.span());
+    detail::copy_rows(space, "moe::reshard::rs_pack", in.data(), buf.data(), P * s.A, s.n * s.C,
+                      detail::PaToAp{P, s.A}, detail::Identity{});
+    comm::reduce_scatter(g.comm, space, View1<W const, MS>(buf),
+                         View1<T, MS>(out.data(), out.span()), pool);
+    return;
+  }
   View1<T const, MS> src(in.data(), in.span());
   if (s.A > 1) {
     // in is [A, P, n*C]: packed [P, A, n*C] into a temporary first.

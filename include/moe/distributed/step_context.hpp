@@ -110,9 +110,11 @@ struct StepContext {
   cview2 route_weights() const { return cview2(router.state().weights); }
 
   // ------------------------------------------------------------------ collectives ------------
-  /// The comm-log name of the next collective of the running stage, after checking its kind
-  /// and group against the plan.
-  std::string const& planned(char const* kind, std::vector<std::string> const& axes) {
+  // Each runs on the wire its planned collective names (PlannedCollective::wire: bf16 for a bf16
+  // layer's activations and compute weights, native for gradients and statistics).
+  /// The next collective of the running stage, after checking its kind and group against the
+  /// plan.
+  PlannedCollective const& planned(char const* kind, std::vector<std::string> const& axes) {
     auto const& cs = stage->collectives;
     bool const ok = next < cs.size() && cs[next].kind == kind && cs[next].axes == axes;
     if (!ok)
@@ -121,17 +123,20 @@ struct StepContext {
           detail::join(axes), "] but its plan has ",
           next < cs.size() ? cs[next].kind + " over [" + detail::join(cs[next].axes) + "]"
                            : std::string("no further collective")));
-    return cs[next++].what;
+    return cs[next++];
   }
   template <class InV, class OutV>
   void all_gather(AxisGroup const& g, InV const& in, OutV const& out, int d) {
-    std::string const what = g.size() > 1 ? planned("all-gather", g.axes) : std::string();
-    distributed::gather_dim(space, g, in, out, d, &log, what, &ws.pool());
+    if (g.size() == 1) return distributed::gather_dim(space, g, in, out, d, &log, {}, &ws.pool());
+    auto const& c = planned("all-gather", g.axes);
+    distributed::gather_dim(space, g, in, out, d, &log, c.what, &ws.pool(), c.wire);
   }
   template <class InV, class OutV>
   void reduce_scatter(AxisGroup const& g, InV const& in, OutV const& out, int d) {
-    std::string const what = g.size() > 1 ? planned("reduce-scatter", g.axes) : std::string();
-    distributed::reduce_scatter_dim(space, g, in, out, d, &log, what, &ws.pool());
+    if (g.size() == 1)
+      return distributed::reduce_scatter_dim(space, g, in, out, d, &log, {}, &ws.pool());
+    auto const& c = planned("reduce-scatter", g.axes);
+    distributed::reduce_scatter_dim(space, g, in, out, d, &log, c.what, &ws.pool(), c.wire);
   }
   template <class V>
   void all_reduce(AxisGroup const& g, V const& v) {
@@ -140,17 +145,26 @@ struct StepContext {
   template <class V, class Space>
   void all_reduce(AxisGroup const& g, V const& v, Space const& exec) {
     std::string const what =
-        g.size() > 1 && v.span() > 0 ? planned("all-reduce", g.axes) : std::string();
+        g.size() > 1 && v.span() > 0 ? planned("all-reduce", g.axes).what : std::string();
     distributed::all_reduce(exec, g, v, &log, what);
   }
-  /// Logs an all-to-all of the ragged plan (rows a rank keeps for itself are copied, not sent).
-  void log_all_to_all(bool reverse, std::int64_t cols) {
+  /// The ragged exchange of the step's plan (disp.a2a): forward (src: the send blocks, dst: the
+  /// receive buffer) or its reverse, logged with the bytes sent on the planned wire (rows a rank
+  /// keeps for itself are copied, not sent).
+  template <class SrcV, class DstV>
+  void all_to_all(bool reverse, SrcV const& src, DstV const& dst) {
+    auto const& c = planned("all-to-all", layout.ep_axes);
     auto const& rows = reverse ? disp.a2a->recv_counts() : disp.a2a->kept_send_counts();
     std::int64_t n = 0;
     for (std::size_t j = 0; j < rows.size(); ++j)
       if (int(j) != disp.a2a->comm().rank()) n += rows[j];
-    log.add(planned("all-to-all", layout.ep_axes), "all-to-all", layout.ep_axes,
-            n * cols * std::int64_t(sizeof(Scalar)));
+    std::int64_t const cols = comm::detail::rows_of(src).second;
+    log.add(c.what, "all-to-all", layout.ep_axes,
+            n * cols * comm::wire_bytes(c.wire, std::int64_t(sizeof(Scalar))));
+    if (reverse)
+      disp.a2a->reverse(space, src, dst, c.wire);
+    else
+      disp.a2a->forward(space, src, dst, c.wire);
   }
 };
 

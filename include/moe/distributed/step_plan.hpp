@@ -6,6 +6,7 @@
 /// layer executes it and checks itself against it, moe::make_plan prints it, the memory estimate
 /// and the cost model read it. Routing-dependent sizes assume balanced routing.
 
+#include <moe/comm/wire.hpp>
 #include <moe/distributed/buffers.hpp>
 #include <moe/distributed/layout.hpp>
 #include <moe/error.hpp>
@@ -34,8 +35,12 @@ struct PlannedCollective {
   /// Product of the extents before the gathered / scattered dimension: > 1 means the collective
   /// stages its data through a pool buffer and reorders it in parts * lead row copies.
   std::int64_t lead = 1;
-  std::int64_t elem_bytes = 0;  ///< bytes of one value
+  std::int64_t elem_bytes = 0;  ///< bytes of one value on the wire
   bool host = false;            ///< a statistic reduced on the host (not in the layer's pool)
+  /// What the values travel as: bf16 for a bf16 layer's activations and compute weights,
+  /// native for gradients and statistics (PlanBuilder::wire; docs/precision.md, "Wire"). The
+  /// layer runs the collective on this wire.
+  comm::Wire wire = comm::Wire::native;
 };
 
 /// What a stage does; the layer runs one function per kind and phase.

@@ -35,14 +35,15 @@ std::pair<typename Ctx::view2, typename Ctx::view2> chunk_views(Ctx const& ctx,
   std::int64_t const T = ctx.plan.tokens, Tw = ctx.plan.work_tokens, Dc = own.extent(1);
   return {view2(own.data() + c * T * Dc, T, Dc), view2(got.data() + c * Tw * Dc, Tw, Dc)};
 }
-/// Starts the all-gather of D-chunk c of the own tokens into its rows of `got`.
+/// Starts the all-gather of D-chunk c of the own tokens into its rows of `got`, on its planned
+/// wire (staged in pool slot c % 2: chunk c+1 may start before chunk c's buffers are done).
 template <class Ctx>
 auto start_chunk_gather(Ctx& ctx, chunk_pieces<Ctx> const& pieces, typename Ctx::view2 own,
                         typename Ctx::view2 got, std::int64_t c) {
-  std::string const what = ctx.planned("all-gather", ctx.ep().axes);
+  auto const& planned = ctx.planned("all-gather", ctx.ep().axes);
   auto const v = chunk_views(ctx, own, got, c);
   return distributed::start_gather_rows(ctx.space, ctx.ep(), pieces, v.first, v.second, &ctx.log,
-                                        what);
+                                        planned.what, planned.wire, &ctx.ws.pool(), int(c % 2));
 }
 /// The experts stage of the chunked ring (see the file comment): chunk c+1's all-gather is in
 /// flight (progressed between the per-expert GEMM pieces) while chunk c's sorted rows go through

@@ -95,7 +95,7 @@ struct RaggedA2A : StageDefaults {
     using cview2 = typename Ctx::cview2;
     using ivec = typename Ctx::ivec;
     auto x = ctx.ws.at(buf::x);
-    int const D = ctx.cfg.base_emb_dim, E = ctx.cfg.num_experts, K = ctx.cfg.num_experts_per_tok;
+    int const E = ctx.cfg.num_experts, K = ctx.cfg.num_experts_per_tok;
     int const ep = ctx.ep().size();
     std::int64_t const L = ctx.layout.local_experts;
     auto& perm = ctx.disp.perm;
@@ -111,9 +111,8 @@ struct RaggedA2A : StageDefaults {
             ? comm::ragged_buffer_size(ctx.plan.tokens * K, ep, E, K, ctx.par.ragged_buffer_factor)
             : -1;
     ctx.disp.a2a = std::make_unique<comm::RaggedAllToAll>(ctx.ep().comm, send, R);
-    ctx.log_all_to_all(false, D);
     auto xr = ctx.ws.make(buf::x_received, ctx.disp.a2a->recv_total());
-    ctx.disp.a2a->forward(ctx.space, xs_o, xr);
+    ctx.all_to_all(false, xs_o, xr);
     // Everyone's group sizes -> the local regrouping of received rows by local expert.
     View1<std::int64_t, Kokkos::HostSpace> mine("moe::dist::sizes", E),
         all("moe::dist::all_sizes", E * ep);
@@ -146,8 +145,7 @@ struct RaggedA2A : StageDefaults {
     auto yr_c = ctx.ws.make(buf::y_received_cols, ctx.disp.a2a->recv_total());
     permute::unpermute_rows(ctx.space, ctx.disp.lp, ys_c, yr_c);
     auto ys_o_c = ctx.ws.make(buf::y_sorted_cols, ctx.disp.perm.rows());
-    ctx.log_all_to_all(true, ys_c.extent(1));
-    ctx.disp.a2a->reverse(ctx.space, yr_c, ys_o_c);
+    ctx.all_to_all(true, yr_c, ys_o_c);
     auto y_c = ctx.ws.make(buf::y_cols);
     permute::combine(ctx.space, cview2(ys_o_c), ivec(ctx.disp.perm.inverse), ctx.route_weights(),
                      false, y_c);
@@ -162,7 +160,6 @@ struct RaggedA2A : StageDefaults {
     using cview2 = typename Ctx::cview2;
     using ivec = typename Ctx::ivec;
     auto dy_c = ctx.ws.at(buf::dy_cols);
-    std::int64_t const Dc = dy_c.extent(1);
     auto dys_o_c = ctx.ws.make(buf::dy_sorted_cols, ctx.disp.perm.rows());
     auto dw = ctx.ws.make(buf::d_weights);
     permute::combine_backward(ctx.space, cview2(dy_c), cview2(ctx.ws.at(buf::y_sorted_cols)),
@@ -170,8 +167,7 @@ struct RaggedA2A : StageDefaults {
                               ctx.route_weights(), dys_o_c, dw);
     ctx.all_reduce(ctx.tp(), dw);
     auto dyr_c = ctx.ws.make(buf::dy_received_cols, ctx.disp.a2a->recv_total());
-    ctx.log_all_to_all(false, Dc);
-    ctx.disp.a2a->forward(ctx.space, dys_o_c, dyr_c);
+    ctx.all_to_all(false, dys_o_c, dyr_c);
     auto dys_c = ctx.ws.make(buf::dy_local_cols, ctx.disp.lp.rows());
     permute::permute_rows(ctx.space, ctx.disp.lp, dyr_c, dys_c);
   }
@@ -193,8 +189,7 @@ struct RaggedA2A : StageDefaults {
     auto dxr_c = ctx.ws.at(buf::dy_received_cols);
     permute::unpermute_rows(ctx.space, ctx.disp.lp, dxs_c, dxr_c);
     auto dxs_o_c = ctx.ws.at(buf::dy_sorted_cols);
-    ctx.log_all_to_all(true, dxs_c.extent(1));
-    ctx.disp.a2a->reverse(ctx.space, dxr_c, dxs_o_c);
+    ctx.all_to_all(true, dxr_c, dxs_o_c);
     auto dx_c = ctx.ws.at(buf::dy_cols);
     permute::gather_rows_backward(ctx.space, cview2(dxs_o_c), ivec(ctx.disp.perm.inverse),
                                   ctx.cfg.num_experts_per_tok, false, dx_c);
