@@ -47,6 +47,8 @@ class LayerBuffers {
   LayerBuffers(LayerPlan const& plan, LayerConfig const& cfg, bool training, bool packed)
       : plan_(plan), training_(training), packed_(packed) {
     s_ = std::int64_t(plan.scalar_bytes);
+    bf16_ = cfg.bf16();
+    f32_gate_ = cfg.float32_gate_logits;
     weight_keys_ = "num_experts, base_emb_dim, base_moe_mlp_dim";
     if (cfg.shared_mlp_dim() > 0) weight_keys_ += ", shared_experts";
     weights();
@@ -74,6 +76,10 @@ class LayerBuffers {
                                 : w.name.rfind("gate", 0) == 0 ? "num_experts, base_emb_dim"
                                                                : weight_keys_;
       add("weights", w.name, stored, s_, wkeys);
+      // dtype=bfloat16: the rounded copy of the stored block the step computes from
+      // (stages::gather_weights; not the gate bias, nor the gate with float32_gate_logits).
+      if (bf16_ && w.name != "gate_bias" && (w.name != "gate" || !f32_gate_))
+        add("weights", "bf16 " + w.name, stored, s_, wkeys);
       auto const& steps = plan_.step.weight(w.name);
       // Forward: every block of the stored -> compute ops (one per gather stage: two with
       // moe_fsdp_use_two_stage_all_gather).
@@ -109,6 +115,10 @@ class LayerBuffers {
       if (d.backward && !training_) continue;
       add(distributed::to_string(d.item), distributed::to_string(d.id), d.shape(),
           distributed::elem_bytes(d.elem, s_), distributed::keys_text(d.keys()));
+    }
+    if (bf16_ && training_) {  // the backward's rounded copy of dy (the caller's x block shape)
+      auto const& x = plan_.tensor("x").local_shape;
+      add("token rows", "bf16 dy", {x[0] * x[1], x[2]}, s_, kTokens);
     }
     for (auto const& r : plan_.step.row_limits)
       add("", r.what, {r.rows.n}, 0, distributed::keys_text(r.rows.keys), true);
@@ -189,7 +199,7 @@ class LayerBuffers {
   }
 
   LayerPlan const& plan_;
-  bool training_, packed_;
+  bool training_, packed_, bf16_ = false, f32_gate_ = false;
   std::int64_t s_ = 4;
   std::int64_t gather_pool_ = 0, rs_pool_ = 0, parts_pool_ = 0, ar_temp_ = 0;  // values
   // bf16 wire buffers, in 16-bit values
