@@ -9,6 +9,8 @@
 #include <moe/comm/communicator.hpp>
 #include <moe/error.hpp>
 #include <moe/io/checkpoint.hpp>
+#include <moe/io/safetensors.hpp>
+#include <moe_blocks.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -109,6 +111,27 @@ void save(moe::comm::Communicator const& comm, TrainConfig const& cfg,
                            checkpoint_metadata(cfg, comm.size(), mesh, step, data_hash),
                            cfg.checkpoint_keep);
   if (out) *out << "saved checkpoint: step " << step << " in " << cfg.checkpoint_dir << "\n";
+}
+
+/// \brief Collective: every parameter gathered whole on rank 0, rounded to BF16 (nearest even)
+/// and written there as one safetensors file at `path`, named as in the checkpoints
+/// (`params.<name>`): the bf16 export for inference (export_bf16). The same error on every rank
+/// when rank 0 cannot write it.
+template <class Scalar>
+void export_bf16(moe::comm::Communicator const& comm, std::vector<Param<Scalar>> const& params,
+                 std::string const& path) {
+  moe::io::File f;
+  for (auto const& q : params) {
+    auto const h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), q.p);
+    std::vector<Scalar> const local(h.data(), h.data() + h.span());
+    auto const global = moe::cli::gather_blocks<Scalar>(comm, q.block, local, q.name);
+    if (comm.rank() == 0)
+      f.set("params." + q.name,
+            moe::io::Tensor::from<Scalar>(q.block.global_shape, global).as(moe::io::DType::BF16));
+  }
+  moe::comm::collective_guard(comm, [&] {
+    if (comm.rank() == 0) f.write(path);
+  });
 }
 
 /// Step directories ("step_N") in `dir` (rank 0 looks; other ranks return "").

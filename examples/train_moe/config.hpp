@@ -103,6 +103,9 @@ struct TrainConfig {
   std::int64_t checkpoint_period = 100;
   std::string checkpoint_dir = "checkpoints";
   int checkpoint_keep = 3;
+  /// After the last step, every parameter gathered whole and rounded to BF16 into this
+  /// safetensors file (an inference copy; checkpoints keep F32). Empty: none.
+  std::string export_bf16;
 
   // Logging.
   std::int64_t log_period = 10;
@@ -359,6 +362,8 @@ inline moe::ConfigTable<TrainConfig> const& TrainConfig::table() {
     t.field("checkpoint_period", &C::checkpoint_period, "period", "steps between checkpoints");
     t.field("checkpoint_dir", &C::checkpoint_dir, "dir", "directory of the checkpoints");
     t.field("checkpoint_keep", &C::checkpoint_keep, "keep", "checkpoints kept");
+    t.field("export_bf16", &C::export_bf16, "export",
+            "after the last step, the parameters as one BF16 safetensors file (inference copy)");
     t.field("log_period", &C::log_period, "log", "steps between printed lines");
     t.field("metrics_file", &C::metrics_file, "metrics", "JSON-lines metrics (rank 0)");
     t.field("save_on_signal", &C::save_on_signal, "sig",

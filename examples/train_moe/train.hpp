@@ -131,6 +131,10 @@ class Trainer {
       throw;
     }
     GemmClock::uninstall();
+    if (!cfg_.export_bf16.empty() && res.stopped_by_signal == 0) {
+      detail::export_bf16(comm_, model_.params(), cfg_.export_bf16);
+      if (auto* o = out()) *o << "exported the parameters as BF16: " << cfg_.export_bf16 << "\n";
+    }
     finish_losses(res);
     if (t_steps > 0) {
       double const tokens = model_.tokens_per_device();

@@ -441,3 +441,30 @@ TEST(TrainCheckpoint, NeverSavesANonFiniteValue) {
   MPI_Barrier(MPI_COMM_WORLD);
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
+
+TEST(TrainPrecision, ExportBf16WritesEveryParameterWhole) {
+  // export_bf16: after the last step rank 0 writes every parameter gathered whole (global shape,
+  // whatever the layout) as BF16; the other ranks see the file once run_training returns.
+  moe::comm::Communicator comm(MPI_COMM_WORLD);
+  std::string const path =
+      (std::filesystem::temp_directory_path() / "moe_export_bf16_test.safetensors").string();
+  if (comm.rank() == 0) std::filesystem::remove(path);
+  auto c = config({"ici_expert_parallelism=-1"}, comm.size(),
+                  {"dtype=bfloat16", "steps=2", "export_bf16=" + path});
+  run(MPI_COMM_WORLD, c);
+  auto const f = moe::io::File::read(path);
+  std::size_t experts = 0;
+  for (auto const& name : f.names()) {
+    auto const& t = f.at(name);
+    EXPECT_EQ(t.dtype, moe::io::DType::BF16) << name;
+    EXPECT_EQ(name.rfind("params.", 0), 0u) << name;
+    for (float v : t.to_vector<float>()) ASSERT_TRUE(std::isfinite(v)) << name;
+    if (name.find("wi_0") != std::string::npos && name.find("shared") == std::string::npos) {
+      EXPECT_EQ(t.shape, (std::vector<std::int64_t>{8, 16, 16})) << name;  // all 8 experts
+      ++experts;
+    }
+  }
+  EXPECT_EQ(experts, 2u);  // one per decoder layer
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (comm.rank() == 0) std::filesystem::remove(path);
+}

@@ -322,8 +322,8 @@ TEST(ConfigTable, TablesListEveryMemberOnce) {
   EXPECT_EQ(moe::ParallelConfig::keys().size(), 15u);
   // train_moe: its own keys (two aliases; with MaxText's precision keys weight_dtype, grad_dtype
   // and mu_dtype), then the layer's and the parallelism's (seed and dtype are its).
-  EXPECT_EQ(train::TrainConfig::own_keys().size(), 37u);
-  EXPECT_EQ(train::TrainConfig::all_keys().size(), 37u + 23u - 2u + 15u);
+  EXPECT_EQ(train::TrainConfig::own_keys().size(), 38u);
+  EXPECT_EQ(train::TrainConfig::all_keys().size(), 38u + 23u - 2u + 15u);
   // ParallelConfig::ici() comes from the table: the ici_* keys in order.
   moe::ParallelConfig p;
   p.ici_tensor_parallelism = 4;
@@ -459,7 +459,7 @@ TEST(ConfigTable, DescribeTextsStayTheSame) {
       "10000000000000001|sched=-1|"
       "final=0.10000000000000001|b1=0.90000000000000002|b2=0.94999999999999996|aeps=1e-08|"
       "wd=0.01|clip=1|data=markov|path=|order=2|branch=3|ckpt=0|period=100|dir=checkpoints|"
-      "keep=3|log=10|metrics=|sig=SIGTERM,SIGINT,SIGHUP,SIGUSR1|allow=|timeout=600";
+      "keep=3|export=|log=10|metrics=|sig=SIGTERM,SIGINT,SIGHUP,SIGUSR1|allow=|timeout=600";
   EXPECT_EQ(t.describe(), moe::describe(t.layer) + "|" + t.par.describe() + own);
 }
 
