@@ -1,12 +1,34 @@
 #pragma once
 // The layouts the distributed-layer tests run at the current rank count: single strategies at
 // every count, their mixtures at 4 ranks. Shared by test_distributed_layer.cpp (against the
-// single-rank layer) and test_plan.cpp (the plan against the layer's comm log).
+// single-rank layer), test_plan.cpp (the plan against the layer's comm log) and
+// test_bf16_wire.cpp, with the helpers they all use (take_block).
 #include <moe/config.hpp>
+#include <moe/tensor_block.hpp>
 
 #include <cstdint>
 #include <string>
 #include <vector>
+
+/// The block [offset, offset + local) of a row-major global tensor, row-major.
+inline std::vector<double> take_block(std::vector<double> const& g, moe::TensorBlock const& b) {
+  std::size_t const r = b.global_shape.size();
+  std::int64_t n = 1;
+  for (auto e : b.local_shape) n *= e;
+  std::vector<double> out;
+  out.reserve(std::size_t(n));
+  std::vector<std::int64_t> c(r);
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::int64_t rem = i, flat = 0;
+    for (std::size_t d = r; d-- > 0;) {
+      c[d] = rem % b.local_shape[d];
+      rem /= b.local_shape[d];
+    }
+    for (std::size_t d = 0; d < r; ++d) flat = flat * b.global_shape[d] + b.offset[d] + c[d];
+    out.push_back(g[std::size_t(flat)]);
+  }
+  return out;
+}
 
 /// The layer every distributed test runs (and tests/unit/test_plan.cpp plans): E=8, K=2, D=16,
 /// F=8, one shared expert, the given load-balance loss weight, then `extra` key=value settings.

@@ -194,25 +194,6 @@ TEST(Bf16Wire, RaggedAllToAllMovesRowsAsBf16) {
 
 using Tensors = std::map<std::string, std::vector<double>>;
 
-/// Copies the block [offset, offset+local) of a row-major global tensor.
-std::vector<double> take(std::vector<double> const& g, moe::TensorBlock const& b) {
-  std::size_t const r = b.global_shape.size();
-  std::int64_t n = 1;
-  for (auto e : b.local_shape) n *= e;
-  std::vector<double> out;
-  out.reserve(std::size_t(n));
-  for (std::int64_t i = 0; i < n; ++i) {
-    std::int64_t rem = i, flat = 0;
-    std::vector<std::int64_t> c(r);
-    for (std::size_t d = r; d-- > 0;) {
-      c[d] = rem % b.local_shape[d];
-      rem /= b.local_shape[d];
-    }
-    for (std::size_t d = 0; d < r; ++d) flat = flat * b.global_shape[d] + b.offset[d] + c[d];
-    out.push_back(g[std::size_t(flat)]);
-  }
-  return out;
-}
 template <class V>
 void fill(V const& v, std::vector<double> const& vals) {
   ASSERT_EQ(v.span(), vals.size());
@@ -279,15 +260,15 @@ Step run_distributed(LayoutCase const& c, moe::LayerConfig const& cfg, Tensors& 
   std::int64_t const B = c.batch, S = 4;
   moe::DistributedMoeLayer<float> layer(MPI_COMM_WORLD, cfg, parallel_of(c), B, S);
   layer.parameters().for_each(
-      [&](char const* n, auto const& v) { fill(v, take(t[n], layer.block(n))); });
+      [&](char const* n, auto const& v) { fill(v, take_block(t[n], layer.block(n))); });
   layer.weights_changed();
   auto const xb = layer.block("x");
   if (x_block) *x_block = xb;
   std::int64_t const bl = xb.local_shape[0], Dl = xb.local_shape[2];
   moe::View3<float, Mem> x("x", bl, S, Dl), y("y", bl, S, Dl), dy("dy", bl, S, Dl),
       dx("dx", bl, S, Dl);
-  fill(x, take(t["x"], xb));
-  fill(dy, take(t["dy"], xb));
+  fill(x, take_block(t["x"], xb));
+  fill(dy, take_block(t["dy"], xb));
   layer.forward(x, y);
   moe::DistributedMoeLayer<float>::params_type g;
   layer.backward(dy, dx, g);
@@ -413,17 +394,18 @@ TEST(Bf16Wire, EveryLayoutMatchesTheSingleRankBf16Layer) {
     moe::MoeLayer<float>::params_type rg;
     ref.backward(dy, dx, rg);
 
-    expect_bf16_close(got.y, take(values(y), xb), "y", 8);
-    expect_bf16_close(got.dx, take(values(dx), xb), "dx", 16);
+    expect_bf16_close(got.y, take_block(values(y), xb), "y", 8);
+    expect_bf16_close(got.dx, take_block(values(dx), xb), "dx", 16);
     EXPECT_NEAR(got.lb_loss, ref.lb_loss(), 8 * std::ldexp(1.0, -8) * std::abs(ref.lb_loss()));
     moe::TensorBlock wb{{B, S, cfg.num_experts_per_tok},
                         {xb.local_shape[0], S, cfg.num_experts_per_tok},
                         {xb.offset[0], 0, 0}};
-    expect_bf16_close(got.weights, take(values(ref.weights()), wb), "routing weights", 8);
+    expect_bf16_close(got.weights, take_block(values(ref.weights()), wb), "routing weights", 8);
     rg.for_each([&](char const* n, auto const& v) {
       auto const it = got.grads.find(n);
       ASSERT_NE(it, got.grads.end()) << n;
-      expect_bf16_close(it->second, take(values(v), got.blocks.at(n)), std::string("d_") + n, 16);
+      expect_bf16_close(it->second, take_block(values(v), got.blocks.at(n)), std::string("d_") + n,
+                        16);
     });
   }
 }

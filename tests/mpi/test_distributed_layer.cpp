@@ -33,27 +33,6 @@ std::vector<double> randn(std::size_t n, double scale, std::mt19937_64& g) {
   return v;
 }
 
-/// Copies the block [offset, offset+local) of a row-major global tensor.
-std::vector<double> take(std::vector<double> const& g, moe::TensorBlock const& b) {
-  std::vector<double> out;
-  std::size_t const r = b.global_shape.size();
-  std::vector<std::int64_t> idx(r, 0);
-  std::int64_t n = 1;
-  for (auto e : b.local_shape) n *= e;
-  out.reserve(n);
-  for (std::int64_t i = 0; i < n; ++i) {
-    std::int64_t rem = i, flat = 0;
-    std::vector<std::int64_t> c(r);
-    for (std::size_t d = r; d-- > 0;) {
-      c[d] = rem % b.local_shape[d];
-      rem /= b.local_shape[d];
-    }
-    for (std::size_t d = 0; d < r; ++d) flat = flat * b.global_shape[d] + b.offset[d] + c[d];
-    out.push_back(g[flat]);
-  }
-  return out;
-}
-
 template <class V>
 void fill(V const& v, std::vector<double> const& vals) {
   ASSERT_EQ(v.span(), vals.size());
@@ -130,14 +109,16 @@ void run_case(Case const& c, int steps = 1, Calls const& calls = {}) {
   layer.set_batch_shape(B, S);
   ASSERT_EQ(layer.batch_shape(), std::make_pair(B, S));
   auto const& params = std::as_const(layer).parameters();
-  params.for_each([&](char const* n, auto const& v) { fill(v, take(g.t[n], layer.block(n))); });
+  params.for_each(
+      [&](char const* n, auto const& v) { fill(v, take_block(g.t[n], layer.block(n))); });
   layer.weights_changed();
   for (int step = 0; step < steps; ++step) {
     std::string const what = c.name + " step " + std::to_string(step);
     if (step > 0) {  // new expert weights, written through the views the layer holds
       for (char const* n : {"wi_0", "wi_1", "wo"})
         for (auto& e : g.t[n]) e *= -0.75;
-      params.for_each([&](char const* n, auto const& v) { fill(v, take(g.t[n], layer.block(n))); });
+      params.for_each(
+          [&](char const* n, auto const& v) { fill(v, take_block(g.t[n], layer.block(n))); });
       layer.weights_changed();
     }
     // Reference: a new single-rank layer (nothing cached) on the whole batch.
@@ -154,14 +135,14 @@ void run_case(Case const& c, int steps = 1, Calls const& calls = {}) {
     std::int64_t const bl = xb.local_shape[0], Dl = xb.local_shape[2];
     moe::View3<Scalar, Mem> lx("lx", bl, S, Dl), ly("ly", bl, S, Dl);
     moe::View3<Scalar, Mem> ldy("ldy", bl, S, Dl), ldx("ldx", bl, S, Dl);
-    fill(lx, take(g.t["x"], xb));
-    fill(ldy, take(g.t["dy"], xb));
+    fill(lx, take_block(g.t["x"], xb));
+    fill(ldy, take_block(g.t["dy"], xb));
     layer.forward(lx, ly, {calls.token_offset});
     typename moe::DistributedMoeLayer<Scalar>::params_type lg;
     layer.backward(ldy, ldx, lg);
 
-    expect_close(values(ly), take(values(y), xb), what + " y", rel);
-    expect_close(values(ldx), take(values(dx), xb), what + " dx", rel);
+    expect_close(values(ly), take_block(values(y), xb), what + " y", rel);
+    expect_close(values(ldx), take_block(values(dx), xb), what + " dx", rel);
     EXPECT_NEAR(layer.lb_loss(), ref.lb_loss(), rel * std::abs(ref.lb_loss()) + 1e-15) << what;
     if (std::is_same<Scalar, double>::value) {
       EXPECT_EQ(layer.bias_update(), ref.bias_update()) << what;
@@ -171,7 +152,7 @@ void run_case(Case const& c, int steps = 1, Calls const& calls = {}) {
       lg.for_each([&](char const* m, auto const& w) {
         if (std::string(m) == n) got = values(w);
       });
-      expect_close(got, take(values(v), layer.block(n)), what + " d_" + n, rel);
+      expect_close(got, take_block(values(v), layer.block(n)), what + " d_" + n, rel);
     });
     // Routing outputs of this rank's tokens.
     auto const ids = values(layer.weights());
@@ -179,7 +160,7 @@ void run_case(Case const& c, int steps = 1, Calls const& calls = {}) {
     moe::TensorBlock wb{{B, S, cfg.num_experts_per_tok},
                         {xb.local_shape[0], S, cfg.num_experts_per_tok},
                         {xb.offset[0], 0, 0}};
-    expect_close(ids, take(all_w, wb), what + " weights", rel);
+    expect_close(ids, take_block(all_w, wb), what + " weights", rel);
   }
 }
 
@@ -311,14 +292,14 @@ TEST(DistributedLayer, RaggedBufferFactorDropsTheHigherRankSendersRows) {
   };
   moe::DistributedMoeLayer<double> layer(MPI_COMM_WORLD, cfg, par, B, S);
   layer.parameters().for_each(
-      [&](char const* name, auto const& v) { fill(v, take(t[name], layer.block(name))); });
+      [&](char const* name, auto const& v) { fill(v, take_block(t[name], layer.block(name))); });
   auto const xb = layer.block("x");
   moe::View3<double, Mem> lx("lx", xb.local_shape[0], S, D), ly("ly", xb.local_shape[0], S, D);
-  fill(lx, take(t["x"], xb));
+  fill(lx, take_block(t["x"], xb));
   layer.forward(lx, ly);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  expect_close(values(ly), take(reference(rank == 0), xb), "capped y");
+  expect_close(values(ly), take_block(reference(rank == 0), xb), "capped y");
 }
 
 }  // namespace

@@ -35,22 +35,9 @@ void set_all(T& c, std::vector<std::string> const& kvs) {
 
 template <class V>
 void fill_block(V const& v, moe::TensorBlock const& b, std::vector<double> const& global) {
-  // Row-major copy of the block [offset, offset + local) of the global tensor.
   using T = typename V::non_const_value_type;
-  std::size_t const r = b.global_shape.size();
-  T* out = v.data();
-  std::int64_t n = 1;
-  for (auto e : b.local_shape) n *= e;
-  for (std::int64_t i = 0; i < n; ++i) {
-    std::int64_t rem = i, flat = 0;
-    std::vector<std::int64_t> c(r);
-    for (std::size_t d = r; d-- > 0;) {
-      c[d] = rem % b.local_shape[d];
-      rem /= b.local_shape[d];
-    }
-    for (std::size_t d = 0; d < r; ++d) flat = flat * b.global_shape[d] + b.offset[d] + c[d];
-    out[i] = T(global[std::size_t(flat)]);
-  }
+  auto const vals = take_block(global, b);
+  for (std::size_t i = 0; i < vals.size(); ++i) v.data()[i] = T(vals[i]);
 }
 
 /// Live and peak bytes of Kokkos allocations, through the Kokkos Tools data callbacks.
@@ -195,44 +182,36 @@ TEST(DistributedPlan, PredictsTheLayersCommLog) {
 // peak of the layer's own Kokkos allocations, on every rank of every layout whose routing the
 // inputs balance (the estimate assumes balanced routing), EP-TP included; at D=64, F=128 and
 // 64-token sequences, so that the layer's few fixed-size allocations do not decide the ratio.
-TEST(DistributedPlan, MemoryEstimateMatchesTheAllocationsOfEveryLayout) {
-  if (Kokkos::Tools::profileLibraryLoaded()) GTEST_SKIP() << "a Kokkos Tools library is loaded";
+/// f(case) on every layout case and EP-TP case at this rank count (balanced_only: those whose
+/// routing the inputs balance, which the memory estimate assumes).
+template <class F>
+void each_layout(bool balanced_only, F&& f) {
   int n = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &n);
   auto all = cases(n);
   for (auto const& c : ep_tp_cases(n)) all.push_back(c);
   for (auto const& c : all) {
-    if (!c.balanced || !c.bias_boost.empty()) continue;
+    if (balanced_only && (!c.balanced || !c.bias_boost.empty())) continue;
     SCOPED_TRACE(c.name);
-    run_case(c, true, 64, 64);
+    f(c);
   }
+}
+
+TEST(DistributedPlan, MemoryEstimateMatchesTheAllocationsOfEveryLayout) {
+  if (Kokkos::Tools::profileLibraryLoaded()) GTEST_SKIP() << "a Kokkos Tools library is loaded";
+  each_layout(true, [](Case const& c) { run_case(c, true, 64, 64); });
 }
 
 // The dtype=bfloat16 layer: the plan's bytes (activations and weight gathers on the bf16 wire,
 // gradient reductions in fp32) are the layer's, and so is the memory estimate with the wire's
-// 16-bit buffers.
+// 16-bit buffers and the rounded copies of the weights and dy.
 TEST(DistributedPlan, PredictsTheBf16LayersCommLog) {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  auto all = cases(n);
-  for (auto const& c : ep_tp_cases(n)) all.push_back(c);
-  for (auto const& c : all) {
-    SCOPED_TRACE(c.name);
-    run_case<float>(c, false, 16, 4, true);
-  }
+  each_layout(false, [](Case const& c) { run_case<float>(c, false, 16, 4, true); });
 }
 
 TEST(DistributedPlan, Bf16MemoryEstimateMatchesTheAllocationsOfEveryLayout) {
   if (Kokkos::Tools::profileLibraryLoaded()) GTEST_SKIP() << "a Kokkos Tools library is loaded";
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  auto all = cases(n);
-  for (auto const& c : ep_tp_cases(n)) all.push_back(c);
-  for (auto const& c : all) {
-    if (!c.balanced || !c.bias_boost.empty()) continue;
-    SCOPED_TRACE(c.name);
-    run_case<float>(c, true, 64, 64, true);
-  }
+  each_layout(true, [](Case const& c) { run_case<float>(c, true, 64, 64, true); });
 }
 
 TEST(DistributedPlan, EpTpPredictsTheLayersCommLog) {
