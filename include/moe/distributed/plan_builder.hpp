@@ -62,9 +62,8 @@ class PlanBuilder {
     F = lay.weight("wi_0").dims[2].computed;
     Tw = gathered_tokens ? checked_mul(T, ep, "tokens on the ring") : T;
     chunks = par.num_moe_emb_chunks;  // compute_layout allows it on the ring only
-    // Balanced routing: every expert gets T*K/E of this rank's slots; per-sequence capacity
-    // keeps at most C of them per expert and sequence. Every rank of the expert group sends the
-    // same, so this rank receives what it sends (capped by the receive buffer).
+    // Balanced routing: every expert gets T*K/E of this rank's slots (at most C per expert and
+    // sequence); each rank of the expert group receives what it sends (capped by the buffer).
     sent = kept_slots(T);
     recv = sent;
     if (par.ragged_buffer_factor > 0)
@@ -74,22 +73,15 @@ class PlanBuilder {
     local = E > 0 ? checked_mul(kept_slots(Tw), L, "local rows") / E : 0;
   }
 
-  /// What a collective moves, which decides its wire type (wire()).
-  enum class Payload {
-    activations,  ///< tokens, expert rows and outputs, and their gradients
-    logits,       ///< the gate logits (the chunked ring gathers them)
-    weights,      ///< a compute block of an expert or shared-expert weight
-    gate,         ///< the gate weight's compute block
-    gradients     ///< weight gradients and statistics (grad_dtype: fp32)
-  };
-  /// The wire type of a collective moving `p` (docs/precision.md, "Wire"): a bf16 layer moves
-  /// the values it holds in bf16 as bf16 (the gate and its logits unless float32_gate_logits);
-  /// gradients and statistics, and every value of a native layer, move in the value type.
+  /// What a collective moves (activations: tokens, expert rows, their gradients; weights: an
+  /// expert or shared-expert compute block; gradients: weight gradients and statistics).
+  enum class Payload { activations, logits, weights, gate, gradients };
+  /// The wire of a collective moving `p` (docs/precision.md, "Wire"): bf16 for what a bf16 layer
+  /// holds in bf16 (the gate and its logits unless float32_gate_logits), else the value type.
   comm::Wire wire(Payload p) const {
-    if (!cfg.bf16() || p == Payload::gradients) return comm::Wire::native;
-    if ((p == Payload::gate || p == Payload::logits) && cfg.float32_gate_logits)
-      return comm::Wire::native;
-    return comm::Wire::bf16;
+    bool const f32_gate = (p == Payload::gate || p == Payload::logits) && cfg.float32_gate_logits;
+    return cfg.bf16() && p != Payload::gradients && !f32_gate ? comm::Wire::bf16
+                                                              : comm::Wire::native;
   }
 
   Layout const& lay;
@@ -119,8 +111,7 @@ class PlanBuilder {
   Extent recv_rows() const { return {recv, slot, true}; }
   Extent local_rows() const { return {local, slot, true}; }
   Extent mlp() const { return {F, scale_mlp}; }
-  /// Whether the shared expert gathers the expert group's tokens (EP-as-TP with the tokens split
-  /// over the expert axes).
+  /// Whether the shared expert gathers the expert group's tokens (EP-as-TP, tokens on the EP axes).
   bool shared_spans() const {
     return lay.shared == SharedExpert::split &&
            (lay.route == ExpertRoute::RaggedA2A || lay.route == ExpertRoute::Ring);
@@ -234,8 +225,7 @@ class PlanBuilder {
   }
 
   // ------------------------------------------------------------ collectives
-  // Collectives of a group of size 1 do not run (and are not planned). Token collectives move
-  // [rows, cols] blocks along dim 0 (rows) or dim 1 (cols).
+  // A group of size 1 plans nothing. Token collectives move [rows, cols] blocks along dim 0 or 1.
   /// All-gather of `rows` x `cols` input blocks along `dim` (of activations unless `p` says).
   void all_gather(Stage& st, std::string what, Axes const& axes, std::int64_t rows,
                   std::int64_t cols, int dim, bool balanced = false,
@@ -400,12 +390,10 @@ class PlanBuilder {
            bool balanced, std::int64_t parts, std::int64_t elems, std::int64_t lead,
            comm::Wire w = comm::Wire::native, std::int64_t elem_bytes = 0) const {
     st.collectives.push_back({std::move(what), kind, axes, bytes, balanced, parts, elems, lead,
-                              elem_bytes ? elem_bytes : comm::wire_bytes(w, s)});
-    st.collectives.back().wire = w;
+                              elem_bytes ? elem_bytes : comm::wire_bytes(w, s), false, w});
   }
-  /// An all-gather (`gather`) or reduce-scatter over P ranks of `block` values per rank (the
-  /// whole buffer: P blocks) on wire `w`; `lead`: the extents before the gathered or scattered
-  /// dimension.
+  /// An all-gather (`gather`) or reduce-scatter on wire `w` over P ranks of `block` values per
+  /// rank (the whole buffer: P blocks); `lead`: the extents before the gathered dimension.
   void blocks(Stage& st, std::string what, bool gather, Axes const& axes, std::int64_t P,
               std::int64_t block, std::int64_t lead, bool balanced, comm::Wire w) const {
     namespace sent = comm::sent_bytes;
