@@ -49,21 +49,6 @@ struct AdamW {
   Scalar b1 = 0, b2 = 0, eps = 0, rate = 0, grad_scale = 1, decay = 0, c1 = 1, c2 = 1;
 };
 
-/// \brief moe::detail::bf16_bits (round to nearest even, NaN kept quiet) with both outcomes
-/// computed and one selected: the same bits, without the early return that keeps GCC from
-/// vectorising the AdamW loop (tests/unit/test_train_layers.cpp compares the two).
-KOKKOS_INLINE_FUNCTION std::uint16_t bf16_bits_select(float f) {
-  std::uint32_t const u = moe::detail::float_bits(f);
-  std::uint32_t const rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  std::uint32_t const quiet_nan = (u >> 16) | 0x0040u;
-  return std::uint16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
-}
-/// `x` rounded to the nearest bf16, as Scalar (bf16_bits_select).
-template <class Scalar>
-KOKKOS_INLINE_FUNCTION Scalar round_to_bf16(Scalar x) {
-  return Scalar(moe::detail::bf16_to_float(bf16_bits_select(float(x))));
-}
-
 /// A stored moment as Scalar (bf16: exact) and a Scalar into its storage (bf16: rounded to
 /// nearest even).
 template <class Scalar>
@@ -77,7 +62,7 @@ KOKKOS_INLINE_FUNCTION Scalar load_moment(moe::bf16 x) {
 template <class Stored, class Scalar>
 KOKKOS_INLINE_FUNCTION Stored store_moment(Scalar x) {
   if constexpr (std::is_same_v<Stored, moe::bf16>)
-    return moe::bf16::from_bits(bf16_bits_select(float(x)));
+    return moe::bf16(float(x));
   else
     return x;
 }
@@ -105,7 +90,7 @@ void adamw_update(Exec const& space, AdamW<Scalar> const& a, std::int64_t n, Sca
         nu[i] = store_moment<Nu>(v);
         Scalar const w1 = w - rate * (u + wd * w);
         if constexpr (RoundWeights)
-          p[i] = round_to_bf16(w1);
+          p[i] = round_bf16(w1);
         else
           p[i] = w1;
       });

@@ -35,14 +35,15 @@ KOKKOS_INLINE_FUNCTION float bits_float(std::uint32_t u) {
   return v.f;
 }
 
-/// float -> bf16 bits, round to nearest, ties to even (see the file comment).
+/// float -> bf16 bits, round to nearest, ties to even (see the file comment). Both outcomes are
+/// computed and one selected (no early return), so loops that round vectorise.
 KOKKOS_INLINE_FUNCTION std::uint16_t bf16_bits(float f) {
   std::uint32_t const u = float_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u)  // NaN: quiet, sign and upper payload kept
-    return std::uint16_t((u >> 16) | 0x0040u);
   // Adding 0x7fff plus the lowest kept bit rounds to nearest with ties to even; a carry out of
   // the fraction steps the exponent (up to Inf, exactly where rounding overflows).
-  return std::uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  std::uint32_t const rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  std::uint32_t const quiet_nan = (u >> 16) | 0x0040u;  // NaN: quiet, sign and upper payload kept
+  return std::uint16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 /// bf16 bits -> float, exact.

@@ -218,8 +218,7 @@ class DistributedMoeLayer
     distributed::stages::alloc_compute_grads(ctx_, grads);
     auto dy2 = cview2(dy.data(), T, D);
     if (ctx_.cfg.bf16()) {  // a bf16 copy of dy (docs/precision.md)
-      auto const c = ctx_.ws.pool().template get<Scalar>("bf16.dy", std::size_t(T * D));
-      view2 dyc(c.data(), T, D);
+      auto const dyc = distributed::stages::shaped<view2>(ctx_, {T, D}, "bf16.dy");
       Kokkos::deep_copy(ctx_.space, dyc, dy2);
       moe::detail::round_bf16(ctx_.space, dyc);
       dy2 = dyc;
