@@ -34,7 +34,9 @@
 //   over_fp32      median over iterations of (this forward or backward / the same step of a
 //                  float32 layer on the same inputs, run right after it)
 // layer_fwd_model/ and layer_bwd_model/<model>/EP=<ep>/<dist>/T=<tokens> (#31): one rank's slice
-// of a published model's layer (see register_layer_benchmarks), the counters of layer_fwd/bwd.
+// of a published model's layer (see register_layer_benchmarks), the counters of layer_fwd/bwd;
+// layer_fwd_bf16_model/ and layer_bwd_bf16_model/ (T=1024): the same with dtype=bfloat16 and
+// over_fp32, as layer_fwd_bf16/.
 // permute/ (counting sort, + row gather of x[T, D] unless sort/) counts ns_per_slot only: it does
 // no FLOPs, and its timing includes the sort, so neither peak_ratio nor a bandwidth ratio applies.
 //
@@ -369,28 +371,32 @@ void moe::bench::register_layer_benchmarks() {
   // (as gmm_model's rows), from rows / K' tokens routed over the local experts with K' = min(K,
   // max(1, E/EP/2)) (so Zipf stays possible). The routed experts only (no shared expert, no
   // all-to-all); gflops and the ratios count the rows' GEMM FLOPs, as layer_fwd/layer_bwd.
-  for (bool bwd : {false, true})
-    for (auto const& m : moe::bench::model_slices())
-      for (char const* dist : {"balanced", "zipf"})
-        for (std::int64_t tokens : {1024, 4096}) {
-          auto const& f = m.facts();
-          int const L = m.local_experts();
-          int const K = std::min(f.num_experts_per_tok, std::max(1, L / 2));
-          std::int64_t const rows = m.rows(tokens);
-          LayerShape const shape{L, K, f.base_emb_dim, f.base_moe_mlp_dim};
-          std::string const d = dist;
-          std::string const name = std::string(bwd ? "layer_bwd_model/" : "layer_fwd_model/") +
-                                   m.label() + "/" + d + "/T=" + std::to_string(tokens) +
-                                   moe::bench::isa_suffix();
-          benchmark::RegisterBenchmark(name.c_str(),
-                                       [=](benchmark::State& st) {
-                                         bench_layer<moe::gmm::Auto>(st, bwd, shape, d, rows / K,
-                                                                     false);
-                                       })
-              ->UseManualTime()
-              ->Iterations(3)
-              ->Unit(benchmark::kMillisecond);
-        }
+  // The bf16 model rows (layer_fwd_bf16_model/...: dtype=bfloat16, with over_fp32) at T=1,024.
+  for (bool bf16 : {false, true})
+    for (bool bwd : {false, true})
+      for (auto const& m : moe::bench::model_slices())
+        for (char const* dist : {"balanced", "zipf"})
+          for (std::int64_t tokens : {1024, 4096}) {
+            if (bf16 && tokens != 1024) continue;
+            auto const& f = m.facts();
+            int const L = m.local_experts();
+            int const K = std::min(f.num_experts_per_tok, std::max(1, L / 2));
+            std::int64_t const rows = m.rows(tokens);
+            LayerShape shape{L, K, f.base_emb_dim, f.base_moe_mlp_dim};
+            shape.bf16 = bf16;
+            std::string const d = dist;
+            std::string const name = std::string(bwd ? "layer_bwd" : "layer_fwd") +
+                                     (bf16 ? "_bf16_model/" : "_model/") + m.label() + "/" + d +
+                                     "/T=" + std::to_string(tokens) + moe::bench::isa_suffix();
+            benchmark::RegisterBenchmark(name.c_str(),
+                                         [=](benchmark::State& st) {
+                                           bench_layer<moe::gmm::Auto>(st, bwd, shape, d, rows / K,
+                                                                       false);
+                                         })
+                ->UseManualTime()
+                ->Iterations(3)
+                ->Unit(benchmark::kMillisecond);
+          }
   for (bool sort_only : {false, true})
     for (int E : {8, 64, 256})
       for (char const* dist : {"balanced", "zipf"})

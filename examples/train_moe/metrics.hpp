@@ -3,10 +3,12 @@
 // 0's progress lines and closing summary, and the metrics_file (one JSON object per step).
 
 #include "config.hpp"
+#include "data.hpp"
 
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/communicator.hpp>
 #include <moe/sharding/mesh.hpp>
+#include <moe/threads.hpp>
 
 #include <fcntl.h>
 #include <sys/file.h>
@@ -65,7 +67,11 @@ struct TrainResult {
   /// The yardstick of the step time: seconds of the routed-expert GEMMs of one device's share of
   /// a step run alone (see expert_gemm_seconds in gemm_time.hpp); 0 when nothing was timed.
   double expert_gemm_seconds = 0;
-  std::int64_t layer_bytes_per_step = 0;            ///< MoE layers' comm log, this rank
+  std::int64_t memory_estimate_bytes = 0;   ///< train::estimate_memory's total for one rank
+  std::int64_t peak_resident_bytes = 0;     ///< the largest peak resident set over the ranks
+  std::int64_t peak_above_start_bytes = 0;  ///< the largest over the ranks of their peak
+                                            ///< resident set less what they held at the start
+  std::int64_t layer_bytes_per_step = 0;    ///< MoE layers' comm log, this rank
   std::int64_t layer_bytes_per_step_all_ranks = 0;  ///< summed over ranks
   bool replicas_consistent = true;  ///< ranks holding the same parameter block agree bitwise
   /// What oneDNN ran on rank 0 (moe::gmm::OneDnnStats::summary(): ISA, executions per kernel).
@@ -117,6 +123,14 @@ inline std::string mesh_text(moe::sharding::Mesh const& mesh) {
   for (auto const& [name, size] : mesh.axes())
     if (size > 1) s += (s.empty() ? "" : " x ") + name + "=" + std::to_string(size);
   return s.empty() ? std::string("1 rank") : s;
+}
+
+/// The calling process's resident set now (/proc/self/statm; 0 where it cannot be read).
+inline std::int64_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  std::int64_t pages = 0, resident = 0;
+  if (!(statm >> pages >> resident)) return 0;
+  return resident * std::int64_t(::sysconf(_SC_PAGESIZE));
 }
 
 inline std::string json_number(double v) {
@@ -246,6 +260,39 @@ class MetricsFile {
   std::string error_;
 };
 
+/// "float32", or for dtype=bfloat16 and bf16 storage what is bf16 and what float32 (the opening
+/// line of a run).
+inline std::string precision_text(TrainConfig const& c) {
+  if (c.dtype != "bfloat16" && !c.bf16_mu()) return c.dtype;
+  std::string s = c.dtype == "bfloat16" ? "bfloat16 MoE layers (the rest float32)" : c.dtype;
+  s += ", weights " + c.weight_dtype + ", AdamW mu " + c.mu_storage() + " nu " +
+       (c.bf16_nu() ? "bfloat16" : "float32");
+  return s;
+}
+
+/// \brief One rank's share of the model, its parameters and buffers, and the training step.
+/// Rank 0's opening lines: ranks, mesh, route, batch and precision; the model (n parameters,
+/// moe_n of them in MoE layers); the GEMM backend; the dataset.
+inline void print_opening(std::ostream& o, TrainConfig const& c, int ranks, std::string const& mesh,
+                          std::string const& route, std::int64_t batch, std::int64_t vocab,
+                          std::int64_t n, std::int64_t moe_n, Dataset const& data) {
+  auto const& l = c.layer;
+  o << "train_moe: " << ranks << " rank" << (ranks > 1 ? "s" : "") << ", mesh " << mesh
+    << ", experts via " << route << ", global batch " << batch << " x " << c.max_target_length
+    << " tokens, " << precision_text(c) << "\n"
+    << "model: vocab " << vocab << ", emb " << l.base_emb_dim << ", " << c.base_num_decoder_layers
+    << " MoE layers (" << l.num_experts << " experts of " << l.base_moe_mlp_dim << ", top-"
+    << l.num_experts_per_tok << ", " << l.shared_experts << " shared), context " << c.context_length
+    << ": " << n << " parameters (" << moe_n << " in MoE)\n"
+    << moe::describe_gemm() << "\n";
+  o << "dataset: " << data.name() << ", entropy rate: ";
+  if (std::isfinite(data.entropy_rate()))
+    o << fmt("%.4f", data.entropy_rate()) << " nats/token\n";
+  else
+    o << "unknown\n";
+  o.flush();
+}
+
 /// The two progress lines of a logged step.
 inline void print_step(std::ostream& o, StepMetrics const& m) {
   o << "completed step: " << m.step << ", seconds: " << fmt("%.3f", m.seconds)
@@ -286,6 +333,14 @@ inline void print_summary(std::ostream& o, TrainResult const& r, std::int64_t st
       << " ms; the expert GEMMs of one rank's share alone "
       << fmt("%.1f", 1e3 * r.expert_gemm_seconds) << " ms; ratio "
       << fmt("%.2f", r.step_seconds / r.expert_gemm_seconds) << "\n";
+  if (r.peak_resident_bytes > 0) {
+    auto gib = [](std::int64_t b) {
+      return fmt("%.3f", double(b) / double(std::int64_t(1) << 30));
+    };
+    o << "summary: memory per rank: estimate " << gib(r.memory_estimate_bytes)
+      << " GiB; peak resident set " << gib(r.peak_resident_bytes) << " GiB, "
+      << gib(r.peak_above_start_bytes) << " GiB above the start (largest over the ranks)\n";
+  }
   o << "summary: MoE layer bytes per step " << r.layer_bytes_per_step << " sent by rank 0, "
     << r.layer_bytes_per_step_all_ranks << " by all ranks (" << layers << " layers, " << r.mesh
     << ")\n";

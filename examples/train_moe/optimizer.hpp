@@ -21,6 +21,52 @@
 
 namespace train::detail {
 
+/// \brief AdamW's moments of every parameter, each moment in one flat buffer: Scalar, or 16-bit
+/// bf16 with mu_dtype / weight_dtype=bfloat16 (TrainConfig::bf16_mu, bf16_nu).
+template <class Scalar>
+struct Moments {
+  typename Param<Scalar>::view1 m, v;       ///< unless stored in bf16
+  typename Param<Scalar>::view16 m16, v16;  ///< mu_dtype / weight_dtype=bfloat16
+
+  Moments() = default;
+  /// Allocates the moments of `params` and points each at its part, with host mirrors for
+  /// checkpoints (a bf16 moment has one only while a checkpoint is saved or loaded).
+  Moments(TrainConfig const& cfg, std::vector<Param<Scalar>>& params) {
+    using view1 = typename Param<Scalar>::view1;
+    using view16 = typename Param<Scalar>::view16;
+    std::int64_t n_all = 0;
+    for (auto const& q : params) n_all += q.size();
+    bool const mu16 = cfg.bf16_mu(), nu16 = cfg.bf16_nu();
+    if (mu16)
+      m16 = view16("train::adam_mu_bf16", n_all);
+    else
+      m = view1("train::adam_mu", n_all);
+    if (nu16)
+      v16 = view16("train::adam_nu_bf16", n_all);
+    else
+      v = view1("train::adam_nu", n_all);
+    std::int64_t at = 0;
+    for (auto& q : params) {
+      std::int64_t const n = q.size();
+      if (mu16)
+        q.m16 = view16(m16.data() + at, n);
+      else
+        q.m = view1(m.data() + at, n), q.m_host = Kokkos::create_mirror_view(q.m);
+      if (nu16)
+        q.v16 = view16(v16.data() + at, n);
+      else
+        q.v = view1(v.data() + at, n), q.v_host = Kokkos::create_mirror_view(q.v);
+      at += n;
+    }
+  }
+
+  /// Bytes of both moments (bf16 ones: 2 an element).
+  std::int64_t bytes() const {
+    return std::int64_t((m.span() + v.span()) * sizeof(Scalar) +
+                        (m16.span() + v16.span()) * sizeof(moe::bf16));
+  }
+};
+
 /// Sum over i of g(i)^2 in double (free function: nvcc forbids KOKKOS_LAMBDA in private members).
 /// Each work item sums 16 consecutive elements, so the running sum takes one add per 16
 /// elements instead of one per element (a chain of dependent adds, not the memory, had set the

@@ -38,17 +38,6 @@ inline std::string divergence_message(std::int64_t step, double learning_rate,
                           "checkpoint");
 }
 
-/// "float32", or for dtype=bfloat16 and bf16 storage what is bf16 and what float32 (the opening
-/// line of a run).
-inline std::string precision_text(TrainConfig const& c) {
-  if (c.dtype != "bfloat16" && !c.bf16_mu()) return c.dtype;
-  std::string s = c.dtype == "bfloat16" ? "bfloat16 MoE layers (the rest float32)" : c.dtype;
-  s += ", weights " + c.weight_dtype + ", AdamW mu " + c.mu_storage() + " nu " +
-       (c.bf16_nu() ? "bfloat16" : "float32");
-  return s;
-}
-
-/// \brief One rank's share of the model, its parameters and buffers, and the training step.
 template <class Scalar>
 class Model {
  public:
@@ -60,7 +49,6 @@ class Model {
   using params_type = typename Layer::params_type;
   using host1 = typename view1::HostMirror;
   using Param = detail::Param<Scalar>;
-  using view16 = typename Param::view16;
 
   /// Collective: validates cfg, builds the dataset, layers, parameters (initialised) and
   /// buffers; `out` (rank 0's log, null elsewhere) gets the run's opening lines.
@@ -76,10 +64,7 @@ class Model {
   int num_layers() const { return L_; }
   double tokens_per_device() const { return double(B_) * double(S_) / double(P_); }
   /// Bytes of the AdamW moments of this rank (bf16 moments: 2 an element).
-  std::int64_t optimizer_state_bytes() const {
-    return std::int64_t(moments_m_.span() * sizeof(Scalar) + moments_v_.span() * sizeof(Scalar) +
-                        (moments_m16_.span() + moments_v16_.span()) * sizeof(moe::bf16));
-  }
+  std::int64_t optimizer_state_bytes() const { return moments_.bytes(); }
   /// Tells the layers that their weights were written through raw pointers (packed copies are
   /// stale).
   void weights_changed() {
@@ -230,20 +215,8 @@ class Model {
         n += numel(p.block.global_shape);
         if (p.name.find(".moe.") != std::string::npos) moe_n += numel(p.block.global_shape);
       }
-      *o << "train_moe: " << P_ << " rank" << (P_ > 1 ? "s" : "") << ", mesh " << mesh_text(mesh)
-         << ", experts via " << moe::to_string(layers_[0]->expert_route()) << ", global batch "
-         << B_ << " x " << S_ << " tokens, " << precision_text(cfg_) << "\n"
-         << "model: vocab " << V_ << ", emb " << D_ << ", " << L_ << " MoE layers ("
-         << cfg_.layer.num_experts << " experts of " << cfg_.layer.base_moe_mlp_dim << ", top-"
-         << cfg_.layer.num_experts_per_tok << ", " << cfg_.layer.shared_experts
-         << " shared), context " << C_ << ": " << n << " parameters (" << moe_n << " in MoE)\n"
-         << moe::describe_gemm() << "\n";
-      *o << "dataset: " << dataset_->name() << ", entropy rate: ";
-      if (std::isfinite(dataset_->entropy_rate()))
-        *o << fmt("%.4f", dataset_->entropy_rate()) << " nats/token\n";
-      else
-        *o << "unknown\n";
-      o->flush();
+      print_opening(*o, cfg_, P_, mesh_text(mesh), moe::to_string(layers_[0]->expert_route()), B_,
+                    V_, n, moe_n, *dataset_);
     }
   }
 
@@ -310,36 +283,10 @@ class Model {
                   n != "gate_bias", init);
       });
     }
-    // AdamW moments of every parameter (each in Scalar or, mu_dtype / weight_dtype=bfloat16, in
-    // 16-bit bf16), and host mirrors for checkpoints (a bf16 moment's only while one is saved or
-    // loaded).
-    std::int64_t n_all = 0;
-    for (auto const& q : params_) n_all += q.p.extent(0);
-    bool const mu16 = cfg_.bf16_mu(), nu16 = cfg_.bf16_nu();
-    if (mu16)
-      moments_m16_ = view16("train::adam_mu_bf16", n_all);
-    else
-      moments_m_ = view1("train::adam_mu", n_all);
-    if (nu16)
-      moments_v16_ = view16("train::adam_nu_bf16", n_all);
-    else
-      moments_v_ = view1("train::adam_nu", n_all);
-    at = 0;
+    moments_ = Moments<Scalar>(cfg_, params_);
     for (auto& q : params_) {
-      std::int64_t const n = q.p.extent(0);
-      if (mu16)
-        q.m16 = view16(moments_m16_.data() + at, n);
-      else
-        q.m = view1(moments_m_.data() + at, n);
-      if (nu16)
-        q.v16 = view16(moments_v16_.data() + at, n);
-      else
-        q.v = view1(moments_v_.data() + at, n);
       q.bf16_weights = cfg_.bf16_weights();
       q.p_host = Kokkos::create_mirror_view(q.p);
-      if (!mu16) q.m_host = Kokkos::create_mirror_view(q.m);
-      if (!nu16) q.v_host = Kokkos::create_mirror_view(q.v);
-      at += n;
       initialise(q, cfg_.seed);
     }
     // Views of the non-MoE parameters and gradients.
@@ -431,8 +378,8 @@ class Model {
   std::vector<params_type> grads_;
   std::unique_ptr<moe::comm::Communicator> batch_comm_;
   std::vector<Param> params_;
-  view1 dense_p_, dense_g_, moments_m_, moments_v_;  // moments: unless stored in bf16
-  view16 moments_m16_, moments_v16_;                 // mu_dtype / weight_dtype=bfloat16
+  view1 dense_p_, dense_g_;
+  Moments<Scalar> moments_;
   view2 emb_, d_emb_, mix_, d_mix_, out_w_, d_out_w_;
   std::vector<view1> norm_, d_norm_;
   view1 final_norm_, d_final_norm_;

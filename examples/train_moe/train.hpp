@@ -18,6 +18,7 @@
 #include "checkpointing.hpp"
 #include "config.hpp"
 #include "gemm_time.hpp"
+#include "memory.hpp"
 #include "metrics.hpp"
 #include "step.hpp"
 
@@ -27,6 +28,8 @@
 #include <moe/io/checkpoint_lock.hpp>
 
 #include <Kokkos_Core.hpp>
+
+#include <sys/resource.h>
 
 #include <cmath>
 #include <cstdint>
@@ -64,6 +67,7 @@ class Trainer {
         cfg_(cfg),
         opts_(opts),
         rank_(comm.rank()),
+        resident_at_start_(resident_bytes()),
         model_(comm, cfg, rank_ == 0 ? opts.out : nullptr),
         data_hash_(std::move(data_hash)) {}
 
@@ -154,6 +158,16 @@ class Trainer {
     moe::comm::all_reduce(comm_, Kokkos::DefaultHostExecutionSpace(), b);
     res.layer_bytes_per_step_all_ranks = b(0);
     res.replicas_consistent = detail::replicas_consistent(comm_, model_.params());
+    // The estimate train_moe checked before allocating, beside what the ranks used at most.
+    res.memory_estimate_bytes = estimate_memory(cfg_, comm_.size()).total();
+    rusage use{};
+    std::int64_t const peak = ::getrusage(RUSAGE_SELF, &use) == 0 ? use.ru_maxrss * 1024 : 0;
+    std::int64_t const mine[2] = {peak, peak - resident_at_start_};
+    std::int64_t most[2] = {0, 0};
+    moe::comm::check_mpi(MPI_Allreduce(mine, most, 2, MPI_INT64_T, MPI_MAX, comm_.get()),
+                         "MPI_Allreduce");
+    res.peak_resident_bytes = most[0];
+    res.peak_above_start_bytes = most[1];
     auto const kernels = moe::gmm::onednn_stats();
     res.gemm_kernels = kernels.summary();
     if (kernels.reference_runs > 0)
@@ -202,6 +216,7 @@ class Trainer {
   TrainConfig cfg_;
   RunOptions opts_;
   int rank_ = 0;
+  std::int64_t resident_at_start_ = 0;  ///< resident_bytes() before the model was built
   Model<Scalar> model_;
   MetricsFile metrics_;
   std::string data_hash_;  ///< dataset_type=text: the file's size and content hash

@@ -19,6 +19,9 @@ extra=("checkpoint_dir=$work/ref" "metrics_file=$work/ref.jsonl")
 # The summary compares the step time with the expert GEMMs alone (both measured, both > 0).
 grep -Eq "^summary: step [0-9.]+ ms; the expert GEMMs of one rank's share alone [0-9.]*[1-9][0-9.]* ms; ratio [0-9.]+$" "$work/ref.log" ||
   { echo "FAIL: no step-time / expert-GEMM summary line"; cat "$work/ref.log"; exit 1; }
+# And the memory estimate beside the largest peak resident set (all measured, all > 0).
+grep -Eq "^summary: memory per rank: estimate [0-9]+\.[0-9]*[1-9][0-9]* GiB; peak resident set [0-9]+\.[0-9]*[1-9][0-9]* GiB, [0-9]+\.[0-9]*[1-9][0-9]* GiB above the start" "$work/ref.log" ||
+  { echo "FAIL: no memory summary line"; cat "$work/ref.log"; exit 1; }
 extra=("checkpoint_dir=$work/ck" "metrics_file=$work/killed.jsonl")
 for delay in 0.7 1.3 2.1; do
   "$mpiexec" -np 2 "${flags[@]}" "$train" "${common[@]}" "${extra[@]}" >>"$work/killed.log" 2>&1 &

@@ -41,10 +41,10 @@ inline dnnl::stream& thread_stream() {
   return s;
 }
 
-/// A growing buffer of at least `count` floats owned by the calling thread (slot 0 or 1), valid
-/// until the same thread asks for the same slot again.
+/// A growing buffer of at least `count` floats owned by the calling thread (slot 0, 1 or 2),
+/// valid until the same thread asks for the same slot again.
 inline float* thread_buffer(int slot, std::size_t count) {
-  thread_local std::vector<float> buffers[2];
+  thread_local std::vector<float> buffers[3];
   auto& b = buffers[slot];
   if (b.size() < count) b.resize(count);
   return b.data();

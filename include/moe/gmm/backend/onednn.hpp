@@ -151,9 +151,10 @@ struct Impl<moe::gmm::OneDnn> {
   }
 
   /// Packed layout: each group as row chunks (at most chunk_cap rows) on the plan's kernels. The
-  /// calls are listed first (kernels made and checked here), then run one per thread: a chunk
-  /// rounded up past its group writes into the thread's own buffer and copies (or adds) its
-  /// group's rows; a chunk without a direct kernel runs as sgemm.
+  /// calls are listed first (kernels made and checked here), longest first, then run one per
+  /// thread: a chunk rounded up past its group writes into the thread's own buffer and copies (or
+  /// adds) its group's rows, and reads a zero-padded copy of its rows when they end lhs; a chunk
+  /// without a direct kernel runs as sgemm.
   template <class E, class ML, class MR, class MO, class Mem>
   static void packed_gmm(moe::detail::onednn::KernelPlan& p, CMat<E, float, ML> const& lhs,
                          CTensor<E, float, MR> const& rhs, moe::gmm::Groups<Mem> const& groups,
@@ -177,13 +178,16 @@ struct Impl<moe::gmm::OneDnn> {
     for (int g = 0; g < num_local; ++g) {
       std::int64_t const r1 = off(go + g + 1);
       for (std::int64_t c0 = off(go + g); c0 < r1;) {
-        dn::Chunk c = dn::chunk_rows(r1 - c0, c0, m, cap);
+        dn::Chunk c = dn::chunk_rows(r1 - c0, cap);
         dn::Kernel const* kernel = p.kernel(c.run, acc && c.run == c.rows);
         if (!kernel) c.run = c.rows;
         calls.push_back({g, c0, c, kernel});
         c0 += c.rows;
       }
     }
+    // Longest first: the threads take calls as they free up, so the last ones are short.
+    std::stable_sort(calls.begin(), calls.end(),
+                     [](Call const& a, Call const& b) { return a.chunk.run > b.chunk.run; });
     float const* const x = lhs.data();
     float* const y = out.data();
     dn::for_each_item(std::int64_t(calls.size()), [&](std::int64_t i) {
@@ -194,10 +198,17 @@ struct Impl<moe::gmm::OneDnn> {
         return;
       }
       bool const spill = c.chunk.run != c.chunk.rows;
+      float const* src_rows = x + c.c0 * lda;
+      if (c.c0 + c.chunk.run > m) {  // the rows past the group are past lhs: a padded copy
+        float* const pad = dn::thread_buffer(2, std::size_t(c.chunk.run * lda));
+        std::fill(pad, pad + c.chunk.run * lda, 0.0f);
+        for (std::int64_t r = 0; r < c.chunk.rows; ++r)
+          std::copy(src_rows + r * lda, src_rows + r * lda + k, pad + r * lda);
+        src_rows = pad;
+      }
       float* const dst =
           spill ? dn::thread_buffer(0, std::size_t(c.chunk.run * ldc)) : y + c.c0 * ldc;
-      dnnl::memory const src(p.src_desc(c.chunk.run), dn::engine(),
-                             const_cast<float*>(x + c.c0 * lda));
+      dnnl::memory const src(p.src_desc(c.chunk.run), dn::engine(), const_cast<float*>(src_rows));
       dnnl::memory const out_rows(p.dst_desc(c.chunk.run), dn::engine(), dst);
       c.kernel->run({{DNNL_ARG_SRC, src},
                      {DNNL_ARG_WEIGHTS, pk->experts[std::size_t(c.g)]},

@@ -68,18 +68,18 @@ inline std::int64_t chunk_cap(std::int64_t total, int threads) {
   return std::clamp(up, min_chunk_cap, max_chunk_rows);
 }
 
-/// The next call at row c0 of m when `left` rows of the group remain: `cap` rows; else `left`
-/// rounded up to row_bucket when those rows exist (c0 + run <= m), else rounded down (the rest
-/// follows); below 16 rows, `left` as is. Rounding up costs < 16 rows of FLOPs, where another call
-/// would read the expert's weights again; at most 31 run sizes, so few primitives.
-inline Chunk chunk_rows(std::int64_t left, std::int64_t c0, std::int64_t m,
-                        std::int64_t cap = max_chunk_rows) {
-  if (left >= cap) return {cap, cap};
-  if (left < row_bucket) return {left, left};
-  std::int64_t const up = (left + row_bucket - 1) / row_bucket * row_bucket;
-  if (c0 + up <= m) return {left, up};
-  std::int64_t const down = left / row_bucket * row_bucket;
-  return {down, down};
+/// Packed calls run a multiple of run_multiple rows (fewer rows as they are), so a weight shape
+/// needs at most 3 + cap / 4 kernels. Rounding up costs < 4 rows of FLOPs where another call reads
+/// the expert's weights again (AVX2, 7168 x 2048, 2 threads: a call costs ~3.5 rows' time plus
+/// its rows, in steps of 4 rows; rounding to 16 cost 19 -> 32 rows, +58 % time).
+inline constexpr std::int64_t run_multiple = 4;
+
+/// The next call when `left` rows of the group remain: at most `cap` rows, run over the next
+/// multiple of run_multiple (the caller supplies the rows past the group, even past lhs's end).
+inline Chunk chunk_rows(std::int64_t left, std::int64_t cap = max_chunk_rows) {
+  std::int64_t const rows = std::min(left, cap);
+  if (rows < run_multiple) return {rows, rows};
+  return {rows, (rows + run_multiple - 1) / run_multiple * run_multiple};
 }
 
 /// Groups of 2 to few_rows_max rows run on few_rows() in the plain mode: sgemm packs the weights
