@@ -21,8 +21,9 @@
 
 namespace moe::detail::onednn {
 
-/// Largest row chunk of one packed call; larger chunks are multiples of 16.
+/// Largest row chunk of one packed call.
 inline constexpr std::int64_t max_chunk_rows = 256;
+/// Rows chunk_cap() rounds a thread's share to, and the plain mode pads a group's rows to.
 inline constexpr std::int64_t row_bucket = 16;
 /// Narrowest column block a tgmm call is split into.
 inline constexpr std::int64_t tgmm_min_columns = 128;
