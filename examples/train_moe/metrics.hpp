@@ -12,6 +12,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -131,6 +132,12 @@ inline std::int64_t resident_bytes() {
   std::int64_t pages = 0, resident = 0;
   if (!(statm >> pages >> resident)) return 0;
   return resident * std::int64_t(::sysconf(_SC_PAGESIZE));
+}
+
+/// The calling process's peak resident set so far (getrusage; 0 where it fails).
+inline std::int64_t peak_resident_bytes() {
+  rusage use{};
+  return ::getrusage(RUSAGE_SELF, &use) == 0 ? std::int64_t(use.ru_maxrss) * 1024 : 0;
 }
 
 inline std::string json_number(double v) {
@@ -270,7 +277,6 @@ inline std::string precision_text(TrainConfig const& c) {
   return s;
 }
 
-/// \brief One rank's share of the model, its parameters and buffers, and the training step.
 /// Rank 0's opening lines: ranks, mesh, route, batch and precision; the model (n parameters,
 /// moe_n of them in MoE layers); the GEMM backend; the dataset.
 inline void print_opening(std::ostream& o, TrainConfig const& c, int ranks, std::string const& mesh,

@@ -38,6 +38,7 @@ inline std::string divergence_message(std::int64_t step, double learning_rate,
                           "checkpoint");
 }
 
+/// \brief One rank's share of the model, its parameters and buffers, and the training step.
 template <class Scalar>
 class Model {
  public:

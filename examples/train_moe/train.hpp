@@ -29,8 +29,6 @@
 
 #include <Kokkos_Core.hpp>
 
-#include <sys/resource.h>
-
 #include <cmath>
 #include <cstdint>
 #include <fstream>
@@ -160,8 +158,7 @@ class Trainer {
     res.replicas_consistent = detail::replicas_consistent(comm_, model_.params());
     // The estimate train_moe checked before allocating, beside what the ranks used at most.
     res.memory_estimate_bytes = estimate_memory(cfg_, comm_.size()).total();
-    rusage use{};
-    std::int64_t const peak = ::getrusage(RUSAGE_SELF, &use) == 0 ? use.ru_maxrss * 1024 : 0;
+    std::int64_t const peak = peak_resident_bytes();
     std::int64_t const mine[2] = {peak, peak - resident_at_start_};
     std::int64_t most[2] = {0, 0};
     moe::comm::check_mpi(MPI_Allreduce(mine, most, 2, MPI_INT64_T, MPI_MAX, comm_.get()),

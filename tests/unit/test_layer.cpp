@@ -1063,16 +1063,8 @@ TEST(LayerPackedWeights, NextForwardSeesEveryWrite) {
 
 namespace bf16_scheme {
 
-using namespace moe_ref;
-using moe_ref::kk::LayerRun;
-using moe_ref::kk::run_layer;
-using Exec = Kokkos::DefaultExecutionSpace;
-using MS = Exec::memory_space;
-// The layer types test_layer.cpp instantiates already: float on oneDNN (Vendor without it),
-// the float64 reference on Vendor, and the dense path.
-using Pol = moe::Policies<moe::routing::Auto, moe::gmm::OneDnn>;
-using PolRef = moe::Policies<moe::routing::Auto, moe::gmm::Vendor>;
-using PolDense = moe::Policies<moe::routing::Auto, moe::gmm::Dense>;
+// The names and layer types of the file's anonymous namespace: float on PolOneDnn (Vendor
+// without oneDNN), the float64 reference on PolVendor, and the dense path (PolDense).
 
 constexpr double kU = 1.0 / 256;  // bf16's unit roundoff, 2^-8
 
@@ -1147,9 +1139,9 @@ LayerRun run(Case const& k, bool bf16, Params const& p, Vec const& x, Vec const&
   cfg.dtype = bf16 ? moe::ComputeDtype::BFloat16 : moe::ComputeDtype::Native;
   if (bf16)
     return k.dense ? run_layer<float, PolDense>(cfg, p, x, B, S, dy)
-                   : run_layer<float, Pol>(cfg, p, x, B, S, dy);
+                   : run_layer<float, PolOneDnn>(cfg, p, x, B, S, dy);
   return k.dense ? run_layer<double, PolDense>(cfg, p, x, B, S, dy)
-                 : run_layer<double, PolRef>(cfg, p, x, B, S, dy);
+                 : run_layer<double, PolVendor>(cfg, p, x, B, S, dy);
 }
 
 TEST(Bf16Scheme, RoundKernelIsTheScalarConversion) {
@@ -1209,7 +1201,7 @@ TEST(Bf16Scheme, LayerMatchesFloat64WithinTheBf16Bound) {
     EXPECT_LT(count_bf16(bf.grads.wi_0), bf.grads.wi_0.size() / 2);
     LayerConfig f32 = k.cfg;
     LayerRun const fl = k.dense ? run_layer<float, PolDense>(f32, p, x, B, S, dy)
-                                : run_layer<float, Pol>(f32, p, x, B, S, dy);
+                                : run_layer<float, PolOneDnn>(f32, p, x, B, S, dy);
     EXPECT_LT(count_bf16(fl.y), fl.y.size() / 2);
     double dmax = 0;
     for (std::size_t i = 0; i < fl.y.size(); ++i)
@@ -1226,22 +1218,22 @@ TEST(Bf16Scheme, Float32KeysChooseWhatIsRounded) {
   Params const p = Params::random(k.cfg, rng, 2.0);
   Vec const x = rng.vec(std::size_t(B * S * k.cfg.base_emb_dim), -1, 1);
   // float32_weight_sum (default true): the routing weights stay fp32; false: bf16.
-  LayerRun const w32 = run_layer<float, Pol>(k.cfg, p, x, B, S);
+  LayerRun const w32 = run_layer<float, PolOneDnn>(k.cfg, p, x, B, S);
   EXPECT_LT(count_bf16(w32.weights), w32.weights.size() / 2);
   LayerConfig w16 = k.cfg;
   w16.float32_weight_sum = false;
-  LayerRun const r16 = run_layer<float, Pol>(w16, p, x, B, S);
+  LayerRun const r16 = run_layer<float, PolOneDnn>(w16, p, x, B, S);
   EXPECT_EQ(count_bf16(r16.weights), r16.weights.size());
   EXPECT_NE(r16.y, w32.y);
   // float32_gate_logits: fp32 gate and logits change the scores, so the weights.
   LayerConfig g32 = k.cfg;
   g32.float32_gate_logits = true;
-  LayerRun const rg = run_layer<float, Pol>(g32, p, x, B, S);
+  LayerRun const rg = run_layer<float, PolOneDnn>(g32, p, x, B, S);
   EXPECT_NE(rg.weights, w32.weights);
 }
 
 TEST(Bf16Scheme, RoundedWeightsFollowEveryNewVersionOnly) {
-  using Layer = moe::MoeLayer<float, Pol>;
+  using Layer = moe::MoeLayer<float, PolOneDnn>;
   LayerConfig cfg = cases()[0].cfg;
   cfg.dtype = moe::ComputeDtype::BFloat16;
   int const B = 1, S = 4, D = cfg.base_emb_dim;
@@ -1260,7 +1252,7 @@ TEST(Bf16Scheme, RoundedWeightsFollowEveryNewVersionOnly) {
   moe_ref::kk::load_params(layer, p2);  // a write: the next forward rounds p2
   layer.forward(xv, y);
   EXPECT_GT(layer.weights_version(), v1);
-  Vec const want = run_layer<float, Pol>(cfg, p2, x, B, S).y;
+  Vec const want = run_layer<float, PolOneDnn>(cfg, p2, x, B, S).y;
   EXPECT_EQ(moe_ref::kk::to_vec(y), want);
 }
 

@@ -201,9 +201,9 @@ struct Impl<moe::gmm::OneDnn> {
       float const* src_rows = x + c.c0 * lda;
       if (c.c0 + c.chunk.run > m) {  // the rows past the group are past lhs: a padded copy
         float* const pad = dn::thread_buffer(2, std::size_t(c.chunk.run * lda));
-        std::fill(pad, pad + c.chunk.run * lda, 0.0f);
         for (std::int64_t r = 0; r < c.chunk.rows; ++r)
           std::copy(src_rows + r * lda, src_rows + r * lda + k, pad + r * lda);
+        std::fill(pad + c.chunk.rows * lda, pad + c.chunk.run * lda, 0.0f);
         src_rows = pad;
       }
       float* const dst =
