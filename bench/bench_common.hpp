@@ -155,17 +155,21 @@ inline double paired_ratio(std::vector<double> const& num, std::vector<double> c
 /// (matmul, then 1x1 convolution) whose descriptor with oneDNN's preferred weight layout has a
 /// direct kernel, B reordered once into that layout. ok() is false when neither has one. Runs
 /// through moe::detail::onednn::Kernel, which passes the scratchpad the user-mode descriptor asks
-/// for.
+/// for. bf16: A is bf16 and B is packed as bf16 (the bf16 dense yardstick; fp32 accumulation and
+/// C), ok() only where oneDNN has a direct bf16 kernel.
 class PackedDenseGemm {
  public:
-  PackedDenseGemm(int64_t M, int64_t K, int64_t N, float const* b) : M_(M), K_(K), N_(N) {
+  PackedDenseGemm(int64_t M, int64_t K, int64_t N, float const* b, bool bf16 = false)
+      : M_(M), K_(K), N_(N), bf16_(bf16) {
     namespace dn = moe::detail::onednn;
+    auto const dt = bf16 ? dn::DataType::bf16 : dn::DataType::f32;
     for (dn::Family f : {dn::Family::matmul, dn::Family::conv}) {
       try {
-        auto const any = dn::tagged_weights(f, K, N, dnnl::memory::format_tag::any);
+        auto const any = dn::tagged_weights(f, K, N, dnnl::memory::format_tag::any, dt);
         dn::with_pd(f, M, K, N, K, N, any, false, [&](auto const& pd) {
           if (!dn::direct_kernel(pd.impl_info_str())) return 0;
-          kernel_ = std::make_unique<dn::Kernel>(pd, dn::kernel_what(f, M, K, N, false));
+          kernel_ = std::make_unique<dn::Kernel>(pd, dn::kernel_what(f, M, K, N, false, bf16),
+                                                 bf16 ? " bf16" : "");
           packed_b_ = dnnl::memory(pd.weights_desc(), dn::engine());
           return 0;
         });
@@ -188,17 +192,20 @@ class PackedDenseGemm {
                       ")"
                 : "none";
   }
-  void run(float const* a, float* c) const {
+  /// C = A * B; A holds M x K floats, or bf16 bits (std::uint16_t) for a bf16 yardstick.
+  void run(void const* a, float* c) const {
     namespace dn = moe::detail::onednn;
+    auto const dt = bf16_ ? dn::DataType::bf16 : dn::DataType::f32;
     kernel_->run(
         {{DNNL_ARG_SRC,
-          dnnl::memory(dn::src_desc(family_, M_, K_, K_), dn::engine(), const_cast<float*>(a))},
+          dnnl::memory(dn::src_desc(family_, M_, K_, K_, dt), dn::engine(), const_cast<void*>(a))},
          {DNNL_ARG_WEIGHTS, packed_b_},
          {DNNL_ARG_DST, dnnl::memory(dn::dst_desc(family_, M_, N_, N_), dn::engine(), c)}});
   }
 
  private:
   int64_t M_, K_, N_;
+  bool bf16_ = false;
   moe::detail::onednn::Family family_ = moe::detail::onednn::Family::matmul;
   std::unique_ptr<moe::detail::onednn::Kernel> kernel_;
   dnnl::memory packed_b_;

@@ -23,21 +23,36 @@
 //   bw_ratio     median over iterations of (this iteration's weight bytes per second / one triad
 //                pass of the GEMM threads right after it: PairedMachine)
 //
+// bf16 rows (#29): gmm_bf16/OneDnn/E=<E>/<dist>/T=<T>/K=<K> run the bf16 layer's expert GEMM on
+// the same shapes: x and W rounded to bf16 values, GmmOptions::bf16_inputs, so oneDNN's bf16
+// kernels run where the CPU has bf16 instructions (AVX512-BF16, AMX) and its fp32 kernels on the
+// same values elsewhere. Counters: gflops; over_fp32 (median over iterations of this call's time
+// over the time of the fp32 call on the same values right after it: the speed-up is its
+// inverse); bf16_dense_ratio (GFLOP/s over a oneDNN bf16 dense matmul of the same FLOPs, bf16 A,
+// B packed once as bf16, paired; 0 without bf16 kernels); bf16_calls (packed calls that ran a
+// bf16 kernel); amx_peak_ratio (CPUs with AMX: GFLOP/s over amx_bf16_peak, amx_peak.hpp); ref_runs,
+// min_rows, max_rows; decode rows weight_gbs and bw_ratio on 2 bytes a weight.
+//
 // Model rows (#31): gmm_model/<model>/EP=<ep>/<balanced|zipf>/T=<tokens> and tgmm_model/... (the
 // weight gradient, x^T dy per group) run the expert GEMMs of a published model's MoE layer
 // (moe/models.hpp: mixtral-8x7b at EP=8, qwen3-30b-a3b at EP=8, qwen3-235b-a22b at EP=16,
 // deepseek3-671b at EP=32) as one rank's slice: its E/EP local experts and the tokens x K x L / E
 // rows they receive from `tokens` tokens, through Auto; counters gflops, dense_ratio (a dense
 // GEMM of the same FLOPs), peak_ratio, local_experts, min_rows, max_rows, ref_runs.
+#include "amx_peak.hpp"
 #include "bench_common.hpp"
 
+#include <moe/detail/elementwise.hpp>
 #include <moe/gmm/gmm.hpp>
 #include <moe/models.hpp>
 
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -146,6 +161,100 @@ void bench_gmm(benchmark::State& state, int experts, std::string const& dist, in
   group_counters(state, sizes, reference_runs);
 }
 
+#if MOE_HAS_ONEDNN
+void bench_gmm_bf16(benchmark::State& state, int experts, std::string const& dist, int64_t tokens,
+                    int top_k, bool decode) {
+  namespace dn = moe::detail::onednn;
+  int64_t const rows = tokens * top_k;
+  auto const sizes = group_sizes(dist, rows, experts);
+  auto const groups = moe::gmm::make_groups<Mem>(sizes);
+  Mat<float> x("moe::bench::gmm_bf16::x", rows, kD);
+  Tensor<float> w("moe::bench::gmm_bf16::w", experts, kD, kF);
+  Exec space;
+  Kokkos::deep_copy(space, x, activations(rows));
+  Kokkos::deep_copy(space, w, weights(experts));
+  moe::detail::round_bf16(space, x);
+  moe::detail::round_bf16(space, w);
+  space.fence();
+  auto const& y = outputs(rows);
+  using moe::gmm::OneDnn;
+  ReferenceRuns reference_runs;
+  LayerGmmOptions bf16, fp32;
+  bf16.opt.bf16_inputs = true;
+  for (auto* o : {&bf16.opt, &fp32.opt}) {  // warm-up: primitives, the packed weights
+    moe::gmm::gmm(space, OneDnn{}, x, w, groups, y, *o);
+    space.fence();
+  }
+  // The bf16 dense yardstick: A as bf16 bits, B packed as bf16 (where oneDNN has bf16 kernels).
+  std::vector<std::uint16_t> a(std::size_t(rows * kD));
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = moe::detail::bf16_bits(x.data()[i]);
+  std::vector<float> c(std::size_t(rows * kF));
+  std::unique_ptr<PackedDenseGemm> dense;
+  if (dn::bf16_kernels()) {
+    dense = std::make_unique<PackedDenseGemm>(rows, kD, kF, w.data(), true);
+    if (!dense->ok()) dense.reset();
+  }
+  PairedMachine machine(decode);
+  std::uint64_t const bf16_before = moe::gmm::onednn_stats().bf16_runs();
+  std::vector<double> times, fp32_times, dense_times;
+  auto timed = [&](auto&& f) {
+    double const t0 = now();
+    f();
+    return now() - t0;
+  };
+  for (auto _ : state) {
+    double const dt = timed([&] {
+      moe::gmm::gmm(space, OneDnn{}, x, w, groups, y, bf16.opt);
+      space.fence();
+    });
+    state.SetIterationTime(dt);
+    times.push_back(dt);
+    fp32_times.push_back(timed([&] {
+      moe::gmm::gmm(space, OneDnn{}, x, w, groups, y, fp32.opt);
+      space.fence();
+    }));
+    if (dense) dense_times.push_back(timed([&] { dense->run(a.data(), c.data()); }));
+    machine.run();
+  }
+  double const flops = 2.0 * double(rows) * double(kD) * double(kF);
+  state.SetLabel(std::string("OneDnn bf16 inputs: ") +
+                 (dense ? "bf16 kernels, dense " + dense->name() : "fp32 kernels (no bf16 ones)"));
+  state.counters["gflops"] = flops / median(times) * 1e-9;
+  state.counters["over_fp32"] = paired_ratio(fp32_times, times);
+  state.counters["bf16_dense_ratio"] = dense ? paired_ratio(times, dense_times) : 0.0;
+  state.counters["bf16_calls"] = double(moe::gmm::onednn_stats().bf16_runs() - bf16_before);
+  static double const amx_peak = amx_bf16_peak(gemm_threads());
+  if (amx_peak > 0) state.counters["amx_peak_ratio"] = flops / median(times) * 1e-9 / amx_peak;
+  if (decode) {
+    auto const touched = std::count_if(sizes.begin(), sizes.end(), [](int64_t s) { return s > 0; });
+    double const bytes = double(touched) * double(kD) * double(kF) * 2.0;
+    state.counters["weight_gbs"] = bytes / median(times) * 1e-9;
+    state.counters["bw_ratio"] = machine.bw_ratio(times, bytes);
+  }
+  group_counters(state, sizes, reference_runs);
+}
+
+void register_bf16_rows() {
+  for (int experts : {8, 64})
+    for (char const* dist : {"balanced", "zipf"})
+      for (auto [tokens, top_k, decode] :
+           {std::make_tuple(int64_t(4096), 2, false), std::make_tuple(int64_t(64), 2, true)}) {
+        if (decode && experts != 64) continue;
+        std::string const label = "gmm_bf16/OneDnn/E=" + std::to_string(experts) + "/" + dist +
+                                  "/T=" + std::to_string(tokens) + "/K=" + std::to_string(top_k) +
+                                  isa_suffix();
+        std::string const d = dist;
+        benchmark::RegisterBenchmark(label.c_str(),
+                                     [=](benchmark::State& state) {
+                                       bench_gmm_bf16(state, experts, d, tokens, top_k, decode);
+                                     })
+            ->UseManualTime()
+            ->Iterations(decode ? 6 : 3)
+            ->Unit(benchmark::kMillisecond);
+      }
+}
+#endif
+
 /// Host tile: of 64x64x64, 64x32x128, 64x64x128, 64x64x256 and 128x64x128 (Serial, SSE2 and
 /// AVX-512 builds) the last was at or near the top on every distribution.
 using CpuTiled = moe::gmm::Tiled<128, 64, 128>;
@@ -241,6 +350,9 @@ void moe::bench::register_gmm_benchmarks() {
   register_policy<CpuTiled>("Tiled", 2);
   if (moe::gmm::is_available<moe::gmm::OneDnn, Exec, float>::value)
     register_policy<moe::gmm::OneDnn>("OneDnn", 3);
+#if MOE_HAS_ONEDNN
+  register_bf16_rows();
+#endif
   register_policy<moe::gmm::Auto>("Auto", 2);  // = OneDnn or Vendor: checks the resolution
   register_model_rows();
 }

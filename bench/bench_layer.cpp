@@ -138,11 +138,14 @@ moe::LayerConfig bench_config(LayerShape const& s) {
 
 /// The forward's three grouped GEMMs alone: the same group sizes (read back from the layer's
 /// routing), the same weights and operand shapes, no routing, permutation or activation. The
-/// layer cannot be faster than these; `fwd_over_gemms` is what the rest of the layer adds.
+/// layer cannot be faster than these; `fwd_over_gemms` is what the rest of the layer adds. `bf16`:
+/// as the bf16 layer runs them (GmmOptions::bf16_inputs).
 template <class Gmm, class Layer>
 class GemmsAlone {
  public:
-  GemmsAlone(Layer const& layer, int K) : p_(layer.parameters()) {  // const: no new version
+  GemmsAlone(Layer const& layer, int K, bool bf16)
+      : p_(layer.parameters()) {  // const: no new version
+    packed_.opt.bf16_inputs = bf16;
     auto ids = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), layer.expert_ids());
     std::vector<std::int64_t> sizes(p_.wi_0.extent(0), 0);
     for (std::size_t t = 0; t < ids.extent(0); ++t)
@@ -214,7 +217,7 @@ void bench_layer(benchmark::State& state, bool backward, LayerShape const& shape
     if (backward) fp32->backward(y, dx, fp32_grads);
   }
   if (!backward) {
-    gemms.emplace(layer, K);
+    gemms.emplace(layer, K, shape.bf16);
     gemms->run();  // warm-up: packs its copy of the weights
     gemms->reset();
   }

@@ -1,6 +1,6 @@
-// Main of moe_bench: MPI, then Kokkos, then Google Benchmark, with the run's context recorded in
-// the output: Kokkos version and backend, git hash, BLAS threads, config and core type, the CPU
-// model and its native oneDNN ISA tier, oneDNN's version and the tier it runs, the dense
+// Main of moe_bench (one process, no MPI): Kokkos, then Google Benchmark, with the run's context
+// recorded in the output: Kokkos version and backend, git hash, BLAS threads, config and core type,
+// the CPU model and its native oneDNN ISA tier, oneDNN's version and the tier it runs, the dense
 // yardstick's GEMM, and the machine yardsticks measured here before any benchmark runs (fma_peak
 // at the tier, triad_bandwidth: the denominators of peak_ratio and bw_ratio). A
 // "warning_blas_core" entry appears when OpenBLAS runs kernels for an older ISA than CPUID reports.
@@ -18,7 +18,6 @@
 
 #include <benchmark/benchmark.h>
 #include <Kokkos_Core.hpp>
-#include <moe/comm/mpi.hpp>
 
 #include <algorithm>
 #include <cctype>
@@ -31,6 +30,7 @@
 #include <sstream>
 #include <string>
 
+#include "amx_peak.hpp"
 #include "bench_common.hpp"
 #include "yardsticks.hpp"
 
@@ -157,6 +157,10 @@ void add_machine_context() {
   benchmark::AddCustomContext("fma_peak", fixed(peak.gflops, 1) + " GFLOP/s, " +
                                               std::to_string(peak.threads) + " threads, " +
                                               peak.isa);
+  if (double const amx = moe::bench::amx_bf16_peak(threads); amx > 0)
+    benchmark::AddCustomContext("amx_bf16_peak", fixed(amx, 1) + " GFLOP/s, " +
+                                                     std::to_string(threads) +
+                                                     " threads, TDPBF16PS tile multiplies");
   auto const triad = moe::bench::triad_bandwidth(threads);
   benchmark::AddCustomContext(
       "triad_bandwidth", fixed(triad.gbs, 1) + " GB/s, " + std::to_string(triad.threads) +
@@ -187,9 +191,6 @@ void add_context() {
   if (openblas_get_num_threads)
     benchmark::AddCustomContext("blas_threads", std::to_string(openblas_get_num_threads()));
   if (openblas_get_config) benchmark::AddCustomContext("blas_config", openblas_get_config());
-  int ranks = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
-  benchmark::AddCustomContext("mpi_ranks", std::to_string(ranks));
   add_machine_context();
 #if defined(MOE_QUICK_BUILD)
   benchmark::AddCustomContext("warning_build", moe::bench::kQuickBuildWarning);
@@ -250,7 +251,6 @@ bool apply_isa_argument(int& argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
   int rc = 0;
   {
     Kokkos::ScopeGuard kokkos(argc, argv);
@@ -269,6 +269,5 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "moe_bench: %s\n", kernels.warning().c_str());
     }
   }
-  MPI_Finalize();
   return rc;
 }

@@ -50,9 +50,11 @@ namespace {
 // leaves the others in a collective, and without it they would wait for ever, silently.
 // Without MPI (MOE_ENABLE_MPI=0) there is one process and nothing to wait for.
 double g_mpi_seconds = 0;
+std::atomic<std::int64_t> g_step{-1};  // the step running (-1: before the first)
+
+#if MOE_ENABLE_MPI
 std::atomic<std::int64_t> g_mpi_since_ns{0};  // 0: not in an MPI call
 std::atomic<char const*> g_mpi_call{""};
-std::atomic<std::int64_t> g_step{-1};  // the step running (-1: before the first)
 
 std::int64_t steady_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -60,7 +62,6 @@ std::int64_t steady_ns() {
       .count();
 }
 
-#if MOE_ENABLE_MPI
 int g_mpi_depth = 0;
 
 /// Adds the wall time of the outermost MPI call in its scope to g_mpi_seconds and shows it to

@@ -914,6 +914,59 @@ TEST(Activation, GeluDoubleMatchesReference) {
   check_activation<double>(moe::Activation::Gelu, 1e-13);
 }
 
+// The bf16 scheme's casts fused into the activation (gated_forward / gated_backward with bf16) give
+// the bits of the unfused sequence they replace: round h0 and h1, the activation, round a; round
+// da, the backward, round dh0 and dh1. Both activations, float and double, values that are not
+// bf16 (so every cast rounds), NaN and the clamped tails included.
+template <class S>
+void check_fused_bf16_casts(moe::Activation act) {
+  std::int64_t const n = 4001;
+  moe_ref::Rng rng(31);
+  auto const v0 = rng.vec(std::size_t(n), -40, 40), v1 = rng.vec(std::size_t(n), -3, 3),
+             vd = rng.vec(std::size_t(n), -2, 2);
+  auto view = [&](moe_ref::Vec const& v) {
+    return moe_ref::kk::to_view<moe::View2<S, MS>>(v, n, 1);
+  };
+  moe::View2<S, MS> h0 = view(v0), h1 = view(v1), da = view(vd);
+  Kokkos::deep_copy(Kokkos::subview(h0, 0, 0), std::numeric_limits<S>::quiet_NaN());
+  using C = moe::View2<S const, MS>;
+  Exec space;
+  moe::View2<S, MS> a("a", n, 1), dh0("dh0", n, 1), dh1("dh1", n, 1);
+  moe::nn::gated_forward(space, act, n, C(h0), C(h1), a, true);
+  moe::nn::gated_backward(space, act, n, C(h0), C(h1), C(da), dh0, dh1, true);
+  // The unfused sequence on rounded copies.
+  moe::View2<S, MS> r0("r0", n, 1), r1("r1", n, 1), rd("rd", n, 1), ra("ra", n, 1),
+      rdh1("rdh1", n, 1);
+  Kokkos::deep_copy(r0, h0);
+  Kokkos::deep_copy(r1, h1);
+  Kokkos::deep_copy(rd, da);
+  for (auto const& v : {r0, r1, rd}) moe::detail::round_bf16(space, v);
+  moe::nn::gated_forward(space, act, n, C(r0), C(r1), ra);
+  moe::detail::round_bf16(space, ra);
+  moe::nn::gated_backward(space, act, n, C(r0), C(r1), C(rd), rd, rdh1);  // dh0 into rd
+  moe::detail::round_bf16(space, rd);
+  moe::detail::round_bf16(space, rdh1);
+  space.fence();
+  auto bits_equal = [&](moe::View2<S, MS> const& x, moe::View2<S, MS> const& y, char const* what) {
+    auto const hx = moe_ref::kk::to_vec(x), hy = moe_ref::kk::to_vec(y);
+    for (std::size_t i = 0; i < hx.size(); ++i)
+      if (!(hx[i] == hy[i] || (std::isnan(hx[i]) && std::isnan(hy[i]))))
+        return ::testing::AssertionFailure()
+               << what << "[" << i << "] fused " << hx[i] << ", unfused " << hy[i];
+    return ::testing::AssertionSuccess();
+  };
+  EXPECT_TRUE(bits_equal(a, ra, "a"));
+  EXPECT_TRUE(bits_equal(dh0, rd, "dh0"));
+  EXPECT_TRUE(bits_equal(dh1, rdh1, "dh1"));
+}
+
+TEST(Activation, FusedBf16CastsGiveTheUnfusedBits) {
+  for (auto act : {moe::Activation::Silu, moe::Activation::Gelu}) {
+    check_fused_bf16_casts<float>(act);
+    check_fused_bf16_casts<double>(act);
+  }
+}
+
 TEST(ConfigSet, UnknownKeyNamesTheKey) {
   LayerConfig c;
   expect_throw_with<moe::ConfigError>([&] { c.set("num_expert", "8"); }, {"num_expert"});

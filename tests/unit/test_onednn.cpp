@@ -112,12 +112,18 @@ struct GmmCase {
   moe::gmm::Groups<Mem> groups;
   moe::gmm::PackCache cache;
 
-  GmmCase(std::vector<std::int64_t> s, std::int64_t k_, std::int64_t n_, bool t, unsigned seed)
-      : sizes(std::move(s)), k(k_), n(n_), trans(t) {
+  bool bf16 = false;  // inputs rounded to bf16 values and run with GmmOptions::bf16_inputs
+
+  GmmCase(std::vector<std::int64_t> s, std::int64_t k_, std::int64_t n_, bool t, unsigned seed,
+          bool bf16_inputs = false)
+      : sizes(std::move(s)), k(k_), n(n_), trans(t), bf16(bf16_inputs) {
     for (auto v : sizes) m += v;
     Rng rng(seed);
     x = rng.vec(std::size_t(m * k), -1, 1);
     w = rng.vec(sizes.size() * std::size_t(k * n), -1, 1);
+    if (bf16)
+      for (Vec* v : {&x, &w})
+        for (double& e : *v) e = moe::detail::bf16_to_float(moe::detail::bf16_bits(float(e)));
     std::size_t const E = sizes.size();
     lhs = moe_ref::kk::to_view<View2>(x, m, k);
     rhs = trans ? moe_ref::kk::to_view<View3>(w, E, n, k) : moe_ref::kk::to_view<View3>(w, E, k, n);
@@ -132,9 +138,19 @@ struct GmmCase {
     opt.accumulate = accumulate;
     opt.pack_cache = &cache;
     opt.rhs_version = 1;
+    opt.bf16_inputs = bf16;
     Exec space;
     moe::gmm::gmm(space, moe::gmm::OneDnn{}, lhs, rhs, groups, out, opt);
     space.fence();
+  }
+
+  /// run(false) then run(true), each checked (out = x * W, then 2 x (x * W)).
+  ::testing::AssertionResult run_both(std::int64_t col_step) {
+    run(false);
+    if (auto r = check(1.0, col_step); !r) return r << " (overwriting)";
+    run(true);
+    if (auto r = check(2.0, col_step); !r) return r << " (accumulating)";
+    return ::testing::AssertionSuccess();
   }
 
   /// Compares `times` x (x * W) with out on every row and every `col_step`-th column (and the
@@ -193,10 +209,7 @@ TEST_P(OneDnnChunks, EveryChunkSizeRunsOnADirectKernel) {
   Shape const& s = GetParam();
   GmmCase c(s.sizes, s.k, s.n, s.trans, 7);
   StatsDelta d;
-  c.run(false);
-  EXPECT_TRUE(c.check(1.0, s.col_step));
-  c.run(true);
-  EXPECT_TRUE(c.check(2.0, s.col_step));
+  EXPECT_TRUE(c.run_both(s.col_step));
   auto const st = moe::gmm::onednn_stats();
   EXPECT_EQ(st.reference_runs - d.before.reference_runs, 0u) << st.warning();
   EXPECT_EQ(st.rejected - d.before.rejected, 0u)
@@ -252,6 +265,88 @@ TEST(OneDnnKernels, FewLargeGroupsGiveEveryThreadACall) {
   EXPECT_EQ(calls, std::uint64_t((256 + cap - 1) / cap))
       << dn::max_threads() << " threads, cap " << cap << ": " << st.summary();
   EXPECT_EQ(d.runs(st, "sgemm"), 0u) << st.summary();
+}
+
+// bf16 inputs (the bf16 layer's GEMMs): where oneDNN has bf16 kernels (AVX512-BF16, AMX) every
+// packed call runs one on a bf16 pack of the weights; elsewhere the fp32 kernels run on the same
+// values. Either way the result is the fp32 sum of exact products (a product of two bf16 values
+// is exact in fp32), checked against double, overwriting and accumulating, at the layer's shapes
+// both ways and on every chunk size.
+TEST(OneDnnKernels, Bf16InputsRunBf16KernelsWhereTheCpuHasThem) {
+  std::vector<std::int64_t> const many{1, 2, 3, 5, 15, 16, 31, 48, 80, 96, 127, 160, 200, 256, 301};
+  std::vector<std::int64_t> const big{1, 3, 16, 96, 336};
+  bool const native = dn::bf16_kernels();
+  for (Shape const& s : std::vector<Shape>{
+           {1024, 2816, false, big, 37}, {2816, 1024, true, big, 13}, {64, 128, false, many, 1}}) {
+    SCOPED_TRACE("k=" + std::to_string(s.k) + " n=" + std::to_string(s.n) +
+                 (s.trans ? " transposed" : ""));
+    GmmCase c(s.sizes, s.k, s.n, s.trans, 9, true);
+    StatsDelta d;
+    EXPECT_TRUE(c.run_both(s.col_step));
+    auto const st = moe::gmm::onednn_stats();
+    std::uint64_t const bf16_calls = st.bf16_runs() - d.before.bf16_runs();
+    EXPECT_EQ(c.cache.packs(), 1u) << st.summary();
+    EXPECT_EQ(st.rejected - d.before.rejected, 0u) << st.summary();
+    EXPECT_EQ(d.runs(st, "sgemm"), 0u) << st.summary();
+    if (native)
+      EXPECT_GT(bf16_calls, 0u) << "oneDNN " << st.isa << " has bf16 kernels: " << st.summary();
+    else
+      EXPECT_EQ(bf16_calls, 0u) << "oneDNN " << st.isa << " has no bf16 kernels: " << st.summary();
+  }
+}
+
+// The weight gradient (tgmm) with bf16 inputs: bf16 kernels on bf16 copies where the CPU has them
+// (the rows padded to a multiple of tgmm_bf16_rows), sgemm elsewhere; fp32 results against double
+// either way, overwriting and accumulating, with an empty group, groups of 1 and 31 rows (padded),
+// and a group large enough to be split into column blocks on 2 or more threads.
+TEST(OneDnnKernels, Bf16WeightGradientRunsBf16KernelsWhereTheCpuHasThem) {
+  std::vector<std::int64_t> const sizes{0, 1, 31, 96, 700};
+  std::int64_t const k = 160, n = 288;
+  std::int64_t m = 0;
+  for (auto v : sizes) m += v;
+  Rng rng(13);
+  Vec x = rng.vec(std::size_t(m * k), -1, 1), dy = rng.vec(std::size_t(m * n), -1, 1);
+  for (Vec* v : {&x, &dy})
+    for (double& e : *v) e = moe::detail::bf16_to_float(moe::detail::bf16_bits(float(e)));
+  auto const lhs = moe_ref::kk::to_view<View2>(x, m, k);
+  auto const dyv = moe_ref::kk::to_view<View2>(dy, m, n);
+  View3 out("moe::test::onednn::tgmm_out", sizes.size(), k, n);
+  auto const groups = moe::gmm::make_groups<Mem>(sizes);
+  StatsDelta d;
+  for (bool accumulate : {false, true}) {
+    GmmOptions opt;
+    opt.accumulate = accumulate;
+    opt.bf16_inputs = true;
+    Exec space;
+    moe::gmm::tgmm(space, moe::gmm::OneDnn{}, lhs, dyv, groups, out, opt);
+    space.fence();
+    auto const got = moe_ref::kk::to_vec(out);
+    double const times = accumulate ? 2.0 : 1.0;
+    std::int64_t r0 = 0;
+    for (std::size_t g = 0; g < sizes.size(); ++g) {
+      for (std::int64_t c = 0; c < k; c += 7)
+        for (std::int64_t j = 0; j < n; j += 5) {
+          double sum = 0, mag = 0;
+          for (std::int64_t r = r0; r < r0 + sizes[g]; ++r) {
+            sum += x[r * k + c] * dy[r * n + j];
+            mag += std::fabs(x[r * k + c] * dy[r * n + j]);
+          }
+          double const v = got[(g * k + c) * n + j];
+          ASSERT_NEAR(v, times * sum, times * (sizes[g] + 2) * 1.2e-7 * mag + 1e-30)
+              << "group " << g << " [" << c << "," << j << "], accumulate " << accumulate;
+        }
+      r0 += sizes[g];
+    }
+  }
+  auto const st = moe::gmm::onednn_stats();
+  std::uint64_t const bf16_calls = st.bf16_runs() - d.before.bf16_runs();
+  EXPECT_EQ(st.rejected - d.before.rejected, 0u) << st.summary();
+  if (dn::bf16_kernels()) {
+    EXPECT_GT(bf16_calls, 0u) << st.summary();
+    EXPECT_EQ(d.runs(st, "sgemm"), 0u) << st.summary();
+  } else {
+    EXPECT_EQ(bf16_calls, 0u) << st.summary();
+  }
 }
 
 // The cap splits a group by the thread count, the result does not depend on it: the same group

@@ -41,10 +41,11 @@ inline dnnl::stream& thread_stream() {
   return s;
 }
 
-/// A growing buffer of at least `count` floats owned by the calling thread (slot 0, 1 or 2),
-/// valid until the same thread asks for the same slot again.
-inline float* thread_buffer(int slot, std::size_t count) {
-  thread_local std::vector<float> buffers[3];
+/// A growing buffer of at least `count` values of T owned by the calling thread (slot 0, 1 or 2
+/// of each T), valid until the same thread asks for the same slot of T again.
+template <class T = float>
+T* thread_buffer(int slot, std::size_t count) {
+  thread_local std::vector<T> buffers[3];
   auto& b = buffers[slot];
   if (b.size() < count) b.resize(count);
   return b.data();
@@ -103,6 +104,13 @@ inline bool direct_kernel(std::string const& impl) {
   return impl.rfind("gemm", 0) != 0 && !reference_impl(impl);
 }
 
+/// Whether oneDNN runs bf16 kernels on this CPU with bf16 instructions (AVX512-BF16 or AMX, as
+/// capped by ONEDNN_MAX_CPU_ISA). Below that tier oneDNN 2.x either has no bf16 matmul (AVX2) or
+/// emulates bf16 (AVX-512 without BF16), slower than its fp32 kernels: moe uses fp32 there.
+inline bool bf16_kernels() {
+  auto const bf16 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_bf16);
+  return (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & bf16) == bf16;
+}
 /// Most descriptions Counters keeps of refusals and reference runs (the counts go on).
 inline constexpr std::size_t max_described = 16;
 
@@ -173,14 +181,15 @@ class ScopedThreads {
 /// that thread's scratchpad and counts its executions by implementation name.
 class Kernel {
  public:
-  /// `what`: the operation and its shape, for messages ("matmul 256x1024x2816").
+  /// `what`: the operation and its shape, for messages ("matmul 256x1024x2816"); executions
+  /// count under the implementation's name followed by `counted_as` (" bf16" for bf16 kernels).
   template <class PrimitiveDesc>
-  Kernel(PrimitiveDesc const& pd, std::string what)
+  Kernel(PrimitiveDesc const& pd, std::string what, std::string const& counted_as = "")
       : prim_(pd.get()),
         scratch_(pd.scratchpad_desc()),
         impl_(pd.impl_info_str()),
         what_(std::move(what)),
-        runs_(&run_counter(impl_)) {
+        runs_(&run_counter(impl_ + counted_as)) {
     ++counters().primitives;
   }
 

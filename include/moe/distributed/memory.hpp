@@ -89,6 +89,8 @@ class LayerBuffers {
         if (slice) launch_rows(w.name + " slice", distributed::detail::lead(op.shape, op.dim));
       }
       bool const expert = w.name == "wi_0" || w.name == "wi_1" || w.name == "wo";
+      // 4 bytes a value: a bf16 layer on a CPU with bf16 kernels packs 2 (the estimate is high
+      // by half the packed bytes there; the plan does not know the CPU it will run on).
       if (packed_ && expert && s_ == 4)
         for (int use = 0; use < (training_ ? 2 : 1); ++use)
           add("packed expert weights", (use ? "packed transposed " : "packed ") + w.name, computed,

@@ -118,6 +118,13 @@ struct GmmOptions {
   /// Version of rhs's contents for pack_cache: a call with the same rhs and version may reuse a
   /// packed copy, so it must change whenever rhs is written (see PackCache).
   std::uint64_t rhs_version = 0;
+  /// The operands (gmm: lhs and rhs; tgmm: lhs and dy) hold bf16 values (the bf16 layer's
+  /// compute copies, docs/precision.md): a backend may multiply them as bf16 with fp32
+  /// accumulation, the same exact products summed in fp32. OneDnn then runs oneDNN's bf16
+  /// kernels where the CPU has bf16 instructions (AVX512-BF16, AMX; gmm: when the call packs,
+  /// i.e. with pack_cache); elsewhere, and on every other backend, it changes nothing. A value
+  /// that is not a bf16 is rounded to the nearest one first.
+  bool bf16_inputs = false;
 };
 
 }  // namespace moe::gmm

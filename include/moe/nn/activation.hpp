@@ -3,12 +3,14 @@
 /// Gated expert activations: a = act(h0) * h1 (SwiGLU with silu, GeGLU with gelu), and backward.
 /// gelu is the tanh approximation (flax.linen.gelu's default, which MaxText uses).
 
+#include <moe/bf16.hpp>
 #include <moe/config_types.hpp>
 #include <moe/detail/compat.hpp>
 #include <moe/detail/views.hpp>
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace moe::nn {
 
@@ -103,61 +105,84 @@ KOKKOS_INLINE_FUNCTION void act_and_grad(Activation a, S x, S& f, S& df) {
     df = S(0.5) * (S(1) + th) + S(0.5) * x * (S(1) - th * th) * c * (S(1) + S(3) * k * x * x);
   }
 }
-}  // namespace detail
 
-/// \brief a[i] = act(h0[i]) * h1[i] over the first `rows` rows of [*, F] views.
-template <class ExecSpace, class Scalar, class MS>
-void gated_forward(ExecSpace const& space, Activation act, std::int64_t rows,
-                   View2<Scalar const, MS> h0, View2<Scalar const, MS> h1, View2<Scalar, MS> a) {
-  std::int64_t const F = h0.extent(1);
-  Scalar const* p0 = h0.data();
-  Scalar const* p1 = h1.data();
-  Scalar* pa = a.data();
-  Kokkos::RangePolicy<ExecSpace> range(space, 0, rows * F);
-  // One kernel per activation: no branch inside the loop, so it vectorises.
-  if (act == Activation::Silu)
-    Kokkos::parallel_for(
-        "moe::nn::gated_forward_silu", range,
-        KOKKOS_LAMBDA(std::int64_t i) { pa[i] = detail::act(Activation::Silu, p0[i]) * p1[i]; });
+/// x rounded to the nearest bf16 (through float: moe::detail::round_bf16's rounding) when Round.
+template <bool Round, class S>
+KOKKOS_INLINE_FUNCTION S cast(S x) {
+  if constexpr (Round)
+    return S(moe::detail::bf16_to_float(moe::detail::bf16_bits(float(x))));
   else
-    Kokkos::parallel_for(
-        "moe::nn::gated_forward_gelu", range,
-        KOKKOS_LAMBDA(std::int64_t i) { pa[i] = detail::act(Activation::Gelu, p0[i]) * p1[i]; });
+    return x;
 }
 
-namespace detail {
+/// gated_forward's kernel for one activation A (a template argument: no branch in the loop).
+template <Activation A, bool Round, class ExecSpace, class Scalar>
+void gated_forward_kernel(char const* name, Kokkos::RangePolicy<ExecSpace> const& range,
+                          Scalar const* p0, Scalar const* p1, Scalar* pa) {
+  Kokkos::parallel_for(
+      name, range, KOKKOS_LAMBDA(std::int64_t i) {
+        pa[i] = cast<Round>(detail::act(A, cast<Round>(p0[i])) * cast<Round>(p1[i]));
+      });
+}
+
 /// gated_backward's kernel for one activation A (a template argument, so the loop has no branch
 /// and vectorises: with the activation read inside the loop it ran 7-10x slower).
-template <Activation A, class ExecSpace, class Scalar>
+template <Activation A, bool Round, class ExecSpace, class Scalar>
 void gated_backward_kernel(char const* name, Kokkos::RangePolicy<ExecSpace> const& range,
                            Scalar const* p0, Scalar const* p1, Scalar const* pd, Scalar* q0,
                            Scalar* q1) {
   Kokkos::parallel_for(
       name, range, KOKKOS_LAMBDA(std::int64_t i) {
         Scalar f, df;
-        detail::act_and_grad(A, p0[i], f, df);
-        Scalar const g = pd[i];
-        q0[i] = g * p1[i] * df;
-        q1[i] = g * f;
+        detail::act_and_grad(A, cast<Round>(p0[i]), f, df);
+        Scalar const g = cast<Round>(pd[i]);
+        q0[i] = cast<Round>(g * cast<Round>(p1[i]) * df);
+        q1[i] = cast<Round>(g * f);
       });
+}
+
+/// Calls run(silu, round) with std::true_type / std::false_type arguments for (act == Silu, bf16):
+/// one kernel instantiation per combination, chosen once outside the loop.
+template <class Run>
+void dispatch(Activation act, bool bf16, Run&& run) {
+  using yes = std::true_type;
+  using no = std::false_type;
+  if (act == Activation::Silu)
+    bf16 ? run(yes{}, yes{}) : run(yes{}, no{});
+  else
+    bf16 ? run(no{}, yes{}) : run(no{}, no{});
 }
 }  // namespace detail
 
+/// \brief a[i] = act(h0[i]) * h1[i] over the first `rows` rows of [*, F] views. `bf16` (the bf16
+/// scheme, docs/precision.md): the casts fused into the same pass, a = bf16(act(bf16(h0)) *
+/// bf16(h1)); h0 and h1 stay as they are (gated_backward rounds them again as it reads them).
+template <class ExecSpace, class Scalar, class MS>
+void gated_forward(ExecSpace const& space, Activation act, std::int64_t rows,
+                   View2<Scalar const, MS> h0, View2<Scalar const, MS> h1, View2<Scalar, MS> a,
+                   bool bf16 = false) {
+  Kokkos::RangePolicy<ExecSpace> const range(space, 0, rows * std::int64_t(h0.extent(1)));
+  detail::dispatch(act, bf16, [&](auto silu, auto round) {
+    constexpr Activation A = decltype(silu)::value ? Activation::Silu : Activation::Gelu;
+    detail::gated_forward_kernel<A, decltype(round)::value>("moe::nn::gated_forward", range,
+                                                            h0.data(), h1.data(), a.data());
+  });
+}
+
 /// \brief Backward of gated_forward: dh0 = da * h1 * act'(h0), dh1 = da * act(h0). dh0 may
-/// alias da (each element reads its own da before writing).
+/// alias da (each element reads its own da before writing). `bf16`: h0, h1 and da are read
+/// rounded to bf16 and dh0, dh1 written rounded (the bf16 scheme's casts, fused).
 template <class ExecSpace, class Scalar, class MS>
 void gated_backward(ExecSpace const& space, Activation act, std::int64_t rows,
                     View2<Scalar const, MS> h0, View2<Scalar const, MS> h1,
-                    View2<Scalar const, MS> da, View2<Scalar, MS> dh0, View2<Scalar, MS> dh1) {
+                    View2<Scalar const, MS> da, View2<Scalar, MS> dh0, View2<Scalar, MS> dh1,
+                    bool bf16 = false) {
   Kokkos::RangePolicy<ExecSpace> const range(space, 0, rows * std::int64_t(h0.extent(1)));
-  if (act == Activation::Silu)
-    detail::gated_backward_kernel<Activation::Silu>("moe::nn::gated_backward_silu", range,
-                                                    h0.data(), h1.data(), da.data(), dh0.data(),
-                                                    dh1.data());
-  else
-    detail::gated_backward_kernel<Activation::Gelu>("moe::nn::gated_backward_gelu", range,
-                                                    h0.data(), h1.data(), da.data(), dh0.data(),
-                                                    dh1.data());
+  detail::dispatch(act, bf16, [&](auto silu, auto round) {
+    constexpr Activation A = decltype(silu)::value ? Activation::Silu : Activation::Gelu;
+    detail::gated_backward_kernel<A, decltype(round)::value>(
+        "moe::nn::gated_backward", range, h0.data(), h1.data(), da.data(), dh0.data(), dh1.data());
+  });
 }
 
 }  // namespace moe::nn

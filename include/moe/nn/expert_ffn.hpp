@@ -29,7 +29,10 @@ void ensure_gated(ExecSpace const& space, std::string const& owner, std::int64_t
 
 /// \brief Whether the FFNs round their activations to bf16 (docs/precision.md: h0, h1, the
 /// activation, the outputs and the activation gradients; weight gradients stay fp32). Set from
-/// LayerConfig::bf16(); the weights and inputs they are given are then bf16 already.
+/// LayerConfig::bf16(); the weights and inputs they are given are then bf16 already. h0 and h1
+/// are rounded where they are read, inside gated_forward / gated_backward (fused with the
+/// activation: one pass instead of four), and the GEMMs are told their inputs are bf16
+/// (GmmOptions::bf16_inputs).
 struct Bf16Rounding {
   bool bf16 = false;
   template <class ExecSpace, class... V>
@@ -64,9 +67,7 @@ class ExpertFfn : public Bf16Rounding {
     gmm::GmmOptions const fw = options(false, false);
     gmm::gmm(space, Gmm{}, xs, wi_0, groups, h0_, fw);
     gmm::gmm(space, Gmm{}, xs, wi_1, groups, h1_, fw);
-    round(space, h0_, h1_);
-    gated_forward(space, act, n, cview2(h0_), cview2(h1_), a_);
-    round(space, a_);
+    gated_forward(space, act, n, cview2(h0_), cview2(h1_), a_, bf16);
     gmm::gmm(space, Gmm{}, a_, wo, groups, ys, fw);
     round(space, ys);
   }
@@ -101,9 +102,7 @@ class ExpertFfn : public Bf16Rounding {
   void forward_end(ExecSpace const& space, groups_type const& groups, view3 wo, view2 ys) {
     moe::detail::Region region("moe::expert_ffn");
     std::int64_t const n = xs_.extent(0);
-    round(space, h0_, h1_);
-    gated_forward(space, act_, n, cview2(h0_), cview2(h1_), a_);
-    round(space, a_);
+    gated_forward(space, act_, n, cview2(h0_), cview2(h1_), a_, bf16);
     gmm::gmm(space, Gmm{}, a_, wo, groups, ys, options(false, false));
     round(space, ys);
   }
@@ -116,15 +115,13 @@ class ExpertFfn : public Bf16Rounding {
     std::int64_t const n = xs_.extent(0), F = wi_0.extent(2);
     moe::detail::ensure(space, da_, "moe::ffn::d_act", n, F);
     moe::detail::ensure(space, dh1_, "moe::ffn::d_h1", n, F);
-    gmm::tgmm(space, Gmm{}, a_, dys, groups, d_wo);
+    gmm::tgmm(space, Gmm{}, a_, dys, groups, d_wo, tgmm_options());
     gmm::GmmOptions const tr = options(true, false);
     gmm::gmm(space, Gmm{}, dys, wo, groups, da_, tr);
-    round(space, da_);
     // dh0 overwrites da (each element reads its own da before writing).
-    gated_backward(space, act_, n, cview2(h0_), cview2(h1_), cview2(da_), da_, dh1_);
-    round(space, da_, dh1_);
-    gmm::tgmm(space, Gmm{}, xs_, da_, groups, d_wi_0);
-    gmm::tgmm(space, Gmm{}, xs_, dh1_, groups, d_wi_1);
+    gated_backward(space, act_, n, cview2(h0_), cview2(h1_), cview2(da_), da_, dh1_, bf16);
+    gmm::tgmm(space, Gmm{}, xs_, da_, groups, d_wi_0, tgmm_options());
+    gmm::tgmm(space, Gmm{}, xs_, dh1_, groups, d_wi_1, tgmm_options());
     gmm::gmm(space, Gmm{}, da_, wi_0, groups, dxs, tr);
     gmm::gmm(space, Gmm{}, dh1_, wi_1, groups, dxs, options(true, true));
     round(space, dxs);
@@ -140,6 +137,13 @@ class ExpertFfn : public Bf16Rounding {
     o.accumulate = accumulate;
     o.pack_cache = &cache_;
     o.rhs_version = version_;
+    o.bf16_inputs = bf16;
+    return o;
+  }
+  /// The weight gradients' options: bf16 inputs in the bf16 scheme (fp32 gradients either way).
+  gmm::GmmOptions tgmm_options() const {
+    gmm::GmmOptions o;
+    o.bf16_inputs = bf16;
     return o;
   }
 
@@ -167,9 +171,7 @@ class DenseMlp : public Bf16Rounding {
     ensure_gated(space, "moe::mlp", T, H, h0_, h1_, a_);
     moe::detail::gemm(space, "N", "N", Scalar(1), x, w0, Scalar(0), h0_);
     moe::detail::gemm(space, "N", "N", Scalar(1), x, w1, Scalar(0), h1_);
-    round(space, h0_, h1_);
-    gated_forward(space, act, T, cview2(h0_), cview2(h1_), a_);
-    round(space, a_);
+    gated_forward(space, act, T, cview2(h0_), cview2(h1_), a_, bf16);
     moe::detail::gemm(space, "N", "N", Scalar(1), a_, wo, Scalar(1), out);
   }
 
@@ -181,10 +183,8 @@ class DenseMlp : public Bf16Rounding {
     moe::detail::ensure(space, da_, "moe::mlp::d_act", T, H);
     moe::detail::gemm(space, "T", "N", Scalar(1), a_, dout, Scalar(0), d_wo);
     moe::detail::gemm(space, "N", "T", Scalar(1), dout, wo, Scalar(0), da_);
-    round(space, da_);
     // d_h0 overwrites d_act, d_h1 overwrites the saved activation (no longer needed).
-    gated_backward(space, act_, T, cview2(h0_), cview2(h1_), cview2(da_), da_, a_);
-    round(space, da_, a_);
+    gated_backward(space, act_, T, cview2(h0_), cview2(h1_), cview2(da_), da_, a_, bf16);
     moe::detail::gemm(space, "T", "N", Scalar(1), x_, da_, Scalar(0), d_w0);
     moe::detail::gemm(space, "T", "N", Scalar(1), x_, a_, Scalar(0), d_w1);
     moe::detail::gemm(space, "N", "T", Scalar(1), da_, w0, Scalar(1), dx);
@@ -278,9 +278,7 @@ class DenseExperts : public Bf16Rounding {
       round(space, dye_);
       moe::detail::gemm(space, "T", "N", Scalar(1), a_, dye_, Scalar(0), sub(d_wo, l));
       moe::detail::gemm(space, "N", "T", Scalar(1), dye_, sub(wo, l), Scalar(0), da_);
-      round(space, da_);
-      gated_backward(space, act_, T, cview2(h0_), cview2(h1_), cview2(da_), da_, dh1_);
-      round(space, da_, dh1_);
+      gated_backward(space, act_, T, cview2(h0_), cview2(h1_), cview2(da_), da_, dh1_, bf16);
       moe::detail::gemm(space, "T", "N", Scalar(1), x_, da_, Scalar(0), sub(d_wi_0, l));
       moe::detail::gemm(space, "T", "N", Scalar(1), x_, dh1_, Scalar(0), sub(d_wi_1, l));
       moe::detail::gemm(space, "N", "T", Scalar(1), da_, sub(wi_0, l), Scalar(1), dx);
@@ -308,9 +306,7 @@ class DenseExperts : public Bf16Rounding {
     auto sub = [l](view3 const& v) { return Kokkos::subview(v, l, Kokkos::ALL(), Kokkos::ALL()); };
     moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_0), Scalar(0), h0_);
     moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_1), Scalar(0), h1_);
-    round(space, h0_, h1_);
-    gated_forward(space, act_, T, cview2(h0_), cview2(h1_), a_);
-    round(space, a_);
+    gated_forward(space, act_, T, cview2(h0_), cview2(h1_), a_, bf16);
     moe::detail::gemm(space, "N", "N", Scalar(1), a_, sub(wo), Scalar(0), ye_);
     round(space, ye_);
   }

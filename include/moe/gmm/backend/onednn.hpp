@@ -10,6 +10,7 @@
 /// 15-25 % faster at 32-128 rows per expert than splitting each call over both threads); results
 /// do not depend on which thread runs a call. Float only (oneDNN has no double GEMM on CPUs).
 
+#include <moe/bf16.hpp>
 #include <moe/detail/onednn.hpp>
 #include <moe/gmm/backend/common.hpp>
 #include <moe/gmm/backend/onednn_kernels.hpp>
@@ -62,6 +63,13 @@ struct OneDnnStats {
          " tensors packed, " + std::to_string(rejected) + " refused, " +
          std::to_string(reference_runs) + " reference runs";
     return s;
+  }
+  /// Executions of bf16 kernels (counted under "<implementation> bf16").
+  std::uint64_t bf16_runs() const {
+    std::uint64_t n = 0;
+    for (auto const& [impl, count] : runs)
+      if (impl.size() > 5 && impl.compare(impl.size() - 5, 5, " bf16") == 0) n += count;
+    return n;
   }
   /// "" when no reference implementation ran; else one line naming what ran and its shape.
   std::string warning() const {
@@ -119,12 +127,17 @@ struct Impl<moe::gmm::OneDnn> {
              "moe::gmm::zero_rows");
     } else if (n > 0 && end > begin) {
       std::int64_t const lda = lhs.stride(0), ldc = out.stride(0), ldw = rhs.stride(1);
-      dn::KernelPlan& p = dn::plan(k, n, trans, ldw, lda, ldc);
       // Packing pays only when the packed copy is kept for later calls: without a cache the
-      // call runs plain (unless a test forces the packed mode).
-      bool const pack =
-          p.packed() && (opt.pack_cache || dn::forced().mode == dn::Forced::Mode::packed);
-      if (!pack) {
+      // call runs plain (unless a test forces the packed mode). bf16 inputs take the bf16 plan
+      // where the CPU has bf16 kernels, else the fp32 one (on the same bf16-valued floats).
+      bool const keep = opt.pack_cache || dn::forced().mode == dn::Forced::Mode::packed;
+      dn::KernelPlan* p = nullptr;
+      if (keep && opt.bf16_inputs && dn::bf16_kernels()) {
+        p = &dn::plan(k, n, trans, ldw, lda, ldc, true);
+        if (!p->packed()) p = nullptr;
+      }
+      if (!p) p = &dn::plan(k, n, trans, ldw, lda, ldc);
+      if (!keep || !p->packed()) {
         // Plain layout: one sgemm per group on the weights in place. Rows are padded to the
         // bucket as in Vendor (the extra rows belong to later groups or are zeroed below).
         std::int64_t const pad = acc ? 1 : dn::row_bucket;
@@ -143,7 +156,7 @@ struct Impl<moe::gmm::OneDnn> {
                     ldc);
         }
       } else {
-        packed_gmm(p, lhs, rhs, groups, out, opt);
+        packed_gmm(*p, lhs, rhs, groups, out, opt);
       }
     }
     if (!acc) zero_outside(space, out, begin, end);
@@ -153,8 +166,8 @@ struct Impl<moe::gmm::OneDnn> {
   /// Packed layout: each group as row chunks (at most chunk_cap rows) on the plan's kernels. The
   /// calls are listed first (kernels made and checked here), longest first, then run one per
   /// thread: a chunk rounded up past its group writes into the thread's own buffer and copies (or
-  /// adds) its group's rows, and reads a zero-padded copy of its rows when they end lhs; a chunk
-  /// without a direct kernel runs as sgemm.
+  /// adds) its group's rows, and reads a zero-padded copy of its rows when they end lhs (a bf16
+  /// plan: always a zero-padded bf16 copy); a chunk without a direct kernel runs as sgemm.
   template <class E, class ML, class MR, class MO, class Mem>
   static void packed_gmm(moe::detail::onednn::KernelPlan& p, CMat<E, float, ML> const& lhs,
                          CTensor<E, float, MR> const& rhs, moe::gmm::Groups<Mem> const& groups,
@@ -198,17 +211,25 @@ struct Impl<moe::gmm::OneDnn> {
         return;
       }
       bool const spill = c.chunk.run != c.chunk.rows;
-      float const* src_rows = x + c.c0 * lda;
-      if (c.c0 + c.chunk.run > m) {  // the rows past the group are past lhs: a padded copy
+      float const* const rows = x + c.c0 * lda;
+      void* src_rows = const_cast<float*>(rows);
+      if (p.bf16()) {  // the rows rounded to bf16 (exact on bf16 values), dense, zero-padded
+        auto* const b = dn::thread_buffer<std::uint16_t>(2, std::size_t(c.chunk.run * k));
+        for (std::int64_t r = 0; r < c.chunk.rows; ++r)
+          for (std::int64_t j = 0; j < k; ++j)
+            b[r * k + j] = moe::detail::bf16_bits(rows[r * lda + j]);
+        std::fill(b + c.chunk.rows * k, b + c.chunk.run * k, std::uint16_t(0));
+        src_rows = b;
+      } else if (c.c0 + c.chunk.run > m) {  // the rows past the group are past lhs: a padded copy
         float* const pad = dn::thread_buffer(2, std::size_t(c.chunk.run * lda));
         for (std::int64_t r = 0; r < c.chunk.rows; ++r)
-          std::copy(src_rows + r * lda, src_rows + r * lda + k, pad + r * lda);
+          std::copy(rows + r * lda, rows + r * lda + k, pad + r * lda);
         std::fill(pad + c.chunk.rows * lda, pad + c.chunk.run * lda, 0.0f);
         src_rows = pad;
       }
       float* const dst =
           spill ? dn::thread_buffer(0, std::size_t(c.chunk.run * ldc)) : y + c.c0 * ldc;
-      dnnl::memory const src(p.src_desc(c.chunk.run), dn::engine(), const_cast<float*>(src_rows));
+      dnnl::memory const src(p.src_desc(c.chunk.run), dn::engine(), src_rows);
       dnnl::memory const out_rows(p.dst_desc(c.chunk.run), dn::engine(), dst);
       c.kernel->run({{DNNL_ARG_SRC, src},
                      {DNNL_ARG_WEIGHTS, pk->experts[std::size_t(c.g)]},
@@ -225,9 +246,22 @@ struct Impl<moe::gmm::OneDnn> {
     });
   }
 
+  /// a[c, r] = bf16(x[r, c]) for r < rows, 0 for rows <= r < kp (c < k): x [rows, k] with row
+  /// stride ldx, transposed in 32 x 32 tiles into a [k, kp] bf16 matrix.
+  static void bf16_transposed(float const* x, std::int64_t ldx, std::int64_t rows, std::int64_t k,
+                              std::int64_t kp, std::uint16_t* a) {
+    constexpr std::int64_t tile = 32;
+    for (std::int64_t c0 = 0; c0 < k; c0 += tile)
+      for (std::int64_t r0 = 0; r0 < kp; r0 += tile)
+        for (std::int64_t c = c0; c < std::min(c0 + tile, k); ++c)
+          for (std::int64_t r = r0; r < std::min(r0 + tile, kp); ++r)
+            a[c * kp + r] = r < rows ? moe::detail::bf16_bits(x[r * ldx + c]) : std::uint16_t(0);
+  }
+
   /// One single-threaded sgemm per (group, block of output columns), side by side: a group with
   /// more than half a thread's share of the rows is split into column blocks (multiples of 16),
-  /// so one hot expert does not idle the others.
+  /// so one hot expert does not idle the others. bf16 inputs (GmmOptions::bf16_inputs) run
+  /// oneDNN's bf16 kernels where the CPU has them (fp32 accumulation and output).
   template <class E, class ML, class MD, class MO, class Mem>
   static void tgmm(E const& space, CMat<E, float, ML> const& lhs, CMat<E, float, MD> const& dy,
                    moe::gmm::Groups<Mem> const& groups, Tensor<E, float, MO> const& out,
@@ -245,6 +279,7 @@ struct Impl<moe::gmm::OneDnn> {
     struct Call {
       int g;
       std::int64_t n0, n1;
+      std::int64_t padded = 0;  // bf16 kernels: the rows padded to a multiple of tgmm_bf16_rows
     };
     std::vector<Call> calls;
     for (int g = 0; g < num_local; ++g) {
@@ -259,18 +294,45 @@ struct Impl<moe::gmm::OneDnn> {
           threads == 1 ? 1
                        : std::max<std::int64_t>(
                              1, std::min((rows + share - 1) / share, n / dn::tgmm_min_columns));
+      std::int64_t const padded =
+          (rows + dn::tgmm_bf16_rows - 1) / dn::tgmm_bf16_rows * dn::tgmm_bf16_rows;
       for (std::int64_t b = 0; b < blocks; ++b)
-        calls.push_back(
-            {g, n * b / blocks / 16 * 16, b + 1 == blocks ? n : n * (b + 1) / blocks / 16 * 16});
+        calls.push_back({g, n * b / blocks / 16 * 16,
+                         b + 1 == blocks ? n : n * (b + 1) / blocks / 16 * 16, padded});
     }
     fence(space, "moe::gmm::tgmm<OneDnn>: empty groups zeroed");
     std::int64_t const lda = lhs.stride(0), ldd = dy.stride(0), ldo = out.stride(1);
+    // bf16 inputs on a CPU with bf16 kernels: each call multiplies bf16 copies of its rows (lhs
+    // transposed, both padded with zero rows to a multiple of tgmm_bf16_rows); kernels are made
+    // here, outside the parallel loop (nullptr: that call runs sgemm).
+    std::vector<dn::Kernel const*> kernels(calls.size(), nullptr);
+    if (opt.bf16_inputs && dn::bf16_kernels())
+      for (std::size_t i = 0; i < calls.size(); ++i)
+        kernels[i] = dn::tgmm_bf16_kernel(k, calls[i].padded, calls[i].n1 - calls[i].n0, ldo,
+                                          opt.accumulate);
     dn::for_each_item(std::int64_t(calls.size()), [&](std::int64_t i) {
       Call const& c = calls[std::size_t(i)];
       std::int64_t const r0 = off(go + c.g), r1 = off(go + c.g + 1);
+      float* const o = out.data() + c.g * out.stride(0) + c.n0;
+      if (dn::Kernel const* kernel = kernels[std::size_t(i)]) {
+        std::int64_t const rows = r1 - r0, nb = c.n1 - c.n0, kp = c.padded;
+        auto* const a = dn::thread_buffer<std::uint16_t>(0, std::size_t(k * kp));
+        auto* const b = dn::thread_buffer<std::uint16_t>(1, std::size_t(kp * nb));
+        bf16_transposed(lhs.data() + r0 * lda, lda, rows, k, kp, a);
+        for (std::int64_t r = 0; r < kp; ++r)
+          for (std::int64_t j = 0; j < nb; ++j)
+            b[r * nb + j] = r < rows ? moe::detail::bf16_bits(dy.data()[(r0 + r) * ldd + c.n0 + j])
+                                     : std::uint16_t(0);
+        kernel->run(
+            {{DNNL_ARG_SRC,
+              dnnl::memory(dn::matrix_desc(k, kp, kp, dn::DataType::bf16), dn::engine(), a)},
+             {DNNL_ARG_WEIGHTS,
+              dnnl::memory(dn::matrix_desc(kp, nb, nb, dn::DataType::bf16), dn::engine(), b)},
+             {DNNL_ARG_DST, dnnl::memory(dn::matrix_desc(k, nb, ldo), dn::engine(), o)}});
+        return;
+      }
       dn::sgemm('T', 'N', k, c.n1 - c.n0, r1 - r0, 1.0f, lhs.data() + r0 * lda, lda,
-                dy.data() + r0 * ldd + c.n0, ldd, opt.accumulate ? 1.0f : 0.0f,
-                out.data() + c.g * out.stride(0) + c.n0, ldo);
+                dy.data() + r0 * ldd + c.n0, ldd, opt.accumulate ? 1.0f : 0.0f, o, ldo);
     });
     fence(space, "moe::gmm::tgmm<OneDnn>: done");
   }

@@ -144,24 +144,28 @@ inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float co
   }
 }
 
+using DataType = dnnl::memory::data_type;
+
 /// Row-major [rows, ch] with row stride ld as a channels-last 1x1 image (N=1, C=ch, H=rows, W=1).
-inline dnnl::memory::desc pixels_desc(std::int64_t rows, std::int64_t ch, std::int64_t ld) {
-  return dnnl::memory::desc(dnnl::memory::dims{1, ch, rows, 1}, dnnl::memory::data_type::f32,
+inline dnnl::memory::desc pixels_desc(std::int64_t rows, std::int64_t ch, std::int64_t ld,
+                                      DataType dt = DataType::f32) {
+  return dnnl::memory::desc(dnnl::memory::dims{1, ch, rows, 1}, dt,
                             dnnl::memory::dims{rows * ld, 1, ld, ld});
 }
 
 /// Row-major [rows, cols] with row stride ld as a matmul operand.
-inline dnnl::memory::desc matrix_desc(std::int64_t rows, std::int64_t cols, std::int64_t ld) {
-  return dnnl::memory::desc(dnnl::memory::dims{rows, cols}, dnnl::memory::data_type::f32,
-                            dnnl::memory::dims{ld, 1});
+inline dnnl::memory::desc matrix_desc(std::int64_t rows, std::int64_t cols, std::int64_t ld,
+                                      DataType dt = DataType::f32) {
+  return dnnl::memory::desc(dnnl::memory::dims{rows, cols}, dt, dnnl::memory::dims{ld, 1});
 }
 
-/// The activations x[rows, k] (row stride ld) as the family's source.
-inline dnnl::memory::desc src_desc(Family f, std::int64_t rows, std::int64_t k, std::int64_t ld) {
-  return f == Family::matmul ? matrix_desc(rows, k, ld) : pixels_desc(rows, k, ld);
+/// The activations x[rows, k] (row stride ld, values of type dt) as the family's source.
+inline dnnl::memory::desc src_desc(Family f, std::int64_t rows, std::int64_t k, std::int64_t ld,
+                                   DataType dt = DataType::f32) {
+  return f == Family::matmul ? matrix_desc(rows, k, ld, dt) : pixels_desc(rows, k, ld, dt);
 }
 
-/// The output out[rows, n] (row stride ld) as the family's destination.
+/// The float output out[rows, n] (row stride ld) as the family's destination.
 inline dnnl::memory::desc dst_desc(Family f, std::int64_t rows, std::int64_t n, std::int64_t ld) {
   return f == Family::matmul ? matrix_desc(rows, n, ld) : pixels_desc(rows, n, ld);
 }
@@ -177,12 +181,12 @@ inline dnnl::memory::desc weights_desc(Family f, std::int64_t k, std::int64_t n,
   return dnnl::memory::desc(dims{n, k, 1, 1}, f32, trans ? dims{ld, 1, 1, 1} : dims{1, ld, 1, 1});
 }
 
-/// The family's weights [k, n] in a format tag (format_tag::any: oneDNN's choice).
+/// The family's weights [k, n] of type dt in a format tag (format_tag::any: oneDNN's choice).
 inline dnnl::memory::desc tagged_weights(Family f, std::int64_t k, std::int64_t n,
-                                         dnnl::memory::format_tag tag) {
+                                         dnnl::memory::format_tag tag,
+                                         DataType dt = DataType::f32) {
   using dims = dnnl::memory::dims;
-  return dnnl::memory::desc(f == Family::matmul ? dims{k, n} : dims{n, k, 1, 1},
-                            dnnl::memory::data_type::f32, tag);
+  return dnnl::memory::desc(f == Family::matmul ? dims{k, n} : dims{n, k, 1, 1}, dt, tag);
 }
 
 /// User scratchpad (Kernel passes each thread's own) and, to accumulate, a sum post-op.
@@ -198,12 +202,13 @@ inline dnnl::primitive_attr kernel_attr(bool accumulate) {
 }
 
 /// use(pd) for the family's primitive descriptor of out[rows, n] (+)= x[rows, k] * W, weights `w`
-/// (a layout, or format_tag::any); throws dnnl::error when oneDNN has no implementation at all.
+/// (a layout, or format_tag::any; x of w's type); throws dnnl::error when oneDNN has no
+/// implementation at all.
 template <class Use>
 auto with_pd(Family f, std::int64_t rows, std::int64_t k, std::int64_t n, std::int64_t lda,
              std::int64_t ldc, dnnl::memory::desc const& w, bool accumulate, Use&& use) {
   auto const attr = kernel_attr(accumulate);
-  auto const src = src_desc(f, rows, k, lda);
+  auto const src = src_desc(f, rows, k, lda, w.data_type());
   auto const dst = dst_desc(f, rows, n, ldc);
   if (f == Family::matmul) {
 #if DNNL_VERSION_MAJOR >= 3
@@ -226,24 +231,26 @@ auto with_pd(Family f, std::int64_t rows, std::int64_t k, std::int64_t n, std::i
 #endif
 }
 
-/// "matmul 256x1024x2816 +=" (rows x k x n; "+=" with the sum post-op).
+/// "matmul 256x1024x2816 +=" (rows x k x n; "+=" with the sum post-op; " bf16" for bf16 inputs).
 inline std::string kernel_what(Family f, std::int64_t rows, std::int64_t k, std::int64_t n,
-                               bool accumulate) {
+                               bool accumulate, bool bf16 = false) {
   return std::string(family_name(f)) + " " + std::to_string(rows) + "x" + std::to_string(k) + "x" +
-         std::to_string(n) + (accumulate ? " +=" : "");
+         std::to_string(n) + (accumulate ? " +=" : "") + (bf16 ? " bf16" : "");
 }
 
 /// \brief How one weight shape runs: packed (a family, its weight layout, the reorder that packs
 /// an expert, a checked kernel per chunk size) or plain. Made once per shape, single-threaded.
+/// A bf16 plan multiplies bf16 copies of the rows (row stride k) by weights packed as bf16, with
+/// fp32 accumulation and output; it packs only where bf16_kernels() holds.
 class KernelPlan {
  public:
   /// k: contraction, n: output columns, trans/ldw: how the weights are stored (row-major [k, n],
   /// or [n, k] used transposed, row stride ldw), lda/ldc: row strides of lhs and out.
   KernelPlan(std::int64_t k, std::int64_t n, bool trans, std::int64_t ldw, std::int64_t lda,
-             std::int64_t ldc)
-      : k_(k), n_(n), lda_(lda), ldc_(ldc) {
+             std::int64_t ldc, bool bf16 = false)
+      : k_(k), n_(n), lda_(bf16 ? k : lda), ldc_(ldc), bf16_(bf16) {
     Forced const f = forced();
-    if (f.mode == Forced::Mode::plain) return;
+    if (f.mode == Forced::Mode::plain || (bf16 && !bf16_kernels())) return;
     ScopedThreads one(1);
     std::string refused;  // why each family was not taken (a refusal only if none is)
     for (bool checked : {true, false}) {
@@ -259,6 +266,8 @@ class KernelPlan {
 
   /// Whether the weights are reordered into a packed layout (else used in place).
   bool packed() const { return packer_ != nullptr; }
+  /// Whether the kernels take bf16 rows and weights packed as bf16.
+  bool bf16() const { return bf16_; }
   Family family() const { return family_; }
   dnnl::memory::desc const& packed_desc() const { return packed_desc_; }
   /// The reorder of one expert's weights into packed_desc() (packed() only).
@@ -271,12 +280,13 @@ class KernelPlan {
     auto [it, fresh] = kernels_.try_emplace({rows, accumulate});
     if (fresh) {
       ScopedThreads one(1);
-      std::string const what = kernel_what(family_, rows, k_, n_, accumulate);
+      std::string const what = kernel_what(family_, rows, k_, n_, accumulate, bf16_);
       try {
         it->second = with_pd(family_, rows, k_, n_, lda_, ldc_, packed_desc_, accumulate,
                              [&](auto const& pd) -> std::unique_ptr<Kernel> {
                                std::string const impl = pd.impl_info_str();
-                               if (direct_kernel(impl)) return std::make_unique<Kernel>(pd, what);
+                               if (direct_kernel(impl))
+                                 return std::make_unique<Kernel>(pd, what, bf16_ ? " bf16" : "");
                                note_rejected(what, impl);
                                return nullptr;
                              });
@@ -288,7 +298,7 @@ class KernelPlan {
   }
 
   dnnl::memory::desc src_desc(std::int64_t rows) const {
-    return onednn::src_desc(family_, rows, k_, lda_);
+    return onednn::src_desc(family_, rows, k_, lda_, data_type());
   }
   dnnl::memory::desc dst_desc(std::int64_t rows) const {
     return onednn::dst_desc(family_, rows, n_, ldc_);
@@ -303,11 +313,11 @@ class KernelPlan {
       refused += (refused.empty() ? "" : "; ") + std::string(family_name(fam)) + ": " + why;
       return false;
     };
-    for (auto const tag : packed_layouts(fam, f)) {
+    for (auto const tag : packed_layouts(fam, f, bf16_)) {
       try {
         auto const [impl, layout] =
-            with_pd(fam, max_chunk_rows, k_, n_, lda_, ldc_, tagged_weights(fam, k_, n_, tag),
-                    false, [](auto const& pd) {
+            with_pd(fam, max_chunk_rows, k_, n_, lda_, ldc_,
+                    tagged_weights(fam, k_, n_, tag, data_type()), false, [](auto const& pd) {
                       return std::make_pair(std::string(pd.impl_info_str()), pd.weights_desc());
                     });
         if (checked && !direct_kernel(impl)) {
@@ -320,8 +330,9 @@ class KernelPlan {
           refuse(std::string("packing reorder ") + rpd.impl_info_str());
           continue;
         }
-        packer_ = std::make_unique<Kernel>(
-            rpd, std::string("pack ") + std::to_string(k_) + "x" + std::to_string(n_) + " weights");
+        packer_ = std::make_unique<Kernel>(rpd, std::string("pack ") + std::to_string(k_) + "x" +
+                                                    std::to_string(n_) + " weights" +
+                                                    (bf16_ ? " as bf16" : ""));
         family_ = fam;
         packed_desc_ = layout;
         return true;
@@ -332,18 +343,21 @@ class KernelPlan {
     return false;
   }
 
-  /// The weight layouts to try, best first: the forced one; for matmul 48-column blocks
+  /// The weight layouts to try, best first: the forced one; for fp32 matmul 48-column blocks
   /// (BA16a48b), then oneDNN's choice (64-column blocks). On a Zen 4 core over the Mixtral, Qwen3
   /// and DeepSeek-V3 expert shapes, 48 columns streamed 1-3 rows at 19-25 GB/s against 12-16 for
   /// 64 and ran 16-256 rows within 2 %; 32 columns streamed faster but lost 16 % at 256 rows.
-  static std::vector<dnnl::memory::format_tag> packed_layouts(Family fam, Forced const& f) {
+  /// bf16: oneDNN's choice (it pairs the rows of k that its bf16 instructions multiply together).
+  static std::vector<dnnl::memory::format_tag> packed_layouts(Family fam, Forced const& f,
+                                                              bool bf16) {
     using tag = dnnl::memory::format_tag;
     if (f.layout != tag::undef) return {f.layout};
-    if (fam == Family::matmul) return {tag::BA16a48b, tag::any};
+    if (fam == Family::matmul && !bf16) return {tag::BA16a48b, tag::any};
     return {tag::any};
   }
-
+  DataType data_type() const { return bf16_ ? DataType::bf16 : DataType::f32; }
   std::int64_t k_, n_, lda_, ldc_;
+  bool bf16_ = false;
   Family family_ = Family::matmul;
   dnnl::memory::desc packed_desc_;
   std::unique_ptr<Kernel> packer_;
@@ -351,17 +365,54 @@ class KernelPlan {
   std::map<std::pair<std::int64_t, bool>, std::unique_ptr<Kernel>> kernels_;
 };
 
-/// The process-wide plan of a weight shape and storage (and test hook state).
+/// The process-wide plan of a weight shape and storage (and test hook state); bf16: the plan for
+/// bf16 inputs (its rows are converted into a dense copy: lda is then k), under the ISA cap of the
+/// moment (bf16_kernels()).
 inline KernelPlan& plan(std::int64_t k, std::int64_t n, bool trans, std::int64_t ldw,
-                        std::int64_t lda, std::int64_t ldc) {
+                        std::int64_t lda, std::int64_t ldc, bool bf16 = false) {
   using Key = std::tuple<std::int64_t, std::int64_t, bool, std::int64_t, std::int64_t, std::int64_t,
-                         decltype(forced().key())>;
+                         bool, decltype(forced().key())>;
   static std::mutex mutex;
   static std::map<Key, std::unique_ptr<KernelPlan>> plans;
   std::lock_guard<std::mutex> lock(mutex);
-  auto& p = plans[Key{k, n, trans, ldw, lda, ldc, forced().key()}];
-  if (!p) p = std::make_unique<KernelPlan>(k, n, trans, ldw, lda, ldc);
+  auto& p = plans[Key{k, n, trans, ldw, bf16 ? k : lda, ldc, bf16, forced().key()}];
+  if (!p) p = std::make_unique<KernelPlan>(k, n, trans, ldw, lda, ldc, bf16);
   return *p;
+}
+
+/// tgmm with bf16 inputs pads each group's rows (the contraction) to a multiple of this, so a
+/// layer whose group sizes change every step makes few kernels.
+inline constexpr std::int64_t tgmm_bf16_rows = 32;
+
+/// The single-threaded bf16 kernel of out[k, n] (+)= A[k, rows] * B[rows, n]: A and B dense bf16
+/// (row strides rows and n), out float with row stride ldo; made once per shape, nullptr where
+/// oneDNN offers only a reference implementation (its GEMM-based one is taken: B changes with
+/// every call, so a kernel with a packed layout of its own would save nothing). Not inside a
+/// parallel region.
+inline Kernel const* tgmm_bf16_kernel(std::int64_t k, std::int64_t rows, std::int64_t n,
+                                      std::int64_t ldo, bool accumulate) {
+  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool>;
+  static std::mutex mutex;
+  static std::map<Key, std::unique_ptr<Kernel>> kernels;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto [it, fresh] = kernels.try_emplace(Key{k, rows, n, ldo, accumulate});
+  if (fresh) {
+    ScopedThreads one(1);
+    std::string const what = "tgmm " + kernel_what(Family::matmul, k, rows, n, accumulate, true);
+    try {
+      it->second =
+          with_pd(Family::matmul, k, rows, n, rows, ldo, matrix_desc(rows, n, n, DataType::bf16),
+                  accumulate, [&](auto const& pd) -> std::unique_ptr<Kernel> {
+                    std::string const impl = pd.impl_info_str();
+                    if (!reference_impl(impl)) return std::make_unique<Kernel>(pd, what, " bf16");
+                    note_rejected(what, impl);
+                    return nullptr;
+                  });
+    } catch (dnnl::error const& e) {
+      note_rejected(what, std::string("no implementation: ") + e.what());
+    }
+  }
+  return it->second.get();
 }
 
 /// Every expert of one rhs tensor in the plan's packed layout.
@@ -393,7 +444,7 @@ std::shared_ptr<PackedTensor> packed(KernelPlan& p, Tensor const& rhs, bool tran
                                      std::int64_t(rhs.extent(0)),
                                      std::int64_t(rhs.extent(1)),
                                      std::int64_t(rhs.extent(2)),
-                                     int(sizeof(float)),
+                                     p.bf16() ? 2 : int(sizeof(float)),
                                      trans};
   std::uint64_t const samples = opt.pack_cache ? sample_hash(rhs) : 0;
   if (opt.pack_cache)
