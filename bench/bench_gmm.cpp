@@ -52,7 +52,6 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <tuple>
 #include <vector>
 
 namespace {
@@ -235,21 +234,26 @@ void bench_gmm_bf16(benchmark::State& state, int experts, std::string const& dis
 }
 
 void register_bf16_rows() {
+  struct Shape {
+    int64_t tokens;
+    int top_k;
+    bool decode;
+  };
   for (int experts : {8, 64})
     for (char const* dist : {"balanced", "zipf"})
-      for (auto [tokens, top_k, decode] :
-           {std::make_tuple(int64_t(4096), 2, false), std::make_tuple(int64_t(64), 2, true)}) {
-        if (decode && experts != 64) continue;
+      for (Shape shape : {Shape{4096, 2, false}, Shape{64, 2, true}}) {
+        if (shape.decode && experts != 64) continue;
         std::string const label = "gmm_bf16/OneDnn/E=" + std::to_string(experts) + "/" + dist +
-                                  "/T=" + std::to_string(tokens) + "/K=" + std::to_string(top_k) +
-                                  isa_suffix();
+                                  "/T=" + std::to_string(shape.tokens) +
+                                  "/K=" + std::to_string(shape.top_k) + isa_suffix();
         std::string const d = dist;
         benchmark::RegisterBenchmark(label.c_str(),
                                      [=](benchmark::State& state) {
-                                       bench_gmm_bf16(state, experts, d, tokens, top_k, decode);
+                                       bench_gmm_bf16(state, experts, d, shape.tokens, shape.top_k,
+                                                      shape.decode);
                                      })
             ->UseManualTime()
-            ->Iterations(decode ? 6 : 3)
+            ->Iterations(shape.decode ? 6 : 3)
             ->Unit(benchmark::kMillisecond);
       }
 }

@@ -115,6 +115,7 @@ class ExpertFfn : public Bf16Rounding {
     std::int64_t const n = xs_.extent(0), F = wi_0.extent(2);
     moe::detail::ensure(space, da_, "moe::ffn::d_act", n, F);
     moe::detail::ensure(space, dh1_, "moe::ffn::d_h1", n, F);
+    round(space, dys);  // the expert outputs' gradient (w * dy from the combine) is bf16
     gmm::tgmm(space, Gmm{}, a_, dys, groups, d_wo, tgmm_options());
     gmm::GmmOptions const tr = options(true, false);
     gmm::gmm(space, Gmm{}, dys, wo, groups, da_, tr);

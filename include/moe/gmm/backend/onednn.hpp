@@ -304,7 +304,9 @@ struct Impl<moe::gmm::OneDnn> {
     std::int64_t const lda = lhs.stride(0), ldd = dy.stride(0), ldo = out.stride(1);
     // bf16 inputs on a CPU with bf16 kernels: each call multiplies bf16 copies of its rows (lhs
     // transposed, both padded with zero rows to a multiple of tgmm_bf16_rows); kernels are made
-    // here, outside the parallel loop (nullptr: that call runs sgemm).
+    // here, outside the parallel loop (nullptr: that call runs sgemm). The copies are per-thread
+    // buffers of (k + n) x the group's rows in bf16, kept for later calls: half a group's fp32
+    // activations; a contraction blocked over rows would bound them (not done).
     std::vector<dn::Kernel const*> kernels(calls.size(), nullptr);
     if (opt.bf16_inputs && dn::bf16_kernels())
       for (std::size_t i = 0; i < calls.size(); ++i)
