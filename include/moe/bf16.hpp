@@ -51,6 +51,13 @@ KOKKOS_INLINE_FUNCTION float bf16_to_float(std::uint16_t b) {
   return bits_float(std::uint32_t(b) << 16);
 }
 
+/// x rounded to the nearest bf16 (through float, ties to even), kept in x's type: the bf16
+/// scheme's cast of a value held in float or double.
+template <class T>
+KOKKOS_INLINE_FUNCTION T round_to_bf16(T x) {
+  return T(bf16_to_float(bf16_bits(float(x))));
+}
+
 /// float -> IEEE half bits, round to nearest, ties to even (host; see the file comment).
 inline std::uint16_t float_to_half_bits(float f) {
   std::uint32_t const u = float_bits(f);

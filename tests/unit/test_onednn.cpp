@@ -123,7 +123,7 @@ struct GmmCase {
     w = rng.vec(sizes.size() * std::size_t(k * n), -1, 1);
     if (bf16)
       for (Vec* v : {&x, &w})
-        for (double& e : *v) e = moe::detail::bf16_to_float(moe::detail::bf16_bits(float(e)));
+        for (double& e : *v) e = moe::detail::round_to_bf16(e);
     std::size_t const E = sizes.size();
     lhs = moe_ref::kk::to_view<View2>(x, m, k);
     rhs = trans ? moe_ref::kk::to_view<View3>(w, E, n, k) : moe_ref::kk::to_view<View3>(w, E, k, n);
@@ -307,7 +307,7 @@ TEST(OneDnnKernels, Bf16WeightGradientRunsBf16KernelsWhereTheCpuHasThem) {
   Rng rng(13);
   Vec x = rng.vec(std::size_t(m * k), -1, 1), dy = rng.vec(std::size_t(m * n), -1, 1);
   for (Vec* v : {&x, &dy})
-    for (double& e : *v) e = moe::detail::bf16_to_float(moe::detail::bf16_bits(float(e)));
+    for (double& e : *v) e = moe::detail::round_to_bf16(e);
   auto const lhs = moe_ref::kk::to_view<View2>(x, m, k);
   auto const dyv = moe_ref::kk::to_view<View2>(dy, m, n);
   View3 out("moe::test::onednn::tgmm_out", sizes.size(), k, n);

@@ -77,11 +77,10 @@ void add_into(ExecSpace const& space, Src const& src, Dst const& dst) {
 /// place: the cast points of the bf16 scheme (docs/precision.md). Exact on values already bf16.
 template <class ExecSpace, class V>
 void round_bf16(ExecSpace const& space, V const& v) {
-  using T = typename V::non_const_value_type;
   auto* p = v.data();
   Kokkos::parallel_for(
       "moe::round_bf16", Kokkos::RangePolicy<ExecSpace>(space, 0, std::int64_t(v.span())),
-      KOKKOS_LAMBDA(std::int64_t i) { p[i] = T(bf16_to_float(bf16_bits(float(p[i])))); });
+      KOKKOS_LAMBDA(std::int64_t i) { p[i] = round_to_bf16(p[i]); });
 }
 
 /// round_bf16(space, v) when `on` (the layer's dtype is bfloat16); nothing otherwise.

@@ -106,11 +106,11 @@ KOKKOS_INLINE_FUNCTION void act_and_grad(Activation a, S x, S& f, S& df) {
   }
 }
 
-/// x rounded to the nearest bf16 (through float: moe::detail::round_bf16's rounding) when Round.
+/// round_to_bf16(x) when Round, else x.
 template <bool Round, class S>
 KOKKOS_INLINE_FUNCTION S cast(S x) {
   if constexpr (Round)
-    return S(moe::detail::bf16_to_float(moe::detail::bf16_bits(float(x))));
+    return moe::detail::round_to_bf16(x);
   else
     return x;
 }
