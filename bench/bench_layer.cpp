@@ -29,8 +29,9 @@
 //                  experts that received >= 1 token x 3 matrices x D*F*4 bytes
 //   bw_ratio       (decode rows) median over iterations of (weight bytes per second / one triad
 //                  pass of the GEMM threads right after the iteration: PairedMachine)
-// layer_fwd_bf16/ and layer_bwd_bf16/Auto/E=8/balanced/T=4096/K=2 (#29): the layer with
-// dtype=bfloat16 (docs/precision.md), the counters of layer_fwd/bwd plus
+// layer_fwd_bf16/ and layer_bwd_bf16/Auto/E=8/balanced/T=4096/K=2[/shared=1] (#29): the layer with
+// dtype=bfloat16 (docs/precision.md; /shared=1: a shared expert of width F too, its FLOPs
+// counted, no GEMMs-alone counters), the counters of layer_fwd/bwd plus
 //   over_fp32      median over iterations of (this forward or backward / the same step of a
 //                  float32 layer on the same inputs, run right after it)
 // layer_fwd_model/ and layer_bwd_model/<model>/EP=<ep>/<dist>/T=<tokens> (#31): one rank's slice
@@ -124,6 +125,7 @@ struct LayerShape {
   int E, K;
   int D = kD, F = kF;
   bool bf16 = false;  ///< dtype=bfloat16
+  int shared = 0;     ///< shared_experts
 };
 
 moe::LayerConfig bench_config(LayerShape const& s) {
@@ -133,6 +135,7 @@ moe::LayerConfig bench_config(LayerShape const& s) {
   cfg.base_emb_dim = s.D;
   cfg.base_moe_mlp_dim = s.F;
   if (s.bf16) cfg.dtype = moe::ComputeDtype::BFloat16;
+  cfg.shared_experts = s.shared;
   return cfg;
 }
 
@@ -216,7 +219,7 @@ void bench_layer(benchmark::State& state, bool backward, LayerShape const& shape
     fp32->forward(x, y);
     if (backward) fp32->backward(y, dx, fp32_grads);
   }
-  if (!backward) {
+  if (!backward && shape.shared == 0) {  // the routed experts' GEMMs alone
     gemms.emplace(layer, K, shape.bf16);
     gemms->run();  // warm-up: packs its copy of the weights
     gemms->reset();
@@ -249,7 +252,8 @@ void bench_layer(benchmark::State& state, bool backward, LayerShape const& shape
       fp32_times.push_back(backward ? now() - u1 : u1 - u0);
     }
   }
-  double const gemm_flops = 2.0 * double(T * K) * double(D) * double(F) * (backward ? 6 : 3);
+  double const gemm_flops =  // routed (T*K rows) and shared (T rows, shared*F wide) experts
+      2.0 * double(T) * double(K * F + shape.shared * F) * double(D) * (backward ? 6 : 3);
   double const seconds = median(backward ? bwd : fwd);
   double const gflops = gemm_flops / seconds * 1e-9;
   state.counters["gflops"] = gflops;
@@ -354,20 +358,24 @@ void moe::bench::register_layer_benchmarks() {
         }
       }
   // bf16 rows (#29): the shape, beside layer_fwd|layer_bwd/Auto/E=8/balanced/T=4096/K=2.
-  for (bool bwd : {false, true}) {
-    std::string const name = std::string(bwd ? "layer_bwd_bf16/" : "layer_fwd_bf16/") +
-                             "Auto/E=8/balanced/T=4096/K=2" + moe::bench::isa_suffix();
-    LayerShape shape{8, 2};
-    shape.bf16 = true;
-    benchmark::RegisterBenchmark(name.c_str(),
-                                 [=](benchmark::State& st) {
-                                   bench_layer<moe::gmm::Auto>(st, bwd, shape, "balanced", 4096,
-                                                               false);
-                                 })
-        ->UseManualTime()
-        ->Iterations(5)
-        ->Unit(benchmark::kMillisecond);
-  }
+  // With /shared=1: a shared expert of width F as well (DeepSeek's layout; its dense GEMMs).
+  for (int shared : {0, 1})
+    for (bool bwd : {false, true}) {
+      std::string const name = std::string(bwd ? "layer_bwd_bf16/" : "layer_fwd_bf16/") +
+                               "Auto/E=8/balanced/T=4096/K=2" + (shared ? "/shared=1" : "") +
+                               moe::bench::isa_suffix();
+      LayerShape shape{8, 2};
+      shape.bf16 = true;
+      shape.shared = shared;
+      benchmark::RegisterBenchmark(name.c_str(),
+                                   [=](benchmark::State& st) {
+                                     bench_layer<moe::gmm::Auto>(st, bwd, shape, "balanced", 4096,
+                                                                 false);
+                                   })
+          ->UseManualTime()
+          ->Iterations(5)
+          ->Unit(benchmark::kMillisecond);
+    }
   // Model rows (#31): layer_fwd_model|layer_bwd_model/<model>/EP=<ep>/<dist>/T=<tokens>, one
   // rank's slice of a published model's MoE layer as a one-rank layer: its E/EP local experts at
   // the model's D and F, receiving the rows tokens x K x (E/EP) / E that `tokens` tokens send them

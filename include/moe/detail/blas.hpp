@@ -9,6 +9,7 @@
 
 #include <KokkosBlas3_gemm.hpp>
 
+#include <cstdint>
 #include <type_traits>
 #include <utility>
 
@@ -68,27 +69,36 @@ struct BlasOrder {
 };
 
 /// C = alpha * op(A) * op(B) + beta * C with op given by "N" / "T", ordered on `space`.
-/// The layers' dense GEMMs (router, shared expert, dense path): oneDNN's sgemm for host float
-/// when moe was built with it (the CPU's own ISA, whatever BLAS is installed), else Kokkos
-/// Kernels. A "moe::gemm" profiling region.
+/// The layers' dense GEMMs (router, shared expert, dense path): oneDNN for host float when moe
+/// was built with it (the CPU's own ISA, whatever BLAS is installed), else Kokkos Kernels. A
+/// "moe::gemm" profiling region. `bf16_inputs`: A and B hold bf16 values (the bf16 scheme), so
+/// with alpha = 1 and beta 0 or 1 oneDNN's bf16 kernels multiply them where the CPU has them
+/// (onednn::bf16_gemm; fp32 accumulation and output); elsewhere the same values in fp32.
 template <class ExecSpace, class AV, class BV, class CV>
 void gemm(ExecSpace const& space, char const* ta, char const* tb,
           typename CV::non_const_value_type alpha, AV const& A, BV const& B,
-          typename CV::non_const_value_type beta, CV const& C) {
+          typename CV::non_const_value_type beta, CV const& C, bool bf16_inputs = false) {
   if (C.extent(0) == 0 || C.extent(1) == 0) return;
   Region region("moe::gemm");
 #if MOE_HAS_ONEDNN
   if constexpr (onednn_gemm<ExecSpace, AV, BV, CV>()) {
     if (A.stride(1) == 1 && B.stride(1) == 1 && C.stride(1) == 1) {
-      bool const tA = ta[0] == 'T' || ta[0] == 't', tB = tb[0] == 'T' || tb[0] == 't';
+      char const opA = ta[0] == 'T' || ta[0] == 't' ? 'T' : 'N';
+      char const opB = tb[0] == 'T' || tb[0] == 't' ? 'T' : 'N';
+      std::int64_t const M = C.extent(0), N = C.extent(1),
+                         K = opA == 'T' ? A.extent(0) : A.extent(1);
       fence(space, "moe::gemm<OneDnn>: operands ready");
-      onednn::sgemm(tA ? 'T' : 'N', tB ? 'T' : 'N', C.extent(0), C.extent(1),
-                    tA ? A.extent(0) : A.extent(1), alpha, A.data(), A.stride(0), B.data(),
-                    B.stride(0), beta, C.data(), C.stride(0));
+      if (bf16_inputs && alpha == 1.0f && (beta == 0.0f || beta == 1.0f) &&
+          onednn::bf16_gemm(opA, opB, M, N, K, A.data(), A.stride(0), B.data(), B.stride(0),
+                            beta == 1.0f, C.data(), C.stride(0)))
+        return;
+      onednn::sgemm(opA, opB, M, N, K, alpha, A.data(), A.stride(0), B.data(), B.stride(0), beta,
+                    C.data(), C.stride(0));
       return;
     }
   }
 #endif
+  (void)bf16_inputs;
   BlasOrder<ExecSpace, AV, BV, CV> order(space);
   blas_gemm(space, ta, tb, alpha, A, B, beta, C);
 }

@@ -9,16 +9,20 @@
 
 #if MOE_HAS_ONEDNN
 
+#include <moe/bf16.hpp>
 #include <moe/error.hpp>
 
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <exception>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -230,6 +234,110 @@ inline void sgemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t
   static std::atomic<std::uint64_t>& runs = run_counter("sgemm");
   ++runs;
   check(dnnl_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc), "moe: dnnl_sgemm");
+}
+
+using DataType = dnnl::memory::data_type;
+
+/// Row-major [rows, cols] with row stride ld as a matmul operand.
+inline dnnl::memory::desc matrix_desc(std::int64_t rows, std::int64_t cols, std::int64_t ld,
+                                      DataType dt = DataType::f32) {
+  return dnnl::memory::desc(dnnl::memory::dims{rows, cols}, dt, dnnl::memory::dims{ld, 1});
+}
+
+/// a[c, r] = bf16(x[r, c]) for r < rows, 0 for rows <= r < kp (c < k): x [rows, k] with row
+/// stride ldx, transposed in 32 x 32 tiles into a [k, kp] bf16 matrix.
+inline void bf16_transposed(float const* x, std::int64_t ldx, std::int64_t rows, std::int64_t k,
+                            std::int64_t kp, std::uint16_t* a) {
+  constexpr std::int64_t tile = 32;
+  for (std::int64_t c0 = 0; c0 < k; c0 += tile)
+    for (std::int64_t r0 = 0; r0 < kp; r0 += tile)
+      for (std::int64_t c = c0; c < std::min(c0 + tile, k); ++c)
+        for (std::int64_t r = r0; r < std::min(r0 + tile, kp); ++r)
+          a[c * kp + r] = r < rows ? moe::detail::bf16_bits(x[r * ldx + c]) : std::uint16_t(0);
+}
+
+/// out [rows, cols] (dense) = bf16 of op(x), on all threads: x row-major [rows, cols] with row
+/// stride ld, or with `trans` [cols, rows] read transposed.
+inline void bf16_copy(bool trans, std::int64_t rows, std::int64_t cols, float const* x,
+                      std::int64_t ld, std::uint16_t* out) {
+  constexpr std::int64_t block = 64;
+  for_each_item((rows + block - 1) / block, [&](std::int64_t b) {
+    std::int64_t const r0 = b * block, r1 = std::min(rows, r0 + block);
+    if (trans) {
+      bf16_transposed(x + r0, ld, cols, r1 - r0, cols, out + r0 * cols);
+      return;
+    }
+    for (std::int64_t r = r0; r < r1; ++r)
+      for (std::int64_t c = 0; c < cols; ++c)
+        out[r * cols + c] = moe::detail::bf16_bits(x[r * ld + c]);
+  });
+}
+
+/// User scratchpad (Kernel passes each thread's own) and, to accumulate, a sum post-op.
+inline dnnl::primitive_attr kernel_attr(bool accumulate) {
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (accumulate) {
+    dnnl::post_ops ops;
+    ops.append_sum(1.0f);
+    attr.set_post_ops(ops);
+  }
+  return attr;
+}
+
+/// The bf16 matmul C[M,N] (+)= A[M,K] * B[K,N], A and B dense bf16, C float with row stride ldc,
+/// for the threads of the moment; nullptr (and a refusal noted) where oneDNN offers only a
+/// reference implementation. `what` names it in messages.
+inline std::unique_ptr<Kernel> bf16_matmul(std::string const& what, std::int64_t M, std::int64_t K,
+                                           std::int64_t N, std::int64_t ldc, bool accumulate) {
+  auto const src = matrix_desc(M, K, K, DataType::bf16), wei = matrix_desc(K, N, N, DataType::bf16);
+  auto const dst = matrix_desc(M, N, ldc);
+  try {
+#if DNNL_VERSION_MAJOR >= 3
+    dnnl::matmul::primitive_desc const pd(engine(), src, wei, dst, kernel_attr(accumulate));
+#else
+    dnnl::matmul::primitive_desc const pd(dnnl::matmul::desc(src, wei, dst),
+                                          kernel_attr(accumulate), engine());
+#endif
+    if (!reference_impl(pd.impl_info_str())) return std::make_unique<Kernel>(pd, what, " bf16");
+    note_rejected(what, pd.impl_info_str());
+  } catch (dnnl::error const& e) {
+    note_rejected(what, std::string("no implementation: ") + e.what());
+  }
+  return nullptr;
+}
+
+/// \brief Row-major C[M,N] = op(A) * op(B) (+ C with `accumulate`) on oneDNN's bf16 kernels, all
+/// threads: op(A) and op(B) are copied to bf16 (exact when they hold bf16 values; the calling
+/// thread's buffers, kept for later calls), fp32 accumulation and output. Returns false, having
+/// done nothing, where the CPU has no bf16 kernels (bf16_kernels()) or oneDNN offers only a
+/// reference implementation for the shape: the caller then runs sgemm on the same values.
+inline bool bf16_gemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t K,
+                      float const* A, std::int64_t lda, float const* B, std::int64_t ldb,
+                      bool accumulate, float* C, std::int64_t ldc) {
+  if (M == 0 || N == 0 || K == 0 || !bf16_kernels()) return false;
+  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, int>;
+  static std::mutex mutex;
+  static std::map<Key, std::unique_ptr<Kernel>> kernels;
+  Kernel const* kernel = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto [it, fresh] = kernels.try_emplace(Key{M, N, K, ldc, accumulate, max_threads()});
+    if (fresh)
+      it->second = bf16_matmul("gemm " + std::to_string(M) + "x" + std::to_string(K) + "x" +
+                                   std::to_string(N) + (accumulate ? " +=" : "") + " bf16",
+                               M, K, N, ldc, accumulate);
+    kernel = it->second.get();
+  }
+  if (!kernel) return false;
+  auto* const a = thread_buffer<std::uint16_t>(0, std::size_t(M * K));
+  auto* const b = thread_buffer<std::uint16_t>(1, std::size_t(K * N));
+  bf16_copy(ta == 'T', M, K, A, lda, a);
+  bf16_copy(tb == 'T', K, N, B, ldb, b);
+  kernel->run({{DNNL_ARG_SRC, dnnl::memory(matrix_desc(M, K, K, DataType::bf16), engine(), a)},
+               {DNNL_ARG_WEIGHTS, dnnl::memory(matrix_desc(K, N, N, DataType::bf16), engine(), b)},
+               {DNNL_ARG_DST, dnnl::memory(matrix_desc(M, N, ldc), engine(), C)}});
+  return true;
 }
 
 /// Name of the instruction set oneDNN dispatches to on this CPU (e.g. "avx2", "avx512_core").

@@ -170,10 +170,10 @@ class DenseMlp : public Bf16Rounding {
     x_ = x;
     act_ = act;
     ensure_gated(space, "moe::mlp", T, H, h0_, h1_, a_);
-    moe::detail::gemm(space, "N", "N", Scalar(1), x, w0, Scalar(0), h0_);
-    moe::detail::gemm(space, "N", "N", Scalar(1), x, w1, Scalar(0), h1_);
+    moe::detail::gemm(space, "N", "N", Scalar(1), x, w0, Scalar(0), h0_, bf16);
+    moe::detail::gemm(space, "N", "N", Scalar(1), x, w1, Scalar(0), h1_, bf16);
     gated_forward(space, act, T, cview2(h0_), cview2(h1_), a_, bf16);
-    moe::detail::gemm(space, "N", "N", Scalar(1), a_, wo, Scalar(1), out);
+    moe::detail::gemm(space, "N", "N", Scalar(1), a_, wo, Scalar(1), out, bf16);
   }
 
   /// From dout [T,D]: dx (+)= the input gradient, weight gradients overwritten.
@@ -182,14 +182,14 @@ class DenseMlp : public Bf16Rounding {
     moe::detail::Region region("moe::shared_expert::backward");
     std::int64_t const T = x_.extent(0), H = w0.extent(1);
     moe::detail::ensure(space, da_, "moe::mlp::d_act", T, H);
-    moe::detail::gemm(space, "T", "N", Scalar(1), a_, dout, Scalar(0), d_wo);
-    moe::detail::gemm(space, "N", "T", Scalar(1), dout, wo, Scalar(0), da_);
+    moe::detail::gemm(space, "T", "N", Scalar(1), a_, dout, Scalar(0), d_wo, bf16);
+    moe::detail::gemm(space, "N", "T", Scalar(1), dout, wo, Scalar(0), da_, bf16);
     // d_h0 overwrites d_act, d_h1 overwrites the saved activation (no longer needed).
     gated_backward(space, act_, T, cview2(h0_), cview2(h1_), cview2(da_), da_, a_, bf16);
-    moe::detail::gemm(space, "T", "N", Scalar(1), x_, da_, Scalar(0), d_w0);
-    moe::detail::gemm(space, "T", "N", Scalar(1), x_, a_, Scalar(0), d_w1);
-    moe::detail::gemm(space, "N", "T", Scalar(1), da_, w0, Scalar(1), dx);
-    moe::detail::gemm(space, "N", "T", Scalar(1), a_, w1, Scalar(1), dx);
+    moe::detail::gemm(space, "T", "N", Scalar(1), x_, da_, Scalar(0), d_w0, bf16);
+    moe::detail::gemm(space, "T", "N", Scalar(1), x_, a_, Scalar(0), d_w1, bf16);
+    moe::detail::gemm(space, "N", "T", Scalar(1), da_, w0, Scalar(1), dx, bf16);
+    moe::detail::gemm(space, "N", "T", Scalar(1), a_, w1, Scalar(1), dx, bf16);
   }
 
  private:
@@ -277,13 +277,13 @@ class DenseExperts : public Bf16Rounding {
             dwd(t, l) = acc;
           });
       round(space, dye_);
-      moe::detail::gemm(space, "T", "N", Scalar(1), a_, dye_, Scalar(0), sub(d_wo, l));
-      moe::detail::gemm(space, "N", "T", Scalar(1), dye_, sub(wo, l), Scalar(0), da_);
+      moe::detail::gemm(space, "T", "N", Scalar(1), a_, dye_, Scalar(0), sub(d_wo, l), bf16);
+      moe::detail::gemm(space, "N", "T", Scalar(1), dye_, sub(wo, l), Scalar(0), da_, bf16);
       gated_backward(space, act_, T, cview2(h0_), cview2(h1_), cview2(da_), da_, dh1_, bf16);
-      moe::detail::gemm(space, "T", "N", Scalar(1), x_, da_, Scalar(0), sub(d_wi_0, l));
-      moe::detail::gemm(space, "T", "N", Scalar(1), x_, dh1_, Scalar(0), sub(d_wi_1, l));
-      moe::detail::gemm(space, "N", "T", Scalar(1), da_, sub(wi_0, l), Scalar(1), dx);
-      moe::detail::gemm(space, "N", "T", Scalar(1), dh1_, sub(wi_1, l), Scalar(1), dx);
+      moe::detail::gemm(space, "T", "N", Scalar(1), x_, da_, Scalar(0), sub(d_wi_0, l), bf16);
+      moe::detail::gemm(space, "T", "N", Scalar(1), x_, dh1_, Scalar(0), sub(d_wi_1, l), bf16);
+      moe::detail::gemm(space, "N", "T", Scalar(1), da_, sub(wi_0, l), Scalar(1), dx, bf16);
+      moe::detail::gemm(space, "N", "T", Scalar(1), dh1_, sub(wi_1, l), Scalar(1), dx, bf16);
     }
     auto dwd = dwd_;
     auto ids = ids_;
@@ -305,10 +305,10 @@ class DenseExperts : public Bf16Rounding {
     ensure_gated(space, "moe::dense", T, F, h0_, h1_, a_);
     moe::detail::ensure(space, ye_, "moe::dense::y_expert", T, D);
     auto sub = [l](view3 const& v) { return Kokkos::subview(v, l, Kokkos::ALL(), Kokkos::ALL()); };
-    moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_0), Scalar(0), h0_);
-    moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_1), Scalar(0), h1_);
+    moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_0), Scalar(0), h0_, bf16);
+    moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_1), Scalar(0), h1_, bf16);
     gated_forward(space, act_, T, cview2(h0_), cview2(h1_), a_, bf16);
-    moe::detail::gemm(space, "N", "N", Scalar(1), a_, sub(wo), Scalar(0), ye_);
+    moe::detail::gemm(space, "N", "N", Scalar(1), a_, sub(wo), Scalar(0), ye_, bf16);
     round(space, ye_);
   }
 

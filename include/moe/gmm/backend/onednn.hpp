@@ -246,18 +246,6 @@ struct Impl<moe::gmm::OneDnn> {
     });
   }
 
-  /// a[c, r] = bf16(x[r, c]) for r < rows, 0 for rows <= r < kp (c < k): x [rows, k] with row
-  /// stride ldx, transposed in 32 x 32 tiles into a [k, kp] bf16 matrix.
-  static void bf16_transposed(float const* x, std::int64_t ldx, std::int64_t rows, std::int64_t k,
-                              std::int64_t kp, std::uint16_t* a) {
-    constexpr std::int64_t tile = 32;
-    for (std::int64_t c0 = 0; c0 < k; c0 += tile)
-      for (std::int64_t r0 = 0; r0 < kp; r0 += tile)
-        for (std::int64_t c = c0; c < std::min(c0 + tile, k); ++c)
-          for (std::int64_t r = r0; r < std::min(r0 + tile, kp); ++r)
-            a[c * kp + r] = r < rows ? moe::detail::bf16_bits(x[r * ldx + c]) : std::uint16_t(0);
-  }
-
   /// One single-threaded sgemm per (group, block of output columns), side by side: a group with
   /// more than half a thread's share of the rows is split into column blocks (multiples of 16),
   /// so one hot expert does not idle the others. bf16 inputs (GmmOptions::bf16_inputs) run
@@ -320,7 +308,7 @@ struct Impl<moe::gmm::OneDnn> {
         std::int64_t const rows = r1 - r0, nb = c.n1 - c.n0, kp = c.padded;
         auto* const a = dn::thread_buffer<std::uint16_t>(0, std::size_t(k * kp));
         auto* const b = dn::thread_buffer<std::uint16_t>(1, std::size_t(kp * nb));
-        bf16_transposed(lhs.data() + r0 * lda, lda, rows, k, kp, a);
+        dn::bf16_transposed(lhs.data() + r0 * lda, lda, rows, k, kp, a);
         for (std::int64_t r = 0; r < kp; ++r)
           for (std::int64_t j = 0; j < nb; ++j)
             b[r * nb + j] = r < rows ? moe::detail::bf16_bits(dy.data()[(r0 + r) * ldd + c.n0 + j])

@@ -144,19 +144,11 @@ inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float co
   }
 }
 
-using DataType = dnnl::memory::data_type;
-
 /// Row-major [rows, ch] with row stride ld as a channels-last 1x1 image (N=1, C=ch, H=rows, W=1).
 inline dnnl::memory::desc pixels_desc(std::int64_t rows, std::int64_t ch, std::int64_t ld,
                                       DataType dt = DataType::f32) {
   return dnnl::memory::desc(dnnl::memory::dims{1, ch, rows, 1}, dt,
                             dnnl::memory::dims{rows * ld, 1, ld, ld});
-}
-
-/// Row-major [rows, cols] with row stride ld as a matmul operand.
-inline dnnl::memory::desc matrix_desc(std::int64_t rows, std::int64_t cols, std::int64_t ld,
-                                      DataType dt = DataType::f32) {
-  return dnnl::memory::desc(dnnl::memory::dims{rows, cols}, dt, dnnl::memory::dims{ld, 1});
 }
 
 /// The activations x[rows, k] (row stride ld, values of type dt) as the family's source.
@@ -187,18 +179,6 @@ inline dnnl::memory::desc tagged_weights(Family f, std::int64_t k, std::int64_t 
                                          DataType dt = DataType::f32) {
   using dims = dnnl::memory::dims;
   return dnnl::memory::desc(f == Family::matmul ? dims{k, n} : dims{n, k, 1, 1}, dt, tag);
-}
-
-/// User scratchpad (Kernel passes each thread's own) and, to accumulate, a sum post-op.
-inline dnnl::primitive_attr kernel_attr(bool accumulate) {
-  dnnl::primitive_attr attr;
-  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  if (accumulate) {
-    dnnl::post_ops ops;
-    ops.append_sum(1.0f);
-    attr.set_post_ops(ops);
-  }
-  return attr;
 }
 
 /// use(pd) for the family's primitive descriptor of out[rows, n] (+)= x[rows, k] * W, weights `w`
@@ -398,19 +378,8 @@ inline Kernel const* tgmm_bf16_kernel(std::int64_t k, std::int64_t rows, std::in
   auto [it, fresh] = kernels.try_emplace(Key{k, rows, n, ldo, accumulate});
   if (fresh) {
     ScopedThreads one(1);
-    std::string const what = "tgmm " + kernel_what(Family::matmul, k, rows, n, accumulate, true);
-    try {
-      it->second =
-          with_pd(Family::matmul, k, rows, n, rows, ldo, matrix_desc(rows, n, n, DataType::bf16),
-                  accumulate, [&](auto const& pd) -> std::unique_ptr<Kernel> {
-                    std::string const impl = pd.impl_info_str();
-                    if (!reference_impl(impl)) return std::make_unique<Kernel>(pd, what, " bf16");
-                    note_rejected(what, impl);
-                    return nullptr;
-                  });
-    } catch (dnnl::error const& e) {
-      note_rejected(what, std::string("no implementation: ") + e.what());
-    }
+    it->second = bf16_matmul("tgmm " + kernel_what(Family::matmul, k, rows, n, accumulate, true), k,
+                             rows, n, ldo, accumulate);
   }
   return it->second.get();
 }
