@@ -1,9 +1,10 @@
 // Main of moe_bench (one process, no MPI): Kokkos, then Google Benchmark, with the run's context
-// recorded in the output: Kokkos version and backend, git hash, BLAS threads, config and core type,
-// the CPU model and its native oneDNN ISA tier, oneDNN's version and the tier it runs, the dense
-// yardstick's GEMM, and the machine yardsticks measured here before any benchmark runs (fma_peak
-// at the tier, triad_bandwidth: the denominators of peak_ratio and bw_ratio). A
-// "warning_blas_core" entry appears when OpenBLAS runs kernels for an older ISA than CPUID reports.
+// recorded in the output: Kokkos version and backend, git hash, the vector ISA moe's own loops were
+// compiled for (compiled_isa), BLAS threads, config and core type, the CPU model and its native
+// oneDNN ISA tier, oneDNN's version and the tier it runs, the dense yardstick's GEMM, and the
+// machine yardsticks measured here before any benchmark runs (fma_peak at the tier,
+// triad_bandwidth: the denominators of peak_ratio and bw_ratio). A "warning_blas_core" entry
+// appears when OpenBLAS runs kernels for an older ISA than CPUID reports.
 //
 //   moe_bench [--isa=native|sse41|avx|avx2|avx512_core|avx512_core_vnni|avx512_core_bf16|
 //              avx512_core_amx] [Google Benchmark flags]
@@ -184,6 +185,19 @@ void add_context() {
   benchmark::AddCustomContext("kokkos_concurrency",
                               std::to_string(Kokkos::DefaultExecutionSpace().concurrency()));
   benchmark::AddCustomContext("moe_version", std::to_string(MOE_VERSION));
+  // The vector ISA moe's own loops (routing, sort, gathers, activation, combine) were compiled
+  // for: -march decides it, not the CPU the benchmark runs on (oneDNN picks its own at run time).
+  benchmark::AddCustomContext("compiled_isa",
+#if defined(__AVX512F__)
+                              "avx512f"
+#elif defined(__AVX2__)
+                              "avx2"
+#elif defined(__AVX__)
+                              "avx"
+#else
+                              "sse2 or below"
+#endif
+  );
 #ifdef MOE_GIT_HASH
   benchmark::AddCustomContext("moe_git_hash", MOE_GIT_HASH);
 #endif
