@@ -349,6 +349,29 @@ TEST(OneDnnKernels, Bf16WeightGradientRunsBf16KernelsWhereTheCpuHasThem) {
   }
 }
 
+// The bf16 copies the bf16 kernels read (dn::bf16_copy, plain and transposed, in blocks of 64 rows
+// and 32 x 32 tiles): every element is the round-to-nearest-even bf16 of its source, at sizes that
+// end mid-block and mid-tile, on any CPU (the kernels that read them run only on bf16 CPUs).
+TEST(OneDnnKernels, Bf16CopiesRoundAndTransposeExactly) {
+  Rng rng(5);
+  for (auto [rows, cols] : {std::make_pair(1, 1), std::make_pair(70, 33), std::make_pair(129, 65)})
+    for (bool trans : {false, true}) {
+      std::int64_t const ld = (trans ? rows : cols) + 3;  // a row stride past the last column
+      std::vector<float> x(std::size_t((trans ? cols : rows) * ld));
+      for (float& v : x) v = float(rng.uniform(-3, 3));
+      std::vector<std::uint16_t> out(std::size_t(rows * cols), 0xffff);
+      dn::bf16_copy(trans, rows, cols, x.data(), ld, out.data());
+      for (std::int64_t r = 0; r < rows; ++r)
+        for (std::int64_t c = 0; c < cols; ++c) {
+          float const v = trans ? x[std::size_t(c * ld + r)] : x[std::size_t(r * ld + c)];
+          ASSERT_EQ(moe::detail::bf16_to_float(out[std::size_t(r * cols + c)]),
+                    moe::detail::round_to_bf16(v))
+              << rows << "x" << cols << (trans ? " transposed" : "") << " [" << r << "," << c
+              << "]";
+        }
+    }
+}
+
 // The dense GEMM of the shared expert and the dense path (moe::detail::gemm) with bf16 inputs:
 // oneDNN's bf16 kernels where the CPU has them, sgemm on the same values elsewhere; every
 // transposition, overwriting and accumulating, fp32 results against double either way.
