@@ -32,7 +32,7 @@ void ensure_gated(ExecSpace const& space, std::string const& owner, std::int64_t
 /// LayerConfig::bf16(); the weights and inputs they are given are then bf16 already. h0 and h1
 /// are rounded where they are read, inside gated_forward / gated_backward (fused with the
 /// activation: one pass instead of four), and the GEMMs are told their inputs are bf16
-/// (GmmOptions::bf16_inputs).
+/// (GmmOptions::bf16_inputs, and detail::gemm's bf16_inputs for the dense ones).
 struct Bf16Rounding {
   bool bf16 = false;
   template <class ExecSpace, class... V>
