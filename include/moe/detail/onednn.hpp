@@ -256,6 +256,16 @@ inline void bf16_transposed(float const* x, std::int64_t ldx, std::int64_t rows,
           a[c * kp + r] = r < rows ? moe::detail::bf16_bits(x[r * ldx + c]) : std::uint16_t(0);
 }
 
+/// out[r, c] = bf16(x[r, c]) for r < rows, 0 for rows <= r < padded (c < cols): x with row
+/// stride ldx, copied into a dense [padded, cols] bf16 matrix.
+inline void bf16_rows(float const* x, std::int64_t ldx, std::int64_t rows, std::int64_t cols,
+                      std::int64_t padded, std::uint16_t* out) {
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c)
+      out[r * cols + c] = moe::detail::bf16_bits(x[r * ldx + c]);
+  std::fill(out + rows * cols, out + padded * cols, std::uint16_t(0));
+}
+
 /// out [rows, cols] (dense) = bf16 of op(x), on all threads: x row-major [rows, cols] with row
 /// stride ld, or with `trans` [cols, rows] read transposed.
 inline void bf16_copy(bool trans, std::int64_t rows, std::int64_t cols, float const* x,
@@ -263,13 +273,10 @@ inline void bf16_copy(bool trans, std::int64_t rows, std::int64_t cols, float co
   constexpr std::int64_t block = 64;
   for_each_item((rows + block - 1) / block, [&](std::int64_t b) {
     std::int64_t const r0 = b * block, r1 = std::min(rows, r0 + block);
-    if (trans) {
+    if (trans)
       bf16_transposed(x + r0, ld, cols, r1 - r0, cols, out + r0 * cols);
-      return;
-    }
-    for (std::int64_t r = r0; r < r1; ++r)
-      for (std::int64_t c = 0; c < cols; ++c)
-        out[r * cols + c] = moe::detail::bf16_bits(x[r * ld + c]);
+    else
+      bf16_rows(x + r0 * ld, ld, r1 - r0, cols, r1 - r0, out + r0 * cols);
   });
 }
 
@@ -285,6 +292,18 @@ inline dnnl::primitive_attr kernel_attr(bool accumulate) {
   return attr;
 }
 
+/// The matmul primitive descriptor of dst = src * wei under `attr` (oneDNN 2.x and 3.x).
+inline dnnl::matmul::primitive_desc matmul_pd(dnnl::memory::desc const& src,
+                                              dnnl::memory::desc const& wei,
+                                              dnnl::memory::desc const& dst,
+                                              dnnl::primitive_attr const& attr) {
+#if DNNL_VERSION_MAJOR >= 3
+  return dnnl::matmul::primitive_desc(engine(), src, wei, dst, attr);
+#else
+  return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dst), attr, engine());
+#endif
+}
+
 /// The bf16 matmul C[M,N] (+)= A[M,K] * B[K,N], A and B dense bf16, C float with row stride ldc,
 /// for the threads of the moment; nullptr (and a refusal noted) where oneDNN offers only a
 /// reference implementation. `what` names it in messages.
@@ -293,12 +312,7 @@ inline std::unique_ptr<Kernel> bf16_matmul(std::string const& what, std::int64_t
   auto const src = matrix_desc(M, K, K, DataType::bf16), wei = matrix_desc(K, N, N, DataType::bf16);
   auto const dst = matrix_desc(M, N, ldc);
   try {
-#if DNNL_VERSION_MAJOR >= 3
-    dnnl::matmul::primitive_desc const pd(engine(), src, wei, dst, kernel_attr(accumulate));
-#else
-    dnnl::matmul::primitive_desc const pd(dnnl::matmul::desc(src, wei, dst),
-                                          kernel_attr(accumulate), engine());
-#endif
+    auto const pd = matmul_pd(src, wei, dst, kernel_attr(accumulate));
     if (!reference_impl(pd.impl_info_str())) return std::make_unique<Kernel>(pd, what, " bf16");
     note_rejected(what, pd.impl_info_str());
   } catch (dnnl::error const& e) {

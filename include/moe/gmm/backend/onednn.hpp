@@ -10,7 +10,6 @@
 /// 15-25 % faster at 32-128 rows per expert than splitting each call over both threads); results
 /// do not depend on which thread runs a call. Float only (oneDNN has no double GEMM on CPUs).
 
-#include <moe/bf16.hpp>
 #include <moe/detail/onednn.hpp>
 #include <moe/gmm/backend/common.hpp>
 #include <moe/gmm/backend/onednn_kernels.hpp>
@@ -215,10 +214,7 @@ struct Impl<moe::gmm::OneDnn> {
       void* src_rows = const_cast<float*>(rows);
       if (p.bf16()) {  // the rows rounded to bf16 (exact on bf16 values), dense, zero-padded
         auto* const b = dn::thread_buffer<std::uint16_t>(2, std::size_t(c.chunk.run * k));
-        for (std::int64_t r = 0; r < c.chunk.rows; ++r)
-          for (std::int64_t j = 0; j < k; ++j)
-            b[r * k + j] = moe::detail::bf16_bits(rows[r * lda + j]);
-        std::fill(b + c.chunk.rows * k, b + c.chunk.run * k, std::uint16_t(0));
+        dn::bf16_rows(rows, lda, c.chunk.rows, k, c.chunk.run, b);
         src_rows = b;
       } else if (c.c0 + c.chunk.run > m) {  // the rows past the group are past lhs: a padded copy
         float* const pad = dn::thread_buffer(2, std::size_t(c.chunk.run * lda));
@@ -309,10 +305,7 @@ struct Impl<moe::gmm::OneDnn> {
         auto* const a = dn::thread_buffer<std::uint16_t>(0, std::size_t(k * kp));
         auto* const b = dn::thread_buffer<std::uint16_t>(1, std::size_t(kp * nb));
         dn::bf16_transposed(lhs.data() + r0 * lda, lda, rows, k, kp, a);
-        for (std::int64_t r = 0; r < kp; ++r)
-          for (std::int64_t j = 0; j < nb; ++j)
-            b[r * nb + j] = r < rows ? moe::detail::bf16_bits(dy.data()[(r0 + r) * ldd + c.n0 + j])
-                                     : std::uint16_t(0);
+        dn::bf16_rows(dy.data() + r0 * ldd + c.n0, ldd, rows, nb, kp, b);
         kernel->run(
             {{DNNL_ARG_SRC,
               dnnl::memory(dn::matrix_desc(k, kp, kp, dn::DataType::bf16), dn::engine(), a)},

@@ -190,13 +190,7 @@ auto with_pd(Family f, std::int64_t rows, std::int64_t k, std::int64_t n, std::i
   auto const attr = kernel_attr(accumulate);
   auto const src = src_desc(f, rows, k, lda, w.data_type());
   auto const dst = dst_desc(f, rows, n, ldc);
-  if (f == Family::matmul) {
-#if DNNL_VERSION_MAJOR >= 3
-    return use(dnnl::matmul::primitive_desc(engine(), src, w, dst, attr));
-#else
-    return use(dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, w, dst), attr, engine()));
-#endif
-  }
+  if (f == Family::matmul) return use(matmul_pd(src, w, dst, attr));
   dnnl::memory::dims const unit{1, 1}, none{0, 0};
 #if DNNL_VERSION_MAJOR >= 3
   return use(dnnl::convolution_forward::primitive_desc(engine(), dnnl::prop_kind::forward_inference,
