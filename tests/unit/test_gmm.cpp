@@ -5,6 +5,7 @@
 // (OneDnnPacked, OneDnnPlain below); the packed mode's weight cache is also tested for staleness.
 #include "reference.hpp"
 
+#include <moe/bf16.hpp>
 #include <moe/gmm/gmm.hpp>
 #include <moe/moe_config.hpp>
 
@@ -365,6 +366,52 @@ TYPED_TEST(Gmm, TransposeRhs) {
   GmmOptions opt;
   opt.transpose_rhs = true;
   this->check_gmm(make_gmm_problem({9, 4, 30}, 43, 19, 13, 3, opt), "transpose_rhs");
+}
+
+// bf16_output (the bf16 layer's h0, h1, expert outputs and activation gradient): on bf16-valued
+// operands the visited rows come back as bf16 values, the sum rounded once: within half a bf16
+// ulp of the float result, which is within the usual float error of the exact sum. OneDnnPacked
+// with bf16 kernels rounds at the kernel's store, the other paths after. Rows of unvisited groups
+// stay zero, and a rounded output cannot be accumulated into (moe::ConfigError).
+TYPED_TEST(Gmm, Bf16OutputRoundsTheVisitedRowsOnce) {
+  using S = typename TestFixture::S;
+  using P = typename TestFixture::Policy;
+  for (bool trans : {false, true}) {
+    SCOPED_TRACE(trans ? "transpose_rhs" : "plain");
+    GmmOptions opt;
+    opt.transpose_rhs = trans;
+    opt.bf16_inputs = true;
+    opt.bf16_output = true;
+    opt.group_offset = 1;
+    Problem p = make_gmm_problem({5, 9, 0, 33, 6}, 60, 40, 24, 3, opt, 7);
+    for (auto* v : {&p.lhs, &p.rhs})
+      for (double& e : *v) e = moe::detail::round_to_bf16(e);
+    auto const got = run_gmm<P, S>(p);
+    Expected const e = reference_gmm(p);
+    double const eps = std::numeric_limits<S>::epsilon();
+    int failures = 0;
+    for (std::size_t i = 0; i < got.size() && failures < 10; ++i) {
+      double const err = (e.depth + 2) * eps * e.scale[i];
+      double const tol = std::ldexp(std::abs(e.value[i]) + err, -8) + err;  // u = 2^-8
+      if (got[i] != moe::detail::round_to_bf16(got[i]) || !(std::abs(got[i] - e.value[i]) <= tol))
+        ++failures, ADD_FAILURE() << "element " << i << " is " << got[i] << ", expected "
+                                  << e.value[i] << " rounded to bf16 (tolerance " << tol << ")";
+    }
+    for (std::size_t i = 0; i < 5 * std::size_t(p.n); ++i) ASSERT_EQ(got[i], 0.0) << i;
+  }
+  auto groups = moe::gmm::make_groups<Mem>({3, 4});
+  View2<S> lhs("moe::gmm::test::lhs", 7, 8), out("moe::gmm::test::out", 7, 6);
+  View3<S> rhs("moe::gmm::test::rhs", 2, 8, 6);
+  GmmOptions both;
+  both.bf16_output = both.accumulate = true;
+  try {
+    moe::gmm::gmm(Exec(), P{}, lhs, rhs, groups, out, both);
+    ADD_FAILURE() << "bf16_output with accumulate was accepted";
+  } catch (moe::ConfigError const& err) {
+    EXPECT_NE(std::string(err.what()).find("bf16_output=true with accumulate=true"),
+              std::string::npos)
+        << err.what();
+  }
 }
 
 TYPED_TEST(Gmm, GroupOffsetZeroesRowsOfOtherGroups) {

@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -295,10 +296,11 @@ TEST(OneDnnKernels, Bf16InputsRunBf16KernelsWhereTheCpuHasThem) {
   }
 }
 
-// The weight gradient (tgmm) with bf16 inputs: bf16 kernels on bf16 copies where the CPU has them
-// (the rows padded to a multiple of tgmm_bf16_rows), sgemm elsewhere; fp32 results against double
-// either way, overwriting and accumulating, with an empty group, groups of 1 and 31 rows (padded),
-// and a group large enough to be split into column blocks on 2 or more threads.
+// The weight gradient (tgmm) with bf16 inputs: one bf16 kernel call per non-empty group on bf16
+// copies where the CPU has bf16 kernels (the rows padded to a multiple of tgmm_bf16_rows), sgemm
+// elsewhere; fp32 results against double either way, overwriting and accumulating, with an empty
+// group, groups of 1 and 31 rows (padded), and a group large enough to be split into column
+// blocks on 2 or more threads (the sgemm path).
 TEST(OneDnnKernels, Bf16WeightGradientRunsBf16KernelsWhereTheCpuHasThem) {
   std::vector<std::int64_t> const sizes{0, 1, 31, 96, 700};
   std::int64_t const k = 160, n = 288;
@@ -342,32 +344,55 @@ TEST(OneDnnKernels, Bf16WeightGradientRunsBf16KernelsWhereTheCpuHasThem) {
   std::uint64_t const bf16_calls = st.bf16_runs() - d.before.bf16_runs();
   EXPECT_EQ(st.rejected - d.before.rejected, 0u) << st.summary();
   if (dn::bf16_kernels()) {
-    EXPECT_GT(bf16_calls, 0u) << st.summary();
+    EXPECT_EQ(bf16_calls, 8u) << st.summary();  // 4 groups, twice
     EXPECT_EQ(d.runs(st, "sgemm"), 0u) << st.summary();
   } else {
     EXPECT_EQ(bf16_calls, 0u) << st.summary();
   }
 }
 
-// The bf16 copies the bf16 kernels read (dn::bf16_copy, plain and transposed, in blocks of 64 rows
-// and 32 x 32 tiles): every element is the round-to-nearest-even bf16 of its source, at sizes that
-// end mid-block and mid-tile, on any CPU (the kernels that read them run only on bf16 CPUs).
+// The bf16 copies the bf16 kernels read (dn::bf16_copy, plain and transposed: in blocks of 64
+// rows; the transposed one in 8 x 8 register blocks with SSE2, edges element-wise): every element
+// has the bits of dn's scalar rounding (round to nearest even; bf16_bits, tested bit-exactly on
+// every class of value in test_bf16.cpp) of its source, the padding columns are zero, at sizes
+// that end mid-block, on any CPU (the kernels that read them run only on bf16 CPUs). The sources
+// mix uniform values with NaNs (payloads, both signs), infinities, signed zeros, subnormals, ties
+// and a float that rounds up to infinity.
 TEST(OneDnnKernels, Bf16CopiesRoundAndTransposeExactly) {
   Rng rng(5);
-  for (auto [rows, cols] : {std::make_pair(1, 1), std::make_pair(70, 33), std::make_pair(129, 65)})
+  float const special[] = {std::numeric_limits<float>::quiet_NaN(),
+                           -std::numeric_limits<float>::quiet_NaN(),
+                           moe::detail::bits_float(0x7f800001u),  // signalling NaN
+                           moe::detail::bits_float(0xffa12345u),
+                           std::numeric_limits<float>::infinity(),
+                           -std::numeric_limits<float>::infinity(),
+                           0.0f,
+                           -0.0f,
+                           std::numeric_limits<float>::denorm_min(),
+                           -1.5e-39f,
+                           1.0f + std::ldexp(1.0f, -8),      // a tie: down to 1 (even)
+                           1.0f + 3 * std::ldexp(1.0f, -8),  // a tie: up (to even)
+                           -(1.0f + std::ldexp(1.0f, -8)),
+                           std::numeric_limits<float>::max()};  // rounds up to infinity
+  for (auto [rows, cols] : {std::make_pair(1, 1), std::make_pair(70, 33), std::make_pair(129, 65),
+                            std::make_pair(16, 24)})
     for (bool trans : {false, true}) {
       std::int64_t const ld = (trans ? rows : cols) + 3;  // a row stride past the last column
+      std::int64_t const ldo = cols + 5;                  // the copy's padded rows
       std::vector<float> x(std::size_t((trans ? cols : rows) * ld));
-      for (float& v : x) v = float(rng.uniform(-3, 3));
-      std::vector<std::uint16_t> out(std::size_t(rows * cols), 0xffff);
-      dn::bf16_copy(trans, rows, cols, x.data(), ld, out.data());
+      for (float& v : x)
+        v = rng.uniform(0, 1) < 0.2 ? special[std::size_t(rng.uniform(0, 14)) % 14]
+                                    : float(rng.uniform(-3, 3));
+      std::vector<std::uint16_t> out(std::size_t(rows * ldo), 0xffff);
+      dn::bf16_copy(trans, rows, cols, x.data(), ld, out.data(), ldo);
       for (std::int64_t r = 0; r < rows; ++r)
-        for (std::int64_t c = 0; c < cols; ++c) {
-          float const v = trans ? x[std::size_t(c * ld + r)] : x[std::size_t(r * ld + c)];
-          ASSERT_EQ(moe::detail::bf16_to_float(out[std::size_t(r * cols + c)]),
-                    moe::detail::round_to_bf16(v))
+        for (std::int64_t c = 0; c < ldo; ++c) {
+          float const v = c >= cols ? 0.0f
+                          : trans   ? x[std::size_t(c * ld + r)]
+                                    : x[std::size_t(r * ld + c)];
+          ASSERT_EQ(out[std::size_t(r * ldo + c)], moe::detail::bf16_bits(v))
               << rows << "x" << cols << (trans ? " transposed" : "") << " [" << r << "," << c
-              << "]";
+              << "] of " << v;
         }
     }
 }

@@ -53,7 +53,8 @@ constexpr char const* backend_name() {
 ///
 /// lhs [m, k] with m >= groups.rows(), rhs [G_local, k, n] ([G_local, n, k] transposed), out
 /// [m, n], not aliasing lhs or rhs. Rows of no visited group are zeroed, unless opt.accumulate,
-/// which adds to out and leaves other rows unchanged. Throws moe::ShapeError if extents disagree.
+/// which adds to out and leaves other rows unchanged; opt.bf16_output rounds the visited rows to
+/// bf16 (moe::ConfigError with accumulate). Throws moe::ShapeError if extents disagree.
 /// \tparam Policy Auto, OneDnn, Vendor, Tiled<TM,TK,TN> or Dense (see moe::gmm::is_policy)
 template <class Policy, class ExecSpace, class LhsView, class RhsView, class OutView,
           class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
@@ -68,9 +69,13 @@ void gmm(ExecSpace const& space, Policy, LhsView const& lhs, RhsView const& rhs,
   using MR = typename RhsView::memory_space;
   using MO = typename OutView::memory_space;
   moe::detail::Region region("moe::gmm::gmm");
-  impl::Impl<resolve_t<Policy, ExecSpace, S>>::gmm(space, impl::CMat<ExecSpace, S, ML>(lhs),
-                                                   impl::CTensor<ExecSpace, S, MR>(rhs), groups,
-                                                   impl::Mat<ExecSpace, S, MO>(out), opt);
+  using I = impl::Impl<resolve_t<Policy, ExecSpace, S>>;
+  impl::Mat<ExecSpace, S, MO> const o(out);
+  I::gmm(space, impl::CMat<ExecSpace, S, ML>(lhs), impl::CTensor<ExecSpace, S, MR>(rhs), groups, o,
+         opt);
+  if (opt.bf16_output && !impl::rounds_output<I>::value)
+    impl::round_rows(space, o, groups.offsets_host(opt.group_offset),
+                     groups.offsets_host(opt.group_offset + int(rhs.extent(0))));
 }
 
 /// \brief gmm on the default instance of OutView's execution space.

@@ -125,6 +125,12 @@ struct GmmOptions {
   /// i.e. with pack_cache); elsewhere, and on every other backend, it changes nothing. A value
   /// that is not a bf16 is rounded to the nearest one first.
   bool bf16_inputs = false;
+  /// out's rows are rounded to bf16 (round to nearest even, as moe::detail::round_to_bf16) before
+  /// the call returns: what the bf16 layer does to every GEMM output it does not sum further.
+  /// OneDnn's bf16 kernels write the rows as bf16 at the kernel's store (half the bytes the
+  /// kernel writes; AMX: 1.3-1.9x the call's speed, docs/precision.md) and widen them into out;
+  /// every other path rounds out's rows after computing them. gmm only, not with accumulate.
+  bool bf16_output = false;
 };
 
 }  // namespace moe::gmm

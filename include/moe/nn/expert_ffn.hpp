@@ -32,7 +32,9 @@ void ensure_gated(ExecSpace const& space, std::string const& owner, std::int64_t
 /// LayerConfig::bf16(); the weights and inputs they are given are then bf16 already. h0 and h1
 /// are rounded where they are read, inside gated_forward / gated_backward (fused with the
 /// activation: one pass instead of four), and the GEMMs are told their inputs are bf16
-/// (GmmOptions::bf16_inputs, and detail::gemm's bf16_inputs for the dense ones).
+/// (GmmOptions::bf16_inputs, and detail::gemm's bf16_inputs for the dense ones). The routed
+/// experts' GEMMs whose outputs the scheme rounds (h0, h1, the expert outputs, the activation's
+/// gradient) round them at the store (GmmOptions::bf16_output).
 struct Bf16Rounding {
   bool bf16 = false;
   template <class ExecSpace, class... V>
@@ -64,12 +66,11 @@ class ExpertFfn : public Bf16Rounding {
     act_ = act;
     ensure_gated(space, "moe::ffn", n, F, h0_, h1_, a_);
     version_ = weights_version;
-    gmm::GmmOptions const fw = options(false, false);
+    gmm::GmmOptions const fw = options(false, false, true);
     gmm::gmm(space, Gmm{}, xs, wi_0, groups, h0_, fw);
     gmm::gmm(space, Gmm{}, xs, wi_1, groups, h1_, fw);
     gated_forward(space, act, n, cview2(h0_), cview2(h1_), a_, bf16);
     gmm::gmm(space, Gmm{}, a_, wo, groups, ys, fw);
-    round(space, ys);
   }
 
   /// \brief forward() with the first two GEMMs summed over chunks of D (the columns of xs may
@@ -103,8 +104,7 @@ class ExpertFfn : public Bf16Rounding {
     moe::detail::Region region("moe::expert_ffn");
     std::int64_t const n = xs_.extent(0);
     gated_forward(space, act_, n, cview2(h0_), cview2(h1_), a_, bf16);
-    gmm::gmm(space, Gmm{}, a_, wo, groups, ys, options(false, false));
-    round(space, ys);
+    gmm::gmm(space, Gmm{}, a_, wo, groups, ys, options(false, false, true));
   }
 
   /// From dys [n,D]: dxs [n,D] (may alias dys) and the weight gradients (overwritten). The
@@ -117,13 +117,12 @@ class ExpertFfn : public Bf16Rounding {
     moe::detail::ensure(space, dh1_, "moe::ffn::d_h1", n, F);
     round(space, dys);  // the expert outputs' gradient (w * dy from the combine) is bf16
     gmm::tgmm(space, Gmm{}, a_, dys, groups, d_wo, tgmm_options());
-    gmm::GmmOptions const tr = options(true, false);
-    gmm::gmm(space, Gmm{}, dys, wo, groups, da_, tr);
+    gmm::gmm(space, Gmm{}, dys, wo, groups, da_, options(true, false, true));
     // dh0 overwrites da (each element reads its own da before writing).
     gated_backward(space, act_, n, cview2(h0_), cview2(h1_), cview2(da_), da_, dh1_, bf16);
     gmm::tgmm(space, Gmm{}, xs_, da_, groups, d_wi_0, tgmm_options());
     gmm::tgmm(space, Gmm{}, xs_, dh1_, groups, d_wi_1, tgmm_options());
-    gmm::gmm(space, Gmm{}, da_, wi_0, groups, dxs, tr);
+    gmm::gmm(space, Gmm{}, da_, wi_0, groups, dxs, options(true, false));
     gmm::gmm(space, Gmm{}, dh1_, wi_1, groups, dxs, options(true, true));
     round(space, dxs);
   }
@@ -132,13 +131,15 @@ class ExpertFfn : public Bf16Rounding {
   gmm::PackCache const& pack_cache() const { return cache_; }
 
  private:
-  gmm::GmmOptions options(bool transpose, bool accumulate) {
+  /// `rounded`: the output is one the bf16 scheme rounds (GmmOptions::bf16_output when bf16).
+  gmm::GmmOptions options(bool transpose, bool accumulate, bool rounded = false) {
     gmm::GmmOptions o;
     o.transpose_rhs = transpose;
     o.accumulate = accumulate;
     o.pack_cache = &cache_;
     o.rhs_version = version_;
     o.bf16_inputs = bf16;
+    o.bf16_output = bf16 && rounded;
     return o;
   }
   /// The weight gradients' options: bf16 inputs in the bf16 scheme (fp32 gradients either way).

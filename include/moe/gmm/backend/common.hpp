@@ -4,6 +4,7 @@
 /// the host-side shape checks of gmm/tgmm, and the primary `Impl` template each backend
 /// specialises for its policy tag.
 
+#include <moe/bf16.hpp>
 #include <moe/detail/compat.hpp>
 #include <moe/error.hpp>
 #include <moe/gmm/groups.hpp>
@@ -57,6 +58,30 @@ void zero_outside(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out
          "moe::gmm::zero_unvisited_rows");
 }
 
+/// out[r, :] rounded to bf16 for rows r in [begin, end) (GmmOptions::bf16_output on the paths
+/// that compute in float).
+template <class ExecSpace, class Scalar, class Mem>
+void round_rows(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out, int64_t begin,
+                int64_t end) {
+  int64_t const n = out.extent(1), ld = out.stride(0);
+  Scalar* const p = out.data();
+  if (end > begin && n > 0)
+    Kokkos::parallel_for(
+        "moe::gmm::round_rows", Kokkos::RangePolicy<ExecSpace>(space, 0, (end - begin) * n),
+        KOKKOS_LAMBDA(int64_t i) {
+          Scalar& v = p[(begin + i / n) * ld + i % n];
+          v = moe::detail::round_to_bf16(v);
+        });
+}
+
+/// Whether a policy's Impl honours GmmOptions::bf16_output itself (`static constexpr bool
+/// rounds_output = true`); gmm() rounds the rows after the others.
+template <class I, class = void>
+struct rounds_output : std::false_type {};
+template <class I>
+struct rounds_output<I, std::void_t<decltype(I::rounds_output)>>
+    : std::integral_constant<bool, I::rounds_output> {};
+
 inline void check_blas_extent(char const* what, char const* name, int64_t value) {
   moe::detail::require<ShapeError>(value <= INT_MAX, what, ": ", name, "=", value,
                                    " exceeds the 32-bit BLAS limit ", INT_MAX,
@@ -102,6 +127,9 @@ void check_gmm(L const& lhs, R const& rhs, moe::gmm::Groups<Mem> const& groups, 
       rk == k, what, ": lhs is [", m, ",", k, "] but rhs is [", rhs.extent(0), ",", rhs.extent(1),
       ",", rhs.extent(2), "]; rhs.extent(", opt.transpose_rhs ? 2 : 1, ")=", rk,
       " must equal lhs.extent(1)=", k, opt.transpose_rhs ? " (transpose_rhs)" : "");
+  moe::detail::require<ConfigError>(!(opt.bf16_output && opt.accumulate), what,
+                                    ": bf16_output=true with accumulate=true; a rounded output "
+                                    "cannot be summed into (round the sum instead)");
   moe::detail::require<ShapeError>(out.extent(0) == lhs.extent(0) && int64_t(out.extent(1)) == n,
                                    what, ": out is [", out.extent(0), ",", out.extent(1),
                                    "] but must be [lhs.extent(0), n] = [", m, ",", n, "]");

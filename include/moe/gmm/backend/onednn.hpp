@@ -108,6 +108,9 @@ namespace moe::gmm::detail {
 // Where is_available<OneDnn> holds (resolve_t picks Vendor elsewhere).
 template <>
 struct Impl<moe::gmm::OneDnn> {
+  /// GmmOptions::bf16_output: bf16 kernels write bf16 rows; every other path rounds its rows.
+  static constexpr bool rounds_output = true;
+
   template <class E, class ML, class MR, class MO, class Mem>
   static void gmm(E const& space, CMat<E, float, ML> const& lhs, CTensor<E, float, MR> const& rhs,
                   moe::gmm::Groups<Mem> const& groups, Mat<E, float, MO> const& out,
@@ -154,6 +157,7 @@ struct Impl<moe::gmm::OneDnn> {
                     rhs.data() + g * rhs.stride(0), ldw, acc ? 1.0f : 0.0f, out.data() + r0 * ldc,
                     ldc);
         }
+        if (opt.bf16_output) round_rows(space, out, begin, end);
       } else {
         packed_gmm(*p, lhs, rhs, groups, out, opt);
       }
@@ -167,6 +171,8 @@ struct Impl<moe::gmm::OneDnn> {
   /// thread: a chunk rounded up past its group writes into the thread's own buffer and copies (or
   /// adds) its group's rows, and reads a zero-padded copy of its rows when they end lhs (a bf16
   /// plan: always a zero-padded bf16 copy); a chunk without a direct kernel runs as sgemm.
+  /// bf16_output: a bf16 plan's kernels write the chunk as bf16 into the thread's buffer, widened
+  /// into out (exact); other chunks round their rows while they are in cache.
   template <class E, class ML, class MR, class MO, class Mem>
   static void packed_gmm(moe::detail::onednn::KernelPlan& p, CMat<E, float, ML> const& lhs,
                          CTensor<E, float, MR> const& rhs, moe::gmm::Groups<Mem> const& groups,
@@ -186,28 +192,31 @@ struct Impl<moe::gmm::OneDnn> {
       dn::Kernel const* kernel;  // null: sgemm on the weights in place
     };
     std::vector<Call> calls;
+    bool const to_bf16 = opt.bf16_output && p.bf16();  // never with acc (check_gmm)
     std::int64_t const cap = dn::chunk_cap(off(go + num_local) - off(go), dn::max_threads());
     for (int g = 0; g < num_local; ++g) {
       std::int64_t const r1 = off(go + g + 1);
       for (std::int64_t c0 = off(go + g); c0 < r1;) {
         dn::Chunk c = dn::chunk_rows(r1 - c0, cap);
-        dn::Kernel const* kernel = p.kernel(c.run, acc && c.run == c.rows);
+        dn::Kernel const* kernel = p.kernel(c.run, acc && c.run == c.rows, to_bf16);
         if (!kernel) c.run = c.rows;
         calls.push_back({g, c0, c, kernel});
         c0 += c.rows;
       }
     }
-    // Longest first: the threads take calls as they free up, so the last ones are short.
-    std::stable_sort(calls.begin(), calls.end(),
-                     [](Call const& a, Call const& b) { return a.chunk.run > b.chunk.run; });
     float const* const x = lhs.data();
     float* const y = out.data();
-    dn::for_each_item(std::int64_t(calls.size()), [&](std::int64_t i) {
-      Call const& c = calls[std::size_t(i)];
+    auto run = [&](Call const& c) {
+      auto round = [&] {  // bf16_output on rows computed in float
+        if (opt.bf16_output)
+          for (std::int64_t r = c.c0; r < c.c0 + c.chunk.rows; ++r)
+            for (float* v = y + r * ldc; v != y + r * ldc + n; ++v)
+              *v = moe::detail::round_to_bf16(*v);
+      };
       if (!c.kernel) {
         dn::sgemm('N', trans ? 'T' : 'N', c.chunk.rows, n, k, 1.0f, x + c.c0 * lda, lda,
                   rhs.data() + c.g * rhs.stride(0), ldw, acc ? 1.0f : 0.0f, y + c.c0 * ldc, ldc);
-        return;
+        return round();
       }
       bool const spill = c.chunk.run != c.chunk.rows;
       float const* const rows = x + c.c0 * lda;
@@ -223,13 +232,23 @@ struct Impl<moe::gmm::OneDnn> {
         std::fill(pad + c.chunk.rows * lda, pad + c.chunk.run * lda, 0.0f);
         src_rows = pad;
       }
+      dnnl::memory const src(p.src_desc(c.chunk.run), dn::engine(), src_rows);
+      dnnl::memory const& weights = pk->experts[std::size_t(c.g)];
+      if (to_bf16) {  // bf16 rows [run, n] in the thread's buffer, widened into out
+        auto* const b = dn::thread_buffer<std::uint16_t>(0, std::size_t(c.chunk.run * n));
+        c.kernel->run(
+            {{DNNL_ARG_SRC, src},
+             {DNNL_ARG_WEIGHTS, weights},
+             {DNNL_ARG_DST, dnnl::memory(p.dst_desc(c.chunk.run, true), dn::engine(), b)}});
+        for (std::int64_t r = 0; r < c.chunk.rows; ++r)
+          dn::widen_bf16_streaming(b + r * n, n, y + (c.c0 + r) * ldc);
+        return;
+      }
       float* const dst =
           spill ? dn::thread_buffer(0, std::size_t(c.chunk.run * ldc)) : y + c.c0 * ldc;
-      dnnl::memory const src(p.src_desc(c.chunk.run), dn::engine(), src_rows);
-      dnnl::memory const out_rows(p.dst_desc(c.chunk.run), dn::engine(), dst);
       c.kernel->run({{DNNL_ARG_SRC, src},
-                     {DNNL_ARG_WEIGHTS, pk->experts[std::size_t(c.g)]},
-                     {DNNL_ARG_DST, out_rows}});
+                     {DNNL_ARG_WEIGHTS, weights},
+                     {DNNL_ARG_DST, dnnl::memory(p.dst_desc(c.chunk.run), dn::engine(), dst)}});
       if (spill)
         for (std::int64_t r = 0; r < c.chunk.rows; ++r) {
           float const* from = dst + r * ldc;
@@ -239,13 +258,24 @@ struct Impl<moe::gmm::OneDnn> {
           else
             std::copy(from, from + n, to);
         }
-    });
+      round();
+    };
+    // Longest first: the threads take calls as they free up, so the last ones are short.
+    std::stable_sort(calls.begin(), calls.end(),
+                     [](Call const& a, Call const& b) { return a.chunk.run > b.chunk.run; });
+    dn::for_each_item(std::int64_t(calls.size()),
+                      [&](std::int64_t i) { run(calls[std::size_t(i)]); });
   }
 
-  /// One single-threaded sgemm per (group, block of output columns), side by side: a group with
-  /// more than half a thread's share of the rows is split into column blocks (multiples of 16),
-  /// so one hot expert does not idle the others. bf16 inputs (GmmOptions::bf16_inputs) run
-  /// oneDNN's bf16 kernels where the CPU has them (fp32 accumulation and output).
+  /// bf16 inputs (GmmOptions::bf16_inputs) where the CPU has bf16 kernels: one group after the
+  /// other, each a oneDNN bf16 matmul on all threads (bf16_gemm: bf16 copies of the group's rows,
+  /// x transposed, made on all threads; the rows padded with zeros to a multiple of
+  /// tgmm_bf16_rows, so group sizes that change every step make few kernels); fp32 output.
+  /// Else one single-threaded sgemm per (group, block of output columns), side by side: a group
+  /// with more than half a thread's share of the rows is split into column blocks (multiples of
+  /// 16), so one hot expert does not idle the others. (AMX, 2 threads, 8 x 1024 rows x 1024 x
+  /// 2816: bf16 groups one after the other on both threads ran as fast as one single-threaded
+  /// call per thread side by side, 58-62 ms, and share bf16_gemm with the dense GEMMs.)
   template <class E, class ML, class MD, class MO, class Mem>
   static void tgmm(E const& space, CMat<E, float, ML> const& lhs, CMat<E, float, MD> const& dy,
                    moe::gmm::Groups<Mem> const& groups, Tensor<E, float, MO> const& out,
@@ -260,62 +290,42 @@ struct Impl<moe::gmm::OneDnn> {
     std::int64_t const total = off(go + num_local) - off(go);
     int const threads = dn::max_threads();
     std::int64_t const share = std::max<std::int64_t>(1, total / (2 * threads));
+    std::int64_t const lda = lhs.stride(0), ldd = dy.stride(0), ldo = out.stride(1);
     struct Call {
       int g;
       std::int64_t n0, n1;
-      std::int64_t padded = 0;  // bf16 kernels: the rows padded to a multiple of tgmm_bf16_rows
     };
     std::vector<Call> calls;
     for (int g = 0; g < num_local; ++g) {
-      std::int64_t const rows = off(go + g + 1) - off(go + g);
+      std::int64_t const r0 = off(go + g), rows = off(go + g + 1) - r0;
+      float* const o = out.data() + g * out.stride(0);
       if (rows == 0) {
         if (!opt.accumulate)
           zero(space, Mat<E, float, MO>(Kokkos::subview(out, g, Kokkos::ALL, Kokkos::ALL)),
                "moe::gmm::tgmm::zero_empty_group");
         continue;
       }
+      std::int64_t const padded =
+          (rows + dn::tgmm_bf16_rows - 1) / dn::tgmm_bf16_rows * dn::tgmm_bf16_rows;
+      if (opt.bf16_inputs &&
+          dn::bf16_gemm('T', 'N', k, n, rows, lhs.data() + r0 * lda, lda, dy.data() + r0 * ldd, ldd,
+                        opt.accumulate, o, ldo, padded))
+        continue;
       std::int64_t const blocks =
           threads == 1 ? 1
                        : std::max<std::int64_t>(
                              1, std::min((rows + share - 1) / share, n / dn::tgmm_min_columns));
-      std::int64_t const padded =
-          (rows + dn::tgmm_bf16_rows - 1) / dn::tgmm_bf16_rows * dn::tgmm_bf16_rows;
       for (std::int64_t b = 0; b < blocks; ++b)
-        calls.push_back({g, n * b / blocks / 16 * 16,
-                         b + 1 == blocks ? n : n * (b + 1) / blocks / 16 * 16, padded});
+        calls.push_back(
+            {g, n * b / blocks / 16 * 16, b + 1 == blocks ? n : n * (b + 1) / blocks / 16 * 16});
     }
     fence(space, "moe::gmm::tgmm<OneDnn>: empty groups zeroed");
-    std::int64_t const lda = lhs.stride(0), ldd = dy.stride(0), ldo = out.stride(1);
-    // bf16 inputs on a CPU with bf16 kernels: each call multiplies bf16 copies of its rows (lhs
-    // transposed, both padded with zero rows to a multiple of tgmm_bf16_rows); kernels are made
-    // here, outside the parallel loop (nullptr: that call runs sgemm). The copies are per-thread
-    // buffers of (k + n) x the group's rows in bf16, kept for later calls: half a group's fp32
-    // activations; a contraction blocked over rows would bound them (not done).
-    std::vector<dn::Kernel const*> kernels(calls.size(), nullptr);
-    if (opt.bf16_inputs && dn::bf16_kernels())
-      for (std::size_t i = 0; i < calls.size(); ++i)
-        kernels[i] = dn::tgmm_bf16_kernel(k, calls[i].padded, calls[i].n1 - calls[i].n0, ldo,
-                                          opt.accumulate);
     dn::for_each_item(std::int64_t(calls.size()), [&](std::int64_t i) {
       Call const& c = calls[std::size_t(i)];
       std::int64_t const r0 = off(go + c.g), r1 = off(go + c.g + 1);
-      float* const o = out.data() + c.g * out.stride(0) + c.n0;
-      if (dn::Kernel const* kernel = kernels[std::size_t(i)]) {
-        std::int64_t const rows = r1 - r0, nb = c.n1 - c.n0, kp = c.padded;
-        auto* const a = dn::thread_buffer<std::uint16_t>(0, std::size_t(k * kp));
-        auto* const b = dn::thread_buffer<std::uint16_t>(1, std::size_t(kp * nb));
-        dn::bf16_transposed(lhs.data() + r0 * lda, lda, rows, k, kp, a);
-        dn::bf16_rows(dy.data() + r0 * ldd + c.n0, ldd, rows, nb, kp, b);
-        kernel->run(
-            {{DNNL_ARG_SRC,
-              dnnl::memory(dn::matrix_desc(k, kp, kp, dn::DataType::bf16), dn::engine(), a)},
-             {DNNL_ARG_WEIGHTS,
-              dnnl::memory(dn::matrix_desc(kp, nb, nb, dn::DataType::bf16), dn::engine(), b)},
-             {DNNL_ARG_DST, dnnl::memory(dn::matrix_desc(k, nb, ldo), dn::engine(), o)}});
-        return;
-      }
       dn::sgemm('T', 'N', k, c.n1 - c.n0, r1 - r0, 1.0f, lhs.data() + r0 * lda, lda,
-                dy.data() + r0 * ldd + c.n0, ldd, opt.accumulate ? 1.0f : 0.0f, o, ldo);
+                dy.data() + r0 * ldd + c.n0, ldd, opt.accumulate ? 1.0f : 0.0f,
+                out.data() + c.g * out.stride(0) + c.n0, ldo);
     });
     fence(space, "moe::gmm::tgmm<OneDnn>: done");
   }

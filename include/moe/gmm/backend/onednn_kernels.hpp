@@ -157,9 +157,10 @@ inline dnnl::memory::desc src_desc(Family f, std::int64_t rows, std::int64_t k, 
   return f == Family::matmul ? matrix_desc(rows, k, ld, dt) : pixels_desc(rows, k, ld, dt);
 }
 
-/// The float output out[rows, n] (row stride ld) as the family's destination.
-inline dnnl::memory::desc dst_desc(Family f, std::int64_t rows, std::int64_t n, std::int64_t ld) {
-  return f == Family::matmul ? matrix_desc(rows, n, ld) : pixels_desc(rows, n, ld);
+/// The output out[rows, n] (row stride ld, float or bf16) as the family's destination.
+inline dnnl::memory::desc dst_desc(Family f, std::int64_t rows, std::int64_t n, std::int64_t ld,
+                                   DataType dt = DataType::f32) {
+  return f == Family::matmul ? matrix_desc(rows, n, ld, dt) : pixels_desc(rows, n, ld, dt);
 }
 
 /// The weights of out = x * W in the family's terms (matmul: [k, n]; 1x1 convolution: O=n,
@@ -182,14 +183,15 @@ inline dnnl::memory::desc tagged_weights(Family f, std::int64_t k, std::int64_t 
 }
 
 /// use(pd) for the family's primitive descriptor of out[rows, n] (+)= x[rows, k] * W, weights `w`
-/// (a layout, or format_tag::any; x of w's type); throws dnnl::error when oneDNN has no
-/// implementation at all.
+/// (a layout, or format_tag::any; x of w's type; out float, or bf16 with `bf16_out`); throws
+/// dnnl::error when oneDNN has no implementation at all.
 template <class Use>
 auto with_pd(Family f, std::int64_t rows, std::int64_t k, std::int64_t n, std::int64_t lda,
-             std::int64_t ldc, dnnl::memory::desc const& w, bool accumulate, Use&& use) {
+             std::int64_t ldc, dnnl::memory::desc const& w, bool accumulate, Use&& use,
+             bool bf16_out = false) {
   auto const attr = kernel_attr(accumulate);
   auto const src = src_desc(f, rows, k, lda, w.data_type());
-  auto const dst = dst_desc(f, rows, n, ldc);
+  auto const dst = dst_desc(f, rows, n, ldc, bf16_out ? DataType::bf16 : DataType::f32);
   if (f == Family::matmul) return use(matmul_pd(src, w, dst, attr));
   dnnl::memory::dims const unit{1, 1}, none{0, 0};
 #if DNNL_VERSION_MAJOR >= 3
@@ -249,21 +251,26 @@ class KernelPlan {
 
   /// The kernel over `rows` rows (a chunk_rows() run), made and checked on first use; nullptr
   /// when no direct kernel takes the packed layout at this size. Not inside a parallel region.
-  Kernel const* kernel(std::int64_t rows, bool accumulate) {
+  /// `bf16_out` (bf16 plans): the kernel writes its rows as bf16, densely ([rows, n]), rounded
+  /// to nearest even by oneDNN's conversion.
+  Kernel const* kernel(std::int64_t rows, bool accumulate, bool bf16_out = false) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto [it, fresh] = kernels_.try_emplace({rows, accumulate});
+    auto [it, fresh] = kernels_.try_emplace({rows, accumulate, bf16_out});
     if (fresh) {
       ScopedThreads one(1);
-      std::string const what = kernel_what(family_, rows, k_, n_, accumulate, bf16_);
+      std::string const what =
+          kernel_what(family_, rows, k_, n_, accumulate, bf16_) + (bf16_out ? " to bf16" : "");
       try {
-        it->second = with_pd(family_, rows, k_, n_, lda_, ldc_, packed_desc_, accumulate,
-                             [&](auto const& pd) -> std::unique_ptr<Kernel> {
-                               std::string const impl = pd.impl_info_str();
-                               if (direct_kernel(impl))
-                                 return std::make_unique<Kernel>(pd, what, bf16_ ? " bf16" : "");
-                               note_rejected(what, impl);
-                               return nullptr;
-                             });
+        it->second = with_pd(
+            family_, rows, k_, n_, lda_, bf16_out ? n_ : ldc_, packed_desc_, accumulate,
+            [&](auto const& pd) -> std::unique_ptr<Kernel> {
+              std::string const impl = pd.impl_info_str();
+              if (direct_kernel(impl))
+                return std::make_unique<Kernel>(pd, what, bf16_ ? " bf16" : "");
+              note_rejected(what, impl);
+              return nullptr;
+            },
+            bf16_out);
       } catch (dnnl::error const& e) {
         note_rejected(what, std::string("no implementation: ") + e.what());
       }
@@ -274,8 +281,9 @@ class KernelPlan {
   dnnl::memory::desc src_desc(std::int64_t rows) const {
     return onednn::src_desc(family_, rows, k_, lda_, data_type());
   }
-  dnnl::memory::desc dst_desc(std::int64_t rows) const {
-    return onednn::dst_desc(family_, rows, n_, ldc_);
+  dnnl::memory::desc dst_desc(std::int64_t rows, bool bf16_out = false) const {
+    return bf16_out ? onednn::dst_desc(family_, rows, n_, n_, DataType::bf16)
+                    : onednn::dst_desc(family_, rows, n_, ldc_);
   }
 
  private:
@@ -336,7 +344,7 @@ class KernelPlan {
   dnnl::memory::desc packed_desc_;
   std::unique_ptr<Kernel> packer_;
   std::mutex mutex_;
-  std::map<std::pair<std::int64_t, bool>, std::unique_ptr<Kernel>> kernels_;
+  std::map<std::tuple<std::int64_t, bool, bool>, std::unique_ptr<Kernel>> kernels_;
 };
 
 /// The process-wide plan of a weight shape and storage (and test hook state); bf16: the plan for
@@ -357,26 +365,6 @@ inline KernelPlan& plan(std::int64_t k, std::int64_t n, bool trans, std::int64_t
 /// tgmm with bf16 inputs pads each group's rows (the contraction) to a multiple of this, so a
 /// layer whose group sizes change every step makes few kernels.
 inline constexpr std::int64_t tgmm_bf16_rows = 32;
-
-/// The single-threaded bf16 kernel of out[k, n] (+)= A[k, rows] * B[rows, n]: A and B dense bf16
-/// (row strides rows and n), out float with row stride ldo; made once per shape, nullptr where
-/// oneDNN offers only a reference implementation (its GEMM-based one is taken: B changes with
-/// every call, so a kernel with a packed layout of its own would save nothing). Not inside a
-/// parallel region.
-inline Kernel const* tgmm_bf16_kernel(std::int64_t k, std::int64_t rows, std::int64_t n,
-                                      std::int64_t ldo, bool accumulate) {
-  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool>;
-  static std::mutex mutex;
-  static std::map<Key, std::unique_ptr<Kernel>> kernels;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto [it, fresh] = kernels.try_emplace(Key{k, rows, n, ldo, accumulate});
-  if (fresh) {
-    ScopedThreads one(1);
-    it->second = bf16_matmul("tgmm " + kernel_what(Family::matmul, k, rows, n, accumulate, true), k,
-                             rows, n, ldo, accumulate);
-  }
-  return it->second.get();
-}
 
 /// Every expert of one rhs tensor in the plan's packed layout.
 struct PackedTensor {
