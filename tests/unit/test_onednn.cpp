@@ -401,38 +401,42 @@ TEST(OneDnnKernels, Bf16CopiesRoundAndTransposeExactly) {
 // oneDNN's bf16 kernels where the CPU has them, sgemm on the same values elsewhere; every
 // transposition, overwriting and accumulating, fp32 results against double either way.
 TEST(OneDnnKernels, Bf16DenseGemmRunsBf16KernelsWhereTheCpuHasThem) {
-  std::int64_t const M = 70, N = 90, K = 130;
+  std::int64_t const M = 70, N = 90;
   Rng rng(21);
   StatsDelta d;
   int calls = 0;
-  for (char const* ta : {"N", "T"})
-    for (char const* tb : {"N", "T"})
-      for (bool accumulate : {false, true}) {
-        SCOPED_TRACE(std::string(ta) + tb + (accumulate ? " +=" : ""));
-        bool const tA = ta[0] == 'T', tB = tb[0] == 'T';
-        Vec a = rng.vec(std::size_t(M * K), -1, 1), b = rng.vec(std::size_t(K * N), -1, 1);
-        Vec c = rng.vec(std::size_t(M * N), -1, 1);
-        for (Vec* v : {&a, &b})
-          for (double& e : *v) e = moe::detail::round_to_bf16(e);
-        for (double& e : c) e = float(e);
-        auto const A = moe_ref::kk::to_view<View2>(a, tA ? K : M, tA ? M : K);
-        auto const B = moe_ref::kk::to_view<View2>(b, tB ? N : K, tB ? K : N);
-        auto const C = moe_ref::kk::to_view<View2>(c, M, N);
-        moe::detail::gemm(Exec(), ta, tb, 1.0f, A, B, accumulate ? 1.0f : 0.0f, C, true);
-        ++calls;
-        auto const got = moe_ref::kk::to_vec(C);
-        for (std::int64_t i = 0; i < M; ++i)
-          for (std::int64_t j = 0; j < N; ++j) {
-            double sum = accumulate ? c[i * N + j] : 0.0, mag = std::fabs(sum);
-            for (std::int64_t l = 0; l < K; ++l) {
-              double const p =
-                  (tA ? a[l * M + i] : a[i * K + l]) * (tB ? b[j * K + l] : b[l * N + j]);
-              sum += p;
-              mag += std::fabs(p);
+  // K = 128: an untransposed B is written in the kernels' blocked layout (dn::bf16_blocked, N
+  // padded to 64 columns) where they take it; K = 130 is copied plain.
+  for (std::int64_t const K : {130, 128})
+    for (char const* ta : {"N", "T"})
+      for (char const* tb : {"N", "T"})
+        for (bool accumulate : {false, true}) {
+          SCOPED_TRACE(std::string(ta) + tb + (accumulate ? " +=" : "") +
+                       " K=" + std::to_string(K));
+          bool const tA = ta[0] == 'T', tB = tb[0] == 'T';
+          Vec a = rng.vec(std::size_t(M * K), -1, 1), b = rng.vec(std::size_t(K * N), -1, 1);
+          Vec c = rng.vec(std::size_t(M * N), -1, 1);
+          for (Vec* v : {&a, &b})
+            for (double& e : *v) e = moe::detail::round_to_bf16(e);
+          for (double& e : c) e = float(e);
+          auto const A = moe_ref::kk::to_view<View2>(a, tA ? K : M, tA ? M : K);
+          auto const B = moe_ref::kk::to_view<View2>(b, tB ? N : K, tB ? K : N);
+          auto const C = moe_ref::kk::to_view<View2>(c, M, N);
+          moe::detail::gemm(Exec(), ta, tb, 1.0f, A, B, accumulate ? 1.0f : 0.0f, C, true);
+          ++calls;
+          auto const got = moe_ref::kk::to_vec(C);
+          for (std::int64_t i = 0; i < M; ++i)
+            for (std::int64_t j = 0; j < N; ++j) {
+              double sum = accumulate ? c[i * N + j] : 0.0, mag = std::fabs(sum);
+              for (std::int64_t l = 0; l < K; ++l) {
+                double const p =
+                    (tA ? a[l * M + i] : a[i * K + l]) * (tB ? b[j * K + l] : b[l * N + j]);
+                sum += p;
+                mag += std::fabs(p);
+              }
+              ASSERT_NEAR(got[i * N + j], sum, (K + 2) * 1.2e-7 * mag + 1e-30) << i << "," << j;
             }
-            ASSERT_NEAR(got[i * N + j], sum, (K + 2) * 1.2e-7 * mag + 1e-30) << i << "," << j;
-          }
-      }
+        }
   auto const st = moe::gmm::onednn_stats();
   std::uint64_t const bf16_calls = st.bf16_runs() - d.before.bf16_runs();
   if (dn::bf16_kernels()) {
