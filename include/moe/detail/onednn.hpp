@@ -315,14 +315,17 @@ inline void bf16_transposed(float const* x, std::int64_t ldx, std::int64_t rows,
       a[c * kp + r] = r < rows ? moe::detail::bf16_bits(x[r * ldx + c]) : std::uint16_t(0);
 }
 
-/// out[r, c] = bf16(x[r, c]) for r < rows, 0 for rows <= r < padded (c < cols): x with row
-/// stride ldx, copied into a dense [padded, cols] bf16 matrix.
+/// out[r, c] = bf16(x[r, c]) for r < rows, c < cols, and 0 for the other r < padded, c < ldo:
+/// x with row stride ldx, copied into a [padded, ldo] bf16 matrix (ldo >= cols; dense by default).
 inline void bf16_rows(float const* x, std::int64_t ldx, std::int64_t rows, std::int64_t cols,
-                      std::int64_t padded, std::uint16_t* out) {
-  for (std::int64_t r = 0; r < rows; ++r)
+                      std::int64_t padded, std::uint16_t* out, std::int64_t ldo = 0) {
+  if (ldo == 0) ldo = cols;
+  for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t c = 0; c < cols; ++c)
-      out[r * cols + c] = moe::detail::bf16_bits(x[r * ldx + c]);
-  std::fill(out + rows * cols, out + padded * cols, std::uint16_t(0));
+      out[r * ldo + c] = moe::detail::bf16_bits(x[r * ldx + c]);
+    std::fill(out + r * ldo + cols, out + (r + 1) * ldo, std::uint16_t(0));
+  }
+  std::fill(out + rows * ldo, out + padded * ldo, std::uint16_t(0));
 }
 
 /// y[j] = float(b[j]) for j < n (exact), written with non-temporal stores where the compiler
@@ -350,14 +353,10 @@ inline void bf16_copy(bool trans, std::int64_t rows, std::int64_t cols, float co
   constexpr std::int64_t block = 64;
   for_each_item((rows + block - 1) / block, [&](std::int64_t b) {
     std::int64_t const r0 = b * block, r1 = std::min(rows, r0 + block);
-    if (trans) {
+    if (trans)
       bf16_transposed(x + r0, ld, cols, r1 - r0, ldo, out + r0 * ldo);
-    } else {
-      for (std::int64_t r = r0; r < r1; ++r) {
-        bf16_rows(x + r * ld, ld, 1, cols, 1, out + r * ldo);
-        std::fill(out + r * ldo + cols, out + (r + 1) * ldo, std::uint16_t(0));
-      }
-    }
+    else
+      bf16_rows(x + r0 * ld, ld, r1 - r0, cols, r1 - r0, out + r0 * ldo, ldo);
   });
 }
 

@@ -204,9 +204,13 @@ struct Impl<moe::gmm::OneDnn> {
         c0 += c.rows;
       }
     }
+    // Longest first: the threads take calls as they free up, so the last ones are short.
+    std::stable_sort(calls.begin(), calls.end(),
+                     [](Call const& a, Call const& b) { return a.chunk.run > b.chunk.run; });
     float const* const x = lhs.data();
     float* const y = out.data();
-    auto run = [&](Call const& c) {
+    dn::for_each_item(std::int64_t(calls.size()), [&](std::int64_t i) {
+      Call const& c = calls[std::size_t(i)];
       auto round = [&] {  // bf16_output on rows computed in float
         if (opt.bf16_output)
           for (std::int64_t r = c.c0; r < c.c0 + c.chunk.rows; ++r)
@@ -259,12 +263,7 @@ struct Impl<moe::gmm::OneDnn> {
             std::copy(from, from + n, to);
         }
       round();
-    };
-    // Longest first: the threads take calls as they free up, so the last ones are short.
-    std::stable_sort(calls.begin(), calls.end(),
-                     [](Call const& a, Call const& b) { return a.chunk.run > b.chunk.run; });
-    dn::for_each_item(std::int64_t(calls.size()),
-                      [&](std::int64_t i) { run(calls[std::size_t(i)]); });
+    });
   }
 
   /// bf16 inputs (GmmOptions::bf16_inputs) where the CPU has bf16 kernels: one group after the
