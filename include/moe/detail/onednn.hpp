@@ -52,11 +52,10 @@ inline dnnl::stream& thread_stream() {
 }
 
 /// A growing buffer of at least `count` values of T owned by the calling thread (slot 0, 1 or 2
-/// of each T), valid until the same thread asks for the same slot of T again.
+/// of each T), valid until the same thread asks for the same slot of T again. 64-byte aligned:
+/// AMX loads a cache line per tile row, and a blocked B (bf16_blocked) is read in place.
 template <class T = float>
 T* thread_buffer(int slot, std::size_t count) {
-  // Aligned to 64 bytes: AMX loads a whole cache line per tile row, and a B operand in the
-  // kernels' blocked layout (bf16_blocked) is read in place (16-byte aligned: 2.2x the time).
   struct Free {
     void operator()(T* p) const { std::free(p); }
   };
@@ -80,9 +79,8 @@ inline int max_threads() {
 #endif
 }
 
-/// Runs body(i) for every i in [0, n), each call on one OpenMP thread (oneDNN runs
-/// single-threaded inside a parallel region). Items must write disjoint memory; the first
-/// exception is rethrown after the loop (items not yet started are skipped).
+/// Runs body(i) for every i in [0, n), each on one OpenMP thread (oneDNN then runs single-
+/// threaded). Items write disjoint memory; the first exception is rethrown after the loop.
 template <class Body>
 void for_each_item(std::int64_t n, Body&& body) {
   std::exception_ptr error;
@@ -105,14 +103,7 @@ void for_each_item(std::int64_t n, Body&& body) {
   if (error) std::rethrow_exception(error);
 }
 
-/// Throws moe::Error naming the call when a oneDNN C call fails.
-inline void check(dnnl_status_t st, char const* what) {
-  moe::detail::require<Error>(st == dnnl_success, what, " failed with oneDNN status ",
-                              static_cast<int>(st));
-}
-
-/// Whether an impl_info_str names one of oneDNN's reference implementations ("ref:any",
-/// "gemm:ref", ...).
+/// Whether an impl_info_str names a oneDNN reference implementation ("ref:any", "gemm:ref").
 inline bool reference_impl(std::string const& impl) {
   return impl.rfind("ref", 0) == 0 || impl.find(":ref") != std::string::npos;
 }
@@ -124,18 +115,17 @@ inline bool direct_kernel(std::string const& impl) {
   return impl.rfind("gemm", 0) != 0 && !reference_impl(impl);
 }
 
-/// Whether oneDNN runs bf16 kernels on this CPU with bf16 instructions (AVX512-BF16 or AMX, as
-/// capped by ONEDNN_MAX_CPU_ISA). Below that tier oneDNN 2.x either has no bf16 matmul (AVX2) or
-/// emulates bf16 (AVX-512 without BF16), slower than its fp32 kernels: moe uses fp32 there.
+/// Whether oneDNN runs bf16 kernels with bf16 instructions here (AVX512-BF16 or AMX, under
+/// ONEDNN_MAX_CPU_ISA); below that it has no bf16 matmul or emulates one, slower than fp32.
 inline bool bf16_kernels() {
   auto const bf16 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_bf16);
   return (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & bf16) == bf16;
 }
-/// Most descriptions Counters keeps of refusals and reference runs (the counts go on).
-inline constexpr std::size_t max_described = 16;
 
 /// What the process's oneDNN calls did (read by moe::gmm::onednn_stats()).
 struct Counters {
+  /// Most descriptions kept of refusals and reference runs (the counts go on).
+  static constexpr std::size_t max_described = 16;
   std::atomic<std::uint64_t> primitives{0};      ///< Kernels made (primitives created)
   std::atomic<std::uint64_t> packed_tensors{0};  ///< weight tensors reordered into a packed layout
   std::atomic<std::uint64_t> rejected{0};        ///< shapes / chunk sizes run plain: no kernel
@@ -179,22 +169,18 @@ inline void note_rejected(std::string const& what, std::string const& impl) {
 /// thread (inside for_each_item) is made under ScopedThreads(1).
 class ScopedThreads {
  public:
-  explicit ScopedThreads([[maybe_unused]] int n) {
-#if defined(_OPENMP)
-    saved_ = omp_get_max_threads();
-    omp_set_num_threads(n);
-#endif
-  }
-  ~ScopedThreads() {
-#if defined(_OPENMP)
-    omp_set_num_threads(saved_);
-#endif
-  }
+  explicit ScopedThreads(int n) { set(n); }
+  ~ScopedThreads() { set(saved_); }
   ScopedThreads(ScopedThreads const&) = delete;
   ScopedThreads& operator=(ScopedThreads const&) = delete;
 
  private:
-  [[maybe_unused]] int saved_ = 1;
+  static void set([[maybe_unused]] int n) {
+#if defined(_OPENMP)
+    omp_set_num_threads(n);
+#endif
+  }
+  int const saved_ = max_threads();
 };
 
 /// \brief One oneDNN primitive in user scratchpad mode: runs on any thread (several at once) with
@@ -249,7 +235,9 @@ inline void sgemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t
   }
   static std::atomic<std::uint64_t>& runs = run_counter("sgemm");
   ++runs;
-  check(dnnl_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc), "moe: dnnl_sgemm");
+  dnnl_status_t const st = dnnl_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  moe::detail::require<Error>(st == dnnl_success, "moe: dnnl_sgemm failed with oneDNN status ",
+                              static_cast<int>(st));
 }
 
 using DataType = dnnl::memory::data_type;
@@ -281,9 +269,8 @@ inline __m128i bf16_bits8(float const* x) {
 #endif
 
 /// a[c, r] = bf16(x[r, c]) for r < rows, 0 for rows <= r < kp (c < k): x [rows, k] with row
-/// stride ldx, transposed into a [k, kp] bf16 matrix. With SSE2 in 8 x 8 blocks (8 rows of x
-/// rounded 8 values at a time, transposed in registers, written as 8 rows of a: 1.7x the speed
-/// of the element-wise loop over 32 x 32 tiles it replaced, in cache); edges element-wise.
+/// stride ldx, transposed into a [k, kp] bf16 matrix. With SSE2 in 8 x 8 blocks transposed in
+/// registers; edges element-wise.
 inline void bf16_transposed(float const* x, std::int64_t ldx, std::int64_t rows, std::int64_t k,
                             std::int64_t kp, std::uint16_t* a) {
   std::int64_t c8 = 0, r8 = 0;  // the blocked part: columns [0, c8), rows [0, r8)
@@ -328,9 +315,8 @@ inline void bf16_rows(float const* x, std::int64_t ldx, std::int64_t rows, std::
   std::fill(out + rows * ldo, out + padded * ldo, std::uint16_t(0));
 }
 
-/// y[j] = float(b[j]) for j < n (exact), written with non-temporal stores where the compiler
-/// targets SSE2: the widened rows go to memory without first being read into the cache (half
-/// the memory traffic of a plain store to rows not in cache).
+/// y[j] = float(b[j]) for j < n (exact), with non-temporal stores under SSE2 (y is not read into
+/// the cache first: half the memory traffic).
 inline void widen_bf16_streaming(std::uint16_t const* b, std::int64_t n, float* y) {
   std::int64_t j = 0;
 #if defined(__SSE2__)
@@ -384,16 +370,16 @@ inline dnnl::matmul::primitive_desc matmul_pd(dnnl::memory::desc const& src,
 #endif
 }
 
-/// The layout of bf16 weights that oneDNN's AMX and AVX512-BF16 matmul kernels read (a [K, N]
-/// matrix as blocks of 32 rows x 64 columns, columns-blocks outermost, each block 16 pairs of rows
-/// with the two values of a pair side by side): a B written in it spares the kernel its own
-/// reorder (AMX, 2 threads, tgmm of 8 experts x 1024 rows, 1024 x 2816: 47 ms instead of 62).
-inline dnnl::memory::desc bf16_blocked_desc(std::int64_t K, std::int64_t N) {
+/// bf16 weights [K, N]: dense, or (`blocked`) in the layout oneDNN's AMX and AVX512-BF16 matmul
+/// kernels read (blocks of 32 rows x 64 columns, column blocks outermost, each 16 pairs of rows
+/// with a pair's two values side by side), which spares the kernel its own reorder.
+inline dnnl::memory::desc bf16_weights_desc(std::int64_t K, std::int64_t N, bool blocked) {
+  if (!blocked) return matrix_desc(K, N, N, DataType::bf16);
   return dnnl::memory::desc(dnnl::memory::dims{K, N}, DataType::bf16,
                             dnnl::memory::format_tag::BA16a64b2a);
 }
 
-/// out = x [rows, cols] (row stride ldx) rounded to bf16 in bf16_blocked_desc(kp, np) (kp a
+/// out = x [rows, cols] (row stride ldx) rounded to bf16 in the blocked [kp, np] layout (kp a
 /// multiple of 32 >= rows, np of 64 >= cols; zeros past rows and cols), on all threads.
 inline void bf16_blocked(float const* x, std::int64_t ldx, std::int64_t rows, std::int64_t cols,
                          std::int64_t kp, std::int64_t np, std::uint16_t* out) {
@@ -430,50 +416,40 @@ inline void bf16_blocked(float const* x, std::int64_t ldx, std::int64_t rows, st
   });
 }
 
-/// The bf16 matmul C[M,N] (+)= A[M,K] * B[K,N], A dense bf16, B dense bf16 or (`blocked`) in
-/// bf16_blocked_desc, C float with row stride ldc, for the threads of the moment; nullptr where
-/// oneDNN offers only a reference implementation or none (noted as a refusal, except for a
-/// blocked B, which the caller then copies plain). `what` names it in messages.
-inline std::unique_ptr<Kernel> bf16_matmul(std::string const& what, std::int64_t M, std::int64_t K,
-                                           std::int64_t N, std::int64_t ldc, bool accumulate,
-                                           bool blocked = false) {
-  auto const src = matrix_desc(M, K, K, DataType::bf16);
-  auto const wei = blocked ? bf16_blocked_desc(K, N) : matrix_desc(K, N, N, DataType::bf16);
-  auto const dst = matrix_desc(M, N, ldc);
-  try {
-    auto const pd = matmul_pd(src, wei, dst, kernel_attr(accumulate));
-    if (!reference_impl(pd.impl_info_str())) return std::make_unique<Kernel>(pd, what, " bf16");
-    if (!blocked) note_rejected(what, pd.impl_info_str());
-  } catch (dnnl::error const& e) {
-    if (!blocked) note_rejected(what, std::string("no implementation: ") + e.what());
-  }
-  return nullptr;
-}
-
 /// \brief Row-major C[M,N] = op(A) * op(B) (+ C with `accumulate`) on oneDNN's bf16 kernels, all
-/// threads: op(A) and op(B) are copied to bf16 (exact when they hold bf16 values; the calling
-/// thread's buffers, kept for later calls; an untransposed B straight into the kernels' blocked
-/// layout, bf16_blocked, where they take it), fp32 accumulation and output. `pad_k` > K: the
-/// contraction is padded with zeros to pad_k (one kernel for every K up to it). Returns false,
-/// having done nothing, where the CPU has no bf16 kernels (bf16_kernels()) or oneDNN offers only
-/// a reference implementation for the shape: the caller then runs sgemm on the same values.
+/// threads: op(A) and op(B) copied to bf16 into the calling thread's buffers (exact on bf16
+/// values; an untransposed B straight into the blocked layout where the kernels take it), fp32
+/// accumulation and output. `pad_k` > K: the contraction is zero-padded to pad_k (one kernel for
+/// every K up to it). Returns false, having done nothing, without bf16_kernels() or where oneDNN
+/// offers only a reference implementation: the caller then runs sgemm on the same values.
 inline bool bf16_gemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t K,
                       float const* A, std::int64_t lda, float const* B, std::int64_t ldb,
                       bool accumulate, float* C, std::int64_t ldc, std::int64_t pad_k = 0) {
   if (M == 0 || N == 0 || K == 0 || !bf16_kernels()) return false;
   std::int64_t const Kp = std::max(K, pad_k);
-  // B in the kernels' own layout where they take it (an untransposed B: written there directly).
   bool blocked = tb == 'N' && Kp % 32 == 0;
   using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, int, bool>;
   static std::mutex mutex;
   static std::map<Key, std::unique_ptr<Kernel>> kernels;
+  // The kernel with B dense or (`b`) blocked, for the threads of the moment, made once; nullptr
+  // where oneDNN offers only a reference implementation or none (a refusal unless B is blocked:
+  // it is then copied plain).
   auto kernel_for = [&](bool b) {
     std::lock_guard<std::mutex> lock(mutex);
     auto [it, fresh] = kernels.try_emplace(Key{M, N, Kp, ldc, accumulate, max_threads(), b});
-    if (fresh)
-      it->second = bf16_matmul("gemm " + std::to_string(M) + "x" + std::to_string(Kp) + "x" +
-                                   std::to_string(N) + (accumulate ? " +=" : "") + " bf16",
-                               M, Kp, N, ldc, accumulate, b);
+    if (!fresh) return it->second.get();
+    std::string const what = "gemm " + std::to_string(M) + "x" + std::to_string(Kp) + "x" +
+                             std::to_string(N) + (accumulate ? " +=" : "") + " bf16";
+    try {
+      auto const pd = matmul_pd(matrix_desc(M, Kp, Kp, DataType::bf16), bf16_weights_desc(Kp, N, b),
+                                matrix_desc(M, N, ldc), kernel_attr(accumulate));
+      if (!reference_impl(pd.impl_info_str()))
+        it->second = std::make_unique<Kernel>(pd, what, " bf16");
+      else if (!b)
+        note_rejected(what, pd.impl_info_str());
+    } catch (dnnl::error const& e) {
+      if (!b) note_rejected(what, std::string("no implementation: ") + e.what());
+    }
     return it->second.get();
   };
   Kernel const* kernel = blocked ? kernel_for(true) : nullptr;
@@ -490,9 +466,7 @@ inline bool bf16_gemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int
     std::fill(b + K * N, b + Kp * N, std::uint16_t(0));
   }
   kernel->run({{DNNL_ARG_SRC, dnnl::memory(matrix_desc(M, Kp, Kp, DataType::bf16), engine(), a)},
-               {DNNL_ARG_WEIGHTS, dnnl::memory(blocked ? bf16_blocked_desc(Kp, N)
-                                                       : matrix_desc(Kp, N, N, DataType::bf16),
-                                               engine(), b)},
+               {DNNL_ARG_WEIGHTS, dnnl::memory(bf16_weights_desc(Kp, N, blocked), engine(), b)},
                {DNNL_ARG_DST, dnnl::memory(matrix_desc(M, N, ldc), engine(), C)}});
   return true;
 }
