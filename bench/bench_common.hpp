@@ -198,9 +198,9 @@ class PackedDenseGemm {
     auto const dt = bf16_ ? dn::DataType::bf16 : dn::DataType::f32;
     kernel_->run(
         {{DNNL_ARG_SRC,
-          dnnl::memory(dn::src_desc(family_, M_, K_, K_, dt), dn::engine(), const_cast<void*>(a))},
+          dnnl::memory(dn::rows_desc(family_, M_, K_, K_, dt), dn::engine(), const_cast<void*>(a))},
          {DNNL_ARG_WEIGHTS, packed_b_},
-         {DNNL_ARG_DST, dnnl::memory(dn::dst_desc(family_, M_, N_, N_), dn::engine(), c)}});
+         {DNNL_ARG_DST, dnnl::memory(dn::rows_desc(family_, M_, N_, N_), dn::engine(), c)}});
   }
 
  private:

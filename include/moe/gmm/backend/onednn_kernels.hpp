@@ -70,9 +70,7 @@ inline std::int64_t chunk_cap(std::int64_t total, int threads) {
 }
 
 /// Packed calls run a multiple of run_multiple rows (fewer rows as they are), so a weight shape
-/// needs at most 3 + cap / 4 kernels. Rounding up costs < 4 rows of FLOPs where another call reads
-/// the expert's weights again (AVX2, 7168 x 2048, 2 threads: a call costs ~3.5 rows' time plus
-/// its rows, in steps of 4 rows; rounding to 16 cost 19 -> 32 rows, +58 % time).
+/// needs at most 3 + cap / 4 kernels; a coarser multiple wastes more FLOPs than a call saves.
 inline constexpr std::int64_t run_multiple = 4;
 
 /// The next call when `left` rows of the group remain: at most `cap` rows, run over the next
@@ -84,8 +82,7 @@ inline Chunk chunk_rows(std::int64_t left, std::int64_t cap = max_chunk_rows) {
 }
 
 /// Groups of 2 to few_rows_max rows run on few_rows() in the plain mode: sgemm packs the weights
-/// on every call, which for a handful of rows costs more than the multiply (AVX2, 2 threads,
-/// 1024 x 2816: 2 rows sgemm 10 GB/s vs few_rows 17; 1 row 25 vs 20; 4 rows 11 vs 10).
+/// on every call, which for a handful of rows costs more than the multiply.
 inline constexpr std::int64_t few_rows_max = 3;
 
 /// acc[r, :] += sum_{c in [c0,c1)} x[r, c] * W[c, :] for the R rows: W's rows are read in memory
@@ -144,23 +141,13 @@ inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float co
   }
 }
 
-/// Row-major [rows, ch] with row stride ld as a channels-last 1x1 image (N=1, C=ch, H=rows, W=1).
-inline dnnl::memory::desc pixels_desc(std::int64_t rows, std::int64_t ch, std::int64_t ld,
-                                      DataType dt = DataType::f32) {
-  return dnnl::memory::desc(dnnl::memory::dims{1, ch, rows, 1}, dt,
+/// Row-major [rows, cols] with row stride ld (the activations or the output) as the family's
+/// source or destination: a matrix, or a channels-last 1x1 image (N=1, C=cols, H=rows, W=1).
+inline dnnl::memory::desc rows_desc(Family f, std::int64_t rows, std::int64_t cols, std::int64_t ld,
+                                    DataType dt = DataType::f32) {
+  if (f == Family::matmul) return matrix_desc(rows, cols, ld, dt);
+  return dnnl::memory::desc(dnnl::memory::dims{1, cols, rows, 1}, dt,
                             dnnl::memory::dims{rows * ld, 1, ld, ld});
-}
-
-/// The activations x[rows, k] (row stride ld, values of type dt) as the family's source.
-inline dnnl::memory::desc src_desc(Family f, std::int64_t rows, std::int64_t k, std::int64_t ld,
-                                   DataType dt = DataType::f32) {
-  return f == Family::matmul ? matrix_desc(rows, k, ld, dt) : pixels_desc(rows, k, ld, dt);
-}
-
-/// The output out[rows, n] (row stride ld, float or bf16) as the family's destination.
-inline dnnl::memory::desc dst_desc(Family f, std::int64_t rows, std::int64_t n, std::int64_t ld,
-                                   DataType dt = DataType::f32) {
-  return f == Family::matmul ? matrix_desc(rows, n, ld, dt) : pixels_desc(rows, n, ld, dt);
 }
 
 /// The weights of out = x * W in the family's terms (matmul: [k, n]; 1x1 convolution: O=n,
@@ -168,10 +155,10 @@ inline dnnl::memory::desc dst_desc(Family f, std::int64_t rows, std::int64_t n, 
 inline dnnl::memory::desc weights_desc(Family f, std::int64_t k, std::int64_t n, bool trans,
                                        std::int64_t ld) {
   using dims = dnnl::memory::dims;
-  auto const f32 = dnnl::memory::data_type::f32;
   if (f == Family::matmul)
-    return dnnl::memory::desc(dims{k, n}, f32, trans ? dims{1, ld} : dims{ld, 1});
-  return dnnl::memory::desc(dims{n, k, 1, 1}, f32, trans ? dims{ld, 1, 1, 1} : dims{1, ld, 1, 1});
+    return dnnl::memory::desc(dims{k, n}, DataType::f32, trans ? dims{1, ld} : dims{ld, 1});
+  return dnnl::memory::desc(dims{n, k, 1, 1}, DataType::f32,
+                            trans ? dims{ld, 1, 1, 1} : dims{1, ld, 1, 1});
 }
 
 /// The family's weights [k, n] of type dt in a format tag (format_tag::any: oneDNN's choice).
@@ -190,8 +177,8 @@ auto with_pd(Family f, std::int64_t rows, std::int64_t k, std::int64_t n, std::i
              std::int64_t ldc, dnnl::memory::desc const& w, bool accumulate, Use&& use,
              bool bf16_out = false) {
   auto const attr = kernel_attr(accumulate);
-  auto const src = src_desc(f, rows, k, lda, w.data_type());
-  auto const dst = dst_desc(f, rows, n, ldc, bf16_out ? DataType::bf16 : DataType::f32);
+  auto const src = rows_desc(f, rows, k, lda, w.data_type());
+  auto const dst = rows_desc(f, rows, n, ldc, bf16_out ? DataType::bf16 : DataType::f32);
   if (f == Family::matmul) return use(matmul_pd(src, w, dst, attr));
   dnnl::memory::dims const unit{1, 1}, none{0, 0};
 #if DNNL_VERSION_MAJOR >= 3
@@ -279,11 +266,11 @@ class KernelPlan {
   }
 
   dnnl::memory::desc src_desc(std::int64_t rows) const {
-    return onednn::src_desc(family_, rows, k_, lda_, data_type());
+    return rows_desc(family_, rows, k_, lda_, data_type());
   }
   dnnl::memory::desc dst_desc(std::int64_t rows, bool bf16_out = false) const {
-    return bf16_out ? onednn::dst_desc(family_, rows, n_, n_, DataType::bf16)
-                    : onednn::dst_desc(family_, rows, n_, ldc_);
+    return rows_desc(family_, rows, n_, bf16_out ? n_ : ldc_,
+                     bf16_out ? DataType::bf16 : DataType::f32);
   }
 
  private:
@@ -326,9 +313,7 @@ class KernelPlan {
   }
 
   /// The weight layouts to try, best first: the forced one; for fp32 matmul 48-column blocks
-  /// (BA16a48b), then oneDNN's choice (64-column blocks). On a Zen 4 core over the Mixtral, Qwen3
-  /// and DeepSeek-V3 expert shapes, 48 columns streamed 1-3 rows at 19-25 GB/s against 12-16 for
-  /// 64 and ran 16-256 rows within 2 %; 32 columns streamed faster but lost 16 % at 256 rows.
+  /// (BA16a48b: streams few rows faster than oneDNN's 64, as fast at 256), then oneDNN's choice.
   /// bf16: oneDNN's choice (it pairs the rows of k that its bf16 instructions multiply together).
   static std::vector<dnnl::memory::format_tag> packed_layouts(Family fam, Forced const& f,
                                                               bool bf16) {
