@@ -6,9 +6,9 @@
 ///  * Packed mode (a direct kernel and a PackCache): weights reordered once per weight version;
 ///    each group runs as row chunks on primitives made once per chunk size.
 ///  * Plain mode: one oneDNN sgemm per group on the weights in place, few_rows for 2-3 rows.
-/// Packed chunks and tgmm calls run one single-threaded call per OpenMP thread (2 Zen 3 cores:
-/// 15-25 % faster at 32-128 rows per expert than splitting each call over both threads); results
-/// do not depend on which thread runs a call. Float only (oneDNN has no double GEMM on CPUs).
+/// Packed chunks and tgmm calls run one single-threaded call per OpenMP thread (faster than
+/// splitting each call over the threads); results do not depend on which thread runs a call.
+/// Float only (oneDNN has no double GEMM on CPUs).
 
 #include <moe/detail/onednn.hpp>
 #include <moe/gmm/backend/common.hpp>
@@ -50,18 +50,13 @@ struct OneDnnStats {
 
   /// "avx512_core: brg:avx512_core 1200, sgemm 300; 9 primitives, 12 tensors packed, ...".
   std::string summary() const {
-    std::string s = isa + ":";
-    bool first = true;
-    for (auto const& [impl, n] : runs) {
-      if (n == 0) continue;
-      s += (first ? " " : ", ") + impl + " " + std::to_string(n);
-      first = false;
-    }
-    if (first) s += " no calls";
-    s += "; " + std::to_string(primitives) + " primitives, " + std::to_string(packed_tensors) +
-         " tensors packed, " + std::to_string(rejected) + " refused, " +
-         std::to_string(reference_runs) + " reference runs";
-    return s;
+    std::string calls;
+    for (auto const& [impl, n] : runs)
+      if (n > 0) calls += (calls.empty() ? " " : ", ") + impl + " " + std::to_string(n);
+    return isa + ":" + (calls.empty() ? " no calls" : calls) + "; " + std::to_string(primitives) +
+           " primitives, " + std::to_string(packed_tensors) + " tensors packed, " +
+           std::to_string(rejected) + " refused, " + std::to_string(reference_runs) +
+           " reference runs";
   }
   /// Executions of bf16 kernels (counted under "<implementation> bf16").
   std::uint64_t bf16_runs() const {
@@ -166,13 +161,12 @@ struct Impl<moe::gmm::OneDnn> {
     fence(space, "moe::gmm::gmm<OneDnn>: done");
   }
 
-  /// Packed layout: each group as row chunks (at most chunk_cap rows) on the plan's kernels. The
-  /// calls are listed first (kernels made and checked here), longest first, then run one per
-  /// thread: a chunk rounded up past its group writes into the thread's own buffer and copies (or
-  /// adds) its group's rows, and reads a zero-padded copy of its rows when they end lhs (a bf16
-  /// plan: always a zero-padded bf16 copy); a chunk without a direct kernel runs as sgemm.
-  /// bf16_output: a bf16 plan's kernels write the chunk as bf16 into the thread's buffer, widened
-  /// into out (exact); other chunks round their rows while they are in cache.
+  /// Packed layout: each group as row chunks (at most chunk_cap rows) on the plan's kernels,
+  /// listed first (kernels made and checked here), then run longest first, one per thread. A
+  /// chunk rounded up past its group writes into the thread's buffer and copies (or adds) its
+  /// group's rows, and reads a zero-padded copy of its rows when they end lhs (a bf16 plan: always
+  /// a bf16 copy); a chunk without a direct kernel runs as sgemm. bf16_output: a bf16 plan's
+  /// kernels write bf16 rows, widened into out (exact); other chunks round their rows in cache.
   template <class E, class ML, class MR, class MO, class Mem>
   static void packed_gmm(moe::detail::onednn::KernelPlan& p, CMat<E, float, ML> const& lhs,
                          CTensor<E, float, MR> const& rhs, moe::gmm::Groups<Mem> const& groups,
@@ -266,15 +260,11 @@ struct Impl<moe::gmm::OneDnn> {
     });
   }
 
-  /// bf16 inputs (GmmOptions::bf16_inputs) where the CPU has bf16 kernels: one group after the
-  /// other, each a oneDNN bf16 matmul on all threads (bf16_gemm: bf16 copies of the group's rows,
-  /// x transposed, made on all threads; the rows padded with zeros to a multiple of
-  /// tgmm_bf16_rows, so group sizes that change every step make few kernels); fp32 output.
-  /// Else one single-threaded sgemm per (group, block of output columns), side by side: a group
-  /// with more than half a thread's share of the rows is split into column blocks (multiples of
-  /// 16), so one hot expert does not idle the others. (AMX, 2 threads, 8 x 1024 rows x 1024 x
-  /// 2816: bf16 groups one after the other on both threads ran as fast as one single-threaded
-  /// call per thread side by side, 58-62 ms, and share bf16_gemm with the dense GEMMs.)
+  /// bf16 inputs where the CPU has bf16 kernels: one group after the other, each a bf16_gemm on
+  /// all threads (the rows zero-padded to a multiple of tgmm_bf16_rows, so group sizes that
+  /// change every step make few kernels); fp32 output. Else one single-threaded sgemm per (group,
+  /// block of output columns), side by side: a group with more than half a thread's share of the
+  /// rows is split into column blocks (multiples of 16), so one hot expert does not idle others.
   template <class E, class ML, class MD, class MO, class Mem>
   static void tgmm(E const& space, CMat<E, float, ML> const& lhs, CMat<E, float, MD> const& dy,
                    moe::gmm::Groups<Mem> const& groups, Tensor<E, float, MO> const& out,
