@@ -65,14 +65,11 @@ void gmm(ExecSpace const& space, Policy, LhsView const& lhs, RhsView const& rhs,
   impl::static_checks<Policy, ExecSpace, LhsView, RhsView, OutView, 2>();
   using S = typename OutView::non_const_value_type;
   impl::check_gmm(lhs, rhs, groups, out, opt);
-  using ML = typename LhsView::memory_space;
-  using MR = typename RhsView::memory_space;
-  using MO = typename OutView::memory_space;
   moe::detail::Region region("moe::gmm::gmm");
   using I = impl::Impl<resolve_t<Policy, ExecSpace, S>>;
-  impl::Mat<ExecSpace, S, MO> const o(out);
-  I::gmm(space, impl::CMat<ExecSpace, S, ML>(lhs), impl::CTensor<ExecSpace, S, MR>(rhs), groups, o,
-         opt);
+  impl::Mat<ExecSpace, S, typename OutView::memory_space> const o(out);
+  I::gmm(space, impl::CMat<ExecSpace, S, typename LhsView::memory_space>(lhs),
+         impl::CTensor<ExecSpace, S, typename RhsView::memory_space>(rhs), groups, o, opt);
   if (opt.bf16_output && !impl::rounds_output<I>::value)
     impl::round_rows(space, o, groups.offsets_host(opt.group_offset),
                      groups.offsets_host(opt.group_offset + int(rhs.extent(0))));
@@ -100,13 +97,11 @@ void tgmm(ExecSpace const& space, Policy, LhsView const& lhs, DyView const& dy,
   impl::static_checks<Policy, ExecSpace, LhsView, DyView, OutView, 3>();
   using S = typename OutView::non_const_value_type;
   impl::check_tgmm(lhs, dy, groups, out, opt);
-  using ML = typename LhsView::memory_space;
-  using MD = typename DyView::memory_space;
-  using MO = typename OutView::memory_space;
   moe::detail::Region region("moe::gmm::tgmm");
-  impl::Impl<resolve_t<Policy, ExecSpace, S>>::tgmm(space, impl::CMat<ExecSpace, S, ML>(lhs),
-                                                    impl::CMat<ExecSpace, S, MD>(dy), groups,
-                                                    impl::Tensor<ExecSpace, S, MO>(out), opt);
+  impl::Impl<resolve_t<Policy, ExecSpace, S>>::tgmm(
+      space, impl::CMat<ExecSpace, S, typename LhsView::memory_space>(lhs),
+      impl::CMat<ExecSpace, S, typename DyView::memory_space>(dy), groups,
+      impl::Tensor<ExecSpace, S, typename OutView::memory_space>(out), opt);
 }
 
 /// \brief tgmm on the default instance of OutView's execution space.

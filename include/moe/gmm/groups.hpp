@@ -118,18 +118,14 @@ struct GmmOptions {
   /// Version of rhs's contents for pack_cache: a call with the same rhs and version may reuse a
   /// packed copy, so it must change whenever rhs is written (see PackCache).
   std::uint64_t rhs_version = 0;
-  /// The operands (gmm: lhs and rhs; tgmm: lhs and dy) hold bf16 values (the bf16 layer's
-  /// compute copies, docs/precision.md): a backend may multiply them as bf16 with fp32
-  /// accumulation, the same exact products summed in fp32. OneDnn then runs oneDNN's bf16
-  /// kernels where the CPU has bf16 instructions (AVX512-BF16, AMX; gmm: when the call packs,
-  /// i.e. with pack_cache); elsewhere, and on every other backend, it changes nothing. A value
-  /// that is not a bf16 is rounded to the nearest one first.
+  /// The operands (gmm: lhs and rhs; tgmm: lhs and dy) hold bf16 values (docs/precision.md):
+  /// OneDnn then multiplies them on oneDNN's bf16 kernels with fp32 accumulation where the CPU
+  /// has bf16 instructions (gmm: when the call packs, i.e. with pack_cache); elsewhere it
+  /// changes nothing. A value that is not a bf16 is rounded to the nearest one first.
   bool bf16_inputs = false;
-  /// out's rows are rounded to bf16 (round to nearest even, as moe::detail::round_to_bf16) before
-  /// the call returns: what the bf16 layer does to every GEMM output it does not sum further.
-  /// OneDnn's bf16 kernels write the rows as bf16 at the kernel's store (half the bytes the
-  /// kernel writes; AMX: 1.3-1.9x the call's speed, docs/precision.md) and widen them into out;
-  /// every other path rounds out's rows after computing them. gmm only, not with accumulate.
+  /// out's rows are rounded to bf16 (as moe::detail::round_to_bf16) before the call returns:
+  /// OneDnn's bf16 kernels store bf16 rows and widen them into out; every other path rounds
+  /// out's rows after computing them. gmm only, not with accumulate.
   bool bf16_output = false;
 };
 

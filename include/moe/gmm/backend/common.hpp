@@ -19,18 +19,18 @@
 
 namespace moe::gmm::detail {
 
+/// The operand types of every backend: unmanaged row-major views (Mat 2-D, Tensor 3-D).
+template <class T, class Exec, class Mem>
+using Unmanaged = Kokkos::View<T, Kokkos::LayoutRight, Kokkos::Device<Exec, Mem>,
+                               Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 template <class Exec, class Scalar, class Mem>
-using CMat = Kokkos::View<const Scalar**, Kokkos::LayoutRight, Kokkos::Device<Exec, Mem>,
-                          Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+using CMat = Unmanaged<const Scalar**, Exec, Mem>;
 template <class Exec, class Scalar, class Mem>
-using Mat = Kokkos::View<Scalar**, Kokkos::LayoutRight, Kokkos::Device<Exec, Mem>,
-                         Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+using Mat = Unmanaged<Scalar**, Exec, Mem>;
 template <class Exec, class Scalar, class Mem>
-using CTensor = Kokkos::View<const Scalar***, Kokkos::LayoutRight, Kokkos::Device<Exec, Mem>,
-                             Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+using CTensor = Unmanaged<const Scalar***, Exec, Mem>;
 template <class Exec, class Scalar, class Mem>
-using Tensor = Kokkos::View<Scalar***, Kokkos::LayoutRight, Kokkos::Device<Exec, Mem>,
-                            Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+using Tensor = Unmanaged<Scalar***, Exec, Mem>;
 using Rows = std::pair<int64_t, int64_t>;
 
 using moe::detail::fence;

@@ -100,6 +100,8 @@ inline OneDnnStats onednn_stats() {
 namespace moe::gmm::detail {
 
 #if MOE_HAS_ONEDNN
+namespace dn = moe::detail::onednn;
+
 // Where is_available<OneDnn> holds (resolve_t picks Vendor elsewhere).
 template <>
 struct Impl<moe::gmm::OneDnn> {
@@ -110,7 +112,6 @@ struct Impl<moe::gmm::OneDnn> {
   static void gmm(E const& space, CMat<E, float, ML> const& lhs, CTensor<E, float, MR> const& rhs,
                   moe::gmm::Groups<Mem> const& groups, Mat<E, float, MO> const& out,
                   moe::gmm::GmmOptions const& opt) {
-    namespace dn = moe::detail::onednn;
     int const num_local = rhs.extent(0);
     std::int64_t const m = lhs.extent(0), k = lhs.extent(1), n = out.extent(1);
     auto const& off = groups.offsets_host;
@@ -171,7 +172,6 @@ struct Impl<moe::gmm::OneDnn> {
   static void packed_gmm(moe::detail::onednn::KernelPlan& p, CMat<E, float, ML> const& lhs,
                          CTensor<E, float, MR> const& rhs, moe::gmm::Groups<Mem> const& groups,
                          Mat<E, float, MO> const& out, moe::gmm::GmmOptions const& opt) {
-    namespace dn = moe::detail::onednn;
     int const num_local = rhs.extent(0);
     std::int64_t const m = lhs.extent(0), k = lhs.extent(1), n = out.extent(1);
     std::int64_t const lda = lhs.stride(0), ldc = out.stride(0), ldw = rhs.stride(1);
@@ -269,7 +269,6 @@ struct Impl<moe::gmm::OneDnn> {
   static void tgmm(E const& space, CMat<E, float, ML> const& lhs, CMat<E, float, MD> const& dy,
                    moe::gmm::Groups<Mem> const& groups, Tensor<E, float, MO> const& out,
                    moe::gmm::GmmOptions const& opt) {
-    namespace dn = moe::detail::onednn;
     int const num_local = out.extent(0);
     std::int64_t const k = out.extent(1), n = out.extent(2);
     auto const& off = groups.offsets_host;
