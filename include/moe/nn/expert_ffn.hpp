@@ -27,14 +27,10 @@ void ensure_gated(ExecSpace const& space, std::string const& owner, std::int64_t
   moe::detail::ensure(space, act, owner + "::act", n, F);
 }
 
-/// \brief Whether the FFNs round their activations to bf16 (docs/precision.md: h0, h1, the
-/// activation, the outputs and the activation gradients; weight gradients stay fp32). Set from
-/// LayerConfig::bf16(); the weights and inputs they are given are then bf16 already. h0 and h1
-/// are rounded where they are read, inside gated_forward / gated_backward (fused with the
-/// activation: one pass instead of four), and the GEMMs are told their inputs are bf16
-/// (GmmOptions::bf16_inputs, and detail::gemm's bf16_inputs for the dense ones). The routed
-/// experts' GEMMs whose outputs the scheme rounds (h0, h1, the expert outputs, the activation's
-/// gradient) round them at the store (GmmOptions::bf16_output).
+/// \brief Whether the FFNs round their activations to bf16 (docs/precision.md; weight gradients
+/// stay fp32), set from LayerConfig::bf16(): h0 and h1 are rounded where gated_forward /
+/// gated_backward read them, the GEMMs are told their inputs are bf16 (GmmOptions::bf16_inputs,
+/// detail::gemm's bf16_inputs), and the routed experts' rounded outputs use bf16_output.
 struct Bf16Rounding {
   bool bf16 = false;
   template <class ExecSpace, class... V>
@@ -258,9 +254,6 @@ class DenseExperts : public Bf16Rounding {
     moe::detail::ensure(space, dh1_, "moe::dense::d_h1", T, F);
     moe::detail::ensure(space, dwd_, "moe::dense::d_weights", T, L);
     Kokkos::deep_copy(space, dx, Scalar(0));
-    auto sub = [](view3 const& v, int l) {
-      return Kokkos::subview(v, l, Kokkos::ALL(), Kokkos::ALL());
-    };
     for (int l = 0; l < L; ++l) {
       expert(space, l, wi_0, wi_1, wo);
       auto wd = wd_;
@@ -305,13 +298,14 @@ class DenseExperts : public Bf16Rounding {
     std::int64_t const T = x_.extent(0), D = x_.extent(1), F = wi_0.extent(2);
     ensure_gated(space, "moe::dense", T, F, h0_, h1_, a_);
     moe::detail::ensure(space, ye_, "moe::dense::y_expert", T, D);
-    auto sub = [l](view3 const& v) { return Kokkos::subview(v, l, Kokkos::ALL(), Kokkos::ALL()); };
-    moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_0), Scalar(0), h0_, bf16);
-    moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_1), Scalar(0), h1_, bf16);
+    moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_0, l), Scalar(0), h0_, bf16);
+    moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_1, l), Scalar(0), h1_, bf16);
     gated_forward(space, act_, T, cview2(h0_), cview2(h1_), a_, bf16);
-    moe::detail::gemm(space, "N", "N", Scalar(1), a_, sub(wo), Scalar(0), ye_, bf16);
+    moe::detail::gemm(space, "N", "N", Scalar(1), a_, sub(wo, l), Scalar(0), ye_, bf16);
     round(space, ye_);
   }
+  /// Expert l's [D, F] or [F, D] block of a weight tensor.
+  static auto sub(view3 const& v, int l) { return Kokkos::subview(v, l, Kokkos::ALL, Kokkos::ALL); }
 
   Activation act_ = Activation::Silu;
   int e0_ = 0;

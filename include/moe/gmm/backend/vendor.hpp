@@ -23,12 +23,6 @@ namespace moe::gmm::detail {
 using moe::detail::blas_gemm;
 using moe::detail::BlasOrder;
 
-/// Row granule of the Vendor gmm on this backend (see Impl<Vendor>::gmm); 1 = no padding. Only
-/// host BLAS was measured to need it, so device backends do not pad.
-template <class ExecSpace>
-struct VendorRowPad
-    : std::integral_constant<int64_t, moe::detail::runs_on_host<ExecSpace>() ? 16 : 1> {};
-
 template <>
 struct Impl<moe::gmm::Vendor> {
   template <class E, class S, class ML, class MR, class MO, class Mem>
@@ -48,11 +42,10 @@ struct Impl<moe::gmm::Vendor> {
     } else if (out.extent(1) > 0 && end > begin) {
       check_blas_extent(what, "k", k);
       check_blas_extent(what, "n", out.extent(1));
-      // Host BLAS kernels run a row count that is a multiple of their register block much faster
-      // (OpenBLAS sgemm, 2 threads: 44 rows 99 GFLOP/s, 48 rows 182). Without accumulate a group
-      // may compute up to pad-1 extra rows: they belong to later groups, which are computed
-      // afterwards and overwrite them, or lie past the visited rows, which are zeroed below.
-      int64_t const pad = opt.accumulate ? 1 : VendorRowPad<E>::value;
+      // Host BLAS runs a multiple of its register block of rows much faster, so without
+      // accumulate a group's rows are padded to 16: the extra rows belong to later groups, which
+      // overwrite them, or lie past the visited rows, which are zeroed below. Devices do not pad.
+      int64_t const pad = opt.accumulate || !moe::detail::runs_on_host<E>() ? 1 : 16;
       BlasOrder<E, CMat<E, S, ML>, CMat<E, S, MR>, Mat<E, S, MO>> order(space);
       for (int g = 0; g < num_local; ++g) {
         int64_t const r0 = off(opt.group_offset + g), r1 = off(opt.group_offset + g + 1);
