@@ -20,7 +20,6 @@ namespace kmath = ::Kokkos::Experimental;
 
 /// Device-safe math, spelled the same on every Kokkos version (moe::detail::exp(x), ...).
 using kmath::exp;
-using kmath::fabs;
 using kmath::isfinite;
 using kmath::isnan;
 using kmath::log;

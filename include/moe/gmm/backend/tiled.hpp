@@ -23,10 +23,9 @@ struct Tiled {
 template <int TM, int TK, int TN>
 struct is_policy<Tiled<TM, TK, TN>> : std::true_type {};
 
-/// \brief The tile shape `Auto` runs on device execution spaces: the whole grouped GEMM is one
-/// launch over every tile of every group (a vendor GEMM per group would be one launch per
-/// expert). 64 x 64 output tiles of 4 x 4 micro tiles are 256 threads per team; chosen by
-/// shape, not tuned on a GPU.
+/// \brief The tile shape `Auto` runs on device execution spaces: one launch over every tile of
+/// every group (Vendor launches one GEMM per expert). 64 x 64 output tiles of 4 x 4 micro tiles
+/// are 256 threads per team; chosen by shape, not tuned on a GPU.
 using DeviceTiled = Tiled<64, 16, 64>;
 
 }  // namespace moe::gmm
@@ -183,10 +182,9 @@ struct TiledGmmKernel {
   int level;
 
   KOKKOS_INLINE_FUNCTION void operator()(member_type const& team) const {
-    // Tiles run group by group, n-tile by n-tile, then over the group's m-tiles, so the
-    // rhs panel [k, TN] of a group stays in cache while its row tiles stream past.
-    // The team finds its group by walking the group sizes (G_local reads, against the
-    // TM*TN*k FMAs of its tile): no tile-prefix array, so one launch and no allocation per call.
+    // Tiles run group by group, n-tile by n-tile, then over the group's m-tiles, so a group's
+    // rhs panel [k, TN] stays in cache while its row tiles stream past. The team finds its group
+    // by walking the group sizes: no tile-prefix array, so no allocation per call.
     int64_t const t = team.league_rank();
     int64_t local = t, m_tiles = 0;
     int g = 0;
