@@ -112,12 +112,12 @@ class ExpertFfn : public Bf16Rounding {
     moe::detail::ensure(space, da_, "moe::ffn::d_act", n, F);
     moe::detail::ensure(space, dh1_, "moe::ffn::d_h1", n, F);
     round(space, dys);  // the expert outputs' gradient (w * dy from the combine) is bf16
-    gmm::tgmm(space, Gmm{}, a_, dys, groups, d_wo, tgmm_options());
+    gmm::tgmm(space, Gmm{}, a_, dys, groups, d_wo, options(false, false));
     gmm::gmm(space, Gmm{}, dys, wo, groups, da_, options(true, false, true));
     // dh0 overwrites da (each element reads its own da before writing).
     gated_backward(space, act_, n, cview2(h0_), cview2(h1_), cview2(da_), da_, dh1_, bf16);
-    gmm::tgmm(space, Gmm{}, xs_, da_, groups, d_wi_0, tgmm_options());
-    gmm::tgmm(space, Gmm{}, xs_, dh1_, groups, d_wi_1, tgmm_options());
+    gmm::tgmm(space, Gmm{}, xs_, da_, groups, d_wi_0, options(false, false));
+    gmm::tgmm(space, Gmm{}, xs_, dh1_, groups, d_wi_1, options(false, false));
     gmm::gmm(space, Gmm{}, da_, wi_0, groups, dxs, options(true, false));
     gmm::gmm(space, Gmm{}, dh1_, wi_1, groups, dxs, options(true, true));
     round(space, dxs);
@@ -128,6 +128,7 @@ class ExpertFfn : public Bf16Rounding {
 
  private:
   /// `rounded`: the output is one the bf16 scheme rounds (GmmOptions::bf16_output when bf16).
+  /// tgmm takes options(false, false) (it ignores pack_cache and rhs_version).
   gmm::GmmOptions options(bool transpose, bool accumulate, bool rounded = false) {
     gmm::GmmOptions o;
     o.transpose_rhs = transpose;
@@ -136,12 +137,6 @@ class ExpertFfn : public Bf16Rounding {
     o.rhs_version = version_;
     o.bf16_inputs = bf16;
     o.bf16_output = bf16 && rounded;
-    return o;
-  }
-  /// The weight gradients' options: bf16 inputs in the bf16 scheme (fp32 gradients either way).
-  gmm::GmmOptions tgmm_options() const {
-    gmm::GmmOptions o;
-    o.bf16_inputs = bf16;
     return o;
   }
 
