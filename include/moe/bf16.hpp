@@ -22,16 +22,14 @@ KOKKOS_INLINE_FUNCTION std::uint32_t float_bits(float f) {
   union {
     float f;
     std::uint32_t u;
-  } v{};
-  v.f = f;
+  } v{f};
   return v.u;
 }
 KOKKOS_INLINE_FUNCTION float bits_float(std::uint32_t u) {
   union {
     std::uint32_t u;
     float f;
-  } v{};
-  v.u = u;
+  } v{u};
   return v.f;
 }
 
