@@ -10,7 +10,6 @@
 #include <Kokkos_Macros.hpp>
 
 #include <cstdint>
-#include <cstring>
 
 namespace moe {
 

@@ -376,11 +376,8 @@ std::uint64_t sample_hash(Tensor const& rhs) {
 template <class Tensor>
 std::shared_ptr<PackedTensor> packed(KernelPlan& p, Tensor const& rhs, bool trans,
                                      moe::gmm::GmmOptions const& opt) {
-  moe::gmm::PackCache::Key const key{rhs.data(),
-                                     std::int64_t(rhs.extent(0)),
-                                     std::int64_t(rhs.extent(1)),
-                                     std::int64_t(rhs.extent(2)),
-                                     p.bf16() ? 2 : int(sizeof(float)),
+  std::int64_t const e0 = rhs.extent(0), e1 = rhs.extent(1), e2 = rhs.extent(2);
+  moe::gmm::PackCache::Key const key{rhs.data(), e0, e1, e2, p.bf16() ? 2 : int(sizeof(float)),
                                      trans};
   std::uint64_t const samples = opt.pack_cache ? sample_hash(rhs) : 0;
   if (opt.pack_cache)
@@ -392,10 +389,8 @@ std::shared_ptr<PackedTensor> packed(KernelPlan& p, Tensor const& rhs, bool tran
   if (!out || out->experts.size() != rhs.extent(0) ||
       (!out->experts.empty() && !(out->experts.front().get_desc() == p.packed_desc())))
     out = std::make_shared<PackedTensor>();
-  std::int64_t const ld = rhs.stride(1);
-  std::int64_t const kk = trans ? rhs.extent(2) : rhs.extent(1);
-  std::int64_t const nn = trans ? rhs.extent(1) : rhs.extent(2);
-  dnnl::memory::desc const user = weights_desc(p.family(), kk, nn, trans, ld);
+  dnnl::memory::desc const user =
+      weights_desc(p.family(), trans ? e2 : e1, trans ? e1 : e2, trans, rhs.stride(1));
   bool const fresh = out->experts.empty();
   for (std::size_t g = 0; g < rhs.extent(0); ++g) {
     dnnl::memory src(user, engine(), const_cast<float*>(rhs.data() + g * rhs.stride(0)));

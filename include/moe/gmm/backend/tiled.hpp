@@ -46,17 +46,6 @@ constexpr int host_simd_bytes = 32;
 constexpr int host_simd_bytes = 16;
 #endif
 
-template <class ExecSpace, class Scalar>
-struct MicroTile {
-  static constexpr bool host = moe::detail::runs_on_host<ExecSpace>();
-  // Host: 4 rows x 2 SIMD registers of accumulators (8 registers, leaving room for the operands
-  // even with SSE's 16); a wider block spills and the compiler stops vectorising along columns.
-  // Device: 4 x 4 per thread.
-  static constexpr int um = 4;
-  static constexpr int un = host ? static_cast<int>(2 * host_simd_bytes / sizeof(Scalar)) : 4;
-  static constexpr int max_team = host ? 1 : 256;
-};
-
 constexpr int round_up(int x, int to) { return (x + to - 1) / to * to; }
 
 template <class Scalar, int TMp, int TK, int TNp, int UM, int UN>
@@ -81,9 +70,12 @@ KOKKOS_INLINE_FUNCTION void micro_tile(Scalar const* As, Scalar const* Bs, Scala
 /// Shared part of the gmm and tgmm tile kernels: scratch layout, micro-tile loop, store.
 template <class ExecSpace, class Scalar, int TM, int TK, int TN>
 struct TileCore {
-  using MT = MicroTile<ExecSpace, Scalar>;
-  static constexpr int UM = TM < MT::um ? TM : MT::um;
-  static constexpr int UN = TN < MT::un ? TN : MT::un;
+  static constexpr bool host = moe::detail::runs_on_host<ExecSpace>();
+  // Micro tiles: host 4 rows x 2 SIMD registers of accumulators (8 registers, room left for the
+  // operands even with SSE's 16; wider spills and stops vectorising), device 4 x 4 per thread.
+  static constexpr int un = host ? static_cast<int>(2 * host_simd_bytes / sizeof(Scalar)) : 4;
+  static constexpr int UM = TM < 4 ? TM : 4;
+  static constexpr int UN = TN < un ? TN : un;
   static constexpr int TMp = round_up(TM, UM);
   static constexpr int TNp = round_up(TN, UN);
   static constexpr int num_micro = (TMp / UM) * (TNp / UN);
@@ -97,9 +89,7 @@ struct TileCore {
   }
 
   struct Scratch {
-    Scalar* a;
-    Scalar* b;
-    Scalar* c;
+    Scalar *a, *b, *c;
   };
 
   KOKKOS_INLINE_FUNCTION static Scratch scratch(member_type const& team, int level) {
@@ -115,7 +105,7 @@ struct TileCore {
   template <class F>
   KOKKOS_INLINE_FUNCTION static void stage(member_type const& team, int R, int C, int rv, int cv,
                                            F const& f) {
-    if constexpr (MT::host) {
+    if constexpr (host) {
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, R), [&](int r) {
         int const valid_cols = r < rv ? cv : 0;
         for (int c = 0; c < valid_cols; ++c) f(r, c, true);
@@ -159,7 +149,8 @@ struct TileCore {
     });
   }
 
-  static int team_size() { return num_micro < MT::max_team ? num_micro : MT::max_team; }
+  /// Threads per team: 1 on host, a micro tile each (at most 256) on device.
+  static int team_size() { return host ? 1 : num_micro < 256 ? num_micro : 256; }
 };
 
 template <class ExecSpace, class Scalar, int TM, int TK, int TN, bool TransB, class MemL,
@@ -173,10 +164,8 @@ struct TiledGmmKernel {
   CTensor<ExecSpace, Scalar, MemR> rhs;
   Mat<ExecSpace, Scalar, MemO> out;
   Kokkos::View<const int64_t*, MemG> offsets;  // [G+1] of all groups
-  int group_offset;
-  int num_local;
-  int64_t k;
-  int64_t n;
+  int group_offset, num_local;
+  int64_t k, n;
   int n_tiles;
   bool accumulate;
   int level;
@@ -240,10 +229,8 @@ struct TiledTgmmKernel {
   Tensor<ExecSpace, Scalar, MemO> out;
   Kokkos::View<const int64_t*, MemG> offsets;
   int group_offset;
-  int64_t k;
-  int64_t n;
-  int k_tiles;
-  int n_tiles;
+  int64_t k, n;
+  int k_tiles, n_tiles;
   bool accumulate;
   int level;
 
