@@ -33,14 +33,9 @@ void all_gather_rows(Communicator const& comm, ExecSpace const& space, T const* 
                      std::int64_t n, std::int64_t row) {
   int const P = comm.size();
   bool const fast = row <= count_limit() && n * P <= count_limit();
-  fence(space, "moe::comm::all_gather: input ready");
-  auto const send = MpiRange<T, InMS>::send(space, in, n * row, "moe::comm::all_gather::send");
-  auto const recv = MpiRange<T, OutMS>::recv(out, P * n * row, "moe::comm::all_gather::recv");
-  if (send.is_staged()) fence(space, "moe::comm::all_gather: staged");
   auto const [s, r] = gather_blocks(P, n);
-  exchange_rows(comm, Pattern::allgather, send.data(), s, recv.data(), r, row, fast);
-  recv.finish(space);
-  if (recv.is_staged()) fence(space, "moe::comm::all_gather: unstaged");
+  exchange_staged<InMS, OutMS>(comm, space, "moe::comm::all_gather", Pattern::allgather, in, s,
+                               n * row, out, r, P * n * row, row, fast);
 }
 
 /// reduce_scatter of P*c rows into c rows: chunk j of every rank goes to rank j, which sums the P
@@ -59,16 +54,9 @@ void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T con
            : Kokkos::View<T*, Kokkos::LayoutRight, OutMS>(
                  Kokkos::view_alloc(space, Kokkos::WithoutInitializing, std::string(parts_label)),
                  static_cast<std::size_t>(P * chunk));
-  fence(space, "moe::comm::reduce_scatter: input ready");
-  auto const send =
-      MpiRange<T, InMS>::send(space, in, P * chunk, "moe::comm::reduce_scatter::send");
-  auto const recv =
-      MpiRange<T, OutMS>::recv(parts.data(), P * chunk, "moe::comm::reduce_scatter::recv");
-  if (send.is_staged()) fence(space, "moe::comm::reduce_scatter: staged");
-  Blocks s{std::vector<std::int64_t>(P, c), std::vector<std::int64_t>(P)};
-  for (int i = 0; i < P; ++i) s.displs[i] = i * c;
-  exchange_rows(comm, Pattern::alltoall, send.data(), s, recv.data(), s, row, fast);
-  recv.finish(space);
+  Blocks const s = gather_blocks(P, c).second;  // chunk i at i*c, on both sides
+  exchange_staged<InMS, OutMS>(comm, space, "moe::comm::reduce_scatter", Pattern::alltoall, in, s,
+                               P * chunk, parts.data(), s, P * chunk, row, fast);
   Kokkos::parallel_for(
       "moe::comm::reduce_scatter::sum",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(space, 0, chunk),

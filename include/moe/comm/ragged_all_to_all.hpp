@@ -3,21 +3,10 @@
 /// Ragged all-to-all of the expert-parallel (EP) dispatch and combine.
 ///
 /// Part 1: MaxText's all-to-all parameters as pure functions of the EP x EP traffic matrix
-/// (SEMANTICS.md §1.9 items 32-34, exact vectors in §7.4-7.6). They define the semantics and are
-/// what a layer reasons with; MPI needs only the receiver's view of them.
-///
-/// Part 2: RaggedAllToAll, the plan/apply object that moves the rows. Glossary:
-///  - *row*: one unit of payload, e.g. a token slot of D elements; every count is in rows.
-///  - *send counts*: rows this rank holds for each peer, stored as one block per peer at the
-///    *send displacements* (by default consecutive blocks in peer order).
-///  - *kept send counts*: the leading rows of each block that actually go (all of them unless a
-///    receiver caps its buffer); the rest are *dropped*.
-///  - *recv counts / displacements*: rows arriving from each peer, packed in peer order.
-///  - *forward*: send blocks -> receive buffer (the dispatch). *reverse*: receive-buffer rows go
-///    back to exactly the rows they came from (the combine, and the backward of the dispatch);
-///    dropped rows come back as zeros.
-///  - *capacity R*: with ragged_buffer_factor > 0 a receiver keeps at most R rows, lower-rank
-///    senders first (per receiver column: prefix sums over senders clamped to R, differenced).
+/// (SEMANTICS.md §1.9 items 32-34, exact vectors in §7.4-7.6).
+/// Part 2: RaggedAllToAll, the plan/apply object that moves the rows. Every count is in rows (a
+/// row: e.g. a token slot of D elements). A receiver with a capacity R keeps at most R rows,
+/// lower-rank senders first; the rows it does not keep are *dropped*.
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
@@ -29,13 +18,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace moe::comm {
-
-// ===================================== Part 1: parameters =====================================
 
 /// \brief The four per-peer arrays of one ragged all-to-all call, from one shard's point of view
 /// (JAX's ragged_all_to_all convention: output offsets are given on the sender side).
@@ -63,8 +51,7 @@ inline void check_matrix(char const* who, std::vector<std::int64_t> const& M, in
 
 inline std::vector<std::int64_t> exclusive_cumsum(std::vector<std::int64_t> const& v) {
   std::vector<std::int64_t> out(v.size());
-  std::int64_t run = 0;
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = run, run += v[i];
+  std::exclusive_scan(v.begin(), v.end(), out.begin(), std::int64_t(0));
   return out;
 }
 
@@ -73,16 +60,11 @@ inline std::vector<std::int64_t> exclusive_cumsum(std::vector<std::int64_t> cons
 /// \brief MaxText's `get_all_to_all_params` for a batch sharded over EP (§1.9 items 32.4 / 33).
 ///
 /// Dispatch: send_sizes = M[me,:], input_offsets = exclusive_cumsum(M[me,:]),
-/// output_offsets[j] = sum_{i<me} M[i,j], recv_sizes = M[:,me]. Combine (is_dispatch = false)
-/// uses M transposed: send_sizes = M[:,me], input_offsets = exclusive_cumsum(M[:,me]),
-/// output_offsets[j] = sum_{i<me} M[j,i], recv_sizes = M[me,:].
-/// \param M  [ep*ep] row-major, M[i*ep+j] = rows shard i sends to shard j
-/// \param ep number of shards
-/// \param me this shard
+/// output_offsets[j] = sum_{i<me} M[i,j], recv_sizes = M[:,me]; the combine uses M transposed.
+/// \param M [ep*ep] row-major, M[i*ep+j] = rows shard i sends to shard j
 inline AllToAllParams all_to_all_params(std::vector<std::int64_t> const& M, int ep, int me,
                                         bool is_dispatch) {
   detail::check_matrix("moe::comm::all_to_all_params", M, ep, me);
-  // In the combine, M^T plays the role of M.
   auto at = [&](int i, int j) { return is_dispatch ? M[i * ep + j] : M[j * ep + i]; };
   AllToAllParams p;
   p.send_sizes.resize(ep), p.output_offsets.assign(ep, 0), p.recv_sizes.resize(ep);
@@ -96,9 +78,8 @@ inline AllToAllParams all_to_all_params(std::vector<std::int64_t> const& M, int 
 }
 
 /// \brief Receiver-side truncation of the traffic matrix to a buffer of R rows (§1.9 item 32.4):
-/// per receiver column j, the prefix sums over senders are clamped to R and differenced
-/// (moe::detail::clamp_prefix), so lower-rank senders keep their rows and higher-rank senders
-/// lose theirs first.
+/// per receiver column, the prefix sums over senders are clamped to R and differenced, so
+/// higher-rank senders lose their rows first.
 /// \return Mt [ep*ep], Mt[i*ep+j] <= M[i*ep+j], sum_i Mt[i*ep+j] = min(R, sum_i M[i*ep+j])
 inline std::vector<std::int64_t> truncate_matrix(std::vector<std::int64_t> const& M, int ep,
                                                  std::int64_t R) {
@@ -114,12 +95,9 @@ inline std::vector<std::int64_t> truncate_matrix(std::vector<std::int64_t> const
   return Mt;
 }
 
-/// \brief all_to_all_params with a receive buffer of R rows (ragged_buffer_factor > 0).
-///
-/// Dispatch: input offsets from the untruncated M (the sender's buffer holds every row); send
-/// sizes, output offsets and receive sizes from truncate_matrix(M, ep, R). Combine: input
-/// offsets, send and receive sizes from the truncated matrix (the receive buffer was packed with
-/// it); output offsets from the untruncated M (rows go back where the sender had them).
+/// \brief all_to_all_params with a receive buffer of R rows (ragged_buffer_factor > 0): from
+/// truncate_matrix(M, ep, R), except the sender-side offsets (the dispatch's input offsets, the
+/// combine's output offsets), which come from the untruncated M.
 inline AllToAllParams all_to_all_params_truncated(std::vector<std::int64_t> const& M, int ep,
                                                   int me, bool is_dispatch, std::int64_t R) {
   detail::check_matrix("moe::comm::all_to_all_params_truncated", M, ep, me);
@@ -133,10 +111,8 @@ inline AllToAllParams all_to_all_params_truncated(std::vector<std::int64_t> cons
   return p;
 }
 
-/// \brief Parameters of the replicated-batch (decode) combine (§1.9 item 34): every shard holds
-/// the same tokens, and shard s's per_shard[s] rows go to every peer; realised as an all-gather.
-/// input_offsets = 0, send_sizes = per_shard[me] for every peer, output_offsets =
-/// exclusive_cumsum(per_shard)[me] for every peer, recv_sizes = per_shard.
+/// \brief Parameters of the replicated-batch (decode) combine (§1.9 item 34): shard s's
+/// per_shard[s] rows go to every peer, at exclusive_cumsum(per_shard)[s] (an all-gather).
 inline AllToAllParams all_to_all_params_replicated(std::vector<std::int64_t> const& per_shard,
                                                    int me) {
   int const ep = static_cast<int>(per_shard.size());
@@ -158,35 +134,28 @@ inline AllToAllParams all_to_all_params_replicated(std::vector<std::int64_t> con
 
 /// \brief Rows of the dispatch receive buffer (MaxText `get_ragged_buffer_size`, §1.9 item 32.3).
 ///
-/// factor > 0: int(tk * factor) (rows beyond it are dropped), at most the dropless worst case;
-/// otherwise the dropless worst case int(tk * min(ep, E/K)) with E/K a real quotient, computed
-/// exactly in integers.
+/// factor > 0: int(tk * factor), at most the dropless worst case int(tk * min(ep, E/K)) (exact in
+/// integers); otherwise that worst case.
 /// \param tk local routed slots T*K
 inline std::int64_t ragged_buffer_size(std::int64_t tk, int ep, int E, int K, double factor) {
   moe::detail::require<ConfigError>(
       tk >= 0 && ep >= 1 && E >= 1 && K >= 1, "moe::comm::ragged_buffer_size: tk=", tk, ", ep=", ep,
       ", E=", E, ", K=", K, " must satisfy tk >= 0 and ep, E, K >= 1");
   std::int64_t const dropless = std::int64_t(ep) * K <= E ? tk * ep : tk * E / K;
-  // A buffer beyond the dropless worst case never fills: the factor is capped there.
   return factor > 0 ? moe::detail::scaled_rows(tk, factor, dropless) : dropless;
 }
-
-// ================================ Part 2: the plan / apply object ==============================
 
 /// \brief Plan of one ragged all-to-all over a communicator, built once per step and applied to
 /// any number of payloads (dispatch forward, its backward, the combine).
 ///
-/// Construction exchanges the row counts with a dense MPI_Alltoall (plus a second one when a
-/// receiver caps its buffer); forward / reverse move rows with MPI_Alltoallv of a contiguous row
-/// datatype, or with Isend/Irecv pieces when a count or displacement exceeds INT_MAX.
-/// Construction, forward and reverse are collective; each also checks shapes on every rank and
-/// raises the same exception everywhere on a bad input instead of hanging.
+/// Construction, forward and reverse are collective, and raise the same exception on every rank
+/// on a bad input instead of hanging.
 class RaggedAllToAll {
  public:
   /// \brief Collective: plan for consecutive per-peer blocks (block j at sum_{k<j} counts[k]).
   /// \param send_counts [size] rows this rank holds for each peer
-  /// \param recv_capacity rows this rank accepts (< 0: unlimited); when the senders' rows exceed
-  ///        it, the rows of higher-rank senders, and within a sender its last rows, are dropped
+  /// \param recv_capacity rows this rank accepts (< 0: unlimited); beyond it, the rows of
+  ///        higher-rank senders, and within a sender its last rows, are dropped
   RaggedAllToAll(Communicator const& comm, std::vector<std::int64_t> const& send_counts,
                  std::int64_t recv_capacity = -1)
       : RaggedAllToAll(comm, send_counts, detail::exclusive_cumsum(send_counts), recv_capacity) {}
@@ -205,8 +174,8 @@ class RaggedAllToAll {
         send_displs.size() != static_cast<std::size_t>(P) ||
         std::any_of(send_counts.begin(), send_counts.end(), [](std::int64_t c) { return c < 0; }) ||
         std::any_of(send_displs.begin(), send_displs.end(), [](std::int64_t d) { return d < 0; });
-    // Counts and the capacity flag travel in one dense MPI_Alltoall; a rank with bad input sends
-    // -1 to everyone, so every rank learns who failed without another collective.
+    // Counts and the capacity flag travel in one MPI_Alltoall; a rank with bad input sends -1,
+    // so every rank learns who failed without another collective.
     std::vector<std::int64_t> out(2 * P), in(2 * P);
     for (int j = 0; j < P; ++j) {
       out[2 * j] = bad ? -1 : send_counts[j];
@@ -235,7 +204,7 @@ class RaggedAllToAll {
                 "MPI_Alltoall");
     }
     recv_.displs = detail::exclusive_cumsum(recv_.counts);
-    recv_total_ = P > 0 ? recv_.displs[P - 1] + recv_.counts[P - 1] : 0;
+    recv_total_ = std::accumulate(recv_.counts.begin(), recv_.counts.end(), std::int64_t(0));
     for (int j = 0; j < P; ++j)
       send_extent_ = std::max(send_extent_, send_.displs[j] + send_.counts[j]);
     // The reverse writes every block back: that needs blocks that do not overlap.
@@ -262,16 +231,15 @@ class RaggedAllToAll {
   std::int64_t send_extent() const { return send_extent_; }
   /// \brief Rows of this rank's blocks that the receivers dropped.
   std::int64_t dropped_rows() const {
-    std::int64_t d = 0;
-    for (std::size_t j = 0; j < kept_.size(); ++j) d += send_.counts[j] - kept_[j];
-    return d;
+    return std::accumulate(send_.counts.begin(), send_.counts.end(), std::int64_t(0)) -
+           std::accumulate(kept_.begin(), kept_.end(), std::int64_t(0));
   }
 
   /// \brief Collective: sends each peer's block of `send` to it; the rows arrive packed in peer
-  /// order in `recv`. Rows of `recv` beyond recv_total() are set to zero.
+  /// order in `recv`, whose rows beyond recv_total() are set to zero.
   /// \param send [>= send_extent(), ...] rows of any trailing shape (the same on every rank)
   /// \param recv [>= recv_total(), ...] same trailing shape; must not overlap `send`
-  /// \param wire what the values travel as (Wire::bf16: rounded to bf16, 16 bits each)
+  /// \param wire what the values travel as
   template <class ExecSpace, class SendView, class RecvView>
   void forward(ExecSpace const& space, SendView const& send, RecvView const& recv,
                Wire wire = Wire::native) const {
@@ -281,11 +249,10 @@ class RaggedAllToAll {
   }
 
   /// \brief Collective: the reverse of forward: rows of `in` (laid out as forward's receive
-  /// buffer) go back to the peers they came from, into the rows they were sent from. Rows of
-  /// `out` that receive nothing (dropped rows, gaps, rows beyond send_extent()) are set to zero.
+  /// buffer) go back into the rows they were sent from. Rows of `out` that receive nothing
+  /// (dropped rows, gaps, rows beyond send_extent()) are set to zero.
   /// \param in  [>= recv_total(), ...]
   /// \param out [>= send_extent(), ...] same trailing shape; must not overlap `in`
-  /// \param wire what the values travel as (as in forward)
   template <class ExecSpace, class InView, class OutView>
   void reverse(ExecSpace const& space, InView const& in, OutView const& out,
                Wire wire = Wire::native) const {
@@ -329,9 +296,13 @@ class RaggedAllToAll {
                                                    {{"elements per row", row}}, slow);
 
     std::int64_t const n_src = src_rows_needed * row, n_dst = dst_rows_needed * row;
+    auto move = [&](auto const* from, auto* to) {
+      detail::exchange_staged<SrcMS, DstMS>(comm_, space, "moe::comm::RaggedAllToAll",
+                                            detail::Pattern::alltoallv, from, s, n_src, to, r,
+                                            n_dst, row, !any_slow, stage_);
+    };
     if (wire == Wire::bf16) {
-      // The rows travel as bf16: converted into 16-bit copies of the source and destination
-      // ranges, moved, converted back (the gaps are zeroed below).
+      // Converted into 16-bit copies of the source and destination ranges, moved, converted back.
       using W = moe::bf16;
       Kokkos::View<W*, Kokkos::LayoutRight, SrcMS> s16(
           Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::RaggedAllToAll::s16"),
@@ -340,14 +311,13 @@ class RaggedAllToAll {
           Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::RaggedAllToAll::d16"),
           std::size_t(n_dst));
       detail::convert(space, "moe::comm::RaggedAllToAll::to_bf16", src.data(), s16.data(), n_src);
-      move_rows<W, SrcMS, DstMS>(space, s16.data(), s, d16.data(), r, n_src, n_dst, row, !any_slow);
+      move(s16.data(), d16.data());
       detail::convert(space, "moe::comm::RaggedAllToAll::from_bf16", d16.data(), dst.data(), n_dst);
       detail::fence(space, "moe::comm::RaggedAllToAll: converted");
     } else {
-      move_rows<T, SrcMS, DstMS>(space, src.data(), s, dst.data(), r, n_src, n_dst, row, !any_slow);
+      move(src.data(), dst.data());
     }
-    // Rows of the destination that nothing is written to are set to zero: the gaps before each
-    // block and after the last (an empty block at dst_rows closes the list).
+    // The gaps before each block and after the last (the empty block at dst_rows) are zeroed.
     auto blocks = detail::sorted_blocks(r);
     blocks.emplace_back(dst_rows, dst_rows);
     std::int64_t at = 0;
@@ -361,31 +331,13 @@ class RaggedAllToAll {
     }
   }
 
-  /// Moves the rows of the blocks (elements of W, staged through host buffers when MPI cannot
-  /// reach the memory); the destination holds them when this returns (fenced when staged).
-  template <class W, class SrcMS, class DstMS, class ExecSpace>
-  void move_rows(ExecSpace const& space, W const* src, detail::Blocks const& s, W* dst,
-                 detail::Blocks const& r, std::int64_t n_src, std::int64_t n_dst, std::int64_t row,
-                 bool fast) const {
-    detail::fence(space, "moe::comm::RaggedAllToAll: source ready");
-    auto const send_buf = detail::MpiRange<W, SrcMS>::send(
-        space, src, n_src, "moe::comm::RaggedAllToAll::send", &stage_[0]);
-    auto const recv_buf =
-        detail::MpiRange<W, DstMS>::recv(dst, n_dst, "moe::comm::RaggedAllToAll::recv", &stage_[1]);
-    if (send_buf.is_staged()) detail::fence(space, "moe::comm::RaggedAllToAll: staged");
-    detail::exchange_rows(comm_, detail::Pattern::alltoallv, send_buf.data(), s, recv_buf.data(), r,
-                          row, fast);
-    recv_buf.finish(space);
-    if (recv_buf.is_staged()) detail::fence(space, "moe::comm::RaggedAllToAll: unstaged");
-  }
-
   Communicator comm_;
   detail::Blocks send_, recv_;
   std::vector<std::int64_t> kept_;
   std::int64_t recv_total_ = 0, send_extent_ = 0;
   bool reversible_ = true;
-  /// Host staging buffers (send, receive) reused across applications; only used for memory MPI
-  /// cannot access. A plan is therefore not to be applied from several threads at once.
+  /// Host staging buffers (send, receive) reused across applications: a plan is not to be
+  /// applied from several threads at once.
   mutable detail::HostBuffer stage_[2];
 };
 

@@ -239,6 +239,24 @@ void exchange_rows(Communicator const& comm, Pattern pattern, T const* send, Blo
   }
 }
 
+/// exchange_rows between user memory of SrcMS and DstMS, staged through host buffers where MPI
+/// cannot reach it (`cache`: a send and a receive buffer kept between calls); the destination
+/// holds the rows when this returns. `who` prefixes the fence and buffer labels.
+template <class SrcMS, class DstMS, class T, class ExecSpace>
+void exchange_staged(Communicator const& comm, ExecSpace const& space, std::string const& who,
+                     Pattern pattern, T const* src, Blocks const& s, std::int64_t n_src, T* dst,
+                     Blocks const& r, std::int64_t n_dst, std::int64_t row, bool fast,
+                     HostBuffer* cache = nullptr) {
+  fence(space, (who + ": input ready").c_str());
+  auto const send = MpiRange<T, SrcMS>::send(space, src, n_src, (who + "::send").c_str(), cache);
+  auto const recv =
+      MpiRange<T, DstMS>::recv(dst, n_dst, (who + "::recv").c_str(), cache ? cache + 1 : nullptr);
+  if (send.is_staged()) fence(space, (who + ": staged").c_str());
+  exchange_rows(comm, pattern, send.data(), s, recv.data(), r, row, fast);
+  recv.finish(space);
+  if (recv.is_staged()) fence(space, (who + ": unstaged").c_str());
+}
+
 /// Shape of a contiguous LayoutRight view as rows: extent(0) rows of row_elems elements.
 template <class View>
 std::pair<std::int64_t, std::int64_t> rows_of(View const& v) {
