@@ -1,14 +1,9 @@
 #pragma once
 /// \file
-/// Host bytes of any length between ranks: point-to-point (send_bytes / recv_bytes), broadcast
-/// (broadcast_bytes) and all-gather of one string per rank (all_gather_bytes). For moe's own
-/// host-side traffic of variable size, such as the blocks and descriptions a checkpoint moves
-/// (moe/io/checkpoint.hpp); tensors in Kokkos Views go through moe/comm/collectives.hpp.
-///
-/// Transfers longer than detail::count_limit() bytes (INT_MAX; tests lower it) travel in pieces,
-/// so no count handed to MPI overflows int. The memory must be host memory. Point-to-point
-/// messages use a fixed private tag on moe's communicator: a send and its receive must be posted
-/// in the same order on both sides, with the same length.
+/// Host bytes of any length between ranks (e.g. what a checkpoint moves): point-to-point,
+/// broadcast, and all-gather of one string per rank. Transfers longer than detail::count_limit()
+/// bytes travel in pieces, so no count handed to MPI overflows int. Point-to-point messages use
+/// one private tag: a send and its receive must be posted in the same order, with the same length.
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
@@ -20,6 +15,7 @@
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -30,7 +26,7 @@ namespace detail {
 inline constexpr int bytes_tag = 0x636b;
 
 /// Calls call(p, k) for consecutive pieces [p, p + k) of the n bytes at `data`, each at most
-/// count_limit() bytes (the same on every rank).
+/// count_limit() bytes.
 template <class Byte, class Call>
 void for_pieces(Byte* data, std::size_t n, Call&& call) {
   auto const piece = static_cast<std::size_t>(std::max<std::int64_t>(1, count_limit()));
@@ -87,15 +83,10 @@ inline std::vector<std::string> all_gather_bytes(Communicator const& comm, std::
   std::vector<std::int64_t> lens(static_cast<std::size_t>(P));
   check_mpi(MPI_Allgather(&len, 1, MPI_INT64_T, lens.data(), 1, MPI_INT64_T, comm.get()),
             "MPI_Allgather");
-  std::int64_t total = 0;
-  for (std::int64_t l : lens) total += l;
+  std::int64_t const total = std::accumulate(lens.begin(), lens.end(), std::int64_t(0));
   if (total > INT_MAX) throw ConfigError(moe::detail::cat(what, " exceed 2 GiB"));
-  std::vector<int> counts(static_cast<std::size_t>(P)), displs(static_cast<std::size_t>(P));
-  for (int r = 0, at = 0; r < P; ++r) {
-    counts[r] = static_cast<int>(lens[r]);
-    displs[r] = at;
-    at += counts[r];
-  }
+  std::vector<int> counts(lens.begin(), lens.end()), displs(static_cast<std::size_t>(P));
+  std::exclusive_scan(counts.begin(), counts.end(), displs.begin(), 0);
   std::string buf(static_cast<std::size_t>(total), '\0');
   check_mpi(MPI_Allgatherv(mine.data(), static_cast<int>(len), MPI_CHAR, &buf[0], counts.data(),
                            displs.data(), MPI_CHAR, comm.get()),

@@ -1,15 +1,9 @@
 #pragma once
 /// \file
 /// Deterministic collectives on Kokkos views: all_gather, reduce_scatter (sum), all_reduce (sum).
-///
-/// The result never depends on the MPI implementation's reduction algorithm: MPI only moves data
-/// (all-to-all / all-gather), and every sum is computed locally in rank order 0, 1, ..., P-1. So a
-/// run is bitwise reproducible, and all_reduce gives bitwise identical results on every rank.
-///
-/// Views: rank 1 to 3, LayoutRight, contiguous; dim 0 is the "row" dimension the collectives
-/// split and concatenate. Value types with an MPI datatype (float, double, int32_t, int64_t).
-/// Device memory is staged through host buffers unless MOE_ENABLE_GPU_AWARE_MPI is 1. Shapes are
-/// checked on every rank, and a bad shape on any rank raises the same ShapeError on all of them.
+/// MPI only moves data; every sum is computed locally in rank order, so results are bitwise
+/// reproducible and all_reduce's identical on every rank. Views: rank 1 to 3, LayoutRight,
+/// contiguous, dim 0 the rows; a bad shape on any rank is the same ShapeError on all of them.
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
@@ -39,8 +33,8 @@ void all_gather_rows(Communicator const& comm, ExecSpace const& space, T const* 
 }
 
 /// reduce_scatter of P*c rows into c rows: chunk j of every rank goes to rank j, which sums the P
-/// chunks in rank order. Shapes already agreed. T: the type moved (a value type, or moe::bf16:
-/// then the chunks are summed in fp32 and the sum rounded to bf16 once), U: the output's type.
+/// chunks in rank order. Shapes already agreed. T: the type moved (moe::bf16: summed in fp32,
+/// rounded once), U: the output's type.
 template <class InMS, class OutMS, class T, class U, class ExecSpace>
 void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T const* in, U* out,
                          std::int64_t c, std::int64_t row,
@@ -70,10 +64,8 @@ void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T con
   fence(space, "moe::comm::reduce_scatter: summed");
 }
 
-/// Shared checks of all_gather (`gather`: in [c, ...], out [size*c, ...]) and reduce_scatter (in
-/// [size*c, ...], out [c, ...]): rows of the same width, both contiguous, not overlapping.
-/// Collective: a failure on any rank is the same ShapeError on every rank. Returns (c, elements
-/// per row).
+/// Collective checks of all_gather (`gather`: in [c, ...], out [size*c, ...]) and reduce_scatter
+/// (in [size*c, ...], out [c, ...]). Returns (c, elements per row).
 template <class ExecSpace, class InView, class OutView>
 std::pair<std::int64_t, std::int64_t> check_row_pair(Communicator const& comm, char const* what,
                                                      InView const& in, OutView const& out,
@@ -82,7 +74,6 @@ std::pair<std::int64_t, std::int64_t> check_row_pair(Communicator const& comm, c
   check_view_type<ExecSpace, OutView>();
   using T = typename OutView::non_const_value_type;
   using In = typename InView::non_const_value_type;
-  // A reduce-scatter may sum bf16 wire values into an output of a value type.
   static_assert((std::is_same_v<In, T> ||
                  std::is_same_v<In, moe::bf16>)&&!std::is_const_v<typename OutView::value_type> &&
                     int(InView::rank) == int(OutView::rank),
@@ -120,14 +111,11 @@ void all_gather(Communicator const& comm, ExecSpace const& space, InView const& 
       comm, space, in.data(), out.data(), n, row);
 }
 
-/// \brief Collective: sums the ranks' `in` elementwise and gives rank r chunk r of the sum.
-///
-/// `in` is [size*c, ...]; rank r receives rows [r*c, (r+1)*c) of sum over ranks, summed in rank
-/// order (deterministic). `in` may hold moe::bf16 (the bf16 wire) with `out` of a value type:
-/// then the bf16 chunks are summed in fp32 and the sum is rounded to bf16 once.
+/// \brief Collective: sums the ranks' `in` [size*c, ...] elementwise, in rank order, and gives
+/// rank r rows [r*c, (r+1)*c) of the sum. `in` may hold moe::bf16 (the bf16 wire) with `out` of
+/// a value type: summed in fp32, rounded to bf16 once.
 /// \param out [c, ...]; must not overlap `in`
-/// \param pool where the receive buffer (size*c rows) is kept between calls; nullptr: allocated
-///             per call
+/// \param pool keeps the receive buffer (size*c rows) between calls; nullptr: allocated per call
 template <class ExecSpace, class InView, class OutView>
 void reduce_scatter(Communicator const& comm, ExecSpace const& space, InView const& in,
                     OutView const& out,
@@ -139,12 +127,9 @@ void reduce_scatter(Communicator const& comm, ExecSpace const& space, InView con
       comm, space, in.data(), out.data(), c, row, pool);
 }
 
-/// \brief Collective: replaces `v` on every rank by the elementwise sum over ranks.
-///
-/// Realised as reduce_scatter + all_gather over the flattened elements (padded with zeros to a
-/// multiple of size), so each element is summed once, in rank order, by one rank: the result is
-/// deterministic and bitwise identical on every rank.
-/// \param v any shape, the same on every rank; contiguous
+/// \brief Collective: replaces `v` (contiguous, the same shape on every rank) by the elementwise
+/// sum over ranks: a reduce_scatter and an all_gather of the elements (zero-padded to a multiple
+/// of size), so every rank gets the same bits.
 template <class ExecSpace, class View>
 void all_reduce(Communicator const& comm, ExecSpace const& space, View const& v) {
   moe::detail::Region region("moe::comm::all_reduce");

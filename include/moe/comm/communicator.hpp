@@ -1,12 +1,8 @@
 #pragma once
 /// \file
-/// The communicator moe owns, MPI datatype traits, and the two helpers that keep errors collective:
-/// any_error (a failure on one rank becomes the same exception on every rank) and check_agreement
-/// (a value that must be identical on every rank, e.g. the layer configuration, is compared before
-/// any collective that depends on it).
-///
-/// Collective calls are marked "Collective" in their documentation: every rank of the communicator
-/// must make them, in the same order. moe never calls MPI_Init or MPI_Finalize.
+/// The communicator moe owns, MPI datatype traits, and the helpers that keep errors collective
+/// (any_error, check_agreement). Calls marked "Collective" must be made by every rank of the
+/// communicator, in the same order. moe never calls MPI_Init or MPI_Finalize.
 
 #include <moe/bf16.hpp>
 #include <moe/detail/hash.hpp>
@@ -24,8 +20,7 @@
 
 namespace moe::comm {
 
-/// \brief Whether T has an MPI datatype: only the types moe sends (float, double, int32_t,
-/// int64_t, uint64_t, char, and moe::bf16, the 16-bit wire type of bf16 payloads) have one.
+/// \brief Whether T has an MPI datatype (the types moe sends, moe::bf16 as 16 raw bits).
 template <class T>
 inline constexpr bool has_mpi_type =
     std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, std::int32_t> ||
@@ -48,9 +43,8 @@ MPI_Datatype mpi_type() {
                                        : MPI_CHAR;
 }
 
-/// \brief Throws moe::CommError naming the MPI call and MPI's reason when it did not return
-/// MPI_SUCCESS (moe's communicators use MPI_ERRORS_RETURN, so a failed call comes back here):
-/// `check_mpi(MPI_Barrier(comm.get()), "MPI_Barrier")`.
+/// \brief Throws moe::CommError naming the MPI call and MPI's reason when `rc` is not
+/// MPI_SUCCESS: `check_mpi(MPI_Barrier(comm.get()), "MPI_Barrier")`.
 inline void check_mpi(int rc, char const* call) {
   if (rc == MPI_SUCCESS) return;
   char text[MPI_MAX_ERROR_STRING];
@@ -63,12 +57,9 @@ inline void check_mpi(int rc, char const* call) {
                                    " (MPI error code ", rc, ")"));
 }
 
-/// \brief An MPI communicator owned by moe: a duplicate of the user's, freed with the last copy.
-///
-/// Copies share the same duplicate. moe's messages travel on it with fixed private tags, so they
-/// never match the user's traffic on the original communicator. Its error handler is
-/// MPI_ERRORS_RETURN: a failed MPI call raises moe::CommError on the rank where it failed (the
-/// user's communicator keeps its own handler).
+/// \brief An MPI communicator owned by moe: a duplicate of the user's (so moe's messages never
+/// match the user's traffic), shared by copies and freed with the last. Its error handler is
+/// MPI_ERRORS_RETURN: a failed MPI call raises moe::CommError on the rank where it failed.
 class Communicator {
  public:
   /// \brief Collective over `comm`: duplicates it (MPI_Comm_dup).
@@ -88,11 +79,9 @@ class Communicator {
     adopt(dup);
   }
 
-  /// \brief A communicator of this process alone that needs no MPI (MPI need not be initialised):
-  /// rank 0 of 1. The one-rank pipeline runs on it (MoeLayer is a DistributedMoeLayer on a local
-  /// communicator). What completes locally: any_error, collective_guard, any_rank,
-  /// check_agreement, split and the collective checks; the layer's collectives over groups of one
-  /// rank never reach MPI. Anything that would still call MPI (get()) throws moe::Error.
+  /// \brief A communicator of this process alone that needs no MPI: rank 0 of 1 (MoeLayer is a
+  /// DistributedMoeLayer on it). any_error, collective_guard, any_rank, check_agreement, split
+  /// and the collective checks complete locally; get() throws moe::Error.
   static Communicator local() { return Communicator(); }
 
   /// \brief This process's rank in the communicator.
@@ -101,8 +90,7 @@ class Communicator {
   int size() const { return size_; }
   /// \brief Whether this is a local() communicator (no MPI handle behind it).
   bool is_local() const { return !comm_; }
-  /// \brief The duplicated MPI handle (owned by moe: do not free it). moe::Error on a local()
-  /// communicator, which has none.
+  /// \brief The duplicated MPI handle (owned by moe: do not free it); moe::Error on local().
   MPI_Comm get() const {
     if (!comm_)
       throw Error(
@@ -127,8 +115,6 @@ class Communicator {
       if (!finalized && *comm != MPI_COMM_NULL) MPI_Comm_free(comm);
       delete comm;
     });
-    // Failed MPI calls on moe's communicators return their code (check_mpi turns it into a
-    // moe::CommError) instead of aborting the job from inside MPI.
     check_mpi(MPI_Comm_set_errhandler(owned, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     check_mpi(MPI_Comm_rank(owned, &rank_), "MPI_Comm_rank");
     check_mpi(MPI_Comm_size(owned, &size_), "MPI_Comm_size");
@@ -168,8 +154,8 @@ inline std::string broadcast_string(Communicator const& comm, int root, std::str
   return out;
 }
 
-/// Collective, called once every rank knows that `root` (the lowest failing rank) failed:
-/// broadcasts its kind and message and throws the same exception everywhere.
+/// Collective, once every rank knows that `root` (the lowest failing rank) failed: throws its
+/// exception (kind and message broadcast) everywhere.
 [[noreturn]] inline void rethrow_from(Communicator const& comm, int root, ErrorKind kind,
                                       std::string const& msg) {
   int k = static_cast<int>(kind);
@@ -212,21 +198,14 @@ inline bool collective_check(Communicator const& comm, char const* who, bool loc
 
 }  // namespace detail
 
-/// \brief Collective: throws the same exception on every rank when any rank failed.
-///
-/// One MPI_Allreduce finds the lowest rank with `local_failed`; its message and kind are broadcast
-/// and every rank throws that exception, with the message suffixed " [rank r of N]". Returns
-/// normally, on every rank, when no rank failed.
-/// \param local_failed whether this rank found an error
-/// \param msg this rank's message (ignored unless it is the lowest failing rank)
-/// \param kind the exception type to throw
+/// \brief Collective: when any rank has `local_failed`, every rank throws the lowest failing
+/// rank's exception (`kind`, `msg` suffixed " [rank r of N]"); else returns on every rank.
 inline void any_error(Communicator const& comm, bool local_failed, std::string const& msg,
                       ErrorKind kind = ErrorKind::error) {
   detail::collective_check(comm, "moe::comm::any_error", local_failed, msg, kind, {});
 }
 
-/// \brief Collective: whether `flag` is true on any rank (one MPI_Allreduce; none on a local()
-/// communicator).
+/// \brief Collective: whether `flag` is true on any rank.
 inline bool any_rank(Communicator const& comm, bool flag) {
   return detail::collective_check(comm, "moe::comm::any_rank", false, "", ErrorKind::error, {},
                                   flag);
@@ -300,14 +279,10 @@ inline std::pair<std::string, std::string> first_difference(std::string const& a
 }  // namespace detail
 
 /// \brief Collective: checks that `value` (a canonical text of a configuration or a shape) is the
-/// same on every rank, before any collective relies on it.
-///
-/// Hashes are all-gathered; on a mismatch every rank throws the same ConfigError naming the first
-/// rank whose value differs from rank 0's and the first difference: for texts made of
-/// `key=value` fields separated by ';' or '|' (the form of moe's describe() texts) the first
-/// differing field on both ranks (`rank 1 has "steps=5" but rank 0 has "steps=10"`), otherwise
-/// the text around the first differing character.
-/// \param what what the value is, for the message (e.g. "layer configuration")
+/// same on every rank, before any collective relies on it. On a mismatch every rank throws the
+/// same ConfigError naming the first rank that differs from rank 0 and the first difference
+/// (see first_difference).
+/// \param what what the value is, e.g. "layer configuration"
 inline void check_agreement(Communicator const& comm, std::string const& what,
                             std::string const& value) {
   if (comm.size() == 1) return;  // one rank agrees with itself

@@ -1,23 +1,18 @@
 #pragma once
 /// \file
 /// Non-blocking all-gather on Kokkos views: iall_gather starts it and returns an AllGatherRequest
-/// that test() drives and wait() completes. The data moved and the order of the blocks are those
-/// of moe::comm::all_gather (rank order), so a gather split into non-blocking pieces gives the
-/// blocking gather's bytes exactly.
+/// that test() drives and wait() completes; the bytes are those of moe::comm::all_gather.
 ///
-/// Progress: Open MPI (and most MPIs) run a non-blocking collective only inside MPI calls unless an
-/// asynchronous progress thread is configured, so code that computes while a gather is in flight
-/// should call test() between pieces of its work; that is what lets the transfer overlap it.
-///
-/// Device memory is staged through host buffers unless MOE_ENABLE_GPU_AWARE_MPI is 1 (the send
-/// side is copied when the gather starts, the receive side back when wait() returns).
+/// Progress: most MPIs run a non-blocking collective only inside MPI calls, so code that computes
+/// while a gather is in flight should call test() between pieces of its work to overlap it.
 
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
 
-#include <Kokkos_Core.hpp>
 #include <moe/comm/mpi.hpp>
+
+#include <Kokkos_Core.hpp>
 
 #include <cstdint>
 #include <optional>
@@ -106,14 +101,12 @@ class AllGatherRequest {
   }
 
   std::vector<MPI_Request> reqs_;
-  // The ranges MPI reads and writes (their staging buffers, when staged, live until wait()).
   std::optional<detail::MpiRange<T, InMS>> send_;
   std::optional<detail::MpiRange<T, OutMS>> recv_;
 };
 
-/// \brief The agreed shape of an all-gather started in pieces (e.g. one per D-chunk of the tokens,
-/// num_moe_emb_chunks): checked collectively once, from the first piece's views; every piece must
-/// have those extents (checked locally: a piece that differs is a caller's bug).
+/// \brief The agreed shape of an all-gather started in pieces (e.g. one per D-chunk of the
+/// tokens): checked collectively once, from the first piece's views; each piece locally.
 template <class T, class InMS, class OutMS>
 class AllGatherPieces {
  public:
@@ -149,22 +142,16 @@ class AllGatherPieces {
     req.start(*comm_, space, in, out, n_, row_);
     return req;
   }
-  /// Rows per rank and elements per row of each piece, as agreed.
-  std::int64_t rows() const { return n_; }
-  std::int64_t row_elems() const { return row_; }
 
  private:
   Communicator const* comm_;
   std::int64_t n_ = 0, row_ = 0;
 };
 
-/// \brief Collective (every rank must start it, in the same order as its other collectives):
-/// starts concatenating every rank's `in` along dim 0, in rank order, into `out`, as
-/// moe::comm::all_gather does; `out` is defined once the returned request's wait() returns.
-/// `in` and `out` must stay alive and unchanged (in) / untouched (out) until then. A gather
-/// started as several pieces agrees on their shape once: AllGatherPieces.
-/// \param in  [n, ...] on every rank (same shape everywhere; checked collectively, a bad shape
-///            is the same ShapeError on every rank)
+/// \brief Collective: starts concatenating every rank's `in` along dim 0, in rank order, into
+/// `out`, as moe::comm::all_gather does; `out` is defined once the request's wait() returns, and
+/// until then `in` must stay unchanged and `out` untouched.
+/// \param in  [n, ...] on every rank (same shape everywhere)
 /// \param out [size*n, ...]; must not overlap `in`
 template <class ExecSpace, class InView, class OutView>
 AllGatherRequest<typename OutView::non_const_value_type, typename InView::memory_space,

@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// MeshComm: a sharding::Mesh laid over a moe communicator, and the one cache of the
-/// communicators of its axis groups (AxisGroup). The mesh itself (coordinates, group membership
-/// and order) is pure and lives in moe/sharding/mesh.hpp; this header adds the MPI side.
+/// MeshComm: a sharding::Mesh (moe/sharding/mesh.hpp) laid over a moe communicator, and the one
+/// cache of the communicators of its axis groups (AxisGroup).
 
 #include <moe/comm/communicator.hpp>
 #include <moe/error.hpp>
@@ -26,19 +25,16 @@ struct AxisGroup {
 };
 
 /// \brief A sharding::Mesh laid over a communicator: this rank's coordinates and the cached
-/// communicators of its axis groups, which group(axes) is the one place to make. Copies share the
-/// groups made before the copy; each copy caches later ones on its own.
+/// communicators of its axis groups (made by group(axes) only). Copies share the groups made
+/// before the copy.
 class MeshComm {
  public:
-  /// \brief Lays `mesh` over a duplicate of `comm` (moe never frees the user's communicator).
-  /// Collective over `comm`; see MeshComm(Communicator, Mesh).
+  /// \brief Collective: lays `mesh` over a duplicate of `comm`.
   MeshComm(MPI_Comm comm, sharding::Mesh mesh) : MeshComm(Communicator(comm), std::move(mesh)) {}
 
-  /// \brief Lays `mesh` over `comm` (shared, not duplicated). Collective over `comm`.
-  ///
-  /// All ranks first agree on the mesh (check_agreement), then check that the product of its axis
-  /// sizes equals the communicator size; either failure throws the same ConfigError on every
-  /// rank before any other communication, so nothing hangs. Makes no group yet.
+  /// \brief Collective: lays `mesh` over `comm` (shared, not duplicated). All ranks agree on the
+  /// mesh, and its size must equal the communicator's: either failure is the same ConfigError on
+  /// every rank, before any other communication.
   MeshComm(Communicator comm, sharding::Mesh mesh)
       : comm_(std::move(comm)), mesh_(std::move(mesh)) {
     check_agreement(comm_, "mesh", canonical(mesh_));
@@ -65,25 +61,21 @@ class MeshComm {
   /// \brief The group of `axes` containing this rank: the ranks whose coordinates differ only on
   /// `axes`, ordered row-major over `axes` in the given order (see sharding::Mesh).
   ///
-  /// Collective over comm() the first time this ordered list is requested: every rank must make
-  /// the same first requests in the same order (ranks that disagree on the list throw the same
-  /// ConfigError). Later calls return the cached group without communicating. An empty list, and
-  /// a list of axes the mesh does not have (size 1), give a group of this rank alone. A list that
-  /// names an axis twice throws ConfigError on every rank. The reference stays valid for the
-  /// lifetime of this MeshComm.
+  /// Collective over comm() the first time this ordered list is requested (every rank must make
+  /// the same first requests in the same order; a disagreement, or an axis named twice, is the
+  /// same ConfigError on every rank); later calls return the cached group. Axes the mesh does not
+  /// have count as size 1. The reference lives as long as this MeshComm.
   AxisGroup const& group(std::vector<std::string> const& axes) {
     auto it = groups_.find(axes);
     if (it != groups_.end()) return it->second;
     check_agreement(comm_, "axis list of a first MeshComm::group request", describe(axes));
-    // Every rank now holds the same list, so a list that repeats an axis throws the same
-    // ConfigError everywhere, before the split.
+    // Every rank now holds the same list, so a repeated axis throws the same error everywhere.
     int const color = mesh_.group_index(comm_.rank(), axes);
     int const key = mesh_.rank_in_group(comm_.rank(), axes);
     return groups_.emplace(axes, AxisGroup{axes, comm_.split(color, key)}).first->second;
   }
 
-  /// \brief The cached group of `axes` (not collective). Throws moe::Error naming the axes when
-  /// the non-const group(axes) was never called for this ordered list.
+  /// \brief The cached group of `axes` (not collective); moe::Error when it was never made.
   AxisGroup const& group(std::vector<std::string> const& axes) const {
     auto it = groups_.find(axes);
     if (it == groups_.end())

@@ -1,24 +1,15 @@
 #pragma once
 /// \file
-/// MPI as moe sees it: `<mpi.h>` when moe is built with MPI (MOE_ENABLE_MPI = 1, the default where
-/// CMake finds MPI), else a one-process stand-in for the part of MPI that moe (and its tools)
-/// use, so that the library, MoeLayer and DistributedMoeLayer on one rank build and run with no
-/// MPI installed and no `<mpi.h>`.
+/// MPI as moe sees it: `<mpi.h>` when MOE_ENABLE_MPI (moe_config.hpp; a program may define it to 0
+/// in every translation unit, as the unit tests do), else a one-process stand-in for the part of
+/// MPI that moe and its tools use, so moe builds and runs on one rank with no MPI installed.
 ///
-/// The stand-in is a world of one process: every communicator has one rank (rank 0), a
-/// collective copies the caller's contribution to where its result goes (a sum, max or min over
-/// one rank is that rank's value), a split or duplicate is a new handle on the same one process,
-/// and MPI_Init / MPI_Finalize only track state. Messages go to rank 0 only, that is to itself: a
-/// send and a receive of the same communicator and tag match in order (a blocking send is
-/// buffered); a receive or a wait that nothing can ever match, a peer or root other than 0, and
-/// a count over the receive buffer return an error instead of waiting for ever.
-/// Its functions live in moe::comm::serial_mpi::functions and are brought into the global
-/// namespace by a using-directive, so they never clash with a real MPI library's symbols;
-/// including the real `<mpi.h>` as well fails to compile, which is the point.
-///
-/// MOE_ENABLE_MPI comes from moe_config.hpp (the configured choice); a program may define it to 0
-/// itself (every translation unit alike, and without linking MPI) to build on the stand-in from
-/// an install configured with MPI: moe's own single-rank unit tests do.
+/// The stand-in: every communicator has one rank, a collective copies the caller's contribution
+/// to its result, MPI_Init / MPI_Finalize only track state. Messages to itself match in order on
+/// (communicator, tag); what could never complete (an unmatched receive or wait, a peer or root
+/// other than 0, a truncation) returns an error instead of waiting for ever. Its functions live in
+/// a namespace brought in by a using-directive: no clash with a real MPI library's symbols, and
+/// including the real `<mpi.h>` as well fails to compile.
 
 #include <moe/moe_config.hpp>
 
@@ -28,6 +19,7 @@
 
 #else
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -81,8 +73,8 @@ inline MPI_Comm next_comm = 3;
 /// Error handlers set per communicator (MPI_ERRORS_ARE_FATAL where none was set).
 inline std::map<MPI_Comm, MPI_Errhandler> handlers;
 
-/// A message to itself not yet matched: a send (its bytes, copied or still at `data`) or a
-/// receive (where its bytes go); `request` completes when it matches (0: blocking, buffered).
+/// A message to itself not yet matched: a send or a receive; `request` completes when it
+/// matches (0: a blocking send, buffered).
 struct Pending {
   MPI_Comm comm = 0;
   int tag = 0;
@@ -95,6 +87,8 @@ struct Pending {
 inline std::deque<Pending> sends, recvs;
 inline std::set<MPI_Request> open_requests;
 inline MPI_Request next_request = 1;
+/// Whether `r` is a request still waiting for its match.
+inline bool is_open(MPI_Request r) { return r != MPI_REQUEST_NULL && open_requests.count(r); }
 
 /// Delivers a send to a receive: MPI_ERR_TRUNCATE when it does not fit.
 inline int deliver(char const* from, long long bytes, char* into, long long room) {
@@ -104,12 +98,10 @@ inline int deliver(char const* from, long long bytes, char* into, long long room
 }
 /// The first pending entry of `q` on (comm, tag), or q.end().
 inline std::deque<Pending>::iterator match(std::deque<Pending>& q, MPI_Comm comm, int tag) {
-  for (auto it = q.begin(); it != q.end(); ++it)
-    if (it->comm == comm && it->tag == tag) return it;
-  return q.end();
+  return std::find_if(q.begin(), q.end(),
+                      [&](Pending const& p) { return p.comm == comm && p.tag == tag; });
 }
-/// Removes the pending entry `it` of `q`, just matched (its request completes), and completes
-/// the new side's request `req` (if any) at once; returns the delivery's code `rc`.
+/// Removes the just matched entry `it` of `q` and completes both sides' requests; returns `rc`.
 inline int matched(std::deque<Pending>& q, std::deque<Pending>::iterator it, MPI_Request* req,
                    int rc) {
   open_requests.erase(it->request);
@@ -156,8 +148,7 @@ inline char* at(void* p, long long bytes) { return static_cast<char*>(p) + bytes
 inline char const* at(void const* p, long long bytes) {
   return static_cast<char const*>(p) + bytes;
 }
-/// Writes `value` to the output argument `*out` and succeeds: most calls of one process do
-/// nothing else.
+/// Writes `value` to `*out` and succeeds: most calls of one process do nothing else.
 template <class T, class V>
 int put(T* out, V value) {
   *out = static_cast<T>(value);
@@ -252,10 +243,9 @@ inline int MPI_Iallgather(void const* send, int scount, MPI_Datatype st, void* r
   *req = MPI_REQUEST_NULL;  // complete at once
   return copy(recv, send, 1LL * scount * st);
 }
-/// A request still open when waited on can never complete: one process has no one else to
-/// match it (an error, where MPI would wait for ever).
+/// A request still open when waited on can never complete (an error, not a hang).
 inline int MPI_Wait(MPI_Request* req, MPI_Status*) {
-  if (*req != MPI_REQUEST_NULL && open_requests.count(*req)) return MPI_ERR_OTHER;
+  if (is_open(*req)) return MPI_ERR_OTHER;
   return put(req, MPI_REQUEST_NULL);
 }
 inline int MPI_Waitall(int n, MPI_Request* reqs, MPI_Status*) {
@@ -264,11 +254,8 @@ inline int MPI_Waitall(int n, MPI_Request* reqs, MPI_Status*) {
   return MPI_SUCCESS;
 }
 inline int MPI_Testall(int n, MPI_Request* reqs, int* flag, MPI_Status*) {
-  *flag = 1;
-  for (int i = 0; i < n; ++i)
-    if (reqs[i] != MPI_REQUEST_NULL && open_requests.count(reqs[i])) *flag = 0;
-  if (*flag) return MPI_Waitall(n, reqs, nullptr);
-  return MPI_SUCCESS;
+  *flag = std::none_of(reqs, reqs + n, is_open);
+  return *flag ? MPI_Waitall(n, reqs, nullptr) : MPI_SUCCESS;
 }
 
 // ------------------------------------------------------------------ messages to itself -------

@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// Internals of moe/comm: host staging of device memory, the collective shape check, and the
-/// row exchanges with their large-count fallback (point-to-point in pieces of at most
-/// count_limit() elements, so no count or displacement handed to MPI overflows int).
+/// Internals of moe/comm: host staging of device memory and the row exchanges, with their
+/// large-count fallback (point-to-point pieces, so no count handed to MPI overflows int).
 
 #include <moe/comm/communicator.hpp>
 #include <moe/error.hpp>
@@ -24,12 +23,10 @@
 
 namespace moe::comm::detail {
 
-/// Tag of moe's point-to-point messages on its own (duplicated) communicator. Messages between two
-/// ranks with one tag are matched in posting order, so one fixed tag serves every piece.
+/// Tag of moe's point-to-point pieces (matched in posting order, so one tag serves them all).
 inline constexpr int exchange_tag = 0x6d6f;
 
-/// Largest count or displacement handed to one MPI call; INT_MAX except in tests, which lower it
-/// (on every rank alike) to exercise the large-count paths with small buffers.
+/// Largest count or displacement handed to one MPI call; tests lower it (on every rank alike).
 inline std::int64_t& count_limit() {
   static std::int64_t limit = INT_MAX;
   return limit;
@@ -55,14 +52,13 @@ template <class T, class MS>
 using Flat = Kokkos::View<T*, Kokkos::LayoutRight, MS, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 using HostBuffer = Kokkos::View<char*, Kokkos::HostSpace>;
 
-/// A contiguous range of n elements of user memory as MPI sees it: the memory itself, or a host
-/// copy when the memory must be staged.
+/// n elements of user memory as MPI sees them: the memory itself, or a staged host copy.
 template <class T, class MS>
 class MpiRange {
  public:
   MpiRange(T* user, std::int64_t n) : user_(user), n_(n) {}
 
-  /// Prepares a range MPI reads from: copies device data to a host buffer if staged.
+  /// A range MPI reads from (copied to the host buffer if staged).
   template <class ExecSpace>
   static MpiRange send(ExecSpace const& space, T const* user, std::int64_t n, char const* label,
                        HostBuffer* cache = nullptr) {
@@ -73,7 +69,7 @@ class MpiRange {
     }
     return r;
   }
-  /// Prepares a range MPI writes to (call finish() after MPI is done).
+  /// A range MPI writes to (call finish() after MPI is done).
   static MpiRange recv(T* user, std::int64_t n, char const* label, HostBuffer* cache = nullptr) {
     MpiRange r(user, n);
     if (staged<MS>()) r.allocate(label, cache);
@@ -159,10 +155,9 @@ inline std::pair<Blocks, Blocks> gather_blocks(int P, std::int64_t n) {
   return {s, r};
 }
 
-/// The large-count path of every exchange: posts each (peer, block) as Isend/Irecv pieces of at
-/// most count_limit() elements, receives first, self-messages included (so device pointers work
-/// with GPU-aware MPI). Receiver and sender agree on the pieces because both know the block's row
-/// count. Returns the requests to wait for.
+/// The large-count path of every exchange: posts each (peer, block) as Irecv, then Isend, pieces
+/// of at most count_limit() elements, self-messages included (so device pointers work with
+/// GPU-aware MPI). Returns the requests to wait for.
 template <class T>
 std::vector<MPI_Request> post_pieces(Communicator const& comm, T const* send, Blocks const& s,
                                      T* recv, Blocks const& r, std::int64_t row_elems) {
@@ -200,10 +195,9 @@ inline void wait_all(std::vector<MPI_Request>& reqs) {
 /// Which MPI collective the fast path uses; the large-count path is the same for all three.
 enum class Pattern { alltoallv, alltoall, allgather };
 
-/// Moves rows (row_elems elements of T each) between host-visible buffers: to peer j go
-/// s.counts[j] rows at s.displs[j] of send, from peer i arrive r.counts[i] rows at r.displs[i] of
-/// recv. For alltoall / allgather the blocks must have the regular shape of those collectives.
-/// `fast` must be the same on every rank (it comes out of a collective_check).
+/// Moves rows (row_elems elements of T each) between MPI-visible buffers: to peer j go s.counts[j]
+/// rows at s.displs[j] of send, from peer i arrive r.counts[i] rows at r.displs[i] of recv (the
+/// regular blocks of alltoall / allgather for those patterns). `fast`: the same on every rank.
 template <class T>
 void exchange_rows(Communicator const& comm, Pattern pattern, T const* send, Blocks const& s,
                    T* recv, Blocks const& r, std::int64_t row_elems, bool fast) {
@@ -290,8 +284,7 @@ template <class ExecSpace, class View>
 constexpr void check_view_type() {
   static_assert(Kokkos::is_view<View>::value, "moe::comm: expected a Kokkos::View");
   static_assert(View::rank >= 1 && View::rank <= 3, "moe::comm: views of rank 1 to 3 only");
-  // Rank 1: LayoutLeft and LayoutRight are the same contiguous vector (a View declared without
-  // a layout is LayoutLeft on CUDA and HIP); rank 2 and 3 must be row-major.
+  // A View declared without a layout is LayoutLeft on CUDA and HIP: fine at rank 1.
   static_assert(
       std::is_same_v<typename View::array_layout, Kokkos::LayoutRight> ||
           (View::rank == 1 && std::is_same_v<typename View::array_layout, Kokkos::LayoutLeft>),
