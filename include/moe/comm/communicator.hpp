@@ -222,18 +222,14 @@ void collective_guard(Communicator const& comm, F&& f) {
   try {
     f();
     failed = false;
-  } catch (ConfigError const& e) {
-    msg = e.what(), kind = ErrorKind::config;
-  } catch (ShapeError const& e) {
-    msg = e.what(), kind = ErrorKind::shape;
-  } catch (InputError const& e) {
-    msg = e.what(), kind = ErrorKind::input;
-  } catch (IoError const& e) {
-    msg = e.what(), kind = ErrorKind::io;
-  } catch (NumericError const& e) {
-    msg = e.what(), kind = ErrorKind::numeric;
   } catch (std::exception const& e) {
     msg = e.what();
+    kind = dynamic_cast<ConfigError const*>(&e)    ? ErrorKind::config
+           : dynamic_cast<ShapeError const*>(&e)   ? ErrorKind::shape
+           : dynamic_cast<InputError const*>(&e)   ? ErrorKind::input
+           : dynamic_cast<IoError const*>(&e)      ? ErrorKind::io
+           : dynamic_cast<NumericError const*>(&e) ? ErrorKind::numeric
+                                                   : ErrorKind::error;
   } catch (...) {
     msg = "unknown exception";
   }

@@ -68,10 +68,10 @@ class AllGatherRequest {
   /// Whether the gather was started and not yet waited for.
   bool pending() const { return send_.has_value(); }
 
-  /// Internal: started by iall_gather (n rows of `row` elements per rank).
+  /// Internal (see AllGatherPieces): starts gathering n rows of `row` elements per rank.
   template <class ExecSpace>
-  void start(Communicator const& comm, ExecSpace const& space, T const* in, T* out, std::int64_t n,
-             std::int64_t row) {
+  AllGatherRequest(Communicator const& comm, ExecSpace const& space, T const* in, T* out,
+                   std::int64_t n, std::int64_t row) {
     int const P = comm.size();
     std::int64_t const count = n * row, limit = detail::count_limit();
     detail::fence(space, "moe::comm::iall_gather: input ready");
@@ -129,18 +129,14 @@ class AllGatherPieces {
             in.span_is_contiguous() && out.span_is_contiguous(),
         "moe::comm::AllGatherPieces: a piece in ", detail::shape_of(in), " / out ",
         detail::shape_of(out), " differs from the agreed ", n_, " rows of ", row_, " elements");
-    AllGatherRequest<T, InMS, OutMS> req;
-    req.start(*comm_, space, in.data(), out.data(), n_, row_);
-    return req;
+    return AllGatherRequest<T, InMS, OutMS>(*comm_, space, in.data(), out.data(), n_, row_);
   }
 
   /// \brief Starts gathering a piece already converted to its wire type W (comm/wire.hpp): `in`
   /// holds the agreed n rows of the piece as W, `out` receives size*n such rows.
   template <class W, class MS, class ExecSpace>
   AllGatherRequest<W, MS, MS> start_wire(ExecSpace const& space, W const* in, W* out) const {
-    AllGatherRequest<W, MS, MS> req;
-    req.start(*comm_, space, in, out, n_, row_);
-    return req;
+    return AllGatherRequest<W, MS, MS>(*comm_, space, in, out, n_, row_);
   }
 
  private:

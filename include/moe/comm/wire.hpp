@@ -1,10 +1,8 @@
 #pragma once
 /// \file
 /// The wire type of a collective: what one value is sent as. Native: the value type itself;
-/// bf16: moe::bf16 (16 bits, MPI_UINT16_T), for the activations and compute weights of a
-/// `dtype=bfloat16` layer (docs/precision.md, "Wire"). A bf16 payload is converted to bf16 (round
-/// to nearest even; exact on values that already are bf16, NaN, Inf, signed zeros and subnormals
-/// included) into a staging buffer, moved, and converted back (exact) after receipt; a
+/// bf16: moe::bf16 (16 bits), for a `dtype=bfloat16` layer (docs/precision.md, "Wire"): converted
+/// to bf16 (round to nearest even) into a staging buffer, moved, and converted back (exact); a
 /// reduction of bf16 pieces sums them in fp32 and rounds the sum once.
 
 #include <moe/bf16.hpp>
@@ -19,9 +17,6 @@ namespace moe::comm {
 /// \brief What a collective's values travel as (see the file comment).
 enum class Wire { native, bf16 };
 
-/// "native" | "bf16".
-inline char const* to_string(Wire w) { return w == Wire::bf16 ? "bf16" : "native"; }
-
 /// Bytes of one value on the wire when a value has `value_bytes` bytes.
 constexpr std::int64_t wire_bytes(Wire w, std::int64_t value_bytes) {
   return w == Wire::bf16 ? std::int64_t(sizeof(moe::bf16)) : value_bytes;
@@ -35,17 +30,10 @@ template <class D>
 struct WireCast {
   template <class S>
   KOKKOS_INLINE_FUNCTION static D from(S s) {
-    return D(s);
+    constexpr bool via_float =  // bf16 converts to and from float only
+        !std::is_same_v<S, D> && (std::is_same_v<S, moe::bf16> || std::is_same_v<D, moe::bf16>);
+    return D(std::conditional_t<via_float, float, D>(s));
   }
-  KOKKOS_INLINE_FUNCTION static D from(moe::bf16 s) { return D(float(s)); }
-};
-template <>
-struct WireCast<moe::bf16> {
-  template <class S>
-  KOKKOS_INLINE_FUNCTION static moe::bf16 from(S s) {
-    return moe::bf16(float(s));
-  }
-  KOKKOS_INLINE_FUNCTION static moe::bf16 from(moe::bf16 s) { return s; }
 };
 
 /// The type sums of wire values of type W are accumulated in: fp32 for bf16, W otherwise.
