@@ -77,7 +77,7 @@ class AllGatherRequest {
     detail::fence(space, "moe::comm::iall_gather: input ready");
     send_.emplace(
         detail::MpiRange<T, InMS>::send(space, in, count, "moe::comm::iall_gather::send"));
-    recv_.emplace(detail::MpiRange<T, OutMS>::recv(out, P * count, "moe::comm::iall_gather::recv"));
+    recv_.emplace(out, P * count, "moe::comm::iall_gather::recv");
     if (send_->is_staged()) detail::fence(space, "moe::comm::iall_gather: staged");
     T const* s = send_->data();
     T* r = recv_->data();

@@ -56,23 +56,27 @@ using HostBuffer = Kokkos::View<char*, Kokkos::HostSpace>;
 template <class T, class MS>
 class MpiRange {
  public:
-  MpiRange(T* user, std::int64_t n) : user_(user), n_(n) {}
-
+  /// A range MPI writes to (call finish() after MPI is done). A staged range uses `cache` when
+  /// given (a plan applied many times stages through one buffer, grown as needed).
+  MpiRange(T* user, std::int64_t n, char const* label, HostBuffer* cache = nullptr)
+      : user_(user), n_(n) {
+    if (!staged<MS>()) return;
+    std::size_t const bytes = static_cast<std::size_t>(n_ > 0 ? n_ : 1) * sizeof(T);
+    if (cache && cache->extent(0) >= bytes) {
+      buffer_ = *cache;
+      return;
+    }
+    buffer_ =
+        HostBuffer(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), bytes);
+    if (cache) *cache = buffer_;
+  }
   /// A range MPI reads from (copied to the host buffer if staged).
   template <class ExecSpace>
   static MpiRange send(ExecSpace const& space, T const* user, std::int64_t n, char const* label,
                        HostBuffer* cache = nullptr) {
-    MpiRange r(const_cast<T*>(user), n);
-    if (staged<MS>()) {
-      r.allocate(label, cache);
+    MpiRange r(const_cast<T*>(user), n, label, cache);
+    if (r.is_staged())
       Kokkos::deep_copy(space, r.host(), Flat<T const, MS>(user, static_cast<std::size_t>(n)));
-    }
-    return r;
-  }
-  /// A range MPI writes to (call finish() after MPI is done).
-  static MpiRange recv(T* user, std::int64_t n, char const* label, HostBuffer* cache = nullptr) {
-    MpiRange r(user, n);
-    if (staged<MS>()) r.allocate(label, cache);
     return r;
   }
   /// Copies what MPI wrote back to user memory (enqueued on `space`; fence before dropping this).
@@ -85,17 +89,6 @@ class MpiRange {
   bool is_staged() const { return buffer_.data() != nullptr; }
 
  private:
-  /// Uses (and grows) `cache` when given: a plan applied many times stages through one buffer.
-  void allocate(char const* label, HostBuffer* cache) {
-    std::size_t const bytes = static_cast<std::size_t>(n_ > 0 ? n_ : 1) * sizeof(T);
-    if (cache && cache->extent(0) >= bytes) {
-      buffer_ = *cache;
-      return;
-    }
-    buffer_ =
-        HostBuffer(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), bytes);
-    if (cache) *cache = buffer_;
-  }
   Flat<T, Kokkos::HostSpace> host() const {
     return Flat<T, Kokkos::HostSpace>(reinterpret_cast<T*>(buffer_.data()),
                                       static_cast<std::size_t>(n_));
@@ -164,23 +157,19 @@ std::vector<MPI_Request> post_pieces(Communicator const& comm, T const* send, Bl
   std::int64_t const piece = count_limit();
   MPI_Datatype const type = mpi_type<T>();
   std::vector<MPI_Request> reqs;
-  auto post = [&](bool is_send, int peer, std::int64_t count_rows, std::int64_t displ_rows) {
-    std::int64_t const n = count_rows * row_elems, base = displ_rows * row_elems;
-    for (std::int64_t off = 0; off < n; off += piece) {
-      int const len = static_cast<int>(n - off < piece ? n - off : piece);
-      reqs.emplace_back();
-      if (is_send)
-        check_mpi(
-            MPI_Isend(send + base + off, len, type, peer, exchange_tag, comm.get(), &reqs.back()),
-            "MPI_Isend");
-      else
-        check_mpi(
-            MPI_Irecv(recv + base + off, len, type, peer, exchange_tag, comm.get(), &reqs.back()),
-            "MPI_Irecv");
+  auto post = [&](auto* buf, Blocks const& b, auto mpi_call, char const* call) {
+    for (int peer = 0; peer < comm.size(); ++peer) {
+      std::int64_t const n = b.counts[peer] * row_elems, base = b.displs[peer] * row_elems;
+      for (std::int64_t off = 0; off < n; off += piece) {
+        reqs.emplace_back();
+        check_mpi(mpi_call(buf + base + off, static_cast<int>(std::min(n - off, piece)), type, peer,
+                           exchange_tag, comm.get(), &reqs.back()),
+                  call);
+      }
     }
   };
-  for (int i = 0; i < comm.size(); ++i) post(false, i, r.counts[i], r.displs[i]);
-  for (int j = 0; j < comm.size(); ++j) post(true, j, s.counts[j], s.displs[j]);
+  post(recv, r, MPI_Irecv, "MPI_Irecv");
+  post(send, s, MPI_Isend, "MPI_Isend");
   return reqs;
 }
 
@@ -243,8 +232,7 @@ void exchange_staged(Communicator const& comm, ExecSpace const& space, std::stri
                      HostBuffer* cache = nullptr) {
   fence(space, (who + ": input ready").c_str());
   auto const send = MpiRange<T, SrcMS>::send(space, src, n_src, (who + "::send").c_str(), cache);
-  auto const recv =
-      MpiRange<T, DstMS>::recv(dst, n_dst, (who + "::recv").c_str(), cache ? cache + 1 : nullptr);
+  MpiRange<T, DstMS> const recv(dst, n_dst, (who + "::recv").c_str(), cache ? cache + 1 : nullptr);
   if (send.is_staged()) fence(space, (who + ": staged").c_str());
   exchange_rows(comm, pattern, send.data(), s, recv.data(), r, row, fast);
   recv.finish(space);
