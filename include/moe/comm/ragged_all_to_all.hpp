@@ -123,13 +123,9 @@ inline AllToAllParams all_to_all_params_replicated(std::vector<std::int64_t> con
     moe::detail::require<ShapeError>(per_shard[j] >= 0,
                                      "moe::comm::all_to_all_params_replicated: per_shard[", j,
                                      "]=", per_shard[j], " is negative");
-  auto const starts = detail::exclusive_cumsum(per_shard);
-  AllToAllParams p;
-  p.input_offsets.assign(ep, 0);
-  p.send_sizes.assign(ep, per_shard[me]);
-  p.output_offsets.assign(ep, starts[me]);
-  p.recv_sizes = per_shard;
-  return p;
+  using V = std::vector<std::int64_t>;
+  return {V(ep, 0), V(ep, per_shard[me]), V(ep, detail::exclusive_cumsum(per_shard)[me]),
+          per_shard};
 }
 
 /// \brief Rows of the dispatch receive buffer (MaxText `get_ragged_buffer_size`, §1.9 item 32.3).
@@ -165,10 +161,8 @@ class RaggedAllToAll {
   /// but then reverse() is not available.
   RaggedAllToAll(Communicator const& comm, std::vector<std::int64_t> const& send_counts,
                  std::vector<std::int64_t> const& send_displs, std::int64_t recv_capacity = -1)
-      : comm_(comm) {
+      : comm_(comm), send_{send_counts, send_displs} {
     int const P = comm_.size();
-    send_.counts = send_counts;
-    send_.displs = send_displs;
     bool const bad =
         send_counts.size() != static_cast<std::size_t>(P) ||
         send_displs.size() != static_cast<std::size_t>(P) ||
