@@ -1,10 +1,7 @@
 #pragma once
 /// \file
-/// Atomic file writes (POSIX, write_atomic): a reader sees the old file or the new one, and a
-/// failure never leaves a half-written file. The safetensors writer and the checkpoint index use
-/// it.
+/// Atomic file writes (POSIX): write_atomic, and resolve_links for the path it writes through.
 
-#include <moe/detail/text.hpp>
 #include <moe/error.hpp>
 
 #include <algorithm>
@@ -23,9 +20,8 @@ namespace moe::io {
 namespace detail {
 using moe::detail::cat;
 
-/// fsync of the directory \p dir, which makes the renames in it durable: 0, or the errno of a
-/// failed fsync. A directory that cannot be opened for reading (no read permission) or a file
-/// system that cannot sync directories (EINVAL, ENOTSUP) is not an error.
+/// fsync of the directory \p dir (makes renames in it durable): 0, or the errno of a failed fsync.
+/// A directory that cannot be opened or synced (EINVAL, ENOTSUP) is not an error.
 inline int fsync_dir(std::string const& dir) {
   int const fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return 0;
@@ -37,12 +33,8 @@ inline int fsync_dir(std::string const& dir) {
 
 }  // namespace detail
 
-// ---- symbolic links --------------------------------------------------------------------------
-
-/// \brief The path a file is written to when \p path is written: \p path itself, or, when it is
-/// a symbolic link, the path its links lead to (a relative target is taken from the directory of
-/// the link that names it). The target need not exist (a dangling link is written through,
-/// creating the file it names). IoError for more than 40 links in a row (a loop).
+/// \brief \p path, or where its chain of symbolic links leads (a relative target is taken from
+/// the link's directory; the target need not exist). IoError for more than 40 links (a loop).
 inline std::string resolve_links(std::string path) {
   for (int hops = 0; hops <= 40; ++hops) {
     struct stat st;
@@ -63,19 +55,16 @@ inline std::string resolve_links(std::string path) {
   throw IoError(detail::cat("'", path, "': more than 40 symbolic links in a row (a loop?)"));
 }
 
-// ---- atomic write ----------------------------------------------------------------------------
-
 /// \brief A borrowed run of bytes, one piece of a file written by write_atomic.
 struct ByteSpan {
   void const* data = nullptr;
   std::size_t size = 0;
 };
 
-/// Writes the concatenation of \p pieces to \p path atomically: the bytes go to
-/// "<path>.tmp.<pid>", which is fsync'ed and renamed over \p path, then the directory is fsync'ed.
-/// Readers see the old file or the new one, never a mix; on failure the temporary file is removed,
-/// an existing \p path is left untouched, and IoError says which step failed and why. A symbolic
-/// link is written through (resolve_links): the file it names is replaced, the link stays.
+/// Writes the concatenation of \p pieces to \p link atomically: to "<path>.tmp.<pid>", fsync'ed and
+/// renamed over the path (resolve_links: a link stays, the file it names is replaced), then the
+/// directory is fsync'ed. Readers see the old file or the new one; on failure the temporary file
+/// is removed and IoError says which step failed and why.
 inline void write_atomic(std::string const& link, std::vector<ByteSpan> const& pieces) {
   using detail::cat;
   if (link.empty()) throw IoError("write_atomic: the output path is empty");

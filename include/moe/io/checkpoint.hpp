@@ -1,57 +1,28 @@
 #pragma once
 /// \file
-/// Checkpoints of a distributed run: save_checkpoint and load_latest_checkpoint, the public entry
-/// points of the checkpoint format (moe::io). The pieces: moe/io/checkpoint_index.hpp (one step on
-/// disk and its verification, no MPI), moe/io/checkpoint_lock.hpp (one writer per directory),
-/// moe/io/sha256.hpp, and the file-system steps in moe/io/detail/checkpoint_files.hpp.
+/// Checkpoints of a distributed run: save_checkpoint and load_latest_checkpoint (collective). The
+/// pieces: checkpoint_index.hpp (one step on disk and its verification, no MPI),
+/// checkpoint_lock.hpp (one writer per directory), sha256.hpp, detail/checkpoint_files.hpp.
 ///
-/// Every rank describes the tensors it holds as blocks (moe::TensorBlock: the global shape, the
-/// shape of the local block and its offset) of host memory, F32 or F64, row-major. A checkpoint
-/// stores the *global* tensors, so it does not depend on how they were split: a run may resume on
-/// another number of ranks or with another sharding (resharding), because every rank fills its
-/// blocks from the global tensors, whatever they are.
+/// Every rank passes its blocks (BlockRef: host memory, F32 or F64, row-major) of global tensors.
+/// A checkpoint stores the global tensors, so a run may resume on another number of ranks or with
+/// another sharding. `dir/step_<N>/` (N with at least 8 digits) holds model.safetensors (the
+/// tensors, the metadata as "__metadata__") and index.json, written last. Temporary entries start
+/// with a dot (".tmp_step_*", ".trash_step_*") and are never read.
 ///
-/// On disk, `dir/step_<N>/` (N printed with at least 8 digits) holds model.safetensors (every
-/// global tensor, and the caller's metadata as "__metadata__") and index.json, written last (its
-/// size, SHA-256 and tensor list: moe/io/checkpoint_index.hpp has the format). The SHA-256 is the
-/// plain digest, so `sha256sum` checks it too. Temporary entries of the directory start with a dot
-/// (".tmp_step_*", ".trash_step_*") and are never read.
+/// Save: the ranks agree on directory, step, keep and metadata and all-gather the block
+/// descriptions, so every rank builds the same plan (detail::save_plan) and raises the same
+/// ConfigError on bad blocks. Of identical blocks only the lowest rank's copy is sent; rank 0
+/// assembles the whole model in memory, writes "dir/.tmp_step_<N>.<pid>/" (the model, then the
+/// index with its size and SHA-256, each atomically), renames it to "step_<N>" (an existing one is
+/// swapped by renameat2(RENAME_EXCHANGE), or moved aside first where that is not supported),
+/// fsyncs "dir" and keeps the newest keep - 1 complete checkpoints below N (those above N are
+/// never deleted; a failed delete is a warning). A process killed at any moment leaves the old
+/// checkpoints or the new one complete. A save runs under "dir/LOCK" (checkpoint_lock.hpp).
 ///
-/// Saving (collective). Every rank checks its blocks and the ranks compare their step, keep,
-/// directory and metadata, which must be identical. The block descriptions are all-gathered, so
-/// every rank builds the same plan (detail::save_plan) and raises the same ConfigError on blocks
-/// that disagree, overlap partially, leave a gap, or are copies holding different bytes. A rank
-/// need not hold every tensor and may hold several blocks of one. Of identical blocks only the
-/// lowest rank's copy is sent: rank 0 receives each distinct block (point-to-point, in a fixed
-/// order, in pieces of at most 1 GiB), assembles the global tensors in memory (rank 0 needs
-/// memory for the whole model) and writes:
-///
-///   1. "dir/.tmp_step_<N>.<pid>/": model.safetensors, then index.json with the size and SHA-256
-///      of the file read back from disk (each an atomic write: moe/io/atomic_write.hpp);
-///   2. renames the temporary directory to "dir/step_<N>" and fsyncs "dir". An existing
-///      "step_<N>" (a step saved again) is swapped atomically with renameat2(RENAME_EXCHANGE);
-///      where the file system cannot exchange, it is first moved aside, so a crash between the two
-///      renames loses that step's old copy (never an older checkpoint);
-///   3. keeps the last `keep` complete checkpoints: of the directories with a readable index and a
-///      step below N, the newest keep - 1 stay and the others are removed. Checkpoints with a step
-///      above N (left by a run that was rolled back) are never deleted, and a failure to delete is
-///      a warning on stderr, not an error.
-///
-/// A process killed at any moment thus leaves either the previous checkpoints and no new
-/// "step_<N>" (only a hidden temporary directory, removed by the next save), or the new
-/// checkpoint complete. Errors raise the same exception on every rank (moe::ConfigError for bad
-/// arguments or blocks, moe::IoError for the file system) and remove the temporary directory. A
-/// save runs under the lock of "dir/LOCK" (moe/io/checkpoint_lock.hpp: one writer per
-/// directory), taken for the save unless this process holds it already.
-///
-/// Loading (collective). Rank 0 takes the newest "step_<digits>" directory that
-/// verify_checkpoint accepts for the tensors the ranks request, reporting each one rejected on
-/// stderr ("checkpoint: skipping <dir>: <reason>"), then cuts every rank's blocks out of the
-/// global tensors and sends them (only rank 0 reads the file). A missing directory or no valid
-/// checkpoint returns false on every rank and leaves `metadata` and `step` unchanged.
-///
-/// POSIX (Linux for the atomic exchange) is required. The format is stable: a checkpoint written
-/// before this code moved into moe/io (tests/data/checkpoint_v1) loads and is tested.
+/// Load: rank 0 takes the newest "step_<digits>" that verify_checkpoint accepts for the requested
+/// tensors (reporting each one skipped on stderr) and sends every rank its blocks. POSIX (Linux for
+/// the exchange). The format is stable: tests/data/checkpoint_v1 still loads.
 
 #include <moe/comm/bytes.hpp>
 #include <moe/comm/communicator.hpp>
@@ -114,57 +85,44 @@ inline std::size_t nbytes(Desc const& d) {
   return static_cast<std::size_t>(d.numel) * dtype_size(d.dtype);
 }
 
-/// Checks one block of this rank; throws ConfigError. Fills the description (hash included when
-/// \p with_hash).
-inline Desc describe(BlockRef const& b, std::size_t i, int rank, bool with_hash) {
-  std::string const what = cat("checkpoint: block ", i, " ('", b.name, "') of rank ", rank, ": ");
-  Desc d;
-  d.rank = rank;
-  d.index = i;
-  d.name = b.name;
-  require<ConfigError>(!b.name.empty(), what, "the tensor name is empty");
-  require<ConfigError>(b.name != "__metadata__", what, "the name \"__metadata__\" is reserved");
-  require<ConfigError>(valid_utf8(b.name), what, "the name is not valid UTF-8");
-  require<ConfigError>(
-      parse_dtype(b.dtype, d.dtype) && (d.dtype == DType::F32 || d.dtype == DType::F64), what,
-      "dtype '", b.dtype, "' is not supported (use \"F32\" or \"F64\")");
-  auto const& t = b.block;
-  require<ConfigError>(
-      t.local_shape.size() == t.global_shape.size() && t.offset.size() == t.global_shape.size(),
-      what, "global shape ", shape_text(t.global_shape), ", local shape ",
-      shape_text(t.local_shape), " and offset ", shape_text(t.offset),
-      " must have the same number of dimensions");
-  for (std::size_t a = 0; a < t.global_shape.size(); ++a) {
-    std::int64_t const g = t.global_shape[a], l = t.local_shape[a], o = t.offset[a];
-    require<ConfigError>(g >= 0 && l >= 0 && o >= 0 && l <= g && o <= g - l, what,
-                         "the block (offset ", shape_text(t.offset), ", shape ",
-                         shape_text(t.local_shape), ") does not lie within the global shape ",
-                         shape_text(t.global_shape), " (axis ", a, ")");
-  }
-  std::int64_t const global_numel =
-      rethrow_with<ConfigError>([&] { return checked_numel(t.global_shape, ""); }, what);
-  std::int64_t const esz = static_cast<std::int64_t>(dtype_size(d.dtype));
-  require<ConfigError>(global_numel <= INT64_MAX / esz, what, "the global tensor is too large");
-  d.global = t.global_shape;
-  d.local = t.local_shape;
-  d.offset = t.offset;
-  d.numel = checked_numel(t.local_shape, "");
-  require<ConfigError>(d.numel == 0 || b.data != nullptr, what, "data is null but the block has ",
-                       d.numel, " elements");
-  if (with_hash && d.numel > 0) {
-    d.hash = ::moe::detail::fnv1a(b.data, static_cast<std::size_t>(d.numel * esz));
-  }
-  return d;
-}
-
-/// This rank's blocks, each checked (describe), as text: the form the descriptions travel in
-/// between ranks (never stored), a JSON array of [name, dtype, global, local, offset, hash];
-/// rank and index are implied by the position.
+/// This rank's blocks, each checked (ConfigError), as the text they travel in between ranks
+/// (never stored): a JSON array of [name, dtype, global, local, offset, hash], hash the
+/// moe::detail::fnv1a of the block's bytes (0 without \p with_hash); rank and index are implied.
 inline std::string encode(std::vector<BlockRef> const& blocks, int rank, bool with_hash) {
   nlohmann::json j = nlohmann::json::array();
   for (std::size_t i = 0; i < blocks.size(); ++i) {
-    Desc const d = describe(blocks[i], i, rank, with_hash);
-    j.push_back({d.name, dtype_name(d.dtype), d.global, d.local, d.offset, d.hash});
+    BlockRef const& b = blocks[i];
+    std::string const what = cat("checkpoint: block ", i, " ('", b.name, "') of rank ", rank, ": ");
+    DType dtype = DType::F32;
+    require<ConfigError>(!b.name.empty(), what, "the tensor name is empty");
+    require<ConfigError>(b.name != "__metadata__", what, "the name \"__metadata__\" is reserved");
+    require<ConfigError>(valid_utf8(b.name), what, "the name is not valid UTF-8");
+    require<ConfigError>(
+        parse_dtype(b.dtype, dtype) && (dtype == DType::F32 || dtype == DType::F64), what,
+        "dtype '", b.dtype, "' is not supported (use \"F32\" or \"F64\")");
+    auto const& t = b.block;
+    require<ConfigError>(
+        t.local_shape.size() == t.global_shape.size() && t.offset.size() == t.global_shape.size(),
+        what, "global shape ", shape_text(t.global_shape), ", local shape ",
+        shape_text(t.local_shape), " and offset ", shape_text(t.offset),
+        " must have the same number of dimensions");
+    for (std::size_t a = 0; a < t.global_shape.size(); ++a) {
+      std::int64_t const g = t.global_shape[a], l = t.local_shape[a], o = t.offset[a];
+      require<ConfigError>(g >= 0 && l >= 0 && o >= 0 && l <= g && o <= g - l, what,
+                           "the block (offset ", shape_text(t.offset), ", shape ",
+                           shape_text(t.local_shape), ") does not lie within the global shape ",
+                           shape_text(t.global_shape), " (axis ", a, ")");
+    }
+    std::int64_t const global_numel =
+        rethrow_with<ConfigError>([&] { return checked_numel(t.global_shape, ""); }, what);
+    std::int64_t const esz = static_cast<std::int64_t>(dtype_size(dtype));
+    require<ConfigError>(global_numel <= INT64_MAX / esz, what, "the global tensor is too large");
+    std::int64_t const numel = checked_numel(t.local_shape, "");
+    require<ConfigError>(numel == 0 || b.data != nullptr, what, "data is null but the block has ",
+                         numel, " elements");
+    std::uint64_t const hash =
+        with_hash && numel > 0 ? ::moe::detail::fnv1a(b.data, std::size_t(numel * esz)) : 0;
+    j.push_back({b.name, dtype_name(dtype), t.global_shape, t.local_shape, t.offset, hash});
   }
   return j.dump();
 }

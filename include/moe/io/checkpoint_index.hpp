@@ -1,30 +1,15 @@
 #pragma once
 /// \file
-/// One step of a moe checkpoint on disk, and how it is checked before use: the step directory's
-/// name, its index.json (written, read) and the verification of the directory against the index
-/// and against the tensors a loader wants. No MPI: a tool can check a checkpoint offline.
-/// moe/io/checkpoint.hpp saves and loads whole checkpoints with it.
+/// One step of a checkpoint on disk (no MPI: a tool can check one offline): the step directory's
+/// name, its index.json and verify_checkpoint. "step_<N>" (N with at least 8 digits) holds
+/// model.safetensors (every global tensor, the saver's metadata as "__metadata__") and index.json,
+/// written last, so a directory without it is incomplete:
 ///
-/// A step directory "step_<N>" (N printed with at least 8 digits) holds:
+///     {"format": "moe-checkpoint", "version": 1, "step": N, "file": "model.safetensors",
+///      "bytes": <its size>, "sha256": "<its plain SHA-256, 64 lowercase hex digits>",
+///      "tensors": [{"name": "<name>", "dtype": "F32", "shape": [2, 3]}, ...]}  (sorted by name)
 ///
-///     model.safetensors   every global tensor, plus the saver's metadata as "__metadata__"
-///     index.json          written last, so a directory without it is incomplete:
-///
-///     {
-///       "format": "moe-checkpoint",
-///       "version": 1,
-///       "step": N,
-///       "file": "model.safetensors",
-///       "bytes": <size of model.safetensors>,
-///       "sha256": "<64 lowercase hex digits: the plain SHA-256 of model.safetensors>",
-///       "tensors": [
-///         {"name": "<name>", "dtype": "F32", "shape": [2, 3]},   (sorted by name)
-///         ...
-///       ]
-///     }
-///
-/// The text is deterministic (checkpoint_index_text); a reader accepts any JSON with these
-/// members (moe/io/json.hpp's parser, the one of the safetensors header).
+/// checkpoint_index_text writes it deterministically; a reader accepts any JSON with these members.
 
 #include <moe/error.hpp>
 #include <moe/io/json.hpp>
@@ -107,6 +92,7 @@ inline std::string checkpoint_index_text(std::int64_t step, std::uint64_t bytes,
 /// \throws moe::IoError with the reason (a missing file says the checkpoint is incomplete)
 inline CheckpointIndex read_checkpoint_index(std::string const& step_dir) {
   using detail::JsonValue;
+  using K = JsonValue::Kind;
   using ::moe::detail::cat;
   std::string const path = (std::filesystem::path(step_dir) / kCheckpointIndexFile).string();
   std::ifstream in(path, std::ios::binary);
@@ -116,8 +102,7 @@ inline CheckpointIndex read_checkpoint_index(std::string const& step_dir) {
   }
   std::string const text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   JsonValue const root = detail::JsonParser(text, cat(kCheckpointIndexFile, ": ")).parse_document();
-  auto member = [&](JsonValue const& obj, char const* key,
-                    JsonValue::Kind kind) -> JsonValue const& {
+  auto member = [&](JsonValue const& obj, char const* key, K kind) -> JsonValue const& {
     for (std::size_t i = 0; i < obj.keys.size(); ++i) {
       if (obj.keys[i] == key && obj.items[i].kind == kind) return obj.items[i];
     }
@@ -129,25 +114,22 @@ inline CheckpointIndex read_checkpoint_index(std::string const& step_dir) {
       throw IoError(cat(kCheckpointIndexFile, ": \"", what, "\" is not a non-negative integer"));
     return x;
   };
-  if (root.kind != JsonValue::Kind::Object)
-    throw IoError(cat(kCheckpointIndexFile, " is not an object"));
-  if (member(root, "format", JsonValue::Kind::String).text != "moe-checkpoint" ||
-      integer(member(root, "version", JsonValue::Kind::Number), "version") != 1) {
+  auto count = [&](char const* key) { return integer(member(root, key, K::Number), key); };
+  if (root.kind != K::Object) throw IoError(cat(kCheckpointIndexFile, " is not an object"));
+  if (member(root, "format", K::String).text != "moe-checkpoint" || count("version") != 1)
     throw IoError(cat(kCheckpointIndexFile, " is not a version 1 moe-checkpoint index"));
-  }
   CheckpointIndex ix;
-  ix.step = integer(member(root, "step", JsonValue::Kind::Number), "step");
-  ix.file = member(root, "file", JsonValue::Kind::String).text;
-  ix.bytes = integer(member(root, "bytes", JsonValue::Kind::Number), "bytes");
-  ix.sha256 = member(root, "sha256", JsonValue::Kind::String).text;
-  for (JsonValue const& t : member(root, "tensors", JsonValue::Kind::Array).items) {
-    if (t.kind != JsonValue::Kind::Object)
-      throw IoError(cat(kCheckpointIndexFile, ": bad tensor entry"));
+  ix.step = count("step");
+  ix.file = member(root, "file", K::String).text;
+  ix.bytes = count("bytes");
+  ix.sha256 = member(root, "sha256", K::String).text;
+  for (JsonValue const& t : member(root, "tensors", K::Array).items) {
+    if (t.kind != K::Object) throw IoError(cat(kCheckpointIndexFile, ": bad tensor entry"));
     CheckpointIndexEntry e;
-    e.name = member(t, "name", JsonValue::Kind::String).text;
-    if (!parse_dtype(member(t, "dtype", JsonValue::Kind::String).text, e.dtype))
+    e.name = member(t, "name", K::String).text;
+    if (!parse_dtype(member(t, "dtype", K::String).text, e.dtype))
       throw IoError(cat(kCheckpointIndexFile, ": tensor '", e.name, "' has an unknown dtype"));
-    for (JsonValue const& d : member(t, "shape", JsonValue::Kind::Array).items)
+    for (JsonValue const& d : member(t, "shape", K::Array).items)
       e.shape.push_back(integer(d, "shape"));
     ix.tensors.push_back(std::move(e));
   }

@@ -1,9 +1,7 @@
 #pragma once
 /// \file
-/// One writer per checkpoint directory: CheckpointDirLock, the exclusive lock a job holds on the
-/// directory it saves into, and the process-local lock under it (an fcntl lock on "<dir>/LOCK").
-/// save_checkpoint (moe/io/checkpoint.hpp) takes it for one save when the process does not hold
-/// it already. POSIX.
+/// One writer per checkpoint directory: CheckpointDirLock (collective) and the process-local
+/// detail::DirLock under it, an fcntl lock on "<dir>/LOCK". POSIX.
 
 #include <moe/comm/communicator.hpp>
 #include <moe/error.hpp>
@@ -37,8 +35,8 @@ namespace detail {
 /// The lock file of a checkpoint directory.
 inline constexpr char const* kLockFile = "LOCK";
 
-/// Seconds a lock held by another process is waited for before giving up: a job killed a moment
-/// ago may not have released it yet. A test hook (only rank 0 reads it).
+/// Seconds to wait for a lock held by another process (a job killed a moment ago may still hold
+/// it). A test hook (only rank 0 reads it).
 inline double& lock_wait_seconds() {
   static double seconds = 2.0;
   return seconds;
@@ -57,8 +55,7 @@ inline DirKey dir_key(std::string const& dir) {
   return {static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
 }
 
-/// A lock this process holds: the process (a forked child inherits the table, not the lock) and
-/// the path it was taken under.
+/// A lock this process holds (pid: a forked child inherits the table, not the lock).
 struct HeldLock {
   long pid = 0;
   std::string dir;
@@ -150,12 +147,10 @@ inline std::string describe_holder(std::string const& text, long lock_pid) {
   return "unknown: LOCK names no holder";
 }
 
-/// \brief The exclusive lock of a checkpoint directory, held by this process (rank-local): an
-/// fcntl write lock on all of "<dir>/LOCK", whose text names the holder. The kernel drops it when
-/// the process ends, however it ends, so a dead job leaves no stale lock. Closing *any*
-/// descriptor of the file drops an fcntl lock: LOCK is opened nowhere else (see HeldLocks for a
-/// second lock by the same process). Never delete LOCK while a job runs: a new LOCK is another
-/// file, which a second job could lock.
+/// \brief The exclusive lock of a checkpoint directory held by this process: an fcntl write lock
+/// on all of "<dir>/LOCK", whose text names the holder; the kernel drops it when the process dies.
+/// Closing *any* descriptor of the file drops an fcntl lock, so LOCK is opened nowhere else. Never
+/// delete LOCK while a job runs: a new LOCK is another file, which a second job could lock.
 class DirLock {
  public:
   DirLock() = default;
@@ -195,8 +190,7 @@ class DirLock {
       int const e = errno;
       if (e == EINTR) continue;
       if (e != EACCES && e != EAGAIN) {
-        // ENOLCK, EOPNOTSUPP, ...: the file system keeps no locks. Not fatal (checkpoints still
-        // work), but nothing keeps a second job out; said once per directory and process.
+        // ENOLCK, EOPNOTSUPP, ...: no locks on this file system; warned once per directory.
         static std::set<DirKey> warned;
         if (warned.insert(key).second) {
           warn(cat("cannot lock '", path, "' (", std::strerror(e), "): this file system keeps no ",
@@ -208,8 +202,7 @@ class DirLock {
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
         continue;
       }
-      // Held by another process: read who (the same descriptor; this process holds no lock on
-      // the file, so closing it drops nothing).
+      // Held by another process: read who (closing fd drops nothing: this process holds none).
       std::string text(4096, '\0');
       ssize_t const got = ::pread(fd, &text[0], text.size(), 0);
       text.resize(got > 0 ? static_cast<std::size_t>(got) : 0);
@@ -265,36 +258,23 @@ class DirLock {
 
 }  // namespace detail
 
-/// \brief One writer per checkpoint directory: the exclusive lock a job takes on the directory it
-/// will save into, held for as long as the object lives (normally the job's lifetime).
+/// \brief One writer per checkpoint directory: the lock a job takes on the directory it saves
+/// into, held while the object lives. Collective: creates the directory when missing, then rank 0
+/// takes detail::DirLock and writes its identity into LOCK (hostname, pid, start time in UTC, the
+/// batch job id, the command line). Another holder (after a grace of lock_wait_seconds(), 2 s)
+/// makes every rank throw the same moe::IoError naming it; a lock this process holds already (by
+/// any path), moe::ConfigError. release() or the destructor empties LOCK; the file stays.
 ///
-/// Collective. Creates the directory when missing (as save_checkpoint does), then rank 0 takes an
-/// fcntl write lock on "<dir>/LOCK" (detail::DirLock) and writes its identity into it (hostname,
-/// pid, start time in UTC, the batch job id when SLURM_JOB_ID, PBS_JOBID, LSB_JOBID, FLUX_JOB_ID
-/// or JOB_ID is set, and the command line). When another process holds it (after a grace of
-/// detail::lock_wait_seconds(), 2 s, for a job killed a moment ago), every rank throws the
-/// same moe::IoError, "checkpoint_dir '<dir>' is in use by another job (hostname=..., pid=...,
-/// since=..., command=...); two jobs must not share a checkpoint directory: ...", before the job
-/// has read or written anything there; when this process already holds it (by any path),
-/// moe::ConfigError. A normal end (or release()) empties LOCK; the file stays.
-///
-/// Who takes it: a job that will save into the directory, before it resumes from it (train_moe
-/// does), so that it never loads a checkpoint another job is rotating away. save_checkpoint takes
-/// it for one save when this process does not hold it, but only a lock held for the whole job
-/// keeps another job from pruning checkpoints between saves. load_latest_checkpoint takes none: a
-/// read-only use never sees a partial checkpoint, but a writer's retention may remove the one it
-/// reads (it is then skipped with a message, or the load fails).
-///
-/// fcntl locks depend on the file system: local file systems and NFS (v4, or v3 with lockd) keep
-/// them across hosts; where one keeps none (some FUSE or Lustre mounts), a warning on stderr says
-/// so, and nothing stops a second job. A forked child does not inherit the lock.
+/// A job takes it before it resumes, so that it never loads a checkpoint another job is rotating
+/// away; save_checkpoint takes it for one save only. load_latest_checkpoint takes none. Where the
+/// file system keeps no fcntl locks (some FUSE or Lustre mounts), a warning says so and nothing
+/// stops a second job. A forked child does not inherit the lock.
 class CheckpointDirLock {
  public:
   /// Holds nothing.
   CheckpointDirLock() = default;
 
-  /// Collective: locks \p dir (the same on every rank) for this job. Throws the same moe::IoError
-  /// or moe::ConfigError on every rank (see the class comment).
+  /// Collective: locks \p dir (the same on every rank); see the class comment for the errors.
   CheckpointDirLock(moe::comm::Communicator const& comm, std::string const& dir) : dir_(dir) {
     moe::comm::collective_guard(comm, [&] {
       moe::detail::require<ConfigError>(!dir.empty(),

@@ -1,16 +1,10 @@
 #pragma once
 /// \file
-/// JSON in moe/io (namespace moe::io::detail; host-only), on nlohmann-json (Debian
-/// `nlohmann-json3-dev`; `find_package(moe)` finds it): a strict reader (JsonParser -> JsonValue)
-/// shared by the safetensors header and the checkpoint index, json_to_int64, append_json_string
-/// and valid_utf8.
-///
-/// nlohmann-json's SAX interface does the lexing (RFC 8259, UTF-8 checked, no stack recursion);
-/// the handler here adds what a file format from an untrusted source needs on top: duplicate
-/// object keys are rejected, nesting is limited to 64 levels, a byte-order mark is refused,
-/// numbers keep their exact value (integers as their decimal text, so a 64-bit offset is never
-/// rounded through a double), and every error is a moe::IoError that says what and at which
-/// byte.
+/// JSON in moe/io (host-only) on nlohmann-json: the strict reader (JsonParser -> JsonValue) of the
+/// safetensors header and the checkpoint index, and helpers. nlohmann-json's SAX interface lexes
+/// (RFC 8259, UTF-8 checked, no recursion); on top, for untrusted files: duplicate keys are
+/// rejected, nesting is limited to 64 levels, no byte-order mark, integers keep their exact
+/// decimal text (never rounded through a double), and errors are IoErrors naming the byte.
 
 #include <moe/error.hpp>
 
@@ -66,9 +60,8 @@ inline char const* json_kind_name(JsonValue::Kind k) {
   return names[static_cast<int>(k)];
 }
 
-/// The SAX handler behind JsonParser: builds the JsonValue tree and stops at the first duplicate
-/// key or at nesting beyond kMaxDepth (nlohmann-json's parser stops when a callback returns
-/// false).
+/// The SAX handler behind JsonParser: builds the JsonValue tree; returning false stops the parse
+/// (a duplicate key, nesting beyond kMaxDepth).
 class JsonTreeBuilder {
  public:
   static constexpr int kMaxDepth = 64;
@@ -163,9 +156,7 @@ class JsonTreeBuilder {
   std::string pending_key_;
 };
 
-/// The input iterator JsonParser hands nlohmann-json: a char pointer that records how far the
-/// lexer has read, so that an error the handler raises (which nlohmann-json does not locate) can
-/// name its byte too.
+/// A char iterator recording how far nlohmann-json has read, to locate errors the handler raises.
 struct CountingCharIterator {
   using iterator_category = std::input_iterator_tag;
   using value_type = char;

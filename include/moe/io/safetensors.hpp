@@ -1,9 +1,7 @@
 #pragma once
 /// \file
-/// Reading and writing safetensors files: named, row-major, little-endian tensors behind a JSON
-/// header. This is the on-disk format of the tools' cases, results, weights and checkpoints.
-///
-/// Layout of a file:
+/// Reading and writing safetensors files (host-only; safetensors_view.hpp copies to and from
+/// Views):
 ///
 ///     [8 bytes]  N, a little-endian uint64: the length of the header
 ///     [N bytes]  UTF-8 JSON object, padded with spaces:
@@ -11,12 +9,8 @@
 ///                 "name": {"dtype": "F32", "shape": [2, 3], "data_offsets": [begin, end]}, ...}
 ///     [rest]     the data buffer; offsets are relative to its first byte
 ///
-/// Reading validates the whole header (and says which file, which tensor and which rule is broken)
-/// before any tensor is used. Writing is deterministic (tensors in sorted name order, header padded
-/// to a multiple of 8 bytes) and atomic (temporary file, fsync, rename, fsync of the directory).
-///
-/// Host-only (moe/io/safetensors_view.hpp copies tensors to and from Kokkos Views); the header is
-/// read by the strict parser of moe/io/json.hpp. POSIX is required for the atomic write.
+/// Reading validates the whole header first (with the strict parser of json.hpp); writing is
+/// deterministic and atomic (atomic_write.hpp).
 
 #include <moe/detail/text.hpp>
 #include <moe/error.hpp>
@@ -52,13 +46,8 @@ class File {
   /// String metadata ("__metadata__" in the header).
   std::map<std::string, std::string> metadata;
 
-  /// Reads and validates \p path. Throws IoError naming the file, the tensor and the broken rule
-  /// for: a file shorter than 8 bytes, a header length beyond the file or above kMaxHeaderBytes,
-  /// a header that is not a JSON object, an entry without dtype/shape/data_offsets or with an
-  /// unknown key, an unsupported dtype, negative or non-integer dimensions, a shape whose product
-  /// overflows, data_offsets that are not [begin, end] with begin <= end, a byte range beyond the
-  /// data buffer (truncated file), a byte range whose size is not numel * dtype size, overlapping
-  /// tensors, non-string metadata values.
+  /// Reads and validates \p path: any broken rule of the format (a truncated file, a bad entry,
+  /// sizes that disagree, overlapping tensors, ...) throws IoError naming the file and the tensor.
   static File read(std::string const& path);
 
   /// Writes the file atomically (see write_atomic). Deterministic: tensors in sorted name order,
@@ -139,17 +128,14 @@ inline File File::read(std::string const& path) {
   using detail::JsonValue;
   std::string const file = cat("safetensors file '", path, "'");
 
+  auto cannot_read = [&](std::string const& why) {
+    return IoError(cat("cannot read ", file, ": ", why));
+  };
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    int const e = errno;
-    throw IoError(cat("cannot read ", file, ": ", std::strerror(e)));
-  }
-  if (!S_ISREG(st.st_mode)) throw IoError(cat("cannot read ", file, ": not a regular file"));
+  if (::stat(path.c_str(), &st) != 0) throw cannot_read(std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) throw cannot_read("not a regular file");
   std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    int const e = errno;
-    throw IoError(cat("cannot read ", file, ": ", std::strerror(e)));
-  }
+  if (!in) throw cannot_read(std::strerror(errno));
   std::uint64_t const file_size = static_cast<std::uint64_t>(st.st_size);
   if (file_size < 8) {
     throw IoError(cat(file, " is ", file_size,

@@ -1,9 +1,7 @@
 #pragma once
 /// \file
-/// A named tensor as moe writes it to disk: element types (safetensors' names "F32", "F64",
-/// "BF16", "F16", "I32", "I64"), a row-major shape and little-endian bytes, with checked
-/// conversions to and from C++ element types (bfloat16 as moe::bf16, moe/bf16.hpp; half through
-/// float). Host only; moe/io/safetensors.hpp stores these in files.
+/// A tensor as moe writes it to disk (host only; safetensors.hpp stores these in files): dtype,
+/// row-major shape and little-endian bytes, with checked conversions to and from C++ types.
 
 #include <moe/bf16.hpp>
 #include <moe/detail/text.hpp>
@@ -56,8 +54,6 @@ inline bool parse_dtype(std::string const& name, DType& out) {
 namespace detail {
 
 using ::moe::detail::cat;
-
-// ---- element types ---------------------------------------------------------------------------
 
 /// The DType that stores T as an int: 32/64-bit IEEE floats, moe::bf16 and 32/64-bit signed
 /// integers (any spelling: int, long, long long, ...); -1 for other types.
@@ -153,26 +149,12 @@ inline std::int64_t checked_numel(std::vector<std::int64_t> const& shape,
   return n;
 }
 
-/// Whether the integer \p v is representable as the integer type T.
+/// Whether the signed integer \p v is representable as the integer type T (min() is 0 if unsigned).
 template <class T, class S>
 bool int_fits(S v) {
-  static_assert(std::is_integral<S>::value && std::is_signed<S>::value, "source is signed");
-  if (v < 0) {
-    if constexpr (!std::is_signed<T>::value) {
-      return false;
-    } else {
-      return static_cast<std::intmax_t>(v) >=
-             static_cast<std::intmax_t>(std::numeric_limits<T>::min());
-    }
-  }
-  return static_cast<std::uintmax_t>(v) <=
-         static_cast<std::uintmax_t>(std::numeric_limits<T>::max());
-}
-
-/// Element i of a 16-bit floating tensor as a float (exact).
-inline float load_16(unsigned char const* src, std::size_t i, DType d) {
-  std::uint16_t const b = load_le<std::uint16_t>(src + 2 * i);
-  return d == DType::BF16 ? moe::detail::bf16_to_float(b) : moe::detail::half_bits_to_float(b);
+  using L = std::numeric_limits<T>;
+  return v < 0 ? static_cast<std::intmax_t>(v) >= static_cast<std::intmax_t>(L::min())
+               : static_cast<std::uintmax_t>(v) <= static_cast<std::uintmax_t>(L::max());
 }
 
 /// Converts \p n elements of type S stored little-endian at \p src into \p out (S = uint16_t for
@@ -182,7 +164,9 @@ void convert_elements(unsigned char const* src, std::size_t n, DType d, std::vec
   out.resize(n);
   for (std::size_t i = 0; i < n; ++i) {
     if constexpr (std::is_same<S, std::uint16_t>::value) {
-      out[i] = static_cast<T>(load_16(src, i, d));
+      std::uint16_t const b = load_le<std::uint16_t>(src + 2 * i);
+      out[i] = static_cast<T>(d == DType::BF16 ? moe::detail::bf16_to_float(b)
+                                               : moe::detail::half_bits_to_float(b));
     } else if constexpr (std::is_floating_point<T>::value || std::is_same<T, moe::bf16>::value) {
       out[i] = static_cast<T>(load_le<S>(src + i * sizeof(S)));
     } else if constexpr (std::is_integral<S>::value) {
@@ -200,16 +184,12 @@ void convert_elements(unsigned char const* src, std::size_t n, DType d, std::vec
 
 }  // namespace detail
 
-// ---- Tensor ----------------------------------------------------------------------------------
-
-/// \brief One named entry of a safetensors file: dtype, row-major shape and little-endian bytes.
-///
-/// A scalar has shape {} (one element); a tensor with a zero dimension has no bytes.
+/// \brief One named entry of a safetensors file. A scalar has shape {} (one element); a tensor
+/// with a zero dimension has no bytes.
 struct Tensor {
   DType dtype = DType::F32;
   std::vector<std::int64_t> shape;
-  std::vector<unsigned char>
-      bytes;  ///< numel() * dtype_size(dtype) bytes, little-endian, row-major
+  std::vector<unsigned char> bytes;  ///< numel() * dtype_size(dtype), little-endian, row-major
 
   /// Number of elements (1 for a scalar). Throws IoError on a negative dimension or overflow.
   std::int64_t numel() const { return detail::checked_numel(shape, ""); }
@@ -247,24 +227,17 @@ struct Tensor {
                                 "float or double)"));
     }
     std::vector<T> out;
-    switch (dtype) {
-      case DType::F32:
-        detail::convert_elements<float>(bytes.data(), n, dtype, out);
-        break;
-      case DType::F64:
-        detail::convert_elements<double>(bytes.data(), n, dtype, out);
-        break;
-      case DType::I32:
-        detail::convert_elements<std::int32_t>(bytes.data(), n, dtype, out);
-        break;
-      case DType::I64:
-        detail::convert_elements<std::int64_t>(bytes.data(), n, dtype, out);
-        break;
-      case DType::BF16:
-      case DType::F16:
-        detail::convert_elements<std::uint16_t>(bytes.data(), n, dtype, out);
-        break;
-    }
+    unsigned char const* const src = bytes.data();
+    if (dtype == DType::F32)
+      detail::convert_elements<float>(src, n, dtype, out);
+    else if (dtype == DType::F64)
+      detail::convert_elements<double>(src, n, dtype, out);
+    else if (dtype == DType::I32)
+      detail::convert_elements<std::int32_t>(src, n, dtype, out);
+    else if (dtype == DType::I64)
+      detail::convert_elements<std::int64_t>(src, n, dtype, out);
+    else  // BF16, F16
+      detail::convert_elements<std::uint16_t>(src, n, dtype, out);
     return out;
   }
 

@@ -1,8 +1,6 @@
 #pragma once
 /// \file
-/// Internals of moe/io/checkpoint.hpp: the file-system steps of a save (directory creation and
-/// fsync, installing a finished step with an atomic rename or exchange, retention of the last
-/// checkpoints, removal of leftovers) and the listing of the step directories a load tries.
+/// Internals of moe/io/checkpoint.hpp: the file-system steps of a save and the listing of steps.
 /// POSIX; Linux for renameat2(RENAME_EXCHANGE).
 
 #include <moe/error.hpp>
@@ -31,10 +29,9 @@ namespace moe::io::detail {
 
 namespace fs = std::filesystem;
 
-/// Test hooks at the points of a save ("tmp_made", "gathered", "model_written", "index_written",
-/// "installed", "retention"), run by rank 0: it ends with _exit(86) at the point named by the
-/// environment variable MOE_CHECKPOINT_TEST_CRASH (a killed job), and throws the IoError a failed
-/// write would at the point named by MOE_CHECKPOINT_TEST_FAIL (an error path).
+/// Test hook at a named point of a save (run by rank 0): _exit(86) there when
+/// MOE_CHECKPOINT_TEST_CRASH names it (a killed job), an IoError when MOE_CHECKPOINT_TEST_FAIL
+/// does.
 inline void crash_point(char const* name) {
   char const* want = std::getenv("MOE_CHECKPOINT_TEST_CRASH");
   if (want && std::strcmp(want, name) == 0) ::_exit(86);
@@ -58,8 +55,7 @@ inline void remove_or_warn(std::string const& path, char const* what = "cannot r
   if (ec) warn(cat(what, path, "': ", ec.message()));
 }
 
-/// The temporary directory of a save (set path once made), removed with everything in it when
-/// the save ends by an exception, whatever step failed (dismiss() once it is installed).
+/// The temporary directory of a save (path set once made), removed when the save fails.
 struct TempDir {
   std::string path;
   TempDir() = default;
@@ -73,8 +69,7 @@ struct TempDir {
   void dismiss() { path.clear(); }
 };
 
-/// "<dir>/.<prefix><name>.<pid>": a hidden entry of this process's save (".tmp_step_*",
-/// ".trash_step_*"), never read as a checkpoint.
+/// "<dir>/.<prefix><name>.<pid>": a hidden entry of this process's save, never read.
 inline std::string hidden_path(std::string const& dir, char const* prefix,
                                std::string const& name) {
   return join(dir, cat(".", prefix, name, ".", static_cast<long>(::getpid())));
