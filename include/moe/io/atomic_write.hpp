@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fcntl.h>
@@ -72,42 +73,29 @@ inline void write_atomic(std::string const& link, std::vector<ByteSpan> const& p
   std::string const tmp = cat(path, ".tmp.", static_cast<long>(::getpid()));
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
   if (fd < 0) {
-    int const e = errno;
     throw IoError(cat("cannot write '", path, "': cannot create the temporary file '", tmp,
-                      "': ", std::strerror(e)));
+                      "': ", std::strerror(errno)));
   }
-  auto fail = [&](std::string const& step, int e) {
+  // Takes errno as an argument, before any allocation could change it.
+  auto fail = [&](int e, auto const&... step) {
     if (fd >= 0) ::close(fd);
     ::unlink(tmp.c_str());
-    throw IoError(cat("cannot write '", path, "': ", step, " failed: ", std::strerror(e)));
+    throw IoError(cat("cannot write '", path, "': ", step..., " failed: ", std::strerror(e)));
   };
   for (ByteSpan const& piece : pieces) {
     auto const* p = static_cast<unsigned char const*>(piece.data);
     std::size_t left = piece.size;
     while (left > 0) {
-      std::size_t const chunk = std::min<std::size_t>(left, std::size_t{1} << 30);
-      ssize_t const w = ::write(fd, p, chunk);
-      if (w < 0) {
-        int const e = errno;
-        if (e == EINTR) continue;
-        fail(cat("writing '", tmp, "'"), e);
-      }
+      ssize_t const w = ::write(fd, p, std::min<std::size_t>(left, std::size_t{1} << 30));
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) fail(errno, "writing '", tmp, "'");
       p += w;
       left -= static_cast<std::size_t>(w);
     }
   }
-  if (::fsync(fd) != 0) {
-    int const e = errno;
-    fail(cat("fsync of '", tmp, "'"), e);
-  }
-  int const closed = ::close(fd);
-  int const close_errno = errno;
-  fd = -1;
-  if (closed != 0) fail(cat("closing '", tmp, "'"), close_errno);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    int const e = errno;
-    fail(cat("renaming '", tmp, "' to '", path, "'"), e);
-  }
+  if (::fsync(fd) != 0) fail(errno, "fsync of '", tmp, "'");
+  if (::close(std::exchange(fd, -1)) != 0) fail(errno, "closing '", tmp, "'");
+  if (::rename(tmp.c_str(), path.c_str()) != 0) fail(errno, "renaming '", tmp, "' to '", path, "'");
   std::size_t const slash = path.find_last_of('/');
   std::string const dir =
       slash == std::string::npos ? std::string(".") : (slash == 0 ? "/" : path.substr(0, slash));

@@ -38,8 +38,6 @@ namespace moe::io {
 /// Largest header moe accepts (the reference implementation uses the same limit).
 inline constexpr std::uint64_t kMaxHeaderBytes = 100'000'000;
 
-// ---- File ------------------------------------------------------------------------------------
-
 /// \brief The tensors of a safetensors file by name (kept sorted), plus its string metadata.
 class File {
  public:
@@ -60,21 +58,19 @@ class File {
   /// The tensor \p name; throws IoError naming the file and the tensor when there is none.
   Tensor const& at(std::string const& name) const {
     auto it = tensors_.find(name);
-    if (it == tensors_.end()) {
-      std::string have;
-      std::size_t shown = 0;
-      for (auto const& kv : tensors_) {
-        if (shown == 16) {
-          have += ", ...";
-          break;
-        }
-        have += (shown++ ? ", " : "") + kv.first;
+    if (it != tensors_.end()) return it->second;
+    std::string have;
+    std::size_t shown = 0;
+    for (auto const& kv : tensors_) {
+      if (shown == 16) {
+        have += ", ...";
+        break;
       }
-      throw IoError(detail::cat(
-          where(), " has no tensor '", name, "'",
-          tensors_.empty() ? " (it has no tensors)" : detail::cat(" (it has: ", have, ")")));
+      have += (shown++ ? ", " : "") + kv.first;
     }
-    return it->second;
+    throw IoError(detail::cat(
+        where(), " has no tensor '", name, "'",
+        tensors_.empty() ? " (it has no tensors)" : detail::cat(" (it has: ", have, ")")));
   }
 
   /// at(name).to_vector<T>(), with the file and the tensor named in any error.

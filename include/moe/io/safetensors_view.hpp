@@ -41,13 +41,11 @@ void for_each_row_major(V const& v, F&& f) {
 }
 
 /// The extents of a View of any rank (0 included) as a shape.
-template <class V, std::size_t... I>
-std::vector<std::int64_t> view_shape(V const& v, std::index_sequence<I...>) {
-  return {static_cast<std::int64_t>(v.extent(I))...};
-}
 template <class V>
 std::vector<std::int64_t> view_shape(V const& v) {
-  return view_shape(v, std::make_index_sequence<static_cast<std::size_t>(V::rank)>());
+  std::vector<std::int64_t> shape(static_cast<std::size_t>(V::rank));
+  for (std::size_t d = 0; d < shape.size(); ++d) shape[d] = static_cast<std::int64_t>(v.extent(d));
+  return shape;
 }
 
 template <class V, std::size_t... I>

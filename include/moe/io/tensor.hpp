@@ -40,13 +40,10 @@ inline bool is_floating(DType d) { return d != DType::I32 && d != DType::I64; }
 
 /// Parses a safetensors dtype name; false when \p name is not one moe supports.
 inline bool parse_dtype(std::string const& name, DType& out) {
-  static constexpr DType all[] = {DType::F32, DType::F64,  DType::I32,
-                                  DType::I64, DType::BF16, DType::F16};
-  for (DType d : all) {
-    if (name == dtype_name(d)) {
-      out = d;
-      return true;
-    }
+  for (DType d : {DType::F32, DType::F64, DType::I32, DType::I64, DType::BF16, DType::F16}) {
+    if (name != dtype_name(d)) continue;
+    out = d;
+    return true;
   }
   return false;
 }
@@ -97,11 +94,10 @@ inline bool host_is_little_endian() {
 /// Reads a T stored little-endian at \p p.
 template <class T>
 T load_le(unsigned char const* p) {
-  unsigned char buf[sizeof(T)];
-  std::memcpy(buf, p, sizeof(T));
-  if (!host_is_little_endian()) std::reverse(buf, buf + sizeof(T));
   T v;
-  std::memcpy(&v, buf, sizeof(T));
+  std::memcpy(&v, p, sizeof(T));
+  auto* const b = reinterpret_cast<unsigned char*>(&v);
+  if (!host_is_little_endian()) std::reverse(b, b + sizeof(T));
   return v;
 }
 

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <string>
 #include <system_error>
@@ -98,9 +99,7 @@ inline std::vector<std::pair<std::int64_t, std::string>> list_steps(std::string 
     throw IoError(
         cat("checkpoint: cannot list the checkpoint directory '", dir, "': ", ec.message()));
   }
-  std::sort(out.begin(), out.end(), [](auto const& a, auto const& b) {
-    return a.first != b.first ? a.first > b.first : a.second > b.second;
-  });
+  std::sort(out.begin(), out.end(), std::greater<>());  // by step, then path
   return out;
 }
 
