@@ -55,11 +55,15 @@ inline DirKey dir_key(std::string const& dir) {
   return {static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
 }
 
-/// A lock this process holds (pid: a forked child inherits the table, not the lock).
+/// A lock this process holds (pid: a forked child inherits it and the table, not the lock); the
+/// destructor unlocks.
 struct HeldLock {
+  int fd = -1;          ///< the open LOCK file the lock is on
+  bool locked = false;  ///< false where the file system keeps no locks (see the warning)
   long pid = 0;
-  std::string dir;
-  int fd = -1;  ///< the open LOCK file the lock is on
+  DirKey key{};
+  std::string dir;  ///< the path it was taken under
+  ~HeldLock();
 };
 
 /// The directories whose lock this process holds (fcntl locks belong to the process: a second
@@ -67,18 +71,31 @@ struct HeldLock {
 /// that guards the table.
 struct HeldLocks {
   std::mutex mutex;
-  std::map<DirKey, HeldLock> table;
+  std::map<DirKey, HeldLock const*> table;
 
   /// This process's entry for \p key, or null; the caller holds the mutex.
   HeldLock const* find(DirKey const& key) const {
     auto const it = table.find(key);
-    bool const mine = it != table.end() && it->second.pid == static_cast<long>(::getpid());
-    return mine ? &it->second : nullptr;
+    bool const mine = it != table.end() && it->second->pid == static_cast<long>(::getpid());
+    return mine ? it->second : nullptr;
   }
 };
 inline HeldLocks& held_locks() {
   static HeldLocks locks;
   return locks;
+}
+
+inline HeldLock::~HeldLock() {
+  if (pid == static_cast<long>(::getpid())) {  // not in a forked child, which holds nothing
+    {
+      std::lock_guard<std::mutex> const guard(held_locks().mutex);
+      if (held_locks().find(key)) held_locks().table.erase(key);
+    }
+    if (locked && ::ftruncate(fd, 0) != 0) {
+      // the lock goes anyway; the text of an unlocked LOCK means nothing
+    }
+  }
+  ::close(fd);
 }
 
 /// Whether this process holds the lock of \p dir (an existing directory). When it does, throws
@@ -222,8 +239,8 @@ class DirLock {
           ::ftruncate(fd, 0) == 0 && ::pwrite(fd, identity.data(), identity.size(), 0) == size;
       if (!written) warn(cat("cannot write the holder into '", path, "': ", std::strerror(errno)));
     }
-    held_.reset(new Held{fd, locked, self, key});
-    held_locks().table[key] = HeldLock{self, dir, fd};
+    held_.reset(new HeldLock{fd, locked, self, key, dir});
+    held_locks().table[key] = held_.get();
   }
 
   /// Whether this object holds a lock (false once released or moved from).
@@ -233,27 +250,7 @@ class DirLock {
   void release() noexcept { held_.reset(); }
 
  private:
-  /// A lock taken; its destructor unlocks.
-  struct Held {
-    int fd = -1;
-    bool locked = false;  ///< false where the file system keeps no locks (see the warning)
-    long pid = 0;
-    DirKey key{};
-
-    ~Held() {
-      if (pid == static_cast<long>(::getpid())) {  // not in a forked child, which holds nothing
-        {
-          std::lock_guard<std::mutex> const guard(held_locks().mutex);
-          if (held_locks().find(key)) held_locks().table.erase(key);
-        }
-        if (locked && ::ftruncate(fd, 0) != 0) {
-          // the lock goes anyway; the text of an unlocked LOCK means nothing
-        }
-      }
-      ::close(fd);
-    }
-  };
-  std::unique_ptr<Held> held_;
+  std::unique_ptr<HeldLock> held_;
 };
 
 }  // namespace detail

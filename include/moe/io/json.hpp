@@ -68,9 +68,8 @@ class JsonTreeBuilder {
   using json = nlohmann::json;
 
   JsonValue root;
-  std::string error;         ///< why parsing stopped ("" if it did not)
-  std::size_t error_at = 0;  ///< byte offset of a syntax error (located == true)
-  bool located = false;      ///< whether nlohmann-json located the error (a syntax error)
+  std::string error;                         ///< why parsing stopped ("" if it did not)
+  std::size_t error_at = std::string::npos;  ///< byte offset of a syntax error (npos: not located)
 
   bool null() { return leaf(JsonValue::Kind::Null); }
   bool boolean(bool b) { return leaf(JsonValue::Kind::Bool, {}, b); }
@@ -92,7 +91,6 @@ class JsonTreeBuilder {
   bool parse_error(std::size_t position, std::string const& /*last_token*/,
                    json::exception const& e) {
     error_at = position > 0 ? position - 1 : 0;
-    located = true;
     error = describe(e.what());
     return false;
   }
@@ -115,31 +113,28 @@ class JsonTreeBuilder {
     return false;
   }
   bool number(std::string text) { return leaf(JsonValue::Kind::Number, std::move(text)); }
-  /// Places v in the open container (under the pending key in an object), or as the root.
-  JsonValue* place(JsonValue v) {
-    if (stack_.empty()) {
-      root = std::move(v);
-      return &root;
+  /// A new value of \p kind: the root, or the last of the open container (under the pending key
+  /// in an object).
+  JsonValue* place(JsonValue::Kind kind) {
+    JsonValue* v = &root;
+    if (!stack_.empty()) {
+      JsonValue& parent = *stack_.back();
+      if (parent.kind == JsonValue::Kind::Object) parent.keys.push_back(std::move(pending_key_));
+      v = &parent.items.emplace_back();
     }
-    JsonValue& parent = *stack_.back();
-    if (parent.kind == JsonValue::Kind::Object) parent.keys.push_back(std::move(pending_key_));
-    parent.items.push_back(std::move(v));
-    return &parent.items.back();
+    v->kind = kind;
+    return v;
   }
   bool leaf(JsonValue::Kind kind, std::string text = {}, bool b = false) {
-    JsonValue v;
-    v.kind = kind;
-    v.boolean = b;
-    v.text = std::move(text);
-    place(std::move(v));
+    JsonValue* const v = place(kind);
+    v->boolean = b;
+    v->text = std::move(text);
     return true;
   }
   bool open(JsonValue::Kind kind) {
     if (int(stack_.size()) >= kMaxDepth)
       return stop(cat("nesting deeper than ", kMaxDepth, " levels"));
-    JsonValue v;
-    v.kind = kind;
-    stack_.push_back(place(std::move(v)));
+    stack_.push_back(place(kind));
     keys_.emplace_back();
     return true;
   }
@@ -204,8 +199,9 @@ class JsonParser {
     bool const ok =
         nlohmann::json::sax_parse(first, last, &h, nlohmann::json::input_format_t::json, true);
     if (ok) return std::move(h.root);
-    if (h.error.empty()) fail("invalid JSON", read > 0 ? read - 1 : 0);
-    fail(h.error, h.located ? h.error_at : (read > 0 ? read - 1 : 0));
+    std::size_t const last_read = read > 0 ? read - 1 : 0;
+    if (h.error.empty()) fail("invalid JSON", last_read);
+    fail(h.error, h.error_at != std::string::npos ? h.error_at : last_read);
   }
 
  private:
