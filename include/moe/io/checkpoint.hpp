@@ -160,11 +160,8 @@ inline std::map<std::string, TensorSpec> tensor_specs(std::vector<std::vector<De
   std::map<std::string, TensorSpec> specs;
   for (auto const& rank_descs : all) {
     for (Desc const& d : rank_descs) {
-      auto it = specs.find(d.name);
-      if (it == specs.end()) {
-        specs.emplace(d.name, TensorSpec{d.dtype, d.global, d.rank});
-        continue;
-      }
+      auto const [it, added] = specs.emplace(d.name, TensorSpec{d.dtype, d.global, d.rank});
+      if (added) continue;
       TensorSpec const& s = it->second;
       require<ConfigError>(s.dtype == d.dtype && s.global == d.global, "checkpoint: tensor '",
                            d.name, "' is ", dtype_name(s.dtype), " ", shape_text(s.global),
@@ -179,8 +176,7 @@ inline std::map<std::string, TensorSpec> tensor_specs(std::vector<std::vector<De
 /// One tensor to save: its dtype and global shape, and the pieces it is assembled from.
 struct TensorPlan {
   TensorSpec spec;
-  /// Disjoint blocks covering the tensor, each the description of the rank that sends it (the
-  /// lowest holding it).
+  /// Disjoint blocks covering the tensor, each described by the lowest rank holding it.
   std::vector<Desc const*> pieces;
 };
 
@@ -244,11 +240,7 @@ inline void copy_box(unsigned char* global, std::vector<std::int64_t> const& gsh
     std::int64_t g = 0;  // the row's first element in the global tensor
     for (std::size_t a = 0; a < n; ++a) g = g * gshape[a] + offset[a] + idx[a];
     unsigned char* const at = global + static_cast<std::size_t>(g) * esz;
-    if (to_global) {
-      std::memcpy(at, local, row);
-    } else {
-      std::memcpy(local, at, row);
-    }
+    std::memcpy(to_global ? at : local, to_global ? local : at, row);
     std::size_t a = n > 0 ? n - 1 : 0;  // next row: count up over the axes before the last
     while (a-- > 0 && ++idx[a] == lshape[a]) idx[a] = 0;
   }

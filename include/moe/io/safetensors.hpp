@@ -203,29 +203,27 @@ inline File File::read(std::string const& path) {
     for (std::size_t f = 0; f < 3; ++f) {
       if (!fields[f]) throw IoError(cat(ctx, "entry has no \"", kFields[f], "\""));
     }
-    JsonValue const* const dtype = fields[0];
-    JsonValue const* const shape = fields[1];
-    JsonValue const* const offsets = fields[2];
+    JsonValue const &dtype = *fields[0], &shape = *fields[1], &offsets = *fields[2];
 
     Entry e;
     e.name = name;
-    expect(*dtype, JsonValue::Kind::String, ctx + "dtype", "; it must be a string");
-    if (!parse_dtype(dtype->text, e.tensor.dtype)) {
+    expect(dtype, JsonValue::Kind::String, ctx + "dtype", "; it must be a string");
+    if (!parse_dtype(dtype.text, e.tensor.dtype)) {
       static char const* const known[] = {"BOOL", "U8",  "I8",  "F8_E5M2", "F8_E4M3",
                                           "I16",  "U16", "U32", "U64"};
       bool const is_known =
-          std::find(std::begin(known), std::end(known), dtype->text) != std::end(known);
-      throw IoError(cat(ctx, is_known ? "unsupported dtype '" : "unknown dtype '", dtype->text,
+          std::find(std::begin(known), std::end(known), dtype.text) != std::end(known);
+      throw IoError(cat(ctx, is_known ? "unsupported dtype '" : "unknown dtype '", dtype.text,
                         "' (moe reads F32, F64, BF16, F16, I32 and I64)"));
     }
-    expect(*shape, JsonValue::Kind::Array, ctx + "shape", "; it must be an array of integers");
-    for (std::size_t a = 0; a < shape->items.size(); ++a) {
+    expect(shape, JsonValue::Kind::Array, ctx + "shape", "; it must be an array of integers");
+    for (std::size_t a = 0; a < shape.items.size(); ++a) {
       std::int64_t d = 0;
-      if (!detail::json_to_int64(shape->items[a], d)) {
+      if (!detail::json_to_int64(shape.items[a], d)) {
         throw IoError(cat(ctx, "dimension ", a, " of the shape (",
-                          shape->items[a].kind == JsonValue::Kind::Number
-                              ? shape->items[a].text
-                              : std::string(detail::json_kind_name(shape->items[a].kind)),
+                          shape.items[a].kind == JsonValue::Kind::Number
+                              ? shape.items[a].text
+                              : std::string(detail::json_kind_name(shape.items[a].kind)),
                           ") is not an integer that fits in 64 bits"));
       }
       e.tensor.shape.push_back(d);
@@ -239,9 +237,9 @@ inline File File::read(std::string const& path) {
     std::uint64_t const nbytes = static_cast<std::uint64_t>(numel) * esz;
 
     std::int64_t range[2] = {0, 0};
-    bool ok = offsets->kind == JsonValue::Kind::Array && offsets->items.size() == 2;
+    bool ok = offsets.kind == JsonValue::Kind::Array && offsets.items.size() == 2;
     for (std::size_t i = 0; ok && i < 2; ++i)
-      ok = detail::json_to_int64(offsets->items[i], range[i]) && range[i] >= 0;
+      ok = detail::json_to_int64(offsets.items[i], range[i]) && range[i] >= 0;
     if (!ok) {
       throw IoError(cat(ctx, "data_offsets must be [begin, end], two non-negative integers"));
     }

@@ -278,12 +278,8 @@ struct Tensor {
                                 " elements but ", values.size(), " values were given"));
     }
     t.bytes.resize(values.size() * sizeof(T));
-    for (std::size_t i = 0; i < values.size(); ++i) {
-      if constexpr (std::is_same<T, moe::bf16>::value)
-        detail::store_le<std::uint16_t>(values[i].bits, t.bytes.data() + i * sizeof(T));
-      else
-        detail::store_le<T>(values[i], t.bytes.data() + i * sizeof(T));
-    }
+    for (std::size_t i = 0; i < values.size(); ++i)  // a moe::bf16 is its 16 bits
+      detail::store_le<T>(values[i], t.bytes.data() + i * sizeof(T));
     return t;
   }
 };
