@@ -136,10 +136,8 @@ inline CheckpointIndex read_checkpoint_index(std::string const& step_dir) {
   return ix;
 }
 
-/// \brief Verifies the step directory \p step_dir, named for step \p step, and returns its model
-/// file: the index parses and names this step and the model file, the file has the recorded size
-/// and SHA-256, File::read validates it, its tensors are those of the index, and every tensor of
-/// \p requested exists with the requested dtype and global shape.
+/// \brief The model file of the step directory \p step_dir (of step \p step), checked against its
+/// index (step, file name, size, SHA-256, tensors) and \p requested (each tensor, dtype and shape).
 /// \throws moe::IoError with the reason the checkpoint is unusable
 inline File verify_checkpoint(std::string const& step_dir, std::int64_t step,
                               std::map<std::string, TensorSpec> const& requested) {

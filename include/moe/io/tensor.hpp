@@ -72,16 +72,10 @@ inline constexpr bool has_dtype = dtype_code<T>() >= 0;
 template <class T>
 inline constexpr DType dtype_of = static_cast<DType>(dtype_code<T>());
 
-/// A readable name of T for messages.
+/// The name of the integer type T in messages ("int32", "uint8", ...).
 template <class T>
 std::string type_label() {
-  if (std::is_same<T, moe::bf16>::value) return "bf16";
-  if (std::is_same<T, float>::value) return "float";
-  if (std::is_same<T, double>::value) return "double";
-  return cat(std::is_floating_point<T>::value ? "float"
-             : std::is_signed<T>::value       ? "int"
-                                              : "uint",
-             8 * sizeof(T));
+  return cat(std::is_signed<T>::value ? "int" : "uint", 8 * sizeof(T));
 }
 
 inline bool host_is_little_endian() {
@@ -244,8 +238,7 @@ struct Tensor {
     if (!is_floating(dtype) || !is_floating(to))
       throw IoError(detail::cat("cannot convert a ", dtype_name(dtype), " tensor to ",
                                 dtype_name(to),
-                                ": only floating tensors convert between floating "
-                                "types"));
+                                ": only floating tensors convert between floating types"));
     if (to == dtype) return *this;
     if (to == DType::F64) return Tensor::from(shape, to_vector<double>());
     if (to == DType::F32) return Tensor::from(shape, to_vector<float>());
