@@ -262,10 +262,11 @@ class DirLock {
 /// makes every rank throw the same moe::IoError naming it; a lock this process holds already (by
 /// any path), moe::ConfigError. release() or the destructor empties LOCK; the file stays.
 ///
-/// A job takes it before it resumes, so that it never loads a checkpoint another job is rotating
-/// away; save_checkpoint takes it for one save only. load_latest_checkpoint takes none. Where the
-/// file system keeps no fcntl locks (some FUSE or Lustre mounts), a warning says so and nothing
-/// stops a second job. A forked child does not inherit the lock.
+/// A job takes it for its whole run, before it resumes, so that no other job rotates away the
+/// checkpoint it loads or prunes between its saves (save_checkpoint alone locks one save).
+/// load_latest_checkpoint takes none. Where the file system keeps no fcntl locks (some FUSE or
+/// Lustre mounts), a warning says so and nothing stops a second job. A forked child does not
+/// inherit the lock.
 class CheckpointDirLock {
  public:
   /// Holds nothing.

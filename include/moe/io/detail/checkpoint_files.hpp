@@ -99,7 +99,7 @@ inline std::vector<std::pair<std::int64_t, std::string>> list_steps(std::string 
     throw IoError(
         cat("checkpoint: cannot list the checkpoint directory '", dir, "': ", ec.message()));
   }
-  std::sort(out.begin(), out.end(), std::greater<>());  // by step, then path
+  std::sort(out.begin(), out.end(), std::greater<>());  // newest step first, then by path
   return out;
 }
 
