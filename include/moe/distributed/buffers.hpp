@@ -1,11 +1,9 @@
 #pragma once
 /// \file
-/// The buffers of one step of the distributed layer, named by enumerators (Buf); one table
-/// (kBufferInfo) gives each its printed name, element role and memory-estimate item. Workspace
-/// buffers [rows, cols] are made by a stage through a typed handle (`ws.make(buf::x_sorted, rows)`)
-/// in the shape the plan declares (BufferDecl); held buffers are what a component keeps between
-/// steps (the router's logits, the sort, the FFNs' hidden states), declared so that the memory
-/// estimate reads them from the plan too.
+/// The buffers of one step of the distributed layer (Buf), with one table (kBufferInfo) of their
+/// printed names, element roles and memory-estimate items. Stages make workspace buffers through
+/// typed handles (`ws.make(buf::x_sorted, rows)`) in the shape the plan declares; held buffers are
+/// what components keep between steps, declared for the memory estimate.
 
 #include <moe/error.hpp>
 
@@ -64,8 +62,7 @@ inline std::string keys_text(unsigned keys) {
 }
 
 /// \brief One extent of a planned buffer: its size on this rank, the keys it scales with, and
-/// whether it counts routed rows (then `n` assumes balanced routing and the step's real count
-/// varies with the routing).
+/// whether it counts routed rows (`n` then assumes balanced routing).
 struct Extent {
   std::int64_t n = 0;
   unsigned keys = 0;
@@ -75,8 +72,7 @@ struct Extent {
 /// What kind of buffer a Buf is.
 enum class BufKind : std::uint8_t { external, workspace, held };
 
-// The buffers, one list per kind: each X(...) is one buffer, and the lists make the enumerators
-// of Buf, the rows of kBufferInfo and, for the workspace, the typed handles of namespace buf.
+// The buffers, one list per kind: they make Buf, kBufferInfo and the handles of namespace buf.
 // clang-format off
 // The caller's tensors and the router's state (names in stage reads and writes only):
 #define MOE_EXTERNAL_BUFFERS(X) X(y) X(dy) X(dx) X(routing)
@@ -115,8 +111,7 @@ enum class BufKind : std::uint8_t { external, workspace, held };
   X(dy_shared, value, shared)            \
   X(dx_shared, value, shared)            \
   X(dx_shared_cols, value, shared)
-// Kept by components (the router; the sort by expert and the regrouping of received rows; the
-// expert FFN, grouped or dense; the shared MLP): X(name, printed name, element role, item).
+// Kept by components: X(name, printed name, element role, item).
 #define MOE_HELD_BUFFERS(X)                             \
   X(logits, "logits", value, routing)                   \
   X(scores, "scores", value, routing)                   \
@@ -153,9 +148,7 @@ enum class BufKind : std::uint8_t { external, workspace, held };
   X(shared_d_act, "shared d_act", value, shared)
 // clang-format on
 
-/// \brief Every buffer of a step (see the file comment): the caller's tensors and the router's
-/// state (`y`, `dy`, `dx`, `routing`: names in stage reads and writes, not buffers of the step),
-/// the workspace buffers (the step's input x first) and what the layer's components keep.
+/// \brief Every buffer of a step: external names, workspace buffers (x first), held buffers.
 enum class Buf : std::uint8_t {
 #define MOE_ENUMERATOR(name, ...) name,
   MOE_EXTERNAL_BUFFERS(MOE_ENUMERATOR) MOE_WORKSPACE_BUFFERS(MOE_ENUMERATOR)
@@ -209,9 +202,9 @@ inline char const* to_string(Weight w) {
   return names[static_cast<int>(w)];
 }
 
-/// \brief What a stage reads or writes: a buffer of the step, or a block of a weight (stored,
-/// compute, its compute-block gradient, its stored-block gradient), printed as the plan shows it:
-/// "x_sorted", "wi_0", "compute.wi_0", "d.wi_0", "grad.wi_0".
+/// \brief What a stage reads or writes: a buffer, or a weight's stored block, compute block,
+/// compute-block gradient or stored-block gradient ("x_sorted", "wi_0", "compute.wi_0", "d.wi_0",
+/// "grad.wi_0").
 struct Ref {
   enum class Form : std::uint8_t { buffer, stored, compute, grad, stored_grad };
   Form form = Form::buffer;
@@ -276,9 +269,8 @@ MOE_WORKSPACE_BUFFERS(MOE_HANDLE)
 
 // ------------------------------------------------------------------ declarations -----------
 
-/// \brief A buffer of the step as the plan declares it: its extents (workspace buffers have two,
-/// rows and cols), element role, memory-estimate item, and the phase whose stage first makes it
-/// (backward buffers are not needed for a forward-only step).
+/// \brief A buffer of the step as the plan declares it (workspace buffers: [rows, cols]), with
+/// the phase that first makes it.
 struct BufferDecl {
   Buf id = Buf::x;
   std::vector<Extent> dims;
@@ -300,8 +292,7 @@ struct BufferDecl {
   }
 };
 
-/// \brief A row count the step hands to one 32-bit BLAS call or kernel launch (the memory
-/// estimate's index limits): what it is, and how many rows this rank has.
+/// \brief A row count the step hands to one 32-bit BLAS call or kernel launch.
 struct RowLimit {
   std::string what;
   Extent rows;

@@ -1,12 +1,10 @@
 #pragma once
 /// \file
-/// The cost model of a layer plan (#30; README.md, "Cost model"): for one rank of a LayerPlan on
-/// a described Machine, each stage's FLOPs, the bytes it sends and moves, and its predicted time;
-/// the step's total and its dominant stage. Pure, like the plan. A roofline per stage, not a
-/// simulator (no contention, no launch overheads, balanced routing): compute at the GEMM
-/// throughput, memory traffic at the memory bandwidth, each collective's bytes over the links of
-/// its group plus its latencies (ranks fill nodes in order: rank r on node r / ranks_per_node);
-/// the three summed, or max(compute + memory, communication) where the plan overlaps them.
+/// The cost model of a layer plan (README.md, "Cost model"): a roofline per stage of one rank on a
+/// described Machine (no contention, no launch overheads, balanced routing): compute at the GEMM
+/// throughput, memory traffic at the memory bandwidth, each collective's bytes over its group's
+/// links plus latencies (rank r on node r / ranks_per_node); summed, or max(compute + memory,
+/// communication) where the plan overlaps them.
 
 #include <moe/distributed/plan.hpp>
 #include <moe/error.hpp>
@@ -30,34 +28,16 @@ struct Machine {
   double intra_latency_us = 3, inter_latency_us = 8;
   double gemm_gflops_fp32 = 50000, gemm_gflops_fp64 = 55000, gemm_gflops_bf16 = 700000;
   double memory_gbps = 3000;
-  /// The GEMM backend repacks a weight each time it changes (oneDNN's packed kernels on CPUs);
-  /// false where it reads the weights as they are (cuBLAS).
+  /// The GEMM backend repacks a weight each time it changes (oneDNN on CPUs; not cuBLAS).
   bool packs_weights = false;
 
-  /// \brief A described machine (typical published figures, to override with measured ones):
-  ///  * `h100-ib`: 8 H100 SXM per node, NVLink 4 (~360 GB/s per direction as NCCL measures it),
-  ///    one 400 Gb/s InfiniBand NDR port per GPU (~45 GB/s); GEMMs at 700 TFLOP/s bf16 (measured
-  ///    ~800, less a margin), 50 fp32, 55 fp64 (tensor cores); 3.0 of its 3.35 TB/s of HBM3.
-  ///  * `cpu-cluster`: two 48-core AVX-512 sockets per node, one rank per socket, shared memory
-  ///    between them (~40 GB/s), 200 Gb/s HDR InfiniBand (~22 GB/s); GEMMs at 4 TFLOP/s fp32 per
-  ///    socket, 2 fp64, 30 bf16 (AMX); 250 GB/s of DDR5; oneDNN's GEMMs pack the weights.
+  /// \brief A described machine, from typical published figures: `h100-ib` (8 H100 SXM per node,
+  /// NVLink 4, InfiniBand NDR) or `cpu-cluster` (two 48-core AVX-512 sockets per node, one rank
+  /// per socket, HDR InfiniBand, oneDNN).
   static Machine preset(std::string const& name) {
-    Machine m;
-    if (name == "h100-ib") return m;
-    if (name == "cpu-cluster") {
-      m.name = name;
-      m.ranks_per_node = 2;
-      m.intra_gbps = 40;
-      m.inter_gbps = 22;
-      m.intra_latency_us = 1;
-      m.inter_latency_us = 2;
-      m.gemm_gflops_fp32 = 4000;
-      m.gemm_gflops_fp64 = 2000;
-      m.gemm_gflops_bf16 = 30000;
-      m.memory_gbps = 250;
-      m.packs_weights = true;
-      return m;
-    }
+    if (name == "h100-ib") return Machine{};
+    // In the order of the fields.
+    if (name == "cpu-cluster") return {name, 2, 40, 22, 1, 2, 4000, 2000, 30000, 250, true};
     throw ConfigError(
         moe::detail::cat("machine='", name, "' is not a described machine (h100-ib, cpu-cluster)"));
   }
@@ -79,8 +59,7 @@ struct Machine {
             {"gemm_gflops_bf16", &Machine::gemm_gflops_bf16},
             {"memory_gbps", &Machine::memory_gbps}};
   }
-  /// Sets one field by its key (keys()); ConfigError naming the key or the value otherwise
-  /// (every value must be > 0, ranks_per_node an integer, packs_weights true or false).
+  /// Sets one field by its key (keys()); ConfigError naming a bad key or value.
   void set(std::string const& key, std::string const& value) {
     if (key == "packs_weights") {
       moe::detail::require<ConfigError>(value == "true" || value == "false",
@@ -179,17 +158,14 @@ inline double collective_seconds(LayerPlan const& plan, PlannedCollective const&
 
 }  // namespace detail
 
-/// \brief The predicted cost of one training step of the plan's rank on `machine` (see the file
-/// comment for the model). `weights_updated`: the weights change every step (training: true);
-/// false prices the layer run again on the same weights, where only the gathered or sliced
-/// compute blocks are new (what a benchmark of the layer alone measures).
+/// \brief The predicted cost of one training step of the plan's rank on `machine`.
+/// `weights_updated` false: the same weights again (only gathered or sliced blocks are new).
 inline StepCost estimate_step_cost(LayerPlan const& plan, Machine const& machine,
                                    bool weights_updated = true) {
   StepCost out;
   out.machine = machine;
   std::int64_t const s = std::int64_t(plan.scalar_bytes);
-  // A weight's compute block: its bytes, whether it is rebuilt from the stored block every step
-  // (gathered or sliced), whether it is an expert weight ([E, D, F]: the grouped GEMM's).
+  // A weight's compute block: bytes, rebuilt every step (gathered or sliced), expert ([E, D, F]).
   struct ComputeWeight {
     std::int64_t bytes = 0;
     bool moved = false, expert = false;
@@ -216,14 +192,12 @@ inline StepCost estimate_step_cost(LayerPlan const& plan, Machine const& machine
       for (auto const& col : st.collectives) {
         c.bytes_sent += col.bytes;
         c.comm_s += detail::collective_seconds(plan, col, machine);
-        // A reduction sums what it receives into its own block in memory: each reduced element
-        // read twice and written once ((P-1)/P of the buffer: what a reduce-scatter sends, half
-        // of what an all-reduce sends).
+        // A reduction reads each received element twice and writes it once ((P-1)/P of the
+        // buffer: a reduce-scatter's bytes, half an all-reduce's).
         if (col.kind == "reduce-scatter" || col.kind == "all-reduce")
           c.bytes_moved += 3 * (col.kind == "all-reduce" ? col.bytes / 2 : col.bytes);
       }
-      // What it makes is written now and read once later: its buffers, and the compute blocks
-      // of the weights it gathers or slices.
+      // Its buffers and the compute blocks it gathers or slices: written now, read once later.
       for (auto const& w : st.writes) {
         if (w.form == Ref::Form::compute) {
           auto const cw = weight(w.id);
@@ -234,8 +208,7 @@ inline StepCost estimate_step_cost(LayerPlan const& plan, Machine const& machine
         if (!d || d->dims.size() != 2) continue;
         c.bytes_moved += 2 * d->dims[0].n * d->dims[1].n * elem_bytes(d->elem, s);
       }
-      // A reduction of weight gradients reads each compute-block gradient and lays it out for
-      // its collectives (read and written once), the transpose of the gather's write above.
+      // A gradient reduction reads and lays out each compute-block gradient once.
       if (!st.collectives.empty())
         for (auto const& r : st.reads)
           if (r.form == Ref::Form::grad) c.bytes_moved += 2 * weight(r.id).bytes;

@@ -1,9 +1,8 @@
 #pragma once
 /// \file
 /// DistributedMoeLayer: one MoE layer over MPI ranks, laid out by a mesh and MaxText's logical-axis
-/// rules; every layout gives the single-rank result up to floating-point reassociation. The layout
-/// picks a strategy (strategy.hpp) that lists the step's stages; the layer runs them in order on
-/// a StepContext (docs/architecture.md).
+/// rules. The layout picks a strategy (strategy.hpp) that lists the step's stages; the layer runs
+/// them in order on a StepContext (docs/architecture.md).
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/mesh_comm.hpp>
@@ -38,11 +37,10 @@
 
 namespace moe::distributed {
 
-/// \brief One MoE layer over MPI ranks (see the file comment for the strategies).
+/// \brief One MoE layer over MPI ranks (see the file comment).
 ///
-/// The constructor, set_batch_shape(), forward() and backward() are collective over `comm`: every
-/// rank must call them with the same configuration (checked before the first collective: a rank
-/// whose config differs gets the same ConfigError as every other rank).
+/// The constructor, set_batch_shape(), forward() and backward() are collective over `comm`, with
+/// the same configuration on every rank (checked first: a ConfigError on every rank).
 ///
 /// \tparam Scalar float or double.
 /// \tparam Policy moe::Policies<Routing, Gmm>; the partition is decided at run time by the mesh.
@@ -73,9 +71,8 @@ class DistributedMoeLayer
                       ExecSpace const& space = ExecSpace())
       : DistributedMoeLayer(comm::Communicator(comm), cfg, par, global_batch, seq_len, space) {}
 
-  /// \brief Collective over `comm` (shared, not duplicated); see the constructor above. On
-  /// comm::Communicator::local() it is the one-rank pipeline, with no MPI call (what MoeLayer
-  /// runs).
+  /// \brief Collective over `comm` (shared, not duplicated); on comm::Communicator::local() the
+  /// one-rank pipeline with no MPI call (what MoeLayer runs).
   DistributedMoeLayer(comm::Communicator comm, LayerConfig const& cfg, ParallelConfig const& par,
                       std::int64_t global_batch, std::int64_t seq_len,
                       ExecSpace const& space = ExecSpace())
@@ -90,11 +87,9 @@ class DistributedMoeLayer
     params_ = alloc_params("moe::param::");
   }
 
-  /// \brief Collective. Plans the step for another global batch shape [global_batch, seq_len, D]
-  /// (e.g. a shorter last batch, or MoeLayer's next call): the layout, the step plan and the
-  /// groups it needs. Parameters (and their blocks) stay: a shape whose layout would store
-  /// another block of any parameter is a ConfigError on every rank, and nothing changes. The
-  /// next backward() needs a forward() on the new shape.
+  /// \brief Collective. Plans the step for another global batch shape [global_batch, seq_len, D].
+  /// Parameters stay: a shape that would store another block of one is a ConfigError on every
+  /// rank, changing nothing. The next backward() needs a forward() on the new shape.
   void set_batch_shape(std::int64_t global_batch, std::int64_t seq_len) {
     // Agreed first, so that ranks given different shapes all throw rather than some returning.
     agree_batch_shape(global_batch, seq_len);
@@ -102,8 +97,7 @@ class DistributedMoeLayer
     plan_batch(global_batch, seq_len, true);
     have_forward_ = false;
   }
-  /// Whether a forward completed since the last backward (or batch shape change): what a
-  /// backward() needs.
+  /// Whether a forward completed since the last backward or batch shape change.
   bool has_forward() const { return have_forward_; }
   /// The global batch shape the step is planned for: {global_batch, seq_len}.
   std::pair<std::int64_t, std::int64_t> batch_shape() const { return {ctx_.B, ctx_.S}; }
@@ -113,15 +107,13 @@ class DistributedMoeLayer
   sharding::Mesh const& mesh() const { return ctx_.layout.mesh; }
   /// How the routed experts are reached on this layout.
   ExpertRoute expert_route() const { return ctx_.layout.route; }
-  // parameters() (local blocks in storage layout, see block()), weights_changed() and
-  // weights_version() come from ParameterStore. Gathered or sliced expert weights are new data in
-  // reused buffers: every such gather is a new version.
+  // parameters(), weights_changed() and weights_version() come from ParameterStore; every
+  // gather or slice of the expert weights is a new version.
   /// The packed copies of the expert weights kept by the GEMM backend (statistics, tests).
   gmm::PackCache const& pack_cache() const { return ctx_.ffn.pack_cache(); }
 
-  /// \brief The block of `name` this rank holds: "x", "y", "dy", "dx" ([B,S,D]), or a parameter
-  /// name (gate, gate_bias, wi_0, wi_1, wo, shared_wi_0, shared_wi_1, shared_wo; gradients have
-  /// the same blocks as their parameters).
+  /// \brief The block of `name` this rank holds: "x", "y", "dy", "dx" ([B,S,D]) or a parameter
+  /// (gradients have their parameters' blocks).
   TensorBlock block(std::string const& name) const { return ctx_.layout.block(name); }
 
   /// Collectives of the last forward + backward, with bytes sent by this rank.
@@ -131,9 +123,8 @@ class DistributedMoeLayer
   /// Mesh axes the batch is split over.
   std::vector<std::string> const& batch_axes() const { return ctx_.layout.batch_axes; }
 
-  /// \brief forward() and backward() for any View types: LayoutRight Views of this layer's
-  /// Scalar and memory space convert (e.g. non-const x); anything else, such as a LayoutLeft
-  /// View, fails to compile with a static_assert naming the rule (moe::detail::api_view).
+  /// \brief forward() and backward() for any View types that convert to LayoutRight Views of
+  /// this layer's Scalar and memory space (else a static_assert: moe::detail::api_view).
   template <class XView, class YView>
   void forward(XView const& x, YView const& y, ForwardOptions const& opt = {}) {
     forward(moe::detail::api_view<cview3>(x), moe::detail::api_view<view3>(y), opt);
@@ -143,9 +134,8 @@ class DistributedMoeLayer
     backward(moe::detail::api_view<cview3>(dy), moe::detail::api_view<view3>(dx), grads);
   }
 
-  /// \brief Collective. y_local = MoE(x_local), both [B/batch_parts, S, D]: runs the forward
-  /// stages of step_plan() in order. opt.token_offset: global index of the global batch's first
-  /// token (random routing).
+  /// \brief Collective. y_local = MoE(x_local), both [B/batch_parts, S, D]: the forward stages of
+  /// step_plan(). opt.token_offset: global index of the batch's first token (random routing).
   void forward(cview3 x, view3 y, ForwardOptions const& opt = {}) {
     moe::detail::Region region("moe::dist::forward");
     have_forward_ = false;  // until this forward completes
@@ -166,7 +156,7 @@ class DistributedMoeLayer
       check_param_shapes(params_, "parameter");
       if (ctx_.cfg.check_finite) {
         require_finite(x, "x");
-        // The router reads every gate column for every token: scanned up front (cheap, [D,E]).
+        // The router reads every gate column: scanned up front (cheap, [D,E]).
         require_finite(params_.gate, block_name("gate"));
         if (ctx_.cfg.routed_bias) require_finite(params_.gate_bias, block_name("gate_bias"));
       }
@@ -180,8 +170,7 @@ class DistributedMoeLayer
     run_phase(ctx_.plan.forward, y2, {}, {}, nullptr);
     moe::detail::round_bf16_if(ctx_.cfg.bf16(), ctx_.space, y2);
     if (ctx_.cfg.check_finite) {
-      // As the single-rank layer: only a non-finite y pays for scanning the weights, and then
-      // every rank names the first non-finite block it holds (block indices are local).
+      // Only a non-finite y pays for scanning the weights; every rank names its first bad block.
       bool const bad = !moe::detail::all_finite(ctx_.space, y2);
       if (comm::any_rank(ctx_.world, bad)) {
         comm::collective_guard(ctx_.world, [&] {
@@ -197,9 +186,8 @@ class DistributedMoeLayer
     have_forward_ = true;
   }
 
-  /// \brief Collective. Gradients of sum(y * dy) + lb_loss (summed over all ranks) w.r.t. the
-  /// local x block (dx) and the local parameter blocks (grads; allocated if empty): runs the
-  /// backward stages of step_plan() in order.
+  /// \brief Collective. Gradients of sum(y * dy) + lb_loss (over all ranks) w.r.t. the local x
+  /// block (dx) and parameter blocks (grads; allocated if empty): the backward stages.
   void backward(cview3 dy, view3 dx, params_type& grads) {
     moe::detail::Region region("moe::dist::backward");
     std::int64_t const D = ctx_.plan.token_cols, T = ctx_.plan.tokens;
@@ -241,13 +229,12 @@ class DistributedMoeLayer
   view2 weights() const { return ctx_.router.own_rows(ctx_.router.state().weights); }
   /// 1 where a slot of this rank's tokens survived the capacity limit, [T_local, K].
   view2i kept() const { return ctx_.router.own_rows(ctx_.router.state().kept); }
-  /// Rows this rank's experts computed in the last forward: the routed slots (after capacity)
-  /// that reached its local experts; 0 on the dense path, which computes every token.
+  /// Routed slots (after capacity) this rank's experts computed in the last forward; 0 on the
+  /// dense path.
   std::int64_t routed_rows() const {
     return std::visit([&](auto const& s) { return s.routed_rows(ctx_); }, ctx_.strategy);
   }
-  /// True when the experts run the dense masked path (Gmm = Dense or sparse_matmul = false, on
-  /// every route but the ragged all-to-all, whose rows run the grouped GEMMs: Layout::dense).
+  /// True when the experts run the dense masked path (Layout::dense).
   bool dense_path() const { return ctx_.plan.dense; }
 
   /// The stages one step runs, with their buffers and collectives (what moe-shard --plan prints).
@@ -255,9 +242,8 @@ class DistributedMoeLayer
 
  private:
   // ------------------------------------------------------------------ stages ----------------
-  /// Runs one stage: its profiling region, its buffers and its planned collectives; at the end
-  /// every planned collective must have run (a mismatch is a moe::Error on every rank alike:
-  /// the plan's structure does not depend on the rank).
+  /// Runs one stage: its profiling region, its buffers, and a check that every planned
+  /// collective ran (the plan's structure is the same on every rank).
   struct StageScope {
     StageScope(DistributedMoeLayer& l, distributed::Stage const& st)
         : layer(l), region(st.region.c_str()) {
@@ -280,8 +266,8 @@ class DistributedMoeLayer
     moe::detail::Region region;
   };
 
-  /// Runs the stages of one phase in order (y: the forward's output; dy, dx, grads: the
-  /// backward's). The stages every strategy shares run here; the others are the strategy's.
+  /// Runs the stages of one phase (y: the forward's; dy, dx, grads: the backward's); the stages
+  /// every strategy shares run here.
   void run_phase(std::vector<distributed::Stage> const& phase, view2 y, cview2 dy, view2 dx,
                  params_type* grads) {
     using K = distributed::StageKind;
@@ -311,9 +297,8 @@ class DistributedMoeLayer
     comm::check_agreement(ctx_.world, "global batch shape",
                           "B=" + std::to_string(B) + ";S=" + std::to_string(S));
   }
-  /// Collective. The layout of the agreed [B, S] (the same ConfigError on every rank), its
-  /// strategy and step plan, and the groups the plan needs. keep_blocks: the parameter blocks must
-  /// stay those already stored (set_batch_shape); nothing changes on a ConfigError.
+  /// Collective. The layout, strategy, step plan and groups of the agreed [B, S]; keep_blocks:
+  /// the parameter blocks must stay (set_batch_shape). Nothing changes on a ConfigError.
   void plan_batch(std::int64_t B, std::int64_t S, bool keep_blocks) {
     distributed::Layout layout;
     distributed::Strategy strategy;
@@ -361,16 +346,14 @@ class DistributedMoeLayer
                                   [&](char const* n) { return block(n).local_shape; });
   }
 
-  /// Shapes of a parameter (or gradient) set against this rank's blocks (ShapeError naming the
-  /// tensor; on one local rank, in the config's terms).
+  /// Shapes of a parameter (or gradient) set against this rank's blocks (ShapeError).
   void check_param_shapes(params_type const& p, char const* what) const {
     p.check_shapes(ctx_.cfg, what,
                    ctx_.world.is_local() ? "the config needs" : "this rank's block is",
                    [&](char const* n) { return block(n).local_shape; });
   }
 
-  /// `name`, or "name (rank r's block at offset [..] of [..])" when this rank stores a block of
-  /// it, so that an index in a message can be found in the global tensor.
+  /// `name`, or "name (the block of rank r at offset [..] of [..])" when this rank stores a block.
   std::string block_name(std::string const& name) const {
     auto const b = block(name);
     if (b.local_shape == b.global_shape) return name;
@@ -385,8 +368,6 @@ class DistributedMoeLayer
   }
 
   // ------------------------------------------------------------------ members ------------------
-  // The stored parameter blocks and their version are ParameterStore's (params_,
-  // weights_version_); everything the stages share is the step context.
   distributed::StepContext<Scalar, Policy, ExecSpace> ctx_;
   bool have_forward_ = false;
 };

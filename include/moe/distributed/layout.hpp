@@ -1,9 +1,7 @@
 #pragma once
 /// \file
-/// The layout of one distributed MoE layer: mesh, token (batch) axes, expert and tensor axes, how
-/// the experts are reached, and where every weight lives -- a pure function of the configuration,
-/// the number of ranks and the rank (no MPI call). DistributedMoeLayer builds its communicators
-/// and buffers from it; moe::make_plan (plan.hpp) prints it and the collectives it implies.
+/// The layout of one distributed MoE layer: mesh, token, expert and tensor axes, the route to the
+/// experts and where every weight lives; a pure function of the configuration and the rank.
 
 #include <moe/config.hpp>
 #include <moe/distributed/parallel_config.hpp>
@@ -30,17 +28,15 @@ enum class ExpertRoute {
   EpTp  ///< tokens split on D over the expert axis: gathered on D, outputs reduce-scattered on D
 };
 
-/// \brief How the shared expert is computed under expert parallelism (ExpertRoute != Local).
-/// Both give the same result; they differ in what they move and compute per rank.
+/// \brief How the shared expert is computed under expert parallelism (same result, different
+/// bytes and FLOPs per rank).
 enum class SharedExpert {
   none,  ///< no shared expert
-  /// This rank's own tokens through the whole shared MLP (hidden dim split over tensor only; the
-  /// weights all-gathered as stored, no activation moves): the default where the tokens are split
-  /// over the expert axes (the same FLOPs as `split`, fewer bytes).
+  /// This rank's own tokens through the whole shared MLP (hidden dim over tensor only): the
+  /// default where the tokens are split over the expert axes (same FLOPs as `split`, fewer bytes).
   own,
-  /// EP-as-TP: the hidden dim split over tensor x expert, on the expert group's tokens (gathered,
-  /// or the same on every expert rank: decode, EP-TP); chosen where it computes less or EP-TP's
-  /// rules put the hidden dim on the expert axes.
+  /// EP-as-TP: hidden dim over tensor x expert, on the expert group's tokens; where it computes
+  /// less (replicated tokens) or EP-TP's rules put the hidden dim on the expert axes.
   split
 };
 
@@ -65,7 +61,7 @@ struct DimLayout {
   std::int64_t global = 0, stored = 0, computed = 0;
 };
 
-/// Layout of one tensor: per dim, plus the token axes over which gradient contributions differ.
+/// Layout of one weight: per dim, plus the token axes over which gradient contributions differ.
 struct WeightLayout {
   std::string name;
   sharding::LogicalAxes logical;  ///< logical names of the stored tensor's dimensions
@@ -87,8 +83,7 @@ inline std::vector<std::string> minus(std::vector<std::string> const& a,
     if (!contains(b, x)) out.push_back(x);
   return out;
 }
-/// The names of v separated by `sep`, `empty` when there is none ("a,b" / "none" for messages
-/// and communicator keys).
+/// The names of v separated by `sep`, `empty` when there is none.
 inline std::string join(std::vector<std::string> const& v, char const* sep = ",",
                         char const* empty = "none") {
   std::string s;
@@ -107,12 +102,8 @@ struct ExpertWeightAxes {
   sharding::LogicalAxes wi, wo, wi_compute, wo_compute;
   std::vector<std::string> strip;
 };
-/// MaxText's choice (layers/moe.py): `shard_exp_on_fsdp` stores the expert dimension under
-/// `embed_moe` ([E, D, F] as (embed_moe, None, mlp_moe)) and computes every expert with F on
-/// `mlp_no_fsdp`; otherwise `use_2d_fsdp_sharding` stores (embed_moe, mlp_moe, None) for wi and
-/// wo alike and computes (None, mlp_no_fsdp, None); by default (exp, embed_moe, mlp_moe) is
-/// computed as (exp, None, mlp_no_fsdp) with `fsdp` stripped (MaxText strips `fsdp` only:
-/// `fsdp_transpose` never resolves into these in-specs with its rules).
+/// MaxText's choice (layers/moe.py) under shard_exp_on_fsdp, use_2d_fsdp_sharding, or neither
+/// (then `fsdp` is stripped: `fsdp_transpose` never resolves into these in-specs).
 inline ExpertWeightAxes expert_weight_axes(ParallelConfig const& par) {
   using std::nullopt;
   if (par.shard_exp_on_fsdp)
@@ -153,12 +144,10 @@ struct Layout {
   std::int64_t local_experts = 0, first_expert = 0;  ///< L = E / ep and this rank's first expert
   ExpertRoute route = ExpertRoute::Local;
   SharedExpert shared = SharedExpert::none;  ///< how the shared expert is computed
-  /// Dense masked expert path (every local expert on every token). False on the ragged
-  /// all-to-all route even when the config asks for the dense path (gmm::Dense or
-  /// sparse_matmul=false): the rows that arrive there run the grouped GEMMs.
+  /// Dense masked expert path (every local expert on every token); never on the ragged
+  /// all-to-all, whose received rows run the grouped GEMMs.
   bool dense = false;
-  /// The dense-path dispatch tensor as MaxText resolves it (sharding::resolve_dispatch); with
-  /// expert parallelism the dense path follows it (compute_layout: the all-to-all or the ring).
+  /// The dense-path dispatch tensor as MaxText resolves it; the dense path's route follows it.
   sharding::PartitionSpec dispatch_spec;
   std::vector<WeightLayout> weights;
 
@@ -195,8 +184,7 @@ struct Layout {
     throw ConfigError(moe::detail::cat("no tensor named '", name, "' in this layer"));
   }
 
-  /// \brief The block of `name` this rank holds: "x", "y", "dy", "dx" ([B,S,D]; split on B over
-  /// the batch axes and, EP-TP, on D over emb_axes) or a weight.
+  /// \brief The block of `name` this rank holds: "x", "y", "dy", "dx" ([B,S,D]) or a weight.
   TensorBlock block(std::string const& name) const {
     if (name == "x" || name == "y" || name == "dx" || name == "dy") {
       std::int64_t const b = global_batch / batch_parts, d = emb_dim / parts(emb_axes);
@@ -217,12 +205,10 @@ struct Layout {
 /// \brief The layout of `rank` of `world_size` ranks for a global batch [global_batch, seq_len, D].
 ///
 /// Resolves every spec with the preset's rules over the mesh of the ici_* degrees and checks every
-/// divisibility; throws ConfigError naming the value and the rule. Pure: every rank computes the
-/// same layout (up to its own coordinates) and throws the same error.
+/// divisibility (ConfigError naming the value and the rule; the same on every rank).
 /// \param dense_gmm the GEMM policy runs every expert densely (gmm::Dense), as sparse_matmul=false
-/// `shared`: the shared expert's strategy; SharedExpert::none picks it (see SharedExpert: `split`
-/// where the expert ranks hold the same tokens, else `own`). A plan compares the other one's
-/// bytes by asking for it here.
+/// \param shared the shared expert's strategy; SharedExpert::none picks it (a plan asks for the
+/// other one to compare)
 inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, int world_size,
                              int rank, std::int64_t global_batch, std::int64_t seq_len,
                              bool dense_gmm = false, SharedExpert shared = SharedExpert::none) {
@@ -232,7 +218,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   using moe::detail::require;
   cfg.validate();
   par.validate();
-  // Keys accepted by the parser whose layouts are not built yet: refused, never ignored.
+  // Accepted by the parser, not built: refused, never ignored.
   require<ConfigError>(par.expert_shard_attention_option != "context",
                        "expert_shard_attention_option=context is not supported: it splits the "
                        "sequence over the expert axis, and the MoE layer has no sequence "
@@ -264,15 +250,13 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
                        "layer; set those ici_* degrees to 1");
   lay.batch_axes = dimaxes(xs, 0);
   auto const emb_over = dimaxes(xs, 2);  // the tensor axes there are ignored, as ever
-  // Expert weights: stored under their kernel axes, computed under the shard_map in-specs.
   auto const ew = detail::expert_weight_axes(par);
   auto const wi_st = resolve(ew.wi);
   auto const wo_st = resolve(ew.wo);
   auto const wi_cp = sharding::remove_mesh_axes(resolve(ew.wi_compute), ew.strip);
   auto const wo_cp = sharding::remove_mesh_axes(resolve(ew.wo_compute), ew.strip);
   if (par.shard_exp_on_fsdp || par.use_2d_fsdp_sharding) {
-    // The compute specs leave the expert dimension whole: there is no expert axis to route over
-    // (MaxText's validate_shard_expert_on_fsdp requires ici_expert_parallelism = 1 too).
+    // The compute specs leave the expert dimension whole (MaxText's validate_shard_expert_on_fsdp).
     char const* const key =
         par.shard_exp_on_fsdp ? "shard_exp_on_fsdp=true" : "use_2d_fsdp_sharding=true";
     auto const expert = lay.mesh.size("expert");
@@ -280,8 +264,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
                          "): the expert weights are computed with every expert on every rank "
                          "(in-spec ",
                          sharding::to_json(wi_cp), "), so no expert axis is left to route over");
-    // use_2d_fsdp_sharding computes wi as (None, mlp_no_fsdp, None): the tensor axis would split
-    // wi's embedding dimension, which the layer's input keeps whole.
+    // use_2d_fsdp_sharding: the tensor axis would split wi's embedding dimension.
     require<ConfigError>(par.shard_exp_on_fsdp || dimaxes(wi_cp, 1).empty(), key,
                          " splits wi's embedding dimension over mesh axes [",
                          join(dimaxes(wi_cp, 1)), "] (in-spec ", sharding::to_json(wi_cp),
@@ -307,9 +290,8 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   divisible(F, "base_moe_mlp_dim", dimaxes(wi_st, 2));
   divisible(F, "base_moe_mlp_dim", lay.tp_axes);
   divisible(D, "base_emb_dim", lay.tp_axes);  // partial outputs are reduce-scattered over D
-  // EP-TP: the tokens' embedding dim resolves to expert axes. They must be all the expert axes
-  // (the all-gather over them gives full tokens for the gate) and the expert axes must not split
-  // the batch as well.
+  // EP-TP: the tokens' embedding dim resolves to expert axes, which must be all of them (the
+  // gather gives full tokens for the gate).
   for (auto const& a : emb_over)
     if (contains(ep_axes, a)) lay.emb_axes.push_back(a);
   if (!lay.emb_axes.empty()) {
@@ -322,8 +304,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
                          join(lay.tp_axes), "]: set those ici_* degrees to 1");
     divisible(D, "base_emb_dim", lay.emb_axes);
   }
-  // Batch: split over its axes; a batch that does not divide over them and includes the
-  // expert axis is replicated over the expert axes (decode).
+  // A batch that does not divide over its axes is replicated over the expert axes (decode).
   auto& batch_axes = lay.batch_axes;
   std::int64_t const bp = parts(batch_axes);
   auto const all_ep_in_batch = [&] {
@@ -344,8 +325,8 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   lay.dense = dense_gmm || !cfg.sparse_matmul;
   lay.dispatch_spec = sharding::resolve_dispatch(lay.rules, detail::dispatch_logical(),
                                                  par.moe_dispatch_no_expert_sharding);
-  // The dense path goes expert-parallel when its dispatch spec puts the expert dimension on the
-  // expert axes and keeps them off the batch dimension; else it falls back to gathering tokens.
+  // The dense path goes expert-parallel when its dispatch spec puts the experts, and not the
+  // batch, on the expert axes; else it gathers tokens.
   bool const dense_a2a = lay.big(lay.dispatch_spec[0]) == ep_axes &&
                          std::none_of(ep_axes.begin(), ep_axes.end(), [&](auto const& a) {
                            return contains(lay.dispatch_spec[1], a);
@@ -361,8 +342,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   else
     lay.route = ExpertRoute::RaggedA2A;
   if (par.num_moe_emb_chunks > 0) {
-    // The chunked token gather overlaps the grouped GEMM of the ring of experts (MaxText:
-    // validate_num_moe_emb_chunks, and 0 whenever EP is 1).
+    // MaxText's validate_num_moe_emb_chunks.
     require<ConfigError>(par.use_ring_of_experts && lay.route == ExpertRoute::Ring && !lay.dense,
                          "num_moe_emb_chunks=", par.num_moe_emb_chunks,
                          " needs the ring of experts with the grouped GEMM "
@@ -379,9 +359,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
       "ragged_buffer_factor=", par.ragged_buffer_factor,
       " needs the ragged all-to-all path (expert parallelism without "
       "use_ring_of_experts, sparse_matmul=true)");
-  // Dense experts only where tokens are gathered: the all-to-all delivers sorted rows.
   if (lay.route == ExpertRoute::RaggedA2A) lay.dense = false;
-  // Weight layouts.
   auto make = [&](std::string name, sharding::LogicalAxes logical,
                   sharding::PartitionSpec const& st, sharding::PartitionSpec const& cp,
                   std::vector<std::int64_t> shape, std::vector<std::string> reduce) {
@@ -407,8 +385,6 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
       dl.computed = spanned / parts(dl.slice);
       w.dims.push_back(dl);
     }
-    // Gradient contributions differ over the token axes the weight's compute block is not
-    // split over (a rank that holds other tokens contributes other terms).
     w.reduce = std::move(reduce);
     lay.weights.push_back(std::move(w));
   };
@@ -422,10 +398,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   if (cfg.routed_bias) make("gate_bias", {std::nullopt}, {{}}, {{}}, {E}, batch_axes);
   int const Fs = cfg.shared_mlp_dim();
   if (Fs > 0) {
-    // The shared expert's strategy (SharedExpert): EP-as-TP where the expert ranks hold the same
-    // tokens (it computes 1/ep of the FLOPs) or EP-TP asks for it; else each rank's own tokens
-    // through the whole MLP, which moves no activation for the same FLOPs. The hidden dim is
-    // computed split over the tensor axes, and over the expert axes too for EP-as-TP.
+    // SharedExpert: EP-as-TP where the expert ranks hold the same tokens (1/ep of the FLOPs).
     bool const same_tokens = lay.route == ExpertRoute::Replicated || lay.route == ExpertRoute::EpTp;
     lay.shared = shared != SharedExpert::none ? shared
                  : same_tokens && ep > 1      ? SharedExpert::split
@@ -437,9 +410,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
     if (lay.shared == SharedExpert::split)
       for (auto const& a : ep_axes) hidden.push_back(a);
     sharding::PartitionSpec const cp_in = {{}, hidden}, cp_out = {hidden, {}};
-    // A rank's gradient contributions differ over the token axes its compute block is not split
-    // over: every batch axis when the ranks hold different tokens for the whole MLP or the same
-    // tokens for a slice of it; all but the expert axes when EP-as-TP gathered the tokens.
+    // Gradients differ over every batch axis, but the expert axes when EP-as-TP gathered tokens.
     auto const sh_reduce =
         lay.shared == SharedExpert::own || same_tokens ? batch_axes : minus(batch_axes, ep_axes);
     sharding::LogicalAxes const in_l = {"embed", "mlp"}, out_l = {"mlp", "embed"};

@@ -1,12 +1,9 @@
 #pragma once
 /// \file
-/// Up-front memory estimate and index-limit check of one distributed MoE layer (issue #12;
-/// README.md, "memory estimate"): before anything is allocated, a tool can refuse a configuration
-/// that cannot fit, or whose tensors have more elements than the kernels index, with a
-/// ConfigError naming the quantity and the keys to change. Pure: made from a LayerPlan, whose step
-/// plan is the model (estimate_layer_memory says what it counts), so the estimate, the printed
-/// plan and the running layer describe one step. Measured within 1 % of the peak of a layer
-/// step's Kokkos allocations (tests/unit/test_plan.cpp).
+/// Up-front memory estimate and index-limit check of one distributed MoE layer (README.md,
+/// "memory estimate"), read off a LayerPlan's step plan, so that a tool can refuse a configuration
+/// before allocating, naming the keys to change. tests/unit/test_plan.cpp checks it against the
+/// Kokkos allocations of a step.
 
 #include <moe/config.hpp>
 #include <moe/distributed/host_memory.hpp>
@@ -39,9 +36,7 @@ struct Buffer {
   bool rows_limited = false;
 };
 
-/// Every buffer of one DistributedMoeLayer on the plan's rank, read off its step plan
-/// (estimate_layer_memory says what it counts). `extra` collects the scratch-pool maxima and the
-/// largest all-reduce temporary separately (they are shared, not summed).
+/// Every buffer of one DistributedMoeLayer on the plan's rank (estimate_layer_memory says which).
 class LayerBuffers {
  public:
   LayerBuffers(LayerPlan const& plan, LayerConfig const& cfg, bool training, bool packed)
@@ -67,7 +62,6 @@ class LayerBuffers {
   // ---- weights: stored blocks, the blocks of their gathers and slices, packed copies, gradients
   void weights() {
     for (auto const& w : plan_.layout.weights) {
-      // The plan's blocks of the weight: stored on this rank, and the one the step computes with.
       auto const& t = plan_.tensor(w.name);
       Shape const& stored = t.local_shape;
       Shape const& computed = t.compute_shape;
@@ -76,28 +70,24 @@ class LayerBuffers {
                                 : w.name.rfind("gate", 0) == 0 ? "num_experts, base_emb_dim"
                                                                : weight_keys_;
       add("weights", w.name, stored, s_, wkeys);
-      // dtype=bfloat16: the rounded copy of the stored block the step computes from
-      // (stages::gather_weights; not the gate bias, nor the gate with float32_gate_logits).
+      // dtype=bfloat16: the rounded copy of the stored block (stages::gather_weights).
       if (bf16_ && w.name != "gate_bias" && (w.name != "gate" || !f32_gate_))
         add("weights", "bf16 " + w.name, stored, s_, wkeys);
       auto const& steps = plan_.step.weight(w.name);
-      // Forward: every block of the stored -> compute ops (one per gather stage: two with
-      // moe_fsdp_use_two_stage_all_gather).
+      // Forward: every block of the stored -> compute ops.
       for (auto const& op : steps.to_compute) {
         bool const slice = op.kind == distributed::WeightOp::Kind::slice;
         add("gathered weights", (slice ? "sliced " : "gathered ") + w.name, op.shape, s_, wkeys);
         if (slice) launch_rows(w.name + " slice", distributed::detail::lead(op.shape, op.dim));
       }
       bool const expert = w.name == "wi_0" || w.name == "wi_1" || w.name == "wo";
-      // 4 bytes a value: a bf16 layer on a CPU with bf16 kernels packs 2 (the estimate is high
-      // by half the packed bytes there; the plan does not know the CPU it will run on).
+      // 4 bytes a value: bf16 kernels pack 2 (high by half there; the plan does not know the CPU).
       if (packed_ && expert && s_ == 4)
         for (int use = 0; use < (training_ ? 2 : 1); ++use)
           add("packed expert weights", (use ? "packed transposed " : "packed ") + w.name, computed,
               4, wkeys);
       if (!training_) continue;
-      // Backward: compute-block gradient -> to_storage -> the caller's stored-block gradient
-      // (written straight into it when no op lies between them).
+      // Backward: compute-block gradient (unless written straight into the caller's) -> ops.
       add("weight gradients", "d_" + w.name, stored, s_, wkeys);
       if (!steps.to_storage.empty())
         add("weight gradients", "d_" + w.name + " (compute block)", computed, s_, wkeys);
@@ -126,18 +116,16 @@ class LayerBuffers {
       add("", r.what, {r.rows.n}, 0, distributed::keys_text(r.rows.keys), true);
   }
 
-  // ---- the collectives' temporaries: the layer's scratch pool keeps one buffer per kind, grown
-  // to its largest use; all-reduce temporaries (and an all-to-all's bf16 copies) are allocated
-  // and freed per call. A collective on the bf16 wire (PlannedCollective::wire) converts into
-  // 16-bit buffers of its own and reorders while converting: no value-sized temporaries.
+  // ---- the collectives' temporaries: pool buffers by kind at their largest use; all-reduce
+  // temporaries and all-to-all bf16 copies per call (the largest counts). The bf16 wire converts
+  // into 16-bit buffers of its own while reordering.
   void collectives() {
     for (auto const* phase : {&plan_.step.forward, &plan_.step.backward}) {
       if (phase == &plan_.step.backward && !training_) break;
       for (auto const& st : *phase)
         for (auto const& c : st.collectives) {
           bool const bf16 = c.wire == comm::Wire::bf16;
-          // Host statistics are not in the pool; an all-to-all sends from and receives into the
-          // step's own buffers (on the bf16 wire: through 16-bit copies of both, per call).
+          // Host statistics are not in the pool; an all-to-all uses the step's buffers.
           if (c.host) continue;
           if (c.kind == "all-to-all") {
             if (bf16) a2a_wire_ = std::max(a2a_wire_, checked_mul(c.elems, 2, "all-to-all copies"));
@@ -149,8 +137,8 @@ class LayerBuffers {
           }
           bool const gather = c.kind == "all-gather";
           if (bf16) {
-            // Gathers: this rank's block and the gathered blocks (the chunked ring's overlapped
-            // gathers: two slots); reduce-scatters: the packed input and the received parts.
+            // Gathers: own and gathered blocks (overlapped gathers: two slots); reduce-scatters:
+            // the packed input and the received parts.
             std::int64_t& send = st.overlapped ? igather_send_ : wire_send_;
             std::int64_t& recv = st.overlapped ? igather_recv_ : (gather ? wire_recv_ : parts16_);
             send = std::max(send, gather ? c.elems / c.parts : c.elems);
@@ -168,25 +156,20 @@ class LayerBuffers {
         }
     }
     std::string const keys = std::string(kTokens) + ", base_emb_dim, " + weight_keys_;
-    if (gather_pool_ > 0)
-      add("communication buffers", "all-gather unpack", {gather_pool_}, s_, keys);
-    if (rs_pool_ > 0) add("communication buffers", "reduce-scatter pack", {rs_pool_}, s_, keys);
+    auto comm = [&](char const* name, Shape shape, std::int64_t elem_bytes) {
+      if (shape.back() > 0) add("communication buffers", name, std::move(shape), elem_bytes, keys);
+    };
+    comm("all-gather unpack", {gather_pool_}, s_);
+    comm("reduce-scatter pack", {rs_pool_}, s_);
     // The reduce-scatter's receive buffer is one pool buffer for both wires: its larger use.
-    if (parts_pool_ > 0 || parts16_ > 0) {
-      bool const wide = parts_pool_ * s_ >= parts16_ * 2;
-      add("communication buffers", "reduce-scatter receive", {wide ? parts_pool_ : parts16_},
-          wide ? s_ : 2, keys);
-    }
-    if (wire_send_ > 0) add("communication buffers", "bf16 wire send", {wire_send_}, 2, keys);
-    if (wire_recv_ > 0) add("communication buffers", "bf16 wire receive", {wire_recv_}, 2, keys);
-    if (igather_send_ > 0)
-      add("communication buffers", "bf16 wire send (overlapped gathers)", {2, igather_send_}, 2,
-          keys);
-    if (igather_recv_ > 0)
-      add("communication buffers", "bf16 wire receive (overlapped gathers)", {2, igather_recv_}, 2,
-          keys);
-    if (a2a_wire_ > 0) add("communication buffers", "bf16 all-to-all copies", {a2a_wire_}, 2, keys);
-    if (ar_temp_ > 0) add("communication buffers", "all-reduce temporaries", {ar_temp_}, s_, keys);
+    bool const wide = parts_pool_ * s_ >= parts16_ * 2;
+    comm("reduce-scatter receive", {wide ? parts_pool_ : parts16_}, wide ? s_ : 2);
+    comm("bf16 wire send", {wire_send_}, 2);
+    comm("bf16 wire receive", {wire_recv_}, 2);
+    comm("bf16 wire send (overlapped gathers)", {2, igather_send_}, 2);
+    comm("bf16 wire receive (overlapped gathers)", {2, igather_recv_}, 2);
+    comm("bf16 all-to-all copies", {a2a_wire_}, 2);
+    comm("all-reduce temporaries", {ar_temp_}, s_);
   }
   /// comm::all_reduce of n elements over P ranks: mine [ceil(n/P)] and, unless P divides n, a
   /// padded copy [P*ceil(n/P)]; freed on return (the largest counts).
@@ -219,11 +202,9 @@ inline bool default_packed_weights(LayerPlan const& plan) {
   return MOE_HAS_ONEDNN != 0 && plan.scalar_bytes == 4;
 }
 
-/// \brief Bytes one DistributedMoeLayer needs on the plan's rank, read off its step plan: the
-/// weights' stored blocks and the blocks of their stored -> compute ops, oneDNN's packed copies of
-/// the expert weights, in training the gradients, every buffer of StepPlan::buffers (backward ones
-/// only in training), and the collectives' temporaries by their largest use. Not counted: the
-/// caller's x, y, dy, dx; MPI's and the runtime's own memory; device staging buffers.
+/// \brief Bytes one DistributedMoeLayer needs on the plan's rank: the weights' blocks (stored,
+/// gathered or sliced, packed), in training the gradients, every StepPlan buffer, the collectives'
+/// temporaries. Not counted: the caller's x, y, dy, dx; MPI's and the runtime's own memory.
 /// \param training forward + backward (gradients, backward buffers); false: forward only
 /// \param packed_weights count oneDNN's packed copies of the expert weights (float, host)
 /// \throws ConfigError naming the quantity when an element or byte count does not fit int64.
@@ -255,10 +236,8 @@ inline MemoryEstimate estimate_layer_memory(LayerPlan const& plan, LayerConfig c
 }
 
 /// \brief Refuses (ConfigError naming the tensor, its size, the limit and the keys to reduce) a
-/// plan whose tensors on this rank exceed the kernels' index limits: more rows than a 32-bit BLAS
-/// call or a kernel launch takes, more elements than one flat kernel of the execution space
-/// indexes, or counts that do not fit int64. MPI counts are no limit (moe/comm splits larger
-/// messages). Pure; the same on every rank of a symmetric layout.
+/// plan whose tensors on this rank exceed the kernels' index limits: rows of a 32-bit BLAS call or
+/// kernel launch, elements of one flat kernel, int64 counts (MPI counts are split by moe/comm).
 inline void check_index_limits(LayerPlan const& plan,
                                IndexLimits const& limits = IndexLimits::host()) {
   detail::LayerBuffers const lb(plan, plan.config, true, false);

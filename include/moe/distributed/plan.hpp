@@ -1,11 +1,8 @@
 #pragma once
 /// \file
-/// The partition plan of one distributed MoE layer (what `moe-shard --plan` prints): for one rank
-/// of a layout, the mesh, the route, every tensor's blocks and the layer's own step plan with the
-/// bytes this rank sends (its collectives are the layer's comm_log() record for record; balanced
-/// routing where rows depend on it). Pure: any rank of any mesh can be planned on one process. It
-/// also flags the dense dispatch tensor whose batch dimension claims the `expert` axis (MaxText's
-/// `moe_dispatch_no_expert_sharding`, SEMANTICS.md §1.13).
+/// The partition plan of one distributed MoE layer (what `moe-shard --plan` prints): for one rank,
+/// the mesh, the route, every tensor's blocks and the layer's step plan with the bytes this rank
+/// sends (the layer's comm_log() record for record). Pure: any rank can be planned on one process.
 
 #include <moe/comm/comm_log.hpp>
 #include <moe/config.hpp>
@@ -32,11 +29,9 @@ struct PlanTensor {
   sharding::PartitionSpec spec;   ///< spec the rules resolve (size-1 axes kept)
   /// Per dimension: mesh axes (size > 1) the stored block is split over.
   std::vector<std::vector<std::string>> storage;
-  /// Per dimension: axes all-gathered to form the compute block (their transpose, in the
-  /// backward, is a reduce-scatter of the gradient).
+  /// Per dimension: axes all-gathered to form the compute block.
   std::vector<std::vector<std::string>> gathered;
-  /// Per dimension: axes the compute block is split over beyond the storage (no communication
-  /// forward; an all-gather of the gradient backward).
+  /// Per dimension: axes the compute block is split over beyond the storage.
   std::vector<std::vector<std::string>> sliced;
   /// Token axes over which the gradient's contributions are summed.
   std::vector<std::string> reduced;
@@ -57,10 +52,8 @@ struct PlanCollective {
   std::string stage;              ///< the step-plan stage that runs it (its profiling region)
 };
 
-/// \brief A choice the plan made where the rules leave one -- today the shared expert under
-/// expert parallelism (SharedExpert) -- with what each alternative would move and compute per
-/// training step on this rank: the plan takes, among the alternatives of the fewest FLOPs, the
-/// one that moves the fewest bytes.
+/// \brief A choice the plan made where the rules leave one (the shared expert under expert
+/// parallelism), with what each alternative moves and computes per step on this rank.
 struct PlanChoice {
   struct Alternative {
     std::string name;        ///< e.g. "own tokens", "ep-as-tp"
@@ -87,7 +80,7 @@ struct LayerPlan {
   sharding::LogicalAxes dispatch_logical;     ///< the dense dispatch tensor's logical names
   sharding::PartitionSpec dispatch_joint;     ///< resolved jointly (MaxText's default)
   sharding::PartitionSpec dispatch_repaired;  ///< with moe_dispatch_no_expert_sharding
-  std::vector<PlanChoice> choices;            ///< strategies chosen where the rules leave a choice
+  std::vector<PlanChoice> choices;            ///< where the rules leave a choice
   std::vector<std::string> notes;             ///< assumptions behind the byte counts
   std::vector<std::string> warnings;          ///< layout problems worth fixing
 
@@ -163,8 +156,7 @@ inline moe::detail::ordered_json json_logical(sharding::LogicalAxes const& l) {
   return j;
 }
 
-/// What the shared expert of `step` moves (its stages' collectives and its weights' gathers and
-/// gradient reductions) and computes in one step.
+/// What the shared expert of `step` moves (with its weights' collectives) and computes.
 inline PlanChoice::Alternative shared_expert_cost(StepPlan const& step, char const* name) {
   PlanChoice::Alternative a{name, 0, 0};
   for (auto const* phase : {&step.forward, &step.backward})
@@ -177,9 +169,8 @@ inline PlanChoice::Alternative shared_expert_cost(StepPlan const& step, char con
   return a;
 }
 
-/// The shared expert's strategy under expert parallelism (Layout::shared) against the other one:
-/// both plans' bytes and FLOPs (none without a shared expert or expert parallelism, or on EP-TP,
-/// whose rules put the hidden dim on the expert axes).
+/// The shared expert's strategy against the other one (none without a shared expert or expert
+/// parallelism, or on EP-TP, whose rules fix it).
 inline std::vector<PlanChoice> shared_expert_choice(LayerConfig const& cfg,
                                                     ParallelConfig const& par, int world_size,
                                                     std::size_t scalar_bytes, Layout const& lay) {
@@ -205,11 +196,9 @@ inline std::vector<PlanChoice> shared_expert_choice(LayerConfig const& cfg,
 }  // namespace detail
 
 /// \brief The partition plan of `rank` of `world_size` ranks for a global batch
-/// [global_batch, seq_len, base_emb_dim] (pure; no MPI call).
+/// [global_batch, seq_len, base_emb_dim] (pure), under the default GEMM policies.
 ///
-/// Throws the ConfigError the layer's constructor would throw for the same arguments. The plan is
-/// the one of the default GEMM policies: a layer built with gmm::Dense runs like
-/// sparse_matmul=false (tokens gathered over the expert axes, as the ring does).
+/// Throws the ConfigError the layer's constructor would throw for the same arguments.
 /// \param scalar_bytes size of one value (4: float, 8: double) for the byte counts
 inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, int world_size,
                            int rank, std::int64_t global_batch, std::int64_t seq_len,
@@ -241,8 +230,7 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
     t.offset = b.offset;
     return t;
   };
-  // Tokens: split over the batch axes; the experts compute with them gathered over the axes the
-  // strategy names (the ring: the batch over the expert axes).
+  // Tokens: split over the batch axes; gathered over the axes the strategy names.
   for (char const* name : {"x", "y"}) {
     PlanTensor t = tensor(name, lay.token_logical, lay.token_spec);
     t.storage = {lay.batch_axes, {}, lay.emb_axes};
@@ -276,9 +264,8 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
       "all-reduce bytes are 2*(P-1)/P of the buffer (ring algorithm); count exchanges and error "
       "checks (a few integers per collective call) are not listed");
 
-  // SEMANTICS §1.13: the dense dispatch tensor resolved jointly lets the batch dimension claim
-  // `expert` (activation_batch_moe precedes activation_exp), leaving the expert dimension
-  // unsharded.
+  // SEMANTICS §1.13: resolved jointly, the dense dispatch tensor's batch dimension may claim
+  // `expert`, leaving the expert dimension unsharded.
   p.dispatch_logical = detail::dispatch_logical();
   p.dispatch_joint = sharding::resolve_dispatch(lay.rules, p.dispatch_logical, false);
   p.dispatch_repaired = sharding::resolve_dispatch(lay.rules, p.dispatch_logical, true);

@@ -1,10 +1,8 @@
 #pragma once
 /// \file
-/// PlanBuilder: what every dispatch strategy writes its step plan (distributed/step_plan.hpp)
-/// with -- this rank's step sizes and the extents of its buffers, the stages every route shares
-/// (weight gathers and gradient reductions, router, output), the buffers the shared components
-/// keep, and one helper per collective that plans it with its sizes and predicted bytes (a group
-/// of one rank plans nothing).
+/// PlanBuilder: what every dispatch strategy writes its step plan (step_plan.hpp) with: this
+/// rank's sizes and buffer extents, the stages every route shares, and one helper per collective
+/// (a group of one rank plans nothing).
 
 #include <moe/comm/sent_bytes.hpp>
 #include <moe/comm/wire.hpp>
@@ -26,8 +24,7 @@
 
 namespace moe::distributed {
 
-/// \brief What a stage writes: a buffer or weight block already declared (a Ref or handle), or
-/// a buffer it makes first, with its declaration (PlanBuilder::out).
+/// \brief What a stage writes: a declared buffer or weight block, or a new buffer's declaration.
 struct Out {
   Ref ref;
   bool declares = false;
@@ -39,8 +36,7 @@ struct Out {
   Out(BufferDecl d) : ref(d.id), declares(true), decl(std::move(d)) {}  // NOLINT
 };
 
-/// \brief What every dispatch strategy builds its plan with (see the file comment); a strategy
-/// (distributed/strategy/) lists its stages with it, top to bottom.
+/// \brief What every dispatch strategy lists its stages with, top to bottom (see the file comment).
 class PlanBuilder {
  public:
   using Axes = std::vector<std::string>;
@@ -73,11 +69,10 @@ class PlanBuilder {
     local = E > 0 ? checked_mul(kept_slots(Tw), L, "local rows") / E : 0;
   }
 
-  /// What a collective moves (activations: tokens, expert rows, their gradients; weights: an
-  /// expert or shared-expert compute block; gradients: weight gradients and statistics).
+  /// What a collective moves (activations include expert rows and their gradients).
   enum class Payload { activations, logits, weights, gate, gradients };
   /// The wire of a collective moving `p` (docs/precision.md, "Wire"): bf16 for what a bf16 layer
-  /// holds in bf16 (the gate and its logits unless float32_gate_logits), else the value type.
+  /// holds in bf16, else the value type.
   comm::Wire wire(Payload p) const {
     bool const f32_gate = (p == Payload::gate || p == Payload::logits) && cfg.float32_gate_logits;
     return cfg.bf16() && p != Payload::gradients && !f32_gate ? comm::Wire::bf16
@@ -88,9 +83,8 @@ class PlanBuilder {
   LayerConfig const& cfg;
   ParallelConfig const& par;
   std::int64_t s;  ///< bytes of one value (in memory; on the wire: wire())
-  /// This rank's tokens, the tokens the experts see (the expert group's on the ring), the
-  /// sequence length, D, its tensor column block, this rank's x columns (EP-TP: D / ep), K, E,
-  /// the local experts and the expert hidden size of the compute block, the group sizes.
+  /// Tokens (own, the experts'), S, D, D / tp, x's columns here (EP-TP: D / ep), K, E, local
+  /// experts, the compute block's hidden size, the group sizes.
   std::int64_t T = 0, Tw = 0, S = 1, D = 0, Dc = 0, Dl = 0, K = 0, E = 0, L = 0, F = 0, ep = 1,
                tp = 1;
   std::int64_t sent = 0, recv = 0;  ///< rows this rank sends / receives (balanced routing)
@@ -111,12 +105,12 @@ class PlanBuilder {
   Extent recv_rows() const { return {recv, slot, true}; }
   Extent local_rows() const { return {local, slot, true}; }
   Extent mlp() const { return {F, scale_mlp}; }
-  /// Whether the shared expert gathers the expert group's tokens (EP-as-TP, tokens on the EP axes).
+  /// Whether the shared expert gathers the expert group's tokens (EP-as-TP over the EP axes).
   bool shared_spans() const {
     return lay.shared == SharedExpert::split &&
            (lay.route == ExpertRoute::RaggedA2A || lay.route == ExpertRoute::Ring);
   }
-  /// Tokens the shared expert sees (the expert group's when it gathers them, else this rank's).
+  /// Tokens the shared expert sees.
   Extent shared_tokens() const { return {plan_.shared_tokens, tok}; }
 
   /// Slots kept of `tokens` tokens' T*K under per-sequence capacity (all without a capacity).
@@ -130,8 +124,8 @@ class PlanBuilder {
   }
 
   // ------------------------------------------------------------ stages and buffers
-  /// The declaration of workspace buffer `h` [rows, cols], made by a stage of the current phase
-  /// (its memory-estimate item: the buffer's own unless `item` names another).
+  /// The declaration of workspace buffer `h` [rows, cols], made in the current phase (counted
+  /// under `item`, by default the buffer's own).
   template <class Role>
   BufferDecl out(Handle<Role> h, Extent rows, Extent cols) const {
     return out(h, rows, cols, info(h.id).item);
@@ -141,8 +135,9 @@ class PlanBuilder {
     return {h.id, {rows, cols}, info(h.id).elem, item, backward};
   }
 
-  /// Appends a stage of the current phase and returns it; the buffers `writes` declare join the
-  /// plan's (a buffer is declared once, by the first stage that makes it).
+  /// The stages of the current phase.
+  std::vector<Stage>& phase() { return backward ? plan_.backward : plan_.forward; }
+  /// Appends a stage of the current phase; the first stage that declares a buffer declares it.
   Stage& stage(StageKind kind, std::string region, std::vector<Ref> reads,
                std::vector<Out> writes) {
     Stage st;
@@ -154,12 +149,10 @@ class PlanBuilder {
       st.writes.push_back(w.ref);
       if (w.declares) declare(std::move(w.decl));
     }
-    auto& out = backward ? plan_.backward : plan_.forward;
-    out.push_back(std::move(st));
-    return out.back();
+    phase().push_back(std::move(st));
+    return phase().back();
   }
-  /// Declares a buffer a component keeps between steps (a kBufferInfo row of kind held), made
-  /// by the stage of the current phase that runs the component.
+  /// Declares a buffer a component keeps between steps, made by the current phase's last stage.
   void hold(Buf b, std::vector<Extent> dims) {
     declare({b, std::move(dims), info(b).elem, info(b).item, backward});
   }
@@ -167,8 +160,7 @@ class PlanBuilder {
   void row_limit(std::string what, Extent rows) {
     plan_.row_limits.push_back({std::move(what), rows});
   }
-  /// The sort of `slots` (routed rows on `keys` experts) by expert: its permutation, inverse
-  /// and per-chunk cursors (permute::sort_by_expert).
+  /// The sort of `slots` by expert over `keys` experts (permute::sort_by_expert).
   void hold_sort(Extent slots, std::int64_t keys) {
     std::int64_t const chunk = std::max<std::int64_t>(2048, 8 * keys);
     hold(Buf::sort_perm, {slots});
@@ -177,51 +169,42 @@ class PlanBuilder {
   }
   /// FLOPs of a [rows, k] x [k, n] GEMM.
   static double gemm(double rows, double k, double n) { return 2 * rows * k * n; }
-  /// FLOPs of the gated FFN (three GEMMs of D x F) on `rows` rows: forward, or backward (the
-  /// three weight gradients and the three input gradients: twice the forward).
+  /// FLOPs of the gated FFN (three D x F GEMMs) on `rows` rows; the backward's are twice that.
   double ffn_flops(double rows, double F_) const { return (backward ? 6 : 3) * gemm(rows, D, F_); }
 
-  /// The grouped expert FFN's hidden states on `rows` rows: h0, h1, act forward; d_act, d_h1
-  /// backward (nn::ExpertFfn).
+  /// The grouped expert FFN's hidden states on `rows` rows (nn::ExpertFfn), and its FLOPs.
   void hold_expert_ffn(Extent rows) {
-    auto& phase = backward ? plan_.backward : plan_.forward;
-    phase.back().flops = ffn_flops(double(rows.n), double(F));  // the stage running it
+    phase().back().flops = ffn_flops(double(rows.n), double(F));
     if (!backward)
       for (Buf b : {Buf::h0, Buf::h1, Buf::act}) hold(b, {rows, mlp()});
     else
       for (Buf b : {Buf::d_act, Buf::d_h1}) hold(b, {rows, mlp()});
   }
 
-  /// A stage of the current phase running the routed experts: reads `reads` and the expert
-  /// weights' compute blocks, writes `writes` and (backward) the weights' gradients.
+  /// A stage running the routed experts: also reads their compute blocks and (backward) writes
+  /// their gradients.
   Stage& experts_stage(std::vector<Ref> reads, std::vector<Out> writes,
                        char const* region = nullptr) {
     if (!region) region = backward ? "moe::dist::experts::backward" : "moe::dist::experts";
     return ffn_stage(StageKind::experts, region, {Weight::wi_0, Weight::wi_1, Weight::wo},
                      std::move(reads), std::move(writes));
   }
-  /// A shared-expert stage of the current phase on `rows` tokens `x`, as experts_stage with the
-  /// shared weights.
+  /// A shared-expert stage on `rows` tokens `x`, as experts_stage with the shared weights.
   Stage& shared_stage(Ref x, Extent rows, std::vector<Out> writes) {
     auto& st = ffn_stage(
         StageKind::shared_expert,
         backward ? "moe::dist::shared_expert::backward" : "moe::dist::shared_expert",
         {Weight::shared_wi_0, Weight::shared_wi_1, Weight::shared_wo}, {x}, std::move(writes));
-    hold_shared_mlp(rows);
-    return st;
-  }
-  /// The shared MLP's hidden states on `rows` tokens: h0, h1, act forward; d_act backward
-  /// (nn::DenseMlp), and the rows it hands to its GEMMs.
-  void hold_shared_mlp(Extent rows) {
+    // The shared MLP's hidden states (nn::DenseMlp) and the rows it hands to its GEMMs.
     Extent const Fs{lay.weight("shared_wi_0").dims[1].computed, scale_mlp | scale_shared};
-    auto& phase = backward ? plan_.backward : plan_.forward;
-    phase.back().flops = ffn_flops(double(rows.n), double(Fs.n));  // the stage running it
+    st.flops = ffn_flops(double(rows.n), double(Fs.n));
     if (!backward) {
       row_limit("shared-expert tokens", rows);
       for (Buf b : {Buf::shared_h0, Buf::shared_h1, Buf::shared_act}) hold(b, {rows, Fs});
     } else {
       hold(Buf::shared_d_act, {rows, Fs});
     }
+    return st;
   }
 
   // ------------------------------------------------------------ collectives
@@ -259,14 +242,10 @@ class PlanBuilder {
   }
 
   // ------------------------------------------------------------ the stages every route has
-  /// Starts the plan of this rank's sizes with every moved weight's ops (StepPlan::weights), the
-  /// step's input x [T, Dl] and no stage yet; `shared_group`: how many ranks' tokens the shared
-  /// expert sees.
+  /// Starts the plan: this rank's sizes, every moved weight's ops and the step's input x [T, Dl].
   StepPlan& begin() {
     StepPlan& p = plan_;
     p.route = lay.route;
-    // The dense path on the all-to-all (moe_dispatch_no_expert_sharding) runs the received rows
-    // through the grouped GEMMs like the sparse path: no masked dense experts (Layout::dense).
     p.dense = lay.dense;
     p.tokens = T;
     p.work_tokens = Tw;
@@ -277,31 +256,28 @@ class PlanBuilder {
     declare(out(buf::x, tokens(), token_cols()));
     return p;
   }
-  /// The backward's last stages, the router's backward on the tokens `x` it routed and the
-  /// gradient reduction; returns the plan (moved out: the builder is done).
+  /// The backward's last stages (router on the tokens `x` it routed, gradient reduction); moves
+  /// the plan out.
   StepPlan finish(Ref x) {
     route_backward(x);
     reduce_grads();
     return std::move(plan_);
   }
-  /// The plan being built.
-  StepPlan& plan() { return plan_; }
-
   /// The forward's first stage: stored weight blocks -> compute blocks.
   void gather_weights() {
     auto& st = stage(StageKind::gather_weights, "moe::dist::gather_weights", {}, {});
     for (Weight n : moved()) {
       st.reads.push_back(stored(n));
       st.writes.push_back(compute(n));
-      auto cur = stored_shape(lay.weight(to_string(n)));
+      auto cur = shape(lay.weight(to_string(n)), &DimLayout::stored);
       for (auto const& o : plan_.weight(to_string(n)).to_compute) {
         weight_collective(st, o, cur, n == Weight::gate ? Payload::gate : Payload::weights);
         cur = o.shape;
       }
     }
   }
-  /// The router on the tokens `x` (this rank's or the working tokens); `logits`: the chunked
-  /// ring's, whose gate logits (full D, own tokens) are all-gathered instead of the tokens.
+  /// The router on the tokens `x`; `logits`: the chunked ring's, which all-gathers the gate
+  /// logits of the own tokens instead of the tokens.
   void route(Ref x, bool logits = false) {
     std::vector<Out> writes{Buf::routing};
     if (logits) writes.insert(writes.begin(), out(buf::logits_own, tokens(), experts()));
@@ -312,8 +288,7 @@ class PlanBuilder {
     st.flops = gemm(logits ? T : Tw, D, E);  // the gate
     if (cfg.load_balance_loss_weight > 0) all_reduce(st, "lb loss", lay.batch_axes, 1, true);
     if (cfg.routed_bias_update_rate > 0) all_reduce(st, "bias counts", lay.batch_axes, E, true);
-    // What the router keeps (routing::Router): for the Tw rows it routes, the scores and the
-    // top-k choice; the load-balance statistics per sequence; the capacity cursors.
+    // What routing::Router keeps.
     Extent const R = work_tokens(), seqs{S > 0 ? T / S : 0, tok};
     row_limit("tokens routed on this rank", R);
     hold(Buf::logits, {R, experts()});
@@ -327,15 +302,13 @@ class PlanBuilder {
     }
     if (cfg.capacity_factor > 0) hold(Buf::capacity_cursors, {{2, 0}, seqs, experts()});
   }
-  /// The forward's last stage: the D/tp column blocks of y -> full y. The stages added after it
-  /// are the backward's.
+  /// The forward's last stage: y's D/tp column blocks -> full y. Later stages are the backward's.
   void output() {
     auto& o = stage(StageKind::output, "moe::dist::output", {buf::y_cols}, {Buf::y});
     all_gather(o, "all-gather y (tensor)", lay.tp_axes, T, Dc, 1);
     backward = true;
   }
-  /// The router's backward on the tokens `x` it routed (dx sums path + shared + router, in
-  /// this order, on every route).
+  /// The router's backward on the tokens `x` it routed (dx sums path, shared, router, in order).
   void route_backward(Ref x) {
     auto& st = stage(StageKind::route, "moe::dist::route::backward",
                      {x, buf::d_weights, compute(Weight::gate)},
@@ -353,8 +326,7 @@ class PlanBuilder {
     for (Weight n : names) {
       st.reads.push_back(grad(n));
       st.writes.push_back(stored_grad(n));
-      std::vector<std::int64_t> cur;
-      for (auto const& d : lay.weight(to_string(n)).dims) cur.push_back(d.computed);
+      auto cur = shape(lay.weight(to_string(n)), &DimLayout::computed);
       for (auto const& o : plan_.weight(to_string(n)).to_storage) {
         weight_collective(st, o, cur, Payload::gradients);
         cur = o.shape;
@@ -377,10 +349,8 @@ class PlanBuilder {
   void declare(BufferDecl d) {
     for (auto const& have : plan_.buffers)
       if (have.id == d.id) {
-        moe::detail::require<Error>(have.shape() == d.shape(),
-                                    "moe internal error: the plan "
-                                    "declares buffer ",
-                                    to_string(d.id), " twice, with two shapes");
+        moe::detail::require<Error>(have.shape() == d.shape(), "moe internal error: the plan ",
+                                    "declares buffer ", to_string(d.id), " twice, with two shapes");
         return;
       }
     plan_.buffers.push_back(std::move(d));
@@ -403,9 +373,10 @@ class PlanBuilder {
           gather ? sent::all_gather(b, P) : sent::reduce_scatter(b, P), balanced, P, block * P,
           lead, w);
   }
-  static std::vector<std::int64_t> stored_shape(WeightLayout const& w) {
+  /// The weight's stored or computed block shape.
+  static std::vector<std::int64_t> shape(WeightLayout const& w, std::int64_t DimLayout::*m) {
     std::vector<std::int64_t> v;
-    for (auto const& d : w.dims) v.push_back(d.stored);
+    for (auto const& d : w.dims) v.push_back(d.*m);
     return v;
   }
   WeightOp op(WeightOp::Kind kind, int dim, Axes axes, std::vector<std::int64_t> shape,
@@ -418,13 +389,16 @@ class PlanBuilder {
     using detail::minus;
     WeightSteps ws;
     ws.name = w.name;
+    // f(d, axes) for every dimension d whose member m (gather or slice axes) is not empty.
+    auto each = [&w](Axes DimLayout::*m, auto f) {
+      for (std::size_t d = 0; d < w.dims.size(); ++d)
+        if (!(w.dims[d].*m).empty()) f(int(d), w.dims[d].*m);
+    };
     // stored -> compute: all gathers first (a gather combines blocks cut the same way), then
     // the slices; two-stage gathers run one axis at a time, minor axis first, so blocks stay in
     // row-major order.
-    auto cur = stored_shape(w);
-    for (std::size_t d = 0; d < w.dims.size(); ++d) {
-      auto const& g = w.dims[d].gather;
-      if (g.empty()) continue;
+    auto cur = shape(w, &DimLayout::stored);
+    each(&DimLayout::gather, [&](int d, Axes const& g) {
       std::vector<Axes> parts{g};
       if (par.moe_fsdp_use_two_stage_all_gather && g.size() > 1) {
         parts.clear();
@@ -432,15 +406,13 @@ class PlanBuilder {
       }
       for (auto const& a : parts) {
         cur[d] *= lay.parts(a);
-        ws.to_compute.push_back(op(Kind::all_gather, int(d), a, cur, "gather " + w.name));
+        ws.to_compute.push_back(op(Kind::all_gather, d, a, cur, "gather " + w.name));
       }
-    }
-    for (std::size_t d = 0; d < w.dims.size(); ++d) {
-      auto const& sl = w.dims[d].slice;
-      if (sl.empty()) continue;
+    });
+    each(&DimLayout::slice, [&](int d, Axes const& sl) {
       cur[d] /= lay.parts(sl);
-      ws.to_compute.push_back(op(Kind::slice, int(d), sl, cur, ""));
-    }
+      ws.to_compute.push_back(op(Kind::slice, d, sl, cur, ""));
+    });
     // compute gradient -> stored gradient: the transpose. Sum over the token axes that differ
     // and were not gathered, undo the slices (all-gather), then the gathers (reduce-scatter, or
     // a sum over the gathered axes that also reduce plus a slice).
@@ -449,29 +421,24 @@ class PlanBuilder {
     auto const reduce = minus(w.reduce, gathered);
     if (lay.parts(reduce) > 1)
       ws.to_storage.push_back(op(Kind::all_reduce, -1, reduce, cur, "reduce d_" + w.name));
-    for (std::size_t d = 0; d < w.dims.size(); ++d) {
-      auto const& sl = w.dims[d].slice;
-      if (sl.empty()) continue;
+    each(&DimLayout::slice, [&](int d, Axes const& sl) {
       cur[d] *= lay.parts(sl);
-      ws.to_storage.push_back(op(Kind::all_gather, int(d), sl, cur, "unslice d_" + w.name));
-    }
-    for (std::size_t d = 0; d < w.dims.size(); ++d) {
-      auto const& g = w.dims[d].gather;
-      if (g.empty()) continue;
+      ws.to_storage.push_back(op(Kind::all_gather, d, sl, cur, "unslice d_" + w.name));
+    });
+    each(&DimLayout::gather, [&](int d, Axes const& g) {
       auto const summed = minus(g, minus(g, w.reduce));
       cur[d] /= lay.parts(g);
       if (summed.size() == g.size()) {
-        ws.to_storage.push_back(
-            op(Kind::reduce_scatter, int(d), g, cur, "reduce-scatter d_" + w.name));
-      } else {
-        if (lay.parts(summed) > 1) {
-          auto before = cur;
-          before[d] *= lay.parts(g);
-          ws.to_storage.push_back(op(Kind::all_reduce, -1, summed, before, "reduce d_" + w.name));
-        }
-        ws.to_storage.push_back(op(Kind::slice, int(d), g, cur, ""));
+        ws.to_storage.push_back(op(Kind::reduce_scatter, d, g, cur, "reduce-scatter d_" + w.name));
+        return;
       }
-    }
+      if (lay.parts(summed) > 1) {
+        auto before = cur;
+        before[d] *= lay.parts(g);
+        ws.to_storage.push_back(op(Kind::all_reduce, -1, summed, before, "reduce d_" + w.name));
+      }
+      ws.to_storage.push_back(op(Kind::slice, d, g, cur, ""));
+    });
     return ws;
   }
   /// Planned collective of a weight op moving `p` (none for a slice).

@@ -1,10 +1,7 @@
 #pragma once
 /// \file
-/// Collectives along any dimension of a row-major tensor (viewed as [A, n, C] around dimension d),
-/// over a group of mesh axes, with a log of every byte moved. Built on moe::comm (rank-order
-/// deterministic) and used by the distributed layer for weight gathers and gradient reductions.
-/// Each collective moves its values as the wire type it is given (comm/wire.hpp): native, or
-/// bf16 (16 bits a value; the log records the bytes actually sent).
+/// Collectives along any dimension d of a row-major tensor (viewed as [A, n, C] around d) over a
+/// group of mesh axes, logging the bytes sent, on a native or bf16 wire (comm/wire.hpp).
 
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/comm_log.hpp>
@@ -22,7 +19,7 @@
 
 namespace moe::distributed {
 
-// The log and the group live in moe::comm; these names keep existing code compiling.
+// Kept for existing code: the log and the group live in moe::comm.
 using comm::AxisGroup;
 using comm::CommLog;
 using comm::CommRecord;
@@ -48,11 +45,8 @@ Split split_at(V const& v, int d) {
   return s;
 }
 
-/// Copies `rows` rows of `len` contiguous elements: row i goes from src + from(i) * len to
-/// dst + to(i) * len (from, to: device-callable index maps), each element converted to D
-/// (comm::detail::WireCast: a copy for one type, to or from bf16 for the bf16 wire). One team per
-/// row, the row split over the team: on host backends a plain vectorised copy, with no index
-/// arithmetic per element.
+/// Copies `rows` rows of `len` elements, row src + from(i) * len to dst + to(i) * len, converting
+/// each to D (comm::detail::WireCast). One team per row: no index arithmetic per element.
 template <class ExecSpace, class S, class D, class From, class To>
 void copy_rows(ExecSpace const& space, char const* label, S const* src, D* dst, std::int64_t rows,
                std::int64_t len, From from, To to) {
@@ -114,9 +108,8 @@ inline void record(CommLog* log, std::string const& what, char const* kind, Axis
 
 }  // namespace detail
 
-/// \brief out = in gathered along dimension d over the group (block p at offset p*n along d),
-/// the values moved as `wire` (bf16: every block, this rank's included, comes back rounded to
-/// bf16). `pool` (optional) keeps the temporaries between calls.
+/// \brief out = in gathered along dimension d over the group (block p at offset p*n along d), on
+/// `wire` (bf16: every block, this rank's too, comes back rounded). `pool` keeps the temporaries.
 template <class ExecSpace, class InV, class OutV>
 void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV const& out, int d,
                 CommLog* log, std::string const& what,
@@ -142,8 +135,7 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
     moe::detail::fence(space, "moe::reshard::gather_dim: unpacked");
     return;
   }
-  // With A > 1 the blocks arrive [P, A, n*C] in a temporary and are reordered into out's
-  // [A, P, n*C].
+  // With A > 1 the blocks arrive [P, A, n*C] in a temporary, reordered into out's [A, P, n*C].
   View1<T, MS> const got =
       s.A == 1 ? View1<T, MS>(out.data(), out.span())
                : detail::temporary<T>(space, pool, "moe::reshard::gather", out.span());
@@ -174,12 +166,9 @@ class GatherRowsRequest {
   T* out_ = nullptr;
 };
 
-/// \brief Starts out = in gathered along dimension 0 over the group without blocking (see
-/// comm::iall_gather: call test() on the request while computing, wait() before reading out) and
-/// logs it as the all-gather `what`, with the bytes gather_dim would send on `wire`. `pieces` is
-/// the shape the group agreed on for the gather's pieces (comm::AllGatherPieces, made once per
-/// gather). The bf16 wire stages the piece in `pool` buffers of `slot` (one slot per gather in
-/// flight at once).
+/// \brief Starts out = in gathered along dimension 0 without blocking (comm::iall_gather) on the
+/// pieces' agreed shape, logged as gather_dim would. The bf16 wire stages the piece in `pool`
+/// buffers of `slot` (one per gather in flight).
 template <class ExecSpace, class Pieces, class InV, class OutV>
 GatherRowsRequest<typename OutV::non_const_value_type, typename OutV::memory_space>
 start_gather_rows(ExecSpace const& space, AxisGroup const& g, Pieces const& pieces, InV const& in,
@@ -209,9 +198,7 @@ start_gather_rows(ExecSpace const& space, AxisGroup const& g, Pieces const& piec
 }
 
 /// \brief out (one block along d) = sum over the group of in's blocks along d (rank order).
-/// `pool` (optional) keeps the temporaries between calls.
-/// On the bf16 wire the blocks travel as bf16 and each rank sums the P blocks it receives in
-/// fp32, rank order, rounding the sum to bf16 once (docs/precision.md, "Wire").
+/// On the bf16 wire the blocks are summed in fp32 and rounded once (docs/precision.md, "Wire").
 template <class ExecSpace, class InV, class OutV>
 void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV const& out,
                         int d, CommLog* log, std::string const& what,
@@ -236,7 +223,7 @@ void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& i
   }
   View1<T const, MS> src(in.data(), in.span());
   if (s.A > 1) {
-    // in is [A, P, n*C]: packed [P, A, n*C] into a temporary first.
+    // in [A, P, n*C] -> [P, A, n*C] in a temporary.
     auto buf = detail::temporary<T>(space, pool, "moe::reshard::rs", in.span());
     detail::copy_rows(space, "moe::reshard::rs_pack", in.data(), buf.data(), P * s.A, s.n * s.C,
                       detail::PaToAp{P, s.A}, detail::Identity{});
@@ -253,7 +240,6 @@ void slice_dim(ExecSpace const& space, int P, int p, InV const& in, OutV const& 
     return;
   }
   auto const s = detail::split_at(out, d);
-  // in is [A, P, n*C]; out is block p: [A, n*C]
   detail::copy_rows(space, "moe::reshard::slice", in.data(), out.data(), s.A, s.n * s.C,
                     detail::Block{P, p}, detail::Identity{});
 }

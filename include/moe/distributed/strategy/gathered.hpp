@@ -141,7 +141,7 @@ struct DenseExperts : StageDefaults {
     // What nn::DenseExperts keeps: the masked combine weights of the local experts, the hidden
     // states and one expert's output, on every working token.
     b.row_limit("dense expert rows", Tw);
-    b.plan().forward.back().flops = b.ffn_flops(double(b.Tw) * double(b.L), double(b.F));
+    b.phase().back().flops = b.ffn_flops(double(b.Tw) * double(b.L), double(b.F));
     b.hold(Buf::dense_weights, {Tw, L});
     for (Buf h : {Buf::h0, Buf::h1, Buf::act}) b.hold(h, {Tw, b.mlp()});
     b.hold(Buf::y_expert, {Tw, b.emb()});
@@ -153,7 +153,7 @@ struct DenseExperts : StageDefaults {
     // nn::DenseExperts keeps one expert's hidden states, so its backward runs each expert's
     // forward again: 3 GEMMs more than the 6 of the gradients.
     double const rows = double(b.Tw) * double(b.L);
-    b.plan().backward.back().flops = b.ffn_flops(rows, double(b.F)) + 3 * b.gemm(rows, b.D, b.F);
+    b.phase().back().flops = b.ffn_flops(rows, double(b.F)) + 3 * b.gemm(rows, b.D, b.F);
     b.hold(Buf::dy_expert, {Tw, b.emb()});
     for (Buf h : {Buf::d_act, Buf::d_h1}) b.hold(h, {Tw, b.mlp()});
     b.hold(Buf::d_dense_weights, {Tw, L});
