@@ -1,10 +1,8 @@
 #pragma once
 /// \file
-/// How much host memory a rank may still use, and the check that refuses an estimate
-/// (moe/distributed/memory.hpp) that does not fit: MemAvailable of /proc/meminfo bounded by the
-/// cgroup limits, shared among the ranks on the node (MPI_COMM_TYPE_SHARED). Host memory only: on
-/// a GPU the layer's buffers live in device memory, which Kokkos has no portable way to query, and
-/// the tools skip the check there.
+/// How much host memory a rank may still use (MemAvailable bounded by the cgroup limits, shared
+/// among the node's ranks), and the check that refuses an estimate that does not fit. Host memory
+/// only: Kokkos cannot query device memory portably.
 
 #include <moe/distributed/memory_estimate.hpp>
 #include <moe/error.hpp>
@@ -55,11 +53,8 @@ inline std::int64_t cgroup_room(std::string const& dir, bool v2) {
 
 }  // namespace detail
 
-/// \brief Host memory this process can still allocate, in bytes: MemAvailable of /proc/meminfo,
-/// or less when a cgroup (v2 memory.max, v1 memory.limit_in_bytes, of this process's cgroup or
-/// any ancestor) leaves less room; -1 when unknown (not Linux). Memory of the whole node (or
-/// cgroup): a caller shares it among the ranks on the node (ranks_on_node()). Host memory only
-/// (see the file comment for device spaces).
+/// \brief Host memory the node (or cgroup) can still allocate, in bytes: MemAvailable, or less
+/// where this process's cgroup or an ancestor leaves less room; -1 when unknown (not Linux).
 inline std::int64_t available_memory_bytes() {
   std::int64_t avail = -1;
   {
@@ -112,10 +107,8 @@ inline int ranks_on_node(MPI_Comm comm) {
   return std::max(1, n);
 }
 
-/// \brief Throws ConfigError when `est` does not fit this rank's share of the node's memory:
-/// "<who> needs about 93.1 GiB per rank (items...) but this node has 22.6 GiB available for 2
-/// ranks (11.3 GiB each): reduce <keys> (or set MOE_SKIP_MEMORY_CHECK=1 to run anyway)".
-/// Does nothing when `available` < 0 (unknown) or MOE_SKIP_MEMORY_CHECK is set (non-empty, not 0).
+/// \brief Throws ConfigError naming the keys to reduce when `est` does not fit this rank's share
+/// of `available`; nothing when that is < 0 or MOE_SKIP_MEMORY_CHECK is set (non-empty, not 0).
 /// \param available available_memory_bytes() of the node (or cgroup)
 /// \param ranks_on_node ranks sharing it (ranks_on_node(comm)), >= 1
 /// \param keys_hint the keys to name; empty: the keys of the largest items (keys_to_reduce())

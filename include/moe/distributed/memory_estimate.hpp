@@ -1,10 +1,7 @@
 #pragma once
 /// \file
-/// The report of an up-front memory estimate (moe/distributed/memory.hpp makes it): items of
-/// bytes per rank with the config keys that scale them, printed as text or JSON; the checked
-/// int64 arithmetic every estimate is computed with (a ConfigError names the quantity that would
-/// overflow); and the index limits of the kernels of an execution space. Pure: no Kokkos call,
-/// no MPI.
+/// The report of an up-front memory estimate (memory.hpp makes it): items of bytes per rank with
+/// the config keys that scale them, as text or JSON; and the kernels' index limits.
 
 #include <moe/detail/checked.hpp>
 #include <moe/detail/json.hpp>

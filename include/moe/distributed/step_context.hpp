@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// StepContext: the state the stages of the distributed layer share (configuration, layout, step
-/// plan, groups, components, compute blocks, dispatch state, buffers, comm log), and the planned
-/// collectives, each checked against the running stage's plan.
+/// StepContext: the state the stages of the distributed layer share, and its collectives, each
+/// checked against the running stage's plan.
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/mesh_comm.hpp>
@@ -42,8 +41,7 @@ struct DispatchState {
   std::unique_ptr<comm::RaggedAllToAll> a2a;  ///< the ragged exchange (all-to-all)
 };
 
-/// \brief What the stages of one DistributedMoeLayer share (see the file comment). The layer
-/// plans the step into it (layout, plan, groups); the stage functions read and write it.
+/// \brief What the stages of one DistributedMoeLayer share (the layer plans the step into it).
 template <class Scalar, class Policy, class ExecSpace>
 struct StepContext {
   using scalar_type = Scalar;
@@ -110,10 +108,8 @@ struct StepContext {
   cview2 route_weights() const { return cview2(router.state().weights); }
 
   // ------------------------------------------------------------------ collectives ------------
-  // Each runs on the wire its planned collective names (PlannedCollective::wire: bf16 for a bf16
-  // layer's activations and compute weights, native for gradients and statistics).
-  /// The next collective of the running stage, after checking its kind and group against the
-  /// plan.
+  // Each runs on its planned collective's wire; a group of one plans none.
+  /// The next collective of the running stage, checked against the plan's kind and group.
   PlannedCollective const& planned(char const* kind, std::vector<std::string> const& axes) {
     auto const& cs = stage->collectives;
     bool const ok = next < cs.size() && cs[next].kind == kind && cs[next].axes == axes;
@@ -148,9 +144,8 @@ struct StepContext {
         g.size() > 1 && v.span() > 0 ? planned("all-reduce", g.axes).what : std::string();
     distributed::all_reduce(exec, g, v, &log, what);
   }
-  /// The ragged exchange of the step's plan (disp.a2a): forward (src: the send blocks, dst: the
-  /// receive buffer) or its reverse, logged with the bytes sent on the planned wire (rows a rank
-  /// keeps for itself are copied, not sent).
+  /// The ragged exchange of the step (disp.a2a), forward or reverse, logged with the bytes sent
+  /// (rows a rank keeps are copied, not sent).
   template <class SrcV, class DstV>
   void all_to_all(bool reverse, SrcV const& src, DstV const& dst) {
     auto const& c = planned("all-to-all", layout.ep_axes);

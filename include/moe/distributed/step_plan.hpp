@@ -1,10 +1,9 @@
 #pragma once
 /// \file
 /// The step plan of the distributed layer (docs/architecture.md, "The step plan"): the stages of
-/// one step in order, each with the buffers it reads and writes and its collectives; every buffer
-/// of the step with its shape; each weight's ops between its stored and compute blocks. Pure; the
-/// layer executes it and checks itself against it, moe::make_plan prints it, the memory estimate
-/// and the cost model read it. Routing-dependent sizes assume balanced routing.
+/// one step with their buffers and collectives, every buffer's shape, each weight's ops between
+/// its stored and compute blocks. The layer runs it; the printed plan, the memory estimate and the
+/// cost model read it. Routing-dependent sizes assume balanced routing.
 
 #include <moe/comm/wire.hpp>
 #include <moe/distributed/buffers.hpp>
@@ -19,8 +18,7 @@
 
 namespace moe::distributed {
 
-/// \brief One collective of a step: the layer's comm-log record name, kind, group, sizes and the
-/// bytes this rank sends.
+/// \brief One collective of a step.
 struct PlannedCollective {
   std::string what;               ///< comm-log record name, e.g. "gather wi_0", "dispatch"
   std::string kind;               ///< all-gather | reduce-scatter | all-reduce | all-to-all
@@ -28,18 +26,14 @@ struct PlannedCollective {
   std::int64_t bytes = 0;         ///< bytes this rank sends (predicted)
   bool balanced = false;          ///< sizes assume balanced routing (else exact)
   std::int64_t parts = 1;         ///< ranks in the group
-  /// Values of the whole buffer: the gathered output of an all-gather, the input of a
-  /// reduce-scatter, the buffer of an all-reduce, the rows an all-to-all sends (its own share
-  /// included).
+  /// Values of the whole buffer (an all-gather's output, a reduce-scatter's input).
   std::int64_t elems = 0;
   /// Product of the extents before the gathered / scattered dimension: > 1 means the collective
-  /// stages its data through a pool buffer and reorders it in parts * lead row copies.
+  /// reorders its data through a pool buffer in parts * lead row copies.
   std::int64_t lead = 1;
   std::int64_t elem_bytes = 0;  ///< bytes of one value on the wire
   bool host = false;            ///< a statistic reduced on the host (not in the layer's pool)
-  /// What the values travel as: bf16 for a bf16 layer's activations and compute weights,
-  /// native for gradients and statistics (PlanBuilder::wire; docs/precision.md, "Wire"). The
-  /// layer runs the collective on this wire.
+  /// What the values travel as (PlanBuilder::wire; docs/precision.md, "Wire").
   comm::Wire wire = comm::Wire::native;
 };
 
@@ -66,8 +60,8 @@ inline char const* to_string(StageKind k) {
   return names[static_cast<int>(k)];
 }
 
-/// \brief One stage of a step: what it is, its profiling region, the buffers and weight blocks
-/// it reads and writes (the workspace hands it no other), and its collectives in order.
+/// \brief One stage of a step: its kind, profiling region, the buffers and weight blocks it reads
+/// and writes (the workspace hands it no other), and its collectives in order.
 struct Stage {
   StageKind kind = StageKind::route;
   bool backward = false;
@@ -75,9 +69,10 @@ struct Stage {
   std::vector<Ref> reads, writes;
   std::vector<PlannedCollective> collectives;  ///< in the order the stage runs them
   double flops = 0;  ///< floating-point operations of its GEMMs on this rank (balanced routing)
-  /// Its collectives run under its compute (the chunked ring's token gathers), not before it.
+  /// Its collectives run under its compute (the chunked ring's token gathers).
   bool overlapped = false;
 
+  /// Whether it writes `r` (or, `write` false, reads it).
   bool lists(Ref r, bool write) const {
     auto has = [r](std::vector<Ref> const& v) {
       return std::find(v.begin(), v.end(), r) != v.end();
@@ -113,8 +108,7 @@ struct WeightSteps {
   std::vector<WeightOp> to_storage;  ///< reduce over token axes, undo slices, then the gathers
 };
 
-/// \brief The stages of one step of one rank (see the file comment); make it with
-/// make_step_plan().
+/// \brief The stages of one step of one rank (see the file comment): make_step_plan().
 struct StepPlan {
   ExpertRoute route = ExpertRoute::Local;
   bool dense = false;            ///< dense masked experts (no sort, no grouped GEMM; Layout::dense)
@@ -122,17 +116,14 @@ struct StepPlan {
   std::int64_t work_tokens = 0;  ///< tokens the experts see (ring: T x ep)
   std::int64_t token_cols = 0;   ///< columns of x / y on this rank: D (EP-TP: D / ep)
   std::int64_t shared_tokens = 0;  ///< tokens the shared expert sees (EP-as-TP: T x ep)
-  /// > 0: the ring forward gathers the tokens in this many D-chunks, overlapped with the first
-  /// grouped GEMMs (num_moe_emb_chunks; see ChunkedRing); 0: one gather.
+  /// > 0: the ring gathers the tokens in this many D-chunks (ChunkedRing); 0: one gather.
   std::int64_t emb_chunks = 0;
   std::string route_text;  ///< how the routed experts are reached, in words (the strategy's)
-  /// Per dimension of x [B, S, D]: the mesh axes the tokens the experts compute with are
-  /// all-gathered over (the ring: the batch over the expert axes; EP-TP: D).
+  /// Per dimension of x [B, S, D]: the mesh axes the experts' tokens are all-gathered over.
   std::vector<std::vector<std::string>> token_gathered{{}, {}, {}};
   std::vector<WeightSteps> weights;  ///< weights that are moved, in gather order
   std::vector<Stage> forward, backward;
-  /// Every buffer of the step with its shape, in the order the stages first make it: the step's
-  /// input x, the workspace buffers, and those the layer's components keep.
+  /// Every buffer of the step, in the order the stages first make it.
   std::vector<BufferDecl> buffers;
   std::vector<RowLimit> row_limits;  ///< row counts handed to one GEMM or kernel launch
   std::vector<std::string> notes;    ///< assumptions of the strategy's byte counts

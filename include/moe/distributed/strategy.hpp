@@ -1,9 +1,7 @@
 #pragma once
 /// \file
-/// The dispatch strategies of the distributed layer, one type per way the routed experts are
-/// reached, each in its own file under distributed/strategy/: choose_strategy() picks one from
-/// the layout, make_step_plan() lists its stages (its plan()), run_stage() runs one of them
-/// (docs/architecture.md: the design, and how to add a layout).
+/// The dispatch strategies (distributed/strategy/, one per route): choose_strategy() picks one,
+/// make_step_plan() lists its stages, run_stage() runs one (docs/architecture.md).
 
 #include <moe/config.hpp>
 #include <moe/distributed/layout.hpp>

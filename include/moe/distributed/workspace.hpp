@@ -1,9 +1,8 @@
 #pragma once
 /// \file
-/// The buffers of one step of the distributed layer by their typed handles (buffers.hpp), from one
-/// scratch pool kept between steps. A stage gets only the buffers its plan lists, of the handle's
-/// element type, in the plan's shape (rows may differ where they are routed), so the printed plan,
-/// the memory estimate and the running code cannot drift apart.
+/// The buffers of one step by their typed handles (buffers.hpp), from one scratch pool kept
+/// between steps. A stage gets only the buffers its plan lists, in the plan's shape (routed rows
+/// may differ), so the printed plan, the memory estimate and the running code cannot drift apart.
 
 #include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
@@ -30,8 +29,7 @@ class StepWorkspace {
   template <class Role>
   using view_t = View2<elem_t<Role>, MemorySpace>;
 
-  /// The plan whose buffers are made, and the stage now running (nullptr: the step's input,
-  /// made outside any stage): make() and at() accept only the handles that stage declares.
+  /// The plan, and the stage now running (nullptr: outside any stage, for the step's input).
   void enter(StepPlan const* plan, Stage const* stage) {
     plan_ = plan;
     stage_ = stage;
@@ -43,8 +41,7 @@ class StepWorkspace {
   view_t<Role> make(Handle<Role> h) {
     return make(h, decl(h.id).dims[0].n);
   }
-  /// \brief The buffer `h` with `rows` rows: its declared rows, or any number when they count
-  /// routed rows (Extent::routed); its declared columns.
+  /// \brief The buffer `h` with `rows` rows (any number when they are Extent::routed).
   template <class Role>
   view_t<Role> make(Handle<Role> h, std::int64_t rows) {
     declared(h, true);
@@ -59,8 +56,7 @@ class StepWorkspace {
     return std::get<Views<Role>>(views_)[index(h.id)] = v;
   }
 
-  /// \brief The buffer `h` as the last make() shaped it; the running stage must list it among
-  /// its reads or writes.
+  /// \brief The buffer `h` as the last make() shaped it; the running stage must list it.
   template <class Role>
   view_t<Role> at(Handle<Role> h) const {
     declared(h, false);

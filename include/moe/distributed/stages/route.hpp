@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// Route stage of the distributed layer: the router on the working tokens (or, on the chunked
-/// ring, on the expert group's all-gathered gate logits), the global load-balance loss and bias
-/// update (statistics summed over the batch axes), and the router's backward.
+/// Route stage of the distributed layer: the router on the working tokens (the chunked ring: on
+/// the gathered gate logits), its global statistics, and its backward.
 
 #include <moe/detail/blas.hpp>
 #include <moe/detail/views.hpp>
@@ -16,10 +15,9 @@
 
 namespace moe::distributed::stages {
 
-/// Global token index of the first token of each member of the routed block (random routing
-/// draws from it): the expert group's members, in group rank order, when the tokens were gathered
-/// over it (`ring`), else this rank's block. A member's tokens are the batch block at its mesh
-/// coordinates.
+/// Global index of the first token of each member of the routed block (random routing draws
+/// from it): the expert group's members in rank order when gathered over it (`ring`), else this
+/// rank's.
 template <class Ctx>
 std::vector<std::uint64_t> member_token_offsets(Ctx const& ctx, bool ring) {
   auto const& lay = ctx.layout;
@@ -55,20 +53,16 @@ void route_statistics(Ctx& ctx) {
   }
 }
 
-/// Routes the working tokens xw (own, or the expert group's gathered on the ring: `ring`); the
-/// load-balance loss and the bias update are global (statistics summed over the batch axes).
+/// Routes the working tokens xw (own, or the expert group's on the ring).
 template <class Ctx>
 void route_tokens(Ctx& ctx, typename Ctx::view2 xw, bool ring) {
   using cview2 = typename Ctx::cview2;
-  // Random routing draws from the global token index: each member's rows are routed with its
-  // own offset (a member's tokens are a contiguous block of the global batch).
   ctx.router.forward(ctx.space, cview2(xw), ctx.cp.gate, ctx.cp.gate_bias, ctx.S,
                      member_token_offsets(ctx, ring), ring ? ctx.ep().rank() : 0);
   route_statistics(ctx);
 }
 
-/// Chunked ring: routes the expert group's tokens from their gate logits, computed on each
-/// member's own tokens (full D) and all-gathered; the tokens themselves come later by chunks.
+/// Chunked ring: routes the expert group's tokens from their all-gathered gate logits.
 template <class Ctx>
 void route_gathered_logits(Ctx& ctx, typename Ctx::view2 x) {
   using Scalar = typename Ctx::scalar_type;

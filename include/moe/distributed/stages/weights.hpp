@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// Weight stages of the distributed layer: stored blocks -> compute blocks (the plan's
-/// to_compute ops: FSDP all-gathers, EP-as-TP slices) and compute-block gradients -> stored-block
-/// gradients (the transposes), on buffers kept from step to step.
+/// Weight stages of the distributed layer: stored blocks -> compute blocks (the plan's to_compute
+/// ops) and compute-block gradients -> stored-block gradients, on buffers kept between steps.
 
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
@@ -55,13 +54,10 @@ V run_weight_ops(Ctx& ctx, std::vector<WeightOp> const& ops, V cur, std::string 
   return cur;
 }
 
-/// Stored blocks -> compute blocks (the plan's to_compute ops; the gate bias has none). With
-/// dtype=bfloat16 each weight MaxText casts for compute (all but the gate bias; the gate unless
-/// float32_gate_logits) is first rounded into a copy of its stored block, remade only when the
-/// stored `version` differs from ctx.rounded_version (the caller records it), so the ops move bf16
-/// values and the fp32 masters stay as they are. Returns true when an expert weight's compute
-/// block is new data in a reused buffer (gathered, sliced or re-rounded): the caller declares a new
-/// weights version.
+/// Stored blocks -> compute blocks (the plan's to_compute ops). With dtype=bfloat16 each weight
+/// MaxText casts for compute is first rounded into a copy of its stored block, remade only when
+/// `version` differs from ctx.rounded_version (the caller records it). Returns true when an expert
+/// weight's compute block is new data in a reused buffer: the caller declares a new version.
 template <class Ctx>
 bool gather_weights(Ctx& ctx, typename Ctx::params_type const& stored,
                     typename Ctx::params_type& compute, std::uint64_t version) {
@@ -88,11 +84,8 @@ bool gather_weights(Ctx& ctx, typename Ctx::params_type const& stored,
   return fresh;
 }
 
-/// The compute-block gradients the backward stages write (each stage overwrites every element
-/// of its gradients, as gmm::tgmm does for empty groups). A weight whose gradient needs no op to
-/// reach its stored block (to_storage empty: every weight on one rank) is written straight into
-/// `out`; the others get zeroed buffers of their own, allocated once and reused while the shapes
-/// stay.
+/// The compute-block gradients the backward stages write: `out`'s own where no op lies between
+/// them and the stored block, else zeroed buffers kept while the shapes stay.
 template <class Ctx>
 void alloc_compute_grads(Ctx& ctx, typename Ctx::params_type& out) {
   using params_type = typename Ctx::params_type;
@@ -116,8 +109,7 @@ void alloc_compute_grads(Ctx& ctx, typename Ctx::params_type& out) {
   });
 }
 
-/// Compute-block gradients -> stored-block gradients (the transposes of gather_weights); those
-/// alloc_compute_grads pointed at `out` are there already.
+/// Compute-block gradients -> stored-block gradients (the transposes of gather_weights).
 template <class Ctx>
 void reduce_grads(Ctx& ctx, typename Ctx::params_type const& computed,
                   typename Ctx::params_type& out) {

@@ -1,10 +1,8 @@
 #pragma once
 /// \file
-/// The chunked ring (use_ring_of_experts with num_moe_emb_chunks = n, MaxText's
-/// moe_emb_chunking): the ring's gathered-tokens strategy whose routing comes from the expert
-/// group's all-gathered gate logits, and whose token all-gather runs in n D-chunks, each started
-/// before the first grouped GEMMs of the previous chunk so that transfer and GEMMs overlap. The
-/// combine and the whole backward are the ring's (Gathered<SortedExperts, true>).
+/// The chunked ring (num_moe_emb_chunks = n, MaxText's moe_emb_chunking): the ring, routed from
+/// the all-gathered gate logits, whose token all-gather runs in n D-chunks, each overlapping the
+/// previous chunk's first grouped GEMMs. The combine and the backward are the ring's.
 
 #include <moe/comm/iall_gather.hpp>
 #include <moe/detail/views.hpp>
@@ -45,9 +43,8 @@ auto start_chunk_gather(Ctx& ctx, chunk_pieces<Ctx> const& pieces, typename Ctx:
   return distributed::start_gather_rows(ctx.space, ctx.ep(), pieces, v.first, v.second, &ctx.log,
                                         planned.what, planned.wire, &ctx.ws.pool(), int(c % 2));
 }
-/// The experts stage of the chunked ring (see the file comment): chunk c+1's all-gather is in
-/// flight (progressed between the per-expert GEMM pieces) while chunk c's sorted rows go through
-/// the first grouped GEMMs and into their columns of x_local (kept for the backward).
+/// The experts stage of the chunked ring: chunk c+1's all-gather progresses between the
+/// per-expert GEMMs of chunk c, whose sorted rows also go into their columns of x_local.
 template <class Ctx>
 void chunked_ring_experts(Ctx& ctx, typename Ctx::view2 x, std::uint64_t weights_version) {
   using view3 = typename Ctx::view3;
@@ -108,15 +105,12 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
         "grouped GEMMs of chunk i run; the backward is the ring's"));
     Extent const n = b.local_rows(), Tw = b.work_tokens(), Dn{b.D / b.chunks, scale_emb};
     b.gather_weights();
-    // Each rank's gate logits (full D, own tokens) are gathered instead of its tokens, which
-    // arrive later by chunks; the routing is that of the gathered tokens.
     b.route(buf::x, true);
     b.stage(StageKind::dispatch, "moe::dispatch::gathered", {Buf::routing},
             {b.out(buf::local_ids, Tw, b.topk()), b.out(buf::local_kept, Tw, b.topk())});
     b.hold_sort({b.Tw * b.K, PlanBuilder::slot}, b.L);
     b.row_limit("sorted rows", n);
-    // One overlapped stage: the chunk gathers (together the bytes of the one-piece gather) and
-    // the GEMMs, then the activation and the down projection.
+    // One overlapped stage: the chunk gathers and the GEMMs.
     auto& e = b.experts_stage({buf::x, Buf::routing},
                               {b.out(buf::x_chunks_own, {b.chunks * b.T, PlanBuilder::tok}, Dn),
                                b.out(buf::x_chunks, {b.chunks * b.Tw, PlanBuilder::tok}, Dn),

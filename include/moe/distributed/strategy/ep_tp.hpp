@@ -1,10 +1,8 @@
 #pragma once
 /// \file
-/// The EP-TP strategy (ExpertRoute::EpTp): the tokens are split on D over the expert axes; each
-/// expert rank all-gathers them to full D (the same on every expert rank), routes them, runs its
-/// local experts on their routed rows (SortedExperts / DenseExperts) and reduce-scatters the
-/// partial outputs back to D columns; the shared expert has its hidden dim over the expert axes.
-/// The backward is the transpose.
+/// The EP-TP strategy (ExpertRoute::EpTp): tokens split on D over the expert axes are gathered to
+/// full D (the same on every expert rank), routed, run through the local experts, and the partial
+/// outputs reduce-scattered back to D columns; the shared expert's hidden dim is over the experts.
 
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
@@ -18,8 +16,7 @@
 namespace moe::distributed {
 namespace stages {
 
-/// Reduce-scatters partial full-D rows over the expert axes to this rank's D columns (the
-/// workspace buffer `cols`) and adds them to `into`.
+/// Partial full-D rows reduce-scattered over the expert axes into `cols`, added to `into`.
 template <class Ctx>
 void scatter_cols_into(Ctx& ctx, typename Ctx::view2 full, Handle<Values> cols,
                        typename Ctx::view2 into) {
@@ -67,11 +64,10 @@ struct EpTp : Experts {
                          {b.out(buf::dx_shared, T, D), b.out(buf::dx_shared_cols, T, Dl), Buf::dx});
       b.reduce_scatter(st, "reduce-scatter d_x shared (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
     }
-    // The router's dx for this rank's D columns, from the full-D tokens.
     return b.finish(buf::x_work);
   }
 
-  // x_work holds the full-D tokens, the same on every expert rank: the experts run on it.
+  // The experts run on x_work: the full-D tokens.
   template <class Ctx>
   static void gather_tokens(Ctx& c) {  // this rank's D columns -> the full-D tokens
     c.all_gather(c.ep(), c.ws.at(buf::x), c.ws.make(buf::x_work), 1);
@@ -94,8 +90,7 @@ struct EpTp : Experts {
     auto yw = Experts::combined(c);
     c.reduce_scatter(c.ep(), yw, c.ws.make(buf::y_cols), 1);
   }
-  /// The shared expert on the full-D tokens, hidden dim split over the expert axes: partial
-  /// outputs reduce-scattered to this rank's D columns and added to y_cols.
+  /// The shared expert on the full-D tokens, its partial outputs added to y_cols.
   template <class Ctx>
   static void shared_forward(Ctx& c) {
     using cview2 = typename Ctx::cview2;
@@ -111,8 +106,7 @@ struct EpTp : Experts {
   template <class Ctx>
   static void dispatch_backward(Ctx& c, typename Ctx::view2 dx) {
     auto dxw = Experts::work_dx(c);
-    // Every expert rank holds the same tokens: d_weights (only the local experts' slots) summed,
-    // dx (only the local experts' rows) summed and split on D.
+    // Every expert rank holds the same tokens: d_weights summed, dx summed and split on D.
     auto dw = c.ws.make(buf::d_weights);
     Kokkos::deep_copy(c.space, dw, c.ws.at(buf::d_weights_work));
     c.all_reduce(c.ep(), dw);
@@ -124,9 +118,8 @@ struct EpTp : Experts {
     auto dxsh = stages::shared_mlp_backward(c, cview2(c.ws.at(buf::dy_work)), buf::dx_shared);
     stages::scatter_cols_into(c, dxsh, buf::dx_shared_cols, dx);
   }
-  /// The router's backward on the full-D tokens: dx += d_logits gate^T for this rank's D columns
-  /// only (the rows of the gate this rank's columns multiply); d_gate is the full, same on every
-  /// expert rank.
+  /// The router's backward on the full-D tokens: dx for this rank's D columns (their gate rows);
+  /// d_gate is whole, the same on every expert rank.
   template <class Ctx>
   static void route_backward(Ctx& c, typename Ctx::view2 dx) {
     using cview2 = typename Ctx::cview2;

@@ -1,10 +1,9 @@
 #pragma once
 /// \file
 /// The gathered-tokens strategy (ExpertRoute::Ring, Replicated, Local): each rank routes the
-/// working tokens (its own, or on the ring the expert group's, all-gathered) and runs its local
-/// experts on them, sorted through the grouped GEMMs (SortedExperts) or dense and masked
-/// (DenseExperts); the partial outputs are summed back onto their owners. SortedExperts /
-/// DenseExperts are reused by the chunked ring and EP-TP.
+/// working tokens (its own, or the expert group's on the ring) and runs its local experts on them,
+/// sorted (SortedExperts, also the chunked ring's and EP-TP's) or dense (DenseExperts); the
+/// partial outputs are summed back onto their owners.
 
 #include <moe/detail/views.hpp>
 #include <moe/distributed/plan_builder.hpp>
@@ -24,7 +23,6 @@ namespace stages {
 template <class Ctx>
 void local_sort(Ctx& ctx) {
   using memory_space = typename Ctx::memory_space;
-  // Local expert ids (global id - e0) and the kept mask restricted to local experts.
   auto lids = ctx.ws.make(buf::local_ids);
   auto lkept = ctx.ws.make(buf::local_kept);
   permute::local_expert_ids(ctx.space, ctx.expert_ids(), ctx.kept(), int(ctx.layout.first_expert),
@@ -36,9 +34,7 @@ void local_sort(Ctx& ctx) {
 
 }  // namespace stages
 
-/// \brief The routed rows of the working tokens sorted by local expert through the grouped
-/// GEMMs: a dispatch stage (sort, gather rows), the experts, and on the way back a combine
-/// backward (d_weights, the rows' dy) before the experts' backward.
+/// \brief The routed rows of the working tokens sorted by local expert through the grouped GEMMs.
 struct SortedExperts : StageDefaults {
   static constexpr bool dense = false;
   /// What the experts write (the combine reads it) and what the dispatch backward reads.
@@ -138,8 +134,7 @@ struct DenseExperts : StageDefaults {
   static void plan_forward(PlanBuilder& b, Handle<Values> xw) {
     Extent const Tw = b.work_tokens(), L{b.L, scale_experts};
     b.experts_stage({xw, Buf::routing}, {b.out(buf::y_work, Tw, b.emb())});
-    // What nn::DenseExperts keeps: the masked combine weights of the local experts, the hidden
-    // states and one expert's output, on every working token.
+    // What nn::DenseExperts keeps.
     b.row_limit("dense expert rows", Tw);
     b.phase().back().flops = b.ffn_flops(double(b.Tw) * double(b.L), double(b.F));
     b.hold(Buf::dense_weights, {Tw, L});
@@ -150,8 +145,7 @@ struct DenseExperts : StageDefaults {
     Extent const Tw = b.work_tokens(), L{b.L, scale_experts};
     b.experts_stage({buf::dy_work},
                     {b.out(buf::dx_work, Tw, b.emb()), b.out(buf::d_weights_work, Tw, b.topk())});
-    // nn::DenseExperts keeps one expert's hidden states, so its backward runs each expert's
-    // forward again: 3 GEMMs more than the 6 of the gradients.
+    // The backward runs each expert's forward again (it keeps one expert's hidden states).
     double const rows = double(b.Tw) * double(b.L);
     b.phase().back().flops = b.ffn_flops(rows, double(b.F)) + 3 * b.gemm(rows, b.D, b.F);
     b.hold(Buf::dy_expert, {Tw, b.emb()});
@@ -205,10 +199,9 @@ void plan_gathered_combine(PlanBuilder& b) {
   plan_tokens_reduce(b, c, "y", b.D, Ring);
   b.reduce_scatter(c, "reduce-scatter y (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
 }
-/// The backward of the experts on gathered tokens: dy gathered over the expert axes as
-/// `gather_dy` (its input blocks [T, cols] along `dim`; none when the tokens were not
-/// gathered), the experts' transposes, then the stage that sends d_weights and dx back, whose
-/// collectives the caller adds.
+/// The backward of the experts on gathered tokens: dy all-gathered over the expert axes as
+/// `gather_dy` (blocks [T, cols] along `dim`; none: not gathered), the experts' backward, and the
+/// stage sending d_weights and dx back (the caller adds its collectives).
 template <class Experts>
 Stage& plan_gathered_experts_backward(PlanBuilder& b, char const* gather_dy, std::int64_t cols,
                                       int dim) {
@@ -224,8 +217,6 @@ Stage& plan_gathered_experts_backward(PlanBuilder& b, char const* gather_dy, std
 /// The backward of the gathered-tokens path up to the router.
 template <bool Ring, class Experts>
 void plan_gathered_backward(PlanBuilder& b) {
-  // The transpose of routing on gathered tokens: the expert group's partial d_weights and dx
-  // (partial over the tensor-split hidden dim too) go back to the ranks that own the tokens.
   auto& d = plan_gathered_experts_backward<Experts>(b, Ring ? "all-gather d_y (expert)" : nullptr,
                                                     b.D, 0);
   b.all_reduce(d, "reduce d_weights (tensor)", b.lay.tp_axes, b.Tw * b.K);
@@ -236,10 +227,7 @@ void plan_gathered_backward(PlanBuilder& b) {
 
 }  // namespace stages
 
-/// \brief The gathered-tokens strategy (see the file comment). Ring: the expert group's tokens
-/// are all-gathered and its partial outputs reduce-scattered (ExpertRoute::Ring); else each
-/// rank's tokens are its own (no expert parallelism) or replicated over the expert group, whose
-/// partial outputs are summed (ExpertRoute::Local, Replicated).
+/// \brief The gathered-tokens strategy (see the file comment); Ring: ExpertRoute::Ring.
 template <class Experts, bool Ring>
 struct Gathered : Experts {
   /// The working tokens: the expert group's (the ring) or this rank's.
@@ -260,7 +248,7 @@ struct Gathered : Experts {
     Experts::plan_forward(b, xw);
     return plan_after_experts(b);
   }
-  /// Starts the plan (also the chunked ring's): how the experts are reached, which tokens.
+  /// Starts the plan (also the chunked ring's).
   static StepPlan& begin(PlanBuilder& b) {
     StepPlan& p = b.begin();
     auto const ep = detail::axes_text(b.lay.ep_axes);
@@ -274,8 +262,7 @@ struct Gathered : Experts {
     }
     return p;
   }
-  /// The stages after the experts (also the chunked ring's): combine, shared expert, output,
-  /// and the whole backward.
+  /// The stages after the experts, and the backward (also the chunked ring's).
   static StepPlan plan_after_experts(PlanBuilder& b) {
     stages::plan_gathered_combine<Ring, Experts>(b);
     if (b.shared()) stages::plan_shared_forward(b);
@@ -301,8 +288,7 @@ struct Gathered : Experts {
   static void experts(Ctx& c, std::uint64_t weights_version) {
     Experts::experts(c, xw, weights_version);
   }
-  /// The working tokens' routed outputs summed onto each rank's own tokens, then split over
-  /// tensor into y_cols.
+  /// The working tokens' outputs summed onto the own tokens, then split over tensor into y_cols.
   template <class Ctx>
   static void combine(Ctx& c) {
     auto yw = Experts::combined(c);
@@ -315,8 +301,8 @@ struct Gathered : Experts {
   static void output_backward(Ctx& c, typename Ctx::cview2 dy) {
     stages::tokens_gather(c, Ring, dy, c.ws.make(buf::dy_work));
   }
-  /// The working tokens' d_weights and dx back to the ranks that own the tokens: both are
-  /// partial over the tensor-split hidden dim and over the expert group's local experts.
+  /// The working tokens' d_weights and dx (partial over tensor and the local experts) summed back
+  /// to the tokens' owners.
   template <class Ctx>
   static void dispatch_backward(Ctx& c, typename Ctx::view2 dx) {
     auto dxw = Experts::work_dx(c);

@@ -1,10 +1,8 @@
 #pragma once
 /// \file
-/// The ragged all-to-all strategy of the distributed layer (ExpertRoute::RaggedA2A): rows travel
-/// to the ranks of their experts (dispatch), are regrouped by local expert, run through the
-/// grouped GEMMs, and travel back (combine) as D/tp column blocks; tensor parallelism splits the
-/// hidden dim, so partial outputs are reduce-scattered into column blocks before travelling back.
-/// Its stages and their functions, forward and backward.
+/// The ragged all-to-all strategy (ExpertRoute::RaggedA2A): rows travel to their experts' ranks,
+/// are regrouped by local expert, run through the grouped GEMMs, and travel back as D/tp column
+/// blocks (partial outputs over the tensor-split hidden dim reduce-scattered first).
 
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/ragged_all_to_all.hpp>
@@ -113,7 +111,7 @@ struct RaggedA2A : StageDefaults {
     ctx.disp.a2a = std::make_unique<comm::RaggedAllToAll>(ctx.ep().comm, send, R);
     auto xr = ctx.ws.make(buf::x_received, ctx.disp.a2a->recv_total());
     ctx.all_to_all(false, xs_o, xr);
-    // Everyone's group sizes -> the local regrouping of received rows by local expert.
+    // Everyone's group sizes -> the received rows regrouped by local expert.
     View1<std::int64_t, Kokkos::HostSpace> mine("moe::dist::sizes", E),
         all("moe::dist::all_sizes", E * ep);
     std::copy(sizes.begin(), sizes.end(), mine.data());
@@ -133,7 +131,6 @@ struct RaggedA2A : StageDefaults {
     auto ys = ctx.ws.make(buf::y_local, n);
     ctx.ffn.forward(ctx.space, ctx.cfg.mlp_activation, xs, ctx.disp.groups, ctx.cp.wi_0,
                     ctx.cp.wi_1, ctx.cp.wo, ys, weights_version);
-    // Partial down-projections (tensor-split hidden dim) -> column blocks of D.
     auto ys_c = ctx.ws.make(buf::y_local_cols, n);
     ctx.reduce_scatter(ctx.tp(), ys, ys_c, 1);
   }
@@ -176,7 +173,7 @@ struct RaggedA2A : StageDefaults {
     auto dys_c = ctx.ws.at(buf::dy_local_cols);
     auto dys = ctx.ws.make(buf::dy_local, dys_c.extent(0));
     ctx.all_gather(ctx.tp(), dys_c, dys, 1);
-    // dxs (partial over the tensor-split hidden dim) overwrites dys, then its column block dys_c.
+    // dxs (partial over tensor) overwrites dys, then its column block dys_c.
     ctx.ffn.backward(ctx.space, dys, ctx.disp.groups, ctx.cp.wi_0, ctx.cp.wi_1, ctx.cp.wo, dys,
                      ctx.gc.wi_0, ctx.gc.wi_1, ctx.gc.wo);
     ctx.reduce_scatter(ctx.tp(), dys, dys_c, 1);

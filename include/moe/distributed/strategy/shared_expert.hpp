@@ -1,9 +1,7 @@
 #pragma once
 /// \file
-/// The shared expert of every strategy but EP-TP, as the layout chose it (SharedExpert): this
-/// rank's own tokens through the whole MLP, or EP-as-TP on the expert group's tokens; its stages,
-/// their functions, and the MLP itself (shared with EP-TP). And StageDefaults: the stage functions
-/// a strategy does not define itself.
+/// The shared expert of every strategy but EP-TP, as the layout chose it (SharedExpert), and the
+/// shared MLP itself (also EP-TP's); StageDefaults, the stage functions a strategy may not define.
 
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
@@ -17,8 +15,7 @@
 namespace moe::distributed::stages {
 
 // ---------------------------------------------------------------------------- plan
-/// Working tokens -> own tokens in the plan: a reduce-scatter over the expert group when the
-/// working tokens are the group's (`spans`), else a sum over it.
+/// Working tokens -> own tokens in the plan (see tokens_reduce).
 inline void plan_tokens_reduce(PlanBuilder const& b, Stage& st, std::string const& what,
                                std::int64_t cols, bool spans) {
   if (spans)
@@ -73,8 +70,8 @@ typename Ctx::view2 shared_mlp_forward(Ctx& ctx, typename Ctx::cview2 x, Handle<
                      ctx.cp.shared_wo, y);
   return y;
 }
-/// Its transpose: the input gradient for dy into the zeroed buffer `name`; the weight gradients
-/// into the compute-block gradients.
+/// Its transpose: the input gradient into the zeroed buffer `name`, the weight gradients into
+/// the compute-block gradients.
 template <class Ctx>
 typename Ctx::view2 shared_mlp_backward(Ctx& ctx, typename Ctx::cview2 dy, Handle<Values> name) {
   using Scalar = typename Ctx::scalar_type;
@@ -112,45 +109,45 @@ void tokens_reduce(Ctx& ctx, bool spans, typename Ctx::view2 work, typename Ctx:
   }
 }
 
-/// The shared expert into the D/tp columns of y_c (added): on this rank's own tokens (the hidden
-/// dim split over tensor), or EP-as-TP -- on the expert group's tokens with its hidden dim split
-/// over tensor x expert, the partial outputs going back to their tokens' owners.
+/// The shared expert added into the D/tp columns y_c: on this rank's own tokens, or EP-as-TP on
+/// the expert group's, the partial outputs going back to their tokens' owners.
 template <class Ctx>
 void shared_forward(Ctx& ctx, typename Ctx::view2 x, typename Ctx::view2 y_c) {
   using cview2 = typename Ctx::cview2;
-  if (ctx.layout.shared == SharedExpert::own) {
-    auto ysh = shared_mlp_forward(ctx, cview2(x), buf::y_shared);
-    auto ysh_c = ctx.ws.make(buf::y_shared_cols);
-    ctx.reduce_scatter(ctx.tp(), ysh, ysh_c, 1);
-    moe::detail::add_into(ctx.space, ysh_c, y_c);
-    return;
+  bool const own = ctx.layout.shared == SharedExpert::own;
+  cview2 xs = x;
+  if (!own) {
+    auto xsh = ctx.ws.make(buf::x_shared);
+    tokens_gather(ctx, shared_spans_group(ctx), cview2(x), xsh);
+    xs = xsh;
   }
-  auto xsh = ctx.ws.make(buf::x_shared);
-  tokens_gather(ctx, shared_spans_group(ctx), cview2(x), xsh);
-  auto ysh = shared_mlp_forward(ctx, cview2(xsh), buf::y_shared);
-  auto yo = ctx.ws.make(buf::y_own);
-  tokens_reduce(ctx, shared_spans_group(ctx), ysh, yo);
+  auto ysh = shared_mlp_forward(ctx, xs, buf::y_shared);
+  if (!own) {
+    auto yo = ctx.ws.make(buf::y_own);
+    tokens_reduce(ctx, shared_spans_group(ctx), ysh, yo);
+    ysh = yo;
+  }
   auto ysh_c = ctx.ws.make(buf::y_shared_cols);
-  ctx.reduce_scatter(ctx.tp(), yo, ysh_c, 1);
+  ctx.reduce_scatter(ctx.tp(), ysh, ysh_c, 1);
   moe::detail::add_into(ctx.space, ysh_c, y_c);
 }
 /// The transpose of shared_forward: dx += the shared expert's input gradient.
 template <class Ctx>
 void shared_backward(Ctx& ctx, typename Ctx::cview2 dy, typename Ctx::view2 dx) {
-  using cview2 = typename Ctx::cview2;
-  if (ctx.layout.shared == SharedExpert::own) {
-    auto dxsh = shared_mlp_backward(ctx, dy, buf::dx_shared);
-    ctx.all_reduce(ctx.tp(), dxsh);
-    moe::detail::add_into(ctx.space, dxsh, dx);
-    return;
+  bool const own = ctx.layout.shared == SharedExpert::own;
+  if (!own) {
+    auto dysh = ctx.ws.make(buf::dy_shared);
+    tokens_gather(ctx, shared_spans_group(ctx), dy, dysh);
+    dy = dysh;
   }
-  auto dysh = ctx.ws.make(buf::dy_shared);
-  tokens_gather(ctx, shared_spans_group(ctx), dy, dysh);
-  auto dxsh = shared_mlp_backward(ctx, cview2(dysh), buf::dx_shared);
+  auto dxsh = shared_mlp_backward(ctx, dy, buf::dx_shared);
   ctx.all_reduce(ctx.tp(), dxsh);
-  auto yo = ctx.ws.make(buf::y_own);
-  tokens_reduce(ctx, shared_spans_group(ctx), dxsh, yo);
-  moe::detail::add_into(ctx.space, yo, dx);
+  if (!own) {
+    auto yo = ctx.ws.make(buf::y_own);
+    tokens_reduce(ctx, shared_spans_group(ctx), dxsh, yo);
+    dxsh = yo;
+  }
+  moe::detail::add_into(ctx.space, dxsh, dx);
 }
 
 }  // namespace moe::distributed::stages
@@ -159,7 +156,7 @@ namespace moe::distributed {
 
 /// \brief The stage functions a strategy (deriving from it) does not define itself.
 struct StageDefaults {
-  // A kind the strategy never plans (any arguments): an internal error naming the stage.
+  // Kinds the strategy never plans: an internal error naming the stage.
   template <class Ctx, class... Args>
   static void gather_tokens(Ctx& c, Args&&...) {
     stages::no_stage(*c.stage);
