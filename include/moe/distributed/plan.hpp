@@ -289,42 +289,39 @@ inline std::string LayerPlan::to_text() const {
   using namespace detail;
   auto const& lay = layout;
   std::string o;
-  auto line = [&o](std::string const& s) { o += s + "\n"; };
-  line(moe::detail::cat("MoE layer plan: rank ", lay.rank, " of ", world_size, ", global batch [",
-                        lay.global_batch, ", ", lay.seq_len, ", ", lay.emb_dim, "] (B, S, D), ",
-                        scalar_bytes == 8 ? "float64" : "float32", " values",
-                        config.bf16() ? " (dtype=bfloat16: activations and weight gathers move as "
-                                        "bf16, gradient reductions as fp32)"
-                                      : ""));
+  auto line = [&o](auto const&... a) { o += moe::detail::cat(a...) + "\n"; };
+  line("MoE layer plan: rank ", lay.rank, " of ", world_size, ", global batch [", lay.global_batch,
+       ", ", lay.seq_len, ", ", lay.emb_dim, "] (B, S, D), ",
+       scalar_bytes == 8 ? "float64" : "float32", " values",
+       config.bf16() ? " (dtype=bfloat16: activations and weight gathers move as "
+                       "bf16, gradient reductions as fp32)"
+                     : "");
   Axes big, one;
   for (auto const& [name, size] : lay.mesh.axes())
     if (size > 1)
       big.push_back(moe::detail::cat(name, "=", size));
     else
       one.push_back(name);
-  line(moe::detail::cat("mesh (", lay.preset, "): ", join(big, " x ", "every axis of size 1"),
-                        one.empty() ? "" : "; size 1: " + list_text(one)));
-  line(moe::detail::cat("batch axes: ", axes_text(lay.batch_axes), " (", lay.global_batch, " / ",
-                        lay.batch_parts, " = ", lay.global_batch / lay.batch_parts,
-                        " sequences per rank, T_local = ", local_tokens, " tokens)"));
-  line(moe::detail::cat("expert route: ", step.route_text, "; E=", config.num_experts,
-                        ", K=", config.num_experts_per_tok, ", experts ", lay.first_expert, "..",
-                        lay.first_expert + lay.local_experts - 1, " on this rank (",
-                        lay.local_experts, " local)"));
-  line(moe::detail::cat("tensor axes: ", axes_text(lay.tp_axes)));
+  line("mesh (", lay.preset, "): ", join(big, " x ", "every axis of size 1"),
+       one.empty() ? "" : "; size 1: " + list_text(one));
+  line("batch axes: ", axes_text(lay.batch_axes), " (", lay.global_batch, " / ", lay.batch_parts,
+       " = ", lay.global_batch / lay.batch_parts, " sequences per rank, T_local = ", local_tokens,
+       " tokens)");
+  line("expert route: ", step.route_text, "; E=", config.num_experts,
+       ", K=", config.num_experts_per_tok, ", experts ", lay.first_expert, "..",
+       lay.first_expert + lay.local_experts - 1, " on this rank (", lay.local_experts, " local)");
+  line("tensor axes: ", axes_text(lay.tp_axes));
   line("");
   line("tensors (spec: as the rules resolve it, - = unsharded; local: block stored here; compute:");
   line("block the step computes with):");
   for (auto const& t : tensors) {
-    line(moe::detail::cat("  ", pad(t.name, 12), logical_text(t.logical), " spec ",
-                          spec_text(t.spec)));
-    line(moe::detail::cat("  ", pad("", 12), "global ", shape_text(t.global_shape), "  local ",
-                          shape_text(t.local_shape), " at ", shape_text(t.offset), "  compute ",
-                          shape_text(t.compute_shape)));
-    line(moe::detail::cat("  ", pad("", 12), "stored split: ", per_dim_text(t.storage),
-                          " | all-gathered: ", per_dim_text(t.gathered),
-                          " | sliced: ", per_dim_text(t.sliced),
-                          " | gradient summed over: ", axes_text(t.reduced)));
+    line("  ", pad(t.name, 12), logical_text(t.logical), " spec ", spec_text(t.spec));
+    line("  ", pad("", 12), "global ", shape_text(t.global_shape), "  local ",
+         shape_text(t.local_shape), " at ", shape_text(t.offset), "  compute ",
+         shape_text(t.compute_shape));
+    line("  ", pad("", 12), "stored split: ", per_dim_text(t.storage),
+         " | all-gathered: ", per_dim_text(t.gathered), " | sliced: ", per_dim_text(t.sliced),
+         " | gradient summed over: ", axes_text(t.reduced));
   }
   line("");
   line("step: the stages the layer runs, in order (reads -> writes), each with its collectives");
@@ -333,15 +330,14 @@ inline std::string LayerPlan::to_text() const {
     line(bw ? "  backward:" : "  forward:");
     int i = 0;
     for (auto const& st : bw ? step.backward : step.forward) {
-      line(moe::detail::cat("    ", ++i, ". ", pad(distributed::to_string(st.kind), 18),
-                            list_text(names(st.reads)), " -> ", list_text(names(st.writes))));
+      line("    ", ++i, ". ", pad(distributed::to_string(st.kind), 18), list_text(names(st.reads)),
+           " -> ", list_text(names(st.writes)));
       for (auto const& c : st.collectives)
-        line(moe::detail::cat("         ", pad(c.kind, 15), pad("[" + axes_text(c.axes) + "]", 20),
-                              pad(c.what, 34), c.balanced ? "~" : " ", c.bytes, " B"));
+        line("         ", pad(c.kind, 15), pad("[" + axes_text(c.axes) + "]", 20), pad(c.what, 34),
+             c.balanced ? "~" : " ", c.bytes, " B");
     }
   }
-  line(moe::detail::cat("  bytes: forward ", bytes(false), ", backward ", bytes(true), ", step ",
-                        step_bytes()));
+  line("  bytes: forward ", bytes(false), ", backward ", bytes(true), ", step ", step_bytes());
   std::vector<std::pair<std::string, std::int64_t>> by_kind;
   for (auto const& c : collectives) {
     auto it = std::find_if(by_kind.begin(), by_kind.end(),
@@ -360,13 +356,12 @@ inline std::string LayerPlan::to_text() const {
     for (auto const& a : c.alternatives)
       alts += moe::detail::cat(alts.empty() ? "" : "; ", a.name, ": ", a.bytes, " B, ", a.flops,
                                " FLOP");
-    line(moe::detail::cat("  ", c.what, ": ", c.chosen, " (", c.why, "; per step ", alts, ")"));
+    line("  ", c.what, ": ", c.chosen, " (", c.why, "; per step ", alts, ")");
   }
   line("");
-  line(moe::detail::cat("dense dispatch ", logical_text(dispatch_logical), ": joint ",
-                        spec_text(dispatch_joint), ", with moe_dispatch_no_expert_sharding ",
-                        spec_text(dispatch_repaired), "; in effect ",
-                        spec_text(layout.dispatch_spec)));
+  line("dense dispatch ", logical_text(dispatch_logical), ": joint ", spec_text(dispatch_joint),
+       ", with moe_dispatch_no_expert_sharding ", spec_text(dispatch_repaired), "; in effect ",
+       spec_text(layout.dispatch_spec));
   for (auto const& n : notes) line("note: " + n);
   for (auto const& w : warnings) line("WARNING: " + w);
   return o;

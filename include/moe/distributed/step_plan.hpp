@@ -165,17 +165,13 @@ inline std::string chunk_gather_name(std::int64_t c, std::int64_t n) {
 namespace detail {
 /// "a,b" ("-" when empty): mesh axes as the plan prints them.
 inline std::string axes_text(std::vector<std::string> const& a) { return join(a, ",", "-"); }
-inline std::int64_t product(std::vector<std::int64_t> const& v) {
-  std::int64_t p = 1;
-  for (auto e : v) p *= e;
-  return p;
-}
 /// Product of the extents of `s` before dimension d.
 inline std::int64_t lead(std::vector<std::int64_t> const& s, int d) {
   std::int64_t a = 1;
   for (int i = 0; i < d; ++i) a *= s[std::size_t(i)];
   return a;
 }
+inline std::int64_t product(std::vector<std::int64_t> const& v) { return lead(v, int(v.size())); }
 }  // namespace detail
 
 }  // namespace moe::distributed

@@ -26,22 +26,14 @@ using Strategy =
 
 /// The strategy of a layout (its route, dense path and token chunking).
 inline Strategy choose_strategy(Layout const& lay, ParallelConfig const& par) {
-  switch (lay.route) {
-    case ExpertRoute::RaggedA2A:
-      return RaggedA2A{};
-    case ExpertRoute::EpTp:
-      if (lay.dense) return EpTp<DenseExperts>{};
-      return EpTp<SortedExperts>{};
-    case ExpertRoute::Ring:
-      if (par.num_moe_emb_chunks > 0) return ChunkedRing{};
-      if (lay.dense) return Gathered<DenseExperts, true>{};
-      return Gathered<SortedExperts, true>{};
-    case ExpertRoute::Local:
-    case ExpertRoute::Replicated:
-      break;
-  }
-  if (lay.dense) return Gathered<DenseExperts, false>{};
-  return Gathered<SortedExperts, false>{};
+  bool const ring = lay.route == ExpertRoute::Ring;
+  if (lay.route == ExpertRoute::RaggedA2A) return RaggedA2A{};
+  if (lay.route == ExpertRoute::EpTp)
+    return lay.dense ? Strategy(EpTp<DenseExperts>{}) : EpTp<SortedExperts>{};
+  if (ring && par.num_moe_emb_chunks > 0) return ChunkedRing{};
+  if (lay.dense)
+    return ring ? Strategy(Gathered<DenseExperts, true>{}) : Gathered<DenseExperts, false>{};
+  return ring ? Strategy(Gathered<SortedExperts, true>{}) : Gathered<SortedExperts, false>{};
 }
 
 /// Runs stage `st` of strategy S, forward or backward (dy, dx: the backward's; the stages every

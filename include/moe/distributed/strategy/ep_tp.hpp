@@ -29,7 +29,7 @@ void scatter_cols_into(Ctx& ctx, typename Ctx::view2 full, Handle<Values> cols,
 
 /// \brief The EP-TP strategy (see the file comment).
 template <class Experts>
-struct EpTp : Experts {
+struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
   StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
                 std::int64_t value_bytes) const {
     PlanBuilder b(lay, cfg, par, value_bytes, false);
@@ -67,22 +67,10 @@ struct EpTp : Experts {
     return b.finish(buf::x_work);
   }
 
-  // The experts run on x_work: the full-D tokens.
+  /// This rank's D columns -> the full-D tokens x_work, which the experts run on.
   template <class Ctx>
-  static void gather_tokens(Ctx& c) {  // this rank's D columns -> the full-D tokens
+  static void gather_tokens(Ctx& c) {
     c.all_gather(c.ep(), c.ws.at(buf::x), c.ws.make(buf::x_work), 1);
-  }
-  template <class Ctx>
-  static void route(Ctx& c) {
-    stages::route_tokens(c, c.ws.at(buf::x_work), false);
-  }
-  template <class Ctx>
-  static void dispatch(Ctx& c) {
-    Experts::dispatch(c, c.ws.at(buf::x_work));
-  }
-  template <class Ctx>
-  static void experts(Ctx& c, std::uint64_t weights_version) {
-    Experts::experts(c, buf::x_work, weights_version);
   }
   /// Partial outputs reduce-scattered back to this rank's D columns.
   template <class Ctx>

@@ -227,9 +227,27 @@ void plan_gathered_backward(PlanBuilder& b) {
 
 }  // namespace stages
 
+/// \brief The route, dispatch and experts stages on the working tokens W (the expert group's,
+/// gathered over it: `Ring`), through `Experts` (also EP-TP's).
+template <class Experts, Buf W, bool Ring>
+struct OnWorkTokens : Experts {
+  template <class Ctx>
+  static void route(Ctx& c) {
+    stages::route_tokens(c, c.ws.at(Handle<Values>{W}), Ring);
+  }
+  template <class Ctx>
+  static void dispatch(Ctx& c) {
+    Experts::dispatch(c, c.ws.at(Handle<Values>{W}));
+  }
+  template <class Ctx>
+  static void experts(Ctx& c, std::uint64_t weights_version) {
+    Experts::experts(c, Handle<Values>{W}, weights_version);
+  }
+};
+
 /// \brief The gathered-tokens strategy (see the file comment); Ring: ExpertRoute::Ring.
 template <class Experts, bool Ring>
-struct Gathered : Experts {
+struct Gathered : OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring> {
   /// The working tokens: the expert group's (the ring) or this rank's.
   static constexpr auto xw = Ring ? buf::x_work : buf::x;
 
@@ -275,18 +293,6 @@ struct Gathered : Experts {
   template <class Ctx>
   static void gather_tokens(Ctx& c) {
     c.all_gather(c.ep(), c.ws.at(buf::x), c.ws.make(buf::x_work), 0);
-  }
-  template <class Ctx>
-  static void route(Ctx& c) {
-    stages::route_tokens(c, c.ws.at(xw), Ring);
-  }
-  template <class Ctx>
-  static void dispatch(Ctx& c) {
-    Experts::dispatch(c, c.ws.at(xw));
-  }
-  template <class Ctx>
-  static void experts(Ctx& c, std::uint64_t weights_version) {
-    Experts::experts(c, xw, weights_version);
   }
   /// The working tokens' outputs summed onto the own tokens, then split over tensor into y_cols.
   template <class Ctx>
