@@ -32,6 +32,22 @@ void local_sort(Ctx& ctx) {
                           ctx.disp.perm);
 }
 
+/// The backward of the experts on gathered tokens: dy all-gathered over the expert axes as
+/// `gather_dy` (blocks [T, cols] along `dim`; none: not gathered), the experts' backward, and the
+/// stage sending d_weights and dx back (the caller adds its collectives).
+template <class Experts>
+Stage& plan_gathered_experts_backward(PlanBuilder& b, char const* gather_dy, std::int64_t cols,
+                                      int dim) {
+  auto& o = b.stage(StageKind::output, "moe::dist::output::backward", {Buf::dy},
+                    {b.out(buf::dy_work, b.work_tokens(), b.emb())});
+  if (gather_dy) b.all_gather(o, gather_dy, b.lay.ep_axes, b.T, cols, dim);
+  Experts::plan_backward(b);
+  return b.stage(StageKind::dispatch, "moe::dispatch::gathered::backward",
+                 {Experts::dx_rows, buf::d_weights_work},
+                 {b.out(buf::dx_work, b.work_tokens(), b.emb()),
+                  b.out(buf::d_weights, b.tokens(), b.topk()), Buf::dx});
+}
+
 }  // namespace stages
 
 /// \brief The routed rows of the working tokens sorted by local expert through the grouped GEMMs.
@@ -186,47 +202,6 @@ struct DenseExperts : StageDefaults {
   }
 };
 
-namespace stages {
-
-/// The forward's combine on gathered tokens: the experts' output summed onto the owners' tokens,
-/// then split into D/tp columns.
-template <bool Ring, class Experts>
-void plan_gathered_combine(PlanBuilder& b) {
-  auto& c =
-      b.stage(StageKind::combine, "moe::dist::combine", {Experts::rows_out, Buf::routing},
-              {b.out(buf::y_work, b.work_tokens(), b.emb()), b.out(buf::y_own, b.tokens(), b.emb()),
-               b.out(buf::y_cols, b.tokens(), b.emb_cols())});
-  plan_tokens_reduce(b, c, "y", b.D, Ring);
-  b.reduce_scatter(c, "reduce-scatter y (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
-}
-/// The backward of the experts on gathered tokens: dy all-gathered over the expert axes as
-/// `gather_dy` (blocks [T, cols] along `dim`; none: not gathered), the experts' backward, and the
-/// stage sending d_weights and dx back (the caller adds its collectives).
-template <class Experts>
-Stage& plan_gathered_experts_backward(PlanBuilder& b, char const* gather_dy, std::int64_t cols,
-                                      int dim) {
-  auto& o = b.stage(StageKind::output, "moe::dist::output::backward", {Buf::dy},
-                    {b.out(buf::dy_work, b.work_tokens(), b.emb())});
-  if (gather_dy) b.all_gather(o, gather_dy, b.lay.ep_axes, b.T, cols, dim);
-  Experts::plan_backward(b);
-  return b.stage(StageKind::dispatch, "moe::dispatch::gathered::backward",
-                 {Experts::dx_rows, buf::d_weights_work},
-                 {b.out(buf::dx_work, b.work_tokens(), b.emb()),
-                  b.out(buf::d_weights, b.tokens(), b.topk()), Buf::dx});
-}
-/// The backward of the gathered-tokens path up to the router.
-template <bool Ring, class Experts>
-void plan_gathered_backward(PlanBuilder& b) {
-  auto& d = plan_gathered_experts_backward<Experts>(b, Ring ? "all-gather d_y (expert)" : nullptr,
-                                                    b.D, 0);
-  b.all_reduce(d, "reduce d_weights (tensor)", b.lay.tp_axes, b.Tw * b.K);
-  plan_tokens_reduce(b, d, "d_weights", b.K, Ring);
-  b.all_reduce(d, "reduce d_x (tensor)", b.lay.tp_axes, b.Tw * b.D);
-  plan_tokens_reduce(b, d, "d_x", b.D, Ring);
-}
-
-}  // namespace stages
-
 /// \brief The route, dispatch and experts stages on the working tokens W (the expert group's,
 /// gathered over it: `Ring`), through `Experts` (also EP-TP's).
 template <class Experts, Buf W, bool Ring>
@@ -282,10 +257,22 @@ struct Gathered : OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring> {
   }
   /// The stages after the experts, and the backward (also the chunked ring's).
   static StepPlan plan_after_experts(PlanBuilder& b) {
-    stages::plan_gathered_combine<Ring, Experts>(b);
+    using stages::plan_tokens_reduce;
+    // The experts' output summed onto the owners' tokens, then split into D/tp columns.
+    auto& c = b.stage(
+        StageKind::combine, "moe::dist::combine", {Experts::rows_out, Buf::routing},
+        {b.out(buf::y_work, b.work_tokens(), b.emb()), b.out(buf::y_own, b.tokens(), b.emb()),
+         b.out(buf::y_cols, b.tokens(), b.emb_cols())});
+    plan_tokens_reduce(b, c, "y", b.D, Ring);
+    b.reduce_scatter(c, "reduce-scatter y (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
     if (b.shared()) stages::plan_shared_forward(b);
     b.output();
-    stages::plan_gathered_backward<Ring, Experts>(b);
+    auto& d = stages::plan_gathered_experts_backward<Experts>(
+        b, Ring ? "all-gather d_y (expert)" : nullptr, b.D, 0);
+    b.all_reduce(d, "reduce d_weights (tensor)", b.lay.tp_axes, b.Tw * b.K);
+    plan_tokens_reduce(b, d, "d_weights", b.K, Ring);
+    b.all_reduce(d, "reduce d_x (tensor)", b.lay.tp_axes, b.Tw * b.D);
+    plan_tokens_reduce(b, d, "d_x", b.D, Ring);
     if (b.shared()) stages::plan_shared_backward(b);
     return b.finish(buf::x);
   }
