@@ -242,8 +242,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   auto parts = [&](std::vector<std::string> const& axes) { return lay.parts(axes); };
   // Tokens.
   lay.token_logical = {"activation_batch", "activation_norm_length", "activation_embed"};
-  auto const xs = resolve(lay.token_logical);
-  lay.token_spec = xs;
+  auto const xs = lay.token_spec = resolve(lay.token_logical);
   require<ConfigError>(dimaxes(xs, 1).empty(), "the sequence dimension resolves to mesh axes [",
                        join(dimaxes(xs, 1)),
                        "]: sequence (context) parallelism is not supported by the MoE "

@@ -163,8 +163,7 @@ class PlanBuilder {
   /// The sort of `slots` by expert over `keys` experts (permute::sort_by_expert).
   void hold_sort(Extent slots, std::int64_t keys) {
     std::int64_t const chunk = std::max<std::int64_t>(2048, 8 * keys);
-    hold(Buf::sort_perm, {slots});
-    hold(Buf::sort_inverse, {slots});
+    for (Buf b : {Buf::sort_perm, Buf::sort_inverse}) hold(b, {slots});
     hold(Buf::sort_cursors, {{(slots.n + chunk - 1) / chunk + 1, slots.keys}, {keys, 0}});
   }
   /// FLOPs of a [rows, k] x [k, n] GEMM.
@@ -296,8 +295,7 @@ class PlanBuilder {
     if (cfg.routed_bias) hold(Buf::biased_scores, {R, experts()});
     for (Buf b : {Buf::expert_ids, Buf::kept, Buf::top_values, Buf::weights}) hold(b, {R, topk()});
     if (cfg.load_balance_loss_weight > 0) {
-      hold(Buf::seq_counts, {seqs, experts()});
-      hold(Buf::seq_probs, {seqs, experts()});
+      for (Buf b : {Buf::seq_counts, Buf::seq_probs}) hold(b, {seqs, experts()});
       hold(Buf::lb_softmax, {{2, 0}, tokens()});
     }
     if (cfg.capacity_factor > 0) hold(Buf::capacity_cursors, {{2, 0}, seqs, experts()});
@@ -315,8 +313,7 @@ class PlanBuilder {
                      {Buf::dx, grad(Weight::gate), grad(Weight::gate_bias)});
     st.flops = 2 * gemm(T, D, E);  // dx += d_logits gate^T, d_gate = x^T d_logits
     hold(Buf::d_top, {tokens(), topk()});
-    hold(Buf::d_biased, {tokens(), experts()});
-    hold(Buf::d_logits, {tokens(), experts()});
+    for (Buf b : {Buf::d_biased, Buf::d_logits}) hold(b, {tokens(), experts()});
   }
   /// The backward's last stage: compute-block gradients -> stored-block gradients.
   void reduce_grads() {

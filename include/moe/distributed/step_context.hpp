@@ -99,12 +99,9 @@ struct StepContext {
   AxisGroup const& batch() const { return group_of(layout.batch_axes); }
 
   // ------------------------------------------------------------------ routing state ---------
-  View2<int const, memory_space> expert_ids() const {
-    return View2<int const, memory_space>(router.state().expert_ids);
-  }
-  View2<int const, memory_space> kept() const {
-    return View2<int const, memory_space>(router.state().kept);
-  }
+  using civ2 = View2<int const, memory_space>;
+  civ2 expert_ids() const { return civ2(router.state().expert_ids); }
+  civ2 kept() const { return civ2(router.state().kept); }
   cview2 route_weights() const { return cview2(router.state().weights); }
 
   // ------------------------------------------------------------------ collectives ------------

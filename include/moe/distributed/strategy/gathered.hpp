@@ -22,13 +22,12 @@ namespace stages {
 /// The working tokens' slots on local experts, sorted by local expert (ctx.disp.perm).
 template <class Ctx>
 void local_sort(Ctx& ctx) {
-  using memory_space = typename Ctx::memory_space;
+  using civ2 = typename Ctx::civ2;
   auto lids = ctx.ws.make(buf::local_ids);
   auto lkept = ctx.ws.make(buf::local_kept);
   permute::local_expert_ids(ctx.space, ctx.expert_ids(), ctx.kept(), int(ctx.layout.first_expert),
                             int(ctx.layout.local_experts), lids, lkept);
-  permute::sort_by_expert(ctx.space, View2<int const, memory_space>(lids),
-                          View2<int const, memory_space>(lkept), ctx.layout.local_experts,
+  permute::sort_by_expert(ctx.space, civ2(lids), civ2(lkept), ctx.layout.local_experts,
                           ctx.disp.perm);
 }
 

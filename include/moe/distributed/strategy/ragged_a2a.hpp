@@ -46,9 +46,7 @@ struct RaggedA2A : StageDefaults {
                  b.out(buf::x_local, recv, D)});
     b.all_to_all(d, "dispatch", b.sent, b.D);
     b.hold_sort(sent, b.E);
-    b.hold(Buf::local_perm, {recv});
-    b.hold(Buf::local_inverse, {recv});
-    b.hold(Buf::local_expert_ids, {recv});
+    for (Buf h : {Buf::local_perm, Buf::local_inverse, Buf::local_expert_ids}) b.hold(h, {recv});
     b.row_limit("sorted rows", sent);
     b.row_limit("received rows", recv);
     auto& e = b.experts_stage({buf::x_local},
