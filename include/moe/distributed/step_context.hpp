@@ -103,6 +103,9 @@ struct StepContext {
   civ2 expert_ids() const { return civ2(router.state().expert_ids); }
   civ2 kept() const { return civ2(router.state().kept); }
   cview2 route_weights() const { return cview2(router.state().weights); }
+  /// The sort by expert (disp.perm) and its inverse, as the permute kernels take them.
+  ivec perm() const { return ivec(disp.perm.perm); }
+  ivec inverse() const { return ivec(disp.perm.inverse); }
 
   // ------------------------------------------------------------------ collectives ------------
   // Each runs on its planned collective's wire; a group of one plans none.

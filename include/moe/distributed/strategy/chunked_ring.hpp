@@ -49,7 +49,6 @@ template <class Ctx>
 void chunked_ring_experts(Ctx& ctx, typename Ctx::view2 x, std::uint64_t weights_version) {
   using view3 = typename Ctx::view3;
   using cview2 = typename Ctx::cview2;
-  using ivec = typename Ctx::ivec;
   std::int64_t const D = ctx.cfg.base_emb_dim, T = ctx.plan.tokens;
   std::int64_t const nc = ctx.plan.emb_chunks, Dc = D / nc, n = ctx.disp.perm.rows();
   std::int64_t const L = ctx.layout.local_experts, F = ctx.cp.wi_0.extent(2);
@@ -72,8 +71,8 @@ void chunked_ring_experts(Ctx& ctx, typename Ctx::view2 x, std::uint64_t weights
     request cur = std::move(next);
     cur.wait(ctx.space);
     if (c + 1 < nc) next = start_chunk_gather(ctx, pieces, own, got, c + 1);
-    permute::gather_rows(ctx.space, cview2(chunk_views(ctx, own, got, c).second),
-                         ivec(ctx.disp.perm.perm), K, xs_c);
+    permute::gather_rows(ctx.space, cview2(chunk_views(ctx, own, got, c).second), ctx.perm(), K,
+                         xs_c);
     distributed::detail::copy_rows(ctx.space, "moe::dist::chunk_unpack", xs_c.data(), xs.data(), n,
                                    Dc, distributed::detail::Identity{},
                                    distributed::detail::Block{nc, c});

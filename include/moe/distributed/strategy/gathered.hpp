@@ -80,11 +80,9 @@ struct SortedExperts : StageDefaults {
   template <class Ctx>
   static void dispatch(Ctx& ctx, typename Ctx::view2 xw) {
     using cview2 = typename Ctx::cview2;
-    using ivec = typename Ctx::ivec;
     stages::local_sort(ctx);
     auto xs = ctx.ws.make(buf::x_local, ctx.disp.perm.rows());
-    permute::gather_rows(ctx.space, cview2(xw), ivec(ctx.disp.perm.perm),
-                         ctx.cfg.num_experts_per_tok, xs);
+    permute::gather_rows(ctx.space, cview2(xw), ctx.perm(), ctx.cfg.num_experts_per_tok, xs);
   }
   /// The experts on the sorted rows (x_local; `xw` is the working tokens they came from).
   template <class Ctx>
@@ -99,21 +97,19 @@ struct SortedExperts : StageDefaults {
   template <class Ctx>
   static typename Ctx::view2 combined(Ctx& ctx) {
     using cview2 = typename Ctx::cview2;
-    using ivec = typename Ctx::ivec;
     auto yw = ctx.ws.make(buf::y_work);
-    permute::combine(ctx.space, cview2(ctx.ws.at(buf::y_local)), ivec(ctx.disp.perm.inverse),
-                     ctx.route_weights(), false, yw);
+    permute::combine(ctx.space, cview2(ctx.ws.at(buf::y_local)), ctx.inverse(), ctx.route_weights(),
+                     false, yw);
     return yw;
   }
   template <class Ctx>
   static void combine_backward(Ctx& ctx) {
     using cview2 = typename Ctx::cview2;
-    using ivec = typename Ctx::ivec;
     auto dys = ctx.ws.make(buf::dy_local, ctx.disp.perm.rows());
     auto dww = ctx.ws.make(buf::d_weights_work);
     permute::combine_backward(ctx.space, cview2(ctx.ws.at(buf::dy_work)),
-                              cview2(ctx.ws.at(buf::y_local)), ivec(ctx.disp.perm.perm),
-                              ivec(ctx.disp.perm.inverse), ctx.route_weights(), dys, dww);
+                              cview2(ctx.ws.at(buf::y_local)), ctx.perm(), ctx.inverse(),
+                              ctx.route_weights(), dys, dww);
   }
   template <class Ctx>
   static void experts_backward(Ctx& ctx) {
@@ -126,11 +122,9 @@ struct SortedExperts : StageDefaults {
   template <class Ctx>
   static typename Ctx::view2 work_dx(Ctx& ctx) {
     using cview2 = typename Ctx::cview2;
-    using ivec = typename Ctx::ivec;
     auto dxw = ctx.ws.make(buf::dx_work);
-    permute::gather_rows_backward(ctx.space, cview2(ctx.ws.at(buf::dy_local)),
-                                  ivec(ctx.disp.perm.inverse), ctx.cfg.num_experts_per_tok, false,
-                                  dxw);
+    permute::gather_rows_backward(ctx.space, cview2(ctx.ws.at(buf::dy_local)), ctx.inverse(),
+                                  ctx.cfg.num_experts_per_tok, false, dxw);
     return dxw;
   }
   template <class Ctx>

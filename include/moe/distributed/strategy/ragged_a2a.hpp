@@ -89,7 +89,6 @@ struct RaggedA2A : StageDefaults {
   template <class Ctx>
   static void dispatch(Ctx& ctx) {
     using cview2 = typename Ctx::cview2;
-    using ivec = typename Ctx::ivec;
     auto x = ctx.ws.at(buf::x);
     int const E = ctx.cfg.num_experts, K = ctx.cfg.num_experts_per_tok;
     int const ep = ctx.ep().size();
@@ -97,7 +96,7 @@ struct RaggedA2A : StageDefaults {
     auto& perm = ctx.disp.perm;
     permute::sort_by_expert(ctx.space, ctx.expert_ids(), ctx.kept(), E, perm);
     auto xs_o = ctx.ws.make(buf::x_sorted, perm.rows());
-    permute::gather_rows(ctx.space, cview2(x), ivec(perm.perm), K, xs_o);
+    permute::gather_rows(ctx.space, cview2(x), ctx.perm(), K, xs_o);
     auto const& off = perm.groups.offsets_host;
     std::vector<std::int64_t> sizes(E), send(ep);
     for (int e = 0; e < E; ++e) sizes[e] = off(e + 1) - off(e);
@@ -135,15 +134,13 @@ struct RaggedA2A : StageDefaults {
   template <class Ctx>
   static void combine(Ctx& ctx) {
     using cview2 = typename Ctx::cview2;
-    using ivec = typename Ctx::ivec;
     auto ys_c = ctx.ws.at(buf::y_local_cols);
     auto yr_c = ctx.ws.make(buf::y_received_cols, ctx.disp.a2a->recv_total());
     permute::unpermute_rows(ctx.space, ctx.disp.lp, ys_c, yr_c);
     auto ys_o_c = ctx.ws.make(buf::y_sorted_cols, ctx.disp.perm.rows());
     ctx.all_to_all(true, yr_c, ys_o_c);
     auto y_c = ctx.ws.make(buf::y_cols);
-    permute::combine(ctx.space, cview2(ys_o_c), ivec(ctx.disp.perm.inverse), ctx.route_weights(),
-                     false, y_c);
+    permute::combine(ctx.space, cview2(ys_o_c), ctx.inverse(), ctx.route_weights(), false, y_c);
   }
   template <class Ctx>
   static void output_backward(Ctx& ctx, typename Ctx::cview2 dy) {
@@ -153,13 +150,11 @@ struct RaggedA2A : StageDefaults {
   template <class Ctx>
   static void combine_backward(Ctx& ctx) {
     using cview2 = typename Ctx::cview2;
-    using ivec = typename Ctx::ivec;
     auto dy_c = ctx.ws.at(buf::dy_cols);
     auto dys_o_c = ctx.ws.make(buf::dy_sorted_cols, ctx.disp.perm.rows());
     auto dw = ctx.ws.make(buf::d_weights);
     permute::combine_backward(ctx.space, cview2(dy_c), cview2(ctx.ws.at(buf::y_sorted_cols)),
-                              ivec(ctx.disp.perm.perm), ivec(ctx.disp.perm.inverse),
-                              ctx.route_weights(), dys_o_c, dw);
+                              ctx.perm(), ctx.inverse(), ctx.route_weights(), dys_o_c, dw);
     ctx.all_reduce(ctx.tp(), dw);
     auto dyr_c = ctx.ws.make(buf::dy_received_cols, ctx.disp.a2a->recv_total());
     ctx.all_to_all(false, dys_o_c, dyr_c);
@@ -179,14 +174,13 @@ struct RaggedA2A : StageDefaults {
   template <class Ctx>
   static void dispatch_backward(Ctx& ctx, typename Ctx::view2 dx) {
     using cview2 = typename Ctx::cview2;
-    using ivec = typename Ctx::ivec;
     auto dxs_c = ctx.ws.at(buf::dy_local_cols);
     auto dxr_c = ctx.ws.at(buf::dy_received_cols);
     permute::unpermute_rows(ctx.space, ctx.disp.lp, dxs_c, dxr_c);
     auto dxs_o_c = ctx.ws.at(buf::dy_sorted_cols);
     ctx.all_to_all(true, dxr_c, dxs_o_c);
     auto dx_c = ctx.ws.at(buf::dy_cols);
-    permute::gather_rows_backward(ctx.space, cview2(dxs_o_c), ivec(ctx.disp.perm.inverse),
+    permute::gather_rows_backward(ctx.space, cview2(dxs_o_c), ctx.inverse(),
                                   ctx.cfg.num_experts_per_tok, false, dx_c);
     ctx.all_gather(ctx.tp(), dx_c, dx, 1);
   }
