@@ -157,11 +157,6 @@ struct StepPlan {
   }
 };
 
-/// Comm-log name of the gather of D-chunk c (0-based) of n on the chunked ring.
-inline std::string chunk_gather_name(std::int64_t c, std::int64_t n) {
-  return "all-gather tokens (ring, chunk " + std::to_string(c + 1) + "/" + std::to_string(n) + ")";
-}
-
 namespace detail {
 /// "a,b" ("-" when empty): mesh axes as the plan prints them.
 inline std::string axes_text(std::vector<std::string> const& a) { return join(a, ",", "-"); }

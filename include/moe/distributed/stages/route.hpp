@@ -1,9 +1,8 @@
 #pragma once
 /// \file
-/// Route stage of the distributed layer: the router on the working tokens (the chunked ring: on
-/// the gathered gate logits), its global statistics, and its backward.
+/// Route stage of the distributed layer: the router on the working tokens, its global statistics,
+/// and its backward.
 
-#include <moe/detail/blas.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/distributed/layout.hpp>
 #include <moe/distributed/step_plan.hpp>
@@ -59,19 +58,6 @@ void route_tokens(Ctx& ctx, typename Ctx::view2 xw, bool ring) {
   using cview2 = typename Ctx::cview2;
   ctx.router.forward(ctx.space, cview2(xw), ctx.cp.gate, ctx.cp.gate_bias, ctx.S,
                      member_token_offsets(ctx, ring), ring ? ctx.ep().rank() : 0);
-  route_statistics(ctx);
-}
-
-/// Chunked ring: routes the expert group's tokens from their all-gathered gate logits.
-template <class Ctx>
-void route_gathered_logits(Ctx& ctx, typename Ctx::view2 x) {
-  using Scalar = typename Ctx::scalar_type;
-  using cview2 = typename Ctx::cview2;
-  auto lo = ctx.ws.make(buf::logits_own);
-  moe::detail::gemm(ctx.space, "N", "N", Scalar(1), cview2(x), ctx.cp.gate, Scalar(0), lo);
-  ctx.all_gather(ctx.ep(), lo, ctx.router.logits_rows(ctx.space, ctx.plan.work_tokens), 0);
-  ctx.router.forward_logits(ctx.space, ctx.cp.gate_bias, ctx.S, member_token_offsets(ctx, true),
-                            ctx.ep().rank());
   route_statistics(ctx);
 }
 

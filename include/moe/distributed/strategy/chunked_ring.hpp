@@ -5,6 +5,7 @@
 /// previous chunk's first grouped GEMMs. The combine and the backward are the ring's.
 
 #include <moe/comm/iall_gather.hpp>
+#include <moe/detail/blas.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/distributed/plan_builder.hpp>
 #include <moe/distributed/reshard.hpp>
@@ -43,51 +44,6 @@ auto start_chunk_gather(Ctx& ctx, chunk_pieces<Ctx> const& pieces, typename Ctx:
   return distributed::start_gather_rows(ctx.space, ctx.ep(), pieces, v.first, v.second, &ctx.log,
                                         planned.what, planned.wire, &ctx.ws.pool(), int(c % 2));
 }
-/// The experts stage of the chunked ring: chunk c+1's all-gather progresses between the
-/// per-expert GEMMs of chunk c, whose sorted rows also go into their columns of x_local.
-template <class Ctx>
-void chunked_ring_experts(Ctx& ctx, typename Ctx::view2 x, std::uint64_t weights_version) {
-  using view3 = typename Ctx::view3;
-  using cview2 = typename Ctx::cview2;
-  std::int64_t const D = ctx.cfg.base_emb_dim, T = ctx.plan.tokens;
-  std::int64_t const nc = ctx.plan.emb_chunks, Dc = D / nc, n = ctx.disp.perm.rows();
-  std::int64_t const L = ctx.layout.local_experts, F = ctx.cp.wi_0.extent(2);
-  int const K = ctx.cfg.num_experts_per_tok;
-  // Own tokens chunk-major: rows [c*T, (c+1)*T) are columns [c*Dc, (c+1)*Dc) of x.
-  auto own = ctx.ws.make(buf::x_chunks_own);
-  distributed::detail::copy_rows(ctx.space, "moe::dist::chunk_pack", x.data(), own.data(), T * nc,
-                                 Dc, distributed::detail::Identity{},
-                                 distributed::detail::PaToAp{T, nc});
-  auto got = ctx.ws.make(buf::x_chunks);
-  auto xs = ctx.ws.make(buf::x_local, n);
-  auto xs_c = ctx.ws.make(buf::x_local_chunk, n);
-  // The chunks' shapes are agreed on once (one collective check, not one per chunk).
-  auto const first = chunk_views(ctx, own, got, 0);
-  chunk_pieces<Ctx> const pieces(ctx.ep().comm, ctx.space, first.first, first.second);
-  using request = decltype(start_chunk_gather(ctx, pieces, own, got, 0));
-  request next = start_chunk_gather(ctx, pieces, own, got, 0);
-  ctx.ffn.forward_begin(ctx.space, ctx.cfg.mlp_activation, xs, F, weights_version);
-  for (std::int64_t c = 0; c < nc; ++c) {
-    request cur = std::move(next);
-    cur.wait(ctx.space);
-    if (c + 1 < nc) next = start_chunk_gather(ctx, pieces, own, got, c + 1);
-    permute::gather_rows(ctx.space, cview2(chunk_views(ctx, own, got, c).second), ctx.perm(), K,
-                         xs_c);
-    distributed::detail::copy_rows(ctx.space, "moe::dist::chunk_unpack", xs_c.data(), xs.data(), n,
-                                   Dc, distributed::detail::Identity{},
-                                   distributed::detail::Block{nc, c});
-    // Rows [c*Dc, (c+1)*Dc) of expert l's [D, F] weights: a contiguous [1, Dc, F] block.
-    for (std::int64_t l = 0; l < L; ++l) {
-      std::int64_t const at = (l * D + c * Dc) * F;
-      ctx.ffn.forward_chunk(ctx.space, xs_c, ctx.disp.perm.groups,
-                            view3(ctx.cp.wi_0.data() + at, 1, Dc, F),
-                            view3(ctx.cp.wi_1.data() + at, 1, Dc, F), int(l));
-      if (c + 1 < nc) next.test();
-    }
-  }
-  auto ys = ctx.ws.make(buf::y_local, n);
-  ctx.ffn.forward_end(ctx.space, ctx.disp.perm.groups, ctx.cp.wo, ys);
-}
 
 }  // namespace stages
 
@@ -117,24 +73,77 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
                                b.out(buf::y_local, n, b.emb())},
                               "moe::dist::experts::chunked");
     for (std::int64_t c = 0; c < b.chunks; ++c)
-      b.all_gather(e, chunk_gather_name(c, b.chunks), lay.ep_axes, b.T, b.D / b.chunks, 0);
+      b.all_gather(e,
+                   "all-gather tokens (ring, chunk " + std::to_string(c + 1) + "/" +
+                       std::to_string(b.chunks) + ")",
+                   lay.ep_axes, b.T, b.D / b.chunks, 0);
     e.overlapped = true;
     b.hold_expert_ffn(n);
     return plan_after_experts(b);  // the ring's
   }
 
   // Its own route, dispatch and experts; the other stages are the ring's.
+  /// The expert group's tokens routed from their all-gathered gate logits.
   template <class Ctx>
-  static void route(Ctx& c) {
-    stages::route_gathered_logits(c, c.ws.at(buf::x));
+  static void route(Ctx& ctx) {
+    using Scalar = typename Ctx::scalar_type;
+    using cview2 = typename Ctx::cview2;
+    auto lo = ctx.ws.make(buf::logits_own);
+    moe::detail::gemm(ctx.space, "N", "N", Scalar(1), cview2(ctx.ws.at(buf::x)), ctx.cp.gate,
+                      Scalar(0), lo);
+    ctx.all_gather(ctx.ep(), lo, ctx.router.logits_rows(ctx.space, ctx.plan.work_tokens), 0);
+    ctx.router.forward_logits(ctx.space, ctx.cp.gate_bias, ctx.S,
+                              stages::member_token_offsets(ctx, true), ctx.ep().rank());
+    stages::route_statistics(ctx);
   }
   template <class Ctx>
   static void dispatch(Ctx& c) {
     stages::local_sort(c);
   }
+  /// Chunk c+1's all-gather progresses between the per-expert GEMMs of chunk c, whose sorted rows
+  /// also go into their columns of x_local.
   template <class Ctx>
-  static void experts(Ctx& c, std::uint64_t weights_version) {
-    stages::chunked_ring_experts(c, c.ws.at(buf::x), weights_version);
+  static void experts(Ctx& ctx, std::uint64_t weights_version) {
+    using stages::chunk_views;
+    using stages::start_chunk_gather;
+    using view3 = typename Ctx::view3;
+    using cview2 = typename Ctx::cview2;
+    std::int64_t const D = ctx.cfg.base_emb_dim, T = ctx.plan.tokens;
+    std::int64_t const nc = ctx.plan.emb_chunks, Dc = D / nc, n = ctx.disp.perm.rows();
+    std::int64_t const L = ctx.layout.local_experts, F = ctx.cp.wi_0.extent(2);
+    int const K = ctx.cfg.num_experts_per_tok;
+    // Own tokens chunk-major: rows [c*T, (c+1)*T) are columns [c*Dc, (c+1)*Dc) of x.
+    auto own = ctx.ws.make(buf::x_chunks_own);
+    detail::copy_rows(ctx.space, "moe::dist::chunk_pack", ctx.ws.at(buf::x).data(), own.data(),
+                      T * nc, Dc, detail::Identity{}, detail::PaToAp{T, nc});
+    auto got = ctx.ws.make(buf::x_chunks);
+    auto xs = ctx.ws.make(buf::x_local, n);
+    auto xs_c = ctx.ws.make(buf::x_local_chunk, n);
+    // The chunks' shapes are agreed on once (one collective check, not one per chunk).
+    auto const first = chunk_views(ctx, own, got, 0);
+    stages::chunk_pieces<Ctx> const pieces(ctx.ep().comm, ctx.space, first.first, first.second);
+    using request = decltype(start_chunk_gather(ctx, pieces, own, got, 0));
+    request next = start_chunk_gather(ctx, pieces, own, got, 0);
+    ctx.ffn.forward_begin(ctx.space, ctx.cfg.mlp_activation, xs, F, weights_version);
+    for (std::int64_t c = 0; c < nc; ++c) {
+      request cur = std::move(next);
+      cur.wait(ctx.space);
+      if (c + 1 < nc) next = start_chunk_gather(ctx, pieces, own, got, c + 1);
+      permute::gather_rows(ctx.space, cview2(chunk_views(ctx, own, got, c).second), ctx.perm(), K,
+                           xs_c);
+      detail::copy_rows(ctx.space, "moe::dist::chunk_unpack", xs_c.data(), xs.data(), n, Dc,
+                        detail::Identity{}, detail::Block{nc, c});
+      // Rows [c*Dc, (c+1)*Dc) of expert l's [D, F] weights: a contiguous [1, Dc, F] block.
+      for (std::int64_t l = 0; l < L; ++l) {
+        std::int64_t const at = (l * D + c * Dc) * F;
+        ctx.ffn.forward_chunk(ctx.space, xs_c, ctx.disp.perm.groups,
+                              view3(ctx.cp.wi_0.data() + at, 1, Dc, F),
+                              view3(ctx.cp.wi_1.data() + at, 1, Dc, F), int(l));
+        if (c + 1 < nc) next.test();
+      }
+    }
+    auto ys = ctx.ws.make(buf::y_local, n);
+    ctx.ffn.forward_end(ctx.space, ctx.disp.perm.groups, ctx.cp.wo, ys);
   }
 };
 
