@@ -88,9 +88,9 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
   static void route(Ctx& ctx) {
     using Scalar = typename Ctx::scalar_type;
     using cview2 = typename Ctx::cview2;
+    auto const x = ctx.ws.at(buf::x);
     auto lo = ctx.ws.make(buf::logits_own);
-    moe::detail::gemm(ctx.space, "N", "N", Scalar(1), cview2(ctx.ws.at(buf::x)), ctx.cp.gate,
-                      Scalar(0), lo);
+    moe::detail::gemm(ctx.space, "N", "N", Scalar(1), cview2(x), ctx.cp.gate, Scalar(0), lo);
     ctx.all_gather(ctx.ep(), lo, ctx.router.logits_rows(ctx.space, ctx.plan.work_tokens), 0);
     ctx.router.forward_logits(ctx.space, ctx.cp.gate_bias, ctx.S,
                               stages::member_token_offsets(ctx, true), ctx.ep().rank());
@@ -112,10 +112,11 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
     std::int64_t const nc = ctx.plan.emb_chunks, Dc = D / nc, n = ctx.disp.perm.rows();
     std::int64_t const L = ctx.layout.local_experts, F = ctx.cp.wi_0.extent(2);
     int const K = ctx.cfg.num_experts_per_tok;
+    auto const x = ctx.ws.at(buf::x);
     // Own tokens chunk-major: rows [c*T, (c+1)*T) are columns [c*Dc, (c+1)*Dc) of x.
     auto own = ctx.ws.make(buf::x_chunks_own);
-    detail::copy_rows(ctx.space, "moe::dist::chunk_pack", ctx.ws.at(buf::x).data(), own.data(),
-                      T * nc, Dc, detail::Identity{}, detail::PaToAp{T, nc});
+    detail::copy_rows(ctx.space, "moe::dist::chunk_pack", x.data(), own.data(), T * nc, Dc,
+                      detail::Identity{}, detail::PaToAp{T, nc});
     auto got = ctx.ws.make(buf::x_chunks);
     auto xs = ctx.ws.make(buf::x_local, n);
     auto xs_c = ctx.ws.make(buf::x_local_chunk, n);
