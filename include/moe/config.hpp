@@ -1,20 +1,13 @@
 #pragma once
 /// \file
-/// LayerConfig: the runtime hyper-parameters of one MoE layer, under MaxText's key names. The
-/// struct and its enums are in moe/config_types.hpp; here is its field table (parsing, keys,
-/// describe(), validation), built with moe/config_table.hpp.
+/// LayerConfig's field table (parsing, keys, describe(), validation); the struct and its enums are
+/// in moe/config_types.hpp.
 
 #include <moe/config_table.hpp>
 #include <moe/config_types.hpp>
 #include <moe/detail/text.hpp>
 #include <moe/error.hpp>
 
-#include <algorithm>
-#include <cctype>
-#include <cmath>
-#include <cstdint>
-#include <map>
-#include <sstream>
 #include <string>
 #include <vector>
 

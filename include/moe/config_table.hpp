@@ -9,11 +9,8 @@
 
 #include <algorithm>
 #include <any>
-#include <cctype>
-#include <cmath>
 #include <cstdint>
 #include <functional>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -62,11 +59,6 @@ struct ConfigField {
   std::function<std::string(C const&)> text;
   /// The value in describe()'s form.
   std::function<std::string(C const&, DescribeNumbers)> describe;
-
-  /// Whether `name` is this field's key or one of its aliases.
-  bool answers(std::string const& name) const {
-    return name == key || std::find(aliases.begin(), aliases.end(), name) != aliases.end();
-  }
 };
 
 /// \brief One validation rule of a config struct: `check` throws ConfigError naming the values.
@@ -190,12 +182,12 @@ class ConfigTable {
   // ---- use -------------------------------------------------------------------------------------
 
   std::vector<ConfigField<C>> const& fields() const { return fields_; }
-  std::vector<ConfigRule<C>> const& rules() const { return rules_; }
 
   /// The field `key` (or one of its aliases) names, or nullptr.
   ConfigField<C> const* find(std::string const& key) const {
     for (auto const& f : fields_)
-      if (f.answers(key)) return &f;
+      if (f.key == key || std::find(f.aliases.begin(), f.aliases.end(), key) != f.aliases.end())
+        return &f;
     return nullptr;
   }
   /// The field of member `m`; std::logic_error when the table has none.
@@ -222,25 +214,13 @@ class ConfigTable {
   }
   bool has_key(std::string const& key) const { return find(key) != nullptr; }
 
-  /// Sets `key` from text when it is one of keys(); returns false (and changes nothing) else.
-  bool try_set(C& c, std::string const& key, std::string const& value) const {
-    ConfigField<C> const* f = find(key);
-    if (!f) return false;
-    f->parse(c, key, value);
-    return true;
-  }
   /// Sets `key` from text; ConfigError for a bad value or an unknown key (naming the nearest).
   void set(C& c, std::string const& key, std::string const& value) const {
-    if (!try_set(c, key, value))
+    ConfigField<C> const* f = find(key);
+    if (!f)
       throw ConfigError(detail::cat("unknown config key '", key, "' (value ", value, ")",
                                     detail::did_you_mean(key, keys())));
-  }
-
-  /// The value of `key` in set()'s syntax.
-  std::string text(C const& c, std::string const& key) const {
-    ConfigField<C> const* f = find(key);
-    if (!f) throw std::logic_error("config table: no key '" + key + "'");
-    return f->text(c);
+    f->parse(c, key, value);
   }
 
   /// The canonical text of every field: `tag=value` joined by the separator, in table order.

@@ -1,9 +1,7 @@
 #pragma once
 /// \file
-/// The layer configuration's types without its parsing: the enums (score function, expert
-/// activation, decoder block) and the LayerConfig struct. Headers that only read a LayerConfig
-/// (routing, activations) include this; moe/config.hpp adds the field table (keys, set(),
-/// describe(), validate()).
+/// LayerConfig and its enums without the parsing, for headers that only read a LayerConfig;
+/// moe/config.hpp adds the field table (keys, set(), describe(), validate()).
 
 #include <algorithm>
 #include <cmath>
@@ -38,8 +36,6 @@ class ConfigTable;
 ///
 /// Fill it field by field or with set(key, value) (the YAML/CLI path); call validate() (the layer
 /// does) to check every rule. Shapes that come from the data (batch, sequence) are not here.
-/// The keys, their parsing, describe() and the rules are one table: LayerConfig::table()
-/// (moe/config.hpp).
 struct LayerConfig {
   int num_experts = 8;          ///< E
   int num_experts_per_tok = 2;  ///< K (1 <= K <= E)

@@ -31,9 +31,8 @@ struct ModelFacts {
   bool norm_topk_prob;
   std::string mlp_activations;      ///< "[silu, linear]"
   double load_balance_loss_weight;  ///< < 0: the model file does not set it
-  /// ParallelConfig key the model opts into. mixtral-8x7b sets it, as MaxText PR #4179 made
-  /// mixtral-8x7b's model config do (issue #14); the MaxText snapshot read for this table
-  /// (e591f30) no longer has the line. Only the dense path with an expert axis is affected.
+  /// ParallelConfig key the model opts into (mixtral-8x7b, as MaxText PR #4179 set it; issue
+  /// #14). Only the dense path with an expert axis is affected.
   bool moe_dispatch_no_expert_sharding;
   std::string maxtext_decoder_block;  ///< MaxText's decoder_block of the model (documentation)
 
@@ -89,7 +88,7 @@ inline std::vector<std::string> model_names() {
 /// \brief The known model names, comma-separated (for messages).
 inline std::string model_names_text() {
   std::string known;
-  for (auto const& n : model_names()) known += (known.empty() ? "" : ", ") + n;
+  for (auto const& m : model_table()) known += (known.empty() ? "" : ", ") + m.name;
   return known;
 }
 

@@ -18,13 +18,12 @@ namespace moe {
 /// \brief Trainable tensors of one layer (MaxText layouts). Also used for their gradients.
 template <class Scalar, class MemorySpace>
 struct Parameters {
-  View2<Scalar, MemorySpace> gate;       ///< [D,E] router kernel
-  View1<Scalar, MemorySpace> gate_bias;  ///< [E] (allocated only with routed_bias)
-  View3<Scalar, MemorySpace> wi_0;       ///< [E,D,F] gate projection of the experts
-  View3<Scalar, MemorySpace> wi_1;       ///< [E,D,F] up projection of the experts
-  View3<Scalar, MemorySpace> wo;         ///< [E,F,D] down projection of the experts
-  View2<Scalar, MemorySpace>
-      shared_wi_0;  ///< [D,Fs] shared expert (allocated with shared_experts>0)
+  View2<Scalar, MemorySpace> gate;         ///< [D,E] router kernel
+  View1<Scalar, MemorySpace> gate_bias;    ///< [E] (allocated only with routed_bias)
+  View3<Scalar, MemorySpace> wi_0;         ///< [E,D,F] gate projection of the experts
+  View3<Scalar, MemorySpace> wi_1;         ///< [E,D,F] up projection of the experts
+  View3<Scalar, MemorySpace> wo;           ///< [E,F,D] down projection of the experts
+  View2<Scalar, MemorySpace> shared_wi_0;  ///< [D,Fs] shared expert (with shared_experts > 0)
   View2<Scalar, MemorySpace> shared_wi_1;  ///< [D,Fs]
   View2<Scalar, MemorySpace> shared_wo;    ///< [Fs,D]
 
@@ -100,12 +99,8 @@ struct Parameters {
       // The message is built only for the failing tensor (this check runs every step).
       std::string got, exp;
       for (std::size_t r = 0; r < w.size(); ++r) {
-        if (r > 0) {
-          got += ',';
-          exp += ',';
-        }
-        got += std::to_string(v.extent(r));
-        exp += std::to_string(w[r]);
+        got += (r > 0 ? "," : "") + std::to_string(v.extent(r));
+        exp += (r > 0 ? "," : "") + std::to_string(w[r]);
       }
       throw ShapeError(detail::cat(what, " ", n, " is [", got, "] but ", needs, " [", exp, "]"));
     });

@@ -37,11 +37,7 @@ struct LocalLayout {
   std::int64_t dropped = 0;               ///< rows lost to the buffer cap R
 };
 
-}  // namespace moe::permute
-
-namespace moe::permute::detail {
-
-using moe::detail::fence;
+namespace detail {
 
 /// Truncates the block sizes to R rows (R < 0: no cap); fills group sizes, kept and dropped.
 inline void truncate_blocks(moe::permute::LocalLayout& lay, std::int64_t R) {
@@ -62,9 +58,29 @@ inline void check_sizes(char const* who, std::vector<std::int64_t> const& v) {
                                      " is negative; group sizes must be >= 0");
 }
 
-}  // namespace moe::permute::detail
+template <class ExecSpace, class Map, class SrcView, class DstView>
+void gather_by(ExecSpace const& space, char const* label, Map const& map, std::int64_t rows,
+               SrcView const& src, DstView const& dst) {
+  static_assert(SrcView::rank == 2 && DstView::rank == 2,
+                "moe::permute: local row moves take [rows, D] views");
+  std::int64_t const D = dst.extent(1);
+  moe::detail::require<ShapeError>(
+      src.extent(1) == dst.extent(1) && static_cast<std::int64_t>(dst.extent(0)) >= rows, label,
+      ": source [", src.extent(0), ",", src.extent(1), "] and destination [", dst.extent(0), ",",
+      dst.extent(1), "] need equal row length and at least ", rows, " destination rows");
+  std::int64_t const n = dst.extent(0);
+  moe::detail::for_each_row(
+      space, label, n, KOKKOS_LAMBDA(std::int64_t p, std::int64_t lane, std::int64_t lanes) {
+        if (p < rows) {
+          std::int64_t const q = map(p);
+          for (std::int64_t d = lane; d < D; d += lanes) dst(p, d) = src(q, d);
+        } else {
+          for (std::int64_t d = lane; d < D; d += lanes) dst(p, d) = 0;
+        }
+      });
+}
 
-namespace moe::permute {
+}  // namespace detail
 
 /// \brief Layout of the all-to-all variant for shard `me` of `ep` (local experts me*L.. with
 /// L = E/ep): G [S*E], G[i*E+e] = rows sender i routed to expert e; R receive rows (< 0: no cap).
@@ -127,8 +143,6 @@ struct LocalPermutation {
 
   /// \brief Rows kept (the valid prefix of the sorted buffer).
   std::int64_t rows() const { return layout.rows; }
-  /// \brief Local experts L.
-  int num_local() const { return layout.num_local; }
 
   /// Buffers reused when make_local_permutation refills this object.
   moe::detail::ScratchPool<MemorySpace> scratch;
@@ -200,16 +214,7 @@ void make_local_permutation(ExecSpace const& space, LocalLayout const& layout,
         ids(p) = lo / S;
       });
   // The host stages (seg_host, group_offsets_host) are rewritten by the next call.
-  detail::fence(space, "moe::permute::local: permutation built");
-}
-
-/// \brief make_local_permutation into a new object (allocates its buffers).
-template <class ExecSpace>
-LocalPermutation<typename ExecSpace::memory_space> make_local_permutation(
-    ExecSpace const& space, LocalLayout const& layout) {
-  LocalPermutation<typename ExecSpace::memory_space> lp;
-  make_local_permutation(space, layout, lp);
-  return lp;
+  moe::detail::fence(space, "moe::permute::local: permutation built");
 }
 
 /// \brief The all-to-all variant: local_layout + make_local_permutation.
@@ -218,7 +223,9 @@ LocalPermutation<typename ExecSpace::memory_space> local_permute(ExecSpace const
                                                                  std::vector<std::int64_t> const& G,
                                                                  int E, int ep, int me,
                                                                  std::int64_t R = -1) {
-  return make_local_permutation(space, local_layout(G, E, ep, me, R));
+  LocalPermutation<typename ExecSpace::memory_space> lp;
+  make_local_permutation(space, local_layout(G, E, ep, me, R), lp);
+  return lp;
 }
 
 /// \brief The replicated-batch variant: local_layout_replicated + make_local_permutation.
@@ -226,38 +233,10 @@ template <class ExecSpace>
 LocalPermutation<typename ExecSpace::memory_space> local_permute_replicated(
     ExecSpace const& space, std::vector<std::int64_t> const& global_group_sizes, int ep, int me,
     std::int64_t R = -1) {
-  return make_local_permutation(space, local_layout_replicated(global_group_sizes, ep, me, R));
+  LocalPermutation<typename ExecSpace::memory_space> lp;
+  make_local_permutation(space, local_layout_replicated(global_group_sizes, ep, me, R), lp);
+  return lp;
 }
-
-}  // namespace moe::permute
-
-namespace moe::permute::detail {
-
-template <class ExecSpace, class Map, class SrcView, class DstView>
-void gather_by(ExecSpace const& space, char const* label, Map const& map, std::int64_t rows,
-               SrcView const& src, DstView const& dst) {
-  static_assert(SrcView::rank == 2 && DstView::rank == 2,
-                "moe::permute: local row moves take [rows, D] views");
-  std::int64_t const D = dst.extent(1);
-  moe::detail::require<ShapeError>(
-      src.extent(1) == dst.extent(1) && static_cast<std::int64_t>(dst.extent(0)) >= rows, label,
-      ": source [", src.extent(0), ",", src.extent(1), "] and destination [", dst.extent(0), ",",
-      dst.extent(1), "] need equal row length and at least ", rows, " destination rows");
-  std::int64_t const n = dst.extent(0);
-  moe::detail::for_each_row(
-      space, label, n, KOKKOS_LAMBDA(std::int64_t p, std::int64_t lane, std::int64_t lanes) {
-        if (p < rows) {
-          std::int64_t const q = map(p);
-          for (std::int64_t d = lane; d < D; d += lanes) dst(p, d) = src(q, d);
-        } else {
-          for (std::int64_t d = lane; d < D; d += lanes) dst(p, d) = 0;
-        }
-      });
-}
-
-}  // namespace moe::permute::detail
-
-namespace moe::permute {
 
 /// \brief dst[p] = src[perm[p]] for the rows() kept rows; later rows of dst are zeroed.
 template <class ExecSpace, class MS, class SrcView, class DstView>

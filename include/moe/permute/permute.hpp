@@ -37,11 +37,8 @@ void sort_by_expert(ExecSpace const& space, View2<int const, MS> ids, View2<int 
                     int E, Permutation<MS>& out) {
   moe::detail::Region region("moe::permute::sort_by_expert");
   std::int64_t const T = ids.extent(0), K = ids.extent(1), N = T * K;
-  moe::detail::CountingShape sh;
-  sh.N = N;
-  sh.seg = std::max<std::int64_t>(N, 1);
-  sh.chunk = moe::detail::counting_chunk<ExecSpace>(E);
-  sh.E = E;
+  moe::detail::CountingShape const sh{N, std::max<std::int64_t>(N, 1),
+                                      moe::detail::counting_chunk<ExecSpace>(E), E};
   std::int64_t const C = sh.chunks_per_segment();
   auto cursor = out.scratch.template get<std::int64_t>("sort_cursor", sh.cursors());
   out.inverse = out.scratch.template get<std::int64_t>("sort_inverse", N);

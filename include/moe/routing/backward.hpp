@@ -132,9 +132,9 @@ void route_backward(ExecSpace const& space, RouteParams const& p,
 }
 
 /// \brief Column sums of a [T,E] view in a fixed order (the bias gradient): out[e] = sum_t m(t,e).
-template <class ExecSpace, class Scalar, class MS>
+template <class ExecSpace, class Scalar, class MS, class Pool = moe::detail::ScratchPool<MS>>
 void column_sums(ExecSpace const& space, View2<Scalar const, MS> m, View1<Scalar, MS> out,
-                 moe::detail::ScratchPool<MS>& scratch) {
+                 Pool&& scratch = Pool()) {
   std::int64_t const T = m.extent(0);
   int const E = int(m.extent(1));
   auto value = KOKKOS_LAMBDA(std::int64_t t, int e) { return m(t, e); };
@@ -146,12 +146,6 @@ void column_sums(ExecSpace const& space, View2<Scalar const, MS> m, View1<Scalar
     return;
   }
   moe::detail::segment_column_sums(space, T, E, T, value, partial, store);
-}
-
-template <class ExecSpace, class Scalar, class MS>
-void column_sums(ExecSpace const& space, View2<Scalar const, MS> m, View1<Scalar, MS> out) {
-  moe::detail::ScratchPool<MS> scratch;
-  column_sums(space, m, out, scratch);
 }
 
 }  // namespace moe::routing

@@ -75,7 +75,6 @@ struct RoutingState {
   View2<std::int64_t, MemorySpace> seq_counts;  ///< [B,E] slots per (sequence, expert) (lb loss)
   View2<Scalar, MemorySpace> seq_probs;         ///< [B,E] sum over the sequence of softmax(biased)
   View1<std::int64_t, MemorySpace> expert_counts;  ///< [E] selected slots per expert (pre-drop)
-  double lb_sum = 0;  ///< sum over local sequences and experts of seq_counts * seq_probs
 };
 
 namespace detail {
@@ -271,24 +270,20 @@ void select_topk(ExecSpace const& space, RouteParams const& p, std::uint64_t tok
 /// \brief Capacity mask (MaxText's per-sequence capacity): in (s, k) order within a sequence, a
 /// slot is kept iff its 1-based position in its expert's queue is <= capacity (< 0: keep all).
 /// Parallel over chunks of slots: a queue position is the slot's counting cursor minus the first
-/// cursor of its (sequence, expert).
-template <class ExecSpace, class MS>
+/// cursor of its (sequence, expert). `scratch` keeps buffers between calls (a new pool if omitted).
+template <class ExecSpace, class MS, class Pool = moe::detail::ScratchPool<MS>>
 void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_t seq_len,
-                   std::int64_t capacity, int E, View2<int, MS> kept,
-                   moe::detail::ScratchPool<MS>& scratch) {
+                   std::int64_t capacity, int E, View2<int, MS> kept, Pool&& scratch = Pool()) {
   moe::detail::Region region("moe::routing::capacity_mask");
   std::int64_t const T = ids.extent(0), K = ids.extent(1);
   if (capacity < 0) {
     Kokkos::deep_copy(space, kept, 1);
     return;
   }
-  moe::detail::CountingShape sh;
-  sh.N = T * K;
-  sh.seg = seq_len * K;
-  sh.chunk = std::min(sh.seg, moe::detail::counting_chunk<ExecSpace>(E));
-  sh.E = E;
+  std::int64_t const seg = seq_len * K;
+  moe::detail::CountingShape const sh{T * K, seg,
+                                      std::min(seg, moe::detail::counting_chunk<ExecSpace>(E)), E};
   std::int64_t const G = sh.segments(), C = sh.chunks_per_segment(), chunk = sh.chunk;
-  std::int64_t const seg = sh.seg;
   auto cursor = scratch.template get<std::int64_t>("capacity_cursor", sh.cursors());
   auto base = scratch.template get<std::int64_t>("capacity_base", G * E);
   moe::detail::counting_cursors(space, ids, View2<int const, MS>(), sh, cursor);
@@ -309,21 +304,14 @@ void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_
       });
 }
 
-template <class ExecSpace, class MS>
-void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_t seq_len,
-                   std::int64_t capacity, int E, View2<int, MS> kept) {
-  moe::detail::ScratchPool<MS> scratch;
-  capacity_mask(space, ids, seq_len, capacity, E, kept, scratch);
-}
-
 /// \brief Per-sequence statistics of the load-balance loss: counts[b,e] = slots of sequence b on
 /// expert e, probs[b,e] = sum over the sequence of softmax(biased). Returns (on the host) sum_b
 /// sum_e counts*probs. Counts are integer atomics and probs fixed-order column sums, so the
 /// result is the same on every backend and thread count.
-template <class ExecSpace, class Scalar, class MS>
+template <class ExecSpace, class Scalar, class MS, class Pool = moe::detail::ScratchPool<MS>>
 double lb_statistics(ExecSpace const& space, View2<Scalar const, MS> biased,
                      View2<int const, MS> ids, std::int64_t seq_len, View2<std::int64_t, MS> counts,
-                     View2<Scalar, MS> probs, moe::detail::ScratchPool<MS>& scratch) {
+                     View2<Scalar, MS> probs, Pool&& scratch = Pool()) {
   moe::detail::Region region("moe::routing::lb_statistics");
   std::int64_t const T = biased.extent(0), E = biased.extent(1), K = ids.extent(1);
   std::int64_t const B = T / seq_len;
@@ -364,14 +352,6 @@ double lb_statistics(ExecSpace const& space, View2<Scalar const, MS> biased,
   double total = 0;  // fixed order: bitwise reproducible on every backend
   for (std::int64_t b = 0; b < B; ++b) total += h(b);
   return total;
-}
-
-template <class ExecSpace, class Scalar, class MS>
-double lb_statistics(ExecSpace const& space, View2<Scalar const, MS> biased,
-                     View2<int const, MS> ids, std::int64_t seq_len, View2<std::int64_t, MS> counts,
-                     View2<Scalar, MS> probs) {
-  moe::detail::ScratchPool<MS> scratch;
-  return lb_statistics(space, biased, ids, seq_len, counts, probs, scratch);
 }
 
 /// \brief Selected slots per expert over all T*K slots (before capacity dropping).

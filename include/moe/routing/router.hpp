@@ -33,8 +33,6 @@ class Router {
   Router() = default;
   Router(LayerConfig const& cfg, Kind kind) : cfg_(cfg), params_(cfg, kind) {}
 
-  RouteParams const& params() const { return params_; }
-
   /// \brief Routes the rows of x [R,D] with gate [D,E] (and bias [E] when the config has a routed
   /// bias). The rows are `block_token_offsets.size()` equal blocks of whole sequences of
   /// `seq_len` tokens; block m's first token has the global index block_token_offsets[m].
@@ -60,6 +58,68 @@ class Router {
                       std::vector<std::uint64_t> const& block_token_offsets, int own) {
     moe::detail::Region region("moe::route");
     route_logits(space, bias, seq_len, block_token_offsets, own);
+  }
+
+  /// Everything the last forward produced, all blocks.
+  state_type const& state() const { return st_; }
+  /// The last forward's state restricted to block `own` (the rows whose backward this rank runs).
+  state_type own_state() const {
+    state_type s = st_;
+    s.logits = block(st_.logits, own_);
+    s.scores = block(st_.scores, own_);
+    s.biased = block(st_.biased, own_);
+    s.expert_ids = block(st_.expert_ids, own_);
+    s.top_values = block(st_.top_values, own_);
+    s.weights = block(st_.weights, own_);
+    s.kept = block(st_.kept, own_);
+    return s;
+  }
+  /// Rows of the own block of any [R, n] view routed by the last forward.
+  template <class V>
+  V own_rows(V const& v) const {
+    return blocks_ <= 1 || !v.data() ? v : block(v, own_);
+  }
+  /// Sum over the own block's sequences and experts of seq_counts * seq_probs (the load-balance
+  /// loss is weight * E * this, summed over the batch, / (B_total * S^2)); 0 without the loss.
+  double lb_sum() const { return lb_sum_; }
+  /// Selected slots per expert over the own block (before capacity dropping), on the host; empty
+  /// unless the config has a routed bias update rate.
+  std::vector<std::int64_t> expert_counts() const {
+    if (cfg_.routed_bias_update_rate <= 0 || !st_.expert_counts.data()) return {};
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st_.expert_counts);
+    return std::vector<std::int64_t>(h.data(), h.data() + h.extent(0));
+  }
+  /// The load-balance loss of `sum` (lb_sum(), or its sum over the ranks of a batch group) for
+  /// `global_sequences` sequences: weight * E * sum / (B_total * S^2); 0 without the loss.
+  double lb_loss(double sum, std::int64_t global_sequences) const {
+    return cfg_.load_balance_loss_weight > 0
+               ? cfg_.load_balance_loss_weight * cfg_.num_experts * sum /
+                     (double(global_sequences) * double(seq_len_) * double(seq_len_))
+               : 0.0;
+  }
+  /// d lb_loss / d (seq_counts * seq_probs) summed as in lb_sum(): weight * E / (B_total * S^2),
+  /// or 0 without the load-balance loss (lb_loss of a sum of 1: multiplying by 1 is exact).
+  double lb_coefficient(std::int64_t global_sequences) const {
+    return lb_loss(1.0, global_sequences);
+  }
+
+  /// \brief Backward of the own block: d_weights [T,K] (and the load-balance term, lb_coef) ->
+  /// d logits -> dx (+= d_logits gate^T), dgate (= x^T d_logits, overwritten) and, with a routed
+  /// bias, dbias (column sums of d biased, overwritten). x is the own block's input rows.
+  void backward(ExecSpace const& space, cview2 x, cview2 gate, cview2 d_weights, double lb_coef,
+                view2 dx, view2 dgate, view1 dbias) {
+    moe::detail::Region region("moe::route::backward");
+    std::int64_t const T = x.extent(0);
+    int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
+    moe::detail::ensure(space, d_top_, "moe::routing::d_top", T, K);
+    moe::detail::ensure(space, d_biased_, "moe::routing::d_biased", T, E);
+    moe::detail::ensure(space, d_logits_, "moe::routing::d_logits", T, E);
+    route_backward(space, params_, own_state(), d_weights, seq_len_, lb_coef, d_top_, d_biased_,
+                   d_logits_);
+    moe::detail::round_bf16_if(bf16_logits(), space, d_logits_);
+    moe::detail::gemm(space, "T", "N", Scalar(1), x, d_logits_, Scalar(0), dgate);
+    moe::detail::gemm(space, "N", "T", Scalar(1), d_logits_, gate, Scalar(1), dx);
+    if (cfg_.routed_bias) column_sums(space, cview2(d_biased_), dbias, scratch_);
   }
 
  private:
@@ -113,73 +173,6 @@ class Router {
     }
   }
 
- public:
-  /// Everything the last forward produced, all blocks.
-  state_type const& state() const { return st_; }
-  /// The last forward's state restricted to block `own` (the rows whose backward this rank runs).
-  state_type own_state() const {
-    state_type s = st_;
-    s.logits = block(st_.logits, own_);
-    s.scores = block(st_.scores, own_);
-    s.biased = block(st_.biased, own_);
-    s.expert_ids = block(st_.expert_ids, own_);
-    s.top_values = block(st_.top_values, own_);
-    s.weights = block(st_.weights, own_);
-    s.kept = block(st_.kept, own_);
-    return s;
-  }
-  /// Rows of the own block of any [R, n] view routed by the last forward.
-  template <class V>
-  V own_rows(V const& v) const {
-    return blocks_ <= 1 || !v.data() ? v : block(v, own_);
-  }
-  /// Sum over the own block's sequences and experts of seq_counts * seq_probs (the load-balance
-  /// loss is weight * E * this, summed over the batch, / (B_total * S^2)); 0 without the loss.
-  double lb_sum() const { return lb_sum_; }
-  /// Selected slots per expert over the own block (before capacity dropping), on the host; empty
-  /// unless the config has a routed bias update rate.
-  std::vector<std::int64_t> expert_counts() const {
-    if (cfg_.routed_bias_update_rate <= 0 || !st_.expert_counts.data()) return {};
-    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st_.expert_counts);
-    return std::vector<std::int64_t>(h.data(), h.data() + h.extent(0));
-  }
-  /// The load-balance loss of `sum` (lb_sum(), or its sum over the ranks of a batch group) for
-  /// `global_sequences` sequences: weight * E * sum / (B_total * S^2); 0 without the loss.
-  double lb_loss(double sum, std::int64_t global_sequences) const {
-    return cfg_.load_balance_loss_weight > 0
-               ? cfg_.load_balance_loss_weight * cfg_.num_experts * sum /
-                     (double(global_sequences) * double(seq_len_) * double(seq_len_))
-               : 0.0;
-  }
-  /// d lb_loss / d (seq_counts * seq_probs) summed as in lb_sum(): weight * E / (B_total * S^2),
-  /// or 0 without the load-balance loss.
-  double lb_coefficient(std::int64_t global_sequences) const {
-    return cfg_.load_balance_loss_weight > 0
-               ? cfg_.load_balance_loss_weight * cfg_.num_experts /
-                     (double(global_sequences) * double(seq_len_) * double(seq_len_))
-               : 0.0;
-  }
-
-  /// \brief Backward of the own block: d_weights [T,K] (and the load-balance term, lb_coef) ->
-  /// d logits -> dx (+= d_logits gate^T), dgate (= x^T d_logits, overwritten) and, with a routed
-  /// bias, dbias (column sums of d biased, overwritten). x is the own block's input rows.
-  void backward(ExecSpace const& space, cview2 x, cview2 gate, cview2 d_weights, double lb_coef,
-                view2 dx, view2 dgate, view1 dbias) {
-    moe::detail::Region region("moe::route::backward");
-    std::int64_t const T = x.extent(0);
-    int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
-    moe::detail::ensure(space, d_top_, "moe::routing::d_top", T, K);
-    moe::detail::ensure(space, d_biased_, "moe::routing::d_biased", T, E);
-    moe::detail::ensure(space, d_logits_, "moe::routing::d_logits", T, E);
-    route_backward(space, params_, own_state(), d_weights, seq_len_, lb_coef, d_top_, d_biased_,
-                   d_logits_);
-    moe::detail::round_bf16_if(bf16_logits(), space, d_logits_);
-    moe::detail::gemm(space, "T", "N", Scalar(1), x, d_logits_, Scalar(0), dgate);
-    moe::detail::gemm(space, "N", "T", Scalar(1), d_logits_, gate, Scalar(1), dx);
-    if (cfg_.routed_bias) column_sums(space, cview2(d_biased_), dbias, scratch_);
-  }
-
- private:
   /// The gate matmul's output is bf16 (dtype=bfloat16 without float32_gate_logits).
   bool bf16_logits() const { return cfg_.bf16() && !cfg_.float32_gate_logits; }
   std::int64_t block_rows() const {

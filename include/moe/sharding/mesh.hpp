@@ -174,8 +174,6 @@ class Mesh {
       if (axes_[i].first == axis) return static_cast<int>(i);
     return -1;
   }
-  /// \brief Whether the mesh has the named axis.
-  bool has_axis(std::string const& axis) const { return index(axis) >= 0; }
   /// \brief Size of the named axis; 1 for an axis the mesh does not have.
   int size(std::string const& axis) const {
     int const i = index(axis);

@@ -208,12 +208,10 @@ inline Preset preset(std::string const& name) {
                 {"embed_moe", {"fsdp"}},
                 {"exp_with_fsdp", {"fsdp"}},
             })};
-  // EP-TP (MaxText PR #3600; no file in MaxText's snapshot, so the rules are this library's):
-  // outside the routed experts the expert axis acts as tensor parallelism. The token activations
-  // are split on the embedding dimension over `expert` and on the batch over data and fsdp; the
-  // routed experts are stored over `expert`; the shared expert's hidden dim (`mlp`) is stored over
-  // `expert` (the layer computes it split that way: TP-style, no per-step slice); the embed
-  // dims of the weights go on fsdp (FSDP-gathered per step).
+  // EP-TP (MaxText PR #3600, no MaxText file: the rules are this library's): outside the routed
+  // experts `expert` acts as tensor parallelism: tokens split D over it (batch over data, fsdp),
+  // routed experts and the shared expert's hidden dim (`mlp`, computed TP-style) are stored over
+  // it, the weights' embed dims on fsdp (gathered per step).
   if (name == "ep-tp")
     return {name,
             {"data", "fsdp", "expert"},

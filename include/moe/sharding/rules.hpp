@@ -40,7 +40,6 @@ struct LogicalRule {
   friend bool operator==(LogicalRule const& a, LogicalRule const& b) {
     return a.name == b.name && a.axes == b.axes;
   }
-  friend bool operator!=(LogicalRule const& a, LogicalRule const& b) { return !(a == b); }
 };
 
 /// \brief JSON string literal of `s` (quotes, backslashes and control characters escaped).
@@ -61,9 +60,6 @@ inline ::moe::detail::ordered_json json(PartitionSpec const& spec) {
   return out;
 }
 
-/// \brief json(dim) as text: `null`, `"expert"` or `["a", "b"]`.
-inline std::string to_json(DimAxes const& dim) { return ::moe::detail::json_text(json(dim)); }
-
 /// \brief json(spec) as text, e.g. `["expert", null, ["a", "b"]]`.
 inline std::string to_json(PartitionSpec const& spec) {
   return ::moe::detail::json_text(json(spec));
@@ -76,10 +72,7 @@ class LogicalRules {
   /// \brief No rules: everything resolves to unsharded.
   LogicalRules() = default;
   /// \brief Rules in the given order (validated as add() does).
-  LogicalRules(std::initializer_list<LogicalRule> rules)
-      : LogicalRules(std::vector<LogicalRule>(rules)) {}
-  /// \brief Rules in the given order (validated as add() does).
-  explicit LogicalRules(std::vector<LogicalRule> const& rules) {
+  LogicalRules(std::initializer_list<LogicalRule> rules) {
     for (auto const& r : rules) add(r.name, r.axes);
   }
 
@@ -212,11 +205,7 @@ inline LogicalAxes parse_logical_axes(std::string const& csv) {
 /// `remove_mesh_axes_from_partition_spec`, e.g. fsdp for shard_map in-specs).
 inline PartitionSpec remove_mesh_axes(PartitionSpec spec, std::vector<std::string> const& axes) {
   for (auto& dim : spec)
-    dim.erase(std::remove_if(dim.begin(), dim.end(),
-                             [&](auto const& a) {
-                               return std::find(axes.begin(), axes.end(), a) != axes.end();
-                             }),
-              dim.end());
+    for (auto const& a : axes) dim.erase(std::remove(dim.begin(), dim.end(), a), dim.end());
   return spec;
 }
 
