@@ -119,10 +119,7 @@ class ConfigTable {
     f.text = [m, spellings](C const& c) {
       for (auto const& [s, value] : spellings)
         if (value == c.*m) return s;
-      if constexpr (std::is_enum_v<T>)
-        return std::to_string(static_cast<long long>(c.*m));
-      else
-        return text_of(c.*m);
+      return detail::precise_text(c.*m);  // a value no spelling has (enums: their integer)
     };
     return *this;
   }
