@@ -153,7 +153,6 @@ struct LocalPermutation {
 template <class ExecSpace>
 void make_local_permutation(ExecSpace const& space, LocalLayout const& layout,
                             LocalPermutation<typename ExecSpace::memory_space>& lp) {
-  using MS = typename ExecSpace::memory_space;
   int const S = layout.num_senders, L = layout.num_local, nb = S * L;
   lp.layout = layout;
   std::int64_t const rows = layout.rows;
@@ -179,9 +178,9 @@ void make_local_permutation(ExecSpace const& space, LocalLayout const& layout,
 
   if (std::int64_t(lp.group_offsets.extent(0)) != L + 1) {
     lp.group_offsets =
-        View1<std::int64_t, MS>(Kokkos::view_alloc(space, Kokkos::WithoutInitializing,
-                                                   "moe::permute::local::group_offsets"),
-                                L + 1);
+        decltype(lp.group_offsets)(Kokkos::view_alloc(space, Kokkos::WithoutInitializing,
+                                                      "moe::permute::local::group_offsets"),
+                                   L + 1);
     lp.group_offsets_host = Kokkos::create_mirror_view(lp.group_offsets);
   }
   lp.group_offsets_host(0) = 0;

@@ -185,18 +185,12 @@ inline LogicalRules merge_rules(LogicalRules const& base, LogicalRules const& ov
 inline LogicalAxes parse_logical_axes(std::string const& csv) {
   LogicalAxes out;
   if (csv.empty()) return out;
-  std::size_t start = 0;
-  while (true) {
-    auto const comma = csv.find(',', start);
+  for (std::size_t start = 0, comma = 0; comma != std::string::npos; start = comma + 1) {
+    comma = csv.find(',', start);
     std::string const item = csv.substr(start, comma == std::string::npos ? comma : comma - start);
     detail::require<ConfigError>(!item.empty(), "logical axes '", csv,
                                  "' have an empty entry; write None for an unnamed dimension");
-    if (item == "None")
-      out.emplace_back(std::nullopt);
-    else
-      out.emplace_back(item);
-    if (comma == std::string::npos) break;
-    start = comma + 1;
+    out.push_back(item == "None" ? LogicalAxis() : LogicalAxis(item));
   }
   return out;
 }
