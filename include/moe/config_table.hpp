@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// Config field tables: one descriptor per key and the rules between the values, one table per
-/// config struct, from which set(), keys(), describe() and validate() all come, so a field is
-/// added in one place.
+/// Config field tables: one descriptor per key and the rules between the values, from which a
+/// config struct's set(), keys(), describe() and validate() all come.
 
 #include <moe/detail/parse.hpp>
 #include <moe/error.hpp>

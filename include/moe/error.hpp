@@ -46,9 +46,8 @@ class IoError : public Error {
   using Error::Error;
 };
 
-/// \brief An MPI call failed on this rank (moe's communicators return MPI errors instead of
-/// aborting). Not collective: the other ranks may be waiting inside a collective, so a program
-/// that catches it should report it and end the job (the moe tools call MPI_Abort).
+/// \brief An MPI call failed on this rank. Not collective: the other ranks may be waiting in a
+/// collective, so a program that catches it should report it and end the job (MPI_Abort).
 class CommError : public Error {
  public:
   using Error::Error;

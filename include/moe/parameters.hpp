@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// The trainable tensors of one MoE layer (Parameters, MaxText's names and layouts), the store
-/// that counts their writes (ParameterStore), and the per-call options of a forward
-/// (ForwardOptions). Shared by MoeLayer and DistributedMoeLayer.
+/// Parameters (MaxText's names and layouts), ParameterStore (counts their writes) and
+/// ForwardOptions, shared by MoeLayer and DistributedMoeLayer.
 
 #include <moe/config.hpp>
 #include <moe/detail/views.hpp>

@@ -14,11 +14,8 @@
 
 #include <Kokkos_Core.hpp>
 
-#include <algorithm>
 #include <cstdint>
 #include <numeric>
-#include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 

@@ -1,10 +1,8 @@
 #pragma once
 /// \file
-/// Routing kernels, backward: the transpose of the combine weights' post-processing, top-k and
-/// score function (with the load-balance term), and the fixed-order column sums that give the
-/// routed bias its gradient. Deterministic like the forward kernels (routing/kernels.hpp).
+/// Routing kernels, backward (deterministic like routing/kernels.hpp): route_backward() and the
+/// fixed-order column sums that give the routed bias its gradient.
 
-#include <moe/detail/compat.hpp>
 #include <moe/detail/counting.hpp>
 #include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
@@ -17,10 +15,9 @@
 
 namespace moe::routing {
 
-/// \brief Backward of routing.
-///
-/// Inputs: d_weights[T,K] (gradient w.r.t. the combine weights; 0 for dropped slots) and, when
-/// lb_coef != 0, the load-balance term: d lb / d p[t,e] = lb_coef * counts[b(t), e].
+/// \brief Backward of routing (the transpose of the weights' post-processing, top-k and score
+/// function). Inputs: d_weights[T,K] (gradient w.r.t. the combine weights; 0 for dropped slots)
+/// and, when lb_coef != 0, the load-balance term: d lb / d p[t,e] = lb_coef * counts[b(t), e].
 /// Outputs: d_logits[T,E] (gradient w.r.t. the raw gate logits) and d_biased[T,E] (gradient
 /// w.r.t. scores + bias; its column sums are the bias gradient).
 template <class ExecSpace, class Scalar, class MS>

@@ -7,7 +7,6 @@
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
-#include <moe/error.hpp>
 #include <moe/routing/backward.hpp>
 #include <moe/routing/kernels.hpp>
 
@@ -97,8 +96,7 @@ class Router {
                      (double(global_sequences) * double(seq_len_) * double(seq_len_))
                : 0.0;
   }
-  /// d lb_loss / d (seq_counts * seq_probs) summed as in lb_sum(): weight * E / (B_total * S^2),
-  /// or 0 without the load-balance loss (lb_loss of a sum of 1: multiplying by 1 is exact).
+  /// d lb_loss / d (seq_counts * seq_probs) summed as in lb_sum(): lb_loss() of a sum of 1.
   double lb_coefficient(std::int64_t global_sequences) const {
     return lb_loss(1.0, global_sequences);
   }

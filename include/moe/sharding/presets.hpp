@@ -1,9 +1,8 @@
 #pragma once
 /// \file
-/// The library's default logical-axis rules (the MoE-relevant part of MaxText's base config) and
-/// the `custom_mesh_and_rule` presets, each with its own mesh axes. Only the logical names an MoE
-/// layer and its dense neighbours use are listed; other names resolve to unsharded, as names
-/// missing from a MaxText preset do (`decode_batch_moe`, inference-only in MaxText, is left out).
+/// The default logical-axis rules (MaxText's base config) and the `custom_mesh_and_rule` presets,
+/// each with its own mesh axes. Only the names an MoE layer and its dense neighbours use are
+/// listed; other names resolve to unsharded, as in MaxText (`decode_batch_moe` is left out).
 ///
 /// Rule order reproduces MaxText's conflicts: `mlp` precedes `embed` and `exp` < `mlp_moe` <
 /// `embed_moe`, so a weight's embed dimension falls back to its second rule when the mlp dimension
