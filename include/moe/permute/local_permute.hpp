@@ -173,13 +173,9 @@ void make_local_permutation(ExecSpace const& space, LocalLayout const& layout,
   seg_host(nb) = run;
   Kokkos::deep_copy(space, seg, seg_host);
 
-  if (std::int64_t(lp.group_offsets.extent(0)) != L + 1) {
-    lp.group_offsets =
-        decltype(lp.group_offsets)(Kokkos::view_alloc(space, Kokkos::WithoutInitializing,
-                                                      "moe::permute::local::group_offsets"),
-                                   L + 1);
+  moe::detail::ensure(space, lp.group_offsets, "moe::permute::local::group_offsets", L + 1);
+  if (lp.group_offsets_host.extent(0) != lp.group_offsets.extent(0))
     lp.group_offsets_host = Kokkos::create_mirror_view(lp.group_offsets);
-  }
   lp.group_offsets_host(0) = 0;
   for (int l = 0; l < L; ++l)
     lp.group_offsets_host(l + 1) = lp.group_offsets_host(l) + layout.group_sizes[l];

@@ -43,11 +43,9 @@ void sort_by_expert(ExecSpace const& space, View2<int const, MS> ids, View2<int 
   auto cursor = out.scratch.template get<std::int64_t>("sort_cursor", sh.cursors());
   out.inverse = out.scratch.template get<std::int64_t>("sort_inverse", N);
   out.perm = out.scratch.template get<std::int64_t>("sort_perm", N);
-  if (std::int64_t(out.groups.offsets.extent(0)) != E + 1) {
-    out.groups.offsets = decltype(out.groups.offsets)(
-        Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::permute::offsets"), E + 1);
+  moe::detail::ensure(space, out.groups.offsets, "moe::permute::offsets", E + 1);
+  if (out.groups.offsets_host.extent(0) != out.groups.offsets.extent(0))
     out.groups.offsets_host = Kokkos::create_mirror_view(out.groups.offsets);
-  }
   auto offsets = out.groups.offsets;
   if (N == 0) {
     Kokkos::deep_copy(space, offsets, 0);
