@@ -15,27 +15,20 @@ using ordered_json = nlohmann::ordered_json;
 
 /// Appends j to out as json_text does.
 inline void append_json_text(std::string& out, ordered_json const& j) {
-  if (j.is_object()) {
-    out += '{';
-    bool first = true;
-    for (auto const& [key, value] : j.items()) {
-      if (!first) out += ", ";
-      first = false;
-      out += ordered_json(key).dump(-1, ' ', false, ordered_json::error_handler_t::replace);
-      out += ": ";
-      append_json_text(out, value);
-    }
-    out += '}';
-  } else if (j.is_array()) {
-    out += '[';
-    for (std::size_t i = 0; i < j.size(); ++i) {
-      if (i) out += ", ";
-      append_json_text(out, j[i]);
-    }
-    out += ']';
-  } else {
+  if (!j.is_structured()) {
     out += j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
+    return;
   }
+  out += j.is_object() ? '{' : '[';
+  bool first = true;
+  for (auto const& [key, value] : j.items()) {
+    if (!first) out += ", ";
+    first = false;
+    if (j.is_object())
+      out += ordered_json(key).dump(-1, ' ', false, ordered_json::error_handler_t::replace) + ": ";
+    append_json_text(out, value);
+  }
+  out += j.is_object() ? '}' : ']';
 }
 
 /// One line of JSON in json.dumps' layout: `{"a": 1, "b": [null, "x"]}`.
