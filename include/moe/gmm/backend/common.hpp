@@ -45,17 +45,21 @@ void zero(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out, char c
       KOKKOS_LAMBDA(int64_t idx) { out(idx / cols, idx % cols) = Scalar(0); });
 }
 
+/// Zeroes out's rows [begin, end).
+template <class ExecSpace, class Scalar, class Mem>
+void zero_rows(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out, int64_t begin,
+               int64_t end, char const* label) {
+  if (end > begin)
+    zero(space, Mat<ExecSpace, Scalar, Mem>(Kokkos::subview(out, Rows(begin, end), Kokkos::ALL)),
+         label);
+}
+
 /// Zeroes the rows of out outside [begin, end) (rows of no visited group).
 template <class ExecSpace, class Scalar, class Mem>
 void zero_outside(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out, int64_t begin,
                   int64_t end) {
-  int64_t const m = out.extent(0);
-  if (begin > 0)
-    zero(space, Mat<ExecSpace, Scalar, Mem>(Kokkos::subview(out, Rows(0, begin), Kokkos::ALL)),
-         "moe::gmm::zero_unvisited_rows");
-  if (end < m)
-    zero(space, Mat<ExecSpace, Scalar, Mem>(Kokkos::subview(out, Rows(end, m), Kokkos::ALL)),
-         "moe::gmm::zero_unvisited_rows");
+  zero_rows(space, out, 0, begin, "moe::gmm::zero_unvisited_rows");
+  zero_rows(space, out, end, int64_t(out.extent(0)), "moe::gmm::zero_unvisited_rows");
 }
 
 /// out[r, :] rounded to bf16 for rows r in [begin, end) (GmmOptions::bf16_output on the paths

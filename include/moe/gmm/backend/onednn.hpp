@@ -1,14 +1,10 @@
 #pragma once
 /// \file
-/// gmm::OneDnn: grouped GEMM on the host through oneDNN, whose kernels follow the CPU's feature
-/// bits (a CPU newer than the BLAS still gets its widest ISA). Per weight shape oneDNN is asked
-/// once for a direct kernel (KernelPlan, onednn_kernels.hpp), never a reference implementation.
-///  * Packed mode (a direct kernel and a PackCache): weights reordered once per weight version;
-///    each group runs as row chunks on primitives made once per chunk size.
-///  * Plain mode: one oneDNN sgemm per group on the weights in place, few_rows for 2-3 rows.
-/// Packed chunks and tgmm calls run one single-threaded call per OpenMP thread (faster than
-/// splitting each call over the threads); results do not depend on which thread runs a call.
-/// Float only (oneDNN has no double GEMM on CPUs).
+/// gmm::OneDnn: grouped GEMM on the host through oneDNN (kernels for the CPU's own ISA), float
+/// only. Packed mode (a direct kernel, KernelPlan, and a PackCache): weights reordered once per
+/// version, each group run as row chunks. Plain mode: one sgemm per group on the weights in place
+/// (few_rows for 2-3 rows). Packed chunks and tgmm calls run single-threaded, one per OpenMP
+/// thread; results do not depend on which thread runs a call.
 
 #include <moe/detail/onednn.hpp>
 #include <moe/gmm/backend/common.hpp>
@@ -119,11 +115,9 @@ struct Impl<moe::gmm::OneDnn> {
     std::int64_t const begin = off(go), end = off(go + num_local);
     bool const acc = opt.accumulate, trans = opt.transpose_rhs;
     fence(space, "moe::gmm::gmm<OneDnn>: operands ready");
-    if (n > 0 && end > begin && k == 0) {
-      if (!acc)
-        zero(space, Mat<E, float, MO>(Kokkos::subview(out, Rows(begin, end), Kokkos::ALL)),
-             "moe::gmm::zero_rows");
-    } else if (n > 0 && end > begin) {
+    if (k == 0 && !acc) {
+      zero_rows(space, out, begin, end, "moe::gmm::zero_rows");
+    } else if (k > 0 && n > 0 && end > begin) {
       std::int64_t const lda = lhs.stride(0), ldc = out.stride(0), ldw = rhs.stride(1);
       // Packing pays only when the packed copy is kept for later calls: without a cache the
       // call runs plain (unless a test forces the packed mode). bf16 inputs take the bf16 plan
@@ -162,12 +156,9 @@ struct Impl<moe::gmm::OneDnn> {
     fence(space, "moe::gmm::gmm<OneDnn>: done");
   }
 
-  /// Packed layout: each group as row chunks (at most chunk_cap rows) on the plan's kernels,
-  /// listed first (kernels made and checked here), then run longest first, one per thread. A
-  /// chunk rounded up past its group writes into the thread's buffer and copies (or adds) its
-  /// group's rows, and reads a zero-padded copy of its rows when they end lhs (a bf16 plan: always
-  /// a bf16 copy); a chunk without a direct kernel runs as sgemm. bf16_output: a bf16 plan's
-  /// kernels write bf16 rows, widened into out (exact); other chunks round their rows in cache.
+  /// Packed layout: each group as row chunks (at most chunk_cap rows), listed (kernels made here),
+  /// then run longest first, one per thread. A chunk run past its group writes to a thread buffer;
+  /// a chunk without a direct kernel runs as sgemm.
   template <class E, class ML, class MR, class MO, class Mem>
   static void packed_gmm(moe::detail::onednn::KernelPlan& p, CMat<E, float, ML> const& lhs,
                          CTensor<E, float, MR> const& rhs, moe::gmm::Groups<Mem> const& groups,
@@ -260,11 +251,10 @@ struct Impl<moe::gmm::OneDnn> {
     });
   }
 
-  /// bf16 inputs where the CPU has bf16 kernels: one group after the other, each a bf16_gemm on
-  /// all threads (the rows zero-padded to a multiple of tgmm_bf16_rows, so group sizes that
-  /// change every step make few kernels); fp32 output. Else one single-threaded sgemm per (group,
-  /// block of output columns), side by side: a group with more than half a thread's share of the
-  /// rows is split into column blocks (multiples of 16), so one hot expert does not idle others.
+  /// bf16 inputs on bf16 kernels: a bf16_gemm per group on all threads (rows padded to a multiple
+  /// of tgmm_bf16_rows). Else one single-threaded sgemm per (group, column block): a group with
+  /// more than half a thread's share of the rows is split (blocks of 16 columns), so no thread
+  /// idles.
   template <class E, class ML, class MD, class MO, class Mem>
   static void tgmm(E const& space, CMat<E, float, ML> const& lhs, CMat<E, float, MD> const& dy,
                    moe::gmm::Groups<Mem> const& groups, Tensor<E, float, MO> const& out,

@@ -34,12 +34,9 @@ struct Impl<moe::gmm::Vendor> {
     int64_t const m = lhs.extent(0), k = lhs.extent(1);
     auto const& off = groups.offsets_host;
     int64_t const begin = off(opt.group_offset), end = off(opt.group_offset + num_local);
-    if (out.extent(1) > 0 && end > begin && k == 0) {
-      // BLAS returns early on an empty contraction without touching C.
-      if (!opt.accumulate)
-        zero(space, Mat<E, S, MO>(Kokkos::subview(out, Rows(begin, end), Kokkos::ALL)),
-             "moe::gmm::zero_rows");
-    } else if (out.extent(1) > 0 && end > begin) {
+    if (k == 0 && !opt.accumulate) {  // BLAS returns early on an empty contraction, C untouched
+      zero_rows(space, out, begin, end, "moe::gmm::zero_rows");
+    } else if (k > 0 && out.extent(1) > 0 && end > begin) {
       check_blas_extent(what, "k", k);
       check_blas_extent(what, "n", out.extent(1));
       // Host BLAS runs a multiple of its register block of rows much faster, so without
