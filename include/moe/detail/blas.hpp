@@ -27,16 +27,6 @@ struct has_instance_gemm<
         std::declval<typename C::const_value_type&>(), std::declval<C const&>()))>>
     : std::true_type {};
 
-/// Whether a dense GEMM on (ExecSpace, A, B, C) goes to oneDNN: host spaces, float, moe built
-/// with oneDNN (row-major operands are checked at run time).
-template <class ExecSpace, class A, class B, class C>
-constexpr bool onednn_gemm() {
-  return MOE_HAS_ONEDNN && runs_on_host<ExecSpace>() &&
-         std::is_same<typename C::non_const_value_type, float>::value &&
-         std::is_same<typename A::non_const_value_type, float>::value &&
-         std::is_same<typename B::non_const_value_type, float>::value;
-}
-
 /// C = alpha * op(A) * op(B) + beta * C through Kokkos Kernels (BLAS, cuBLAS, rocBLAS) on
 /// `space` where Kokkos Kernels has instance overloads (4.x).
 template <class ExecSpace, class A, class B, class C>
@@ -68,12 +58,9 @@ struct BlasOrder {
   BlasOrder& operator=(BlasOrder const&) = delete;
 };
 
-/// C = alpha * op(A) * op(B) + beta * C with op given by "N" / "T", ordered on `space`.
-/// The layers' dense GEMMs (router, shared expert, dense path): oneDNN for host float when moe
-/// was built with it (the CPU's own ISA, whatever BLAS is installed), else Kokkos Kernels. A
-/// "moe::gemm" profiling region. `bf16_inputs`: A and B hold bf16 values (the bf16 scheme), so
-/// with alpha = 1 and beta 0 or 1 oneDNN's bf16 kernels multiply them where the CPU has them
-/// (onednn::bf16_gemm; fp32 accumulation and output); elsewhere the same values in fp32.
+/// C = alpha * op(A) * op(B) + beta * C with op "N" / "T", ordered on `space`: oneDNN for host
+/// float row-major operands when moe has it, else Kokkos Kernels. `bf16_inputs`: A and B hold bf16
+/// values, multiplied on oneDNN's bf16 kernels (onednn::bf16_gemm) for alpha 1, beta 0 or 1.
 template <class ExecSpace, class AV, class BV, class CV>
 void gemm(ExecSpace const& space, char const* ta, char const* tb,
           typename CV::non_const_value_type alpha, AV const& A, BV const& B,
@@ -81,7 +68,10 @@ void gemm(ExecSpace const& space, char const* ta, char const* tb,
   if (C.extent(0) == 0 || C.extent(1) == 0) return;
   Region region("moe::gemm");
 #if MOE_HAS_ONEDNN
-  if constexpr (onednn_gemm<ExecSpace, AV, BV, CV>()) {
+  using F = typename CV::non_const_value_type;
+  if constexpr (runs_on_host<ExecSpace>() && std::is_same_v<F, float> &&
+                std::is_same_v<typename AV::non_const_value_type, F> &&
+                std::is_same_v<typename BV::non_const_value_type, F>) {
     if (A.stride(1) == 1 && B.stride(1) == 1 && C.stride(1) == 1) {
       char const opA = ta[0] == 'T' || ta[0] == 't' ? 'T' : 'N';
       char const opB = tb[0] == 'T' || tb[0] == 't' ? 'T' : 'N';
