@@ -1,10 +1,8 @@
 #pragma once
 /// \file
 /// Parallel skeletons of the routing bookkeeping, deterministic on every backend (integer counts,
-/// fixed summation trees, no floating-point atomics): counting_cursors(), the count + scan half
-/// of a stable counting sort of [T,K] slots by key within segments (the expert sort, the capacity
-/// mask per sequence), and segment_column_sums(), per-segment column sums of a [T,E] function
-/// over fixed row chunks. Work is proportional to T*K (and T*E/256), not to segments or keys.
+/// fixed summation trees): the count + scan half of a stable counting sort of [T,K] slots by key
+/// within segments, and per-segment column sums of a [T,E] function over fixed row chunks.
 
 #include <moe/detail/compat.hpp>
 #include <moe/detail/row_caps.hpp>
@@ -19,9 +17,8 @@
 
 namespace moe::detail {
 
-/// Slots per chunk of the counting passes. Host spaces take long chunks: few work items, each a
-/// cache-friendly sweep. Device spaces take short ones, so T*K/chunk work items keep a GPU busy.
-/// Never below the number of keys, so the [keys x chunks] scan stays O(T*K).
+/// Slots per chunk of the counting passes: long on host spaces (few cache-friendly sweeps), short
+/// on devices (many work items); never below the number of keys, so the scan stays O(T*K).
 template <class ExecSpace>
 std::int64_t counting_chunk(int keys) {
   return runs_on_host<ExecSpace>() ? std::max<std::int64_t>(2048, 8 * std::int64_t(keys))
@@ -74,10 +71,8 @@ void counting_cursors(ExecSpace const& space, View2<int const, MS> keys, View2<i
 }
 
 /// \brief out(g, e) = sum over the rows t of segment g (rows [g*seg, (g+1)*seg)) of f(t, e), in
-/// double: rows are summed in order within fixed chunks of `rows_per_chunk` rows counted from the
-/// segment's start, then the chunk sums in chunk order. The result depends on seg and f only
-/// (not on the backend, the thread count or how the segments are spread over ranks).
-/// `partial` is scratch of at least segments * chunks * E doubles.
+/// double, summed in order within fixed chunks of `rows_per_chunk` rows, then over the chunks: the
+/// result depends on seg and f only. `partial`: scratch of segments * chunks * E doubles.
 template <class ExecSpace, class MS, class F, class Out>
 void segment_column_sums(ExecSpace const& space, std::int64_t T, int E, std::int64_t seg,
                          F const& f, View1<double, MS> partial, Out const& out,

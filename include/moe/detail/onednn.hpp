@@ -1,9 +1,8 @@
 #pragma once
 /// \file
-/// oneDNN on the host (only with MOE_HAS_ONEDNN): engine, streams, sgemm, ISA name and counted
-/// primitives (Kernel). When no optimized kernel accepts a descriptor oneDNN silently returns its
-/// reference implementation, hundreds of times slower, so moe checks every descriptor
-/// (direct_kernel()) before making a primitive.
+/// oneDNN on the host (only with MOE_HAS_ONEDNN): engine, streams, sgemm, bf16 GEMM and counted
+/// primitives (Kernel). oneDNN silently falls back to a reference implementation, hundreds of
+/// times slower, so moe checks every descriptor (direct_kernel()) before making a primitive.
 
 #include <moe/moe_config.hpp>
 
@@ -51,9 +50,8 @@ inline dnnl::stream& thread_stream() {
   return s;
 }
 
-/// A growing buffer of at least `count` values of T owned by the calling thread (slot 0, 1 or 2
-/// of each T), valid until the same thread asks for the same slot of T again. 64-byte aligned:
-/// AMX loads a cache line per tile row, and a blocked B (bf16_blocked) is read in place.
+/// A growing buffer of at least `count` T owned by the calling thread (slot 0, 1 or 2 of each T),
+/// valid until it asks for the same slot again; 64-byte aligned (AMX reads a line per tile row).
 template <class T = float>
 T* thread_buffer(int slot, std::size_t count) {
   struct Free {
@@ -108,9 +106,8 @@ inline bool reference_impl(std::string const& impl) {
   return impl.rfind("ref", 0) == 0 || impl.find(":ref") != std::string::npos;
 }
 
-/// Whether an implementation is a direct kernel with a weight layout of its own (jit_1x1:avx2,
-/// brgconv_1x1:avx512_core, brg:avx512_core, ...), rather than oneDNN's GEMM-based one
-/// ("gemm:jit": the weights copied on every call, as sgemm does) or a reference one.
+/// Whether an implementation is a direct kernel (jit_1x1:avx2, brg:avx512_core, ...), not a
+/// GEMM-based one ("gemm:jit": copies the weights on every call) or a reference one.
 inline bool direct_kernel(std::string const& impl) {
   return impl.rfind("gemm", 0) != 0 && !reference_impl(impl);
 }
@@ -164,9 +161,8 @@ inline void note_rejected(std::string const& what, std::string const& impl) {
   c.note(c.rejected, c.rejected_what, what, impl);
 }
 
-/// Sets the calling thread's OpenMP thread count for a scope. oneDNN sizes a primitive's work
-/// split and scratchpad for the threads it sees when it is made, so a primitive that runs on one
-/// thread (inside for_each_item) is made under ScopedThreads(1).
+/// Sets the calling thread's OpenMP thread count for a scope: oneDNN sizes a primitive for the
+/// threads it sees when made, so one run inside for_each_item is made under ScopedThreads(1).
 class ScopedThreads {
  public:
   explicit ScopedThreads(int n) { set(n); }
@@ -268,9 +264,8 @@ inline __m128i bf16_bits8(float const* x) {
 }
 #endif
 
-/// a[c, r] = bf16(x[r, c]) for r < rows, 0 for rows <= r < kp (c < k): x [rows, k] with row
-/// stride ldx, transposed into a [k, kp] bf16 matrix. With SSE2 in 8 x 8 blocks transposed in
-/// registers; edges element-wise.
+/// a[c, r] = bf16(x[r, c]) for r < rows, 0 for rows <= r < kp (c < k): x [rows, k] (row stride
+/// ldx) transposed into a [k, kp] bf16 matrix, with SSE2 in 8 x 8 blocks.
 inline void bf16_transposed(float const* x, std::int64_t ldx, std::int64_t rows, std::int64_t k,
                             std::int64_t kp, std::uint16_t* a) {
   std::int64_t c8 = 0, r8 = 0;  // the blocked part: columns [0, c8), rows [0, r8)
@@ -331,9 +326,8 @@ inline void widen_bf16_streaming(std::uint16_t const* b, std::int64_t n, float* 
   for (; j < n; ++j) y[j] = moe::detail::bf16_to_float(b[j]);
 }
 
-/// out [rows, ldo] = bf16 of op(x) in the first cols columns, zeros in the rest (ldo >= cols), on
-/// all threads: x row-major [rows, cols] with row stride ld, or with `trans` [cols, rows] read
-/// transposed.
+/// out [rows, ldo] = bf16 of op(x) in the first cols columns, zeros in the rest, on all threads:
+/// x [rows, cols] (row stride ld), or with `trans` [cols, rows] read transposed.
 inline void bf16_copy(bool trans, std::int64_t rows, std::int64_t cols, float const* x,
                       std::int64_t ld, std::uint16_t* out, std::int64_t ldo) {
   constexpr std::int64_t block = 64;
@@ -370,9 +364,8 @@ inline dnnl::matmul::primitive_desc matmul_pd(dnnl::memory::desc const& src,
 #endif
 }
 
-/// bf16 weights [K, N]: dense, or (`blocked`) in the layout oneDNN's AMX and AVX512-BF16 matmul
-/// kernels read (blocks of 32 rows x 64 columns, column blocks outermost, each 16 pairs of rows
-/// with a pair's two values side by side), which spares the kernel its own reorder.
+/// bf16 weights [K, N]: dense, or (`blocked`) in the layout oneDNN's bf16 matmul kernels read
+/// (32 x 64 blocks, column blocks outermost, rows paired), which spares them a reorder.
 inline dnnl::memory::desc bf16_weights_desc(std::int64_t K, std::int64_t N, bool blocked) {
   if (!blocked) return matrix_desc(K, N, N, DataType::bf16);
   return dnnl::memory::desc(dnnl::memory::dims{K, N}, DataType::bf16,
@@ -417,11 +410,9 @@ inline void bf16_blocked(float const* x, std::int64_t ldx, std::int64_t rows, st
 }
 
 /// \brief Row-major C[M,N] = op(A) * op(B) (+ C with `accumulate`) on oneDNN's bf16 kernels, all
-/// threads: op(A) and op(B) copied to bf16 into the calling thread's buffers (exact on bf16
-/// values; an untransposed B straight into the blocked layout where the kernels take it), fp32
-/// accumulation and output. `pad_k` > K: the contraction is zero-padded to pad_k (one kernel for
-/// every K up to it). Returns false, having done nothing, without bf16_kernels() or where oneDNN
-/// offers only a reference implementation: the caller then runs sgemm on the same values.
+/// threads, operands copied to bf16 (exact on bf16 values), fp32 output; the contraction
+/// zero-padded to `pad_k` > K. Returns false, having done nothing, without bf16_kernels() or a
+/// non-reference kernel: the caller then runs sgemm on the same values.
 inline bool bf16_gemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t K,
                       float const* A, std::int64_t lda, float const* B, std::int64_t ldb,
                       bool accumulate, float* C, std::int64_t ldc, std::int64_t pad_k = 0) {
@@ -431,9 +422,8 @@ inline bool bf16_gemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int
   using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, int, bool>;
   static std::mutex mutex;
   static std::map<Key, std::unique_ptr<Kernel>> kernels;
-  // The kernel with B dense or (`b`) blocked, for the threads of the moment, made once; nullptr
-  // where oneDNN offers only a reference implementation or none (a refusal unless B is blocked:
-  // it is then copied plain).
+  // The kernel with B dense or (`b`) blocked, made once; nullptr where oneDNN offers only a
+  // reference implementation or none (a refusal unless B is blocked: it is then copied plain).
   auto kernel_for = [&](bool b) {
     std::lock_guard<std::mutex> lock(mutex);
     auto [it, fresh] = kernels.try_emplace(Key{M, N, Kp, ldc, accumulate, max_threads(), b});

@@ -1,7 +1,7 @@
 #pragma once
 /// \file
-/// The interface every grouped-GEMM backend shares: the row partition of the activations into
-/// groups (one per expert, CSR offsets with a host copy) and the per-call options.
+/// What every grouped-GEMM backend takes: the row partition into groups (one per expert, CSR
+/// offsets with a host copy) and the per-call options.
 
 #include <moe/error.hpp>
 #include <moe/gmm/pack_cache.hpp>
@@ -18,8 +18,7 @@ namespace moe::gmm {
 template <class MemorySpace>
 struct Groups {
   Kokkos::View<int64_t*, MemorySpace> offsets;  ///< [G+1] exclusive cumsum of the group sizes
-  /// Host copy of `offsets`.
-  typename Kokkos::View<int64_t*, MemorySpace>::HostMirror offsets_host;
+  typename Kokkos::View<int64_t*, MemorySpace>::HostMirror offsets_host;  ///< its host copy
 
   /// \brief Number of groups G.
   int num_groups() const {
@@ -111,21 +110,18 @@ struct GmmOptions {
   int group_offset = 0;
   /// out += result (rows of visited groups only) instead of out = result.
   bool accumulate = false;
-  /// Where a backend that reorders rhs into its own layout (OneDnn where oneDNN has direct
-  /// convolution kernels, e.g. AVX2 and AVX-512) keeps the reordered copy between calls; nullptr:
-  /// nothing is kept, and such a backend multiplies the weights in place (no reorder). gmm only.
+  /// Where a backend that reorders rhs into its own layout (OneDnn) keeps the reordered copy
+  /// between calls; nullptr: such a backend multiplies the weights in place. gmm only.
   PackCache* pack_cache = nullptr;
   /// Version of rhs's contents for pack_cache: a call with the same rhs and version may reuse a
   /// packed copy, so it must change whenever rhs is written (see PackCache).
   std::uint64_t rhs_version = 0;
-  /// The operands (gmm: lhs and rhs; tgmm: lhs and dy) hold bf16 values (docs/precision.md):
-  /// OneDnn then multiplies them on oneDNN's bf16 kernels with fp32 accumulation where the CPU
-  /// has bf16 instructions (gmm: when the call packs, i.e. with pack_cache); elsewhere it
-  /// changes nothing. A value that is not a bf16 is rounded to the nearest one first.
+  /// The operands (gmm: lhs and rhs; tgmm: lhs and dy) hold bf16 values: OneDnn then runs oneDNN's
+  /// bf16 kernels where the CPU has them (gmm: with pack_cache), rounding values that are not bf16
+  /// first; elsewhere it changes nothing.
   bool bf16_inputs = false;
-  /// out's rows are rounded to bf16 (as moe::detail::round_to_bf16) before the call returns:
-  /// OneDnn's bf16 kernels store bf16 rows and widen them into out; every other path rounds
-  /// out's rows after computing them. gmm only, not with accumulate.
+  /// out's visited rows are rounded to bf16 (as moe::detail::round_to_bf16) before the call
+  /// returns. gmm only, not with accumulate.
   bool bf16_output = false;
 };
 

@@ -30,13 +30,9 @@ KOKKOS_INLINE_FUNCTION float bits_float(std::int32_t i) {
   return x;
 }
 
-/// exp(-|x|) in float, for any x (|x| is clamped to 87, so the result is a normal number in
-/// [exp(-87), 1]; NaN also clamps: callers multiply by x, which carries it through).
-/// Straight-line arithmetic and integer bit operations only, no branch and no library call, so
-/// the loops of gated_forward/gated_backward vectorise under the default (non fast-math) flags;
-/// glibc's expf does not. Range reduction exp(y) = 2^n exp(r), n = round(y / ln 2), ln 2 split
-/// in two parts; exp(r) on |r| <= ln2/2 by the degree-7 minimax polynomial of the Cephes
-/// library's expf. Relative error about 1e-7 (a few ulp).
+/// exp(-|x|) in float (|x| clamped to 87, NaN too: callers multiply by x, which carries it).
+/// Branch-free and no library call, so the loops vectorise without fast-math (glibc's expf does
+/// not): exp(y) = 2^n exp(r), n = round(y / ln 2), exp(r) by Cephes' expf polynomial (a few ulp).
 KOKKOS_INLINE_FUNCTION float exp_neg_abs(float x) {
   std::int32_t const limit = 0x42ae0000;  // 87.0f
   std::int32_t const a = float_bits(x) & 0x7fffffff;
@@ -125,8 +121,7 @@ void gated_forward_kernel(char const* name, Kokkos::RangePolicy<ExecSpace> const
       });
 }
 
-/// gated_backward's kernel for one activation A (a template argument, so the loop has no branch
-/// and vectorises: with the activation read inside the loop it ran 7-10x slower).
+/// gated_backward's kernel for one activation A (a template argument: no branch in the loop).
 template <Activation A, bool Round, class ExecSpace, class Scalar>
 void gated_backward_kernel(char const* name, Kokkos::RangePolicy<ExecSpace> const& range,
                            Scalar const* p0, Scalar const* p1, Scalar const* pd, Scalar* q0,

@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// The routed experts' gated FFN on rows already grouped by expert: three grouped GEMMs and the
-/// activation, forward and backward. Used by the single-rank layer and by every distributed
-/// strategy (which differ only in how rows reach it and leave it).
+/// The routed experts' gated FFN on rows grouped by expert (three grouped GEMMs and the activation,
+/// forward and backward), the shared expert's dense MLP and the dense masked path.
 
 #include <moe/config.hpp>
 #include <moe/detail/blas.hpp>
@@ -27,10 +26,8 @@ void ensure_gated(ExecSpace const& space, std::string const& owner, std::int64_t
   moe::detail::ensure(space, act, owner + "::act", n, F);
 }
 
-/// \brief Whether the FFNs round their activations to bf16 (docs/precision.md; weight gradients
-/// stay fp32), set from LayerConfig::bf16(): h0 and h1 are rounded where gated_forward /
-/// gated_backward read them, the GEMMs are told their inputs are bf16 (GmmOptions::bf16_inputs,
-/// detail::gemm's bf16_inputs), and the routed experts' rounded outputs use bf16_output.
+/// \brief Whether the FFNs round their activations to bf16 (LayerConfig::bf16(), docs/precision.md;
+/// weight gradients stay fp32): the activations and GEMMs take bf16 inputs and outputs.
 struct Bf16Rounding {
   bool bf16 = false;
   template <class ExecSpace, class... V>
@@ -128,7 +125,6 @@ class ExpertFfn : public Bf16Rounding {
 
  private:
   /// `rounded`: the output is one the bf16 scheme rounds (GmmOptions::bf16_output when bf16).
-  /// tgmm takes options(false, false) (it ignores pack_cache and rhs_version).
   gmm::GmmOptions options(bool transpose, bool accumulate, bool rounded = false) {
     gmm::GmmOptions o;
     o.transpose_rhs = transpose;

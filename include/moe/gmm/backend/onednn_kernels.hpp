@@ -34,8 +34,8 @@ enum class Family { matmul, conv };
 inline char const* family_name(Family f) { return f == Family::matmul ? "matmul" : "conv1x1"; }
 
 /// Test hooks, so every path runs on every CPU: plain never packs; packed packs without a
-/// PackCache and takes the first allowed family unchecked when none passes (chunks are still
-/// checked); `family` limits the families tried; `layout` forces a packed weight layout.
+/// PackCache, taking the first allowed family unchecked if none passes; `family` limits the
+/// families tried; `layout` forces a packed weight layout.
 struct Forced {
   enum class Mode { chosen, plain, packed } mode = Mode::chosen;
   bool any_family = true;
@@ -55,13 +55,11 @@ struct Chunk {
   std::int64_t rows, run;
 };
 
-/// Smallest chunk_cap(): below it, reading an expert's packed weights costs as much as the
-/// multiply.
+/// Smallest chunk_cap(): below it, reading an expert's weights costs as much as the multiply.
 inline constexpr std::int64_t min_chunk_cap = 32;
 
-/// Rows per packed call when `total` rows run on `threads` threads: max_chunk_rows, lowered to a
-/// thread's even share (rounded up to row_bucket, at least min_chunk_cap), so that a few large
-/// groups still give every thread a call.
+/// Rows per packed call for `total` rows on `threads` threads: max_chunk_rows, lowered to a
+/// thread's share (rounded up to row_bucket, at least min_chunk_cap) so every thread gets a call.
 inline std::int64_t chunk_cap(std::int64_t total, int threads) {
   if (threads <= 1) return max_chunk_rows;
   std::int64_t const share = (total + threads - 1) / threads;
@@ -69,8 +67,8 @@ inline std::int64_t chunk_cap(std::int64_t total, int threads) {
   return std::clamp(up, min_chunk_cap, max_chunk_rows);
 }
 
-/// Packed calls run a multiple of run_multiple rows (fewer rows as they are), so a weight shape
-/// needs at most 3 + cap / 4 kernels; a coarser multiple wastes more FLOPs than a call saves.
+/// Packed calls run a multiple of run_multiple rows (fewer rows as they are): at most 3 + cap / 4
+/// kernels per weight shape; a coarser multiple wastes more FLOPs than a call saves.
 inline constexpr std::int64_t run_multiple = 4;
 
 /// The next call when `left` rows of the group remain: at most `cap` rows, run over the next
@@ -102,8 +100,8 @@ void few_rows_part(std::int64_t c0, std::int64_t c1, std::int64_t n, float const
   }
 }
 
-/// out[r, :] (+)= sum_c x[r, c] * W[c, :] for r < rows <= few_rows_max, W [k,n] (row stride ldw).
-/// Each thread streams a range of W's rows into its own partial sums, added in thread order.
+/// out[r, :] (+)= sum_c x[r, c] * W[c, :] for r < rows <= few_rows_max, W [k,n] (row stride ldw),
+/// each thread streaming a range of W's rows into its own partial sums, added in thread order.
 inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float const* x,
                      std::int64_t ldx, float const* w, std::int64_t ldw, float* out,
                      std::int64_t ldo, bool accumulate) {
@@ -169,9 +167,8 @@ inline dnnl::memory::desc tagged_weights(Family f, std::int64_t k, std::int64_t 
   return dnnl::memory::desc(f == Family::matmul ? dims{k, n} : dims{n, k, 1, 1}, dt, tag);
 }
 
-/// use(pd) for the family's primitive descriptor of out[rows, n] (+)= x[rows, k] * W, weights `w`
-/// (a layout, or format_tag::any; x of w's type; out float, or bf16 with `bf16_out`); throws
-/// dnnl::error when oneDNN has no implementation at all.
+/// use(pd) for the family's descriptor of out[rows, n] (+)= x[rows, k] * W, weights `w` (x of w's
+/// type; out float, or bf16 with `bf16_out`); throws dnnl::error when oneDNN has none at all.
 template <class Use>
 auto with_pd(Family f, std::int64_t rows, std::int64_t k, std::int64_t n, std::int64_t lda,
              std::int64_t ldc, dnnl::memory::desc const& w, bool accumulate, Use&& use,
@@ -202,9 +199,8 @@ inline std::string kernel_what(Family f, std::int64_t rows, std::int64_t k, std:
 }
 
 /// \brief How one weight shape runs: packed (a family, its weight layout, the reorder that packs
-/// an expert, a checked kernel per chunk size) or plain. Made once per shape, single-threaded.
-/// A bf16 plan multiplies bf16 copies of the rows (row stride k) by weights packed as bf16, with
-/// fp32 accumulation and output; it packs only where bf16_kernels() holds.
+/// an expert, a checked kernel per chunk size) or plain. A bf16 plan multiplies bf16 copies of the
+/// rows (row stride k) by weights packed as bf16 (fp32 accumulation), only where bf16_kernels().
 class KernelPlan {
  public:
   /// k: contraction, n: output columns, trans/ldw: how the weights are stored (row-major [k, n],
@@ -236,10 +232,8 @@ class KernelPlan {
   /// The reorder of one expert's weights into packed_desc() (packed() only).
   Kernel const& packer() const { return *packer_; }
 
-  /// The kernel over `rows` rows (a chunk_rows() run), made and checked on first use; nullptr
-  /// when no direct kernel takes the packed layout at this size. Not inside a parallel region.
-  /// `bf16_out` (bf16 plans): the kernel writes its rows as bf16, densely ([rows, n]), rounded
-  /// to nearest even by oneDNN's conversion.
+  /// The kernel over `rows` rows, made and checked on first use (not in a parallel region); nullptr
+  /// without a direct kernel. `bf16_out` (bf16 plans): it writes dense bf16 rows [rows, n].
   Kernel const* kernel(std::int64_t rows, bool accumulate, bool bf16_out = false) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto [it, fresh] = kernels_.try_emplace({rows, accumulate, bf16_out});
@@ -313,8 +307,7 @@ class KernelPlan {
   }
 
   /// The weight layouts to try, best first: the forced one; for fp32 matmul 48-column blocks
-  /// (BA16a48b: streams few rows faster than oneDNN's 64, as fast at 256), then oneDNN's choice.
-  /// bf16: oneDNN's choice (it pairs the rows of k that its bf16 instructions multiply together).
+  /// (faster than oneDNN's 64 on few rows), then oneDNN's choice (the only one for bf16).
   static std::vector<dnnl::memory::format_tag> packed_layouts(Family fam, Forced const& f,
                                                               bool bf16) {
     using tag = dnnl::memory::format_tag;
@@ -333,8 +326,7 @@ class KernelPlan {
 };
 
 /// The process-wide plan of a weight shape and storage (and test hook state); bf16: the plan for
-/// bf16 inputs (its rows are converted into a dense copy: lda is then k), under the ISA cap of the
-/// moment (bf16_kernels()).
+/// bf16 inputs (rows copied densely: lda is then k).
 inline KernelPlan& plan(std::int64_t k, std::int64_t n, bool trans, std::int64_t ldw,
                         std::int64_t lda, std::int64_t ldc, bool bf16 = false) {
   using Key = std::tuple<std::int64_t, std::int64_t, bool, std::int64_t, std::int64_t, std::int64_t,
@@ -371,8 +363,7 @@ std::uint64_t sample_hash(Tensor const& rhs) {
   return h;
 }
 
-/// The packed copy of rhs for `p`: the cache's when it holds this version, else reordered now
-/// (and stored when a cache was given).
+/// The packed copy of rhs for `p`: the cache's if it holds this version, else reordered (cached).
 template <class Tensor>
 std::shared_ptr<PackedTensor> packed(KernelPlan& p, Tensor const& rhs, bool trans,
                                      moe::gmm::GmmOptions const& opt) {

@@ -266,9 +266,11 @@ struct TiledTgmmKernel {
   }
 };
 
-template <class ExecSpace>
-Kokkos::TeamPolicy<ExecSpace> tile_policy(ExecSpace const& space, int64_t league, int team_size,
-                                          std::size_t bytes, int& level, char const* what) {
+/// The launch of `league` teams of Core's shape; `level`: the scratch level that holds its tiles.
+template <class Core, class ExecSpace>
+Kokkos::TeamPolicy<ExecSpace> tile_policy(ExecSpace const& space, int64_t league, int& level,
+                                          char const* what) {
+  std::size_t const bytes = Core::scratch_bytes();
   moe::detail::require<ShapeError>(league <= INT_MAX, what, ": ", league,
                                    " tiles exceed the launch limit ", INT_MAX,
                                    "; use larger tiles");
@@ -279,7 +281,7 @@ Kokkos::TeamPolicy<ExecSpace> tile_policy(ExecSpace const& space, int64_t league
       what, ": the tiles need ", bytes, " bytes of team scratch, more than the ",
       Kokkos::TeamPolicy<ExecSpace>::scratch_size_max(level),
       " available; use smaller TM, TK or TN");
-  return Kokkos::TeamPolicy<ExecSpace>(space, static_cast<int>(league), team_size)
+  return Kokkos::TeamPolicy<ExecSpace>(space, static_cast<int>(league), Core::team_size())
       .set_scratch_size(level, Kokkos::PerTeam(bytes));
 }
 
@@ -289,7 +291,6 @@ struct Impl<moe::gmm::Tiled<TM, TK, TN>> {
   static void gmm(E const& space, CMat<E, S, ML> const& lhs, CTensor<E, S, MR> const& rhs,
                   moe::gmm::Groups<Mem> const& groups, Mat<E, S, MO> const& out,
                   moe::gmm::GmmOptions const& opt) {
-    using Core = TileCore<E, S, TM, TK, TN>;
     char const* what = "moe::gmm::gmm<Tiled>";
     int const num_local = rhs.extent(0);
     int64_t const n = out.extent(1);
@@ -304,8 +305,7 @@ struct Impl<moe::gmm::Tiled<TM, TK, TN>> {
     moe::detail::require<ShapeError>(n_tiles <= INT_MAX, what, ": n=", n, " is too large");
 
     int level = 0;
-    auto policy = tile_policy(space, m_tiles * n_tiles, Core::team_size(), Core::scratch_bytes(),
-                              level, what);
+    auto policy = tile_policy<TileCore<E, S, TM, TK, TN>>(space, m_tiles * n_tiles, level, what);
     int64_t const k = lhs.extent(1);
     int const nt = static_cast<int>(n_tiles);
     auto launch = [&](auto trans) {
@@ -323,7 +323,6 @@ struct Impl<moe::gmm::Tiled<TM, TK, TN>> {
   static void tgmm(E const& space, CMat<E, S, ML> const& lhs, CMat<E, S, MD> const& dy,
                    moe::gmm::Groups<Mem> const& groups, Tensor<E, S, MO> const& out,
                    moe::gmm::GmmOptions const& opt) {
-    using Core = TileCore<E, S, TM, TK, TN>;
     char const* what = "moe::gmm::tgmm<Tiled>";
     int const num_local = out.extent(0);
     int64_t const k = out.extent(1), n = out.extent(2);
@@ -332,8 +331,8 @@ struct Impl<moe::gmm::Tiled<TM, TK, TN>> {
     moe::detail::require<ShapeError>(k_tiles * n_tiles <= INT_MAX, what, ": k=", k, " x n=", n,
                                      " is too large");
     int level = 0;
-    auto policy = tile_policy(space, num_local * k_tiles * n_tiles, Core::team_size(),
-                              Core::scratch_bytes(), level, what);
+    auto policy =
+        tile_policy<TileCore<E, S, TM, TK, TN>>(space, num_local * k_tiles * n_tiles, level, what);
     int const kt = static_cast<int>(k_tiles), nt = static_cast<int>(n_tiles);
     TiledTgmmKernel<E, S, TM, TK, TN, ML, MD, MO, Mem> kernel{
         lhs, dy, out, groups.offsets, opt.group_offset, k, n, kt, nt, opt.accumulate, level};
