@@ -1,9 +1,7 @@
 #pragma once
 /// \file
-/// Element-wise kernels over contiguous views, shared by the layers and the example driver.
-/// Free functions on purpose: nvcc rejects an extended (KOKKOS_LAMBDA) lambda whose enclosing
-/// function is a private or protected member, and a lambda in a member function would capture
-/// `this` (a host pointer) for device code.
+/// Element-wise kernels over contiguous views. Free functions on purpose: nvcc rejects a
+/// KOKKOS_LAMBDA in a private or protected member, and one in any member would capture `this`.
 
 #include <moe/bf16.hpp>
 #include <moe/detail/compat.hpp>
@@ -39,9 +37,12 @@ bool all_finite(ExecSpace const& space, V const& v) {
   return first_nonfinite(space, v) == std::int64_t(v.span());
 }
 
-/// \brief "[i,j,k]": the multi-index of flat index `flat` in a row-major view of v's extents.
-template <class V>
-std::string index_string(V const& v, std::int64_t flat) {
+/// \brief Throws InputError("<name> holds NaN or Inf at [i,j]: ...") at the first non-finite
+/// element of v (its multi-index; `name` says which tensor, e.g. "wi_0" or "x").
+template <class ExecSpace, class V>
+void require_finite(ExecSpace const& space, V const& v, std::string const& name) {
+  std::int64_t flat = first_nonfinite(space, v);
+  if (flat == std::int64_t(v.span())) return;
   std::string where;
   for (int d = int(V::rank) - 1; d >= 0; --d) {
     std::int64_t const n = std::int64_t(v.extent(d));
@@ -50,17 +51,8 @@ std::string index_string(V const& v, std::int64_t flat) {
     where.insert(0, idx);
     flat = n > 0 ? flat / n : 0;
   }
-  return "[" + where + "]";
-}
-
-/// \brief Throws InputError("<name> holds NaN or Inf at [i,j]: ...") at the first non-finite
-/// element of v (row-major index; `name` says which tensor, e.g. "wi_0" or "x").
-template <class ExecSpace, class V>
-void require_finite(ExecSpace const& space, V const& v, std::string const& name) {
-  std::int64_t const first = first_nonfinite(space, v);
-  if (first < std::int64_t(v.span()))
-    throw InputError(cat(name, " holds NaN or Inf at ", index_string(v, first),
-                         ": inputs and weights must be finite"));
+  throw InputError(
+      cat(name, " holds NaN or Inf at [", where, "]: inputs and weights must be finite"));
 }
 
 /// \brief dst[i] += src[i] over two contiguous views of the same span.
