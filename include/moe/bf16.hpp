@@ -1,11 +1,9 @@
 #pragma once
 /// \file
-/// moe::bf16: bfloat16 (1 sign, 8 exponent, 7 fraction bits: the upper half of an IEEE float),
-/// the storage type of MaxText's `dtype: bfloat16` and of public MoE checkpoints. A plain 16-bit
-/// struct, so it lives in Kokkos Views on every backend (Kokkos 3.4 has none), with moe's own
-/// conversions: float -> bf16 rounds to nearest even (as JAX and PyTorch), overflowing to +-Inf
-/// and keeping NaN quiet; bf16 -> float is exact. The same for IEEE half (F16, safetensors
-/// files) on the host: detail::float_to_half_bits and detail::half_bits_to_float.
+/// moe::bf16: bfloat16 (the upper half of an IEEE float) as a plain 16-bit struct, so it lives in
+/// Kokkos Views on every backend (Kokkos 3.4 has none). float -> bf16 rounds to nearest even (as
+/// JAX and PyTorch), overflowing to +-Inf and keeping NaN quiet; bf16 -> float is exact. The same
+/// for IEEE half on the host: detail::float_to_half_bits and detail::half_bits_to_float.
 
 #include <Kokkos_Macros.hpp>
 
@@ -15,8 +13,7 @@ namespace moe {
 
 namespace detail {
 
-/// The bits of a float (a union read: a bit_cast that every host and device compiler moe
-/// supports accepts in device code).
+/// The bits of a float (a union read: a bit_cast every host and device compiler accepts).
 KOKKOS_INLINE_FUNCTION std::uint32_t float_bits(float f) {
   union {
     float f;

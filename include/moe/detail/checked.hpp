@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// Checked int64 arithmetic for sizes computed from a configuration (element and byte counts of
-/// plans and memory estimates): a ConfigError names the quantity that would overflow instead of
-/// wrapping. Pure.
+/// Checked int64 arithmetic for sizes computed from a configuration: a ConfigError names the
+/// quantity that would overflow instead of wrapping.
 
 #include <moe/error.hpp>
 

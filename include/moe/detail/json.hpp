@@ -1,9 +1,7 @@
 #pragma once
 /// \file
-/// moe's JSON output, on nlohmann-json: documents are built as nlohmann::ordered_json (members
-/// in the order written) and printed by json_text in the layout of Python's json.dumps
-/// (", " between items, ": " after keys, one line), the layout MaxText's own JSON has. Strings
-/// that are not valid UTF-8 print with U+FFFD in place of the bad bytes, never an exception.
+/// moe's JSON output: nlohmann::ordered_json documents printed by json_text in the one-line layout
+/// of Python's json.dumps (as MaxText's JSON); invalid UTF-8 prints as U+FFFD, never throws.
 
 #include <nlohmann/json.hpp>
 

@@ -1,8 +1,7 @@
 #pragma once
 /// \file
 /// Text helpers of the config tables (moe/config_table.hpp): trimming, the nearest key to a
-/// misspelt one, parsing of integers, reals, booleans and lists with errors naming the key, and
-/// the exact text of a value.
+/// misspelt one, parsing values with errors naming the key, and the exact text of a value.
 
 #include <moe/error.hpp>
 
@@ -16,8 +15,7 @@
 #include <type_traits>
 #include <vector>
 
-namespace moe {
-namespace detail {
+namespace moe::detail {
 
 inline std::string trim(std::string s) {
   auto const b = s.find_first_not_of(" \t\r\n\"'");
@@ -127,5 +125,4 @@ std::string precise_text(T const& v) {
   return os.str();
 }
 
-}  // namespace detail
-}  // namespace moe
+}  // namespace moe::detail

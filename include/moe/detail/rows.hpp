@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// The launch shape of every row kernel (gathers, scatters, combines of [rows, D] buffers): one
-/// mechanism that gives host spaces a work item per row with a contiguous column loop, and
-/// device spaces threads over the columns, so consecutive threads touch consecutive features.
+/// The launch shape of every row kernel (gathers, scatters, combines of [rows, D] buffers): host
+/// spaces a work item per row, device spaces consecutive threads over consecutive columns.
 
 #include <moe/detail/compat.hpp>
 #include <moe/error.hpp>
@@ -19,10 +18,9 @@ namespace moe::detail {
 constexpr int device_rows_per_team = 8;
 constexpr int device_row_lanes = 32;
 
-/// \brief Runs body(i, lane, lanes) for every row i in [0, rows). The body walks the columns
-/// lane, lane + lanes, ... of row i (and anything per row it needs). Host spaces call
-/// body(i, 0, 1) once per row: after inlining, a plain contiguous loop that vectorises. Device
-/// spaces give each row device_row_lanes vector lanes, device_rows_per_team rows per team.
+/// \brief Runs body(i, lane, lanes) for every row i in [0, rows); the body walks the columns lane,
+/// lane + lanes, ... of row i. Host spaces call body(i, 0, 1) (a loop that vectorises), device
+/// spaces give each row device_row_lanes vector lanes.
 template <class ExecSpace, class Body>
 void for_each_row(ExecSpace const& space, char const* label, std::int64_t rows, Body const& body) {
   if (rows <= 0) return;

@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// Named scratch buffers reused from call to call, so that per-step temporaries (gathered weight
-/// blocks, pack buffers, receive buffers of reductions) are allocated and first touched once
-/// instead of every step.
+/// Named scratch buffers reused from call to call, so that per-step temporaries are allocated and
+/// first touched once instead of every step.
 
 #include <moe/detail/views.hpp>
 
@@ -14,12 +13,9 @@
 
 namespace moe::detail {
 
-/// \brief Buffers kept under a key and grown, never shrunk, on demand.
-///
-/// get<T>(key, n) returns an unmanaged view of n elements of T on the buffer of `key`. A later get
-/// of the same key may reallocate it, which invalidates the views handed out before; distinct
-/// keys never alias. The contents are unspecified (not initialised). Not thread-safe: one pool
-/// per object that uses it (e.g. per layer).
+/// \brief Buffers kept under a key and grown, never shrunk, on demand: get<T>(key, n) is an
+/// uninitialised view of n T on the buffer of `key`, valid until the next get of the same key
+/// (distinct keys never alias). Not thread-safe: one pool per object that uses it.
 template <class MemorySpace>
 class ScratchPool {
  public:

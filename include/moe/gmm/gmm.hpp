@@ -1,9 +1,8 @@
 #pragma once
 /// \file
-/// Grouped matrix multiply (GMM): consecutive row groups of the activations (one per expert), each
-/// multiplied by its own weight matrix. The algorithm is a compile-time policy, one file each under
-/// gmm/backend/. Semantics follow SEMANTICS.md §1.8 items 26-27, except that rows outside the
-/// visited groups are always zeroed unless the call accumulates.
+/// Grouped matrix multiply (GMM): consecutive row groups (one per expert), each multiplied by its
+/// own weight matrix, by a compile-time policy (one file each under gmm/backend/). SEMANTICS.md
+/// §1.8 items 26-27, except that rows of no visited group are zeroed unless the call accumulates.
 
 #include <moe/detail/compat.hpp>
 #include <moe/gmm/backend/dense.hpp>

@@ -11,13 +11,10 @@
 
 namespace moe::gmm {
 
-/// \brief Reordered ("packed") copies of rhs weight tensors, owned by the caller and passed to
-/// gmm through GmmOptions::pack_cache with the version of the weights' contents.
-///
-/// An entry is keyed by the tensor's address, shape, scalar size and use, and repacks when the
-/// version differs: whoever writes the weights must hand the next call a new version
-/// (MoeLayer::weights_changed). As a second guard it keeps a hash of sampled weight values and
-/// repacks when they differ. Not thread-safe: one cache per layer.
+/// \brief Reordered ("packed") copies of rhs weight tensors, passed to gmm through
+/// GmmOptions::pack_cache. An entry (keyed by the tensor's address, shape, scalar size and use)
+/// repacks when the version differs, so whoever writes the weights must hand the next call a new
+/// version (MoeLayer::weights_changed), or when a hash of sampled values differs. Not thread-safe.
 class PackCache {
  public:
   /// Identity of one use of one tensor.

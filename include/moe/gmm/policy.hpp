@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// Grouped-GEMM policy traits, in the manner of Kokkos Kernels' `*_tpl_spec_avail`: each backend
-/// file (gmm/backend/*.hpp) defines its tag and specialises is_policy<P> and is_available<P, E, S>
-/// (false: the call runs on Vendor) beside it; `Auto` resolves to the best available backend.
+/// Grouped-GEMM policy traits (as Kokkos Kernels' `*_tpl_spec_avail`): each gmm/backend/*.hpp
+/// defines its tag and specialises is_policy and is_available (false: the call runs on Vendor).
 
 #include <moe/moe_config.hpp>
 
