@@ -65,11 +65,12 @@ void gmm(ExecSpace const& space, Policy, LhsView const& lhs, RhsView const& rhs,
   using S = typename OutView::non_const_value_type;
   impl::check_gmm(lhs, rhs, groups, out, opt);
   moe::detail::Region region("moe::gmm::gmm");
-  using I = impl::Impl<resolve_t<Policy, ExecSpace, S>>;
+  using R = resolve_t<Policy, ExecSpace, S>;
   impl::Mat<ExecSpace, S, typename OutView::memory_space> const o(out);
-  I::gmm(space, impl::CMat<ExecSpace, S, typename LhsView::memory_space>(lhs),
-         impl::CTensor<ExecSpace, S, typename RhsView::memory_space>(rhs), groups, o, opt);
-  if (opt.bf16_output && !impl::rounds_output<I>::value)
+  impl::Impl<R>::gmm(space, impl::CMat<ExecSpace, S, typename LhsView::memory_space>(lhs),
+                     impl::CTensor<ExecSpace, S, typename RhsView::memory_space>(rhs), groups, o,
+                     opt);
+  if (opt.bf16_output && !std::is_same_v<R, OneDnn>)  // OneDnn rounds its rows itself
     impl::round_rows(space, o, groups.offsets_host(opt.group_offset),
                      groups.offsets_host(opt.group_offset + int(rhs.extent(0))));
 }

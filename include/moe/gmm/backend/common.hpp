@@ -78,14 +78,6 @@ void round_rows(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out, 
         });
 }
 
-/// Whether a policy's Impl honours GmmOptions::bf16_output itself (`static constexpr bool
-/// rounds_output = true`); gmm() rounds the rows after the others.
-template <class I, class = void>
-struct rounds_output : std::false_type {};
-template <class I>
-struct rounds_output<I, std::void_t<decltype(I::rounds_output)>>
-    : std::integral_constant<bool, I::rounds_output> {};
-
 inline void check_blas_extent(char const* what, char const* name, int64_t value) {
   moe::detail::require<ShapeError>(value <= INT_MAX, what, ": ", name, "=", value,
                                    " exceeds the 32-bit BLAS limit ", INT_MAX,

@@ -101,9 +101,6 @@ namespace dn = moe::detail::onednn;
 // Where is_available<OneDnn> holds (resolve_t picks Vendor elsewhere).
 template <>
 struct Impl<moe::gmm::OneDnn> {
-  /// GmmOptions::bf16_output: bf16 kernels write bf16 rows; every other path rounds its rows.
-  static constexpr bool rounds_output = true;
-
   template <class E, class ML, class MR, class MO, class Mem>
   static void gmm(E const& space, CMat<E, float, ML> const& lhs, CTensor<E, float, MR> const& rhs,
                   moe::gmm::Groups<Mem> const& groups, Mat<E, float, MO> const& out,
