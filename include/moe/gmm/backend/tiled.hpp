@@ -15,17 +15,13 @@ template <int TM, int TK, int TN>
 struct Tiled {
   static_assert(TM > 0 && TK > 0 && TN > 0,
                 "moe::gmm::Tiled<TM,TK,TN>: every tile extent must be positive");
-  static constexpr int tile_m = TM;
-  static constexpr int tile_k = TK;
-  static constexpr int tile_n = TN;
 };
 
 template <int TM, int TK, int TN>
 struct is_policy<Tiled<TM, TK, TN>> : std::true_type {};
 
-/// \brief The tile shape `Auto` runs on device execution spaces: one launch over every tile of
-/// every group (Vendor launches one GEMM per expert). 64 x 64 output tiles of 4 x 4 micro tiles
-/// are 256 threads per team; chosen by shape, not tuned on a GPU.
+/// \brief The tile shape `Auto` runs on device execution spaces (one launch over every tile of
+/// every group): 64 x 64 tiles of 4 x 4 micro tiles, 256 threads per team; not tuned on a GPU.
 using DeviceTiled = Tiled<64, 16, 64>;
 
 }  // namespace moe::gmm
@@ -45,8 +41,6 @@ constexpr int host_simd_bytes = 32;
 #else
 constexpr int host_simd_bytes = 16;
 #endif
-
-constexpr int round_up(int x, int to) { return (x + to - 1) / to * to; }
 
 template <class Scalar, int TMp, int TK, int TNp, int UM, int UN>
 KOKKOS_INLINE_FUNCTION void micro_tile(Scalar const* As, Scalar const* Bs, Scalar* Cs, int i0,
@@ -76,8 +70,8 @@ struct TileCore {
   static constexpr int un = host ? static_cast<int>(2 * host_simd_bytes / sizeof(Scalar)) : 4;
   static constexpr int UM = TM < 4 ? TM : 4;
   static constexpr int UN = TN < un ? TN : un;
-  static constexpr int TMp = round_up(TM, UM);
-  static constexpr int TNp = round_up(TN, UN);
+  static constexpr int TMp = (TM + UM - 1) / UM * UM;  // TM, TN rounded up to micro tiles
+  static constexpr int TNp = (TN + UN - 1) / UN * UN;
   static constexpr int num_micro = (TMp / UM) * (TNp / UN);
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using ScratchView = Kokkos::View<Scalar*, typename ExecSpace::scratch_memory_space,
