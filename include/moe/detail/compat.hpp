@@ -1,7 +1,6 @@
 #pragma once
 /// \file
-/// The few Kokkos spellings that differ between Kokkos 3.4 (Debian's Trilinos build) and
-/// Kokkos 4.x. Everything else in moe uses APIs both versions share.
+/// The few Kokkos spellings that differ between Kokkos 3.4 (Debian's Trilinos build) and 4.x.
 
 #include <Kokkos_Core.hpp>
 
@@ -28,15 +27,13 @@ using kmath::sqrt;
 using kmath::tanh;
 
 /// Whether ExecSpace runs on the host (Serial, OpenMP, Threads): kernels take their host shape
-/// there (long chunks, a work item per row, host BLAS and oneDNN). Device spaces (CUDA, HIP,
-/// SYCL) cannot reach host memory, even where the host can reach theirs (UVM).
+/// there. Device spaces cannot reach host memory, even where the host can reach theirs (UVM).
 template <class ExecSpace>
 constexpr bool runs_on_host() {
   return Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible;
 }
 
-/// Hint that *p will be read soon (host CPUs: a software prefetch, which also starts the page walk
-/// of a TLB miss; device code: nothing).
+/// Hint that *p will be read soon (a software prefetch on host CPUs, nothing in device code).
 KOKKOS_INLINE_FUNCTION void prefetch(void const* p) {
 #if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__) || defined(__SYCL_DEVICE_ONLY__)
   (void)p;

@@ -37,14 +37,10 @@ using resolve_t = typename resolve<Policy, ExecSpace, Scalar>::type;
 template <class Policy, class ExecSpace, class Scalar>
 constexpr char const* backend_name() {
   using R = resolve_t<Policy, ExecSpace, Scalar>;
-  if constexpr (std::is_same_v<R, OneDnn>)
-    return "OneDnn";
-  else if constexpr (std::is_same_v<R, Vendor>)
-    return "Vendor";
-  else if constexpr (std::is_same_v<R, Dense>)
-    return "Dense";
-  else
-    return "Tiled";
+  return std::is_same_v<R, OneDnn>   ? "OneDnn"
+         : std::is_same_v<R, Vendor> ? "Vendor"
+         : std::is_same_v<R, Dense>  ? "Dense"
+                                     : "Tiled";
 }
 
 /// \brief Grouped GEMM: out[rows of group group_offset+g, :] = lhs[rows, :] * rhs[g] for

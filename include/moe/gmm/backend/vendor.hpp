@@ -8,9 +8,8 @@
 
 namespace moe::gmm {
 
-/// \brief Policy: one vendor GEMM per non-empty group (Kokkos Kernels -> BLAS on the host,
-/// cuBLAS / rocBLAS on GPUs) on row blocks of the operands. Auto's choice on device spaces and
-/// on host spaces when moe was configured without oneDNN (or for double).
+/// \brief Policy: one vendor GEMM per non-empty group (Kokkos Kernels: BLAS, cuBLAS, rocBLAS) on
+/// row blocks of the operands; Auto's choice on host spaces without oneDNN (or for double).
 struct Vendor {};
 
 template <>
