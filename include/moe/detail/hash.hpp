@@ -1,7 +1,6 @@
 #pragma once
 /// \file
-/// 64-bit FNV-1a, the library's one non-cryptographic hash (configuration fingerprints, weight
-/// samples of the packed-weight cache).
+/// 64-bit FNV-1a, the library's one non-cryptographic hash.
 
 #include <cstddef>
 #include <cstdint>

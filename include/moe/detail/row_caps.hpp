@@ -1,7 +1,6 @@
 #pragma once
 /// \file
-/// What a buffer with room for a limited number of rows keeps (pure host arithmetic, so the step
-/// plan can use it).
+/// What a buffer with room for a limited number of rows keeps (pure host arithmetic).
 
 #include <algorithm>
 #include <cstdint>

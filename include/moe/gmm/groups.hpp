@@ -56,11 +56,8 @@ moe::gmm::Groups<MemorySpace> host_groups(std::vector<int64_t> const& sizes,
 
 namespace moe::gmm {
 
-/// \brief Builds Groups from host group sizes; the copy to the device runs on `space` (the host
-/// copy stays alive in the result, so the copy may still be in flight when this returns).
-/// \param space instance that performs the copy to the device
-/// \param sizes group sizes, each >= 0
-/// \throws moe::ShapeError if a size is negative
+/// \brief Builds Groups from host group sizes (each >= 0, else moe::ShapeError); the copy to the
+/// device runs on `space` and may still be in flight when this returns.
 template <class ExecSpace, class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
 Groups<typename ExecSpace::memory_space> make_groups(ExecSpace const& space,
                                                      std::vector<int64_t> const& sizes) {
@@ -69,9 +66,8 @@ Groups<typename ExecSpace::memory_space> make_groups(ExecSpace const& space,
   return groups;
 }
 
-/// \brief Builds Groups from host group sizes; returns after the device copy is complete.
-/// \tparam MemorySpace memory space of the device offsets
-/// \throws moe::ShapeError if a size is negative
+/// \brief Builds Groups in MemorySpace from host group sizes (each >= 0, else moe::ShapeError);
+/// returns after the device copy is complete.
 template <class MemorySpace>
 Groups<MemorySpace> make_groups(std::vector<int64_t> const& sizes) {
   auto groups = moe::gmm::detail::host_groups<MemorySpace>(sizes);

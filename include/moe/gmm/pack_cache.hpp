@@ -1,7 +1,6 @@
 #pragma once
 /// \file
-/// PackCache: where a grouped-GEMM backend that reorders weights into its own layout (OneDnn on
-/// CPUs with blocked kernels) keeps the reordered copies between calls.
+/// PackCache: where a grouped-GEMM backend (OneDnn) keeps its reordered weights between calls.
 
 #include <cstddef>
 #include <cstdint>
@@ -67,8 +66,7 @@ class PackCache {
   std::uint64_t packs() const { return packs_; }
   /// Calls that reused a packed tensor.
   std::uint64_t hits() const { return hits_; }
-  /// Repacks forced by the sample hash although the version was unchanged (weights written
-  /// without a new version).
+  /// Repacks forced by the sample hash although the version was unchanged.
   std::uint64_t stale_caught() const { return stale_caught_; }
   /// Bytes held by the packed copies.
   std::size_t bytes() const { return bytes_; }

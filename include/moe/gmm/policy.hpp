@@ -21,9 +21,7 @@ template <class Policy, class ExecSpace, class Scalar>
 struct is_available : std::true_type {};
 
 /// \brief Policy: the best backend of the execution space and scalar: OneDnn on host spaces for
-/// float when moe was configured with oneDNN (MOE_ENABLE_ONEDNN), Vendor (Kokkos Kernels BLAS)
-/// on other host spaces, and DeviceTiled on device spaces (one launch over all groups, where
-/// Vendor would launch one cuBLAS / rocBLAS GEMM per expert).
+/// float with oneDNN (MOE_ENABLE_ONEDNN), else Vendor on host spaces, DeviceTiled on devices.
 struct Auto {};
 
 template <>

@@ -66,11 +66,10 @@ class ExpertFfn : public Bf16Rounding {
     gmm::gmm(space, Gmm{}, a_, wo, groups, ys, fw);
   }
 
-  /// \brief forward() with the first two GEMMs summed over chunks of D (the columns of xs may
-  /// arrive one chunk at a time): forward_begin(), then forward_chunk() for every chunk and
-  /// every group of the chunk (any order, any split of the groups), then forward_end(). The
-  /// result equals forward()'s up to the order of the sums over D. xs [n,D] is kept for
-  /// backward (its columns must all be written by forward_end()).
+  /// \brief forward() with the first two GEMMs summed over chunks of D (xs's columns arriving a
+  /// chunk at a time): forward_begin(), forward_chunk() for every chunk and group (any order),
+  /// then forward_end(); equal to forward() up to the order of the sums. xs [n,D] is kept for
+  /// backward (all its columns written by forward_end()).
   void forward_begin(ExecSpace const& space, Activation act, view2 xs, std::int64_t F,
                      std::uint64_t weights_version) {
     std::int64_t const n = xs.extent(0);
@@ -81,9 +80,8 @@ class ExpertFfn : public Bf16Rounding {
     Kokkos::deep_copy(space, h0_, Scalar(0));
     Kokkos::deep_copy(space, h1_, Scalar(0));
   }
-  /// h0 += xs_c . wi_0_c[g], h1 += xs_c . wi_1_c[g] for the groups [g0, g0 + G) that the
-  /// [G, Dc, F] blocks wi_0_c, wi_1_c (rows of one D-chunk of each expert's weight) cover;
-  /// xs_c [n, Dc] is the same chunk of xs's columns.
+  /// h0 += xs_c . wi_0_c[g], h1 += xs_c . wi_1_c[g] for the groups [g0, g0 + G) of the [G, Dc, F]
+  /// blocks (one D-chunk of each expert's weights); xs_c [n, Dc] is that chunk of xs's columns.
   void forward_chunk(ExecSpace const& space, view2 xs_c, groups_type const& groups, view3 wi_0_c,
                      view3 wi_1_c, int g0) {
     moe::detail::Region region("moe::expert_ffn::chunk");
@@ -186,9 +184,8 @@ class DenseMlp : public Bf16Rounding {
   view2 h0_, h1_, a_, da_;
 };
 
-/// \brief The dense masked path (MaxText's sparse_matmul = false): experts [e0, e0+L) each run on
-/// every token, their outputs weighted by the routing weights of the slots that chose them
-/// (0 for tokens that did not, or whose slot was dropped). The reference for every sparse path.
+/// \brief The dense masked path (MaxText's sparse_matmul = false), the sparse paths' reference:
+/// experts [e0, e0+L) on every token, weighted by the routing weights of the kept slots on them.
 template <class Scalar, class ExecSpace>
 class DenseExperts : public Bf16Rounding {
  public:

@@ -1,7 +1,6 @@
 #pragma once
 /// \file
-/// gmm::Vendor: one vendor GEMM per non-empty group through Kokkos Kernels (the BLAS TPL on the
-/// host, cuBLAS / rocBLAS on GPUs), on row blocks of the operands.
+/// gmm::Vendor: one vendor GEMM per non-empty group through Kokkos Kernels.
 
 #include <moe/detail/blas.hpp>
 #include <moe/gmm/backend/common.hpp>
@@ -38,9 +37,8 @@ struct Impl<moe::gmm::Vendor> {
     } else if (k > 0 && out.extent(1) > 0 && end > begin) {
       check_blas_extent(what, "k", k);
       check_blas_extent(what, "n", out.extent(1));
-      // Host BLAS runs a multiple of its register block of rows much faster, so without
-      // accumulate a group's rows are padded to 16: the extra rows belong to later groups, which
-      // overwrite them, or lie past the visited rows, which are zeroed below. Devices do not pad.
+      // Host BLAS runs a multiple of its register block of rows faster: without accumulate a
+      // group's rows are padded to 16 (later groups overwrite the extra rows, or they are zeroed).
       int64_t const pad = opt.accumulate || !moe::detail::runs_on_host<E>() ? 1 : 16;
       BlasOrder<E, CMat<E, S, ML>, CMat<E, S, MR>, Mat<E, S, MO>> order(space);
       for (int g = 0; g < num_local; ++g) {
