@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// Parallel skeletons of the routing bookkeeping, deterministic on every backend (integer counts,
-/// fixed summation trees): the count + scan half of a stable counting sort of [T,K] slots by key
-/// within segments, and per-segment column sums of a [T,E] function over fixed row chunks.
+/// Parallel skeletons of the routing bookkeeping (a stable counting sort's count + scan,
+/// per-segment column sums), deterministic on every backend: integer counts, fixed summation trees.
 
 #include <moe/detail/compat.hpp>
 #include <moe/detail/row_caps.hpp>

@@ -183,8 +183,7 @@ class ScopedThreads {
 /// that thread's scratchpad and counts its executions by implementation name.
 class Kernel {
  public:
-  /// `what`: the operation and its shape, for messages ("matmul 256x1024x2816"); executions
-  /// count under the implementation's name followed by `counted_as` (" bf16" for bf16 kernels).
+  /// `what`: the operation and shape ("matmul 256x1024x2816"); runs count as impl + `counted_as`.
   template <class PrimitiveDesc>
   Kernel(PrimitiveDesc const& pd, std::string what, std::string const& counted_as = "")
       : prim_(pd.get()),

@@ -37,9 +37,8 @@ void ensure(ExecSpace const& space, ViewT& v, std::string const& label, Extents.
   if (!same) v = alloc<ViewT>(space, label, n...);
 }
 
-/// \brief The View type `Expected` that a public entry point takes, made from the caller's View
-/// (non-const to const, unmanaged, other memory traits); anything else stops the build with a
-/// static_assert naming the rule instead of a page of Kokkos conversion errors.
+/// \brief The View type `Expected` of a public entry point, made from the caller's View; anything
+/// not convertible stops the build with a static_assert naming the rule (not pages of errors).
 template <class Expected, class Given>
 Expected api_view(Given const& v) {
   static_assert(Kokkos::is_view<Given>::value, "moe: this argument must be a Kokkos::View");

@@ -17,9 +17,8 @@
 
 namespace moe::gmm {
 
-/// \brief The policy that runs for `Policy` on (ExecSpace, Scalar): Auto becomes OneDnn where
-/// available, else Vendor on host and DeviceTiled on device spaces; an unavailable policy runs as
-/// Vendor.
+/// \brief The policy that runs for `Policy` on (ExecSpace, Scalar): Auto as documented there; an
+/// unavailable policy runs as Vendor.
 template <class Policy, class ExecSpace, class Scalar>
 struct resolve {
   using type = std::conditional_t<is_available<Policy, ExecSpace, Scalar>::value, Policy, Vendor>;
@@ -43,13 +42,12 @@ constexpr char const* backend_name() {
                                      : "Tiled";
 }
 
-/// \brief Grouped GEMM: out[rows of group group_offset+g, :] = lhs[rows, :] * rhs[g] for
-/// g in [0, G_local) (rhs[g]^T with opt.transpose_rhs), on the instance `space`.
-///
-/// lhs [m, k] with m >= groups.rows(), rhs [G_local, k, n] ([G_local, n, k] transposed), out
-/// [m, n], not aliasing lhs or rhs. Rows of no visited group are zeroed, unless opt.accumulate,
-/// which adds to out and leaves other rows unchanged; opt.bf16_output rounds the visited rows to
-/// bf16 (moe::ConfigError with accumulate). Throws moe::ShapeError if extents disagree.
+/// \brief Grouped GEMM on the instance `space`: out[rows of group group_offset+g, :] = lhs[rows, :]
+/// * rhs[g] for g in [0, G_local) (rhs[g]^T with opt.transpose_rhs). lhs [m, k] with m >=
+/// groups.rows(), rhs [G_local, k, n] ([G_local, n, k] transposed), out [m, n], not aliasing lhs
+/// or rhs. Rows of no visited group are zeroed, unless opt.accumulate, which adds to out and leaves
+/// other rows unchanged; opt.bf16_output rounds the visited rows to bf16 (moe::ConfigError with
+/// accumulate). Throws moe::ShapeError if extents disagree.
 /// \tparam Policy Auto, OneDnn, Vendor, Tiled<TM,TK,TN> or Dense (see moe::gmm::is_policy)
 template <class Policy, class ExecSpace, class LhsView, class RhsView, class OutView,
           class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>

@@ -37,8 +37,7 @@ struct Bf16Rounding {
 };
 
 /// \brief ys = (act(xs . wi_0[g]) * (xs . wi_1[g])) . wo[g] per group g; keeps what backward needs.
-/// Owns the PackCache of its weights: callers pass the version of the weights' contents, which
-/// must change whenever the weights are written (see gmm::PackCache).
+/// Owns its weights' PackCache: callers pass a version that changes whenever the weights change.
 /// \tparam Gmm a grouped-GEMM policy (gmm::Auto, OneDnn, Vendor, Tiled<...>).
 template <class Scalar, class Gmm, class ExecSpace>
 class ExpertFfn : public Bf16Rounding {

@@ -93,9 +93,8 @@ struct TileCore {
     return {a.data(), b.data(), c.data()};
   }
 
-  /// Calls f(r, c, valid) for every element of an R x C block, valid = r < rv && c < cv, with c
-  /// the fast index: host backends walk rows with a plain inner loop (vectorisable), device
-  /// backends spread the flat index over the team (coalesced along c).
+  /// Calls f(r, c, valid) for every element of an R x C block, valid = r < rv && c < cv: host
+  /// backends as a vectorisable inner loop over c, devices spread over the team (coalesced on c).
   template <class F>
   KOKKOS_INLINE_FUNCTION static void stage(member_type const& team, int R, int C, int rv, int cv,
                                            F const& f) {
@@ -118,8 +117,7 @@ struct TileCore {
                          [&](int idx) { s.c[idx] = Scalar(0); });
   }
 
-  /// C += A * B over the micro tiles that hold part of the valid rows x cols (the padding of a
-  /// ragged tile is never stored, so it is not computed either).
+  /// C += A * B over the micro tiles that hold part of the valid rows x cols (never the padding).
   KOKKOS_INLINE_FUNCTION static void multiply(member_type const& team, Scratch const& s, int rows,
                                               int cols) {
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, num_micro), [&](int t) {
