@@ -113,21 +113,20 @@ KOKKOS_INLINE_FUNCTION S cast(S x) {
 
 /// gated_forward's kernel for one activation A (a template argument: no branch in the loop).
 template <Activation A, bool Round, class ExecSpace, class Scalar>
-void gated_forward_kernel(char const* name, Kokkos::RangePolicy<ExecSpace> const& range,
-                          Scalar const* p0, Scalar const* p1, Scalar* pa) {
+void gated_forward_kernel(Kokkos::RangePolicy<ExecSpace> const& range, Scalar const* p0,
+                          Scalar const* p1, Scalar* pa) {
   Kokkos::parallel_for(
-      name, range, KOKKOS_LAMBDA(std::int64_t i) {
+      "moe::nn::gated_forward", range, KOKKOS_LAMBDA(std::int64_t i) {
         pa[i] = cast<Round>(detail::act(A, cast<Round>(p0[i])) * cast<Round>(p1[i]));
       });
 }
 
 /// gated_backward's kernel for one activation A (a template argument: no branch in the loop).
 template <Activation A, bool Round, class ExecSpace, class Scalar>
-void gated_backward_kernel(char const* name, Kokkos::RangePolicy<ExecSpace> const& range,
-                           Scalar const* p0, Scalar const* p1, Scalar const* pd, Scalar* q0,
-                           Scalar* q1) {
+void gated_backward_kernel(Kokkos::RangePolicy<ExecSpace> const& range, Scalar const* p0,
+                           Scalar const* p1, Scalar const* pd, Scalar* q0, Scalar* q1) {
   Kokkos::parallel_for(
-      name, range, KOKKOS_LAMBDA(std::int64_t i) {
+      "moe::nn::gated_backward", range, KOKKOS_LAMBDA(std::int64_t i) {
         Scalar f, df;
         detail::act_and_grad(A, cast<Round>(p0[i]), f, df);
         Scalar const g = cast<Round>(pd[i]);
@@ -159,8 +158,7 @@ void gated_forward(ExecSpace const& space, Activation act, std::int64_t rows,
   Kokkos::RangePolicy<ExecSpace> const range(space, 0, rows * std::int64_t(h0.extent(1)));
   detail::dispatch(act, bf16, [&](auto silu, auto round) {
     constexpr Activation A = decltype(silu)::value ? Activation::Silu : Activation::Gelu;
-    detail::gated_forward_kernel<A, decltype(round)::value>("moe::nn::gated_forward", range,
-                                                            h0.data(), h1.data(), a.data());
+    detail::gated_forward_kernel<A, decltype(round)::value>(range, h0.data(), h1.data(), a.data());
   });
 }
 
@@ -175,8 +173,8 @@ void gated_backward(ExecSpace const& space, Activation act, std::int64_t rows,
   Kokkos::RangePolicy<ExecSpace> const range(space, 0, rows * std::int64_t(h0.extent(1)));
   detail::dispatch(act, bf16, [&](auto silu, auto round) {
     constexpr Activation A = decltype(silu)::value ? Activation::Silu : Activation::Gelu;
-    detail::gated_backward_kernel<A, decltype(round)::value>(
-        "moe::nn::gated_backward", range, h0.data(), h1.data(), da.data(), dh0.data(), dh1.data());
+    detail::gated_backward_kernel<A, decltype(round)::value>(range, h0.data(), h1.data(), da.data(),
+                                                             dh0.data(), dh1.data());
   });
 }
 
