@@ -309,8 +309,7 @@ inline void bf16_rows(float const* x, std::int64_t ldx, std::int64_t rows, std::
   std::fill(out + rows * ldo, out + padded * ldo, std::uint16_t(0));
 }
 
-/// y[j] = float(b[j]) for j < n (exact), with non-temporal stores under SSE2 (y is not read into
-/// the cache first: half the memory traffic).
+/// y[j] = float(b[j]) for j < n (exact), with SSE2 by non-temporal stores (half the traffic).
 inline void widen_bf16_streaming(std::uint16_t const* b, std::int64_t n, float* y) {
   std::int64_t j = 0;
 #if defined(__SSE2__)
@@ -377,8 +376,7 @@ inline void bf16_blocked(float const* x, std::int64_t ldx, std::int64_t rows, st
                          std::int64_t kp, std::int64_t np, std::uint16_t* out) {
   std::int64_t const kblocks = kp / 32, nblocks = np / 64;
   int const threads = max_threads();
-  // Thread t writes the t-th range of column blocks, row block by row block (x's rows read in
-  // long contiguous runs).
+  // Thread t writes the t-th range of column blocks, row block by row block.
   for_each_item(threads, [&](std::int64_t t) {
     for (std::int64_t kb = 0; kb < kblocks; ++kb)
       for (std::int64_t nb = nblocks * t / threads; nb < nblocks * (t + 1) / threads; ++nb) {

@@ -1,10 +1,9 @@
 #pragma once
 /// \file
-/// gmm::OneDnn: grouped GEMM on the host through oneDNN (kernels for the CPU's own ISA), float
-/// only. Packed mode (a direct kernel, KernelPlan, and a PackCache): weights reordered once per
-/// version, each group run as row chunks. Plain mode: one sgemm per group on the weights in place
-/// (few_rows for 2-3 rows). Packed chunks and tgmm calls run single-threaded, one per OpenMP
-/// thread; results do not depend on which thread runs a call.
+/// gmm::OneDnn: grouped GEMM on the host through oneDNN, float only. Packed mode (a direct kernel,
+/// KernelPlan, and a PackCache): weights reordered once per version, groups run as row chunks.
+/// Plain mode: one sgemm per group on the weights in place (few_rows for 2-3 rows). Packed chunks
+/// and tgmm calls run single-threaded, one per OpenMP thread, with results independent of which.
 
 #include <moe/detail/onednn.hpp>
 #include <moe/gmm/backend/common.hpp>
@@ -249,9 +248,8 @@ struct Impl<moe::gmm::OneDnn> {
   }
 
   /// bf16 inputs on bf16 kernels: a bf16_gemm per group on all threads (rows padded to a multiple
-  /// of tgmm_bf16_rows). Else one single-threaded sgemm per (group, column block): a group with
-  /// more than half a thread's share of the rows is split (blocks of 16 columns), so no thread
-  /// idles.
+  /// of tgmm_bf16_rows). Else one single-threaded sgemm per (group, column block), a group with
+  /// over half a thread's share of the rows split into 16-column multiples so no thread idles.
   template <class E, class ML, class MD, class MO, class Mem>
   static void tgmm(E const& space, CMat<E, float, ML> const& lhs, CMat<E, float, MD> const& dy,
                    moe::gmm::Groups<Mem> const& groups, Tensor<E, float, MO> const& out,

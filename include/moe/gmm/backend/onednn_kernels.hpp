@@ -339,8 +339,7 @@ inline KernelPlan& plan(std::int64_t k, std::int64_t n, bool trans, std::int64_t
   return *p;
 }
 
-/// tgmm with bf16 inputs pads each group's rows (the contraction) to a multiple of this, so a
-/// layer whose group sizes change every step makes few kernels.
+/// tgmm with bf16 inputs pads each group's rows to a multiple of this (few kernels as sizes vary).
 inline constexpr std::int64_t tgmm_bf16_rows = 32;
 
 /// Every expert of one rhs tensor in the plan's packed layout.
