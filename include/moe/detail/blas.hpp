@@ -1,7 +1,6 @@
 #pragma once
 /// \file
-/// Dense GEMM on an execution-space instance, whichever Kokkos Kernels version is present
-/// (Kokkos Kernels 3.4 has no instance overload; 4.x has one).
+/// Dense GEMM on an execution-space instance, on oneDNN or whichever Kokkos Kernels is present.
 
 #include <moe/detail/compat.hpp>
 #include <moe/detail/onednn.hpp>
@@ -27,8 +26,7 @@ struct has_instance_gemm<
         std::declval<typename C::const_value_type&>(), std::declval<C const&>()))>>
     : std::true_type {};
 
-/// C = alpha * op(A) * op(B) + beta * C through Kokkos Kernels (BLAS, cuBLAS, rocBLAS) on
-/// `space` where Kokkos Kernels has instance overloads (4.x).
+/// C = alpha * op(A) * op(B) + beta * C through Kokkos Kernels, on `space` where it can (4.x).
 template <class ExecSpace, class A, class B, class C>
 void blas_gemm(ExecSpace const& space, char const* ta, char const* tb,
                typename C::const_value_type alpha, A const& a, B const& b,

@@ -70,8 +70,8 @@ void fence(ExecSpace const& space, char const* label) {
     (void)label, space.fence();
 }
 
-/// A Kokkos Tools profiling region for the lifetime of the object (named `moe::...`), so the
-/// layer's stages show up in profilers; free when no tool is loaded.
+/// A Kokkos Tools profiling region (named `moe::...`) for the object's lifetime; free without
+/// tools.
 class Region {
  public:
   explicit Region(char const* name) { Kokkos::Profiling::pushRegion(name); }

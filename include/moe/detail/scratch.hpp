@@ -1,7 +1,6 @@
 #pragma once
 /// \file
-/// Named scratch buffers reused from call to call, so that per-step temporaries are allocated and
-/// first touched once instead of every step.
+/// Named scratch buffers reused from call to call (per-step temporaries allocated once).
 
 #include <moe/detail/views.hpp>
 
