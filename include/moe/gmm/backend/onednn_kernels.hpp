@@ -49,8 +49,7 @@ inline Forced& forced() {
   return f;
 }
 
-/// One packed call: `rows` rows of a group computed over `run` >= rows rows (the rows past the
-/// group go to a thread's own buffer, from which the group's rows are copied or added).
+/// One packed call: `rows` rows of a group computed over `run` >= rows rows (via a thread buffer).
 struct Chunk {
   std::int64_t rows, run;
 };
