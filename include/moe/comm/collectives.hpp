@@ -16,7 +16,6 @@
 #include <string>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 namespace moe::comm {
 namespace detail {
@@ -32,9 +31,8 @@ void all_gather_rows(Communicator const& comm, ExecSpace const& space, T const* 
                                n * row, out, r, P * n * row, row, fast);
 }
 
-/// reduce_scatter of P*c rows into c rows: chunk j of every rank goes to rank j, which sums the P
-/// chunks in rank order. Shapes already agreed. T: the type moved (moe::bf16: summed in fp32,
-/// rounded once), U: the output's type.
+/// reduce_scatter of P*c rows into c rows (shapes agreed): rank j sums the P chunks j in rank
+/// order. T: the type moved (moe::bf16: summed in fp32, rounded once), U: the output's type.
 template <class InMS, class OutMS, class T, class U, class ExecSpace>
 void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T const* in, U* out,
                          std::int64_t c, std::int64_t row,
@@ -64,8 +62,7 @@ void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T con
   fence(space, "moe::comm::reduce_scatter: summed");
 }
 
-/// Collective checks of all_gather (`gather`: in [c, ...], out [size*c, ...]) and reduce_scatter
-/// (in [size*c, ...], out [c, ...]). Returns (c, elements per row).
+/// Collective checks of all_gather (`gather`) and reduce_scatter; returns (c, elements per row).
 template <class ExecSpace, class InView, class OutView>
 std::pair<std::int64_t, std::int64_t> check_row_pair(Communicator const& comm, char const* what,
                                                      InView const& in, OutView const& out,

@@ -1,18 +1,15 @@
 #pragma once
 /// \file
 /// Non-blocking all-gather on Kokkos views: iall_gather starts it and returns an AllGatherRequest
-/// that test() drives and wait() completes; the bytes are those of moe::comm::all_gather.
-///
-/// Progress: most MPIs run a non-blocking collective only inside MPI calls, so code that computes
-/// while a gather is in flight should call test() between pieces of its work to overlap it.
+/// that test() drives and wait() completes; the bytes are those of moe::comm::all_gather. Most
+/// MPIs progress a non-blocking collective only inside MPI calls: to overlap it with computation,
+/// call test() between pieces of the work.
 
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
 
 #include <moe/comm/mpi.hpp>
-
-#include <Kokkos_Core.hpp>
 
 #include <cstdint>
 #include <optional>
@@ -57,10 +54,8 @@ class AllGatherRequest {
   void wait(ExecSpace const& space) {
     if (!pending()) return;
     detail::wait_all(reqs_);
-    if (recv_ && recv_->is_staged()) {
-      recv_->finish(space);
-      detail::fence(space, "moe::comm::iall_gather: unstaged");
-    }
+    recv_->finish(space);
+    if (recv_->is_staged()) detail::fence(space, "moe::comm::iall_gather: unstaged");
     send_.reset();
     recv_.reset();
   }

@@ -60,7 +60,6 @@ class MeshComm {
 
   /// \brief The group of `axes` containing this rank: the ranks whose coordinates differ only on
   /// `axes`, ordered row-major over `axes` in the given order (see sharding::Mesh).
-  ///
   /// Collective over comm() the first time this ordered list is requested (every rank must make
   /// the same first requests in the same order; a disagreement, or an axis named twice, is the
   /// same ConfigError on every rank); later calls return the cached group. Axes the mesh does not

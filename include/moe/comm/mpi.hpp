@@ -2,14 +2,11 @@
 /// \file
 /// MPI as moe sees it: `<mpi.h>` when MOE_ENABLE_MPI (moe_config.hpp; a program may define it to 0
 /// in every translation unit, as the unit tests do), else a one-process stand-in for the part of
-/// MPI that moe and its tools use, so moe builds and runs on one rank with no MPI installed.
-///
-/// The stand-in: every communicator has one rank, a collective copies the caller's contribution
-/// to its result, MPI_Init / MPI_Finalize only track state. Messages to itself match in order on
-/// (communicator, tag); what could never complete (an unmatched receive or wait, a peer or root
-/// other than 0, a truncation) returns an error instead of waiting for ever. Its functions live in
-/// a namespace brought in by a using-directive: no clash with a real MPI library's symbols, and
-/// including the real `<mpi.h>` as well fails to compile.
+/// MPI that moe and its tools use: one rank per communicator, collectives copy the caller's
+/// contribution, messages to itself match in order on (communicator, tag), and what could never
+/// complete (an unmatched receive or wait, a peer or root other than 0, a truncation) is an error,
+/// not a hang. Its functions live in a namespace brought in by a using-directive: no clash with a
+/// real MPI library's symbols, and including the real `<mpi.h>` as well fails to compile.
 
 #include <moe/moe_config.hpp>
 
@@ -40,12 +37,8 @@ struct MPI_Status {
   int MPI_SOURCE = 0, MPI_TAG = 0, MPI_ERROR = 0;
 };
 
-inline constexpr int MPI_SUCCESS = 0;
-inline constexpr int MPI_ERR_OTHER = 16;
-inline constexpr int MPI_ERR_RANK = 6;
-inline constexpr int MPI_ERR_ROOT = 7;
-inline constexpr int MPI_ERR_TRUNCATE = 15;
-inline constexpr int MPI_MAX_ERROR_STRING = 256;
+inline constexpr int MPI_SUCCESS = 0, MPI_ERR_RANK = 6, MPI_ERR_ROOT = 7, MPI_ERR_TRUNCATE = 15,
+                     MPI_ERR_OTHER = 16, MPI_MAX_ERROR_STRING = 256;
 // Handles are macros, as in MPI implementations: `Communicator(MPI_COMM_NULL)` must stay an
 // expression, not declare a variable named MPI_COMM_NULL.
 #define MPI_COMM_NULL (static_cast<MPI_Comm>(0))
