@@ -43,8 +43,7 @@ MPI_Datatype mpi_type() {
                                        : MPI_CHAR;
 }
 
-/// \brief Throws moe::CommError naming the MPI call and MPI's reason when `rc` is not
-/// MPI_SUCCESS: `check_mpi(MPI_Barrier(comm.get()), "MPI_Barrier")`.
+/// \brief Throws moe::CommError naming `call` and MPI's reason when `rc` is not MPI_SUCCESS.
 inline void check_mpi(int rc, char const* call) {
   if (rc == MPI_SUCCESS) return;
   char text[MPI_MAX_ERROR_STRING];
@@ -154,8 +153,7 @@ inline std::string broadcast_string(Communicator const& comm, int root, std::str
   return out;
 }
 
-/// Collective, once every rank knows that `root` (the lowest failing rank) failed: throws its
-/// exception (kind and message broadcast) everywhere.
+/// Collective, once every rank knows that `root` failed: throws its exception everywhere.
 [[noreturn]] inline void rethrow_from(Communicator const& comm, int root, ErrorKind kind,
                                       std::string const& msg) {
   int k = static_cast<int>(kind);
@@ -165,9 +163,8 @@ inline std::string broadcast_string(Communicator const& comm, int root, std::str
              moe::detail::cat(text, " [rank ", root, " of ", comm.size(), "]"));
 }
 
-/// Collective, one MPI_Allreduce: every rank throws the lowest failing rank's error when any
-/// rank failed its local checks, and the same ShapeError when one of `agree` (name, value)
-/// differs across ranks. Returns the OR over ranks of `flag`.
+/// Collective, one MPI_Allreduce: every rank throws the lowest failing rank's error if any rank
+/// failed, else a ShapeError if an `agree` value differs across ranks; returns the OR of `flag`.
 inline bool collective_check(Communicator const& comm, char const* who, bool local_failed,
                              std::string const& msg, ErrorKind kind,
                              std::vector<std::pair<char const*, std::int64_t>> const& agree,
@@ -176,10 +173,8 @@ inline bool collective_check(Communicator const& comm, char const* who, bool loc
     if (local_failed) throw_kind(kind, msg);
     return flag;
   }
-  std::vector<std::int64_t> v;
-  v.reserve(2 + 2 * agree.size());
-  v.push_back(-static_cast<std::int64_t>(local_failed ? comm.rank() : comm.size()));
-  v.push_back(flag ? 1 : 0);
+  std::vector<std::int64_t> v{-static_cast<std::int64_t>(local_failed ? comm.rank() : comm.size()),
+                              flag ? 1 : 0};
   for (auto const& a : agree) v.push_back(a.second), v.push_back(-a.second);
   std::vector<std::int64_t> r(v.size());
   check_mpi(MPI_Allreduce(v.data(), r.data(), static_cast<int>(v.size()), MPI_INT64_T, MPI_MAX,
@@ -238,24 +233,21 @@ void collective_guard(Communicator const& comm, F&& f) {
 
 namespace detail {
 
-/// The fields of a canonical text: pieces between ';' or '|' (e.g. "E=8;K=2|steps=10").
-inline std::vector<std::string> agreement_fields(std::string const& text) {
-  std::vector<std::string> out(1);
-  for (char c : text) {
-    if (c == ';' || c == '|')
-      out.emplace_back();
-    else
-      out.back() += c;
-  }
-  return out;
-}
-
-/// The first difference between two canonical texts, as a pair of quotable pieces: the first
-/// differing field of each when both are field lists with the same keys, else the text around
-/// the first differing character.
+/// The first difference of two canonical texts: the first differing field of each when both
+/// have the same keys, else the text around the first differing character.
 inline std::pair<std::string, std::string> first_difference(std::string const& a,
                                                             std::string const& b) {
-  auto const fa = agreement_fields(a), fb = agreement_fields(b);
+  auto fields = [](std::string const& text) {  // pieces between ';' or '|': "E=8;K=2|steps=10"
+    std::vector<std::string> out(1);
+    for (char c : text) {
+      if (c == ';' || c == '|')
+        out.emplace_back();
+      else
+        out.back() += c;
+    }
+    return out;
+  };
+  auto const fa = fields(a), fb = fields(b);
   auto key = [](std::string const& f) { return f.substr(0, f.find('=')); };
   if (fa.size() == fb.size())
     for (std::size_t i = 0; i < fa.size(); ++i)
@@ -275,10 +267,8 @@ inline std::pair<std::string, std::string> first_difference(std::string const& a
 }  // namespace detail
 
 /// \brief Collective: checks that `value` (a canonical text of a configuration or a shape) is the
-/// same on every rank, before any collective relies on it. On a mismatch every rank throws the
-/// same ConfigError naming the first rank that differs from rank 0 and the first difference
-/// (see first_difference).
-/// \param what what the value is, e.g. "layer configuration"
+/// same on every rank; else every rank throws the same ConfigError naming `what` (e.g. "layer
+/// configuration"), the first rank that differs from rank 0 and the first difference.
 inline void check_agreement(Communicator const& comm, std::string const& what,
                             std::string const& value) {
   if (comm.size() == 1) return;  // one rank agrees with itself

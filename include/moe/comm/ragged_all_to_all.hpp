@@ -1,12 +1,10 @@
 #pragma once
 /// \file
-/// Ragged all-to-all of the expert-parallel (EP) dispatch and combine.
-///
-/// Part 1: MaxText's all-to-all parameters as pure functions of the EP x EP traffic matrix
-/// (SEMANTICS.md §1.9 items 32-34, exact vectors in §7.4-7.6).
-/// Part 2: RaggedAllToAll, the plan/apply object that moves the rows. Every count is in rows (a
-/// row: e.g. a token slot of D elements). A receiver with a capacity R keeps at most R rows,
-/// lower-rank senders first; the rows it does not keep are *dropped*.
+/// Ragged all-to-all of the expert-parallel (EP) dispatch and combine: MaxText's all-to-all
+/// parameters as pure functions of the EP x EP traffic matrix (SEMANTICS.md §1.9 items 32-34,
+/// exact vectors in §7.4-7.6), and RaggedAllToAll, the plan that moves the rows. Counts are in
+/// rows (e.g. token slots of D elements); a receiver with a capacity R keeps at most R rows,
+/// lower-rank senders first, and drops the rest.
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
@@ -101,13 +99,10 @@ inline std::vector<std::int64_t> truncate_matrix(std::vector<std::int64_t> const
 inline AllToAllParams all_to_all_params_truncated(std::vector<std::int64_t> const& M, int ep,
                                                   int me, bool is_dispatch, std::int64_t R) {
   detail::check_matrix("moe::comm::all_to_all_params_truncated", M, ep, me);
-  auto const Mt = truncate_matrix(M, ep, R);
-  AllToAllParams const full = all_to_all_params(M, ep, me, is_dispatch);
-  AllToAllParams p = all_to_all_params(Mt, ep, me, is_dispatch);
-  if (is_dispatch)
-    p.input_offsets = full.input_offsets;
-  else
-    p.output_offsets = full.output_offsets;
+  AllToAllParams p = all_to_all_params(truncate_matrix(M, ep, R), ep, me, is_dispatch);
+  auto const sender_side =
+      is_dispatch ? &AllToAllParams::input_offsets : &AllToAllParams::output_offsets;
+  p.*sender_side = all_to_all_params(M, ep, me, is_dispatch).*sender_side;
   return p;
 }
 
@@ -157,8 +152,7 @@ class RaggedAllToAll {
       : RaggedAllToAll(comm, send_counts, detail::exclusive_cumsum(send_counts), recv_capacity) {}
 
   /// \brief Collective: plan with explicit block displacements (in rows) in the send buffer.
-  /// Blocks may overlap (e.g. the same rows to every peer, as in the replicated-batch combine),
-  /// but then reverse() is not available.
+  /// Blocks may overlap (e.g. the replicated-batch combine), but then reverse() is not available.
   RaggedAllToAll(Communicator const& comm, std::vector<std::int64_t> const& send_counts,
                  std::vector<std::int64_t> const& send_displs, std::int64_t recv_capacity = -1)
       : comm_(comm), send_{send_counts, send_displs} {
@@ -168,8 +162,7 @@ class RaggedAllToAll {
         send_displs.size() != static_cast<std::size_t>(P) ||
         std::any_of(send_counts.begin(), send_counts.end(), [](std::int64_t c) { return c < 0; }) ||
         std::any_of(send_displs.begin(), send_displs.end(), [](std::int64_t d) { return d < 0; });
-    // Counts and the capacity flag travel in one MPI_Alltoall; a rank with bad input sends -1,
-    // so every rank learns who failed without another collective.
+    // Counts and the capacity flag in one MPI_Alltoall; a rank with bad input sends -1 counts.
     std::vector<std::int64_t> out(2 * P), in(2 * P);
     for (int j = 0; j < P; ++j) {
       out[2 * j] = bad ? -1 : send_counts[j];
@@ -296,7 +289,6 @@ class RaggedAllToAll {
                                             n_dst, row, !any_slow, stage_);
     };
     if (wire == Wire::bf16) {
-      // Converted into 16-bit copies of the source and destination ranges, moved, converted back.
       using W = moe::bf16;
       Kokkos::View<W*, Kokkos::LayoutRight, SrcMS> s16(
           Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::RaggedAllToAll::s16"),
@@ -330,8 +322,7 @@ class RaggedAllToAll {
   std::vector<std::int64_t> kept_;
   std::int64_t recv_total_ = 0, send_extent_ = 0;
   bool reversible_ = true;
-  /// Host staging buffers (send, receive) reused across applications: a plan is not to be
-  /// applied from several threads at once.
+  /// Host staging buffers (send, receive) reused across applications (not thread-safe).
   mutable detail::HostBuffer stage_[2];
 };
 

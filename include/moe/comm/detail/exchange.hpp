@@ -4,7 +4,6 @@
 /// large-count fallback (point-to-point pieces, so no count handed to MPI overflows int).
 
 #include <moe/comm/communicator.hpp>
-#include <moe/error.hpp>
 #include <moe/moe_config.hpp>
 
 #include <moe/comm/mpi.hpp>
@@ -56,18 +55,16 @@ using HostBuffer = Kokkos::View<char*, Kokkos::HostSpace>;
 template <class T, class MS>
 class MpiRange {
  public:
-  /// A range MPI writes to (call finish() after MPI is done). A staged range uses `cache` when
-  /// given (a plan applied many times stages through one buffer, grown as needed).
+  /// A range MPI writes to (call finish() after MPI is done); staged in `cache` (grown) if given.
   MpiRange(T* user, std::int64_t n, char const* label, HostBuffer* cache = nullptr)
       : user_(user), n_(n) {
     if (!staged<MS>()) return;
     std::size_t const bytes = static_cast<std::size_t>(n_ > 0 ? n_ : 1) * sizeof(T);
-    if (cache && cache->extent(0) >= bytes) {
+    if (cache && cache->extent(0) >= bytes)
       buffer_ = *cache;
-      return;
-    }
-    buffer_ =
-        HostBuffer(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), bytes);
+    else
+      buffer_ =
+          HostBuffer(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), bytes);
     if (cache) *cache = buffer_;
   }
   /// A range MPI reads from (copied to the host buffer if staged).
@@ -148,9 +145,8 @@ inline std::pair<Blocks, Blocks> gather_blocks(int P, std::int64_t n) {
   return {s, r};
 }
 
-/// The large-count path of every exchange: posts each (peer, block) as Irecv, then Isend, pieces
-/// of at most count_limit() elements, self-messages included (so device pointers work with
-/// GPU-aware MPI). Returns the requests to wait for.
+/// The large-count path of every exchange: every block as Irecv, then Isend, pieces of at most
+/// count_limit() elements, self-messages too (for GPU-aware MPI); returns the requests.
 template <class T>
 std::vector<MPI_Request> post_pieces(Communicator const& comm, T const* send, Blocks const& s,
                                      T* recv, Blocks const& r, std::int64_t row_elems) {
@@ -184,9 +180,8 @@ inline void wait_all(std::vector<MPI_Request>& reqs) {
 /// Which MPI collective the fast path uses; the large-count path is the same for all three.
 enum class Pattern { alltoallv, alltoall, allgather };
 
-/// Moves rows (row_elems elements of T each) between MPI-visible buffers: to peer j go s.counts[j]
-/// rows at s.displs[j] of send, from peer i arrive r.counts[i] rows at r.displs[i] of recv (the
-/// regular blocks of alltoall / allgather for those patterns). `fast`: the same on every rank.
+/// Rows of row_elems T: s.counts[j] at s.displs[j] of send go to peer j, r.counts[i] from peer i
+/// land at r.displs[i] of recv (regular for alltoall, allgather); `fast` alike on every rank.
 template <class T>
 void exchange_rows(Communicator const& comm, Pattern pattern, T const* send, Blocks const& s,
                    T* recv, Blocks const& r, std::int64_t row_elems, bool fast) {
@@ -222,9 +217,8 @@ void exchange_rows(Communicator const& comm, Pattern pattern, T const* send, Blo
   }
 }
 
-/// exchange_rows between user memory of SrcMS and DstMS, staged through host buffers where MPI
-/// cannot reach it (`cache`: a send and a receive buffer kept between calls); the destination
-/// holds the rows when this returns. `who` prefixes the fence and buffer labels.
+/// exchange_rows between user memory of SrcMS and DstMS, complete on return; staged where MPI
+/// cannot reach it (`cache`: a send and a receive buffer kept between calls). `who`: label prefix.
 template <class SrcMS, class DstMS, class T, class ExecSpace>
 void exchange_staged(Communicator const& comm, ExecSpace const& space, std::string const& who,
                      Pattern pattern, T const* src, Blocks const& s, std::int64_t n_src, T* dst,
