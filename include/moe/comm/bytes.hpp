@@ -30,11 +30,8 @@ inline constexpr int bytes_tag = 0x636b;
 template <class Byte, class Call>
 void for_pieces(Byte* data, std::size_t n, Call&& call) {
   auto const piece = static_cast<std::size_t>(std::max<std::int64_t>(1, count_limit()));
-  for (std::size_t done = 0; done < n;) {
-    std::size_t const k = std::min(piece, n - done);
-    call(data + done, static_cast<int>(k));
-    done += k;
-  }
+  for (std::size_t done = 0; done < n; done += piece)
+    call(data + done, static_cast<int>(std::min(piece, n - done)));
 }
 
 }  // namespace detail

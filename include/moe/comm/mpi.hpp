@@ -137,10 +137,6 @@ inline int copy(void* to, void const* from, long long n) {
   if (to != from && n > 0) std::memmove(to, from, std::size_t(n));
   return MPI_SUCCESS;
 }
-inline char* at(void* p, long long bytes) { return static_cast<char*>(p) + bytes; }
-inline char const* at(void const* p, long long bytes) {
-  return static_cast<char const*>(p) + bytes;
-}
 /// Writes `value` to `*out` and succeeds: most calls of one process do nothing else.
 template <class T, class V>
 int put(T* out, V value) {
@@ -220,7 +216,7 @@ inline int MPI_Allgather(void const* send, int scount, MPI_Datatype st, void* re
 }
 inline int MPI_Allgatherv(void const* send, int scount, MPI_Datatype st, void* recv, int const*,
                           int const* displs, MPI_Datatype rt, MPI_Comm) {
-  return copy(at(recv, 1LL * displs[0] * rt), send, 1LL * scount * st);
+  return copy(static_cast<char*>(recv) + 1LL * displs[0] * rt, send, 1LL * scount * st);
 }
 inline int MPI_Alltoall(void const* send, int scount, MPI_Datatype st, void* recv, int,
                         MPI_Datatype, MPI_Comm) {
@@ -228,8 +224,8 @@ inline int MPI_Alltoall(void const* send, int scount, MPI_Datatype st, void* rec
 }
 inline int MPI_Alltoallv(void const* send, int const* scounts, int const* sdispls, MPI_Datatype st,
                          void* recv, int const*, int const* rdispls, MPI_Datatype rt, MPI_Comm) {
-  return copy(at(recv, 1LL * rdispls[0] * rt), at(send, 1LL * sdispls[0] * st),
-              1LL * scounts[0] * st);
+  return copy(static_cast<char*>(recv) + 1LL * rdispls[0] * rt,
+              static_cast<char const*>(send) + 1LL * sdispls[0] * st, 1LL * scounts[0] * st);
 }
 inline int MPI_Iallgather(void const* send, int scount, MPI_Datatype st, void* recv, int,
                           MPI_Datatype, MPI_Comm, MPI_Request* req) {
