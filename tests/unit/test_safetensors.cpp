@@ -797,7 +797,7 @@ TEST(Safetensors, ViewsRoundTripInRowMajorOrder) {
 namespace {
 
 moe::io::detail::JsonValue parse_json(std::string const& text) {
-  return moe::io::detail::JsonParser(text, "t: ").parse_document();
+  return moe::io::detail::parse_json(text, "t: ");
 }
 
 std::string json_error(std::string const& text) {

@@ -1,15 +1,12 @@
 #pragma once
 /// \file
-/// One step of a checkpoint on disk (no MPI: a tool can check one offline): the step directory's
-/// name, its index.json and verify_checkpoint. "step_<N>" (N with at least 8 digits) holds
-/// model.safetensors (every global tensor, the saver's metadata as "__metadata__") and index.json,
-/// written last, so a directory without it is incomplete:
+/// One step of a checkpoint on disk (no MPI: a tool can check one offline). "step_<N>" (N with at
+/// least 8 digits) holds model.safetensors (every global tensor, the saver's metadata as
+/// "__metadata__") and index.json, written last, so a directory without it is incomplete:
 ///
 ///     {"format": "moe-checkpoint", "version": 1, "step": N, "file": "model.safetensors",
 ///      "bytes": <its size>, "sha256": "<its plain SHA-256, 64 lowercase hex digits>",
 ///      "tensors": [{"name": "<name>", "dtype": "F32", "shape": [2, 3]}, ...]}  (sorted by name)
-///
-/// checkpoint_index_text writes it deterministically; a reader accepts any JSON with these members.
 
 #include <moe/error.hpp>
 #include <moe/io/json.hpp>
@@ -101,7 +98,7 @@ inline CheckpointIndex read_checkpoint_index(std::string const& step_dir) {
                       "): the checkpoint is incomplete"));
   }
   std::string const text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  JsonValue const root = detail::JsonParser(text, cat(kCheckpointIndexFile, ": ")).parse_document();
+  JsonValue const root = detail::parse_json(text, cat(kCheckpointIndexFile, ": "));
   auto member = [&](JsonValue const& obj, char const* key, K kind) -> JsonValue const& {
     for (std::size_t i = 0; i < obj.keys.size(); ++i) {
       if (obj.keys[i] == key && obj.items[i].kind == kind) return obj.items[i];

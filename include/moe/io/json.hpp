@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// JSON in moe/io (host-only) on nlohmann-json: the strict reader (JsonParser -> JsonValue) of the
+/// JSON in moe/io (host-only) on nlohmann-json: the strict reader (parse_json -> JsonValue) of the
 /// safetensors header and the checkpoint index, and helpers. nlohmann-json's SAX interface lexes
 /// (RFC 8259, UTF-8 checked, no recursion); on top, for untrusted files: duplicate keys are
 /// rejected, nesting is limited to 64 levels, no byte-order mark, integers keep their exact
@@ -60,7 +60,7 @@ inline char const* json_kind_name(JsonValue::Kind k) {
   return names[static_cast<int>(k)];
 }
 
-/// The SAX handler behind JsonParser: builds the JsonValue tree; returning false stops the parse
+/// The SAX handler behind parse_json: builds the JsonValue tree; returning false stops the parse
 /// (a duplicate key, nesting beyond kMaxDepth).
 class JsonTreeBuilder {
  public:
@@ -184,35 +184,24 @@ struct CountingCharIterator {
   }
 };
 
-/// A strict RFC 8259 parser (UTF-8 checked, duplicate object keys rejected, nesting limited, no
-/// byte-order mark). Errors are IoErrors that start with \p where and name the byte.
-class JsonParser {
- public:
-  JsonParser(std::string const& text, std::string where) : s_(text), where_(std::move(where)) {}
-
-  JsonValue parse_document() {
-    if (s_.compare(0, 3, "\xEF\xBB\xBF") == 0) fail("a byte-order mark is not allowed", 0);
-    JsonTreeBuilder h;
-    std::size_t read = 0;
-    char const* const b = s_.data();
-    CountingCharIterator const first{b, b, &read}, last{b + s_.size(), b, &read};
-    bool const ok =
-        nlohmann::json::sax_parse(first, last, &h, nlohmann::json::input_format_t::json, true);
-    if (ok) return std::move(h.root);
-    std::size_t const last_read = read > 0 ? read - 1 : 0;
-    if (h.error.empty()) fail("invalid JSON", last_read);
-    fail(h.error, h.error_at != std::string::npos ? h.error_at : last_read);
-  }
-
- private:
-  [[noreturn]] void fail(std::string const& what, std::size_t at) const {
-    throw IoError(
-        cat(where_, "header is not valid JSON: ", what, " (at byte ", at, " of the header)"));
-  }
-
-  std::string const& s_;
-  std::string where_;
-};
+/// Parses \p text strictly (RFC 8259, UTF-8 checked, duplicate object keys rejected, nesting
+/// limited, no byte-order mark). Errors are IoErrors that start with \p where and name the byte.
+inline JsonValue parse_json(std::string const& text, std::string const& where) {
+  auto fail = [&](std::string const& what, std::size_t at) {
+    return IoError(
+        cat(where, "header is not valid JSON: ", what, " (at byte ", at, " of the header)"));
+  };
+  if (text.compare(0, 3, "\xEF\xBB\xBF") == 0) throw fail("a byte-order mark is not allowed", 0);
+  JsonTreeBuilder h;
+  std::size_t read = 0;
+  char const* const b = text.data();
+  CountingCharIterator const first{b, b, &read}, last{b + text.size(), b, &read};
+  if (nlohmann::json::sax_parse(first, last, &h, nlohmann::json::input_format_t::json, true))
+    return std::move(h.root);
+  std::size_t const last_read = read > 0 ? read - 1 : 0;
+  if (h.error.empty()) throw fail("invalid JSON", last_read);
+  throw fail(h.error, h.error_at != std::string::npos ? h.error_at : last_read);
+}
 
 /// Reads the JSON number \p v as an int64; false if it is not an integer literal or out of range.
 inline bool json_to_int64(JsonValue const& v, std::int64_t& out) {

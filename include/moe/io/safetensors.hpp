@@ -1,16 +1,11 @@
 #pragma once
 /// \file
 /// Reading and writing safetensors files (host-only; safetensors_view.hpp copies to and from
-/// Views):
-///
-///     [8 bytes]  N, a little-endian uint64: the length of the header
-///     [N bytes]  UTF-8 JSON object, padded with spaces:
-///                {"__metadata__": {"key": "value", ...},            (optional, string -> string)
-///                 "name": {"dtype": "F32", "shape": [2, 3], "data_offsets": [begin, end]}, ...}
-///     [rest]     the data buffer; offsets are relative to its first byte
-///
-/// Reading validates the whole header first (with the strict parser of json.hpp); writing is
-/// deterministic and atomic (atomic_write.hpp).
+/// Views): an 8-byte little-endian header length N, then N bytes of JSON padded with spaces,
+///     {"__metadata__": {"key": "value", ...},   (optional)
+///      "name": {"dtype": "F32", "shape": [2, 3], "data_offsets": [begin, end]}, ...}
+/// then the data buffer the offsets count from. Reading validates the whole header first
+/// (json.hpp's strict parser); writing is deterministic and atomic (atomic_write.hpp).
 
 #include <moe/detail/text.hpp>
 #include <moe/error.hpp>
@@ -156,7 +151,7 @@ inline File File::read(std::string const& path) {
   }
   std::uint64_t const buffer_size = file_size - 8 - header_len;
 
-  JsonValue const root = detail::JsonParser(header, file + ": ").parse_document();
+  JsonValue const root = detail::parse_json(header, file + ": ");
   // Throws "<what> is <kind of v><rule>" unless v is of \p kind.
   auto expect = [](JsonValue const& v, JsonValue::Kind kind, std::string const& what,
                    char const* rule) {
