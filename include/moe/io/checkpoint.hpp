@@ -1,28 +1,18 @@
 #pragma once
 /// \file
-/// Checkpoints of a distributed run: save_checkpoint and load_latest_checkpoint (collective). The
-/// pieces: checkpoint_index.hpp (one step on disk and its verification, no MPI),
-/// checkpoint_lock.hpp (one writer per directory), sha256.hpp, detail/checkpoint_files.hpp.
+/// Checkpoints of a distributed run: save_checkpoint and load_latest_checkpoint (collective), built
+/// on checkpoint_index.hpp (one step on disk), checkpoint_lock.hpp (one writer per directory) and
+/// detail/checkpoint_files.hpp. Every rank passes its blocks (BlockRef) of global tensors; a
+/// checkpoint stores the global tensors, so a run may resume on another number of ranks or with
+/// another sharding.
 ///
-/// Every rank passes its blocks (BlockRef: host memory, F32 or F64, row-major) of global tensors.
-/// A checkpoint stores the global tensors, so a run may resume on another number of ranks or with
-/// another sharding. `dir/step_<N>/` (N with at least 8 digits) holds model.safetensors (the
-/// tensors, the metadata as "__metadata__") and index.json, written last. Temporary entries start
-/// with a dot (".tmp_step_*", ".trash_step_*") and are never read.
-///
-/// Save: the ranks agree on directory, step, keep and metadata and all-gather the block
-/// descriptions, so every rank builds the same plan (detail::save_plan) and raises the same
-/// ConfigError on bad blocks. Of identical blocks only the lowest rank's copy is sent; rank 0
-/// assembles the whole model in memory, writes "dir/.tmp_step_<N>.<pid>/" (the model, then the
-/// index with its size and SHA-256, each atomically), renames it to "step_<N>" (an existing one is
-/// swapped by renameat2(RENAME_EXCHANGE), or moved aside first where that is not supported),
-/// fsyncs "dir" and keeps the newest keep - 1 complete checkpoints below N (those above N are
-/// never deleted; a failed delete is a warning). A process killed at any moment leaves the old
-/// checkpoints or the new one complete. A save runs under "dir/LOCK" (checkpoint_lock.hpp).
-///
-/// Load: rank 0 takes the newest "step_<digits>" that verify_checkpoint accepts for the requested
-/// tensors (reporting each one skipped on stderr) and sends every rank its blocks. POSIX (Linux for
-/// the exchange). The format is stable: tests/data/checkpoint_v1 still loads.
+/// Save (under "dir/LOCK"): every rank plans from the same all-gathered block descriptions, so all
+/// raise the same ConfigError on bad blocks; each distinct block travels once to rank 0, which
+/// writes "dir/.tmp_step_<N>.<pid>/" (the model, then the index, each atomically), renames it to
+/// "step_<N>" (exchanging it with an existing one) and keeps the newest keep - 1 complete
+/// checkpoints below N. A process killed at any moment leaves the old checkpoints or the new one
+/// complete. Load: rank 0 takes the newest step that verify_checkpoint accepts (naming each one
+/// skipped on stderr) and sends every rank its blocks. tests/data/checkpoint_v1 pins the format.
 
 #include <moe/comm/bytes.hpp>
 #include <moe/comm/communicator.hpp>
@@ -85,9 +75,8 @@ inline std::size_t nbytes(Desc const& d) {
   return static_cast<std::size_t>(d.numel) * dtype_size(d.dtype);
 }
 
-/// This rank's blocks, each checked (ConfigError), as the text they travel in between ranks
-/// (never stored): a JSON array of [name, dtype, global, local, offset, hash], hash the
-/// moe::detail::fnv1a of the block's bytes (0 without \p with_hash); rank and index are implied.
+/// This rank's blocks, each checked (ConfigError), as the JSON array sent to the other ranks:
+/// [name, dtype, global, local, offset, hash] each (hash 0 without \p with_hash).
 inline std::string encode(std::vector<BlockRef> const& blocks, int rank, bool with_hash) {
   nlohmann::json j = nlohmann::json::array();
   for (std::size_t i = 0; i < blocks.size(); ++i) {

@@ -66,9 +66,8 @@ struct HeldLock {
   ~HeldLock();
 };
 
-/// The directories whose lock this process holds (fcntl locks belong to the process: a second
-/// F_SETLK of the same process succeeds silently, so the table is what detects it), and the mutex
-/// that guards the table.
+/// The locks this process holds by directory, and the mutex guarding them (a second F_SETLK of the
+/// same process succeeds silently, so this table is what detects it).
 struct HeldLocks {
   std::mutex mutex;
   std::map<DirKey, HeldLock const*> table;
@@ -98,10 +97,8 @@ inline HeldLock::~HeldLock() {
   ::close(fd);
 }
 
-/// Whether this process holds the lock of \p dir (an existing directory). When it does, throws
-/// IoError unless the LOCK file it locked is still the file at dir/LOCK: a LOCK deleted or
-/// replaced while the job runs would let a second job lock the directory, so the holder stops
-/// writing into it.
+/// Whether this process holds the lock of the existing directory \p dir; IoError if the LOCK it
+/// locked was deleted or replaced meanwhile (a second job could lock the new one).
 inline bool holds_lock(std::string const& dir) {
   DirKey const key = dir_key(dir);
   int fd = -1;
@@ -164,17 +161,15 @@ inline std::string describe_holder(std::string const& text, long lock_pid) {
   return "unknown: LOCK names no holder";
 }
 
-/// \brief The exclusive lock of a checkpoint directory held by this process: an fcntl write lock
-/// on all of "<dir>/LOCK", whose text names the holder; the kernel drops it when the process dies.
-/// Closing *any* descriptor of the file drops an fcntl lock, so LOCK is opened nowhere else. Never
-/// delete LOCK while a job runs: a new LOCK is another file, which a second job could lock.
+/// \brief This process's lock of a checkpoint directory: an fcntl write lock on all of
+/// "<dir>/LOCK" (whose text names the holder). Closing *any* descriptor of the file drops it, so
+/// LOCK is opened nowhere else; a new LOCK would be another file, which a second job could lock.
 class DirLock {
  public:
   DirLock() = default;
 
-  /// Locks the existing directory \p dir, waiting up to lock_wait_seconds() for another holder.
-  /// \throws IoError when another process holds it (the message names the holder) or LOCK
-  ///         cannot be opened; ConfigError when this process already holds it
+  /// Locks the existing directory \p dir, waiting up to lock_wait_seconds() for another holder:
+  /// IoError names that holder (or says LOCK cannot be opened); ConfigError if this process has it.
   explicit DirLock(std::string const& dir) {
     DirKey const key = dir_key(dir);
     long const self = static_cast<long>(::getpid());
@@ -199,8 +194,7 @@ class DirLock {
     whole.l_whence = SEEK_SET;
     bool locked = false;
     for (;;) {
-      struct flock fl = whole;
-      if (::fcntl(fd, F_SETLK, &fl) == 0) {
+      if (::fcntl(fd, F_SETLK, &whole) == 0) {
         locked = true;
         break;
       }
@@ -256,17 +250,11 @@ class DirLock {
 }  // namespace detail
 
 /// \brief One writer per checkpoint directory: the lock a job takes on the directory it saves
-/// into, held while the object lives. Collective: creates the directory when missing, then rank 0
-/// takes detail::DirLock and writes its identity into LOCK (hostname, pid, start time in UTC, the
-/// batch job id, the command line). Another holder (after a grace of lock_wait_seconds(), 2 s)
-/// makes every rank throw the same moe::IoError naming it; a lock this process holds already (by
-/// any path), moe::ConfigError. release() or the destructor empties LOCK; the file stays.
-///
-/// A job takes it for its whole run, before it resumes, so that no other job rotates away the
-/// checkpoint it loads or prunes between its saves (save_checkpoint alone locks one save).
-/// load_latest_checkpoint takes none. Where the file system keeps no fcntl locks (some FUSE or
-/// Lustre mounts), a warning says so and nothing stops a second job. A forked child does not
-/// inherit the lock.
+/// into, held while the object lives. A job holds it for its whole run, from before it resumes, so
+/// that no other job rotates away a checkpoint it loads (save_checkpoint alone locks one save; a
+/// load locks nothing). Collective: creates the directory when missing; rank 0 takes
+/// detail::DirLock. Another holder (after lock_wait_seconds(), 2 s) makes every rank throw the same
+/// moe::IoError naming it; a lock this process holds already (by any path), moe::ConfigError.
 class CheckpointDirLock {
  public:
   /// Holds nothing.

@@ -63,11 +63,10 @@ Tensor to_tensor(View const& v) {
   static_assert(detail::has_dtype<T>,
                 "to_tensor: the View's value type must be a 32/64-bit float or signed integer");
   auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
-  std::vector<std::int64_t> shape = detail::view_shape(v);
   std::vector<T> values;
   values.reserve(v.size());
   detail::for_each_row_major(host, [&](T const& x) { values.push_back(x); });
-  return Tensor::from(std::move(shape), values);
+  return Tensor::from(detail::view_shape(v), values);
 }
 
 /// Copies \p t into \p v, converting elements as Tensor::to_vector does. \p v must already have

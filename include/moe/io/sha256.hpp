@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// SHA-256 (FIPS 180-4) of bytes and of files, as lowercase hex: the checksum a checkpoint index
-/// records for its model file (moe/io/checkpoint_index.hpp). The digest is the plain one, so
-/// `sha256sum` gives the same text. Host-only; no Kokkos, no MPI.
+/// SHA-256 (FIPS 180-4) of bytes and of files as lowercase hex, as `sha256sum` prints it: the
+/// checksum a checkpoint index records for its model file. Host-only.
 
 #include <moe/error.hpp>
 

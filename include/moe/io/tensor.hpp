@@ -147,11 +147,11 @@ bool int_fits(S v) {
                : static_cast<std::uintmax_t>(v) <= static_cast<std::uintmax_t>(L::max());
 }
 
-/// Converts \p n elements of type S stored little-endian at \p src into \p out (S = uint16_t for
-/// BF16 and F16, read exactly as floats). Integer -> integer conversions are range-checked.
+/// The \p n elements of type S stored little-endian at \p src as T (S = uint16_t for BF16 and F16,
+/// read exactly as floats). Integer -> integer conversions are range-checked.
 template <class S, class T>
-void convert_elements(unsigned char const* src, std::size_t n, DType d, std::vector<T>& out) {
-  out.resize(n);
+std::vector<T> convert_elements(unsigned char const* src, std::size_t n, DType d) {
+  std::vector<T> out(n);
   for (std::size_t i = 0; i < n; ++i) {
     if constexpr (std::is_same<S, std::uint16_t>::value) {
       std::uint16_t const b = load_le<std::uint16_t>(src + 2 * i);
@@ -170,6 +170,7 @@ void convert_elements(unsigned char const* src, std::size_t n, DType d, std::vec
       (void)src, (void)d;  // float -> integer: rejected before the call, never implicit
     }
   }
+  return out;
 }
 
 }  // namespace detail
@@ -216,19 +217,12 @@ struct Tensor {
                                 " (floating values are never converted to integers; read it as "
                                 "float or double)"));
     }
-    std::vector<T> out;
     unsigned char const* const src = bytes.data();
-    if (dtype == DType::F32)
-      detail::convert_elements<float>(src, n, dtype, out);
-    else if (dtype == DType::F64)
-      detail::convert_elements<double>(src, n, dtype, out);
-    else if (dtype == DType::I32)
-      detail::convert_elements<std::int32_t>(src, n, dtype, out);
-    else if (dtype == DType::I64)
-      detail::convert_elements<std::int64_t>(src, n, dtype, out);
-    else  // BF16, F16
-      detail::convert_elements<std::uint16_t>(src, n, dtype, out);
-    return out;
+    if (dtype == DType::F32) return detail::convert_elements<float, T>(src, n, dtype);
+    if (dtype == DType::F64) return detail::convert_elements<double, T>(src, n, dtype);
+    if (dtype == DType::I32) return detail::convert_elements<std::int32_t, T>(src, n, dtype);
+    if (dtype == DType::I64) return detail::convert_elements<std::int64_t, T>(src, n, dtype);
+    return detail::convert_elements<std::uint16_t, T>(src, n, dtype);  // BF16, F16
   }
 
   /// This floating tensor with its elements in the floating type \p to (F32, F64, BF16, F16),

@@ -30,9 +30,8 @@ namespace moe::io::detail {
 
 namespace fs = std::filesystem;
 
-/// Test hook at a named point of a save (run by rank 0): _exit(86) there when
-/// MOE_CHECKPOINT_TEST_CRASH names it (a killed job), an IoError when MOE_CHECKPOINT_TEST_FAIL
-/// does.
+/// Test hook at a named point of a save (rank 0): _exit(86) when MOE_CHECKPOINT_TEST_CRASH names
+/// it (a killed job), an IoError when MOE_CHECKPOINT_TEST_FAIL does.
 inline void crash_point(char const* name) {
   char const* want = std::getenv("MOE_CHECKPOINT_TEST_CRASH");
   if (want && std::strcmp(want, name) == 0) ::_exit(86);
