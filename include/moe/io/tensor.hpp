@@ -237,11 +237,8 @@ struct Tensor {
     if (to == DType::F64) return Tensor::from(shape, to_vector<double>());
     if (to == DType::F32) return Tensor::from(shape, to_vector<float>());
     if (to == DType::BF16) return Tensor::from(shape, to_vector<moe::bf16>());
-    Tensor t;  // F16, which has no C++ element type here
-    t.dtype = to;
-    t.shape = shape;
-    auto const v = to_vector<float>();
-    t.bytes.resize(v.size() * 2);
+    auto const v = to_vector<float>();  // F16, which has no C++ element type here
+    Tensor t{to, shape, std::vector<unsigned char>(v.size() * 2)};
     for (std::size_t i = 0; i < v.size(); ++i)
       detail::store_le<std::uint16_t>(moe::detail::float_to_half_bits(v[i]),
                                       t.bytes.data() + 2 * i);
@@ -256,9 +253,7 @@ struct Tensor {
     static_assert(detail::has_dtype<T>,
                   "Tensor::from<T>: T must be a 32/64-bit float, moe::bf16 or a 32/64-bit signed "
                   "integer");
-    Tensor t;
-    t.dtype = detail::dtype_of<T>;
-    t.shape = std::move(shape);
+    Tensor t{detail::dtype_of<T>, std::move(shape), {}};
     std::int64_t const n = t.numel();
     if (static_cast<std::uint64_t>(n) != values.size()) {
       throw IoError(detail::cat("Tensor::from: shape ", detail::shape_text(t.shape), " holds ", n,
