@@ -42,10 +42,9 @@ inline std::string resolve_links(std::string path) {
     if (::lstat(path.c_str(), &st) != 0 || !S_ISLNK(st.st_mode)) return path;
     std::string target(std::size_t(st.st_size > 0 ? st.st_size : 255) + 1, '\0');
     ssize_t n = ::readlink(path.c_str(), target.data(), target.size());
-    if (n < 0) {
-      int const e = errno;
-      throw IoError(detail::cat("cannot read the symbolic link '", path, "': ", std::strerror(e)));
-    }
+    if (n < 0)
+      throw IoError(
+          detail::cat("cannot read the symbolic link '", path, "': ", std::strerror(errno)));
     target.resize(std::size_t(n));
     if (!target.empty() && target[0] != '/') {
       std::size_t const slash = path.find_last_of('/');

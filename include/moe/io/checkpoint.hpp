@@ -68,12 +68,10 @@ struct Desc {
   std::vector<std::int64_t> global, local, offset;
   std::uint64_t hash = 0;  ///< moe::detail::fnv1a of the block's bytes (saves only)
   std::int64_t numel = 0;  ///< elements of the local block
-};
 
-/// Bytes of the local block of \p d.
-inline std::size_t nbytes(Desc const& d) {
-  return static_cast<std::size_t>(d.numel) * dtype_size(d.dtype);
-}
+  /// Bytes of the local block.
+  std::size_t nbytes() const { return static_cast<std::size_t>(numel) * dtype_size(dtype); }
+};
 
 /// This rank's blocks, each checked (ConfigError), as the JSON array sent to the other ranks:
 /// [name, dtype, global, local, offset, hash] each (hash 0 without \p with_hash).
@@ -320,13 +318,13 @@ inline void save_checkpoint(moe::comm::Communicator const& comm, std::string con
       if (root) {
         auto* src = static_cast<unsigned char*>(data);
         if (d.rank != 0) {
-          buf.resize(cd::nbytes(d));
+          buf.resize(d.nbytes());
           moe::comm::recv_bytes(comm, d.rank, buf.data(), buf.size());
           src = buf.data();
         }
         cd::copy_box(tensors[kv.first].bytes.data(), d.global, src, d.local, d.offset, esz, true);
       } else if (d.rank == comm.rank()) {
-        moe::comm::send_bytes(comm, 0, data, cd::nbytes(d));
+        moe::comm::send_bytes(comm, 0, data, d.nbytes());
       }
     }
   }
@@ -417,18 +415,18 @@ inline bool load_latest_checkpoint(moe::comm::Communicator const& comm, std::str
       for (cd::Desc const& d : rank_descs) {
         if (d.numel == 0) continue;
         std::size_t const esz = dtype_size(d.dtype);
-        if (d.rank != 0) buf.resize(cd::nbytes(d));
+        if (d.rank != 0) buf.resize(d.nbytes());
         auto* const dst =
             d.rank == 0 ? static_cast<unsigned char*>(blocks[d.index].data) : buf.data();
         auto* const src = const_cast<unsigned char*>(file.at(d.name).bytes.data());
         cd::copy_box(src, d.global, dst, d.local, d.offset, esz, false);
-        cd::swap_to_le(dst, cd::nbytes(d), esz);
-        if (d.rank != 0) moe::comm::send_bytes(comm, d.rank, dst, cd::nbytes(d));
+        cd::swap_to_le(dst, d.nbytes(), esz);
+        if (d.rank != 0) moe::comm::send_bytes(comm, d.rank, dst, d.nbytes());
       }
     }
   } else {
     for (cd::Desc const& d : all[static_cast<std::size_t>(comm.rank())]) {
-      if (d.numel > 0) moe::comm::recv_bytes(comm, 0, blocks[d.index].data, cd::nbytes(d));
+      if (d.numel > 0) moe::comm::recv_bytes(comm, 0, blocks[d.index].data, d.nbytes());
     }
   }
   metadata = chosen["metadata"].get<std::map<std::string, std::string>>();
