@@ -25,15 +25,15 @@ void route_backward(ExecSpace const& space, RouteParams const& p,
                     RoutingState<Scalar, MS> const& st, View2<Scalar const, MS> d_weights,
                     std::int64_t seq_len, double lb_coef, View2<Scalar, MS> d_top,
                     View2<Scalar, MS> d_biased, View2<Scalar, MS> d_logits) {
-  int const E = p.E, K = p.K;
+  int const E = p.cfg.num_experts, K = p.cfg.num_experts_per_tok;
   bool const deepseek = p.kind.deepseek;
   // DeepSeek takes its top values from the pre-bias scores, except under random routing, which
   // gathers the biased gate output.
   bool const from_scores = deepseek && !p.kind.random;
-  bool const ds_normalise = p.score == ScoreFunc::Sigmoid || p.score == ScoreFunc::SqrtSoftplus;
-  bool const norm = p.norm_topk_prob;
-  Scalar const scaling = Scalar(p.scaling);
-  ScoreFunc const f = p.score;
+  ScoreFunc const f = p.cfg.routed_score_func;
+  bool const ds_normalise = f == ScoreFunc::Sigmoid || f == ScoreFunc::SqrtSoftplus;
+  bool const norm = p.cfg.norm_topk_prob;
+  Scalar const scaling = Scalar(p.cfg.routed_scaling_factor);
   Scalar const coef = Scalar(lb_coef);
   auto logits = st.logits;
   auto scores = st.scores;

@@ -130,26 +130,13 @@ KOKKOS_INLINE_FUNCTION auto group_score(Row const& row, int g, int group_size) {
 
 }  // namespace detail
 
-/// Static parameters of the routing kernels, resolved once from the config.
+/// The config and routing family the routing kernels run with.
 struct RouteParams {
   Kind kind;
-  ScoreFunc score = ScoreFunc::None;
-  int E = 0, K = 0, groups = -1, topk_groups = -1;
-  bool norm_topk_prob = false;
-  double scaling = 1.0;
-  std::uint64_t seed = 0;
+  LayerConfig cfg;
 
   RouteParams() = default;
-  RouteParams(LayerConfig const& cfg, Kind k)
-      : kind(k),
-        score(cfg.routed_score_func),
-        E(cfg.num_experts),
-        K(cfg.num_experts_per_tok),
-        groups(cfg.n_routing_groups),
-        topk_groups(cfg.topk_routing_group),
-        norm_topk_prob(cfg.norm_topk_prob),
-        scaling(cfg.routed_scaling_factor),
-        seed(cfg.seed) {}
+  RouteParams(LayerConfig const& c, Kind k) : kind(k), cfg(c) {}
 };
 
 /// \brief Applies the score function to raw gate logits: scores[T,E] = score(logits).
@@ -184,12 +171,14 @@ template <class ExecSpace, class Scalar, class MS>
 void select_topk(ExecSpace const& space, RouteParams const& p, std::uint64_t token_offset,
                  View2<Scalar const, MS> scores, View2<Scalar const, MS> biased, View2<int, MS> ids,
                  View2<Scalar, MS> top_values, View2<Scalar, MS> weights) {
-  int const E = p.E, K = p.K, G = p.groups, TG = p.topk_groups;
+  int const E = p.cfg.num_experts, K = p.cfg.num_experts_per_tok;
+  int const G = p.cfg.n_routing_groups, TG = p.cfg.topk_routing_group;
   bool const deepseek = p.kind.deepseek, random = p.kind.random;
-  bool const ds_normalise = p.score == ScoreFunc::Sigmoid || p.score == ScoreFunc::SqrtSoftplus;
-  bool const norm = p.norm_topk_prob;
-  Scalar const scaling = Scalar(p.scaling);
-  std::uint64_t const seed = p.seed;
+  ScoreFunc const f = p.cfg.routed_score_func;
+  bool const ds_normalise = f == ScoreFunc::Sigmoid || f == ScoreFunc::SqrtSoftplus;
+  bool const norm = p.cfg.norm_topk_prob;
+  Scalar const scaling = Scalar(p.cfg.routed_scaling_factor);
+  std::uint64_t const seed = p.cfg.seed;
   Kokkos::parallel_for(
       "moe::routing::select_topk", Kokkos::RangePolicy<ExecSpace>(space, 0, biased.extent(0)),
       KOKKOS_LAMBDA(std::size_t t) {
