@@ -68,16 +68,7 @@ struct Parameters {
   /// names each tensor once: `a.*m = op(b.*m)`.
   template <class F>
   static void for_each_field(LayerConfig const& cfg, F&& f) {
-    f("gate", &Parameters::gate);
-    if (cfg.routed_bias) f("gate_bias", &Parameters::gate_bias);
-    f("wi_0", &Parameters::wi_0);
-    f("wi_1", &Parameters::wi_1);
-    f("wo", &Parameters::wo);
-    if (cfg.shared_mlp_dim() > 0) {
-      f("shared_wi_0", &Parameters::shared_wi_0);
-      f("shared_wi_1", &Parameters::shared_wi_1);
-      f("shared_wo", &Parameters::shared_wo);
-    }
+    for_each_member(cfg.routed_bias, cfg.shared_mlp_dim() > 0, f);
   }
 
   /// \brief Throws ShapeError "`what` name is [..] but `needs` [..]" for the first tensor `cfg`
@@ -108,15 +99,23 @@ struct Parameters {
   /// Calls f(name, view) for every allocated tensor, in a fixed order (MaxText names).
   template <class F>
   void for_each(F&& f) const {
-    f("gate", gate);
-    if (gate_bias.data()) f("gate_bias", gate_bias);
-    f("wi_0", wi_0);
-    f("wi_1", wi_1);
-    f("wo", wo);
-    if (shared_wo.data()) {
-      f("shared_wi_0", shared_wi_0);
-      f("shared_wi_1", shared_wi_1);
-      f("shared_wo", shared_wo);
+    for_each_member(gate_bias.data() != nullptr, shared_wo.data() != nullptr,
+                    [&](char const* n, auto m) { f(n, this->*m); });
+  }
+
+ private:
+  /// f(name, member pointer) for every tensor, gate_bias only with `bias`, shared_* with `shared`.
+  template <class F>
+  static void for_each_member(bool bias, bool shared, F&& f) {
+    f("gate", &Parameters::gate);
+    if (bias) f("gate_bias", &Parameters::gate_bias);
+    f("wi_0", &Parameters::wi_0);
+    f("wi_1", &Parameters::wi_1);
+    f("wo", &Parameters::wo);
+    if (shared) {
+      f("shared_wi_0", &Parameters::shared_wi_0);
+      f("shared_wi_1", &Parameters::shared_wi_1);
+      f("shared_wo", &Parameters::shared_wo);
     }
   }
 };
