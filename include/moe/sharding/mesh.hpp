@@ -244,7 +244,8 @@ class Mesh {
     auto const c = coords(rank);
     int g = 0;
     for (std::size_t i = 0; i < axes_.size(); ++i)
-      if (!contains(axes, axes_[i].first)) g = g * axes_[i].second + c[i];
+      if (std::find(axes.begin(), axes.end(), axes_[i].first) == axes.end())
+        g = g * axes_[i].second + c[i];
     return g;
   }
   /// \brief Global ranks of the group of `axes` that contains `rank`, ordered by rank_in_group.
@@ -284,9 +285,6 @@ class Mesh {
     for (std::size_t i = 0; i < axes.size(); ++i)
       s += (i ? " x " : "") + axes[i].first + "=" + std::to_string(axes[i].second);
     return s.empty() ? "1" : s;
-  }
-  static bool contains(std::vector<std::string> const& v, std::string const& x) {
-    return std::find(v.begin(), v.end(), x) != v.end();
   }
   void check_rank(int rank) const {
     detail::require<ConfigError>(rank >= 0 && rank < num_ranks(), "rank ", rank,

@@ -45,18 +45,13 @@ struct LogicalRule {
 /// \brief JSON string literal of `s` (quotes, backslashes and control characters escaped).
 inline std::string json_string(std::string const& s) { return ::moe::detail::json_text(s); }
 
-/// \brief MaxText's serialisation of one dimension: [] -> `null`, one axis -> `"axis"`, several ->
-/// `["a", "b"]`.
-inline ::moe::detail::ordered_json json(DimAxes const& dim) {
-  if (dim.empty()) return nullptr;
-  if (dim.size() == 1) return dim[0];
-  return dim;
-}
-
-/// \brief A PartitionSpec as a JSON list of json(DimAxes).
+/// \brief A PartitionSpec as JSON, per dimension as MaxText writes it: [] -> `null`, one axis ->
+/// `"axis"`, several -> `["a", "b"]`.
 inline ::moe::detail::ordered_json json(PartitionSpec const& spec) {
-  auto out = ::moe::detail::ordered_json::array();
-  for (auto const& dim : spec) out.push_back(json(dim));
+  using J = ::moe::detail::ordered_json;
+  auto out = J::array();
+  for (auto const& dim : spec)
+    out.push_back(dim.empty() ? J() : dim.size() == 1 ? J(dim[0]) : J(dim));
   return out;
 }
 
