@@ -55,6 +55,17 @@ inline void check_sizes(char const* who, std::vector<std::int64_t> const& v) {
                                      " is negative; group sizes must be >= 0");
 }
 
+/// A layout of shard `me` of `ep`, holding L = E/ep local experts; ConfigError unless they divide.
+inline LocalLayout shard_layout(char const* who, int E, int ep, int me) {
+  moe::detail::require<ConfigError>(E >= 1 && ep >= 1 && E % ep == 0, who, ": num_experts=", E,
+                                    " is not divisible by the expert-parallel size ", ep);
+  moe::detail::require<ConfigError>(me >= 0 && me < ep, who, ": me=", me,
+                                    " is not a shard index in [0, ", ep, ")");
+  LocalLayout lay;
+  lay.num_local = E / ep;
+  return lay;
+}
+
 template <class ExecSpace, class Map, class SrcView, class DstView>
 void gather_by(ExecSpace const& space, char const* label, Map const& map, std::int64_t rows,
                SrcView const& src, DstView const& dst) {
@@ -84,15 +95,10 @@ void gather_by(ExecSpace const& space, char const* label, Map const& map, std::i
 inline LocalLayout local_layout(std::vector<std::int64_t> const& G, int E, int ep, int me,
                                 std::int64_t R = -1) {
   char const* who = "moe::permute::local_layout";
-  moe::detail::require<ConfigError>(E >= 1 && ep >= 1 && E % ep == 0, who, ": num_experts=", E,
-                                    " is not divisible by the expert-parallel size ", ep);
-  moe::detail::require<ConfigError>(me >= 0 && me < ep, who, ": me=", me,
-                                    " is not a shard index in [0, ", ep, ")");
+  LocalLayout lay = detail::shard_layout(who, E, ep, me);
   moe::detail::require<ShapeError>(!G.empty() && G.size() % E == 0, who, ": G has ", G.size(),
                                    " entries; it must be [senders, E] with E=", E);
   detail::check_sizes(who, G);
-  LocalLayout lay;
-  lay.num_local = E / ep;
   lay.num_senders = static_cast<int>(G.size() / E);
   for (int i = 0; i < lay.num_senders; ++i)
     for (int l = 0; l < lay.num_local; ++l)
@@ -106,14 +112,8 @@ inline LocalLayout local_layout(std::vector<std::int64_t> const& G, int E, int e
 inline LocalLayout local_layout_replicated(std::vector<std::int64_t> const& global_group_sizes,
                                            int ep, int me, std::int64_t R = -1) {
   char const* who = "moe::permute::local_layout_replicated";
-  int const E = static_cast<int>(global_group_sizes.size());
-  moe::detail::require<ConfigError>(E >= 1 && ep >= 1 && E % ep == 0, who, ": num_experts=", E,
-                                    " is not divisible by the expert-parallel size ", ep);
-  moe::detail::require<ConfigError>(me >= 0 && me < ep, who, ": me=", me,
-                                    " is not a shard index in [0, ", ep, ")");
+  LocalLayout lay = detail::shard_layout(who, static_cast<int>(global_group_sizes.size()), ep, me);
   detail::check_sizes(who, global_group_sizes);
-  LocalLayout lay;
-  lay.num_local = E / ep;
   lay.num_senders = 1;
   for (int e = 0; e < me * lay.num_local; ++e) lay.source_offset += global_group_sizes[e];
   lay.block_sizes.assign(global_group_sizes.begin() + std::size_t(me) * lay.num_local,
