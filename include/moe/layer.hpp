@@ -56,9 +56,8 @@ class MoeLayer {
   /// ParameterStore).
   params_type& parameters() { return step_.parameters(); }
   params_type const& parameters() const { return step_.parameters(); }
-  /// \brief Declares the parameters written (optimizer step, checkpoint load): the next forward
-  /// repacks the expert weights for GEMM backends that keep packed copies. Cheap; call it after
-  /// every update.
+  /// Declares the parameters written (see ParameterStore::weights_changed()); call it after every
+  /// update.
   void weights_changed() { step_.weights_changed(); }
   /// Version of the parameters' contents (increases with every weights_changed()).
   std::uint64_t weights_version() const { return step_.weights_version(); }

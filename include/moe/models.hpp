@@ -34,7 +34,6 @@ struct ModelFacts {
   /// ParallelConfig key the model opts into (mixtral-8x7b, as MaxText PR #4179 set it; issue
   /// #14). Only the dense path with an expert axis is affected.
   bool moe_dispatch_no_expert_sharding;
-  std::string maxtext_decoder_block;  ///< MaxText's decoder_block of the model (documentation)
 
   /// The (key, value) pairs `model_name=name` sets, in LayerConfig / ParallelConfig text form.
   std::vector<std::pair<std::string, std::string>> key_values() const {
@@ -65,14 +64,14 @@ struct ModelFacts {
 inline std::vector<ModelFacts> const& model_table() {
   // clang-format off
   static std::vector<ModelFacts> const t = {
-      // name             E    K  D     F      sh block       score      bias   grp tkg scale norm   act               lb     noexp  MaxText block
-      {"mixtral-8x7b",    8,   2, 4096, 14336, 0, "mixtral",  "",        false, -1, -1, 1.0, false, "[silu, linear]", -1,    true,  "mixtral"},
-      {"mixtral-8x22b",   8,   2, 6144, 16384, 0, "mixtral",  "",        false, -1, -1, 1.0, false, "[silu, linear]", -1,    false, "mixtral"},
-      {"deepseek3-671b",  256, 8, 7168, 2048,  1, "deepseek", "sigmoid", true,  -1, -1, 2.5, false, "[silu, linear]", -1,    false, "deepseek"},
-      {"qwen3-30b-a3b",   128, 8, 2048, 768,   0, "mixtral",  "",        false, -1, -1, 1.0, true,  "[silu, linear]", -1,    false, "qwen3_moe"},
-      {"qwen3-30b-a3b-base", 128, 8, 2048, 768, 0, "mixtral", "",        false, -1, -1, 1.0, true,  "[silu, linear]", -1,    false, "qwen3_moe"},
-      {"qwen3-235b-a22b", 128, 8, 4096, 1536,  0, "mixtral",  "",        false, -1, -1, 1.0, true,  "[silu, linear]", 0.001, false, "qwen3_moe"},
-      {"qwen3-480b-a35b", 160, 8, 6144, 2560,  0, "mixtral",  "",        false, -1, -1, 1.0, true,  "[silu, linear]", -1,    false, "qwen3_moe"},
+      // name             E    K  D     F      sh block       score      bias   grp tkg scale norm   act               lb     noexp
+      {"mixtral-8x7b",    8,   2, 4096, 14336, 0, "mixtral",  "",        false, -1, -1, 1.0, false, "[silu, linear]", -1,    true},
+      {"mixtral-8x22b",   8,   2, 6144, 16384, 0, "mixtral",  "",        false, -1, -1, 1.0, false, "[silu, linear]", -1,    false},
+      {"deepseek3-671b",  256, 8, 7168, 2048,  1, "deepseek", "sigmoid", true,  -1, -1, 2.5, false, "[silu, linear]", -1,    false},
+      {"qwen3-30b-a3b",   128, 8, 2048, 768,   0, "mixtral",  "",        false, -1, -1, 1.0, true,  "[silu, linear]", -1,    false},
+      {"qwen3-30b-a3b-base", 128, 8, 2048, 768, 0, "mixtral", "",        false, -1, -1, 1.0, true,  "[silu, linear]", -1,    false},
+      {"qwen3-235b-a22b", 128, 8, 4096, 1536,  0, "mixtral",  "",        false, -1, -1, 1.0, true,  "[silu, linear]", 0.001, false},
+      {"qwen3-480b-a35b", 160, 8, 6144, 2560,  0, "mixtral",  "",        false, -1, -1, 1.0, true,  "[silu, linear]", -1,    false},
   };
   // clang-format on
   return t;

@@ -62,8 +62,7 @@ inline int affinity_cores() {
     int const n = CPU_COUNT(&set);
     if (n > 0) return n;
   }
-  unsigned const hc = std::thread::hardware_concurrency();
-  return hc > 0 ? int(hc) : 1;
+  return int(std::max(1u, std::thread::hardware_concurrency()));
 }
 
 /// \brief The rule for a process sharing its node with `local_ranks` ranks (itself included;
@@ -71,11 +70,8 @@ inline int affinity_cores() {
 inline HostThreads host_threads_rule_for(int local_ranks) {
   HostThreads h;
   h.local_ranks = std::max(1, local_ranks);
-  unsigned const hc = std::thread::hardware_concurrency();
-  h.node_cores = hc > 0 ? int(hc) : 1;
-  int const share = h.node_cores / h.local_ranks;
-  int const mine = affinity_cores();
-  h.threads = std::max(1, std::min(mine, share));
+  h.node_cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  h.threads = std::max(1, std::min(affinity_cores(), h.node_cores / h.local_ranks));
   h.blas_threads = h.threads;
   if (char const* env = std::getenv("OMP_NUM_THREADS"); env && std::atoi(env) > 0) {
     h.threads = std::atoi(env);
@@ -102,18 +98,15 @@ inline HostThreads& applied_host_threads() {
   return h;
 }
 
-/// \brief Applies a rule (see the file comment) and returns it.
-inline HostThreads apply_host_threads(HostThreads const& h) {
+/// \brief Applies a rule (see the file comment).
+inline void apply_host_threads(HostThreads const& h) {
   if (detail::have_openmp()) omp_set_num_threads(h.threads);
   if (openblas_set_num_threads) openblas_set_num_threads(h.blas_threads);
   applied_host_threads() = h;
-  return h;
 }
 
-/// \brief Applies host_threads_rule(comm) and returns it. Collective over `comm`.
-inline HostThreads apply_host_threads(MPI_Comm comm) {
-  return apply_host_threads(host_threads_rule(comm));
-}
+/// \brief Applies host_threads_rule(comm). Collective over `comm`.
+inline void apply_host_threads(MPI_Comm comm) { apply_host_threads(host_threads_rule(comm)); }
 
 /// \brief One line naming the GEMM backend of host float GEMMs, its ISA and threads, e.g.
 /// "gemm: oneDNN 2.6.3 avx2, 1 thread per rank (2 ranks on 2 cores)".
