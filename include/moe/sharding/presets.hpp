@@ -2,12 +2,8 @@
 /// \file
 /// The default logical-axis rules (MaxText's base config) and the `custom_mesh_and_rule` presets,
 /// each with its own mesh axes. Only the names an MoE layer and its dense neighbours use are
-/// listed; other names resolve to unsharded, as in MaxText (`decode_batch_moe` is left out).
-///
-/// Rule order reproduces MaxText's conflicts: `mlp` precedes `embed` and `exp` < `mlp_moe` <
-/// `embed_moe`, so a weight's embed dimension falls back to its second rule when the mlp dimension
-/// took `fsdp_transpose`; `activation_batch_moe` precedes `activation_exp`, so in a joint
-/// resolution of the dense dispatch tensor the batch dimension claims `expert` (SEMANTICS §1.13).
+/// listed; other names resolve to unsharded, as in MaxText (`decode_batch_moe` is left out). Rule
+/// order reproduces MaxText's conflicts (see default_rules()).
 
 #include <moe/error.hpp>
 #include <moe/sharding/mesh.hpp>
@@ -52,7 +48,8 @@ struct Preset {
 /// \brief The library's default rules (MaxText base config, MoE-relevant names).
 inline LogicalRules default_rules() {
   return detail::rules_with_twins({
-      // Activations. Batch rules come before activation_exp (see file comment).
+      // Activations. Batch rules precede activation_exp: in a joint resolution of the dense
+      // dispatch tensor the batch dimension claims `expert` (SEMANTICS §1.13).
       {"activation_batch", {"data", "fsdp", "fsdp_transpose", "expert"}, detail::moe_too},
       {"activation_length", {"context", "context_usp_ulysses"}, detail::moe_too},
       {"activation_norm_length",
@@ -68,7 +65,7 @@ inline LogicalRules default_rules() {
       {"embed", {"fsdp", "context", "context_usp_ulysses", "expert"}},
       {"layers", {"stage"}},
       {"moe_layers", {}},
-      // Expert weights: exp < mlp_moe < embed_moe.
+      // Expert weights: exp < mlp_moe < embed_moe, embed_moe falling back in the same way.
       {"exp", {"expert"}},
       {"mlp_moe", {"fsdp_transpose", "tensor", "tensor_sequence", "autoregressive"}},
       {"embed_moe", {"fsdp", "fsdp_transpose", "context", "context_usp_ulysses"}},
