@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -127,12 +128,8 @@ class PlanBuilder {
   /// The declaration of workspace buffer `h` [rows, cols], made in the current phase (counted
   /// under `item`, by default the buffer's own).
   template <class Role>
-  BufferDecl out(Handle<Role> h, Extent rows, Extent cols) const {
-    return out(h, rows, cols, info(h.id).item);
-  }
-  template <class Role>
-  BufferDecl out(Handle<Role> h, Extent rows, Extent cols, Item item) const {
-    return {h.id, {rows, cols}, info(h.id).elem, item, backward};
+  BufferDecl out(Handle<Role> h, Extent rows, Extent cols, std::optional<Item> item = {}) const {
+    return {h.id, {rows, cols}, info(h.id).elem, item.value_or(info(h.id).item), backward};
   }
 
   /// The stages of the current phase.
@@ -255,26 +252,8 @@ class PlanBuilder {
     declare(out(buf::x, tokens(), token_cols()));
     return p;
   }
-  /// The backward's last stages (router on the tokens `x` it routed, gradient reduction); moves
-  /// the plan out.
-  StepPlan finish(Ref x) {
-    route_backward(x);
-    reduce_grads();
-    return std::move(plan_);
-  }
   /// The forward's first stage: stored weight blocks -> compute blocks.
-  void gather_weights() {
-    auto& st = stage(StageKind::gather_weights, "moe::dist::gather_weights", {}, {});
-    for (Weight n : moved()) {
-      st.reads.push_back(stored(n));
-      st.writes.push_back(compute(n));
-      auto cur = shape(lay.weight(to_string(n)), &DimLayout::stored);
-      for (auto const& o : plan_.weight(to_string(n)).to_compute) {
-        weight_collective(st, o, cur, n == Weight::gate ? Payload::gate : Payload::weights);
-        cur = o.shape;
-      }
-    }
-  }
+  void gather_weights() { weight_stage(false); }
   /// The router on the tokens `x`; `logits`: the chunked ring's, which all-gathers the gate
   /// logits of the own tokens instead of the tokens.
   void route(Ref x, bool logits = false) {
@@ -306,35 +285,44 @@ class PlanBuilder {
     all_gather(o, "all-gather y (tensor)", lay.tp_axes, T, Dc, 1);
     backward = true;
   }
-  /// The router's backward on the tokens `x` it routed (dx sums path, shared, router, in order).
-  void route_backward(Ref x) {
+  /// The backward's last stages, then moves the plan out: the router's backward on the tokens
+  /// `x` it routed (dx sums path, shared, router, in order) and the gradient reduction (compute
+  /// blocks -> stored blocks).
+  StepPlan finish(Ref x) {
     auto& st = stage(StageKind::route, "moe::dist::route::backward",
                      {x, buf::d_weights, compute(Weight::gate)},
                      {Buf::dx, grad(Weight::gate), grad(Weight::gate_bias)});
     st.flops = 2 * gemm(T, D, E);  // dx += d_logits gate^T, d_gate = x^T d_logits
     hold(Buf::d_top, {tokens(), topk()});
     for (Buf b : {Buf::d_biased, Buf::d_logits}) hold(b, {tokens(), experts()});
-  }
-  /// The backward's last stage: compute-block gradients -> stored-block gradients.
-  void reduce_grads() {
-    auto& st = stage(StageKind::reduce_grads, "moe::dist::reduce_grads", {}, {});
-    auto names = moved();
-    if (cfg.routed_bias) names.insert(names.begin() + 1, Weight::gate_bias);
-    for (Weight n : names) {
-      st.reads.push_back(grad(n));
-      st.writes.push_back(stored_grad(n));
-      auto cur = shape(lay.weight(to_string(n)), &DimLayout::computed);
-      for (auto const& o : plan_.weight(to_string(n)).to_storage) {
-        weight_collective(st, o, cur, Payload::gradients);
-        cur = o.shape;
-      }
-    }
+    weight_stage(true);
+    return std::move(plan_);
   }
   /// Whether the layer has a shared expert.
   bool shared() const { return cfg.shared_mlp_dim() > 0; }
 
  private:
   using Kind = WeightOp::Kind;
+  /// gather_weights (the weights' to_compute ops) or (`grads`) reduce_grads (to_storage).
+  void weight_stage(bool grads) {
+    auto& st = grads ? stage(StageKind::reduce_grads, "moe::dist::reduce_grads", {}, {})
+                     : stage(StageKind::gather_weights, "moe::dist::gather_weights", {}, {});
+    auto names = moved();
+    if (grads && cfg.routed_bias) names.insert(names.begin() + 1, Weight::gate_bias);
+    for (Weight n : names) {
+      st.reads.push_back(grads ? grad(n) : stored(n));
+      st.writes.push_back(grads ? stored_grad(n) : compute(n));
+      auto cur = shape(lay.weight(to_string(n)), grads ? &DimLayout::computed : &DimLayout::stored);
+      auto const& ws = plan_.weight(to_string(n));
+      Payload const p = grads               ? Payload::gradients
+                        : n == Weight::gate ? Payload::gate
+                                            : Payload::weights;
+      for (auto const& o : grads ? ws.to_storage : ws.to_compute) {
+        weight_collective(st, o, cur, p);
+        cur = o.shape;
+      }
+    }
+  }
   Stage& ffn_stage(StageKind kind, char const* region, std::initializer_list<Weight> weights,
                    std::vector<Ref> reads, std::vector<Out> writes) {
     for (Weight w : weights) {
@@ -391,9 +379,9 @@ class PlanBuilder {
       for (std::size_t d = 0; d < w.dims.size(); ++d)
         if (!(w.dims[d].*m).empty()) f(int(d), w.dims[d].*m);
     };
-    // stored -> compute: all gathers first (a gather combines blocks cut the same way), then
-    // the slices; two-stage gathers run one axis at a time, minor axis first, so blocks stay in
-    // row-major order.
+    // stored -> compute: the gathers (combining blocks cut the same way), then the slices;
+    // two-stage gathers go one axis at a time, minor axis first, keeping the blocks in row-major
+    // order.
     auto cur = shape(w, &DimLayout::stored);
     each(&DimLayout::gather, [&](int d, Axes const& g) {
       std::vector<Axes> parts{g};
@@ -410,9 +398,9 @@ class PlanBuilder {
       cur[d] /= lay.parts(sl);
       ws.to_compute.push_back(op(Kind::slice, d, sl, cur, ""));
     });
-    // compute gradient -> stored gradient: the transpose. Sum over the token axes that differ
-    // and were not gathered, undo the slices (all-gather), then the gathers (reduce-scatter, or
-    // a sum over the gathered axes that also reduce plus a slice).
+    // compute gradient -> stored gradient, the transpose: sum over the reduce axes not gathered,
+    // undo the slices (all-gather), then the gathers (reduce-scatter, or sum over the gathered
+    // axes that also reduce, then slice).
     Axes gathered;
     for (auto const& d : w.dims) gathered.insert(gathered.end(), d.gather.begin(), d.gather.end());
     auto const reduce = minus(w.reduce, gathered);
