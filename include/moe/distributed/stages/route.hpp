@@ -1,7 +1,7 @@
 #pragma once
 /// \file
-/// Route stage of the distributed layer: the router on the working tokens, its global statistics,
-/// and its backward.
+/// Route stage of the distributed layer: the router on the working tokens and its global
+/// statistics.
 
 #include <moe/detail/views.hpp>
 #include <moe/distributed/layout.hpp>
@@ -59,15 +59,6 @@ void route_tokens(Ctx& ctx, typename Ctx::view2 xw, bool ring) {
   ctx.router.forward(ctx.space, cview2(xw), ctx.cp.gate, ctx.cp.gate_bias, ctx.S,
                      member_token_offsets(ctx, ring), ring ? ctx.ep().rank() : 0);
   route_statistics(ctx);
-}
-
-/// The router's backward on this rank's tokens: dx += d_logits gate^T, d_gate, d_gate_bias.
-template <class Ctx>
-void route_backward(Ctx& ctx, typename Ctx::view2 dx) {
-  using cview2 = typename Ctx::cview2;
-  ctx.router.backward(ctx.space, cview2(ctx.ws.at(buf::x)), ctx.cp.gate,
-                      cview2(ctx.ws.at(buf::d_weights)), ctx.router.lb_coefficient(ctx.B), dx,
-                      ctx.gc.gate, ctx.gc.gate_bias);
 }
 
 }  // namespace moe::distributed::stages

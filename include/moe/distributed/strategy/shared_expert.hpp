@@ -82,11 +82,6 @@ typename Ctx::view2 shared_mlp_backward(Ctx& ctx, typename Ctx::cview2 dy, Handl
   return dx;
 }
 
-/// Whether the shared expert's tokens are the expert group's.
-template <class Ctx>
-bool shared_spans_group(Ctx const& ctx) {
-  return ctx.plan.shared_tokens > ctx.plan.tokens;
-}
 /// Own tokens -> working tokens: an all-gather over the expert group when the working tokens
 /// are the group's (`spans`), else a copy.
 template <class Ctx>
@@ -109,47 +104,6 @@ void tokens_reduce(Ctx& ctx, bool spans, typename Ctx::view2 work, typename Ctx:
   }
 }
 
-/// The shared expert added into the D/tp columns y_c: on this rank's own tokens, or EP-as-TP on
-/// the expert group's, the partial outputs going back to their tokens' owners.
-template <class Ctx>
-void shared_forward(Ctx& ctx, typename Ctx::view2 x, typename Ctx::view2 y_c) {
-  using cview2 = typename Ctx::cview2;
-  bool const own = ctx.layout.shared == SharedExpert::own;
-  cview2 xs = x;
-  if (!own) {
-    auto xsh = ctx.ws.make(buf::x_shared);
-    tokens_gather(ctx, shared_spans_group(ctx), cview2(x), xsh);
-    xs = xsh;
-  }
-  auto ysh = shared_mlp_forward(ctx, xs, buf::y_shared);
-  if (!own) {
-    auto yo = ctx.ws.make(buf::y_own);
-    tokens_reduce(ctx, shared_spans_group(ctx), ysh, yo);
-    ysh = yo;
-  }
-  auto ysh_c = ctx.ws.make(buf::y_shared_cols);
-  ctx.reduce_scatter(ctx.tp(), ysh, ysh_c, 1);
-  moe::detail::add_into(ctx.space, ysh_c, y_c);
-}
-/// The transpose of shared_forward: dx += the shared expert's input gradient.
-template <class Ctx>
-void shared_backward(Ctx& ctx, typename Ctx::cview2 dy, typename Ctx::view2 dx) {
-  bool const own = ctx.layout.shared == SharedExpert::own;
-  if (!own) {
-    auto dysh = ctx.ws.make(buf::dy_shared);
-    tokens_gather(ctx, shared_spans_group(ctx), dy, dysh);
-    dy = dysh;
-  }
-  auto dxsh = shared_mlp_backward(ctx, dy, buf::dx_shared);
-  ctx.all_reduce(ctx.tp(), dxsh);
-  if (!own) {
-    auto yo = ctx.ws.make(buf::y_own);
-    tokens_reduce(ctx, shared_spans_group(ctx), dxsh, yo);
-    dxsh = yo;
-  }
-  moe::detail::add_into(ctx.space, dxsh, dx);
-}
-
 }  // namespace moe::distributed::stages
 
 namespace moe::distributed {
@@ -170,19 +124,56 @@ struct StageDefaults {
     stages::no_stage(*c.stage);
   }
 
-  /// The shared expert (as the layout chose it) into y_cols, and its transpose.
+  /// The shared expert added into the D/tp columns y_cols: on this rank's own tokens, or EP-as-TP
+  /// on the expert group's, the partial outputs going back to their tokens' owners.
   template <class Ctx>
-  static void shared_forward(Ctx& c) {
-    stages::shared_forward(c, c.ws.at(buf::x), c.ws.at(buf::y_cols));
+  static void shared_forward(Ctx& ctx) {
+    using cview2 = typename Ctx::cview2;
+    auto const x = ctx.ws.at(buf::x), y_c = ctx.ws.at(buf::y_cols);
+    bool const own = ctx.layout.shared == SharedExpert::own;
+    bool const spans = ctx.plan.shared_tokens > ctx.plan.tokens;  // the expert group's tokens
+    cview2 xs = x;
+    if (!own) {
+      auto xsh = ctx.ws.make(buf::x_shared);
+      stages::tokens_gather(ctx, spans, cview2(x), xsh);
+      xs = xsh;
+    }
+    auto ysh = stages::shared_mlp_forward(ctx, xs, buf::y_shared);
+    if (!own) {
+      auto yo = ctx.ws.make(buf::y_own);
+      stages::tokens_reduce(ctx, spans, ysh, yo);
+      ysh = yo;
+    }
+    auto ysh_c = ctx.ws.make(buf::y_shared_cols);
+    ctx.reduce_scatter(ctx.tp(), ysh, ysh_c, 1);
+    moe::detail::add_into(ctx.space, ysh_c, y_c);
   }
+  /// The transpose of shared_forward: dx += the shared expert's input gradient.
   template <class Ctx>
-  static void shared_backward(Ctx& c, typename Ctx::cview2 dy, typename Ctx::view2 dx) {
-    stages::shared_backward(c, dy, dx);
+  static void shared_backward(Ctx& ctx, typename Ctx::cview2 dy, typename Ctx::view2 dx) {
+    bool const own = ctx.layout.shared == SharedExpert::own;
+    bool const spans = ctx.plan.shared_tokens > ctx.plan.tokens;
+    if (!own) {
+      auto dysh = ctx.ws.make(buf::dy_shared);
+      stages::tokens_gather(ctx, spans, dy, dysh);
+      dy = dysh;
+    }
+    auto dxsh = stages::shared_mlp_backward(ctx, dy, buf::dx_shared);
+    ctx.all_reduce(ctx.tp(), dxsh);
+    if (!own) {
+      auto yo = ctx.ws.make(buf::y_own);
+      stages::tokens_reduce(ctx, spans, dxsh, yo);
+      dxsh = yo;
+    }
+    moe::detail::add_into(ctx.space, dxsh, dx);
   }
-  /// The router's backward on this rank's tokens.
+  /// The router's backward on this rank's tokens: dx += d_logits gate^T, d_gate, d_gate_bias.
   template <class Ctx>
-  static void route_backward(Ctx& c, typename Ctx::view2 dx) {
-    stages::route_backward(c, dx);
+  static void route_backward(Ctx& ctx, typename Ctx::view2 dx) {
+    using cview2 = typename Ctx::cview2;
+    ctx.router.backward(ctx.space, cview2(ctx.ws.at(buf::x)), ctx.cp.gate,
+                        cview2(ctx.ws.at(buf::d_weights)), ctx.router.lb_coefficient(ctx.B), dx,
+                        ctx.gc.gate, ctx.gc.gate_bias);
   }
 };
 
