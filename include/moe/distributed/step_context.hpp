@@ -121,17 +121,19 @@ struct StepContext {
                            : std::string("no further collective")));
     return cs[next++];
   }
+  /// planned(kind, g.axes), or (a group of one; `skip`) none: an unlogged collective, native wire.
+  PlannedCollective const& planned_in(char const* kind, AxisGroup const& g, bool skip = false) {
+    static PlannedCollective const none;
+    return g.size() > 1 && !skip ? planned(kind, g.axes) : none;
+  }
   template <class InV, class OutV>
   void all_gather(AxisGroup const& g, InV const& in, OutV const& out, int d) {
-    if (g.size() == 1) return distributed::gather_dim(space, g, in, out, d, &log, {}, &ws.pool());
-    auto const& c = planned("all-gather", g.axes);
+    auto const& c = planned_in("all-gather", g);
     distributed::gather_dim(space, g, in, out, d, &log, c.what, &ws.pool(), c.wire);
   }
   template <class InV, class OutV>
   void reduce_scatter(AxisGroup const& g, InV const& in, OutV const& out, int d) {
-    if (g.size() == 1)
-      return distributed::reduce_scatter_dim(space, g, in, out, d, &log, {}, &ws.pool());
-    auto const& c = planned("reduce-scatter", g.axes);
+    auto const& c = planned_in("reduce-scatter", g);
     distributed::reduce_scatter_dim(space, g, in, out, d, &log, c.what, &ws.pool(), c.wire);
   }
   template <class V>
@@ -140,9 +142,7 @@ struct StepContext {
   }
   template <class V, class Space>
   void all_reduce(AxisGroup const& g, V const& v, Space const& exec) {
-    std::string const what =
-        g.size() > 1 && v.span() > 0 ? planned("all-reduce", g.axes).what : std::string();
-    distributed::all_reduce(exec, g, v, &log, what);
+    distributed::all_reduce(exec, g, v, &log, planned_in("all-reduce", g, v.span() == 0).what);
   }
   /// The ragged exchange of the step (disp.a2a), forward or reverse, logged with the bytes sent
   /// (rows a rank keeps are copied, not sent).

@@ -35,15 +35,11 @@ class StepWorkspace {
     stage_ = stage;
   }
 
-  /// \brief The buffer `h` in its declared shape (contents undefined); the running stage must
-  /// list it among its writes.
+  /// \brief The buffer `h` (contents undefined) with `rows` rows (-1: the declared ones; any
+  /// number when they are Extent::routed); the running stage must list it among its writes.
   template <class Role>
-  view_t<Role> make(Handle<Role> h) {
-    return make(h, decl(h.id).dims[0].n);
-  }
-  /// \brief The buffer `h` with `rows` rows (any number when they are Extent::routed).
-  template <class Role>
-  view_t<Role> make(Handle<Role> h, std::int64_t rows) {
+  view_t<Role> make(Handle<Role> h, std::int64_t rows = -1) {
+    if (rows < 0) rows = decl(h.id).dims[0].n;
     declared(h, true);
     auto const& d = decl(h.id);
     moe::detail::require<Error>(d.dims[0].routed || rows == d.dims[0].n,
