@@ -148,8 +148,7 @@ inline double collective_seconds(LayerPlan const& plan, PlannedCollective const&
   double const lat = (spans ? m.inter_latency_us : m.intra_latency_us) * 1e-6 * steps;
   double const bytes = double(c.bytes);
   if (c.kind == "all-to-all" && spans) {
-    // The share for peers on this node over the node's links, the rest over the network, at
-    // the same time.
+    // The share for peers on this node over its links, the rest over the network, concurrently.
     double const near = bytes * double(same - 1) / double(P - 1);
     return std::max(near / (m.intra_gbps * 1e9), (bytes - near) / (m.inter_gbps * 1e9)) + lat;
   }
@@ -199,10 +198,8 @@ inline StepCost estimate_step_cost(LayerPlan const& plan, Machine const& machine
       }
       // Its buffers and the compute blocks it gathers or slices: written now, read once later.
       for (auto const& w : st.writes) {
-        if (w.form == Ref::Form::compute) {
-          auto const cw = weight(w.id);
-          if (cw.moved) c.bytes_moved += 2 * cw.bytes;
-        }
+        if (w.form == Ref::Form::compute && weight(w.id).moved)
+          c.bytes_moved += 2 * weight(w.id).bytes;
         if (w.form != Ref::Form::buffer) continue;
         auto const* d = plan.step.find(static_cast<Buf>(w.id));
         if (!d || d->dims.size() != 2) continue;

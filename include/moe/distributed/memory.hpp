@@ -116,9 +116,8 @@ class LayerBuffers {
       add("", r.what, {r.rows.n}, 0, distributed::keys_text(r.rows.keys), true);
   }
 
-  // ---- the collectives' temporaries: pool buffers by kind at their largest use; all-reduce
-  // temporaries and all-to-all bf16 copies per call (the largest counts). The bf16 wire converts
-  // into 16-bit buffers of its own while reordering.
+  // ---- the collectives' temporaries, at their largest use: pool buffers by kind, all-reduce
+  // temporaries and all-to-all bf16 copies; the bf16 wire reorders into 16-bit buffers of its own.
   void collectives() {
     for (auto const* phase : {&plan_.step.forward, &plan_.step.backward}) {
       if (phase == &plan_.step.backward && !training_) break;
@@ -143,16 +142,13 @@ class LayerBuffers {
             std::int64_t& recv = st.overlapped ? igather_recv_ : (gather ? wire_recv_ : parts16_);
             send = std::max(send, gather ? c.elems / c.parts : c.elems);
             recv = std::max(recv, c.elems);
-            if (c.lead > 1)
-              launch_rows(c.what + " (row copies)", checked_mul(c.parts, c.lead, "rows of a copy"));
-            continue;
-          }
-          if (!gather) parts_pool_ = std::max(parts_pool_, c.elems);
-          if (c.lead > 1) {
+          } else {
+            if (!gather) parts_pool_ = std::max(parts_pool_, c.elems);
             auto& pool = gather ? gather_pool_ : rs_pool_;
-            pool = std::max(pool, c.elems);
-            launch_rows(c.what + " (row copies)", checked_mul(c.parts, c.lead, "rows of a copy"));
+            if (c.lead > 1) pool = std::max(pool, c.elems);
           }
+          if (c.lead > 1)
+            launch_rows(c.what + " (row copies)", checked_mul(c.parts, c.lead, "rows of a copy"));
         }
     }
     std::string const keys = std::string(kTokens) + ", base_emb_dim, " + weight_keys_;

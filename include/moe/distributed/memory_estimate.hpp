@@ -80,11 +80,10 @@ struct MemoryEstimate {
 
   /// Keys of the items that make up most (80 %) of the total, largest item first, each once.
   std::vector<std::string> keys_to_reduce() const {
-    std::vector<MemoryItem> sorted = by_size();
     std::int64_t const t = total();
     std::int64_t covered = 0;
     std::string keys;
-    for (auto const& i : sorted) {
+    for (auto const& i : by_size()) {
       if (i.bytes == 0) break;
       keys = merge_keys(keys, i.keys);
       covered += i.bytes;
@@ -159,11 +158,8 @@ struct MemoryEstimate {
   }
   /// Union of two key lists, in order of first appearance.
   static std::string merge_keys(std::string const& a, std::string const& b) {
-    auto ks = split_keys(a);
-    for (auto const& k : split_keys(b))
-      if (std::find(ks.begin(), ks.end(), k) == ks.end()) ks.push_back(k);
     std::string s;
-    for (auto const& k : ks) s += (s.empty() ? "" : ", ") + k;
+    for (auto const& k : split_keys(a + "," + b)) s += (s.empty() ? "" : ", ") + k;
     return s;
   }
 
