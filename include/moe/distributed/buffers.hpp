@@ -215,7 +215,6 @@ struct Ref {
   constexpr Ref(Form f, Weight w) : form(f), id(static_cast<std::uint8_t>(w)) {}
 
   friend constexpr bool operator==(Ref a, Ref b) { return a.form == b.form && a.id == b.id; }
-  friend constexpr bool operator!=(Ref a, Ref b) { return !(a == b); }
 };
 /// A weight's stored block, compute block, compute-block gradient, stored-block gradient.
 constexpr Ref stored(Weight w) { return {Ref::Form::stored, w}; }

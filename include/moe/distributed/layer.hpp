@@ -56,7 +56,6 @@ class DistributedMoeLayer
   using store::weights_changed;
   using memory_space = typename ExecSpace::memory_space;
   using params_type = Parameters<Scalar, memory_space>;
-  using view1 = View1<Scalar, memory_space>;
   using view2 = View2<Scalar, memory_space>;
   using view3 = View3<Scalar, memory_space>;
   using cview2 = View2<Scalar const, memory_space>;
@@ -329,16 +328,11 @@ class DistributedMoeLayer
     ctx_.x_col0 = ctx_.layout.block("x").offset[2];
     if (!ctx_.mesh_comm || ctx_.mesh_comm->mesh().to_string() != ctx_.layout.mesh.to_string())
       ctx_.mesh_comm = std::make_unique<comm::MeshComm>(ctx_.world, ctx_.layout.mesh);
-    make_groups();
-  }
-
-  /// Every group the step uses, created in the same order on every rank (collective).
-  void make_groups() {
-    auto group = [&](std::vector<std::string> const& axes) { ctx_.mesh_comm->group(axes); };
-    group(ctx_.layout.ep_axes);
-    group(ctx_.layout.tp_axes);
-    group(ctx_.layout.batch_axes);
-    for (auto const& axes : ctx_.plan.groups()) group(axes);
+    // Every group the step uses, created in the same order on every rank (collective).
+    auto const& lay = ctx_.layout;
+    for (auto const* axes : {&lay.ep_axes, &lay.tp_axes, &lay.batch_axes})
+      ctx_.mesh_comm->group(*axes);
+    for (auto const& axes : ctx_.plan.groups()) ctx_.mesh_comm->group(axes);
   }
 
   params_type alloc_params(std::string const& prefix) const {

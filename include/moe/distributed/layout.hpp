@@ -151,25 +151,23 @@ struct Layout {
   sharding::PartitionSpec dispatch_spec;
   std::vector<WeightLayout> weights;
 
-  /// Size of a mesh axis (1 for an axis the mesh does not have).
-  std::int64_t axis_size(std::string const& a) const { return mesh.size(a); }
   /// Product of the sizes of `axes`.
   std::int64_t parts(std::vector<std::string> const& axes) const {
     std::int64_t p = 1;
-    for (auto const& a : axes) p *= axis_size(a);
+    for (auto const& a : axes) p *= mesh.size(a);
     return p;
   }
   /// Row-major index of this rank over `axes` (in the given order).
   std::int64_t shard_index(std::vector<std::string> const& axes) const {
     std::int64_t idx = 0;
-    for (auto const& a : axes) idx = idx * axis_size(a) + mesh.coord(rank, a);
+    for (auto const& a : axes) idx = idx * mesh.size(a) + mesh.coord(rank, a);
     return idx;
   }
   /// The axes of size > 1, in order.
   std::vector<std::string> big(std::vector<std::string> const& axes) const {
     std::vector<std::string> out;
     for (auto const& a : axes)
-      if (axis_size(a) > 1) out.push_back(a);
+      if (mesh.size(a) > 1) out.push_back(a);
     return out;
   }
   /// Expert-parallel degree.

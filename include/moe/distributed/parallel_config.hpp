@@ -45,9 +45,8 @@ struct ParallelConfig {
   std::string expert_shard_attention_option = "fsdp";
   /// > 0: the ring's token all-gather in this many D-chunks, overlapped with the grouped GEMM.
   int num_moe_emb_chunks = 0;
-  /// \brief Mesh axes and logical-axis rules of a config file (MaxText's `mesh_axes` and
-  /// `logical_axis_rules`; not a key: the tools set it, moe_maxtext_config.hpp), used unless
-  /// custom_mesh_and_rule names a preset (effective_preset()). In describe() only when set.
+  /// \brief A config file's `mesh_axes` and `logical_axis_rules` (set by the tools, not a key),
+  /// used unless custom_mesh_and_rule names a preset (effective_preset()); in describe() if set.
   std::optional<sharding::Preset> sharding;
 
   /// (key, degree) pairs of the ici_* keys, in table order.

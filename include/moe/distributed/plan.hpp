@@ -342,15 +342,11 @@ inline std::string LayerPlan::to_text() const {
   for (auto const& c : collectives) {
     auto it = std::find_if(by_kind.begin(), by_kind.end(),
                            [&](auto const& k) { return k.first == c.kind; });
-    if (it == by_kind.end())
-      by_kind.emplace_back(c.kind, c.bytes);
-    else
-      it->second += c.bytes;
+    (it == by_kind.end() ? by_kind.emplace_back(c.kind, 0) : *it).second += c.bytes;
   }
-  std::string kinds;
-  for (auto const& [k, b] : by_kind)
-    kinds += (kinds.empty() ? "" : ", ") + k + " " + std::to_string(b);
-  if (!kinds.empty()) line("  by kind: " + kinds);
+  Axes kinds;
+  for (auto const& [k, b] : by_kind) kinds.push_back(k + " " + std::to_string(b));
+  if (!kinds.empty()) line("  by kind: " + list_text(kinds));
   for (auto const& c : choices) {
     std::string alts;
     for (auto const& a : c.alternatives)

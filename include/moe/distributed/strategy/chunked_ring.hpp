@@ -74,8 +74,7 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
                               "moe::dist::experts::chunked");
     for (std::int64_t c = 0; c < b.chunks; ++c)
       b.all_gather(e,
-                   "all-gather tokens (ring, chunk " + std::to_string(c + 1) + "/" +
-                       std::to_string(b.chunks) + ")",
+                   moe::detail::cat("all-gather tokens (ring, chunk ", c + 1, "/", b.chunks, ")"),
                    lay.ep_axes, b.T, b.D / b.chunks, 0);
     e.overlapped = true;
     b.hold_expert_ffn(n);
