@@ -60,9 +60,9 @@ T* thread_buffer(int slot, std::size_t count) {
   thread_local std::unique_ptr<T, Free> buffers[3];
   thread_local std::size_t sizes[3] = {0, 0, 0};
   if (sizes[slot] < count) {
-    buffers[slot].reset(
-        static_cast<T*>(std::aligned_alloc(64, (count * sizeof(T) + 63) / 64 * 64)));
-    if (!buffers[slot]) throw std::bad_alloc();
+    auto* p = static_cast<T*>(std::aligned_alloc(64, (count * sizeof(T) + 63) / 64 * 64));
+    if (!p) throw std::bad_alloc();  // the old buffer and its size stay valid
+    buffers[slot].reset(p);
     sizes[slot] = count;
   }
   return buffers[slot].get();
@@ -375,34 +375,30 @@ inline dnnl::memory::desc bf16_weights_desc(std::int64_t K, std::int64_t N, bool
 inline void bf16_blocked(float const* x, std::int64_t ldx, std::int64_t rows, std::int64_t cols,
                          std::int64_t kp, std::int64_t np, std::uint16_t* out) {
   std::int64_t const kblocks = kp / 32, nblocks = np / 64;
-  int const threads = max_threads();
-  // Thread t writes the t-th range of column blocks, row block by row block.
-  for_each_item(threads, [&](std::int64_t t) {
-    for (std::int64_t kb = 0; kb < kblocks; ++kb)
-      for (std::int64_t nb = nblocks * t / threads; nb < nblocks * (t + 1) / threads; ++nb) {
-        std::uint16_t* const block = out + (nb * kblocks + kb) * 32 * 64;
-        for (std::int64_t p = 0; p < 16; ++p) {
-          std::int64_t const r = kb * 32 + 2 * p, c0 = nb * 64;
-          float const* x0 = r < rows ? x + r * ldx : nullptr;
-          float const* x1 = r + 1 < rows ? x + (r + 1) * ldx : nullptr;
-          std::uint16_t* const o = block + p * 128;
-          std::int64_t j = 0;
+  // One item per 32 x 64 block (every thread busy however few the column blocks).
+  for_each_item(kblocks * nblocks, [&](std::int64_t i) {
+    std::int64_t const nb = i / kblocks, kb = i % kblocks;
+    std::uint16_t* const block = out + (nb * kblocks + kb) * 32 * 64;
+    for (std::int64_t p = 0; p < 16; ++p) {
+      std::int64_t const r = kb * 32 + 2 * p, c0 = nb * 64;
+      float const* x0 = r < rows ? x + r * ldx : nullptr;
+      float const* x1 = r + 1 < rows ? x + (r + 1) * ldx : nullptr;
+      std::uint16_t* const o = block + p * 128;
+      std::int64_t j = 0;
 #if defined(__SSE2__)
-          if (x0 && x1)
-            for (; j + 8 <= 64 && c0 + j + 8 <= cols; j += 8) {
-              __m128i const v0 = bf16_bits8(x0 + c0 + j), v1 = bf16_bits8(x1 + c0 + j);
-              _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 2 * j), _mm_unpacklo_epi16(v0, v1));
-              _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 2 * j + 8),
-                               _mm_unpackhi_epi16(v0, v1));
-            }
-#endif
-          for (; j < 64; ++j) {
-            bool const in = c0 + j < cols;
-            o[2 * j] = x0 && in ? moe::detail::bf16_bits(x0[c0 + j]) : std::uint16_t(0);
-            o[2 * j + 1] = x1 && in ? moe::detail::bf16_bits(x1[c0 + j]) : std::uint16_t(0);
-          }
+      if (x0 && x1)
+        for (; j + 8 <= 64 && c0 + j + 8 <= cols; j += 8) {
+          __m128i const v0 = bf16_bits8(x0 + c0 + j), v1 = bf16_bits8(x1 + c0 + j);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 2 * j), _mm_unpacklo_epi16(v0, v1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 2 * j + 8), _mm_unpackhi_epi16(v0, v1));
         }
+#endif
+      for (; j < 64; ++j) {
+        bool const in = c0 + j < cols;
+        o[2 * j] = x0 && in ? moe::detail::bf16_bits(x0[c0 + j]) : std::uint16_t(0);
+        o[2 * j + 1] = x1 && in ? moe::detail::bf16_bits(x1[c0 + j]) : std::uint16_t(0);
       }
+    }
   });
 }
 

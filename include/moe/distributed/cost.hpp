@@ -35,9 +35,22 @@ struct Machine {
   /// NVLink 4, InfiniBand NDR) or `cpu-cluster` (two 48-core AVX-512 sockets per node, one rank
   /// per socket, HDR InfiniBand, oneDNN).
   static Machine preset(std::string const& name) {
-    if (name == "h100-ib") return Machine{};
-    // In the order of the fields.
-    if (name == "cpu-cluster") return {name, 2, 40, 22, 1, 2, 4000, 2000, 30000, 250, true};
+    Machine m;
+    if (name == "h100-ib") return m;
+    if (name == "cpu-cluster") {  // each field by name: a positional list would shift silently
+      m.name = name;
+      m.ranks_per_node = 2;
+      m.intra_gbps = 40;
+      m.inter_gbps = 22;
+      m.intra_latency_us = 1;
+      m.inter_latency_us = 2;
+      m.gemm_gflops_fp32 = 4000;
+      m.gemm_gflops_fp64 = 2000;
+      m.gemm_gflops_bf16 = 30000;
+      m.memory_gbps = 250;
+      m.packs_weights = true;
+      return m;
+    }
     throw ConfigError(
         moe::detail::cat("machine='", name, "' is not a described machine (h100-ib, cpu-cluster)"));
   }
@@ -198,8 +211,8 @@ inline StepCost estimate_step_cost(LayerPlan const& plan, Machine const& machine
       }
       // Its buffers and the compute blocks it gathers or slices: written now, read once later.
       for (auto const& w : st.writes) {
-        if (w.form == Ref::Form::compute && weight(w.id).moved)
-          c.bytes_moved += 2 * weight(w.id).bytes;
+        if (w.form == Ref::Form::compute)
+          if (auto const cw = weight(w.id); cw.moved) c.bytes_moved += 2 * cw.bytes;
         if (w.form != Ref::Form::buffer) continue;
         auto const* d = plan.step.find(static_cast<Buf>(w.id));
         if (!d || d->dims.size() != 2) continue;

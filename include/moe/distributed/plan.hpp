@@ -342,7 +342,10 @@ inline std::string LayerPlan::to_text() const {
   for (auto const& c : collectives) {
     auto it = std::find_if(by_kind.begin(), by_kind.end(),
                            [&](auto const& k) { return k.first == c.kind; });
-    (it == by_kind.end() ? by_kind.emplace_back(c.kind, 0) : *it).second += c.bytes;
+    if (it == by_kind.end())
+      by_kind.emplace_back(c.kind, c.bytes);
+    else
+      it->second += c.bytes;
   }
   Axes kinds;
   for (auto const& [k, b] : by_kind) kinds.push_back(k + " " + std::to_string(b));

@@ -116,6 +116,8 @@ struct StepPlan {
   std::int64_t work_tokens = 0;  ///< tokens the experts see (ring: T x ep)
   std::int64_t token_cols = 0;   ///< columns of x / y on this rank: D (EP-TP: D / ep)
   std::int64_t shared_tokens = 0;  ///< tokens the shared expert sees (EP-as-TP: T x ep)
+  /// Whether the shared expert runs on the expert group's tokens (EP-as-TP).
+  bool shared_spans() const { return shared_tokens > tokens; }
   /// > 0: the ring gathers the tokens in this many D-chunks (ChunkedRing); 0: one gather.
   std::int64_t emb_chunks = 0;
   std::string route_text;  ///< how the routed experts are reached, in words (the strategy's)

@@ -26,14 +26,22 @@ using Strategy =
 
 /// The strategy of a layout (its route, dense path and token chunking).
 inline Strategy choose_strategy(Layout const& lay, ParallelConfig const& par) {
-  bool const ring = lay.route == ExpertRoute::Ring;
-  if (lay.route == ExpertRoute::RaggedA2A) return RaggedA2A{};
-  if (lay.route == ExpertRoute::EpTp)
-    return lay.dense ? Strategy(EpTp<DenseExperts>{}) : EpTp<SortedExperts>{};
-  if (ring && par.num_moe_emb_chunks > 0) return ChunkedRing{};
-  if (lay.dense)
-    return ring ? Strategy(Gathered<DenseExperts, true>{}) : Gathered<DenseExperts, false>{};
-  return ring ? Strategy(Gathered<SortedExperts, true>{}) : Gathered<SortedExperts, false>{};
+  switch (lay.route) {  // a switch, so that a new route without a strategy is a warning
+    case ExpertRoute::RaggedA2A:
+      return RaggedA2A{};
+    case ExpertRoute::EpTp:
+      if (lay.dense) return EpTp<DenseExperts>{};
+      return EpTp<SortedExperts>{};
+    case ExpertRoute::Ring:
+      if (par.num_moe_emb_chunks > 0) return ChunkedRing{};
+      if (lay.dense) return Gathered<DenseExperts, true>{};
+      return Gathered<SortedExperts, true>{};
+    case ExpertRoute::Replicated:
+    case ExpertRoute::Local:
+      break;
+  }
+  if (lay.dense) return Gathered<DenseExperts, false>{};
+  return Gathered<SortedExperts, false>{};
 }
 
 /// Runs stage `st` of strategy S, forward or backward (dy, dx: the backward's; the stages every

@@ -39,9 +39,9 @@ class StepWorkspace {
   /// number when they are Extent::routed); the running stage must list it among its writes.
   template <class Role>
   view_t<Role> make(Handle<Role> h, std::int64_t rows = -1) {
-    if (rows < 0) rows = decl(h.id).dims[0].n;
-    declared(h, true);
     auto const& d = decl(h.id);
+    if (rows < 0) rows = d.dims[0].n;
+    declared(h, true);
     moe::detail::require<Error>(d.dims[0].routed || rows == d.dims[0].n,
                                 "moe internal error: ", where(), " makes buffer ", to_string(h.id),
                                 " with ", rows, " rows, but the plan declares ", d.dims[0].n);

@@ -63,7 +63,7 @@ struct HeldLock {
   long pid = 0;
   DirKey key{};
   std::string dir;  ///< the path it was taken under
-  ~HeldLock();
+  ~HeldLock();      // held through a unique_ptr: never copied
 };
 
 /// The locks this process holds by directory, and the mutex guarding them (a second F_SETLK of the
@@ -85,14 +85,14 @@ inline HeldLocks& held_locks() {
 }
 
 inline HeldLock::~HeldLock() {
-  if (pid == static_cast<long>(::getpid())) {  // not in a forked child, which holds nothing
-    {
-      std::lock_guard<std::mutex> const guard(held_locks().mutex);
-      if (held_locks().find(key)) held_locks().table.erase(key);
-    }
-    if (locked && ::ftruncate(fd, 0) != 0) {
-      // the lock goes anyway; the text of an unlocked LOCK means nothing
-    }
+  {  // the table points at this object, in a forked child too: no entry may outlive it
+    std::lock_guard<std::mutex> const guard(held_locks().mutex);
+    auto const it = held_locks().table.find(key);
+    if (it != held_locks().table.end() && it->second == this) held_locks().table.erase(it);
+  }
+  // A forked child holds no lock: only the holder empties LOCK.
+  if (pid == static_cast<long>(::getpid()) && locked && ::ftruncate(fd, 0) != 0) {
+    // the lock goes anyway; the text of an unlocked LOCK means nothing
   }
   ::close(fd);
 }

@@ -326,6 +326,7 @@ inline void File::write(std::string const& path) const {
   std::string prefix(8, '\0');
   detail::store_le<std::uint64_t>(header.size(), reinterpret_cast<unsigned char*>(&prefix[0]));
   std::vector<ByteSpan> pieces{{prefix.data(), prefix.size()}, {header.data(), header.size()}};
+  pieces.reserve(tensors_.size() + 2);
   for (auto const& kv : tensors_)
     pieces.push_back({kv.second.bytes.data(), kv.second.bytes.size()});
   write_atomic(path, pieces);

@@ -31,7 +31,7 @@ void route_backward(ExecSpace const& space, RouteParams const& p,
   // gathers the biased gate output.
   bool const from_scores = deepseek && !p.kind.random;
   ScoreFunc const f = p.cfg.routed_score_func;
-  bool const ds_normalise = f == ScoreFunc::Sigmoid || f == ScoreFunc::SqrtSoftplus;
+  bool const ds_normalise = p.ds_normalise();
   bool const norm = p.cfg.norm_topk_prob;
   Scalar const scaling = Scalar(p.cfg.routed_scaling_factor);
   Scalar const coef = Scalar(lb_coef);

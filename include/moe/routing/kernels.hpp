@@ -137,6 +137,11 @@ struct RouteParams {
 
   RouteParams() = default;
   RouteParams(LayerConfig const& c, Kind k) : kind(k), cfg(c) {}
+  /// DeepSeek's score functions renormalise the selected weights by their sum.
+  bool ds_normalise() const {
+    return cfg.routed_score_func == ScoreFunc::Sigmoid ||
+           cfg.routed_score_func == ScoreFunc::SqrtSoftplus;
+  }
 };
 
 /// \brief Applies the score function to raw gate logits: scores[T,E] = score(logits).
@@ -174,8 +179,7 @@ void select_topk(ExecSpace const& space, RouteParams const& p, std::uint64_t tok
   int const E = p.cfg.num_experts, K = p.cfg.num_experts_per_tok;
   int const G = p.cfg.n_routing_groups, TG = p.cfg.topk_routing_group;
   bool const deepseek = p.kind.deepseek, random = p.kind.random;
-  ScoreFunc const f = p.cfg.routed_score_func;
-  bool const ds_normalise = f == ScoreFunc::Sigmoid || f == ScoreFunc::SqrtSoftplus;
+  bool const ds_normalise = p.ds_normalise();
   bool const norm = p.cfg.norm_topk_prob;
   Scalar const scaling = Scalar(p.cfg.routed_scaling_factor);
   std::uint64_t const seed = p.cfg.seed;

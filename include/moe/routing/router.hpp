@@ -30,7 +30,7 @@ class Router {
   using state_type = RoutingState<Scalar, memory_space>;
 
   Router() = default;
-  Router(LayerConfig const& cfg, Kind kind) : cfg_(cfg), params_(cfg, kind) {}
+  Router(LayerConfig const& cfg, Kind kind) : params_(cfg, kind) {}
 
   /// \brief Routes the rows of x [R,D] with gate [D,E] (and bias [E] when the config has a routed
   /// bias). The rows are `block_token_offsets.size()` equal blocks of whole sequences of
@@ -47,7 +47,7 @@ class Router {
   /// \brief The buffer of the raw gate logits, shaped [R,E]: fill it (e.g. all-gather rows
   /// computed elsewhere) and call forward_logits() to route those rows.
   view2 logits_rows(ExecSpace const& space, std::int64_t R) {
-    moe::detail::ensure(space, st_.logits, "moe::routing::logits", R, cfg_.num_experts);
+    moe::detail::ensure(space, st_.logits, "moe::routing::logits", R, params_.cfg.num_experts);
     return st_.logits;
   }
 
@@ -84,15 +84,15 @@ class Router {
   /// Selected slots per expert over the own block (before capacity dropping), on the host; empty
   /// unless the config has a routed bias update rate.
   std::vector<std::int64_t> expert_counts() const {
-    if (cfg_.routed_bias_update_rate <= 0 || !st_.expert_counts.data()) return {};
+    if (params_.cfg.routed_bias_update_rate <= 0 || !st_.expert_counts.data()) return {};
     auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st_.expert_counts);
     return std::vector<std::int64_t>(h.data(), h.data() + h.extent(0));
   }
   /// The load-balance loss of `sum` (lb_sum(), or its sum over the ranks of a batch group) for
   /// `global_sequences` sequences: weight * E * sum / (B_total * S^2); 0 without the loss.
   double lb_loss(double sum, std::int64_t global_sequences) const {
-    return cfg_.load_balance_loss_weight > 0
-               ? cfg_.load_balance_loss_weight * cfg_.num_experts * sum /
+    return params_.cfg.load_balance_loss_weight > 0
+               ? params_.cfg.load_balance_loss_weight * params_.cfg.num_experts * sum /
                      (double(global_sequences) * double(seq_len_) * double(seq_len_))
                : 0.0;
   }
@@ -108,7 +108,7 @@ class Router {
                 view2 dx, view2 dgate, view1 dbias) {
     moe::detail::Region region("moe::route::backward");
     std::int64_t const T = x.extent(0);
-    int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
+    int const E = params_.cfg.num_experts, K = params_.cfg.num_experts_per_tok;
     moe::detail::ensure(space, d_top_, "moe::routing::d_top", T, K);
     moe::detail::ensure(space, d_biased_, "moe::routing::d_biased", T, E);
     moe::detail::ensure(space, d_logits_, "moe::routing::d_logits", T, E);
@@ -117,26 +117,26 @@ class Router {
     moe::detail::round_bf16_if(bf16_logits(), space, d_logits_);
     moe::detail::gemm(space, "T", "N", Scalar(1), x, d_logits_, Scalar(0), dgate);
     moe::detail::gemm(space, "N", "T", Scalar(1), d_logits_, gate, Scalar(1), dx);
-    if (cfg_.routed_bias) column_sums(space, cview2(d_biased_), dbias, scratch_);
+    if (params_.cfg.routed_bias) column_sums(space, cview2(d_biased_), dbias, scratch_);
   }
 
  private:
   void route_logits(ExecSpace const& space, cview1 bias, std::int64_t seq_len,
                     std::vector<std::uint64_t> const& block_token_offsets, int own) {
     std::int64_t const R = st_.logits.extent(0);
-    int const E = cfg_.num_experts, K = cfg_.num_experts_per_tok;
+    int const E = params_.cfg.num_experts, K = params_.cfg.num_experts_per_tok;
     blocks_ = int(block_token_offsets.size());
     own_ = own;
     seq_len_ = seq_len;
     // bf16 (docs/precision.md): bf16 logits unless float32_gate_logits; scores on in fp32.
     moe::detail::round_bf16_if(bf16_logits(), space, st_.logits);
-    if (cfg_.routed_score_func == ScoreFunc::None) {
+    if (params_.cfg.routed_score_func == ScoreFunc::None) {
       st_.scores = st_.logits;
     } else {
       moe::detail::ensure(space, st_.scores, "moe::routing::scores", R, E);
-      apply_score(space, cfg_.routed_score_func, cview2(st_.logits), st_.scores);
+      apply_score(space, params_.cfg.routed_score_func, cview2(st_.logits), st_.scores);
     }
-    if (cfg_.routed_bias) {
+    if (params_.cfg.routed_bias) {
       moe::detail::ensure(space, st_.biased, "moe::routing::biased", R, E);
       add_bias(space, cview2(st_.scores), bias, st_.biased);
     } else {
@@ -151,12 +151,14 @@ class Router {
                   cview2(block(st_.biased, m)), block(st_.expert_ids, m), block(st_.top_values, m),
                   block(st_.weights, m));
     // bf16: the combine takes bf16 routing weights unless float32_weight_sum.
-    moe::detail::round_bf16_if(cfg_.bf16() && !cfg_.float32_weight_sum, space, st_.weights);
+    moe::detail::round_bf16_if(params_.cfg.bf16() && !params_.cfg.float32_weight_sum, space,
+                               st_.weights);
     auto const ids = View2<int const, memory_space>(st_.expert_ids);
-    capacity_mask(space, ids, seq_len, cfg_.capacity_factor > 0 ? cfg_.capacity(seq_len) : -1, E,
-                  st_.kept, scratch_);
+    capacity_mask(space, ids, seq_len,
+                  params_.cfg.capacity_factor > 0 ? params_.cfg.capacity(seq_len) : -1, E, st_.kept,
+                  scratch_);
     lb_sum_ = 0;
-    if (cfg_.load_balance_loss_weight > 0) {
+    if (params_.cfg.load_balance_loss_weight > 0) {
       std::int64_t const b_own = block_rows() / seq_len;
       moe::detail::ensure(space, st_.seq_counts, "moe::routing::seq_counts", b_own, E);
       moe::detail::ensure(space, st_.seq_probs, "moe::routing::seq_probs", b_own, E);
@@ -164,7 +166,7 @@ class Router {
                               View2<int const, memory_space>(block(st_.expert_ids, own_)), seq_len,
                               st_.seq_counts, st_.seq_probs, scratch_);
     }
-    if (cfg_.routed_bias_update_rate > 0) {
+    if (params_.cfg.routed_bias_update_rate > 0) {
       moe::detail::ensure(space, st_.expert_counts, "moe::routing::expert_counts", E);
       expert_histogram(space, View2<int const, memory_space>(block(st_.expert_ids, own_)),
                        st_.expert_counts);
@@ -172,7 +174,7 @@ class Router {
   }
 
   /// The gate matmul's output is bf16 (dtype=bfloat16 without float32_gate_logits).
-  bool bf16_logits() const { return cfg_.bf16() && !cfg_.float32_gate_logits; }
+  bool bf16_logits() const { return params_.cfg.bf16() && !params_.cfg.float32_gate_logits; }
   std::int64_t block_rows() const {
     return blocks_ > 0 ? std::int64_t(st_.logits.extent(0)) / blocks_ : 0;
   }
@@ -183,8 +185,7 @@ class Router {
     return V(v.data() + m * rows * std::int64_t(v.extent(1)), rows, v.extent(1));
   }
 
-  LayerConfig cfg_;
-  RouteParams params_;
+  RouteParams params_;  // the config (cfg) and routing family
   state_type st_;
   moe::detail::ScratchPool<memory_space> scratch_;  // statistics buffers, kept between steps
   view2 d_top_, d_biased_, d_logits_;

@@ -199,17 +199,20 @@ struct DenseExperts : StageDefaults {
 /// gathered over it: `Ring`), through `Experts` (also EP-TP's).
 template <class Experts, Buf W, bool Ring>
 struct OnWorkTokens : Experts {
+  /// The working tokens.
+  static constexpr auto xw = detail::handle<W>();
+
   template <class Ctx>
   static void route(Ctx& c) {
-    stages::route_tokens(c, c.ws.at(Handle<Values>{W}), Ring);
+    stages::route_tokens(c, c.ws.at(xw), Ring);
   }
   template <class Ctx>
   static void dispatch(Ctx& c) {
-    Experts::dispatch(c, c.ws.at(Handle<Values>{W}));
+    Experts::dispatch(c, c.ws.at(xw));
   }
   template <class Ctx>
   static void experts(Ctx& c, std::uint64_t weights_version) {
-    Experts::experts(c, Handle<Values>{W}, weights_version);
+    Experts::experts(c, xw, weights_version);
   }
 };
 
@@ -217,7 +220,7 @@ struct OnWorkTokens : Experts {
 template <class Experts, bool Ring>
 struct Gathered : OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring> {
   /// The working tokens: the expert group's (the ring) or this rank's.
-  static constexpr auto xw = Ring ? buf::x_work : buf::x;
+  using OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring>::xw;
 
   /// Its stages, top to bottom.
   StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,

@@ -131,7 +131,7 @@ struct StageDefaults {
     using cview2 = typename Ctx::cview2;
     auto const x = ctx.ws.at(buf::x), y_c = ctx.ws.at(buf::y_cols);
     bool const own = ctx.layout.shared == SharedExpert::own;
-    bool const spans = ctx.plan.shared_tokens > ctx.plan.tokens;  // the expert group's tokens
+    bool const spans = ctx.plan.shared_spans();
     cview2 xs = x;
     if (!own) {
       auto xsh = ctx.ws.make(buf::x_shared);
@@ -152,7 +152,7 @@ struct StageDefaults {
   template <class Ctx>
   static void shared_backward(Ctx& ctx, typename Ctx::cview2 dy, typename Ctx::view2 dx) {
     bool const own = ctx.layout.shared == SharedExpert::own;
-    bool const spans = ctx.plan.shared_tokens > ctx.plan.tokens;
+    bool const spans = ctx.plan.shared_spans();
     if (!own) {
       auto dysh = ctx.ws.make(buf::dy_shared);
       stages::tokens_gather(ctx, spans, dy, dysh);
