@@ -142,7 +142,7 @@ moe::LayerConfig bench_config(LayerShape const& s) {
 /// The forward's three grouped GEMMs alone: the same group sizes (read back from the layer's
 /// routing), the same weights and operand shapes, no routing, permutation or activation. The
 /// layer cannot be faster than these; `fwd_over_gemms` is what the rest of the layer adds. `bf16`:
-/// as the bf16 layer runs them (GmmOptions::bf16_inputs).
+/// as the bf16 layer runs them (GmmOptions::bf16_inputs, the hidden states stored as moe::bf16).
 template <class Gmm, class Layer>
 class GemmsAlone {
  public:
@@ -161,16 +161,21 @@ class GemmsAlone {
     ys_ = moe::View2<float, Mem>("ys", n, D);
     fill_uniform(xs_, 21);
     fill_uniform(a_, 22);
+    if (bf16) {
+      h16_ = moe::View2<moe::bf16, Mem>("h16", n, F);
+      a16_ = moe::View2<moe::bf16, Mem>("a16", n, F);
+      auto a = a_;
+      auto a16 = a16_;
+      Kokkos::parallel_for(
+          "moe::bench::narrow", Kokkos::RangePolicy<Exec>(0, n * F),
+          KOKKOS_LAMBDA(std::int64_t i) { a16(i / F, i % F) = moe::bf16(a(i / F, i % F)); });
+    }
   }
   void run() {
-    Exec space;
-    double const t0 = now();
-    auto const& opt = packed_.opt;  // weights packed once, as in the layer
-    moe::gmm::gmm(space, Gmm{}, xs_, p_.wi_0, groups_, h_, opt);
-    moe::gmm::gmm(space, Gmm{}, xs_, p_.wi_1, groups_, h_, opt);
-    moe::gmm::gmm(space, Gmm{}, a_, p_.wo, groups_, ys_, opt);
-    space.fence();
-    times_.push_back(now() - t0);
+    if (h16_.data())
+      run(h16_, a16_);
+    else
+      run(h_, a_);
   }
   /// Forgets the timings so far (the warm-up's).
   void reset() { times_.clear(); }
@@ -178,10 +183,22 @@ class GemmsAlone {
   std::vector<double> const& times() const { return times_; }
 
  private:
+  template <class H>
+  void run(H const& h, H const& a) {
+    Exec space;
+    double const t0 = now();
+    auto const& opt = packed_.opt;  // weights packed once, as in the layer
+    moe::gmm::gmm(space, Gmm{}, xs_, p_.wi_0, groups_, h, opt);
+    moe::gmm::gmm(space, Gmm{}, xs_, p_.wi_1, groups_, h, opt);
+    moe::gmm::gmm(space, Gmm{}, a, p_.wo, groups_, ys_, opt);
+    space.fence();
+    times_.push_back(now() - t0);
+  }
   typename Layer::params_type const& p_;
   moe::bench::LayerGmmOptions packed_;
   moe::gmm::Groups<Mem> groups_;
   moe::View2<float, Mem> xs_, h_, a_, ys_;
+  moe::View2<moe::bf16, Mem> h16_, a16_;
   std::vector<double> times_;
 };
 

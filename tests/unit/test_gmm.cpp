@@ -414,6 +414,99 @@ TYPED_TEST(Gmm, Bf16OutputRoundsTheVisitedRowsOnce) {
   }
 }
 
+/// gmm or tgmm (Tgmm) with the row operands stored as TL (lhs) and TO (gmm's out) / TD (tgmm's
+/// dy), each S or moe::bf16; the result as doubles.
+template <class Policy, class S, class TL, class TB, bool Tgmm = false>
+std::vector<double> run_stored(Problem const& p) {
+  auto lhs = to_device<View2<TL>>("moe::gmm::test::lhs", p.lhs, p.m, p.k);
+  auto groups = moe::gmm::make_groups<Mem>(p.sizes);
+  Exec space;
+  auto doubles = [](auto const& d) {
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), d);
+    std::vector<double> v(h.size());
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = double(float(h.data()[i]));
+    return v;
+  };
+  if constexpr (Tgmm) {
+    auto dy = to_device<View2<TB>>("moe::gmm::test::dy", p.rhs, p.m, p.n);
+    auto out = to_device<View3<S>>("moe::gmm::test::out", p.out, p.num_local, p.k, p.n);
+    moe::gmm::tgmm(space, Policy{}, lhs, dy, groups, out, p.opt);
+    space.fence();
+    return to_host(out);
+  } else {
+    auto rhs = p.opt.transpose_rhs
+                   ? to_device<View3<S>>("moe::gmm::test::rhs", p.rhs, p.num_local, p.n, p.k)
+                   : to_device<View3<S>>("moe::gmm::test::rhs", p.rhs, p.num_local, p.k, p.n);
+    auto out = to_device<View2<TB>>("moe::gmm::test::out", p.out, p.m, p.n);
+    moe::gmm::gmm(space, Policy{}, lhs, rhs, groups, out, p.opt);
+    space.fence();
+    if constexpr (std::is_same<TB, moe::bf16>::value)
+      return doubles(out);
+    else
+      return to_host(out);
+  }
+}
+
+// 16-bit operands (the bf16 layer's hidden states): gmm reading lhs and writing out as moe::bf16,
+// and tgmm reading lhs and dy as moe::bf16, give bit for bit what the float operands holding the
+// same values give (bf16_output for a bf16 out), on every policy: the bf16 kernels read and write
+// them as they are, every float path through widened copies. Shapes over several row chunks, a
+// group past the others' rows, an empty group, group_offset, both weight layouts; the values are
+// also held to the double reference. A bf16 out cannot be accumulated into (moe::ConfigError).
+TYPED_TEST(Gmm, Bf16StoredOperandsGiveTheFloatOperandsResults) {
+  using S = typename TestFixture::S;
+  using P = typename TestFixture::Policy;
+  using moe::bf16;
+  auto bf16_values = [](Problem& p) {
+    for (auto* v : {&p.lhs, &p.rhs, &p.out})
+      for (double& e : *v) e = moe::detail::round_to_bf16(e);
+  };
+  for (bool trans : {false, true})
+    for (int64_t rows : {int64_t(3), int64_t(300)}) {
+      SCOPED_TRACE(std::string(trans ? "transpose_rhs" : "plain") + ", " + std::to_string(rows) +
+                   " rows in group 1");
+      GmmOptions opt;
+      opt.transpose_rhs = trans;
+      opt.bf16_inputs = true;
+      opt.group_offset = 1;
+      Problem p = make_gmm_problem({5, rows, 0, 40, 17}, rows + 70, 48, 40, 3, opt, 11);
+      bf16_values(p);
+      auto const fl = run_stored<P, S, S, S>(p);
+      EXPECT_EQ((run_stored<P, S, bf16, S>(p)), fl) << "bf16 lhs, float out";
+      expect_close<S>(fl, reference_gmm(p), "float operands");
+      p.opt.bf16_output = true;
+      auto const rounded = run_stored<P, S, S, S>(p);
+      EXPECT_EQ((run_stored<P, S, bf16, bf16>(p)), rounded) << "bf16 lhs, bf16 out";
+      EXPECT_EQ((run_stored<P, S, S, bf16>(p)), rounded) << "float lhs, bf16 out";
+      p.opt.bf16_output = false;  // a bf16 out rounds without being asked
+      EXPECT_EQ((run_stored<P, S, S, bf16>(p)), rounded) << "bf16 out without bf16_output";
+
+      Problem t = make_tgmm_problem({5, rows, 0, 40, 17}, rows + 70, 48, 40, 3, opt, 12);
+      bf16_values(t);
+      auto const tf = run_stored<P, S, S, S, true>(t);
+      expect_close<S>(tf, reference_tgmm(t), "tgmm, float operands");
+      EXPECT_EQ((run_stored<P, S, bf16, bf16, true>(t)), tf) << "tgmm, bf16 lhs and dy";
+      EXPECT_EQ((run_stored<P, S, bf16, S, true>(t)), tf) << "tgmm, bf16 lhs";
+      EXPECT_EQ((run_stored<P, S, S, bf16, true>(t)), tf) << "tgmm, bf16 dy";
+      t.opt.accumulate = true;
+      EXPECT_EQ((run_stored<P, S, bf16, bf16, true>(t)), (run_stored<P, S, S, S, true>(t)))
+          << "tgmm accumulating, bf16 lhs and dy";
+    }
+  auto groups = moe::gmm::make_groups<Mem>({3, 4});
+  View2<bf16> lhs("moe::gmm::test::lhs", 7, 8), out("moe::gmm::test::out", 7, 6);
+  View3<S> rhs("moe::gmm::test::rhs", 2, 8, 6);
+  GmmOptions acc;
+  acc.accumulate = true;
+  try {
+    moe::gmm::gmm(Exec(), P{}, lhs, rhs, groups, out, acc);
+    ADD_FAILURE() << "a bf16 out with accumulate was accepted";
+  } catch (moe::ConfigError const& err) {
+    EXPECT_NE(std::string(err.what()).find("out holds moe::bf16 with accumulate=true"),
+              std::string::npos)
+        << err.what();
+  }
+}
+
 TYPED_TEST(Gmm, GroupOffsetZeroesRowsOfOtherGroups) {
   GmmOptions opt;
   opt.group_offset = 2;

@@ -243,7 +243,16 @@ inline dnnl::memory::desc matrix_desc(std::int64_t rows, std::int64_t cols, std:
   return dnnl::memory::desc(dnnl::memory::dims{rows, cols}, dt, dnnl::memory::dims{ld, 1});
 }
 
+/// The bf16 bits of a value: a float rounded (bf16_bits), a moe::bf16 as it is. The bf16 copies
+/// below read either, so operands stored in bf16 are copied, not converted.
+inline std::uint16_t bits_of(float x) { return moe::detail::bf16_bits(x); }
+inline std::uint16_t bits_of(moe::bf16 x) { return x.bits; }
+
 #if defined(__SSE2__)
+/// The bf16 bits of 8 moe::bf16 values.
+inline __m128i bf16_bits8(moe::bf16 const* x) {
+  return _mm_loadu_si128(reinterpret_cast<__m128i const*>(x));
+}
 /// The bf16 bits (round to nearest even, NaN quieted: bf16_bits) of 8 floats, as 8 x 16 bits.
 inline __m128i bf16_bits8(float const* x) {
   auto const one = [](__m128i u) {
@@ -265,8 +274,9 @@ inline __m128i bf16_bits8(float const* x) {
 
 /// a[c, r] = bf16(x[r, c]) for r < rows, 0 for rows <= r < kp (c < k): x [rows, k] (row stride
 /// ldx) transposed into a [k, kp] bf16 matrix, with SSE2 in 8 x 8 blocks.
-inline void bf16_transposed(float const* x, std::int64_t ldx, std::int64_t rows, std::int64_t k,
-                            std::int64_t kp, std::uint16_t* a) {
+template <class T>
+void bf16_transposed(T const* x, std::int64_t ldx, std::int64_t rows, std::int64_t k,
+                     std::int64_t kp, std::uint16_t* a) {
   std::int64_t c8 = 0, r8 = 0;  // the blocked part: columns [0, c8), rows [0, r8)
 #if defined(__SSE2__)
   c8 = k / 8 * 8, r8 = rows / 8 * 8;
@@ -293,17 +303,17 @@ inline void bf16_transposed(float const* x, std::int64_t ldx, std::int64_t rows,
 #endif
   for (std::int64_t c = 0; c < k; ++c)
     for (std::int64_t r = c < c8 ? r8 : 0; r < kp; ++r)
-      a[c * kp + r] = r < rows ? moe::detail::bf16_bits(x[r * ldx + c]) : std::uint16_t(0);
+      a[c * kp + r] = r < rows ? bits_of(x[r * ldx + c]) : std::uint16_t(0);
 }
 
 /// out[r, c] = bf16(x[r, c]) for r < rows, c < cols, and 0 for the other r < padded, c < ldo:
 /// x with row stride ldx, copied into a [padded, ldo] bf16 matrix (ldo >= cols; dense by default).
-inline void bf16_rows(float const* x, std::int64_t ldx, std::int64_t rows, std::int64_t cols,
-                      std::int64_t padded, std::uint16_t* out, std::int64_t ldo = 0) {
+template <class T>
+void bf16_rows(T const* x, std::int64_t ldx, std::int64_t rows, std::int64_t cols,
+               std::int64_t padded, std::uint16_t* out, std::int64_t ldo = 0) {
   if (ldo == 0) ldo = cols;
   for (std::int64_t r = 0; r < rows; ++r) {
-    for (std::int64_t c = 0; c < cols; ++c)
-      out[r * ldo + c] = moe::detail::bf16_bits(x[r * ldx + c]);
+    for (std::int64_t c = 0; c < cols; ++c) out[r * ldo + c] = bits_of(x[r * ldx + c]);
     std::fill(out + r * ldo + cols, out + (r + 1) * ldo, std::uint16_t(0));
   }
   std::fill(out + rows * ldo, out + padded * ldo, std::uint16_t(0));
@@ -326,8 +336,9 @@ inline void widen_bf16_streaming(std::uint16_t const* b, std::int64_t n, float* 
 
 /// out [rows, ldo] = bf16 of op(x) in the first cols columns, zeros in the rest, on all threads:
 /// x [rows, cols] (row stride ld), or with `trans` [cols, rows] read transposed.
-inline void bf16_copy(bool trans, std::int64_t rows, std::int64_t cols, float const* x,
-                      std::int64_t ld, std::uint16_t* out, std::int64_t ldo) {
+template <class T>
+void bf16_copy(bool trans, std::int64_t rows, std::int64_t cols, T const* x, std::int64_t ld,
+               std::uint16_t* out, std::int64_t ldo) {
   constexpr std::int64_t block = 64;
   for_each_item((rows + block - 1) / block, [&](std::int64_t b) {
     std::int64_t const r0 = b * block, r1 = std::min(rows, r0 + block);
@@ -372,8 +383,9 @@ inline dnnl::memory::desc bf16_weights_desc(std::int64_t K, std::int64_t N, bool
 
 /// out = x [rows, cols] (row stride ldx) rounded to bf16 in the blocked [kp, np] layout (kp a
 /// multiple of 32 >= rows, np of 64 >= cols; zeros past rows and cols), on all threads.
-inline void bf16_blocked(float const* x, std::int64_t ldx, std::int64_t rows, std::int64_t cols,
-                         std::int64_t kp, std::int64_t np, std::uint16_t* out) {
+template <class T>
+void bf16_blocked(T const* x, std::int64_t ldx, std::int64_t rows, std::int64_t cols,
+                  std::int64_t kp, std::int64_t np, std::uint16_t* out) {
   std::int64_t const kblocks = kp / 32, nblocks = np / 64;
   // One item per 32 x 64 block (every thread busy however few the column blocks).
   for_each_item(kblocks * nblocks, [&](std::int64_t i) {
@@ -381,8 +393,8 @@ inline void bf16_blocked(float const* x, std::int64_t ldx, std::int64_t rows, st
     std::uint16_t* const block = out + (nb * kblocks + kb) * 32 * 64;
     for (std::int64_t p = 0; p < 16; ++p) {
       std::int64_t const r = kb * 32 + 2 * p, c0 = nb * 64;
-      float const* x0 = r < rows ? x + r * ldx : nullptr;
-      float const* x1 = r + 1 < rows ? x + (r + 1) * ldx : nullptr;
+      T const* x0 = r < rows ? x + r * ldx : nullptr;
+      T const* x1 = r + 1 < rows ? x + (r + 1) * ldx : nullptr;
       std::uint16_t* const o = block + p * 128;
       std::int64_t j = 0;
 #if defined(__SSE2__)
@@ -395,20 +407,21 @@ inline void bf16_blocked(float const* x, std::int64_t ldx, std::int64_t rows, st
 #endif
       for (; j < 64; ++j) {
         bool const in = c0 + j < cols;
-        o[2 * j] = x0 && in ? moe::detail::bf16_bits(x0[c0 + j]) : std::uint16_t(0);
-        o[2 * j + 1] = x1 && in ? moe::detail::bf16_bits(x1[c0 + j]) : std::uint16_t(0);
+        o[2 * j] = x0 && in ? bits_of(x0[c0 + j]) : std::uint16_t(0);
+        o[2 * j + 1] = x1 && in ? bits_of(x1[c0 + j]) : std::uint16_t(0);
       }
     }
   });
 }
 
 /// \brief Row-major C[M,N] = op(A) * op(B) (+ C with `accumulate`) on oneDNN's bf16 kernels, all
-/// threads, operands copied to bf16 (exact on bf16 values), fp32 output; the contraction
-/// zero-padded to `pad_k` > K. Returns false, having done nothing, without bf16_kernels() or a
-/// non-reference kernel: the caller then runs sgemm on the same values.
-inline bool bf16_gemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t K,
-                      float const* A, std::int64_t lda, float const* B, std::int64_t ldb,
-                      bool accumulate, float* C, std::int64_t ldc, std::int64_t pad_k = 0) {
+/// threads, operands (float or moe::bf16) copied to bf16 (exact on bf16 values), fp32 output;
+/// the contraction zero-padded to `pad_k` > K. Returns false, having done nothing, without
+/// bf16_kernels() or a non-reference kernel: the caller then runs sgemm on the same values.
+template <class TA, class TB>
+bool bf16_gemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t K, TA const* A,
+               std::int64_t lda, TB const* B, std::int64_t ldb, bool accumulate, float* C,
+               std::int64_t ldc, std::int64_t pad_k = 0) {
   if (M == 0 || N == 0 || K == 0 || !bf16_kernels()) return false;
   std::int64_t const Kp = std::max(K, pad_k);
   bool blocked = tb == 'N' && Kp % 32 == 0;

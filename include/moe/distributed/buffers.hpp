@@ -19,12 +19,24 @@ enum class Elem : std::uint8_t {
   value,  ///< the layer's value type (activations, weights of the step)
   i32,    ///< 32-bit integers (expert ids, masks)
   i64,    ///< 64-bit integers (permutations, counts)
-  f64     ///< host doubles (statistics)
+  f64,    ///< host doubles (statistics)
+  bf16    ///< moe::bf16 (the expert FFN's hidden states on a float layer computing in bf16)
 };
 
 /// Bytes of one element of role `e` when a value has `value_bytes` bytes.
 inline std::int64_t elem_bytes(Elem e, std::int64_t value_bytes) {
-  return e == Elem::value ? value_bytes : e == Elem::i32 ? 4 : 8;
+  switch (e) {
+    case Elem::value:
+      return value_bytes;
+    case Elem::i32:
+      return 4;
+    case Elem::bf16:
+      return 2;
+    case Elem::i64:
+    case Elem::f64:
+      break;
+  }
+  return 8;
 }
 
 /// \brief The memory-estimate item a buffer is counted under.

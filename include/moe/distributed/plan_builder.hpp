@@ -168,13 +168,16 @@ class PlanBuilder {
   /// FLOPs of the gated FFN (three D x F GEMMs) on `rows` rows; the backward's are twice that.
   double ffn_flops(double rows, double F_) const { return (backward ? 6 : 3) * gemm(rows, D, F_); }
 
-  /// The grouped expert FFN's hidden states on `rows` rows (nn::ExpertFfn), and its FLOPs.
+  /// The grouped expert FFN's hidden states on `rows` rows (nn::ExpertFfn: 16-bit on a float
+  /// layer computing in bf16, except in the chunked forward), and its FLOPs.
   void hold_expert_ffn(Extent rows) {
     phase().back().flops = ffn_flops(double(rows.n), double(F));
+    Elem const elem = cfg.bf16() && s == 4 && chunks == 0 ? Elem::bf16 : Elem::value;
+    auto const held = [&](Buf b) { declare({b, {rows, mlp()}, elem, Item::hidden, backward}); };
     if (!backward)
-      for (Buf b : {Buf::h0, Buf::h1, Buf::act}) hold(b, {rows, mlp()});
+      for (Buf b : {Buf::h0, Buf::h1, Buf::act}) held(b);
     else
-      for (Buf b : {Buf::d_act, Buf::d_h1}) hold(b, {rows, mlp()});
+      for (Buf b : {Buf::d_act, Buf::d_h1}) held(b);
   }
 
   /// A stage running the routed experts: also reads their compute blocks and (backward) writes

@@ -47,7 +47,9 @@ constexpr char const* backend_name() {
 /// groups.rows(), rhs [G_local, k, n] ([G_local, n, k] transposed), out [m, n], not aliasing lhs
 /// or rhs. Rows of no visited group are zeroed, unless opt.accumulate, which adds to out and leaves
 /// other rows unchanged; opt.bf16_output rounds the visited rows to bf16 (moe::ConfigError with
-/// accumulate). Throws moe::ShapeError if extents disagree.
+/// accumulate). rhs holds the scalar (float or double); lhs and out hold it or moe::bf16 (16-bit
+/// activations: read exactly; written rounded, as bf16_output, and never accumulated into).
+/// Throws moe::ShapeError if extents disagree.
 /// \tparam Policy Auto, OneDnn, Vendor, Tiled<TM,TK,TN> or Dense (see moe::gmm::is_policy)
 template <class Policy, class ExecSpace, class LhsView, class RhsView, class OutView,
           class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
@@ -56,17 +58,28 @@ void gmm(ExecSpace const& space, Policy, LhsView const& lhs, RhsView const& rhs,
          GmmOptions opt = {}) {
   namespace impl = moe::gmm::detail;
   impl::static_checks<Policy, ExecSpace, LhsView, RhsView, OutView, 2>();
-  using S = typename OutView::non_const_value_type;
+  using S = typename RhsView::non_const_value_type;
+  using TL = typename LhsView::non_const_value_type;
+  using TO = typename OutView::non_const_value_type;
   impl::check_gmm(lhs, rhs, groups, out, opt);
   moe::detail::Region region("moe::gmm::gmm");
   using R = resolve_t<Policy, ExecSpace, S>;
-  impl::Mat<ExecSpace, S, typename OutView::memory_space> const o(out);
-  impl::Impl<R>::gmm(space, impl::CMat<ExecSpace, S, typename LhsView::memory_space>(lhs),
-                     impl::CTensor<ExecSpace, S, typename RhsView::memory_space>(rhs), groups, o,
-                     opt);
-  if (opt.bf16_output && !std::is_same_v<R, OneDnn>)  // OneDnn rounds its rows itself
-    impl::round_rows(space, o, groups.offsets_host(opt.group_offset),
-                     groups.offsets_host(opt.group_offset + int(rhs.extent(0))));
+  if constexpr ((impl::is_bf16<TL> || impl::is_bf16<TO>)&&!std::is_same_v<R, OneDnn>) {
+    GmmOptions inner = opt;
+    inner.bf16_output = opt.bf16_output && !impl::is_bf16<TO>;  // narrowing rounds
+    impl::via_float<S, true>(space, lhs, out, [&](auto const& l, auto const& o) {
+      gmm(space, R{}, l, rhs, groups, o, inner);
+    });
+  } else {
+    impl::Mat<ExecSpace, TO, typename OutView::memory_space> const o(out);
+    impl::Impl<R>::gmm(space, impl::CMat<ExecSpace, TL, typename LhsView::memory_space>(lhs),
+                       impl::CTensor<ExecSpace, S, typename RhsView::memory_space>(rhs), groups, o,
+                       opt);
+    if constexpr (!std::is_same_v<R, OneDnn>)  // OneDnn rounds its rows itself
+      if (opt.bf16_output)
+        impl::round_rows(space, o, groups.offsets_host(opt.group_offset),
+                         groups.offsets_host(opt.group_offset + int(rhs.extent(0))));
+  }
 }
 
 /// \brief gmm on the default instance of OutView's execution space.
@@ -80,8 +93,8 @@ void gmm(Policy policy, LhsView const& lhs, RhsView const& rhs,
 
 /// \brief Weight gradient of gmm: out[g] = lhs[rows of group group_offset+g, :]^T * dy[same rows,
 /// :] for g in [0, G_local); lhs [m, k], dy [m, n], out [G_local, k, n]. Empty groups give zero
-/// blocks; opt.accumulate adds to out instead; opt.transpose_rhs is ignored. Throws
-/// moe::ShapeError if extents disagree. Policy as for gmm.
+/// blocks; opt.accumulate adds to out instead; opt.transpose_rhs is ignored. out holds the scalar;
+/// lhs and dy hold it or moe::bf16. Throws moe::ShapeError if extents disagree. Policy as for gmm.
 template <class Policy, class ExecSpace, class LhsView, class DyView, class OutView,
           class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
 void tgmm(ExecSpace const& space, Policy, LhsView const& lhs, DyView const& dy,
@@ -90,12 +103,20 @@ void tgmm(ExecSpace const& space, Policy, LhsView const& lhs, DyView const& dy,
   namespace impl = moe::gmm::detail;
   impl::static_checks<Policy, ExecSpace, LhsView, DyView, OutView, 3>();
   using S = typename OutView::non_const_value_type;
+  using TL = typename LhsView::non_const_value_type;
+  using TD = typename DyView::non_const_value_type;
   impl::check_tgmm(lhs, dy, groups, out, opt);
   moe::detail::Region region("moe::gmm::tgmm");
-  impl::Impl<resolve_t<Policy, ExecSpace, S>>::tgmm(
-      space, impl::CMat<ExecSpace, S, typename LhsView::memory_space>(lhs),
-      impl::CMat<ExecSpace, S, typename DyView::memory_space>(dy), groups,
-      impl::Tensor<ExecSpace, S, typename OutView::memory_space>(out), opt);
+  using R = resolve_t<Policy, ExecSpace, S>;
+  if constexpr ((impl::is_bf16<TL> || impl::is_bf16<TD>)&&!std::is_same_v<R, OneDnn>) {
+    impl::via_float<S, false>(space, lhs, dy, [&](auto const& l, auto const& d) {
+      tgmm(space, R{}, l, d, groups, out, opt);
+    });
+  } else {
+    impl::Impl<R>::tgmm(space, impl::CMat<ExecSpace, TL, typename LhsView::memory_space>(lhs),
+                        impl::CMat<ExecSpace, TD, typename DyView::memory_space>(dy), groups,
+                        impl::Tensor<ExecSpace, S, typename OutView::memory_space>(out), opt);
+  }
 }
 
 /// \brief tgmm on the default instance of OutView's execution space.

@@ -111,27 +111,57 @@ KOKKOS_INLINE_FUNCTION S cast(S x) {
     return x;
 }
 
+/// A stored element as the compute type S (moe::bf16 widens through float, exactly).
+template <class S, class T>
+KOKKOS_INLINE_FUNCTION S load(T const& x) {
+  if constexpr (std::is_same<T, moe::bf16>::value)
+    return S(float(x));
+  else
+    return S(x);
+}
+/// A computed value as the stored element type T (moe::bf16 rounds through float).
+template <class T, class S>
+KOKKOS_INLINE_FUNCTION T store(S x) {
+  if constexpr (std::is_same<T, moe::bf16>::value)
+    return T(float(x));
+  else
+    return T(x);
+}
+/// What the kernels compute in: the first element type among Ts that is not moe::bf16, else
+/// float (all in bf16).
+template <class... Ts>
+struct compute_type {
+  using type = float;
+};
+template <class T, class... Ts>
+struct compute_type<T, Ts...> {
+  using type = std::conditional_t<std::is_same<std::remove_const_t<T>, moe::bf16>::value,
+                                  typename compute_type<Ts...>::type, std::remove_const_t<T>>;
+};
+
 /// gated_forward's kernel for one activation A (a template argument: no branch in the loop).
-template <Activation A, bool Round, class ExecSpace, class Scalar>
-void gated_forward_kernel(Kokkos::RangePolicy<ExecSpace> const& range, Scalar const* p0,
-                          Scalar const* p1, Scalar* pa) {
+template <Activation A, bool Round, class S, class ExecSpace, class T0, class T1, class TA>
+void gated_forward_kernel(Kokkos::RangePolicy<ExecSpace> const& range, T0 const* p0, T1 const* p1,
+                          TA* pa) {
   Kokkos::parallel_for(
       "moe::nn::gated_forward", range, KOKKOS_LAMBDA(std::int64_t i) {
-        pa[i] = cast<Round>(detail::act(A, cast<Round>(p0[i])) * cast<Round>(p1[i]));
+        pa[i] = store<TA>(
+            cast<Round>(detail::act(A, cast<Round>(load<S>(p0[i]))) * cast<Round>(load<S>(p1[i]))));
       });
 }
 
 /// gated_backward's kernel for one activation A (a template argument: no branch in the loop).
-template <Activation A, bool Round, class ExecSpace, class Scalar>
-void gated_backward_kernel(Kokkos::RangePolicy<ExecSpace> const& range, Scalar const* p0,
-                           Scalar const* p1, Scalar const* pd, Scalar* q0, Scalar* q1) {
+template <Activation A, bool Round, class S, class ExecSpace, class T0, class T1, class TD,
+          class Q0, class Q1>
+void gated_backward_kernel(Kokkos::RangePolicy<ExecSpace> const& range, T0 const* p0, T1 const* p1,
+                           TD const* pd, Q0* q0, Q1* q1) {
   Kokkos::parallel_for(
       "moe::nn::gated_backward", range, KOKKOS_LAMBDA(std::int64_t i) {
-        Scalar f, df;
-        detail::act_and_grad(A, cast<Round>(p0[i]), f, df);
-        Scalar const g = cast<Round>(pd[i]);
-        q0[i] = cast<Round>(g * cast<Round>(p1[i]) * df);
-        q1[i] = cast<Round>(g * f);
+        S f, df;
+        detail::act_and_grad(A, cast<Round>(load<S>(p0[i])), f, df);
+        S const g = cast<Round>(load<S>(pd[i]));
+        q0[i] = store<Q0>(cast<Round>(g * cast<Round>(load<S>(p1[i])) * df));
+        q1[i] = store<Q1>(cast<Round>(g * f));
       });
 }
 
@@ -148,33 +178,37 @@ void dispatch(Activation act, bool bf16, Run&& run) {
 }
 }  // namespace detail
 
-/// \brief a[i] = act(h0[i]) * h1[i] over the first `rows` rows of [*, F] views. `bf16` (the bf16
-/// scheme, docs/precision.md): the casts fused into the same pass, a = bf16(act(bf16(h0)) *
-/// bf16(h1)); h0 and h1 stay as they are (gated_backward rounds them again as it reads them).
-template <class ExecSpace, class Scalar, class MS>
-void gated_forward(ExecSpace const& space, Activation act, std::int64_t rows,
-                   View2<Scalar const, MS> h0, View2<Scalar const, MS> h1, View2<Scalar, MS> a,
-                   bool bf16 = false) {
+/// \brief a[i] = act(h0[i]) * h1[i] over the first `rows` rows of contiguous [*, F] views (each
+/// of the layer's scalar or moe::bf16, computed in the scalar). `bf16` (the bf16 scheme,
+/// docs/precision.md): the casts fused into the same pass, a = bf16(act(bf16(h0)) * bf16(h1));
+/// h0 and h1 stay as they are (gated_backward rounds them again as it reads them).
+template <class ExecSpace, class V0, class V1, class VA>
+void gated_forward(ExecSpace const& space, Activation act, std::int64_t rows, V0 const& h0,
+                   V1 const& h1, VA const& a, bool bf16 = false) {
+  using S = typename detail::compute_type<typename V0::value_type, typename V1::value_type,
+                                          typename VA::value_type>::type;
   Kokkos::RangePolicy<ExecSpace> const range(space, 0, rows * std::int64_t(h0.extent(1)));
   detail::dispatch(act, bf16, [&](auto silu, auto round) {
     constexpr Activation A = decltype(silu)::value ? Activation::Silu : Activation::Gelu;
-    detail::gated_forward_kernel<A, decltype(round)::value>(range, h0.data(), h1.data(), a.data());
+    detail::gated_forward_kernel<A, decltype(round)::value, S>(range, h0.data(), h1.data(),
+                                                               a.data());
   });
 }
 
 /// \brief Backward of gated_forward: dh0 = da * h1 * act'(h0), dh1 = da * act(h0). dh0 may
 /// alias da (each element reads its own da before writing). `bf16`: h0, h1 and da are read
 /// rounded to bf16 and dh0, dh1 written rounded (the bf16 scheme's casts, fused).
-template <class ExecSpace, class Scalar, class MS>
-void gated_backward(ExecSpace const& space, Activation act, std::int64_t rows,
-                    View2<Scalar const, MS> h0, View2<Scalar const, MS> h1,
-                    View2<Scalar const, MS> da, View2<Scalar, MS> dh0, View2<Scalar, MS> dh1,
-                    bool bf16 = false) {
+template <class ExecSpace, class V0, class V1, class VD, class Q0, class Q1>
+void gated_backward(ExecSpace const& space, Activation act, std::int64_t rows, V0 const& h0,
+                    V1 const& h1, VD const& da, Q0 const& dh0, Q1 const& dh1, bool bf16 = false) {
+  using S = typename detail::compute_type<typename V0::value_type, typename V1::value_type,
+                                          typename VD::value_type, typename Q0::value_type,
+                                          typename Q1::value_type>::type;
   Kokkos::RangePolicy<ExecSpace> const range(space, 0, rows * std::int64_t(h0.extent(1)));
   detail::dispatch(act, bf16, [&](auto silu, auto round) {
     constexpr Activation A = decltype(silu)::value ? Activation::Silu : Activation::Gelu;
-    detail::gated_backward_kernel<A, decltype(round)::value>(range, h0.data(), h1.data(), da.data(),
-                                                             dh0.data(), dh1.data());
+    detail::gated_backward_kernel<A, decltype(round)::value, S>(range, h0.data(), h1.data(),
+                                                                da.data(), dh0.data(), dh1.data());
   });
 }
 

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 namespace moe::nn {
 
@@ -38,6 +39,9 @@ struct Bf16Rounding {
 
 /// \brief ys = (act(xs . wi_0[g]) * (xs . wi_1[g])) . wo[g] per group g; keeps what backward needs.
 /// Owns its weights' PackCache: callers pass a version that changes whenever the weights change.
+/// With the bf16 scheme on a float layer, the hidden states (h0, h1, act and the backward's d_act,
+/// d_h1) are stored as moe::bf16, half the bytes (the grouped GEMMs read and write them as they
+/// are); the chunked forward, which sums h0 and h1 over D-chunks, keeps them in Scalar.
 /// \tparam Gmm a grouped-GEMM policy (gmm::Auto, OneDnn, Vendor, Tiled<...>).
 template <class Scalar, class Gmm, class ExecSpace>
 class ExpertFfn : public Bf16Rounding {
@@ -56,13 +60,16 @@ class ExpertFfn : public Bf16Rounding {
     std::int64_t const n = xs.extent(0), F = wi_0.extent(2);
     xs_ = xs;
     act_ = act;
-    ensure_gated(space, "moe::ffn", n, F, h0_, h1_, a_);
     version_ = weights_version;
+    narrow_ = bf16 && std::is_same<Scalar, float>::value;
     gmm::GmmOptions const fw = options(false, false, true);
-    gmm::gmm(space, Gmm{}, xs, wi_0, groups, h0_, fw);
-    gmm::gmm(space, Gmm{}, xs, wi_1, groups, h1_, fw);
-    gated_forward(space, act, n, cview2(h0_), cview2(h1_), a_, bf16);
-    gmm::gmm(space, Gmm{}, a_, wo, groups, ys, fw);
+    hidden([&](auto& h0, auto& h1, auto& a, auto&, auto&) {
+      ensure_gated(space, "moe::ffn", n, F, h0, h1, a);
+      gmm::gmm(space, Gmm{}, xs, wi_0, groups, h0, fw);
+      gmm::gmm(space, Gmm{}, xs, wi_1, groups, h1, fw);
+      gated_forward(space, act, n, h0, h1, a, bf16);
+      gmm::gmm(space, Gmm{}, a, wo, groups, ys, fw);
+    });
   }
 
   /// \brief forward() with the first two GEMMs summed over chunks of D (xs's columns arriving a
@@ -75,6 +82,7 @@ class ExpertFfn : public Bf16Rounding {
     xs_ = xs;
     act_ = act;
     version_ = weights_version;
+    narrow_ = false;
     ensure_gated(space, "moe::ffn", n, F, h0_, h1_, a_);
     Kokkos::deep_copy(space, h0_, Scalar(0));
     Kokkos::deep_copy(space, h1_, Scalar(0));
@@ -103,17 +111,19 @@ class ExpertFfn : public Bf16Rounding {
                 view3 wi_1, view3 wo, view2 dxs, view3 d_wi_0, view3 d_wi_1, view3 d_wo) {
     moe::detail::Region region("moe::expert_ffn::backward");
     std::int64_t const n = xs_.extent(0), F = wi_0.extent(2);
-    moe::detail::ensure(space, da_, "moe::ffn::d_act", n, F);
-    moe::detail::ensure(space, dh1_, "moe::ffn::d_h1", n, F);
     round(space, dys);  // the expert outputs' gradient (w * dy from the combine) is bf16
-    gmm::tgmm(space, Gmm{}, a_, dys, groups, d_wo, options(false, false));
-    gmm::gmm(space, Gmm{}, dys, wo, groups, da_, options(true, false, true));
-    // dh0 overwrites da (each element reads its own da before writing).
-    gated_backward(space, act_, n, cview2(h0_), cview2(h1_), cview2(da_), da_, dh1_, bf16);
-    gmm::tgmm(space, Gmm{}, xs_, da_, groups, d_wi_0, options(false, false));
-    gmm::tgmm(space, Gmm{}, xs_, dh1_, groups, d_wi_1, options(false, false));
-    gmm::gmm(space, Gmm{}, da_, wi_0, groups, dxs, options(true, false));
-    gmm::gmm(space, Gmm{}, dh1_, wi_1, groups, dxs, options(true, true));
+    hidden([&](auto& h0, auto& h1, auto& a, auto& da, auto& dh1) {
+      moe::detail::ensure(space, da, "moe::ffn::d_act", n, F);
+      moe::detail::ensure(space, dh1, "moe::ffn::d_h1", n, F);
+      gmm::tgmm(space, Gmm{}, a, dys, groups, d_wo, options(false, false));
+      gmm::gmm(space, Gmm{}, dys, wo, groups, da, options(true, false, true));
+      // dh0 overwrites da (each element reads its own da before writing).
+      gated_backward(space, act_, n, h0, h1, da, da, dh1, bf16);
+      gmm::tgmm(space, Gmm{}, xs_, da, groups, d_wi_0, options(false, false));
+      gmm::tgmm(space, Gmm{}, xs_, dh1, groups, d_wi_1, options(false, false));
+      gmm::gmm(space, Gmm{}, da, wi_0, groups, dxs, options(true, false));
+      gmm::gmm(space, Gmm{}, dh1, wi_1, groups, dxs, options(true, true));
+    });
     round(space, dxs);
   }
 
@@ -132,9 +142,18 @@ class ExpertFfn : public Bf16Rounding {
     o.bf16_output = bf16 && rounded;
     return o;
   }
+  /// body(h0, h1, act, d_act, d_h1) on the hidden states in the storage the forward chose.
+  template <class Body>
+  void hidden(Body&& body) {
+    if constexpr (std::is_same<Scalar, float>::value)
+      if (narrow_) return body(b0_, b1_, ba_, bda_, bdh1_);
+    body(h0_, h1_, a_, da_, dh1_);
+  }
 
   Activation act_ = Activation::Silu;
   view2 xs_, h0_, h1_, a_, da_, dh1_;
+  View2<moe::bf16, memory_space> b0_, b1_, ba_, bda_, bdh1_;  // the same in bf16 (narrow_)
+  bool narrow_ = false;
   gmm::PackCache cache_;
   std::uint64_t version_ = 0;
 };

@@ -35,6 +35,50 @@ using Rows = std::pair<int64_t, int64_t>;
 
 using moe::detail::fence;
 
+/// Whether T is moe::bf16 (const or not): an operand stored in 16 bits.
+template <class T>
+inline constexpr bool is_bf16 = std::is_same<std::remove_const_t<T>, moe::bf16>::value;
+
+/// A 2-D view as S values: itself when it holds S, else an S copy in its space (widened,
+/// exact, with `read`; uninitialised without).
+template <class S, class ExecSpace, class V>
+auto widened(ExecSpace const& space, V const& v, bool read = true) {
+  if constexpr (!is_bf16<typename V::value_type>) {
+    return v;
+  } else {
+    int64_t const rows = v.extent(0), cols = v.extent(1);
+    Kokkos::View<S**, Kokkos::LayoutRight, typename ExecSpace::memory_space> w(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, "moe::gmm::widened"), rows, cols);
+    if (read && rows > 0 && cols > 0)
+      Kokkos::parallel_for(
+          "moe::gmm::widen",
+          Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<int64_t>>(space, 0, rows * cols),
+          KOKKOS_LAMBDA(int64_t i) { w(i / cols, i % cols) = S(float(v(i / cols, i % cols))); });
+    return w;
+  }
+}
+
+/// Runs run(a', b') on S views of two 2-D operands: the moe::bf16 ones through S copies, the
+/// others themselves. With `BWritten` (gmm's out) a bf16 b's copy starts uninitialised and is
+/// narrowed (rounded to bf16) into b after. How every path that computes in S takes bf16 operands.
+template <class S, bool BWritten, class ExecSpace, class A, class B, class Run>
+void via_float(ExecSpace const& space, A const& a, B const& b, Run&& run) {
+  constexpr bool out16 = BWritten && is_bf16<typename B::value_type>;
+  auto const wa = widened<S>(space, a);
+  auto const wb = widened<S>(space, b, !out16);
+  run(wa, wb);
+  if constexpr (out16) {
+    int64_t const rows = b.extent(0), cols = b.extent(1);
+    if (rows > 0 && cols > 0)
+      Kokkos::parallel_for(
+          "moe::gmm::narrow",
+          Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<int64_t>>(space, 0, rows * cols),
+          KOKKOS_LAMBDA(int64_t i) {
+            b(i / cols, i % cols) = moe::bf16(float(wb(i / cols, i % cols)));
+          });
+  }
+}
+
 /// out = 0 on a 2-D block (any row stride).
 template <class ExecSpace, class Scalar, class Mem>
 void zero(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out, char const* label) {
@@ -123,9 +167,13 @@ void check_gmm(L const& lhs, R const& rhs, moe::gmm::Groups<Mem> const& groups, 
       rk == k, what, ": lhs is [", m, ",", k, "] but rhs is [", rhs.extent(0), ",", rhs.extent(1),
       ",", rhs.extent(2), "]; rhs.extent(", opt.transpose_rhs ? 2 : 1, ")=", rk,
       " must equal lhs.extent(1)=", k, opt.transpose_rhs ? " (transpose_rhs)" : "");
-  moe::detail::require<ConfigError>(!(opt.bf16_output && opt.accumulate), what,
-                                    ": bf16_output=true with accumulate=true; a rounded output "
-                                    "cannot be summed into (round the sum instead)");
+  bool const out16 = is_bf16<typename O::value_type>;
+  moe::detail::require<ConfigError>(
+      !((opt.bf16_output || out16) && opt.accumulate), what,
+      out16 ? ": out holds moe::bf16 with accumulate=true; a bf16 output cannot be summed into "
+              "(sum into a float output and round the sum instead)"
+            : ": bf16_output=true with accumulate=true; a rounded output cannot be summed into "
+              "(round the sum instead)");
   moe::detail::require<ShapeError>(out.extent(0) == lhs.extent(0) && int64_t(out.extent(1)) == n,
                                    what, ": out is [", out.extent(0), ",", out.extent(1),
                                    "] but must be [lhs.extent(0), n] = [", m, ",", n, "]");
@@ -166,8 +214,13 @@ constexpr void view_checks() {
       "moe::gmm: operands must be accessible from the execution space");
 }
 
+/// Whether an element type (const or not) is S or moe::bf16.
+template <class T, class S>
+inline constexpr bool row_element = std::is_same<std::remove_const_t<T>, S>::value || is_bf16<T>;
+
 /// The compile-time rules of gmm (`Rhs` = rhs [G,k,n], out [m,n]) and tgmm (`Rhs` = dy [m,n],
-/// out [G,k,n]).
+/// out [G,k,n]): the weights-side operand (gmm's rhs, tgmm's out) holds the scalar S (float or
+/// double); the row operands hold S or moe::bf16.
 template <class Policy, class ExecSpace, class Lhs, class Rhs, class Out, unsigned OutRank>
 constexpr void static_checks() {
   static_assert(is_policy<Policy>::value, "moe::gmm: Policy is not a grouped-GEMM policy tag");
@@ -175,12 +228,14 @@ constexpr void static_checks() {
   static_assert(Lhs::rank == 2 && Rhs::rank == 5 - OutRank && Out::rank == OutRank,
                 "moe::gmm: lhs must be rank 2, rhs rank 3 and out rank 2 (gmm), dy rank 2 and out "
                 "rank 3 (tgmm)");
-  using S = typename Out::non_const_value_type;
-  static_assert(std::is_same<typename Lhs::non_const_value_type, S>::value &&
-                    std::is_same<typename Rhs::non_const_value_type, S>::value,
-                "moe::gmm: lhs, rhs (or dy) and out must have the same scalar type");
-  static_assert(std::is_floating_point<S>::value, "moe::gmm: Scalar must be float or double");
-  static_assert(std::is_same<typename Out::value_type, S>::value,
+  using S = typename std::conditional_t<OutRank == 2, Rhs, Out>::non_const_value_type;
+  static_assert(std::is_floating_point<S>::value,
+                "moe::gmm: the weights (gmm's rhs, tgmm's out) must be float or double");
+  static_assert(row_element<typename Lhs::value_type, S> &&
+                    row_element<typename Rhs::value_type, S> &&
+                    row_element<typename Out::value_type, S>,
+                "moe::gmm: lhs, dy and out must hold the weights' scalar type or moe::bf16");
+  static_assert(!std::is_const<typename Out::value_type>::value,
                 "moe::gmm: out must be writable (non-const)");
 }
 

@@ -97,12 +97,14 @@ namespace moe::gmm::detail {
 #if MOE_HAS_ONEDNN
 namespace dn = moe::detail::onednn;
 
-// Where is_available<OneDnn> holds (resolve_t picks Vendor elsewhere).
+// Where is_available<OneDnn> holds (resolve_t picks Vendor elsewhere). lhs and out (gmm), lhs and
+// dy (tgmm) may be moe::bf16: the bf16 kernels read and write them as they are; every path that
+// computes in float goes through widened copies (per chunk in packed mode, else via_float).
 template <>
 struct Impl<moe::gmm::OneDnn> {
-  template <class E, class ML, class MR, class MO, class Mem>
-  static void gmm(E const& space, CMat<E, float, ML> const& lhs, CTensor<E, float, MR> const& rhs,
-                  moe::gmm::Groups<Mem> const& groups, Mat<E, float, MO> const& out,
+  template <class E, class TL, class TO, class ML, class MR, class MO, class Mem>
+  static void gmm(E const& space, CMat<E, TL, ML> const& lhs, CTensor<E, float, MR> const& rhs,
+                  moe::gmm::Groups<Mem> const& groups, Mat<E, TO, MO> const& out,
                   moe::gmm::GmmOptions const& opt) {
     int const num_local = rhs.extent(0);
     std::int64_t const m = lhs.extent(0), k = lhs.extent(1), n = out.extent(1);
@@ -125,7 +127,17 @@ struct Impl<moe::gmm::OneDnn> {
         if (!p->packed()) p = nullptr;
       }
       if (!p) p = &dn::plan(k, n, trans, ldw, lda, ldc);
-      if (!keep || !p->packed()) {
+      if (keep && p->packed()) {
+        packed_gmm(*p, lhs, rhs, groups, out, opt);
+      } else if constexpr (is_bf16<TL> || is_bf16<TO>) {
+        moe::gmm::GmmOptions inner = opt;
+        inner.bf16_output = opt.bf16_output && !is_bf16<TO>;  // narrowing rounds
+        via_float<float, true>(space, lhs, out, [&](auto const& l, auto const& o) {
+          gmm(space, CMat<E, float, typename E::memory_space>(l), rhs, groups,
+              Mat<E, float, typename E::memory_space>(o), inner);
+        });
+        return;
+      } else {
         // Plain layout: one sgemm per group on the weights in place. Rows are padded to the
         // bucket as in Vendor (the extra rows belong to later groups or are zeroed below).
         std::int64_t const pad = acc ? 1 : dn::row_bucket;
@@ -144,8 +156,6 @@ struct Impl<moe::gmm::OneDnn> {
                     ldc);
         }
         if (opt.bf16_output) round_rows(space, out, begin, end);
-      } else {
-        packed_gmm(*p, lhs, rhs, groups, out, opt);
       }
     }
     if (!acc) zero_outside(space, out, begin, end);
@@ -154,11 +164,12 @@ struct Impl<moe::gmm::OneDnn> {
 
   /// Packed layout: each group as row chunks (at most chunk_cap rows), listed (kernels made here),
   /// then run longest first, one per thread. A chunk run past its group writes to a thread buffer;
-  /// a chunk without a direct kernel runs as sgemm.
-  template <class E, class ML, class MR, class MO, class Mem>
-  static void packed_gmm(moe::detail::onednn::KernelPlan& p, CMat<E, float, ML> const& lhs,
+  /// a chunk without a direct kernel runs as sgemm. bf16 rows are widened per chunk where the
+  /// kernel takes floats, and float results narrowed per chunk into a bf16 out.
+  template <class E, class TL, class TO, class ML, class MR, class MO, class Mem>
+  static void packed_gmm(moe::detail::onednn::KernelPlan& p, CMat<E, TL, ML> const& lhs,
                          CTensor<E, float, MR> const& rhs, moe::gmm::Groups<Mem> const& groups,
-                         Mat<E, float, MO> const& out, moe::gmm::GmmOptions const& opt) {
+                         Mat<E, TO, MO> const& out, moe::gmm::GmmOptions const& opt) {
     int const num_local = rhs.extent(0);
     std::int64_t const m = lhs.extent(0), k = lhs.extent(1), n = out.extent(1);
     std::int64_t const lda = lhs.stride(0), ldc = out.stride(0), ldw = rhs.stride(1);
@@ -173,7 +184,8 @@ struct Impl<moe::gmm::OneDnn> {
       dn::Kernel const* kernel;  // null: sgemm on the weights in place
     };
     std::vector<Call> calls;
-    bool const to_bf16 = opt.bf16_output && p.bf16();  // never with acc (check_gmm)
+    bool const rounded = opt.bf16_output || is_bf16<TO>;
+    bool const to_bf16 = rounded && p.bf16();  // never with acc (check_gmm)
     std::int64_t const cap = dn::chunk_cap(off(go + num_local) - off(go), dn::max_threads());
     for (int g = 0; g < num_local; ++g) {
       std::int64_t const r1 = off(go + g + 1);
@@ -188,72 +200,111 @@ struct Impl<moe::gmm::OneDnn> {
     // Longest first: the threads take calls as they free up, so the last ones are short.
     std::stable_sort(calls.begin(), calls.end(),
                      [](Call const& a, Call const& b) { return a.chunk.run > b.chunk.run; });
-    float const* const x = lhs.data();
-    float* const y = out.data();
+    TL const* const x = lhs.data();
+    TO* const y = out.data();
     dn::for_each_item(std::int64_t(calls.size()), [&](std::int64_t i) {
       Call const& c = calls[std::size_t(i)];
-      auto round = [&] {  // bf16_output on rows computed in float
-        if (opt.bf16_output)
-          for (std::int64_t r = c.c0; r < c.c0 + c.chunk.rows; ++r)
-            for (float* v = y + r * ldc; v != y + r * ldc + n; ++v)
-              *v = moe::detail::round_to_bf16(*v);
+      std::int64_t const rows = c.chunk.rows, run = c.chunk.run;
+      TL const* const in = x + c.c0 * lda;
+      // The chunk's rows as floats with row stride lda, zero-padded to `count` rows: in place
+      // when they are floats and all inside lhs, else a copy in the thread's buffer 2.
+      auto float_rows = [&](std::int64_t count) -> float const* {
+        if constexpr (!is_bf16<TL>)
+          if (c.c0 + count <= m) return in;
+        float* const f = dn::thread_buffer(2, std::size_t(count * lda));
+        for (std::int64_t r = 0; r < rows; ++r)
+          for (std::int64_t j = 0; j < k; ++j) f[r * lda + j] = float(in[r * lda + j]);
+        std::fill(f + rows * lda, f + count * lda, 0.0f);
+        return f;
+      };
+      // Float results [rows, n] (row stride ld), in out's rows already or not, into out: added
+      // (a buffer's, when accumulating), copied, rounded.
+      auto store = [&](float const* from, std::int64_t ld) {
+        for (std::int64_t r = 0; r < rows; ++r) {
+          float const* f = from + r * ld;
+          TO* to = y + (c.c0 + r) * ldc;
+          if constexpr (is_bf16<TO>) {
+            for (std::int64_t j = 0; j < n; ++j) to[j] = moe::bf16(f[j]);
+          } else if (rounded) {
+            for (std::int64_t j = 0; j < n; ++j) to[j] = moe::detail::round_to_bf16(f[j]);
+          } else if (to != f) {
+            if (acc)
+              for (std::int64_t j = 0; j < n; ++j) to[j] += f[j];
+            else
+              std::copy(f, f + n, to);
+          }
+        }
+      };
+      // Into out's rows when float and inside out, else into the thread's buffer 0.
+      auto float_dst = [&](std::int64_t ld_in_place) -> float* {
+        if constexpr (!is_bf16<TO>)
+          if (run == rows && ld_in_place == ldc) return y + c.c0 * ldc;
+        return dn::thread_buffer(0, std::size_t(run * ldc));
       };
       if (!c.kernel) {
-        dn::sgemm('N', trans ? 'T' : 'N', c.chunk.rows, n, k, 1.0f, x + c.c0 * lda, lda,
-                  rhs.data() + c.g * rhs.stride(0), ldw, acc ? 1.0f : 0.0f, y + c.c0 * ldc, ldc);
-        return round();
+        float* const dst = float_dst(ldc);
+        dn::sgemm('N', trans ? 'T' : 'N', rows, n, k, 1.0f, float_rows(rows), lda,
+                  rhs.data() + c.g * rhs.stride(0), ldw, acc && !is_bf16<TO> ? 1.0f : 0.0f, dst,
+                  ldc);
+        return store(dst, ldc);
       }
-      bool const spill = c.chunk.run != c.chunk.rows;
-      float const* const rows = x + c.c0 * lda;
-      void* src_rows = const_cast<float*>(rows);
-      if (p.bf16()) {  // the rows rounded to bf16 (exact on bf16 values), dense, zero-padded
-        auto* const b = dn::thread_buffer<std::uint16_t>(2, std::size_t(c.chunk.run * k));
-        dn::bf16_rows(rows, lda, c.chunk.rows, k, c.chunk.run, b);
-        src_rows = b;
-      } else if (c.c0 + c.chunk.run > m) {  // the rows past the group are past lhs: a padded copy
-        float* const pad = dn::thread_buffer(2, std::size_t(c.chunk.run * lda));
-        for (std::int64_t r = 0; r < c.chunk.rows; ++r)
-          std::copy(rows + r * lda, rows + r * lda + k, pad + r * lda);
-        std::fill(pad + c.chunk.rows * lda, pad + c.chunk.run * lda, 0.0f);
-        src_rows = pad;
+      void const* src_rows = nullptr;
+      if (p.bf16()) {  // bf16 rows, dense (row stride k), zero-padded: bf16 lhs rows in place
+        if constexpr (is_bf16<TL>)
+          if (run == rows && lda == k) src_rows = in;
+        if (!src_rows) {
+          auto* const b = dn::thread_buffer<std::uint16_t>(2, std::size_t(run * k));
+          dn::bf16_rows(in, lda, rows, k, run, b);
+          src_rows = b;
+        }
+      } else {
+        src_rows = float_rows(run);
       }
-      dnnl::memory const src(p.src_desc(c.chunk.run), dn::engine(), src_rows);
+      dnnl::memory const src(p.src_desc(run), dn::engine(), const_cast<void*>(src_rows));
       dnnl::memory const& weights = pk->experts[std::size_t(c.g)];
-      if (to_bf16) {  // bf16 rows [run, n] in the thread's buffer, widened into out
-        auto* const b = dn::thread_buffer<std::uint16_t>(0, std::size_t(c.chunk.run * n));
-        c.kernel->run(
-            {{DNNL_ARG_SRC, src},
-             {DNNL_ARG_WEIGHTS, weights},
-             {DNNL_ARG_DST, dnnl::memory(p.dst_desc(c.chunk.run, true), dn::engine(), b)}});
-        for (std::int64_t r = 0; r < c.chunk.rows; ++r)
-          dn::widen_bf16_streaming(b + r * n, n, y + (c.c0 + r) * ldc);
+      if (to_bf16) {  // bf16 rows [run, n]: into a bf16 out in place, else the thread's buffer
+        void* dst = nullptr;
+        if constexpr (is_bf16<TO>)
+          if (run == rows && ldc == n) dst = y + c.c0 * ldc;
+        auto* const b = dst ? nullptr : dn::thread_buffer<std::uint16_t>(0, std::size_t(run * n));
+        c.kernel->run({{DNNL_ARG_SRC, src},
+                       {DNNL_ARG_WEIGHTS, weights},
+                       {DNNL_ARG_DST, dnnl::memory(p.dst_desc(run, true), dn::engine(),
+                                                   dst ? dst : static_cast<void*>(b))}});
+        if (b)
+          for (std::int64_t r = 0; r < rows; ++r) {
+            if constexpr (is_bf16<TO>)
+              std::copy(b + r * n, b + (r + 1) * n,
+                        reinterpret_cast<std::uint16_t*>(y + (c.c0 + r) * ldc));
+            else
+              dn::widen_bf16_streaming(b + r * n, n, y + (c.c0 + r) * ldc);
+          }
         return;
       }
-      float* const dst =
-          spill ? dn::thread_buffer(0, std::size_t(c.chunk.run * ldc)) : y + c.c0 * ldc;
+      float* const dst = float_dst(ldc);
       c.kernel->run({{DNNL_ARG_SRC, src},
                      {DNNL_ARG_WEIGHTS, weights},
-                     {DNNL_ARG_DST, dnnl::memory(p.dst_desc(c.chunk.run), dn::engine(), dst)}});
-      if (spill)
-        for (std::int64_t r = 0; r < c.chunk.rows; ++r) {
-          float const* from = dst + r * ldc;
-          float* to = y + (c.c0 + r) * ldc;
-          if (acc)
-            for (std::int64_t j = 0; j < n; ++j) to[j] += from[j];
-          else
-            std::copy(from, from + n, to);
-        }
-      round();
+                     {DNNL_ARG_DST, dnnl::memory(p.dst_desc(run), dn::engine(), dst)}});
+      store(dst, ldc);
     });
   }
 
   /// bf16 inputs on bf16 kernels: a bf16_gemm per group on all threads (rows padded to a multiple
-  /// of tgmm_bf16_rows). Else one single-threaded sgemm per (group, column block), a group with
-  /// over half a thread's share of the rows split into 16-column multiples so no thread idles.
-  template <class E, class ML, class MD, class MO, class Mem>
-  static void tgmm(E const& space, CMat<E, float, ML> const& lhs, CMat<E, float, MD> const& dy,
+  /// of tgmm_bf16_rows), reading bf16 operands as they are. Else one single-threaded sgemm per
+  /// (group, column block), a group with over half a thread's share of the rows split into
+  /// 16-column multiples so no thread idles (bf16 operands through via_float).
+  template <class E, class TL, class TD, class ML, class MD, class MO, class Mem>
+  static void tgmm(E const& space, CMat<E, TL, ML> const& lhs, CMat<E, TD, MD> const& dy,
                    moe::gmm::Groups<Mem> const& groups, Tensor<E, float, MO> const& out,
                    moe::gmm::GmmOptions const& opt) {
+    constexpr bool b16 = is_bf16<TL> || is_bf16<TD>;
+    if constexpr (b16) {
+      if (!opt.bf16_inputs || !dn::bf16_kernels())
+        return via_float<float, false>(space, lhs, dy, [&](auto const& l, auto const& d) {
+          using M = typename E::memory_space;
+          tgmm(space, CMat<E, float, M>(l), CMat<E, float, M>(d), groups, out, opt);
+        });
+    }
     int const num_local = out.extent(0);
     std::int64_t const k = out.extent(1), n = out.extent(2);
     auto const& off = groups.offsets_host;
@@ -269,6 +320,7 @@ struct Impl<moe::gmm::OneDnn> {
       std::int64_t n0, n1;
     };
     std::vector<Call> calls;
+    std::vector<int> refused;  // groups of bf16 operands the bf16 kernels refused
     for (int g = 0; g < num_local; ++g) {
       std::int64_t const r0 = off(go + g), rows = off(go + g + 1) - r0;
       float* const o = out.data() + g * out.stride(0);
@@ -284,22 +336,39 @@ struct Impl<moe::gmm::OneDnn> {
           dn::bf16_gemm('T', 'N', k, n, rows, lhs.data() + r0 * lda, lda, dy.data() + r0 * ldd, ldd,
                         opt.accumulate, o, ldo, padded))
         continue;
-      std::int64_t const blocks =
-          threads == 1 ? 1
-                       : std::max<std::int64_t>(
-                             1, std::min((rows + share - 1) / share, n / dn::tgmm_min_columns));
-      for (std::int64_t b = 0; b < blocks; ++b)
-        calls.push_back(
-            {g, n * b / blocks / 16 * 16, b + 1 == blocks ? n : n * (b + 1) / blocks / 16 * 16});
+      if constexpr (b16) {
+        refused.push_back(g);
+      } else {
+        std::int64_t const blocks =
+            threads == 1 ? 1
+                         : std::max<std::int64_t>(
+                               1, std::min((rows + share - 1) / share, n / dn::tgmm_min_columns));
+        for (std::int64_t b = 0; b < blocks; ++b)
+          calls.push_back(
+              {g, n * b / blocks / 16 * 16, b + 1 == blocks ? n : n * (b + 1) / blocks / 16 * 16});
+      }
     }
     fence(space, "moe::gmm::tgmm<OneDnn>: empty groups zeroed");
-    dn::for_each_item(std::int64_t(calls.size()), [&](std::int64_t i) {
-      Call const& c = calls[std::size_t(i)];
-      std::int64_t const r0 = off(go + c.g), r1 = off(go + c.g + 1);
-      dn::sgemm('T', 'N', k, c.n1 - c.n0, r1 - r0, 1.0f, lhs.data() + r0 * lda, lda,
-                dy.data() + r0 * ldd + c.n0, ldd, opt.accumulate ? 1.0f : 0.0f,
-                out.data() + c.g * out.stride(0) + c.n0, ldo);
-    });
+    if constexpr (b16) {
+      for (int g : refused) {  // widened copies of the group's rows, one sgemm
+        std::int64_t const r0 = off(go + g), rows = off(go + g + 1) - r0;
+        std::vector<float> l(std::size_t(rows * k)), d(std::size_t(rows * n));
+        for (std::int64_t r = 0; r < rows; ++r) {
+          for (std::int64_t j = 0; j < k; ++j) l[std::size_t(r * k + j)] = float(lhs(r0 + r, j));
+          for (std::int64_t j = 0; j < n; ++j) d[std::size_t(r * n + j)] = float(dy(r0 + r, j));
+        }
+        dn::sgemm('T', 'N', k, n, rows, 1.0f, l.data(), k, d.data(), n,
+                  opt.accumulate ? 1.0f : 0.0f, out.data() + g * out.stride(0), ldo);
+      }
+    } else {
+      dn::for_each_item(std::int64_t(calls.size()), [&](std::int64_t i) {
+        Call const& c = calls[std::size_t(i)];
+        std::int64_t const r0 = off(go + c.g), r1 = off(go + c.g + 1);
+        dn::sgemm('T', 'N', k, c.n1 - c.n0, r1 - r0, 1.0f, lhs.data() + r0 * lda, lda,
+                  dy.data() + r0 * ldd + c.n0, ldd, opt.accumulate ? 1.0f : 0.0f,
+                  out.data() + c.g * out.stride(0) + c.n0, ldo);
+      });
+    }
     fence(space, "moe::gmm::tgmm<OneDnn>: done");
   }
 };
