@@ -39,6 +39,13 @@ using moe::detail::fence;
 template <class T>
 inline constexpr bool is_bf16 = std::is_same<std::remove_const_t<T>, moe::bf16>::value;
 
+/// The index range of a rows x cols matrix on `space`.
+template <class ExecSpace>
+auto matrix_range(ExecSpace const& space, int64_t rows, int64_t cols) {
+  using Policy = Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>, Kokkos::IndexType<int64_t>>;
+  return Policy(space, {0, 0}, {rows, cols});
+}
+
 /// A 2-D view as S values: itself when it holds S, else an S copy in its space (widened,
 /// exact, with `read`; uninitialised without).
 template <class S, class ExecSpace, class V>
@@ -51,9 +58,8 @@ auto widened(ExecSpace const& space, V const& v, bool read = true) {
         Kokkos::view_alloc(Kokkos::WithoutInitializing, "moe::gmm::widened"), rows, cols);
     if (read && rows > 0 && cols > 0)
       Kokkos::parallel_for(
-          "moe::gmm::widen",
-          Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<int64_t>>(space, 0, rows * cols),
-          KOKKOS_LAMBDA(int64_t i) { w(i / cols, i % cols) = S(float(v(i / cols, i % cols))); });
+          "moe::gmm::widen", matrix_range(space, rows, cols),
+          KOKKOS_LAMBDA(int64_t i, int64_t j) { w(i, j) = S(float(v(i, j))); });
     return w;
   }
 }
@@ -71,11 +77,8 @@ void via_float(ExecSpace const& space, A const& a, B const& b, Run&& run) {
     int64_t const rows = b.extent(0), cols = b.extent(1);
     if (rows > 0 && cols > 0)
       Kokkos::parallel_for(
-          "moe::gmm::narrow",
-          Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<int64_t>>(space, 0, rows * cols),
-          KOKKOS_LAMBDA(int64_t i) {
-            b(i / cols, i % cols) = moe::bf16(float(wb(i / cols, i % cols)));
-          });
+          "moe::gmm::narrow", matrix_range(space, rows, cols),
+          KOKKOS_LAMBDA(int64_t i, int64_t j) { b(i, j) = moe::bf16(float(wb(i, j))); });
   }
 }
 
