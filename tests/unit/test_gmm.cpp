@@ -30,6 +30,8 @@ using OneDnnPacked = OneDnnForced<true>;
 using OneDnnPlain = OneDnnForced<false>;
 template <bool P>
 struct moe::gmm::is_policy<OneDnnForced<P>> : std::true_type {};
+template <bool P>
+struct moe::gmm::handles_bf16<OneDnnForced<P>> : moe::gmm::handles_bf16<moe::gmm::OneDnn> {};
 template <bool P, class E, class S>
 struct moe::gmm::is_available<OneDnnForced<P>, E, S>
     : moe::gmm::is_available<moe::gmm::OneDnn, E, S> {};
@@ -461,37 +463,78 @@ TYPED_TEST(Gmm, Bf16StoredOperandsGiveTheFloatOperandsResults) {
     for (auto* v : {&p.lhs, &p.rhs, &p.out})
       for (double& e : *v) e = moe::detail::round_to_bf16(e);
   };
-  for (bool trans : {false, true})
-    for (int64_t rows : {int64_t(3), int64_t(300)}) {
-      SCOPED_TRACE(std::string(trans ? "transpose_rhs" : "plain") + ", " + std::to_string(rows) +
-                   " rows in group 1");
-      GmmOptions opt;
-      opt.transpose_rhs = trans;
-      opt.bf16_inputs = true;
-      opt.group_offset = 1;
-      Problem p = make_gmm_problem({5, rows, 0, 40, 17}, rows + 70, 48, 40, 3, opt, 11);
-      bf16_values(p);
-      auto const fl = run_stored<P, S, S, S>(p);
-      EXPECT_EQ((run_stored<P, S, bf16, S>(p)), fl) << "bf16 lhs, float out";
-      expect_close<S>(fl, reference_gmm(p), "float operands");
-      p.opt.bf16_output = true;
-      auto const rounded = run_stored<P, S, S, S>(p);
-      EXPECT_EQ((run_stored<P, S, bf16, bf16>(p)), rounded) << "bf16 lhs, bf16 out";
-      EXPECT_EQ((run_stored<P, S, S, bf16>(p)), rounded) << "float lhs, bf16 out";
-      p.opt.bf16_output = false;  // a bf16 out rounds without being asked
-      EXPECT_EQ((run_stored<P, S, S, bf16>(p)), rounded) << "bf16 out without bf16_output";
+  // (rows in group 1, n): one chunk; several chunks and, for tgmm, column blocks.
+  for (auto [rows, n] : {std::pair<int64_t, int64_t>{3, 40}, {300, 272}})
+    for (bool trans : {false, true})
+      for (bool bf16_inputs : {true, false}) {
+        SCOPED_TRACE(std::string(trans ? "transpose_rhs" : "plain") + ", " + std::to_string(rows) +
+                     " rows in group 1, n " + std::to_string(n) +
+                     (bf16_inputs ? "" : ", bf16_inputs=false"));
+        GmmOptions opt;
+        opt.transpose_rhs = trans;
+        opt.bf16_inputs = bf16_inputs;
+        opt.group_offset = 1;
+        Problem p = make_gmm_problem({5, rows, 0, 40, 17}, rows + 70, 48, n, 3, opt, 11);
+        bf16_values(p);
+        auto const fl = run_stored<P, S, S, S>(p);
+        EXPECT_EQ((run_stored<P, S, bf16, S>(p)), fl) << "bf16 lhs, float out";
+        expect_close<S>(fl, reference_gmm(p), "float operands");
+        p.opt.bf16_output = true;
+        auto const rounded = run_stored<P, S, S, S>(p);
+        EXPECT_EQ((run_stored<P, S, bf16, bf16>(p)), rounded) << "bf16 lhs, bf16 out";
+        EXPECT_EQ((run_stored<P, S, S, bf16>(p)), rounded) << "float lhs, bf16 out";
+        p.opt.bf16_output = false;  // a bf16 out rounds without being asked
+        EXPECT_EQ((run_stored<P, S, S, bf16>(p)), rounded) << "bf16 out without bf16_output";
 
-      Problem t = make_tgmm_problem({5, rows, 0, 40, 17}, rows + 70, 48, 40, 3, opt, 12);
-      bf16_values(t);
-      auto const tf = run_stored<P, S, S, S, true>(t);
-      expect_close<S>(tf, reference_tgmm(t), "tgmm, float operands");
-      EXPECT_EQ((run_stored<P, S, bf16, bf16, true>(t)), tf) << "tgmm, bf16 lhs and dy";
-      EXPECT_EQ((run_stored<P, S, bf16, S, true>(t)), tf) << "tgmm, bf16 lhs";
-      EXPECT_EQ((run_stored<P, S, S, bf16, true>(t)), tf) << "tgmm, bf16 dy";
-      t.opt.accumulate = true;
-      EXPECT_EQ((run_stored<P, S, bf16, bf16, true>(t)), (run_stored<P, S, S, S, true>(t)))
-          << "tgmm accumulating, bf16 lhs and dy";
-    }
+        Problem t = make_tgmm_problem({5, rows, 0, 40, 17}, rows + 70, 48, n, 3, opt, 12);
+        bf16_values(t);
+        auto const tf = run_stored<P, S, S, S, true>(t);
+        expect_close<S>(tf, reference_tgmm(t), "tgmm, float operands");
+        EXPECT_EQ((run_stored<P, S, bf16, bf16, true>(t)), tf) << "tgmm, bf16 lhs and dy";
+        EXPECT_EQ((run_stored<P, S, bf16, S, true>(t)), tf) << "tgmm, bf16 lhs";
+        EXPECT_EQ((run_stored<P, S, S, bf16, true>(t)), tf) << "tgmm, bf16 dy";
+        t.opt.accumulate = true;
+        EXPECT_EQ((run_stored<P, S, bf16, bf16, true>(t)), (run_stored<P, S, S, S, true>(t)))
+            << "tgmm accumulating, bf16 lhs and dy";
+      }
+  // Strided operands (row strides past their columns): bf16 and float subviews agree.
+  {
+    GmmOptions opt;
+    opt.bf16_inputs = opt.bf16_output = true;
+    opt.pack_cache = nullptr;
+    Problem p = make_gmm_problem({20, 45}, 65, 24, 32, 2, opt, 13);
+    bf16_values(p);
+    auto const wide_in = to_device<View2<S>>("moe::gmm::test::lhs", {}, 65, 40);
+    auto const wide_out = to_device<View2<S>>("moe::gmm::test::out", {}, 65, 48);
+    auto lhs = Kokkos::subview(wide_in, Kokkos::ALL, std::pair<int64_t, int64_t>(0, 24));
+    auto out = Kokkos::subview(wide_out, Kokkos::ALL, std::pair<int64_t, int64_t>(0, 32));
+    auto const wide_in16 = to_device<View2<bf16>>("moe::gmm::test::lhs", {}, 65, 40);
+    auto const wide_out16 = to_device<View2<bf16>>("moe::gmm::test::out", {}, 65, 48);
+    auto lhs16 = Kokkos::subview(wide_in16, Kokkos::ALL, std::pair<int64_t, int64_t>(0, 24));
+    auto out16 = Kokkos::subview(wide_out16, Kokkos::ALL, std::pair<int64_t, int64_t>(0, 32));
+    auto const host = Kokkos::create_mirror_view(Kokkos::HostSpace(), wide_in);
+    auto const host16 = Kokkos::create_mirror_view(Kokkos::HostSpace(), wide_in16);
+    for (int64_t r = 0; r < 65; ++r)
+      for (int64_t c = 0; c < 24; ++c) {
+        host(r, c) = S(p.lhs[std::size_t(r * 24 + c)]);
+        host16(r, c) = bf16(float(p.lhs[std::size_t(r * 24 + c)]));
+      }
+    Kokkos::deep_copy(wide_in, host);
+    Kokkos::deep_copy(wide_in16, host16);
+    auto const rhs = to_device<View3<S>>("moe::gmm::test::rhs", p.rhs, 2, 24, 32);
+    auto const groups = moe::gmm::make_groups<Mem>(p.sizes);
+    moe::gmm::gmm(Exec(), P{}, lhs, rhs, groups, out, opt);
+    moe::gmm::gmm(Exec(), P{}, lhs16, rhs, groups, out16, opt);
+    Kokkos::fence();
+    auto const a = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), wide_out);
+    auto const b = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), wide_out16);
+    int failures = 0;
+    for (int64_t r = 0; r < 65 && failures < 10; ++r)
+      for (int64_t c = 0; c < 48; ++c)
+        if (double(float(b(r, c))) != double(c < 32 ? a(r, c) : S(0)))
+          ++failures, ADD_FAILURE() << "strided: out(" << r << ", " << c << ") is "
+                                    << float(b(r, c)) << ", float operands give " << a(r, c);
+  }
   auto groups = moe::gmm::make_groups<Mem>({3, 4});
   View2<bf16> lhs("moe::gmm::test::lhs", 7, 8), out("moe::gmm::test::out", 7, 6);
   View3<S> rhs("moe::gmm::test::rhs", 2, 8, 6);

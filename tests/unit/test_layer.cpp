@@ -914,10 +914,29 @@ TEST(Activation, GeluDoubleMatchesReference) {
   check_activation<double>(moe::Activation::Gelu, 1e-13);
 }
 
+/// A float [n, 1] view rounded into moe::bf16, and back (exact).
+moe::View2<moe::bf16, MS> to_bf16(moe::View2<float, MS> const& v) {
+  auto const h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  moe::View2<moe::bf16, MS> b("bf16", v.extent(0), 1);
+  auto const hb = Kokkos::create_mirror_view(b);
+  for (std::size_t i = 0; i < v.extent(0); ++i) hb(i, 0) = moe::bf16(h(i, 0));
+  Kokkos::deep_copy(b, hb);
+  return b;
+}
+moe::View2<float, MS> to_float(moe::View2<moe::bf16, MS> const& b) {
+  auto const hb = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), b);
+  moe::View2<float, MS> v("float", b.extent(0), 1);
+  auto const h = Kokkos::create_mirror_view(v);
+  for (std::size_t i = 0; i < b.extent(0); ++i) h(i, 0) = float(hb(i, 0));
+  Kokkos::deep_copy(v, h);
+  return v;
+}
+
 // The bf16 scheme's casts fused into the activation (gated_forward / gated_backward with bf16) give
 // the bits of the unfused sequence they replace: round h0 and h1, the activation, round a; round
 // da, the backward, round dh0 and dh1. Both activations, float and double, values that are not
-// bf16 (so every cast rounds), NaN and the clamped tails included.
+// bf16 (so every cast rounds), NaN and the clamped tails included; in float also on 16-bit
+// storage (moe::bf16 views in and out, as the bf16 layer's hidden states).
 template <class S>
 void check_fused_bf16_casts(moe::Activation act) {
   std::int64_t const n = 4001;
@@ -958,6 +977,18 @@ void check_fused_bf16_casts(moe::Activation act) {
   EXPECT_TRUE(bits_equal(a, ra, "a"));
   EXPECT_TRUE(bits_equal(dh0, rd, "dh0"));
   EXPECT_TRUE(bits_equal(dh1, rdh1, "dh1"));
+  if constexpr (std::is_same<S, float>::value) {
+    // The same on 16-bit storage (the bf16 layer's hidden states): h0, h1, da held as moe::bf16
+    // (the rounded values), a, dh0 (into da) and dh1 written as moe::bf16.
+    using B = moe::View2<moe::bf16, MS>;
+    B const b0 = to_bf16(h0), b1 = to_bf16(h1), bd = to_bf16(da), ba("ba", n, 1),
+            bdh1("bdh1", n, 1);
+    moe::nn::gated_forward(space, act, n, b0, b1, ba, true);
+    moe::nn::gated_backward(space, act, n, b0, b1, bd, bd, bdh1, true);
+    EXPECT_TRUE(bits_equal(to_float(ba), ra, "a (bf16 storage)"));
+    EXPECT_TRUE(bits_equal(to_float(bd), rd, "dh0 (bf16 storage)"));
+    EXPECT_TRUE(bits_equal(to_float(bdh1), rdh1, "dh1 (bf16 storage)"));
+  }
 }
 
 TEST(Activation, FusedBf16CastsGiveTheUnfusedBits) {

@@ -14,6 +14,7 @@
 #include <moe/distributed/parallel_config.hpp>
 #include <moe/distributed/step_plan.hpp>
 #include <moe/error.hpp>
+#include <moe/gmm/gmm.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -169,10 +170,13 @@ class PlanBuilder {
   double ffn_flops(double rows, double F_) const { return (backward ? 6 : 3) * gemm(rows, D, F_); }
 
   /// The grouped expert FFN's hidden states on `rows` rows (nn::ExpertFfn: 16-bit on a float
-  /// layer computing in bf16, except in the chunked forward), and its FLOPs.
+  /// layer computing in bf16 when the Auto policy on the default execution space takes them, as
+  /// the memory estimate assumes, except in the chunked forward), and its FLOPs.
   void hold_expert_ffn(Extent rows) {
     phase().back().flops = ffn_flops(double(rows.n), double(F));
-    Elem const elem = cfg.bf16() && s == 4 && chunks == 0 ? Elem::bf16 : Elem::value;
+    using Gmm = gmm::resolve_t<gmm::Auto, Kokkos::DefaultExecutionSpace, float>;
+    bool const b16 = gmm::handles_bf16<Gmm>::value && cfg.bf16() && s == 4 && chunks == 0;
+    Elem const elem = b16 ? Elem::bf16 : Elem::value;
     auto const held = [&](Buf b) { declare({b, {rows, mlp()}, elem, Item::hidden, backward}); };
     if (!backward)
       for (Buf b : {Buf::h0, Buf::h1, Buf::act}) held(b);

@@ -64,7 +64,8 @@ void gmm(ExecSpace const& space, Policy, LhsView const& lhs, RhsView const& rhs,
   impl::check_gmm(lhs, rhs, groups, out, opt);
   moe::detail::Region region("moe::gmm::gmm");
   using R = resolve_t<Policy, ExecSpace, S>;
-  if constexpr ((impl::is_bf16<TL> || impl::is_bf16<TO>)&&!std::is_same_v<R, OneDnn>) {
+  constexpr bool rows16 = impl::is_bf16<TL> || impl::is_bf16<TO>;
+  if constexpr (rows16 && !handles_bf16<R>::value) {
     GmmOptions inner = opt;
     inner.bf16_output = opt.bf16_output && !impl::is_bf16<TO>;  // narrowing rounds
     impl::via_float<S, true>(space, lhs, out, [&](auto const& l, auto const& o) {
@@ -75,7 +76,7 @@ void gmm(ExecSpace const& space, Policy, LhsView const& lhs, RhsView const& rhs,
     impl::Impl<R>::gmm(space, impl::CMat<ExecSpace, TL, typename LhsView::memory_space>(lhs),
                        impl::CTensor<ExecSpace, S, typename RhsView::memory_space>(rhs), groups, o,
                        opt);
-    if constexpr (!std::is_same_v<R, OneDnn>)  // OneDnn rounds its rows itself
+    if constexpr (!handles_bf16<R>::value)  // those round their rows themselves
       if (opt.bf16_output)
         impl::round_rows(space, o, groups.offsets_host(opt.group_offset),
                          groups.offsets_host(opt.group_offset + int(rhs.extent(0))));
@@ -108,7 +109,8 @@ void tgmm(ExecSpace const& space, Policy, LhsView const& lhs, DyView const& dy,
   impl::check_tgmm(lhs, dy, groups, out, opt);
   moe::detail::Region region("moe::gmm::tgmm");
   using R = resolve_t<Policy, ExecSpace, S>;
-  if constexpr ((impl::is_bf16<TL> || impl::is_bf16<TD>)&&!std::is_same_v<R, OneDnn>) {
+  constexpr bool rows16 = impl::is_bf16<TL> || impl::is_bf16<TD>;
+  if constexpr (rows16 && !handles_bf16<R>::value) {
     impl::via_float<S, false>(space, lhs, dy, [&](auto const& l, auto const& d) {
       tgmm(space, R{}, l, d, groups, out, opt);
     });

@@ -20,6 +20,12 @@ struct is_policy : std::false_type {};
 template <class Policy, class ExecSpace, class Scalar>
 struct is_available : std::true_type {};
 
+/// \brief True when `Policy`'s implementation takes moe::bf16 row operands (gmm's lhs and out,
+/// tgmm's lhs and dy) and GmmOptions::bf16_output itself; for other policies gmm and tgmm pass it
+/// float copies and round after. Specialised by each backend that does.
+template <class Policy>
+struct handles_bf16 : std::false_type {};
+
 /// \brief Policy: the best backend of the execution space and scalar: OneDnn on host spaces for
 /// float with oneDNN (MOE_ENABLE_ONEDNN), else Vendor on host spaces, DeviceTiled on devices.
 struct Auto {};

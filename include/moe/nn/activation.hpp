@@ -139,6 +139,14 @@ struct compute_type<T, Ts...> {
                                   typename compute_type<Ts...>::type, std::remove_const_t<T>>;
 };
 
+/// The gated kernels index their views' data flat: rank-2 row-major Views.
+template <class... V>
+constexpr void check_views() {
+  static_assert(
+      ((V::rank == 2 && std::is_same<typename V::array_layout, Kokkos::LayoutRight>::value) && ...),
+      "moe::nn::gated_forward / gated_backward take rank-2 LayoutRight Views");
+}
+
 /// gated_forward's kernel for one activation A (a template argument: no branch in the loop).
 template <Activation A, bool Round, class S, class ExecSpace, class T0, class T1, class TA>
 void gated_forward_kernel(Kokkos::RangePolicy<ExecSpace> const& range, T0 const* p0, T1 const* p1,
@@ -187,6 +195,7 @@ void gated_forward(ExecSpace const& space, Activation act, std::int64_t rows, V0
                    V1 const& h1, VA const& a, bool bf16 = false) {
   using S = typename detail::compute_type<typename V0::value_type, typename V1::value_type,
                                           typename VA::value_type>::type;
+  detail::check_views<V0, V1, VA>();
   Kokkos::RangePolicy<ExecSpace> const range(space, 0, rows * std::int64_t(h0.extent(1)));
   detail::dispatch(act, bf16, [&](auto silu, auto round) {
     constexpr Activation A = decltype(silu)::value ? Activation::Silu : Activation::Gelu;
@@ -204,6 +213,7 @@ void gated_backward(ExecSpace const& space, Activation act, std::int64_t rows, V
   using S = typename detail::compute_type<typename V0::value_type, typename V1::value_type,
                                           typename VD::value_type, typename Q0::value_type,
                                           typename Q1::value_type>::type;
+  detail::check_views<V0, V1, VD, Q0, Q1>();
   Kokkos::RangePolicy<ExecSpace> const range(space, 0, rows * std::int64_t(h0.extent(1)));
   detail::dispatch(act, bf16, [&](auto silu, auto round) {
     constexpr Activation A = decltype(silu)::value ? Activation::Silu : Activation::Gelu;

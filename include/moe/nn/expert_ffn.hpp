@@ -39,9 +39,10 @@ struct Bf16Rounding {
 
 /// \brief ys = (act(xs . wi_0[g]) * (xs . wi_1[g])) . wo[g] per group g; keeps what backward needs.
 /// Owns its weights' PackCache: callers pass a version that changes whenever the weights change.
-/// With the bf16 scheme on a float layer, the hidden states (h0, h1, act and the backward's d_act,
-/// d_h1) are stored as moe::bf16, half the bytes (the grouped GEMMs read and write them as they
-/// are); the chunked forward, which sums h0 and h1 over D-chunks, keeps them in Scalar.
+/// With the bf16 scheme on a float layer whose GEMM policy takes bf16 rows itself
+/// (gmm::handles_bf16: oneDNN on the host), the hidden states (h0, h1, act and the backward's
+/// d_act, d_h1) are stored as moe::bf16, half the bytes; elsewhere, and in the chunked forward
+/// (which sums h0 and h1 over D-chunks), they are Scalars holding the same values.
 /// \tparam Gmm a grouped-GEMM policy (gmm::Auto, OneDnn, Vendor, Tiled<...>).
 template <class Scalar, class Gmm, class ExecSpace>
 class ExpertFfn : public Bf16Rounding {
@@ -61,7 +62,7 @@ class ExpertFfn : public Bf16Rounding {
     xs_ = xs;
     act_ = act;
     version_ = weights_version;
-    narrow_ = bf16 && std::is_same<Scalar, float>::value;
+    store_in_bf16(bf16);
     gmm::GmmOptions const fw = options(false, false, true);
     hidden([&](auto& h0, auto& h1, auto& a, auto&, auto&) {
       ensure_gated(space, "moe::ffn", n, F, h0, h1, a);
@@ -82,7 +83,7 @@ class ExpertFfn : public Bf16Rounding {
     xs_ = xs;
     act_ = act;
     version_ = weights_version;
-    narrow_ = false;
+    store_in_bf16(false);
     ensure_gated(space, "moe::ffn", n, F, h0_, h1_, a_);
     Kokkos::deep_copy(space, h0_, Scalar(0));
     Kokkos::deep_copy(space, h1_, Scalar(0));
@@ -142,10 +143,22 @@ class ExpertFfn : public Bf16Rounding {
     o.bf16_output = bf16 && rounded;
     return o;
   }
+  /// Whether a bf16 step stores its hidden states as moe::bf16 (see the class comment).
+  static constexpr bool can_narrow =
+      std::is_same<Scalar, float>::value &&
+      gmm::handles_bf16<gmm::resolve_t<Gmm, ExecSpace, Scalar>>::value;
+  /// Chooses this step's storage (bf16 when `want` and can_narrow); frees the other one's arrays.
+  void store_in_bf16(bool want) {
+    narrow_ = can_narrow && want;
+    if (narrow_)
+      h0_ = h1_ = a_ = da_ = dh1_ = view2();
+    else
+      b0_ = b1_ = ba_ = bda_ = bdh1_ = View2<moe::bf16, memory_space>();
+  }
   /// body(h0, h1, act, d_act, d_h1) on the hidden states in the storage the forward chose.
   template <class Body>
   void hidden(Body&& body) {
-    if constexpr (std::is_same<Scalar, float>::value)
+    if constexpr (can_narrow)
       if (narrow_) return body(b0_, b1_, ba_, bda_, bdh1_);
     body(h0_, h1_, a_, da_, dh1_);
   }

@@ -46,6 +46,18 @@ auto matrix_range(ExecSpace const& space, int64_t rows, int64_t cols) {
   return Policy(space, {0, 0}, {rows, cols});
 }
 
+/// w(i, j) = W(v(i, j)) over the extents of v (W: the element type of w; moe::bf16 converts
+/// through float both ways).
+template <class ExecSpace, class V, class Wv>
+void convert_into(ExecSpace const& space, V const& v, Wv const& w, char const* label) {
+  using W = typename Wv::value_type;
+  int64_t const rows = v.extent(0), cols = v.extent(1);
+  if (rows > 0 && cols > 0)
+    Kokkos::parallel_for(
+        label, matrix_range(space, rows, cols),
+        KOKKOS_LAMBDA(int64_t i, int64_t j) { w(i, j) = W(float(v(i, j))); });
+}
+
 /// A 2-D view as S values: itself when it holds S, else an S copy in its space (widened,
 /// exact, with `read`; uninitialised without).
 template <class S, class ExecSpace, class V>
@@ -53,13 +65,10 @@ auto widened(ExecSpace const& space, V const& v, bool read = true) {
   if constexpr (!is_bf16<typename V::value_type>) {
     return v;
   } else {
-    int64_t const rows = v.extent(0), cols = v.extent(1);
     Kokkos::View<S**, Kokkos::LayoutRight, typename ExecSpace::memory_space> w(
-        Kokkos::view_alloc(Kokkos::WithoutInitializing, "moe::gmm::widened"), rows, cols);
-    if (read && rows > 0 && cols > 0)
-      Kokkos::parallel_for(
-          "moe::gmm::widen", matrix_range(space, rows, cols),
-          KOKKOS_LAMBDA(int64_t i, int64_t j) { w(i, j) = S(float(v(i, j))); });
+        Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::gmm::widened"), v.extent(0),
+        v.extent(1));
+    if (read) convert_into(space, v, w, "moe::gmm::widen");
     return w;
   }
 }
@@ -69,17 +78,12 @@ auto widened(ExecSpace const& space, V const& v, bool read = true) {
 /// narrowed (rounded to bf16) into b after. How every path that computes in S takes bf16 operands.
 template <class S, bool BWritten, class ExecSpace, class A, class B, class Run>
 void via_float(ExecSpace const& space, A const& a, B const& b, Run&& run) {
-  constexpr bool out16 = BWritten && is_bf16<typename B::value_type>;
   auto const wa = widened<S>(space, a);
-  auto const wb = widened<S>(space, b, !out16);
+  auto const wb = widened<S>(space, b, !BWritten);
   run(wa, wb);
-  if constexpr (out16) {
-    int64_t const rows = b.extent(0), cols = b.extent(1);
-    if (rows > 0 && cols > 0)
-      Kokkos::parallel_for(
-          "moe::gmm::narrow", matrix_range(space, rows, cols),
-          KOKKOS_LAMBDA(int64_t i, int64_t j) { b(i, j) = moe::bf16(float(wb(i, j))); });
-  }
+  if constexpr (BWritten && is_bf16<typename B::value_type>)
+    convert_into(space, wb, b, "moe::gmm::narrow");
+  fence(space, "moe::gmm: float copies used");  // before they are freed
 }
 
 /// out = 0 on a 2-D block (any row stride).

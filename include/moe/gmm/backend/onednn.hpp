@@ -16,7 +16,6 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 namespace moe::gmm {
@@ -27,6 +26,9 @@ struct OneDnn {};
 
 template <>
 struct is_policy<OneDnn> : std::true_type {};
+
+template <>
+struct handles_bf16<OneDnn> : std::integral_constant<bool, MOE_HAS_ONEDNN != 0> {};
 
 template <class ExecSpace, class Scalar>
 struct is_available<OneDnn, ExecSpace, Scalar>
@@ -294,11 +296,20 @@ struct Impl<moe::gmm::OneDnn> {
   /// bf16 inputs on bf16 kernels: a bf16_gemm per group on all threads (rows padded to a multiple
   /// of tgmm_bf16_rows), reading bf16 operands as they are. Else one single-threaded sgemm per
   /// (group, column block), a group with over half a thread's share of the rows split into
-  /// 16-column multiples so no thread idles; bf16 operands widened per call into thread buffers.
+  /// 16-column multiples so no thread idles; bf16 operands then through float copies (whole
+  /// operands via_float, or a group the bf16 kernels refused), with the operands' row strides.
   template <class E, class TL, class TD, class ML, class MD, class MO, class Mem>
   static void tgmm(E const& space, CMat<E, TL, ML> const& lhs, CMat<E, TD, MD> const& dy,
                    moe::gmm::Groups<Mem> const& groups, Tensor<E, float, MO> const& out,
                    moe::gmm::GmmOptions const& opt) {
+    constexpr bool b16 = is_bf16<TL> || is_bf16<TD>;
+    if constexpr (b16) {
+      if (!opt.bf16_inputs || !dn::bf16_kernels())
+        return via_float<float, false>(space, lhs, dy, [&](auto const& l, auto const& d) {
+          using M = typename E::memory_space;
+          tgmm(space, CMat<E, float, M>(l), CMat<E, float, M>(d), groups, out, opt);
+        });
+    }
     int const num_local = out.extent(0);
     std::int64_t const k = out.extent(1), n = out.extent(2);
     auto const& off = groups.offsets_host;
@@ -312,8 +323,24 @@ struct Impl<moe::gmm::OneDnn> {
     struct Call {
       int g;
       std::int64_t n0, n1;
+      float const* a;  // the group's lhs rows and dy rows as floats (row strides lda, ldd)
+      float const* d;
     };
     std::vector<Call> calls;
+    std::vector<std::vector<float>> copies;  // of bf16 rows, for groups the bf16 kernels refused
+    // rows of x (row stride ld, cols used) as floats: in place, or a copy kept in `copies`.
+    auto floats = [&](auto const* x, std::int64_t ld, std::int64_t rows,
+                      std::int64_t cols) -> float const* {
+      if constexpr (std::is_same<std::remove_const_t<std::remove_pointer_t<decltype(x)>>,
+                                 float>::value) {
+        return x;
+      } else {
+        auto& f = copies.emplace_back(std::size_t(rows * ld));
+        for (std::int64_t r = 0; r < rows; ++r)
+          for (std::int64_t j = 0; j < cols; ++j) f[std::size_t(r * ld + j)] = float(x[r * ld + j]);
+        return f.data();
+      }
+    };
     for (int g = 0; g < num_local; ++g) {
       std::int64_t const r0 = off(go + g), rows = off(go + g + 1) - r0;
       float* const o = out.data() + g * out.stride(0);
@@ -329,35 +356,22 @@ struct Impl<moe::gmm::OneDnn> {
           dn::bf16_gemm('T', 'N', k, n, rows, lhs.data() + r0 * lda, lda, dy.data() + r0 * ldd, ldd,
                         opt.accumulate, o, ldo, padded))
         continue;
+      float const* const a = floats(lhs.data() + r0 * lda, lda, rows, k);
+      float const* const d = floats(dy.data() + r0 * ldd, ldd, rows, n);
       std::int64_t const blocks =
           threads == 1 ? 1
                        : std::max<std::int64_t>(
                              1, std::min((rows + share - 1) / share, n / dn::tgmm_min_columns));
       for (std::int64_t b = 0; b < blocks; ++b)
-        calls.push_back(
-            {g, n * b / blocks / 16 * 16, b + 1 == blocks ? n : n * (b + 1) / blocks / 16 * 16});
+        calls.push_back({g, n * b / blocks / 16 * 16,
+                         b + 1 == blocks ? n : n * (b + 1) / blocks / 16 * 16, a, d});
     }
     fence(space, "moe::gmm::tgmm<OneDnn>: empty groups zeroed");
-    // rows x cols of x (row stride ld) as floats: in place, or widened into the thread's buffer.
-    auto floats = [](auto const* x, std::int64_t ld, std::int64_t rows, std::int64_t cols,
-                     int slot) -> std::pair<float const*, std::int64_t> {
-      if constexpr (std::is_same<std::remove_const_t<std::remove_pointer_t<decltype(x)>>,
-                                 float>::value) {
-        return {x, ld};
-      } else {
-        float* const f = dn::thread_buffer(slot, std::size_t(rows * cols));
-        for (std::int64_t r = 0; r < rows; ++r)
-          for (std::int64_t j = 0; j < cols; ++j) f[r * cols + j] = float(x[r * ld + j]);
-        return {f, cols};
-      }
-    };
     dn::for_each_item(std::int64_t(calls.size()), [&](std::int64_t i) {
       Call const& c = calls[std::size_t(i)];
-      std::int64_t const r0 = off(go + c.g), rows = off(go + c.g + 1) - r0;
-      auto const [a, la] = floats(lhs.data() + r0 * lda, lda, rows, k, 0);
-      auto const [d, ld] = floats(dy.data() + r0 * ldd + c.n0, ldd, rows, c.n1 - c.n0, 2);
-      dn::sgemm('T', 'N', k, c.n1 - c.n0, rows, 1.0f, a, la, d, ld, opt.accumulate ? 1.0f : 0.0f,
-                out.data() + c.g * out.stride(0) + c.n0, ldo);
+      std::int64_t const rows = off(go + c.g + 1) - off(go + c.g);
+      dn::sgemm('T', 'N', k, c.n1 - c.n0, rows, 1.0f, c.a, lda, c.d + c.n0, ldd,
+                opt.accumulate ? 1.0f : 0.0f, out.data() + c.g * out.stride(0) + c.n0, ldo);
     });
     fence(space, "moe::gmm::tgmm<OneDnn>: done");
   }
