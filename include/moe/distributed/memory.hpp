@@ -49,6 +49,7 @@ class LayerBuffers {
     weights();
     step_buffers();
     collectives();
+    bf16_gemm_copies(cfg.sparse_matmul);
   }
 
   std::vector<Buffer> const& buffers() const { return bufs_; }
@@ -167,6 +168,46 @@ class LayerBuffers {
     comm("bf16 all-to-all copies", {a2a_wire_}, 2);
     comm("all-reduce temporaries", {ar_temp_}, s_);
   }
+  // ---- dtype=bfloat16 with oneDNN: the bf16 operand copies of the GEMMs that run on oneDNN's
+  // bf16 matmul (detail::onednn::bf16_gemm: two buffers of the calling thread, each at its
+  // largest use): the routed experts' weight gradients (a group's rows padded to 32; balanced
+  // routing), the shared expert's and the dense path's GEMMs. They exist only on CPUs with bf16
+  // instructions, which the plan does not know: counted wherever oneDNN is the backend.
+  void bf16_gemm_copies(bool sparse) {
+    if (!bf16_ || !packed_) return;
+    std::int64_t a = 0, b = 0;  // values in the copies of op(A) [M, Kp] and op(B) [Kp, N up to 64]
+    auto gemm = [&](std::int64_t M, std::int64_t K, std::int64_t N, std::int64_t pad = 1) {
+      std::int64_t const Kp = (K + pad - 1) / pad * pad;
+      a = std::max(a, checked_mul(M, Kp, "a bf16 GEMM copy"));
+      b = std::max(b, checked_mul(Kp, (N + 63) / 64 * 64, "a bf16 GEMM copy"));
+    };
+    // A gated MLP on T rows, D -> H -> D (nn::DenseMlp, nn::DenseExperts): x.w0, a.wo, and in
+    // the backward also a^T.d_out and x^T.d_h (d_out.wo^T and d_h.w0^T are as large as forward's).
+    auto mlp = [&](std::int64_t T, std::int64_t D, std::int64_t H) {
+      gemm(T, D, H);
+      gemm(T, H, D);
+      if (!training_) return;
+      gemm(H, T, D);
+      gemm(D, T, H);
+    };
+    auto const& w = plan_.tensor("wi_0").compute_shape;  // [L, D, F]
+    if (auto const* h = plan_.step.find(distributed::Buf::h0)) {
+      std::int64_t const rows = h->dims[0].n;
+      if (!sparse)
+        mlp(rows, w[1], w[2]);
+      else if (training_ && w[0] > 0)
+        for (int t = 0; t < 2; ++t)  // x^T d_h ([D, F]) and act^T d_y ([F, D])
+          gemm(w[1 + t], (rows + w[0] - 1) / w[0], w[2 - t], 32);
+    }
+    if (auto const* h = plan_.step.find(distributed::Buf::shared_h0)) {
+      auto const& s = plan_.tensor("shared_wi_0").compute_shape;  // [D, H]
+      mlp(h->dims[0].n, s[0], s[1]);
+    }
+    std::string const keys = std::string(kTokens) + ", " + weight_keys_;
+    if (a > 0) add("bf16 GEMM copies", "bf16 copy of op(A)", {a}, 2, keys);
+    if (b > 0) add("bf16 GEMM copies", "bf16 copy of op(B)", {b}, 2, keys);
+  }
+
   /// comm::all_reduce of n elements over P ranks: mine [ceil(n/P)] and, unless P divides n, a
   /// padded copy [P*ceil(n/P)]; freed on return (the largest counts).
   void all_reduce_temp(std::int64_t n, std::int64_t P) {
@@ -208,9 +249,9 @@ inline MemoryEstimate estimate_layer_memory(LayerPlan const& plan, LayerConfig c
                                             bool training, bool packed_weights) {
   detail::LayerBuffers const lb(plan, cfg, training, packed_weights);
   MemoryEstimate est;
-  for (char const* item :
-       {"weights", "gathered weights", "packed expert weights", "weight gradients", "routing",
-        "token rows", "expert hidden states", "shared expert", "communication buffers"}) {
+  for (char const* item : {"weights", "gathered weights", "packed expert weights",
+                           "weight gradients", "routing", "token rows", "expert hidden states",
+                           "shared expert", "communication buffers", "bf16 GEMM copies"}) {
     std::int64_t bytes = 0;
     std::string keys;
     for (auto const& b : lb.buffers()) {
