@@ -161,14 +161,11 @@ class GemmsAlone {
     ys_ = moe::View2<float, Mem>("ys", n, D);
     fill_uniform(xs_, 21);
     fill_uniform(a_, 22);
-    if (bf16) {
+    // The layer's storage of its hidden states (nn::ExpertFfn).
+    if (bf16 && moe::gmm::handles_bf16<moe::gmm::resolve_t<Gmm, Exec, float>>::value) {
       h16_ = moe::View2<moe::bf16, Mem>("h16", n, F);
       a16_ = moe::View2<moe::bf16, Mem>("a16", n, F);
-      auto a = a_;
-      auto a16 = a16_;
-      Kokkos::parallel_for(
-          "moe::bench::narrow", Kokkos::RangePolicy<Exec>(0, n * F),
-          KOKKOS_LAMBDA(std::int64_t i) { a16(i / F, i % F) = moe::bf16(a(i / F, i % F)); });
+      moe::gmm::detail::convert_into(Exec(), a_, a16_, "moe::bench::narrow");
     }
   }
   void run() {

@@ -1724,14 +1724,17 @@ TEST(MemoryEstimate, MatchesTheLayersAllocations) {
   }
 }
 
-// The bf16 operand copies of the GEMMs on oneDNN's bf16 matmul (detail::onednn::bf16_gemm), two
-// buffers of the calling thread at their largest use: with E=8, K=2, D=1024, F=2816 and T=4096
-// tokens on one rank (balanced routing: 1024 rows per expert), the routed weight gradients' copies
-// are [F, 1024] and [1024, F]; a shared expert (H=F) adds its dense GEMMs, [T, F] and [T, F] in
-// the backward (a^T.d_out's A, x^T.d_h's B). A scratch program measured the buffers after a step
-// on an AMX CPU: 6.13 MB each without the shared expert (1,088 rows in its largest group),
-// 23.07 MB each with it. Counted for bf16 with oneDNN only.
-TEST(MemoryEstimate, CountsTheBf16GemmCopies) {
+// The GEMMs' operand copies with bf16 compute and oneDNN, which depend on the CPU's tier. With
+// bf16 instructions: the bf16 copies of the GEMMs on oneDNN's bf16 matmul
+// (detail::onednn::bf16_gemm), two buffers of the calling thread at their largest use. At E=8,
+// K=2, D=1024, F=2816 and T=4096 tokens on one rank (balanced routing: 1024 rows per expert) the
+// routed weight gradients' copies are [F, 1024] and [1024, F]; a shared expert (H=F) adds its
+// dense GEMMs, [T, F] and [T, F] in the backward (a^T.d_out's A, x^T.d_h's B). A scratch program
+// measured the buffers after a step on an AMX CPU: 6.13 MB each without the shared expert (1,088
+// rows in its largest group, against the estimate's balanced 1,024), 23.07 MB each with it.
+// Without bf16 instructions: the weight gradients' float copy of one 16-bit hidden state [T*K, F].
+// Nothing for float32 or without oneDNN.
+TEST(MemoryEstimate, CountsTheGemmOperandCopies) {
   moe::LayerConfig cfg;
   cfg.num_experts = 8;
   cfg.num_experts_per_tok = 2;
@@ -1739,16 +1742,24 @@ TEST(MemoryEstimate, CountsTheBf16GemmCopies) {
   cfg.base_moe_mlp_dim = 2816;
   cfg.dtype = moe::ComputeDtype::BFloat16;
   std::int64_t const T = 4096, F = 2816;
+  bool bf16_cpu = false;
+#if MOE_HAS_ONEDNN
+  bf16_cpu = moe::detail::onednn::bf16_kernels();
+#endif
+  using Gmm = moe::gmm::resolve_t<moe::gmm::Auto, Kokkos::DefaultExecutionSpace, float>;
+  bool const hidden16 = moe::gmm::handles_bf16<Gmm>::value;
   for (int shared : {0, 1}) {
     cfg.shared_experts = shared;
     auto const p = moe::make_plan(cfg, moe::ParallelConfig{}, 1, 0, 4, 1024);
-    std::int64_t const copy = shared ? T * F : 1024 * F;  // values in each of the two
-    EXPECT_EQ(moe::estimate_layer_memory(p, cfg, true, true).bytes("bf16 GEMM copies"),
-              2 * copy * 2)
-        << "shared_experts=" << shared;
-    EXPECT_EQ(moe::estimate_layer_memory(p, cfg, true, false).bytes("bf16 GEMM copies"), 0);
+    std::int64_t const want = !MOE_HAS_ONEDNN ? 0
+                              : bf16_cpu      ? 2 * (shared ? T * F : 1024 * F) * 2
+                              : hidden16      ? T * 2 * F * 4
+                                              : 0;
+    EXPECT_EQ(moe::estimate_layer_memory(p, cfg, true, true).bytes("GEMM operand copies"), want)
+        << "shared_experts=" << shared << (bf16_cpu ? ", bf16 instructions" : "");
+    EXPECT_EQ(moe::estimate_layer_memory(p, cfg, true, false).bytes("GEMM operand copies"), 0);
   }
   cfg.dtype = moe::ComputeDtype::Native;
   auto const p = moe::make_plan(cfg, moe::ParallelConfig{}, 1, 0, 4, 1024);
-  EXPECT_EQ(moe::estimate_layer_memory(p, cfg, true, true).bytes("bf16 GEMM copies"), 0);
+  EXPECT_EQ(moe::estimate_layer_memory(p, cfg, true, true).bytes("GEMM operand copies"), 0);
 }

@@ -11,6 +11,9 @@
 #include <moe/distributed/plan.hpp>
 #include <moe/error.hpp>
 #include <moe/moe_config.hpp>
+#if MOE_HAS_ONEDNN
+#include <moe/detail/onednn.hpp>
+#endif
 
 #include <algorithm>
 #include <climits>
@@ -49,7 +52,7 @@ class LayerBuffers {
     weights();
     step_buffers();
     collectives();
-    bf16_gemm_copies(cfg.sparse_matmul);
+    gemm_copies(plan.layout.dense);
   }
 
   std::vector<Buffer> const& buffers() const { return bufs_; }
@@ -168,13 +171,24 @@ class LayerBuffers {
     comm("bf16 all-to-all copies", {a2a_wire_}, 2);
     comm("all-reduce temporaries", {ar_temp_}, s_);
   }
-  // ---- dtype=bfloat16 with oneDNN: the bf16 operand copies of the GEMMs that run on oneDNN's
-  // bf16 matmul (detail::onednn::bf16_gemm: two buffers of the calling thread, each at its
-  // largest use): the routed experts' weight gradients (a group's rows padded to 32; balanced
-  // routing), the shared expert's and the dense path's GEMMs. They exist only on CPUs with bf16
-  // instructions, which the plan does not know: counted wherever oneDNN is the backend.
-  void bf16_gemm_copies(bool sparse) {
-    if (!bf16_ || !packed_) return;
+  // ---- dtype=bfloat16 with oneDNN (float, host): the GEMMs' operand copies, which depend on this
+  // CPU's oneDNN tier (ONEDNN_MAX_CPU_ISA included). With bf16 instructions, the bf16 copies of
+  // the GEMMs on oneDNN's bf16 matmul (detail::onednn::bf16_gemm: two buffers of the calling
+  // thread, each at its largest use): the routed experts' weight gradients (a group's rows padded
+  // to 32, balanced routing), the shared expert's and the dense path's GEMMs. Without, the float
+  // copy the weight gradients make of a 16-bit hidden state for their call.
+  void gemm_copies(bool dense) {
+    if (!bf16_ || !packed_ || s_ != 4) return;
+    auto const* h = plan_.step.find(distributed::Buf::h0);
+    auto const& w = plan_.tensor("wi_0").compute_shape;  // [L, D, F]
+    std::string const keys = std::string(kTokens) + ", " + weight_keys_;
+#if MOE_HAS_ONEDNN
+    if (!moe::detail::onednn::bf16_kernels()) {
+      if (training_ && h && h->elem == distributed::Elem::bf16)
+        add("GEMM operand copies", "float copy of a hidden state", h->shape(), 4, keys);
+      return;
+    }
+#endif
     std::int64_t a = 0, b = 0;  // values in the copies of op(A) [M, Kp] and op(B) [Kp, N up to 64]
     auto gemm = [&](std::int64_t M, std::int64_t K, std::int64_t N, std::int64_t pad = 1) {
       std::int64_t const Kp = (K + pad - 1) / pad * pad;
@@ -190,22 +204,20 @@ class LayerBuffers {
       gemm(H, T, D);
       gemm(D, T, H);
     };
-    auto const& w = plan_.tensor("wi_0").compute_shape;  // [L, D, F]
-    if (auto const* h = plan_.step.find(distributed::Buf::h0)) {
+    if (h) {
       std::int64_t const rows = h->dims[0].n;
-      if (!sparse)
+      if (dense)
         mlp(rows, w[1], w[2]);
       else if (training_ && w[0] > 0)
         for (int t = 0; t < 2; ++t)  // x^T d_h ([D, F]) and act^T d_y ([F, D])
           gemm(w[1 + t], (rows + w[0] - 1) / w[0], w[2 - t], 32);
     }
-    if (auto const* h = plan_.step.find(distributed::Buf::shared_h0)) {
+    if (auto const* hs = plan_.step.find(distributed::Buf::shared_h0)) {
       auto const& s = plan_.tensor("shared_wi_0").compute_shape;  // [D, H]
-      mlp(h->dims[0].n, s[0], s[1]);
+      mlp(hs->dims[0].n, s[0], s[1]);
     }
-    std::string const keys = std::string(kTokens) + ", " + weight_keys_;
-    if (a > 0) add("bf16 GEMM copies", "bf16 copy of op(A)", {a}, 2, keys);
-    if (b > 0) add("bf16 GEMM copies", "bf16 copy of op(B)", {b}, 2, keys);
+    if (a > 0) add("GEMM operand copies", "bf16 copy of op(A)", {a}, 2, keys);
+    if (b > 0) add("GEMM operand copies", "bf16 copy of op(B)", {b}, 2, keys);
   }
 
   /// comm::all_reduce of n elements over P ranks: mine [ceil(n/P)] and, unless P divides n, a
@@ -251,7 +263,7 @@ inline MemoryEstimate estimate_layer_memory(LayerPlan const& plan, LayerConfig c
   MemoryEstimate est;
   for (char const* item : {"weights", "gathered weights", "packed expert weights",
                            "weight gradients", "routing", "token rows", "expert hidden states",
-                           "shared expert", "communication buffers", "bf16 GEMM copies"}) {
+                           "shared expert", "communication buffers", "GEMM operand copies"}) {
     std::int64_t bytes = 0;
     std::string keys;
     for (auto const& b : lb.buffers()) {

@@ -7,6 +7,7 @@
 #include <moe/config_types.hpp>
 #include <moe/detail/compat.hpp>
 #include <moe/detail/views.hpp>
+#include <moe/error.hpp>
 
 #include <cstdint>
 #include <cstring>
@@ -139,12 +140,15 @@ struct compute_type<T, Ts...> {
                                   typename compute_type<Ts...>::type, std::remove_const_t<T>>;
 };
 
-/// The gated kernels index their views' data flat: rank-2 row-major Views.
+/// The gated kernels index their views' data flat: rank-2 row-major contiguous Views.
 template <class... V>
-constexpr void check_views() {
+void check_views(V const&... v) {
   static_assert(
       ((V::rank == 2 && std::is_same<typename V::array_layout, Kokkos::LayoutRight>::value) && ...),
       "moe::nn::gated_forward / gated_backward take rank-2 LayoutRight Views");
+  moe::detail::require<ShapeError>((v.span_is_contiguous() && ...),
+                                   "moe::nn::gated_forward / gated_backward: the views must be "
+                                   "contiguous (whole rows), not strided");
 }
 
 /// gated_forward's kernel for one activation A (a template argument: no branch in the loop).
@@ -195,7 +199,7 @@ void gated_forward(ExecSpace const& space, Activation act, std::int64_t rows, V0
                    V1 const& h1, VA const& a, bool bf16 = false) {
   using S = typename detail::compute_type<typename V0::value_type, typename V1::value_type,
                                           typename VA::value_type>::type;
-  detail::check_views<V0, V1, VA>();
+  detail::check_views(h0, h1, a);
   Kokkos::RangePolicy<ExecSpace> const range(space, 0, rows * std::int64_t(h0.extent(1)));
   detail::dispatch(act, bf16, [&](auto silu, auto round) {
     constexpr Activation A = decltype(silu)::value ? Activation::Silu : Activation::Gelu;
@@ -213,7 +217,7 @@ void gated_backward(ExecSpace const& space, Activation act, std::int64_t rows, V
   using S = typename detail::compute_type<typename V0::value_type, typename V1::value_type,
                                           typename VD::value_type, typename Q0::value_type,
                                           typename Q1::value_type>::type;
-  detail::check_views<V0, V1, VD, Q0, Q1>();
+  detail::check_views(h0, h1, da, dh0, dh1);
   Kokkos::RangePolicy<ExecSpace> const range(space, 0, rows * std::int64_t(h0.extent(1)));
   detail::dispatch(act, bf16, [&](auto silu, auto round) {
     constexpr Activation A = decltype(silu)::value ? Activation::Silu : Activation::Gelu;
