@@ -18,6 +18,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 /// Test policies: OneDnn forced into its packed-weight mode (convolution primitives on weights
@@ -186,7 +187,15 @@ ViewT to_device(std::string const& label, std::vector<double> const& v, std::siz
 template <class ViewT>
 std::vector<double> to_host(ViewT const& d) {
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), d);
-  return std::vector<double>(h.data(), h.data() + h.size());
+  std::vector<double> v(h.size());
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    auto const x = h.data()[i];
+    if constexpr (std::is_same<decltype(x), moe::bf16 const>::value)
+      v[i] = double(float(x));
+    else
+      v[i] = double(x);
+  }
+  return v;
 }
 
 template <class S>
@@ -204,13 +213,14 @@ void expect_close(std::vector<double> const& got, Expected const& e, std::string
   }
 }
 
-template <class Policy, class S>
+/// gmm with lhs stored as TL and out as TO (S or moe::bf16); the result as doubles.
+template <class Policy, class S, class TL = S, class TO = S>
 std::vector<double> run_gmm(Problem const& p, bool default_instance = false) {
-  auto lhs = to_device<View2<S>>("moe::gmm::test::lhs", p.lhs, p.m, p.k);
+  auto lhs = to_device<View2<TL>>("moe::gmm::test::lhs", p.lhs, p.m, p.k);
   auto rhs = p.opt.transpose_rhs
                  ? to_device<View3<S>>("moe::gmm::test::rhs", p.rhs, p.num_local, p.n, p.k)
                  : to_device<View3<S>>("moe::gmm::test::rhs", p.rhs, p.num_local, p.k, p.n);
-  auto out = to_device<View2<S>>("moe::gmm::test::out", p.out, p.m, p.n);
+  auto out = to_device<View2<TO>>("moe::gmm::test::out", p.out, p.m, p.n);
   auto groups = moe::gmm::make_groups<Mem>(p.sizes);
   if (default_instance) {
     moe::gmm::gmm(Policy{}, lhs, rhs, groups, out, p.opt);
@@ -222,10 +232,11 @@ std::vector<double> run_gmm(Problem const& p, bool default_instance = false) {
   return to_host(out);
 }
 
-template <class Policy, class S>
+/// tgmm with lhs stored as TL and dy as TD (S or moe::bf16).
+template <class Policy, class S, class TL = S, class TD = S>
 std::vector<double> run_tgmm(Problem const& p, bool default_instance = false) {
-  auto lhs = to_device<View2<S>>("moe::gmm::test::lhs", p.lhs, p.m, p.k);
-  auto dy = to_device<View2<S>>("moe::gmm::test::dy", p.rhs, p.m, p.n);
+  auto lhs = to_device<View2<TL>>("moe::gmm::test::lhs", p.lhs, p.m, p.k);
+  auto dy = to_device<View2<TD>>("moe::gmm::test::dy", p.rhs, p.m, p.n);
   auto out = to_device<View3<S>>("moe::gmm::test::out", p.out, p.num_local, p.k, p.n);
   Exec space;
   auto groups = moe::gmm::make_groups(space, p.sizes);
@@ -416,39 +427,6 @@ TYPED_TEST(Gmm, Bf16OutputRoundsTheVisitedRowsOnce) {
   }
 }
 
-/// gmm or tgmm (Tgmm) with the row operands stored as TL (lhs) and TO (gmm's out) / TD (tgmm's
-/// dy), each S or moe::bf16; the result as doubles.
-template <class Policy, class S, class TL, class TB, bool Tgmm = false>
-std::vector<double> run_stored(Problem const& p) {
-  auto lhs = to_device<View2<TL>>("moe::gmm::test::lhs", p.lhs, p.m, p.k);
-  auto groups = moe::gmm::make_groups<Mem>(p.sizes);
-  Exec space;
-  auto doubles = [](auto const& d) {
-    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), d);
-    std::vector<double> v(h.size());
-    for (std::size_t i = 0; i < v.size(); ++i) v[i] = double(float(h.data()[i]));
-    return v;
-  };
-  if constexpr (Tgmm) {
-    auto dy = to_device<View2<TB>>("moe::gmm::test::dy", p.rhs, p.m, p.n);
-    auto out = to_device<View3<S>>("moe::gmm::test::out", p.out, p.num_local, p.k, p.n);
-    moe::gmm::tgmm(space, Policy{}, lhs, dy, groups, out, p.opt);
-    space.fence();
-    return to_host(out);
-  } else {
-    auto rhs = p.opt.transpose_rhs
-                   ? to_device<View3<S>>("moe::gmm::test::rhs", p.rhs, p.num_local, p.n, p.k)
-                   : to_device<View3<S>>("moe::gmm::test::rhs", p.rhs, p.num_local, p.k, p.n);
-    auto out = to_device<View2<TB>>("moe::gmm::test::out", p.out, p.m, p.n);
-    moe::gmm::gmm(space, Policy{}, lhs, rhs, groups, out, p.opt);
-    space.fence();
-    if constexpr (std::is_same<TB, moe::bf16>::value)
-      return doubles(out);
-    else
-      return to_host(out);
-  }
-}
-
 // 16-bit operands (the bf16 layer's hidden states): gmm reading lhs and writing out as moe::bf16,
 // and tgmm reading lhs and dy as moe::bf16, give bit for bit what the float operands holding the
 // same values give (bf16_output for a bf16 out), on every policy: the bf16 kernels read and write
@@ -476,25 +454,25 @@ TYPED_TEST(Gmm, Bf16StoredOperandsGiveTheFloatOperandsResults) {
         opt.group_offset = 1;
         Problem p = make_gmm_problem({5, rows, 0, 40, 17}, rows + 70, 48, n, 3, opt, 11);
         bf16_values(p);
-        auto const fl = run_stored<P, S, S, S>(p);
-        EXPECT_EQ((run_stored<P, S, bf16, S>(p)), fl) << "bf16 lhs, float out";
+        auto const fl = run_gmm<P, S, S, S>(p);
+        EXPECT_EQ((run_gmm<P, S, bf16, S>(p)), fl) << "bf16 lhs, float out";
         expect_close<S>(fl, reference_gmm(p), "float operands");
         p.opt.bf16_output = true;
-        auto const rounded = run_stored<P, S, S, S>(p);
-        EXPECT_EQ((run_stored<P, S, bf16, bf16>(p)), rounded) << "bf16 lhs, bf16 out";
-        EXPECT_EQ((run_stored<P, S, S, bf16>(p)), rounded) << "float lhs, bf16 out";
+        auto const rounded = run_gmm<P, S, S, S>(p);
+        EXPECT_EQ((run_gmm<P, S, bf16, bf16>(p)), rounded) << "bf16 lhs, bf16 out";
+        EXPECT_EQ((run_gmm<P, S, S, bf16>(p)), rounded) << "float lhs, bf16 out";
         p.opt.bf16_output = false;  // a bf16 out rounds without being asked
-        EXPECT_EQ((run_stored<P, S, S, bf16>(p)), rounded) << "bf16 out without bf16_output";
+        EXPECT_EQ((run_gmm<P, S, S, bf16>(p)), rounded) << "bf16 out without bf16_output";
 
         Problem t = make_tgmm_problem({5, rows, 0, 40, 17}, rows + 70, 48, n, 3, opt, 12);
         bf16_values(t);
-        auto const tf = run_stored<P, S, S, S, true>(t);
+        auto const tf = run_tgmm<P, S, S, S>(t);
         expect_close<S>(tf, reference_tgmm(t), "tgmm, float operands");
-        EXPECT_EQ((run_stored<P, S, bf16, bf16, true>(t)), tf) << "tgmm, bf16 lhs and dy";
-        EXPECT_EQ((run_stored<P, S, bf16, S, true>(t)), tf) << "tgmm, bf16 lhs";
-        EXPECT_EQ((run_stored<P, S, S, bf16, true>(t)), tf) << "tgmm, bf16 dy";
+        EXPECT_EQ((run_tgmm<P, S, bf16, bf16>(t)), tf) << "tgmm, bf16 lhs and dy";
+        EXPECT_EQ((run_tgmm<P, S, bf16, S>(t)), tf) << "tgmm, bf16 lhs";
+        EXPECT_EQ((run_tgmm<P, S, S, bf16>(t)), tf) << "tgmm, bf16 dy";
         t.opt.accumulate = true;
-        EXPECT_EQ((run_stored<P, S, bf16, bf16, true>(t)), (run_stored<P, S, S, S, true>(t)))
+        EXPECT_EQ((run_tgmm<P, S, bf16, bf16>(t)), (run_tgmm<P, S, S, S>(t)))
             << "tgmm accumulating, bf16 lhs and dy";
       }
   // Strided operands (row strides past their columns): bf16 and float subviews agree.

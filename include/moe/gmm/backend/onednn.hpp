@@ -101,6 +101,14 @@ namespace moe::gmm::detail {
 #if MOE_HAS_ONEDNN
 namespace dn = moe::detail::onednn;
 
+/// f[r * ld + j] = float(x[r * ld + j]) for r < rows, j < cols: rows of floats or moe::bf16
+/// (widened, exact) as floats with the same row stride.
+template <class T>
+void widen_rows(T const* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, float* f) {
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t j = 0; j < cols; ++j) f[r * ld + j] = float(x[r * ld + j]);
+}
+
 // Where is_available<OneDnn> holds (resolve_t picks Vendor elsewhere). lhs and out (gmm), lhs and
 // dy (tgmm) may be moe::bf16: the bf16 kernels read and write them as they are; every path that
 // computes in float goes through widened copies (per chunk in packed mode, else via_float).
@@ -216,8 +224,7 @@ struct Impl<moe::gmm::OneDnn> {
         if constexpr (!is_bf16<TL>)
           if (c.c0 + count <= m) return in;
         float* const f = dn::thread_buffer(2, std::size_t(count * lda));
-        for (std::int64_t r = 0; r < rows; ++r)
-          for (std::int64_t j = 0; j < k; ++j) f[r * lda + j] = float(in[r * lda + j]);
+        widen_rows(in, lda, rows, k, f);
         std::fill(f + rows * lda, f + count * lda, 0.0f);
         return f;
       };
@@ -336,8 +343,7 @@ struct Impl<moe::gmm::OneDnn> {
         return x;
       } else {
         auto& f = copies.emplace_back(std::size_t(rows * ld));
-        for (std::int64_t r = 0; r < rows; ++r)
-          for (std::int64_t j = 0; j < cols; ++j) f[std::size_t(r * ld + j)] = float(x[r * ld + j]);
+        widen_rows(x, ld, rows, cols, f.data());
         return f.data();
       }
     };
