@@ -59,9 +59,8 @@ inline std::uint16_t float_to_half_bits(float f) {
   if (a > 0x7f800000u) return std::uint16_t(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // NaN
   if (a >= 0x47800000u) return std::uint16_t(sign | 0x7c00u);  // >= 65536 (and Inf): Inf
   if (a < 0x38800000u) {
-    // Below half's smallest normal (2^-14): a subnormal half, counted in units of 2^-24.
-    // The float's significand m (24 bits with the hidden one) times 2^(e-150) is shifted right
-    // by 126 - e, rounded to nearest even.
+    // Below 2^-14: a subnormal half in units of 2^-24, i.e. the float's significand m (24 bits
+    // with the hidden one) shifted right by 126 - e, rounded to nearest even.
     if (a < 0x33000000u) return std::uint16_t(sign);  // below 2^-25: rounds to 0 (2^-25 ties to 0)
     std::uint32_t const e = a >> 23, m = (a & 0x7fffffu) | 0x800000u;
     std::uint32_t const shift = 126u - e;

@@ -1,7 +1,6 @@
 #pragma once
 /// \file
-/// LayerConfig's field table (parsing, keys, describe(), validation); the struct and its enums are
-/// in moe/config_types.hpp.
+/// LayerConfig's field table (parsing, keys, describe(), validation); the struct: config_types.hpp.
 
 #include <moe/config_table.hpp>
 #include <moe/config_types.hpp>
@@ -16,7 +15,9 @@ namespace moe {
 inline ConfigTable<LayerConfig> const& LayerConfig::table() {
   using C = LayerConfig;
   static ConfigTable<C> const t = [] {
-    using detail::cat;
+    auto req = [](bool ok, auto const&... msg) {
+      if (!ok) throw ConfigError(detail::cat(msg...));
+    };
     ConfigTable<C> t(DescribeNumbers::ToString, ";");
     // Fields, in describe() order (the ranks compare that text; tests quote `K=1`, `cf=1.5`).
     t.field("num_experts", &C::num_experts, "E", "E, routed experts");
@@ -62,18 +63,13 @@ inline ConfigTable<LayerConfig> const& LayerConfig::table() {
     t.choice("mlp_activations", &C::mlp_activation, "act",
              {{"[silu, linear]", Activation::Silu}, {"[gelu, linear]", Activation::Gelu}},
              "expert activation: [silu, linear] (SwiGLU) or [gelu, linear] (GeGLU, tanh gelu)")
-        .parse_with([](C& c, std::string const& key, std::string const& value) {
+        .parse_with([req](C& c, std::string const& key, std::string const& value) {
           auto const items = detail::split_list(value);
-          if (items.empty() || items.size() > 2 || (items.size() == 2 && items[1] != "linear"))
-            throw ConfigError(
-                cat(key, "=", value, " is not supported ([silu, linear] | [gelu, linear])"));
-          if (items[0] == "silu")
-            c.mlp_activation = Activation::Silu;
-          else if (items[0] == "gelu")
-            c.mlp_activation = Activation::Gelu;
-          else
-            throw ConfigError(cat(key, "=", value, ": activation '", items[0],
-                                  "' is not supported (silu | gelu)"));
+          req(!items.empty() && items.size() <= 2 && (items.size() == 1 || items[1] == "linear"),
+              key, "=", value, " is not supported ([silu, linear] | [gelu, linear])");
+          req(items[0] == "silu" || items[0] == "gelu", key, "=", value, ": activation '", items[0],
+              "' is not supported (silu | gelu)");
+          c.mlp_activation = items[0] == "silu" ? Activation::Silu : Activation::Gelu;
         });
     t.field("shared_experts", &C::shared_experts, "shared",
             "shared expert of hidden size shared_experts x base_moe_mlp_dim");
@@ -95,47 +91,41 @@ inline ConfigTable<LayerConfig> const& LayerConfig::table() {
     // Rules, in the order validate() checks them.
     t.at_least(&C::num_experts, 1);
     t.at_least(&C::num_experts_per_tok, 1);
-    t.check(&C::num_experts_per_tok, "must be <= num_experts", [](C const& c) {
-      detail::require<ConfigError>(c.num_experts_per_tok <= c.num_experts,
-                                   "num_experts_per_tok=", c.num_experts_per_tok,
-                                   " must be <= num_experts=", c.num_experts);
+    t.check(&C::num_experts_per_tok, "must be <= num_experts", [req](C const& c) {
+      req(c.num_experts_per_tok <= c.num_experts, "num_experts_per_tok=", c.num_experts_per_tok,
+          " must be <= num_experts=", c.num_experts);
     });
     t.at_least(&C::base_emb_dim, 1);
     t.at_least(&C::base_moe_mlp_dim, 1);
     t.at_least(&C::shared_experts, 0);
     t.at_least(&C::load_balance_loss_weight, 0.0);
     t.at_least(&C::routed_bias_update_rate, 0.0);
-    t.check(&C::n_routing_groups,
-            "-1 or in [1, 64], dividing num_experts; needs decoder_block=deepseek", [](C const& c) {
-              if (c.n_routing_groups == -1) return;
-              auto req = [](bool ok, auto const&... msg) {
-                if (!ok) throw ConfigError(cat(msg...));
-              };
-              int const g = c.n_routing_groups, k = c.topk_routing_group;
-              req(c.decoder_block == DecoderBlock::DeepSeek, "n_routing_groups=", g,
-                  " (group-limited routing) requires decoder_block=deepseek");
-              req(g >= 1 && g <= 64, "n_routing_groups=", g, " must be -1 or in [1, 64]");
-              req(c.num_experts % g == 0, "num_experts=", c.num_experts,
-                  " is not divisible by n_routing_groups=", g);
-              req(k >= 1 && k <= g, "topk_routing_group=", k,
-                  " must be in [1, n_routing_groups=", g, "]");
-              req(long(k) * (c.num_experts / g) >= c.num_experts_per_tok, "topk_routing_group=", k,
-                  " groups of ", c.num_experts / g,
-                  " experts hold fewer than num_experts_per_tok=", c.num_experts_per_tok,
-                  " experts");
-            });
+    t.check(
+        &C::n_routing_groups,
+        "-1 or in [1, 64], dividing num_experts; needs decoder_block=deepseek", [req](C const& c) {
+          if (c.n_routing_groups == -1) return;
+          int const g = c.n_routing_groups, k = c.topk_routing_group;
+          req(c.decoder_block == DecoderBlock::DeepSeek, "n_routing_groups=", g,
+              " (group-limited routing) requires decoder_block=deepseek");
+          req(g >= 1 && g <= 64, "n_routing_groups=", g, " must be -1 or in [1, 64]");
+          req(c.num_experts % g == 0, "num_experts=", c.num_experts,
+              " is not divisible by n_routing_groups=", g);
+          req(k >= 1 && k <= g, "topk_routing_group=", k, " must be in [1, n_routing_groups=", g,
+              "]");
+          req(long(k) * (c.num_experts / g) >= c.num_experts_per_tok, "topk_routing_group=", k,
+              " groups of ", c.num_experts / g,
+              " experts hold fewer than num_experts_per_tok=", c.num_experts_per_tok, " experts");
+        });
     t.check(&C::topk_routing_group,
             "in [1, n_routing_groups], holding >= K experts; -1 when n_routing_groups=-1",
-            [](C const& c) {
-              detail::require<ConfigError>(
-                  c.n_routing_groups != -1 || c.topk_routing_group == -1,
+            [req](C const& c) {
+              req(c.n_routing_groups != -1 || c.topk_routing_group == -1,
                   "topk_routing_group=", c.topk_routing_group,
                   " is set but n_routing_groups=-1 (group-limited routing is off)");
             });
     t.check(&C::routed_bias_update_rate, "> 0 needs decoder_block=deepseek and routed_bias=true",
-            [](C const& c) {
-              detail::require<ConfigError>(
-                  c.routed_bias_update_rate <= 0 ||
+            [req](C const& c) {
+              req(c.routed_bias_update_rate <= 0 ||
                       (c.decoder_block == DecoderBlock::DeepSeek && c.routed_bias),
                   "routed_bias_update_rate=", c.routed_bias_update_rate,
                   " (loss-free balancing) requires decoder_block=deepseek and routed_bias=true");

@@ -78,8 +78,6 @@ class ConfigTable {
                        std::string separator = ";")
       : numbers_(numbers), separator_(std::move(separator)) {}
 
-  // ---- building --------------------------------------------------------------------------------
-
   /// \brief A field of type int, std::int64_t, std::uint64_t, double, bool or std::string, parsed
   /// by its type (`key=value is not an integer`, `... does not fit in 32 bits`, ...).
   template <class T>
@@ -99,21 +97,18 @@ class ConfigTable {
                       std::vector<std::pair<std::string, T>> spellings, std::string doc) {
     ConfigField<C>& f = add(std::move(key), m, std::move(tag), std::move(doc));
     f.type = FieldType::Choice;
-    std::vector<T> seen;
-    for (auto const& [s, v] : spellings)
-      if (std::find(seen.begin(), seen.end(), v) == seen.end()) {
-        seen.push_back(v);
-        f.choices.push_back(s);
-      }
+    for (auto it = spellings.begin(); it != spellings.end(); ++it)  // first spelling per value
+      if (std::none_of(spellings.begin(), it,
+                       [&](auto const& e) { return e.second == it->second; }))
+        f.choices.push_back(it->first);
     std::string const list = choice_list(f.choices);
     f.parse = [m, spellings, list](C& c, std::string const& k, std::string const& v) {
       std::string const t = detail::trim(v);
-      for (auto const& [s, value] : spellings)
-        if (s == t) {
-          c.*m = value;
-          return;
-        }
-      throw ConfigError(detail::cat(k, "=", v, " is not supported (", list, ")"));
+      auto const it = std::find_if(spellings.begin(), spellings.end(),
+                                   [&](auto const& e) { return e.first == t; });
+      if (it == spellings.end())
+        throw ConfigError(detail::cat(k, "=", v, " is not supported (", list, ")"));
+      c.*m = it->second;
     };
     f.text = [m, spellings](C const& c) {
       for (auto const& [s, value] : spellings)
@@ -143,8 +138,7 @@ class ConfigTable {
     return *this;
   }
 
-  /// \brief Rule `ok(value)` on field `m`; when it fails: `key=value <must>`. Rules run in the
-  /// order they are added.
+  /// \brief Rule `ok(value)` on field `m`, else `key=value <must>`. Rules run in the order added.
   template <class T, class Pred>
   ConfigTable& rule(T C::*m, std::string must, Pred ok) {
     std::string const key = field_of(m).key;
@@ -175,8 +169,7 @@ class ConfigTable {
     return *this;
   }
 
-  // ---- use -------------------------------------------------------------------------------------
-
+  /// Every field, in table order.
   std::vector<ConfigField<C>> const& fields() const { return fields_; }
 
   /// The field `key` (or one of its aliases) names, or nullptr.
@@ -241,8 +234,7 @@ class ConfigTable {
     for (auto const& f : fields_) {
       s += f.key;
       for (auto const& a : f.aliases) s += " (alias " + a + ")";
-      s += ": ";
-      s += type_name(f.type);
+      s += std::string(": ") + type_name(f.type);
       if (f.type == FieldType::Choice) s += " (" + choice_list(f.choices) + ")";
       s += ", default " + quoted(f.text(defaults)) + " -- " + f.doc;
       for (auto const& r : rules_)
@@ -280,13 +272,13 @@ class ConfigTable {
   template <class T>
   ConfigField<C>& add(std::string key, T C::*m, std::string tag, std::string doc) {
     require_unused(key);
-    for (auto const& f : fields_)
+    for (auto const& f : fields_) {
       if (auto const* p = std::any_cast<T C::*>(&f.member); p && *p == m)
         throw std::logic_error("config table: keys '" + f.key + "' and '" + key +
                                "' set the same member");
-    for (auto const& f : fields_)
       if (!tag.empty() && f.tag == tag)
         throw std::logic_error("config table: describe() name '" + tag + "' is used twice");
+    }
     ConfigField<C> f;
     f.key = std::move(key);
     f.tag = std::move(tag);
@@ -356,11 +348,10 @@ class ConfigTable {
   static std::string describe_of(T const& v, DescribeNumbers n) {
     if constexpr (std::is_same_v<T, std::string>)
       return v;
-    else if constexpr (std::is_enum_v<T>)
-      return n == DescribeNumbers::Precise ? detail::precise_text(v)
-                                           : std::to_string(static_cast<int>(v));
-    else
-      return n == DescribeNumbers::Precise ? detail::precise_text(v) : std::to_string(v);
+    else if (n == DescribeNumbers::Precise)
+      return detail::precise_text(v);
+    else  // enums as their integer
+      return std::to_string(std::conditional_t<std::is_enum_v<T>, int, T>(v));
   }
 };
 

@@ -57,10 +57,8 @@ struct LayerConfig {
   int shared_experts = 0;     ///< shared expert of hidden size shared_experts * base_moe_mlp_dim
   bool sparse_matmul = true;  ///< false: dense masked path (every expert on every token)
   bool check_finite = true;   ///< reject NaN/Inf in x, dy and every weight a token reaches
-  /// `dtype`: bfloat16 rounds activations and matmul inputs to bf16 at MaxText's cast points
-  /// and keeps the layer's Scalar (float) for storage and accumulation (docs/precision.md).
-  ComputeDtype dtype = ComputeDtype::Native;
-  bool float32_weight_sum = true;    ///< bf16: the top-k combine takes fp32 weights
+  ComputeDtype dtype = ComputeDtype::Native;  ///< `dtype`: see ComputeDtype
+  bool float32_weight_sum = true;             ///< bf16: the top-k combine takes fp32 weights
   bool float32_gate_logits = false;  ///< bf16: the gate matmul in fp32 (x, gate and logits)
 
   /// True when activations and matmul inputs are bf16 (dtype=bfloat16).
@@ -70,17 +68,15 @@ struct LayerConfig {
   int shared_mlp_dim() const { return shared_experts * base_moe_mlp_dim; }
 
   /// Per-expert, per-sequence capacity C = int(max(ceil(S*K/E) * cf, cf)) for sequence length S,
-  /// saturated at 2^31-1 (more slots than any sequence routes to one expert), so a huge
-  /// capacity_factor neither overflows the conversion nor C * E.
+  /// saturated at 2^31-1 so that a huge capacity_factor overflows neither int64 nor C * E.
   std::int64_t capacity(std::int64_t seq_len) const {
     double const base = std::ceil(double(seq_len) * num_experts_per_tok / num_experts);
     return static_cast<std::int64_t>(
         std::min(std::max(base * capacity_factor, capacity_factor), 2147483647.0));
   }
 
-  // Defined in moe/config.hpp.
-
-  /// The field table: every key, its type, describe() name, doc line and the rules.
+  /// The field table (moe/config.hpp defines it and the four below): every key, its type,
+  /// describe() name, doc line and the rules.
   static inline ConfigTable<LayerConfig> const& table();
 
   /// Names of every key set() accepts.

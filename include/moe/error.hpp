@@ -9,47 +9,38 @@
 namespace moe {
 
 /// \brief Base of every exception moe throws.
-class Error : public std::runtime_error {
- public:
+struct Error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// \brief A configuration key or value breaks a rule (unknown key, bad value, incompatible
-/// options).
-class ConfigError : public Error {
- public:
+/// \brief A config key or value breaks a rule (unknown key, bad value, incompatible options).
+struct ConfigError : Error {
   using Error::Error;
 };
 
 /// \brief A tensor has the wrong shape for the layer's configuration.
-class ShapeError : public Error {
- public:
+struct ShapeError : Error {
   using Error::Error;
 };
 
 /// \brief Input data is unusable (NaN/Inf in activations or weights, ids out of range).
-class InputError : public Error {
- public:
+struct InputError : Error {
   using Error::Error;
 };
 
-/// \brief A computation produced a value that is not finite where one must be (a training step's
-/// loss or gradient norm, a tensor about to be saved): training diverged.
-class NumericError : public Error {
- public:
+/// \brief A value that must be finite is not (a step's loss or gradient norm, a tensor to save).
+struct NumericError : Error {
   using Error::Error;
 };
 
 /// \brief A file could not be read or written, or its content is malformed.
-class IoError : public Error {
- public:
+struct IoError : Error {
   using Error::Error;
 };
 
 /// \brief An MPI call failed on this rank. Not collective: the other ranks may be waiting in a
 /// collective, so a program that catches it should report it and end the job (MPI_Abort).
-class CommError : public Error {
- public:
+struct CommError : Error {
   using Error::Error;
 };
 

@@ -52,12 +52,10 @@ class MoeLayer {
   /// The packed copies of the expert weights kept by the GEMM backend (statistics, tests).
   gmm::PackCache const& pack_cache() const { return step_.pack_cache(); }
 
-  /// Trainable parameters (filled by the user, e.g. from a checkpoint); counts as a write (see
-  /// ParameterStore).
+  /// Trainable parameters (filled by the user); counts as a write (see ParameterStore).
   params_type& parameters() { return step_.parameters(); }
   params_type const& parameters() const { return step_.parameters(); }
-  /// Declares the parameters written (see ParameterStore::weights_changed()); call it after every
-  /// update.
+  /// Declares the parameters written (ParameterStore::weights_changed()); call it after updates.
   void weights_changed() { step_.weights_changed(); }
   /// Version of the parameters' contents (increases with every weights_changed()).
   std::uint64_t weights_version() const { return step_.weights_version(); }
@@ -73,9 +71,8 @@ class MoeLayer {
   /// tensor and the index). x is copied, so it may be reused (or be y) before backward(); the
   /// parameters must stay unchanged until backward().
   ///
-  /// forward() and backward() take any View types: LayoutRight Views of this layer's Scalar and
-  /// memory space convert (e.g. non-const x); anything else, such as a LayoutLeft View, fails to
-  /// compile with a static_assert naming the rule (detail::api_view).
+  /// forward() and backward() take any View converting to a LayoutRight View of Scalar in this
+  /// memory space (e.g. non-const x); others (LayoutLeft, ...) hit a static_assert (api_view).
   template <class XView, class YView>
   void forward(XView const& x_in, YView const& y_in, ForwardOptions const& opt = {}) {
     detail::Region region("moe::layer::forward");

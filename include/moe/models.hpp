@@ -77,13 +77,6 @@ inline std::vector<ModelFacts> const& model_table() {
   return t;
 }
 
-/// The names of model_table(), in order.
-inline std::vector<std::string> model_names() {
-  std::vector<std::string> n;
-  for (auto const& m : model_table()) n.push_back(m.name);
-  return n;
-}
-
 /// \brief The known model names, comma-separated (for messages).
 inline std::string model_names_text() {
   std::string known;
@@ -91,14 +84,15 @@ inline std::string model_names_text() {
   return known;
 }
 
-/// \brief The facts of model `name`. ConfigError listing the known names (and the nearest one)
-/// otherwise.
+/// \brief The facts of model `name`; else ConfigError listing the known names (and the nearest).
 inline ModelFacts const& model_facts(std::string const& name) {
-  for (auto const& m : model_table())
+  std::vector<std::string> names;
+  for (auto const& m : model_table()) {
     if (m.name == name) return m;
+    names.push_back(m.name);
+  }
   throw ConfigError(detail::cat("model_name=", name, " is not a MoE model moe knows (",
-                                model_names_text(), ")",
-                                detail::did_you_mean(name, model_names())));
+                                model_names_text(), ")", detail::did_you_mean(name, names)));
 }
 
 }  // namespace moe

@@ -6,6 +6,7 @@
 #include <moe/config.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/error.hpp>
+#include <moe/tensor_block.hpp>
 
 #include <cstdint>
 #include <string>
@@ -63,9 +64,8 @@ struct Parameters {
     return p;
   }
 
-  /// \brief Calls f(name, member pointer) for every tensor `cfg` has, in for_each's order, so
-  /// that code walking several parameter sets at once (stored, compute and gradient blocks)
-  /// names each tensor once: `a.*m = op(b.*m)`.
+  /// \brief Calls f(name, member pointer) for every tensor `cfg` has, in for_each's order: code
+  /// walking several parameter sets at once names each tensor once (`a.*m = op(b.*m)`).
   template <class F>
   static void for_each_field(LayerConfig const& cfg, F&& f) {
     for_each_member(cfg.routed_bias, cfg.shared_mlp_dim() > 0, f);
@@ -79,13 +79,9 @@ struct Parameters {
     for_each_field(cfg, [&](char const* n, auto m) {
       auto const& v = this->*m;
       std::vector<std::int64_t> const w = want(n);
-      std::int64_t numel = 1;
       bool ok = w.size() == std::size_t(v.rank);
-      for (std::size_t r = 0; ok && r < w.size(); ++r) {
-        ok = std::int64_t(v.extent(r)) == w[r];
-        numel *= w[r];
-      }
-      if (ok && (v.data() != nullptr || numel == 0)) return;
+      for (std::size_t r = 0; ok && r < w.size(); ++r) ok = std::int64_t(v.extent(r)) == w[r];
+      if (ok && (v.data() != nullptr || numel(w) == 0)) return;
       // The message is built only for the failing tensor (this check runs every step).
       std::string got, exp;
       for (std::size_t r = 0; r < w.size(); ++r) {

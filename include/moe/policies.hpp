@@ -34,8 +34,7 @@ struct Policies {
                 "Partition must be partition::Local on one rank");
 };
 
-/// \brief Default policies: routing from the config, the best grouped GEMM of the backend, one
-/// rank.
+/// \brief Default policies: routing from the config, the backend's best grouped GEMM, one rank.
 using DefaultPolicies = Policies<>;
 
 }  // namespace moe

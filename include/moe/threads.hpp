@@ -58,15 +58,11 @@ struct HostThreads {
 inline int affinity_cores() {
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-    int const n = CPU_COUNT(&set);
-    if (n > 0) return n;
-  }
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
   return int(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-/// \brief The rule for a process sharing its node with `local_ranks` ranks (itself included;
-/// 1 for a process without MPI).
+/// \brief The rule for a process sharing its node with `local_ranks` ranks (itself included).
 inline HostThreads host_threads_rule_for(int local_ranks) {
   HostThreads h;
   h.local_ranks = std::max(1, local_ranks);

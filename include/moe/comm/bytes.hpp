@@ -1,15 +1,12 @@
 #pragma once
 /// \file
-/// Host bytes of any length between ranks (e.g. what a checkpoint moves): point-to-point,
-/// broadcast, and all-gather of one string per rank. Transfers longer than detail::count_limit()
-/// bytes travel in pieces, so no count handed to MPI overflows int. Point-to-point messages use
-/// one private tag: a send and its receive must be posted in the same order, with the same length.
+/// Host bytes of any length between ranks (e.g. what a checkpoint moves), in pieces of at most
+/// detail::count_limit() bytes: point-to-point (one private tag: a send and its receive are posted
+/// in the same order, with the same length), broadcast, and all-gather of one string per rank.
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
 #include <moe/error.hpp>
-
-#include <moe/comm/mpi.hpp>
 
 #include <algorithm>
 #include <climits>
@@ -25,8 +22,7 @@ namespace detail {
 /// Tag of send_bytes / recv_bytes, distinct from exchange_tag.
 inline constexpr int bytes_tag = 0x636b;
 
-/// Calls call(p, k) for consecutive pieces [p, p + k) of the n bytes at `data`, each at most
-/// count_limit() bytes.
+/// Calls call(p, k) for consecutive pieces [p, p + k) of at most count_limit() of n bytes.
 template <class Byte, class Call>
 void for_pieces(Byte* data, std::size_t n, Call&& call) {
   auto const piece = static_cast<std::size_t>(std::max<std::int64_t>(1, count_limit()));
@@ -43,8 +39,7 @@ inline void send_bytes(Communicator const& comm, int dest, void const* data, std
   });
 }
 
-/// \brief Receives \p n bytes from rank \p src into \p data (blocking; matches send_bytes of the
-/// same length).
+/// \brief Receives \p n bytes from rank \p src into \p data (blocking; matches send_bytes).
 inline void recv_bytes(Communicator const& comm, int src, void* data, std::size_t n) {
   detail::for_pieces(static_cast<char*>(data), n, [&](char* p, int k) {
     check_mpi(MPI_Recv(p, k, MPI_BYTE, src, detail::bytes_tag, comm.get(), MPI_STATUS_IGNORE),
@@ -52,8 +47,7 @@ inline void recv_bytes(Communicator const& comm, int src, void* data, std::size_
   });
 }
 
-/// \brief Collective: the \p n bytes at \p data on \p root are copied into \p data on every rank
-/// (\p n must be the same on every rank).
+/// \brief Collective: \p root's \p n bytes at \p data, into \p data on every rank (same \p n).
 inline void broadcast_bytes(Communicator const& comm, int root, void* data, std::size_t n) {
   detail::for_pieces(static_cast<char*>(data), n, [&](char* p, int k) {
     check_mpi(MPI_Bcast(p, k, MPI_BYTE, root, comm.get()), "MPI_Bcast");

@@ -41,11 +41,8 @@ void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T con
   std::int64_t const chunk = c * row;
   bool const fast = row <= count_limit() && c * P <= count_limit();
   char const* parts_label = "moe::comm::reduce_scatter::parts";
-  Kokkos::View<T*, Kokkos::LayoutRight, OutMS> parts =
-      pool ? pool->template get<T>(parts_label, std::size_t(P * chunk))
-           : Kokkos::View<T*, Kokkos::LayoutRight, OutMS>(
-                 Kokkos::view_alloc(space, Kokkos::WithoutInitializing, std::string(parts_label)),
-                 static_cast<std::size_t>(P * chunk));
+  auto const parts = pool ? pool->template get<T>(parts_label, std::size_t(P * chunk))
+                          : moe::detail::alloc<View1<T, OutMS>>(space, parts_label, P * chunk);
   Blocks const s = gather_blocks(P, c).second;  // chunk i at i*c, on both sides
   exchange_staged<InMS, OutMS>(comm, space, "moe::comm::reduce_scatter", Pattern::alltoall, in, s,
                                P * chunk, parts.data(), s, P * chunk, row, fast);
@@ -125,8 +122,7 @@ void reduce_scatter(Communicator const& comm, ExecSpace const& space, InView con
 }
 
 /// \brief Collective: replaces `v` (contiguous, the same shape on every rank) by the elementwise
-/// sum over ranks: a reduce_scatter and an all_gather of the elements (zero-padded to a multiple
-/// of size), so every rank gets the same bits.
+/// sum over ranks (a reduce_scatter and an all_gather, zero-padded): the same bits on every rank.
 template <class ExecSpace, class View>
 void all_reduce(Communicator const& comm, ExecSpace const& space, View const& v) {
   moe::detail::Region region("moe::comm::all_reduce");
@@ -145,25 +141,21 @@ void all_reduce(Communicator const& comm, ExecSpace const& space, View const& v)
   int const P = comm.size();
   if (P == 1 || N == 0) return;
   std::int64_t const c = (N + P - 1) / P;
-  using Buffer = Kokkos::View<T*, Kokkos::LayoutRight, MS>;
-  Buffer mine(Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::all_reduce::mine"),
-              static_cast<std::size_t>(c));
+  auto const mine = moe::detail::alloc<View1<T, MS>>(space, "moe::comm::all_reduce::mine", c);
   detail::Flat<T, MS> const flat(v.data(), static_cast<std::size_t>(N));
   // A size that P does not divide is reduced in a zero-padded copy.
   bool const pad = N != P * c;
-  Buffer padded;
+  auto const head = std::make_pair(std::int64_t(0), N);
+  View1<T, MS> padded;
   if (pad) {
-    padded = Buffer(
-        Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::all_reduce::padded"),
-        static_cast<std::size_t>(P * c));
-    Kokkos::deep_copy(space, Kokkos::subview(padded, std::make_pair(std::int64_t(0), N)), flat);
+    padded = moe::detail::alloc<View1<T, MS>>(space, "moe::comm::all_reduce::padded", P * c);
+    Kokkos::deep_copy(space, Kokkos::subview(padded, head), flat);
     Kokkos::deep_copy(space, Kokkos::subview(padded, std::make_pair(N, P * c)), T(0));
   }
   T* const data = pad ? padded.data() : v.data();
   detail::reduce_scatter_rows<MS, MS>(comm, space, data, mine.data(), c, 1);
   detail::all_gather_rows<MS, MS>(comm, space, mine.data(), data, c, 1);
-  if (pad)
-    Kokkos::deep_copy(space, flat, Kokkos::subview(padded, std::make_pair(std::int64_t(0), N)));
+  if (pad) Kokkos::deep_copy(space, flat, Kokkos::subview(padded, head));
   detail::fence(space, "moe::comm::all_reduce: done");
 }
 

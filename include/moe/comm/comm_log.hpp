@@ -21,8 +21,7 @@ struct CommRecord {
   std::string stage;              ///< the step-plan stage (its profiling region) that ran it
 };
 
-/// Sum of `bytes` over the records (CommRecord, or a plan's predicted collectives) whose
-/// `backward` flag is `backward`.
+/// Sum of `bytes` over the records (CommRecord, or a plan's predicted ones) of one phase.
 template <class Records>
 std::int64_t phase_bytes(Records const& records, bool backward) {
   std::int64_t s = 0;

@@ -47,9 +47,8 @@ MPI_Datatype mpi_type() {
 inline void check_mpi(int rc, char const* call) {
   if (rc == MPI_SUCCESS) return;
   char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
+  int len = 0, rank = -1;
   if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
-  int rank = -1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   throw CommError(moe::detail::cat("moe::comm: ", call, " failed on world rank ", rank, ": ",
                                    len > 0 ? std::string(text, std::size_t(len)) : "(no text)",
@@ -91,10 +90,9 @@ class Communicator {
   bool is_local() const { return !comm_; }
   /// \brief The duplicated MPI handle (owned by moe: do not free it); moe::Error on local().
   MPI_Comm get() const {
-    if (!comm_)
-      throw Error(
-          "moe internal error: an MPI call on moe::comm::Communicator::local(), which has no MPI "
-          "handle (only groups of one rank may run on it)");
+    moe::detail::require(comm_ != nullptr,
+                         "moe internal error: an MPI call on moe::comm::Communicator::local(), "
+                         "which has no MPI handle (only groups of one rank may run on it)");
     return *comm_;
   }
 
@@ -120,8 +118,7 @@ class Communicator {
   }
 
   std::shared_ptr<MPI_Comm> comm_;
-  int rank_ = 0;
-  int size_ = 1;
+  int rank_ = 0, size_ = 1;
 };
 
 /// \brief Which moe exception a collective error is re-thrown as.
@@ -143,11 +140,10 @@ inline constexpr std::size_t max_message = 1 << 16;
 
 /// Collective: broadcasts a string from `root` (its value on other ranks is ignored).
 inline std::string broadcast_string(Communicator const& comm, int root, std::string const& s) {
-  std::int64_t len =
-      comm.rank() == root ? static_cast<std::int64_t>(std::min(s.size(), max_message)) : 0;
+  std::string out = comm.rank() == root ? s.substr(0, max_message) : std::string();
+  auto len = static_cast<std::int64_t>(out.size());
   check_mpi(MPI_Bcast(&len, 1, MPI_INT64_T, root, comm.get()), "MPI_Bcast");
-  std::string out = comm.rank() == root ? s.substr(0, static_cast<std::size_t>(len))
-                                        : std::string(static_cast<std::size_t>(len), '\0');
+  out.resize(static_cast<std::size_t>(len));
   if (len > 0)
     check_mpi(MPI_Bcast(&out[0], static_cast<int>(len), MPI_CHAR, root, comm.get()), "MPI_Bcast");
   return out;
@@ -191,6 +187,35 @@ inline bool collective_check(Communicator const& comm, char const* who, bool loc
   return r[1] != 0;
 }
 
+/// The first difference of two canonical texts: the first differing field of each when both
+/// have the same keys, else the text around the first differing character.
+inline std::pair<std::string, std::string> first_difference(std::string const& a,
+                                                            std::string const& b) {
+  auto fields = [](std::string const& text) {  // pieces between ';' or '|': "E=8;K=2|steps=10"
+    std::vector<std::string> out(1);
+    for (char c : text)
+      if (c == ';' || c == '|')
+        out.emplace_back();
+      else
+        out.back() += c;
+    return out;
+  };
+  auto const fa = fields(a), fb = fields(b);
+  auto key = [](std::string const& f) { return f.substr(0, f.find('=')); };
+  if (fa.size() == fb.size())
+    for (std::size_t i = 0; i < fa.size(); ++i)
+      if (fa[i] != fb[i] && key(fa[i]) == key(fb[i]) && fa[i].find('=') != std::string::npos)
+        return {fa[i], fb[i]};
+  auto const p = static_cast<std::size_t>(
+      std::mismatch(a.begin(), a.end(), b.begin(), b.end()).first - a.begin());
+  std::size_t const from = p > 40 ? p - 40 : 0;
+  auto piece = [&](std::string const& s) {
+    std::string const out = s.substr(from, 120);  // from <= p <= s.size()
+    return (from > 0 ? "..." : "") + out + (from + out.size() < s.size() ? "..." : "");
+  };
+  return {piece(a), piece(b)};
+}
+
 }  // namespace detail
 
 /// \brief Collective: when any rank has `local_failed`, every rank throws the lowest failing
@@ -211,60 +236,21 @@ inline bool any_rank(Communicator const& comm, bool flag) {
 /// otherwise, same message). `f` must not call collectives itself.
 template <class F>
 void collective_guard(Communicator const& comm, F&& f) {
-  bool failed = true;
-  std::string msg;
-  ErrorKind kind = ErrorKind::error;
   try {
     f();
-    failed = false;
-  } catch (std::exception const& e) {
-    msg = e.what();
-    kind = dynamic_cast<ConfigError const*>(&e)    ? ErrorKind::config
-           : dynamic_cast<ShapeError const*>(&e)   ? ErrorKind::shape
-           : dynamic_cast<InputError const*>(&e)   ? ErrorKind::input
-           : dynamic_cast<IoError const*>(&e)      ? ErrorKind::io
-           : dynamic_cast<NumericError const*>(&e) ? ErrorKind::numeric
-                                                   : ErrorKind::error;
+  } catch (std::exception const& e) {  // any_error throws on every rank
+    return any_error(comm, true, e.what(),
+                     dynamic_cast<ConfigError const*>(&e)    ? ErrorKind::config
+                     : dynamic_cast<ShapeError const*>(&e)   ? ErrorKind::shape
+                     : dynamic_cast<InputError const*>(&e)   ? ErrorKind::input
+                     : dynamic_cast<IoError const*>(&e)      ? ErrorKind::io
+                     : dynamic_cast<NumericError const*>(&e) ? ErrorKind::numeric
+                                                             : ErrorKind::error);
   } catch (...) {
-    msg = "unknown exception";
+    return any_error(comm, true, "unknown exception");
   }
-  any_error(comm, failed, msg, kind);
+  any_error(comm, false, "");
 }
-
-namespace detail {
-
-/// The first difference of two canonical texts: the first differing field of each when both
-/// have the same keys, else the text around the first differing character.
-inline std::pair<std::string, std::string> first_difference(std::string const& a,
-                                                            std::string const& b) {
-  auto fields = [](std::string const& text) {  // pieces between ';' or '|': "E=8;K=2|steps=10"
-    std::vector<std::string> out(1);
-    for (char c : text) {
-      if (c == ';' || c == '|')
-        out.emplace_back();
-      else
-        out.back() += c;
-    }
-    return out;
-  };
-  auto const fa = fields(a), fb = fields(b);
-  auto key = [](std::string const& f) { return f.substr(0, f.find('=')); };
-  if (fa.size() == fb.size())
-    for (std::size_t i = 0; i < fa.size(); ++i)
-      if (fa[i] != fb[i] && key(fa[i]) == key(fb[i]) && fa[i].find('=') != std::string::npos)
-        return {fa[i], fb[i]};
-  std::size_t p = 0;
-  while (p < a.size() && p < b.size() && a[p] == b[p]) ++p;
-  std::size_t const from = p > 40 ? p - 40 : 0;
-  auto piece = [&](std::string const& s) {
-    std::string out =
-        s.substr(from, std::min<std::size_t>(s.size() - std::min(from, s.size()), 120));
-    return (from > 0 ? "..." : "") + out + (from + out.size() < s.size() ? "..." : "");
-  };
-  return {piece(a), piece(b)};
-}
-
-}  // namespace detail
 
 /// \brief Collective: checks that `value` (a canonical text of a configuration or a shape) is the
 /// same on every rank; else every rank throws the same ConfigError naming `what` (e.g. "layer

@@ -1,15 +1,12 @@
 #pragma once
 /// \file
-/// Non-blocking all-gather on Kokkos views: iall_gather starts it and returns an AllGatherRequest
-/// that test() drives and wait() completes; the bytes are those of moe::comm::all_gather. Most
-/// MPIs progress a non-blocking collective only inside MPI calls: to overlap it with computation,
-/// call test() between pieces of the work.
+/// Non-blocking all_gather on Kokkos views: iall_gather returns an AllGatherRequest that test()
+/// drives and wait() completes. Most MPIs progress it only inside MPI calls: to overlap it with
+/// computation, call test() between pieces of the work.
 
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
-
-#include <moe/comm/mpi.hpp>
 
 #include <cstdint>
 #include <optional>
@@ -25,8 +22,6 @@ template <class T, class InMS, class OutMS>
 class AllGatherRequest {
  public:
   AllGatherRequest() = default;
-  AllGatherRequest(AllGatherRequest const&) = delete;
-  AllGatherRequest& operator=(AllGatherRequest const&) = delete;
   AllGatherRequest(AllGatherRequest&& o) noexcept { *this = std::move(o); }
   AllGatherRequest& operator=(AllGatherRequest&& o) noexcept {
     if (this != &o) {
@@ -79,9 +74,8 @@ class AllGatherRequest {
     MPI_Datatype const type = mpi_type<T>();
     if (count <= limit && P * count <= limit) {
       reqs_.resize(1);
-      check_mpi(MPI_Iallgather(s, static_cast<int>(count), type, r, static_cast<int>(count), type,
-                               comm.get(), reqs_.data()),
-                "MPI_Iallgather");
+      int const c = static_cast<int>(count);
+      check_mpi(MPI_Iallgather(s, c, type, r, c, type, comm.get(), reqs_.data()), "MPI_Iallgather");
     } else {  // large counts: point-to-point pieces of at most count_limit() elements
       auto const [sb, rb] = detail::gather_blocks(P, n);
       reqs_ = detail::post_pieces(comm, s, sb, r, rb, row);
@@ -117,10 +111,9 @@ class AllGatherPieces {
   template <class ExecSpace, class InView, class OutView>
   AllGatherRequest<T, InMS, OutMS> start(ExecSpace const& space, InView const& in,
                                          OutView const& out) const {
-    auto const [n, row] = detail::rows_of(in);
-    auto const [m, row_out] = detail::rows_of(out);
     moe::detail::require<ShapeError>(
-        n == n_ && row == row_ && m == comm_->size() * n_ && row_out == row_ &&
+        detail::rows_of(in) == std::pair(n_, row_) &&
+            detail::rows_of(out) == std::pair(comm_->size() * n_, row_) &&
             in.span_is_contiguous() && out.span_is_contiguous(),
         "moe::comm::AllGatherPieces: a piece in ", detail::shape_of(in), " / out ",
         detail::shape_of(out), " differs from the agreed ", n_, " rows of ", row_, " elements");
@@ -139,16 +132,11 @@ class AllGatherPieces {
   std::int64_t n_ = 0, row_ = 0;
 };
 
-/// \brief Collective: starts concatenating every rank's `in` along dim 0, in rank order, into
-/// `out`, as moe::comm::all_gather does; `out` is defined once the request's wait() returns, and
-/// until then `in` must stay unchanged and `out` untouched.
-/// \param in  [n, ...] on every rank (same shape everywhere)
-/// \param out [size*n, ...]; must not overlap `in`
+/// \brief Collective: starts all_gather(comm, space, in, out); `out` is defined once the request's
+/// wait() returns, and until then `in` must stay unchanged and `out` untouched.
 template <class ExecSpace, class InView, class OutView>
-AllGatherRequest<typename OutView::non_const_value_type, typename InView::memory_space,
-                 typename OutView::memory_space>
-iall_gather(Communicator const& comm, ExecSpace const& space, InView const& in,
-            OutView const& out) {
+auto iall_gather(Communicator const& comm, ExecSpace const& space, InView const& in,
+                 OutView const& out) {
   moe::detail::Region region("moe::comm::iall_gather");
   return AllGatherPieces<typename OutView::non_const_value_type, typename InView::memory_space,
                          typename OutView::memory_space>(comm, space, in, out)

@@ -7,8 +7,6 @@
 #include <moe/error.hpp>
 #include <moe/sharding/mesh.hpp>
 
-#include <moe/comm/mpi.hpp>
-
 #include <map>
 #include <string>
 #include <utility>
@@ -25,8 +23,7 @@ struct AxisGroup {
 };
 
 /// \brief A sharding::Mesh laid over a communicator: this rank's coordinates and the cached
-/// communicators of its axis groups (made by group(axes) only). Copies share the groups made
-/// before the copy.
+/// communicators of its axis groups (made by group(axes) only); copies share those made so far.
 class MeshComm {
  public:
   /// \brief Collective: lays `mesh` over a duplicate of `comm`.
@@ -53,20 +50,15 @@ class MeshComm {
   /// \brief This rank's coordinates, mesh order.
   std::vector<int> const& coords() const { return coords_; }
   /// \brief This rank's coordinate on the named axis (0 for an axis the mesh does not have).
-  int coord(std::string const& axis) const {
-    int const i = mesh_.index(axis);
-    return i < 0 ? 0 : coords_[static_cast<std::size_t>(i)];
-  }
+  int coord(std::string const& axis) const { return mesh_.coord(comm_.rank(), axis); }
 
-  /// \brief The group of `axes` containing this rank: the ranks whose coordinates differ only on
-  /// `axes`, ordered row-major over `axes` in the given order (see sharding::Mesh).
-  /// Collective over comm() the first time this ordered list is requested (every rank must make
-  /// the same first requests in the same order; a disagreement, or an axis named twice, is the
-  /// same ConfigError on every rank); later calls return the cached group. Axes the mesh does not
-  /// have count as size 1. The reference lives as long as this MeshComm.
+  /// \brief The group of `axes` containing this rank (see sharding::Mesh: ordered row-major over
+  /// `axes` as given; axes the mesh lacks count as size 1). Collective over comm() the first time
+  /// this ordered list is requested (every rank must make the same first requests in the same
+  /// order; a disagreement, or an axis named twice, is the same ConfigError on every rank); later
+  /// calls return the cached group, which lives as long as this MeshComm.
   AxisGroup const& group(std::vector<std::string> const& axes) {
-    auto it = groups_.find(axes);
-    if (it != groups_.end()) return it->second;
+    if (auto it = groups_.find(axes); it != groups_.end()) return it->second;
     check_agreement(comm_, "axis list of a first MeshComm::group request", describe(axes));
     // Every rank now holds the same list, so a repeated axis throws the same error everywhere.
     int const color = mesh_.group_index(comm_.rank(), axes);

@@ -1,12 +1,10 @@
 #pragma once
 /// \file
-/// MPI as moe sees it: `<mpi.h>` when MOE_ENABLE_MPI (moe_config.hpp; a program may define it to 0
-/// in every translation unit, as the unit tests do), else a one-process stand-in for the part of
-/// MPI that moe and its tools use: one rank per communicator, collectives copy the caller's
-/// contribution, messages to itself match in order on (communicator, tag), and what could never
-/// complete (an unmatched receive or wait, a peer or root other than 0, a truncation) is an error,
-/// not a hang. Its functions live in a namespace brought in by a using-directive: no clash with a
-/// real MPI library's symbols, and including the real `<mpi.h>` as well fails to compile.
+/// MPI as moe sees it: `<mpi.h>` when MOE_ENABLE_MPI (moe_config.hpp), else a one-process
+/// stand-in for the MPI that moe and its tools use: one rank per communicator, collectives copy
+/// the caller's contribution, messages to itself match in order on (communicator, tag), and what
+/// could never complete (an unmatched receive or wait, a peer or root other than 0, a truncation)
+/// is an error, not a hang. Its functions come in by a using-directive (no clash with a real MPI).
 
 #include <moe/moe_config.hpp>
 
@@ -26,7 +24,6 @@
 #include <set>
 #include <vector>
 
-// ------------------------------------------------------------------ types and constants -------
 using MPI_Comm = int;
 using MPI_Datatype = int;  ///< the stand-in's datatype is its size in bytes
 using MPI_Op = int;
@@ -80,16 +77,16 @@ struct Pending {
 inline std::deque<Pending> sends, recvs;
 inline std::set<MPI_Request> open_requests;
 inline MPI_Request next_request = 1;
-/// Whether `r` is a request still waiting for its match.
 inline bool is_open(MPI_Request r) { return r != MPI_REQUEST_NULL && open_requests.count(r); }
 
-/// Delivers a send to a receive: MPI_ERR_TRUNCATE when it does not fit.
-inline int deliver(char const* from, long long bytes, char* into, long long room) {
-  if (bytes > room) return MPI_ERR_TRUNCATE;
-  if (bytes > 0) std::memcpy(into, from, std::size_t(bytes));
+inline int copy(void* to, void const* from, long long n) {
+  if (to != from && n > 0) std::memmove(to, from, std::size_t(n));
   return MPI_SUCCESS;
 }
-/// The first pending entry of `q` on (comm, tag), or q.end().
+/// Delivers a send to a receive: MPI_ERR_TRUNCATE when it does not fit.
+inline int deliver(char const* from, long long bytes, char* into, long long room) {
+  return bytes > room ? MPI_ERR_TRUNCATE : copy(into, from, bytes);
+}
 inline std::deque<Pending>::iterator match(std::deque<Pending>& q, MPI_Comm comm, int tag) {
   return std::find_if(q.begin(), q.end(),
                       [&](Pending const& p) { return p.comm == comm && p.tag == tag; });
@@ -111,32 +108,6 @@ inline int queue(std::deque<Pending>& q, Pending p, MPI_Request* req) {
   q.push_back(std::move(p));
   return MPI_SUCCESS;
 }
-inline int post_send(void const* buf, long long bytes, int dest, int tag, MPI_Comm comm,
-                     MPI_Request* req) {
-  if (dest != 0) return MPI_ERR_RANK;
-  auto const* from = static_cast<char const*>(buf);
-  auto r = match(recvs, comm, tag);
-  if (r != recvs.end()) return matched(recvs, r, req, deliver(from, bytes, r->into, r->bytes));
-  Pending p{comm, tag, req ? from : nullptr, {}, nullptr, bytes};
-  if (!req) p.copy.assign(from, from + bytes);
-  return queue(sends, std::move(p), req);
-}
-inline int post_recv(void* buf, long long room, int src, int tag, MPI_Comm comm, MPI_Request* req) {
-  if (src != 0) return MPI_ERR_RANK;
-  auto* into = static_cast<char*>(buf);
-  auto s = match(sends, comm, tag);
-  if (s != sends.end())
-    return matched(sends, s, req,
-                   deliver(s->data ? s->data : s->copy.data(), s->bytes, into, room));
-  if (!req) return MPI_ERR_OTHER;  // a blocking receive nothing was sent to: waits for ever
-  return queue(recvs, Pending{comm, tag, nullptr, {}, into, room}, req);
-}
-
-/// Copies n bytes unless source and destination are the same; succeeds.
-inline int copy(void* to, void const* from, long long n) {
-  if (to != from && n > 0) std::memmove(to, from, std::size_t(n));
-  return MPI_SUCCESS;
-}
 /// Writes `value` to `*out` and succeeds: most calls of one process do nothing else.
 template <class T, class V>
 int put(T* out, V value) {
@@ -147,7 +118,6 @@ int put(T* out, V value) {
 /// The MPI functions of the stand-in (its state and helpers above stay out of the global scope).
 namespace functions {
 
-// ------------------------------------------------------------------ environment --------------
 inline int MPI_Init(int*, char***) { return put(&state, 1); }
 inline int MPI_Initialized(int* flag) { return put(flag, state >= 1); }
 inline int MPI_Finalize() { return put(&state, 2); }
@@ -171,7 +141,6 @@ inline int MPI_Error_string(int code, char* text, int* len) {
   return put(len, std::snprintf(text, MPI_MAX_ERROR_STRING, "%s", what));
 }
 
-// ------------------------------------------------------------------ communicators ------------
 inline int MPI_Comm_size(MPI_Comm, int* size) { return put(size, 1); }
 inline int MPI_Comm_rank(MPI_Comm, int* rank) { return put(rank, 0); }
 inline int MPI_Comm_dup(MPI_Comm, MPI_Comm* out) { return put(out, next_comm++); }
@@ -189,19 +158,16 @@ inline int MPI_Comm_set_errhandler(MPI_Comm comm, MPI_Errhandler h) {
   return put(&handlers[comm], h);
 }
 inline int MPI_Comm_get_errhandler(MPI_Comm comm, MPI_Errhandler* h) {
-  auto it = handlers.find(comm);
-  return put(h, it == handlers.end() ? MPI_ERRORS_ARE_FATAL : it->second);
+  return put(h, handlers.count(comm) ? handlers.at(comm) : MPI_ERRORS_ARE_FATAL);
 }
 inline int MPI_Errhandler_free(MPI_Errhandler* h) { return put(h, 0); }
 
-// ------------------------------------------------------------------ datatypes ----------------
 inline int MPI_Type_contiguous(int count, MPI_Datatype old, MPI_Datatype* out) {
   return put(out, count * old);
 }
 inline int MPI_Type_commit(MPI_Datatype*) { return MPI_SUCCESS; }
 inline int MPI_Type_free(MPI_Datatype* t) { return put(t, MPI_DATATYPE_NULL); }
 
-// ------------------------------------------------------------------ collectives (one rank) ---
 inline int MPI_Barrier(MPI_Comm) { return MPI_SUCCESS; }
 inline int MPI_Bcast(void*, int, MPI_Datatype, int root, MPI_Comm) {
   return root == 0 ? MPI_SUCCESS : MPI_ERR_ROOT;
@@ -234,8 +200,7 @@ inline int MPI_Iallgather(void const* send, int scount, MPI_Datatype st, void* r
 }
 /// A request still open when waited on can never complete (an error, not a hang).
 inline int MPI_Wait(MPI_Request* req, MPI_Status*) {
-  if (is_open(*req)) return MPI_ERR_OTHER;
-  return put(req, MPI_REQUEST_NULL);
+  return is_open(*req) ? MPI_ERR_OTHER : put(req, MPI_REQUEST_NULL);
 }
 inline int MPI_Waitall(int n, MPI_Request* reqs, MPI_Status*) {
   for (int i = 0; i < n; ++i)
@@ -247,21 +212,36 @@ inline int MPI_Testall(int n, MPI_Request* reqs, int* flag, MPI_Status*) {
   return *flag ? MPI_Waitall(n, reqs, nullptr) : MPI_SUCCESS;
 }
 
-// ------------------------------------------------------------------ messages to itself -------
-inline int MPI_Send(void const* buf, int n, MPI_Datatype t, int dest, int tag, MPI_Comm comm) {
-  return post_send(buf, 1LL * n * t, dest, tag, comm, nullptr);
-}
-inline int MPI_Recv(void* buf, int n, MPI_Datatype t, int src, int tag, MPI_Comm comm,
-                    MPI_Status*) {
-  return post_recv(buf, 1LL * n * t, src, tag, comm, nullptr);
-}
+// A null `req` is the blocking call: an unmatched send is buffered, an unmatched receive fails.
 inline int MPI_Isend(void const* buf, int n, MPI_Datatype t, int dest, int tag, MPI_Comm comm,
                      MPI_Request* req) {
-  return post_send(buf, 1LL * n * t, dest, tag, comm, req);
+  if (dest != 0) return MPI_ERR_RANK;
+  auto const* from = static_cast<char const*>(buf);
+  long long const bytes = 1LL * n * t;
+  auto r = match(recvs, comm, tag);
+  if (r != recvs.end()) return matched(recvs, r, req, deliver(from, bytes, r->into, r->bytes));
+  Pending p{comm, tag, req ? from : nullptr, {}, nullptr, bytes};
+  if (!req) p.copy.assign(from, from + bytes);
+  return queue(sends, std::move(p), req);
 }
 inline int MPI_Irecv(void* buf, int n, MPI_Datatype t, int src, int tag, MPI_Comm comm,
                      MPI_Request* req) {
-  return post_recv(buf, 1LL * n * t, src, tag, comm, req);
+  if (src != 0) return MPI_ERR_RANK;
+  auto* into = static_cast<char*>(buf);
+  long long const room = 1LL * n * t;
+  auto s = match(sends, comm, tag);
+  if (s != sends.end())
+    return matched(sends, s, req,
+                   deliver(s->data ? s->data : s->copy.data(), s->bytes, into, room));
+  if (!req) return MPI_ERR_OTHER;  // a blocking receive nothing was sent to: waits for ever
+  return queue(recvs, Pending{comm, tag, nullptr, {}, into, room}, req);
+}
+inline int MPI_Send(void const* buf, int n, MPI_Datatype t, int dest, int tag, MPI_Comm comm) {
+  return MPI_Isend(buf, n, t, dest, tag, comm, nullptr);
+}
+inline int MPI_Recv(void* buf, int n, MPI_Datatype t, int src, int tag, MPI_Comm comm,
+                    MPI_Status*) {
+  return MPI_Irecv(buf, n, t, src, tag, comm, nullptr);
 }
 
 }  // namespace functions

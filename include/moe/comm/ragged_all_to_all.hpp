@@ -3,13 +3,13 @@
 /// Ragged all-to-all of the expert-parallel (EP) dispatch and combine: MaxText's all-to-all
 /// parameters as pure functions of the EP x EP traffic matrix (SEMANTICS.md §1.9 items 32-34,
 /// exact vectors in §7.4-7.6), and RaggedAllToAll, the plan that moves the rows. Counts are in
-/// rows (e.g. token slots of D elements); a receiver with a capacity R keeps at most R rows,
-/// lower-rank senders first, and drops the rest.
+/// rows; a receiver with a capacity R keeps R rows at most, lower-rank senders first.
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
 #include <moe/comm/wire.hpp>
 #include <moe/detail/counting.hpp>
+#include <moe/detail/views.hpp>
 #include <moe/error.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -56,7 +56,6 @@ inline std::vector<std::int64_t> exclusive_cumsum(std::vector<std::int64_t> cons
 }  // namespace detail
 
 /// \brief MaxText's `get_all_to_all_params` for a batch sharded over EP (§1.9 items 32.4 / 33).
-///
 /// Dispatch: send_sizes = M[me,:], input_offsets = exclusive_cumsum(M[me,:]),
 /// output_offsets[j] = sum_{i<me} M[i,j], recv_sizes = M[:,me]; the combine uses M transposed.
 /// \param M [ep*ep] row-major, M[i*ep+j] = rows shard i sends to shard j
@@ -123,10 +122,8 @@ inline AllToAllParams all_to_all_params_replicated(std::vector<std::int64_t> con
           per_shard};
 }
 
-/// \brief Rows of the dispatch receive buffer (MaxText `get_ragged_buffer_size`, §1.9 item 32.3).
-///
-/// factor > 0: int(tk * factor), at most the dropless worst case int(tk * min(ep, E/K)) (exact in
-/// integers); otherwise that worst case.
+/// \brief Rows of the dispatch receive buffer (MaxText `get_ragged_buffer_size`, §1.9 item 32.3):
+/// int(tk * factor) for factor > 0, at most the dropless int(tk * min(ep, E/K)); else the latter.
 /// \param tk local routed slots T*K
 inline std::int64_t ragged_buffer_size(std::int64_t tk, int ep, int E, int K, double factor) {
   moe::detail::require<ConfigError>(
@@ -137,10 +134,8 @@ inline std::int64_t ragged_buffer_size(std::int64_t tk, int ep, int E, int K, do
 }
 
 /// \brief Plan of one ragged all-to-all over a communicator, built once per step and applied to
-/// any number of payloads (dispatch forward, its backward, the combine).
-///
-/// Construction, forward and reverse are collective, and raise the same exception on every rank
-/// on a bad input instead of hanging.
+/// any number of payloads (dispatch forward, its backward, the combine). Construction, forward
+/// and reverse are collective, and raise the same exception on every rank on a bad input.
 class RaggedAllToAll {
  public:
   /// \brief Collective: plan for consecutive per-peer blocks (block j at sum_{k<j} counts[k]).
@@ -157,11 +152,10 @@ class RaggedAllToAll {
                  std::vector<std::int64_t> const& send_displs, std::int64_t recv_capacity = -1)
       : comm_(comm), send_{send_counts, send_displs} {
     int const P = comm_.size();
-    bool const bad =
-        send_counts.size() != static_cast<std::size_t>(P) ||
-        send_displs.size() != static_cast<std::size_t>(P) ||
-        std::any_of(send_counts.begin(), send_counts.end(), [](std::int64_t c) { return c < 0; }) ||
-        std::any_of(send_displs.begin(), send_displs.end(), [](std::int64_t d) { return d < 0; });
+    auto const negative = [](std::int64_t x) { return x < 0; };
+    bool const bad = send_counts.size() != std::size_t(P) || send_displs.size() != std::size_t(P) ||
+                     std::any_of(send_counts.begin(), send_counts.end(), negative) ||
+                     std::any_of(send_displs.begin(), send_displs.end(), negative);
     // Counts and the capacity flag in one MPI_Alltoall; a rank with bad input sends -1 counts.
     std::vector<std::int64_t> out(2 * P), in(2 * P);
     for (int j = 0; j < P; ++j) {
@@ -226,7 +220,6 @@ class RaggedAllToAll {
   /// order in `recv`, whose rows beyond recv_total() are set to zero.
   /// \param send [>= send_extent(), ...] rows of any trailing shape (the same on every rank)
   /// \param recv [>= recv_total(), ...] same trailing shape; must not overlap `send`
-  /// \param wire what the values travel as
   template <class ExecSpace, class SendView, class RecvView>
   void forward(ExecSpace const& space, SendView const& send, RecvView const& recv,
                Wire wire = Wire::native) const {
@@ -289,13 +282,9 @@ class RaggedAllToAll {
                                             n_dst, row, !any_slow, stage_);
     };
     if (wire == Wire::bf16) {
-      using W = moe::bf16;
-      Kokkos::View<W*, Kokkos::LayoutRight, SrcMS> s16(
-          Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::RaggedAllToAll::s16"),
-          std::size_t(n_src));
-      Kokkos::View<W*, Kokkos::LayoutRight, DstMS> d16(
-          Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::comm::RaggedAllToAll::d16"),
-          std::size_t(n_dst));
+      using moe::detail::alloc;
+      auto const s16 = alloc<View1<bf16, SrcMS>>(space, "moe::comm::RaggedAllToAll::s16", n_src);
+      auto const d16 = alloc<View1<bf16, DstMS>>(space, "moe::comm::RaggedAllToAll::d16", n_dst);
       detail::convert(space, "moe::comm::RaggedAllToAll::to_bf16", src.data(), s16.data(), n_src);
       move(s16.data(), d16.data());
       detail::convert(space, "moe::comm::RaggedAllToAll::from_bf16", d16.data(), dst.data(), n_dst);
@@ -308,11 +297,8 @@ class RaggedAllToAll {
     blocks.emplace_back(dst_rows, dst_rows);
     std::int64_t at = 0;
     for (auto const& b : blocks) {
-      if (b.first > at)
-        Kokkos::deep_copy(space,
-                          detail::Flat<T, DstMS>(dst.data() + at * row,
-                                                 static_cast<std::size_t>((b.first - at) * row)),
-                          T(0));
+      std::size_t const gap = b.first > at ? static_cast<std::size_t>((b.first - at) * row) : 0;
+      if (gap) Kokkos::deep_copy(space, detail::Flat<T, DstMS>(dst.data() + at * row, gap), T(0));
       at = std::max(at, b.second);
     }
   }

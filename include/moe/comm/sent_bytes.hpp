@@ -1,8 +1,7 @@
 #pragma once
 /// \file
 /// Bytes one rank sends in each collective moe runs, as functions of the buffer sizes: the one
-/// formula that the comm log records (distributed/reshard.hpp) and the step plan predicts
-/// (distributed/step_plan.hpp). Pure: no MPI, no Kokkos.
+/// formula that the comm log records and the step plan (distributed/step_plan.hpp) predicts.
 
 #include <cstdint>
 

@@ -1,9 +1,8 @@
 #pragma once
 /// \file
-/// The wire type of a collective: what one value is sent as. Native: the value type itself;
-/// bf16: moe::bf16 (16 bits), for a `dtype=bfloat16` layer (docs/precision.md, "Wire"): converted
-/// to bf16 (round to nearest even) into a staging buffer, moved, and converted back (exact); a
-/// reduction of bf16 pieces sums them in fp32 and rounds the sum once.
+/// The wire type of a collective: what one value is sent as. Native: the value type itself; bf16:
+/// moe::bf16, for a `dtype=bfloat16` layer (docs/precision.md, "Wire"): converted to bf16, moved,
+/// and converted back (exact); a reduction of bf16 pieces sums them in fp32 and rounds once.
 
 #include <moe/bf16.hpp>
 
@@ -24,8 +23,7 @@ constexpr std::int64_t wire_bytes(Wire w, std::int64_t value_bytes) {
 
 namespace detail {
 
-/// Value conversions between a value type and a wire type: to bf16 rounds to nearest even,
-/// from bf16 is exact, same type is a copy.
+/// Conversions between value and wire types: to bf16 rounds to nearest even, from bf16 is exact.
 template <class D>
 struct WireCast {
   template <class S>

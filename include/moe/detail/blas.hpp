@@ -39,8 +39,7 @@ void blas_gemm(ExecSpace const& space, char const* ta, char const* tb,
   }
 }
 
-/// Orders a default-instance BLAS call (old Kokkos Kernels) after and before work on `space`.
-/// Host backends run synchronously, so there is nothing to order there.
+/// Fences around a default-instance BLAS call (old Kokkos Kernels) on a device `space`.
 template <class ExecSpace, class A, class B, class C>
 struct BlasOrder {
   static constexpr bool needed =

@@ -1,7 +1,6 @@
 #pragma once
 /// \file
-/// Checked int64 arithmetic for sizes computed from a configuration: a ConfigError names the
-/// quantity that would overflow instead of wrapping.
+/// Checked int64 arithmetic for sizes computed from a configuration: overflow is a ConfigError.
 
 #include <moe/error.hpp>
 

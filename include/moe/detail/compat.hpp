@@ -4,7 +4,6 @@
 
 #include <Kokkos_Core.hpp>
 
-#include <cstdint>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -34,13 +33,10 @@ constexpr bool runs_on_host() {
 }
 
 /// Hint that *p will be read soon (a software prefetch on host CPUs, nothing in device code).
-KOKKOS_INLINE_FUNCTION void prefetch(void const* p) {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__) || defined(__SYCL_DEVICE_ONLY__)
-  (void)p;
-#elif defined(__GNUC__) || defined(__clang__)
+KOKKOS_INLINE_FUNCTION void prefetch([[maybe_unused]] void const* p) {
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDA_ARCH__) && \
+    !defined(__HIP_DEVICE_COMPILE__) && !defined(__SYCL_DEVICE_ONLY__)
   __builtin_prefetch(p);
-#else
-  (void)p;
 #endif
 }
 
@@ -70,8 +66,7 @@ void fence(ExecSpace const& space, char const* label) {
     (void)label, space.fence();
 }
 
-/// A Kokkos Tools profiling region (named `moe::...`) for the object's lifetime; free without
-/// tools.
+/// A Kokkos Tools profiling region (named `moe::...`) for the object's lifetime.
 class Region {
  public:
   explicit Region(char const* name) { Kokkos::Profiling::pushRegion(name); }

@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// Parallel skeletons of the routing bookkeeping (a stable counting sort's count + scan,
-/// per-segment column sums), deterministic on every backend: integer counts, fixed summation trees.
+/// per-segment column sums), deterministic on every backend.
 
 #include <moe/detail/compat.hpp>
 #include <moe/detail/row_caps.hpp>
@@ -11,21 +11,18 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <string>
-#include <vector>
 
 namespace moe::detail {
 
-/// Slots per chunk of the counting passes: long on host spaces (few cache-friendly sweeps), short
-/// on devices (many work items); never below the number of keys, so the scan stays O(T*K).
+/// Slots per chunk of the counting passes: long on host spaces, short on devices; never below the
+/// number of keys, so the scan stays O(T*K).
 template <class ExecSpace>
 std::int64_t counting_chunk(int keys) {
   return runs_on_host<ExecSpace>() ? std::max<std::int64_t>(2048, 8 * std::int64_t(keys))
                                    : std::max<std::int64_t>(64, keys);
 }
 
-/// \brief Shape of a counting pass: N slots in segments of `seg` slots, chunks of `chunk` slots
-/// inside each segment, E keys.
+/// \brief A counting pass: N slots in segments of `seg`, chunks of `chunk` per segment, E keys.
 struct CountingShape {
   std::int64_t N = 0, seg = 1, chunk = 1;
   int E = 1;
@@ -70,8 +67,8 @@ void counting_cursors(ExecSpace const& space, View2<int const, MS> keys, View2<i
 }
 
 /// \brief out(g, e) = sum over the rows t of segment g (rows [g*seg, (g+1)*seg)) of f(t, e), in
-/// double, summed in order within fixed chunks of `rows_per_chunk` rows, then over the chunks: the
-/// result depends on seg and f only. `partial`: scratch of segments * chunks * E doubles.
+/// double, in order within chunks of `rows_per_chunk` rows, then over the chunks (the result
+/// depends on seg and f only). `partial`: scratch of segments * chunks * E doubles.
 template <class ExecSpace, class MS, class F, class Out>
 void segment_column_sums(ExecSpace const& space, std::int64_t T, int E, std::int64_t seg,
                          F const& f, View1<double, MS> partial, Out const& out,

@@ -1,7 +1,7 @@
 #pragma once
 /// \file
-/// Element-wise kernels over contiguous views. Free functions on purpose: nvcc rejects a
-/// KOKKOS_LAMBDA in a private or protected member, and one in any member would capture `this`.
+/// Element-wise kernels over contiguous views (free functions: a KOKKOS_LAMBDA in a member would
+/// capture `this`, and nvcc rejects one in a private or protected member).
 
 #include <moe/bf16.hpp>
 #include <moe/detail/compat.hpp>
@@ -14,8 +14,7 @@
 
 namespace moe::detail {
 
-/// \brief Flat (row-major) index of the first NaN or Inf in the contiguous view v, or v.span()
-/// when every element is finite.
+/// \brief Flat index of the first NaN or Inf in the contiguous view v, or v.span() if none.
 template <class ExecSpace, class V>
 std::int64_t first_nonfinite(ExecSpace const& space, V const& v) {
   std::int64_t const n = std::int64_t(v.span());
@@ -43,13 +42,11 @@ template <class ExecSpace, class V>
 void require_finite(ExecSpace const& space, V const& v, std::string const& name) {
   std::int64_t flat = first_nonfinite(space, v);
   if (flat == std::int64_t(v.span())) return;
-  std::string where;
+  std::string where;  // every extent is > 0 here
   for (int d = int(V::rank) - 1; d >= 0; --d) {
     std::int64_t const n = std::int64_t(v.extent(d));
-    std::string idx = std::to_string(n > 0 ? flat % n : 0);
-    if (!where.empty()) idx += ',';
-    where.insert(0, idx);
-    flat = n > 0 ? flat / n : 0;
+    where.insert(0, std::to_string(flat % n) + (where.empty() ? "" : ","));
+    flat /= n;
   }
   throw InputError(
       cat(name, " holds NaN or Inf at [", where, "]: inputs and weights must be finite"));
@@ -66,7 +63,7 @@ void add_into(ExecSpace const& space, Src const& src, Dst const& dst) {
 }
 
 /// \brief Rounds every element of the contiguous view v to the nearest bf16 (ties to even), in
-/// place: the cast points of the bf16 scheme (docs/precision.md). Exact on values already bf16.
+/// place: the cast points of the bf16 scheme (docs/precision.md); exact on bf16 values.
 template <class ExecSpace, class V>
 void round_bf16(ExecSpace const& space, V const& v) {
   auto* p = v.data();

@@ -11,29 +11,16 @@ namespace moe::detail {
 
 using ordered_json = nlohmann::ordered_json;
 
-/// Appends j to out as json_text does.
-inline void append_json_text(std::string& out, ordered_json const& j) {
-  if (!j.is_structured()) {
-    out += j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
-    return;
-  }
-  out += j.is_object() ? '{' : '[';
-  bool first = true;
-  for (auto const& [key, value] : j.items()) {
-    if (!first) out += ", ";
-    first = false;
-    if (j.is_object())
-      out += ordered_json(key).dump(-1, ' ', false, ordered_json::error_handler_t::replace) + ": ";
-    append_json_text(out, value);
-  }
-  out += j.is_object() ? '}' : ']';
-}
-
 /// One line of JSON in json.dumps' layout: `{"a": 1, "b": [null, "x"]}`.
 inline std::string json_text(ordered_json const& j) {
-  std::string out;
-  append_json_text(out, j);
-  return out;
+  if (!j.is_structured()) return j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
+  std::string out(1, j.is_object() ? '{' : '[');
+  for (auto const& [key, value] : j.items()) {
+    if (out.size() > 1) out += ", ";
+    if (j.is_object()) out += json_text(key) + ": ";
+    out += json_text(value);
+  }
+  return out + (j.is_object() ? '}' : ']');
 }
 
 }  // namespace moe::detail

@@ -1,8 +1,8 @@
 #pragma once
 /// \file
-/// oneDNN on the host (only with MOE_HAS_ONEDNN): engine, streams, sgemm, bf16 GEMM and counted
-/// primitives (Kernel). oneDNN silently falls back to a reference implementation, hundreds of
-/// times slower, so moe checks every descriptor (direct_kernel()) before making a primitive.
+/// oneDNN on the host (with MOE_HAS_ONEDNN): engine, streams, sgemm, bf16 GEMM and counted
+/// primitives (Kernel). oneDNN silently falls back to reference implementations, hundreds of times
+/// slower, so moe checks every descriptor before making a primitive.
 
 #include <moe/moe_config.hpp>
 
@@ -50,8 +50,8 @@ inline dnnl::stream& thread_stream() {
   return s;
 }
 
-/// A growing buffer of at least `count` T owned by the calling thread (slot 0, 1 or 2 of each T),
-/// valid until it asks for the same slot again; 64-byte aligned (AMX reads a line per tile row).
+/// A growing, 64-byte aligned buffer of at least `count` T owned by the calling thread (slot 0, 1
+/// or 2 of each T), valid until it asks for the same slot again.
 template <class T = float>
 T* thread_buffer(int slot, std::size_t count) {
   struct Free {
@@ -77,15 +77,17 @@ inline int max_threads() {
 #endif
 }
 
-/// Runs body(i) for every i in [0, n), each on one OpenMP thread (oneDNN then runs single-
-/// threaded). Items write disjoint memory; the first exception is rethrown after the loop.
+/// Runs body(i) for i in [0, n), one item per OpenMP thread; rethrows the first exception.
 template <class Body>
 void for_each_item(std::int64_t n, Body&& body) {
   std::exception_ptr error;
   std::mutex error_mutex;
   std::atomic<bool> failed{false};
-  auto guarded = [&](std::int64_t i) {
-    if (failed.load(std::memory_order_relaxed)) return;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && omp_get_max_threads() > 1)
+#endif
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (failed.load(std::memory_order_relaxed)) continue;
     try {
       body(i);
     } catch (...) {
@@ -93,11 +95,7 @@ void for_each_item(std::int64_t n, Body&& body) {
       if (!error) error = std::current_exception();
       failed = true;
     }
-  };
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && omp_get_max_threads() > 1)
-#endif
-  for (std::int64_t i = 0; i < n; ++i) guarded(i);
+  }
   if (error) std::rethrow_exception(error);
 }
 
@@ -106,14 +104,13 @@ inline bool reference_impl(std::string const& impl) {
   return impl.rfind("ref", 0) == 0 || impl.find(":ref") != std::string::npos;
 }
 
-/// Whether an implementation is a direct kernel (jit_1x1:avx2, brg:avx512_core, ...), not a
-/// GEMM-based one ("gemm:jit": copies the weights on every call) or a reference one.
+/// Whether an implementation is a direct kernel (brg:avx512_core, ...), not a GEMM-based one
+/// ("gemm:jit": copies the weights on every call) or a reference one.
 inline bool direct_kernel(std::string const& impl) {
   return impl.rfind("gemm", 0) != 0 && !reference_impl(impl);
 }
 
-/// Whether oneDNN runs bf16 kernels with bf16 instructions here (AVX512-BF16 or AMX, under
-/// ONEDNN_MAX_CPU_ISA); below that it has no bf16 matmul or emulates one, slower than fp32.
+/// Whether oneDNN runs bf16 kernels with bf16 instructions here (AVX512-BF16 or AMX).
 inline bool bf16_kernels() {
   auto const bf16 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_bf16);
   return (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & bf16) == bf16;
@@ -121,7 +118,7 @@ inline bool bf16_kernels() {
 
 /// What the process's oneDNN calls did (read by moe::gmm::onednn_stats()).
 struct Counters {
-  /// Most descriptions kept of refusals and reference runs (the counts go on).
+  /// Most descriptions kept of refusals and reference runs.
   static constexpr std::size_t max_described = 16;
   std::atomic<std::uint64_t> primitives{0};      ///< Kernels made (primitives created)
   std::atomic<std::uint64_t> packed_tensors{0};  ///< weight tensors reordered into a packed layout
@@ -133,7 +130,7 @@ struct Counters {
   std::vector<std::string> rejected_what;   ///< the latest refused descriptors, described
   std::vector<std::string> reference_what;  ///< the latest reference executions, described
 
-  /// ++count, and `what (impl)` appended to `list` (which keeps the latest max_described).
+  /// ++count, and `what (impl)` appended to `list` (keeping the latest max_described).
   void note(std::atomic<std::uint64_t>& count, std::vector<std::string>& list,
             std::string const& what, std::string const& impl) {
     ++count;
@@ -161,8 +158,7 @@ inline void note_rejected(std::string const& what, std::string const& impl) {
   c.note(c.rejected, c.rejected_what, what, impl);
 }
 
-/// Sets the calling thread's OpenMP thread count for a scope: oneDNN sizes a primitive for the
-/// threads it sees when made, so one run inside for_each_item is made under ScopedThreads(1).
+/// Sets the thread's OpenMP thread count for a scope (oneDNN sizes a primitive by it).
 class ScopedThreads {
  public:
   explicit ScopedThreads(int n) { set(n); }
@@ -179,8 +175,7 @@ class ScopedThreads {
   int const saved_ = max_threads();
 };
 
-/// \brief One oneDNN primitive in user scratchpad mode: runs on any thread (several at once) with
-/// that thread's scratchpad and counts its executions by implementation name.
+/// \brief One oneDNN primitive (user scratchpad): runs on any thread, counted by implementation.
 class Kernel {
  public:
   /// `what`: the operation and shape ("matmul 256x1024x2816"); runs count as impl + `counted_as`.
@@ -243,8 +238,7 @@ inline dnnl::memory::desc matrix_desc(std::int64_t rows, std::int64_t cols, std:
   return dnnl::memory::desc(dnnl::memory::dims{rows, cols}, dt, dnnl::memory::dims{ld, 1});
 }
 
-/// The bf16 bits of a value: a float rounded (bf16_bits), a moe::bf16 as it is. The bf16 copies
-/// below read either, so operands stored in bf16 are copied, not converted.
+/// The bf16 bits of a value: a float rounded (bf16_bits), a moe::bf16 as it is.
 inline std::uint16_t bits_of(float x) { return moe::detail::bf16_bits(x); }
 inline std::uint16_t bits_of(moe::bf16 x) { return x.bits; }
 
@@ -273,7 +267,7 @@ inline __m128i bf16_bits8(float const* x) {
 #endif
 
 /// a[c, r] = bf16(x[r, c]) for r < rows, 0 for rows <= r < kp (c < k): x [rows, k] (row stride
-/// ldx) transposed into a [k, kp] bf16 matrix, with SSE2 in 8 x 8 blocks.
+/// ldx) transposed into [k, kp] bf16, with SSE2 in 8 x 8 blocks.
 template <class T>
 void bf16_transposed(T const* x, std::int64_t ldx, std::int64_t rows, std::int64_t k,
                      std::int64_t kp, std::uint16_t* a) {
@@ -306,8 +300,8 @@ void bf16_transposed(T const* x, std::int64_t ldx, std::int64_t rows, std::int64
       a[c * kp + r] = r < rows ? bits_of(x[r * ldx + c]) : std::uint16_t(0);
 }
 
-/// out[r, c] = bf16(x[r, c]) for r < rows, c < cols, and 0 for the other r < padded, c < ldo:
-/// x with row stride ldx, copied into a [padded, ldo] bf16 matrix (ldo >= cols; dense by default).
+/// out[r, c] = bf16(x[r, c]) for r < rows, c < cols, and 0 for the other r < padded, c < ldo
+/// (x with row stride ldx; ldo >= cols, dense by default).
 template <class T>
 void bf16_rows(T const* x, std::int64_t ldx, std::int64_t rows, std::int64_t cols,
                std::int64_t padded, std::uint16_t* out, std::int64_t ldo = 0) {
@@ -335,7 +329,7 @@ inline void widen_bf16_streaming(std::uint16_t const* b, std::int64_t n, float* 
 }
 
 /// out [rows, ldo] = bf16 of op(x) in the first cols columns, zeros in the rest, on all threads:
-/// x [rows, cols] (row stride ld), or with `trans` [cols, rows] read transposed.
+/// x [rows, cols] (row stride ld), or with `trans` [cols, rows].
 template <class T>
 void bf16_copy(bool trans, std::int64_t rows, std::int64_t cols, T const* x, std::int64_t ld,
                std::uint16_t* out, std::int64_t ldo) {
@@ -373,21 +367,19 @@ inline dnnl::matmul::primitive_desc matmul_pd(dnnl::memory::desc const& src,
 #endif
 }
 
-/// bf16 weights [K, N]: dense, or (`blocked`) in the layout oneDNN's bf16 matmul kernels read
-/// (32 x 64 blocks, column blocks outermost, rows paired), which spares them a reorder.
+/// bf16 weights [K, N]: dense, or (`blocked`) in the layout oneDNN's bf16 matmul kernels read.
 inline dnnl::memory::desc bf16_weights_desc(std::int64_t K, std::int64_t N, bool blocked) {
   if (!blocked) return matrix_desc(K, N, N, DataType::bf16);
   return dnnl::memory::desc(dnnl::memory::dims{K, N}, DataType::bf16,
                             dnnl::memory::format_tag::BA16a64b2a);
 }
 
-/// out = x [rows, cols] (row stride ldx) rounded to bf16 in the blocked [kp, np] layout (kp a
-/// multiple of 32 >= rows, np of 64 >= cols; zeros past rows and cols), on all threads.
+/// out = x [rows, cols] (row stride ldx) as bf16 in the blocked [kp, np] layout (32 x 64 blocks,
+/// column blocks outermost, rows paired; zeros past rows and cols), on all threads.
 template <class T>
 void bf16_blocked(T const* x, std::int64_t ldx, std::int64_t rows, std::int64_t cols,
                   std::int64_t kp, std::int64_t np, std::uint16_t* out) {
   std::int64_t const kblocks = kp / 32, nblocks = np / 64;
-  // One item per 32 x 64 block (every thread busy however few the column blocks).
   for_each_item(kblocks * nblocks, [&](std::int64_t i) {
     std::int64_t const nb = i / kblocks, kb = i % kblocks;
     std::uint16_t* const block = out + (nb * kblocks + kb) * 32 * 64;
@@ -414,10 +406,9 @@ void bf16_blocked(T const* x, std::int64_t ldx, std::int64_t rows, std::int64_t 
   });
 }
 
-/// \brief Row-major C[M,N] = op(A) * op(B) (+ C with `accumulate`) on oneDNN's bf16 kernels, all
-/// threads, operands (float or moe::bf16) copied to bf16 (exact on bf16 values), fp32 output;
-/// the contraction zero-padded to `pad_k` > K. Returns false, having done nothing, without
-/// bf16_kernels() or a non-reference kernel: the caller then runs sgemm on the same values.
+/// \brief Row-major C[M,N] = op(A) * op(B) (+ C with `accumulate`) on oneDNN's bf16 kernels on
+/// all threads: operands (float or moe::bf16) copied to bf16, fp32 output, the contraction padded
+/// to `pad_k` > K. Returns false, having done nothing, without a bf16 non-reference kernel.
 template <class TA, class TB>
 bool bf16_gemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t K, TA const* A,
                std::int64_t lda, TB const* B, std::int64_t ldb, bool accumulate, float* C,
@@ -428,8 +419,8 @@ bool bf16_gemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t K,
   using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, int, bool>;
   static std::mutex mutex;
   static std::map<Key, std::unique_ptr<Kernel>> kernels;
-  // The kernel with B dense or (`b`) blocked, made once; nullptr where oneDNN offers only a
-  // reference implementation or none (a refusal unless B is blocked: it is then copied plain).
+  // The kernel with B dense or (`b`) blocked, made once; nullptr where oneDNN has only a
+  // reference one (a refusal unless blocked: B is then copied plain).
   auto kernel_for = [&](bool b) {
     std::lock_guard<std::mutex> lock(mutex);
     auto [it, fresh] = kernels.try_emplace(Key{M, N, Kp, ldc, accumulate, max_threads(), b});

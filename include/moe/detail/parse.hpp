@@ -1,16 +1,14 @@
 #pragma once
 /// \file
-/// Text helpers of the config tables (moe/config_table.hpp): trimming, the nearest key to a
-/// misspelt one, parsing values with errors naming the key, and the exact text of a value.
+/// Text helpers of the config tables: trimming, the nearest key to a misspelt one, parsing values
+/// (errors name the key), and the exact text of a value.
 
 #include <moe/error.hpp>
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <cstdint>
 #include <sstream>
-#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -104,12 +102,9 @@ inline std::vector<std::string> split_list(std::string const& v) {
   return out;
 }
 
+/// T in a non-deduced context (C++20's std::type_identity_t).
 template <class T>
-struct type_identity {
-  using type = T;
-};
-template <class T>
-using type_identity_t = typename type_identity<T>::type;
+using type_identity_t = typename std::enable_if<true, T>::type;
 template <class T>
 inline constexpr bool always_false = false;
 

@@ -18,9 +18,8 @@ namespace moe::detail {
 constexpr int device_rows_per_team = 8;
 constexpr int device_row_lanes = 32;
 
-/// \brief Runs body(i, lane, lanes) for every row i in [0, rows); the body walks the columns lane,
-/// lane + lanes, ... of row i. Host spaces call body(i, 0, 1) (a loop that vectorises), device
-/// spaces give each row device_row_lanes vector lanes.
+/// \brief Runs body(i, lane, lanes) for every row i in [0, rows), the body walking columns lane,
+/// lane + lanes, ...: host spaces call body(i, 0, 1), device spaces use device_row_lanes lanes.
 template <class ExecSpace, class Body>
 void for_each_row(ExecSpace const& space, char const* label, std::int64_t rows, Body const& body) {
   if (rows <= 0) return;

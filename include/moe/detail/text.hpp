@@ -10,12 +10,9 @@ namespace moe::detail {
 
 /// \brief "[a, b, c]": the text of a shape (or an offset) in messages.
 inline std::string shape_text(std::vector<std::int64_t> const& v) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < v.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(v[i]);
-  }
-  return s + "]";
+  std::string s;
+  for (auto x : v) s += (s.empty() ? "" : ", ") + std::to_string(x);
+  return "[" + s + "]";
 }
 
 }  // namespace moe::detail

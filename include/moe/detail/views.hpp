@@ -4,7 +4,6 @@
 
 #include <Kokkos_Core.hpp>
 
-#include <cstdint>
 #include <string>
 #include <type_traits>
 
@@ -30,9 +29,7 @@ ViewT alloc(ExecSpace const& space, std::string const& label, Extents... n) {
 template <class ViewT, class ExecSpace, class... Extents>
 void ensure(ExecSpace const& space, ViewT& v, std::string const& label, Extents... n) {
   std::size_t const want[] = {static_cast<std::size_t>(n)...};
-  std::size_t total = 1;
-  for (std::size_t w : want) total *= w;
-  bool same = v.data() != nullptr || total == 0;
+  bool same = v.data() != nullptr || v.size() == 0;  // an empty view may have no data
   for (unsigned r = 0; r < sizeof...(n); ++r) same = same && v.extent(r) == want[r];
   if (!same) v = alloc<ViewT>(space, label, n...);
 }

@@ -1,9 +1,7 @@
 #pragma once
 /// \file
-/// The buffers of one step of the distributed layer (Buf), with one table (kBufferInfo) of their
-/// printed names, element roles and memory-estimate items. Stages make workspace buffers through
-/// typed handles (`ws.make(buf::x_sorted, rows)`) in the shape the plan declares; held buffers are
-/// what components keep between steps, declared for the memory estimate.
+/// The buffers of one step (Buf), their table (kBufferInfo) and typed handles (`buf::x_sorted`);
+/// held buffers are what components keep between steps.
 
 #include <moe/error.hpp>
 
@@ -25,18 +23,7 @@ enum class Elem : std::uint8_t {
 
 /// Bytes of one element of role `e` when a value has `value_bytes` bytes.
 inline std::int64_t elem_bytes(Elem e, std::int64_t value_bytes) {
-  switch (e) {
-    case Elem::value:
-      return value_bytes;
-    case Elem::i32:
-      return 4;
-    case Elem::bf16:
-      return 2;
-    case Elem::i64:
-    case Elem::f64:
-      break;
-  }
-  return 8;
+  return e == Elem::value ? value_bytes : e == Elem::i32 ? 4 : e == Elem::bf16 ? 2 : 8;
 }
 
 /// \brief The memory-estimate item a buffer is counted under.
@@ -73,16 +60,14 @@ inline std::string keys_text(unsigned keys) {
   return s;
 }
 
-/// \brief One extent of a planned buffer: its size on this rank, the keys it scales with, and
-/// whether it counts routed rows (`n` then assumes balanced routing).
+/// \brief One extent of a planned buffer; `routed`: routed rows (`n` assumes balanced routing).
 struct Extent {
   std::int64_t n = 0;
   unsigned keys = 0;
   bool routed = false;
 };
 
-/// What kind of buffer a Buf is.
-enum class BufKind : std::uint8_t { external, workspace, held };
+enum class BufKind : std::uint8_t { external, workspace, held };  ///< what kind of buffer a Buf is
 
 // The buffers, one list per kind: they make Buf, kBufferInfo and the handles of namespace buf.
 // clang-format off
@@ -193,8 +178,7 @@ static_assert(sizeof(kBufferInfo) / sizeof(kBufferInfo[0]) == std::size_t(Buf::c
 
 /// The table row of `b`.
 constexpr BufInfo const& info(Buf b) { return kBufferInfo[static_cast<std::size_t>(b)]; }
-/// The printed name of `b` (as the plan shows it).
-inline char const* to_string(Buf b) { return info(b).name; }
+inline char const* to_string(Buf b) { return info(b).name; }  ///< the printed name of `b`
 
 /// \brief The weights of the layer (Parameters' fields, MaxText's names).
 enum class Weight : std::uint8_t {
@@ -214,9 +198,8 @@ inline char const* to_string(Weight w) {
   return names[static_cast<int>(w)];
 }
 
-/// \brief What a stage reads or writes: a buffer, or a weight's stored block, compute block,
-/// compute-block gradient or stored-block gradient ("x_sorted", "wi_0", "compute.wi_0", "d.wi_0",
-/// "grad.wi_0").
+/// \brief What a stage reads or writes: a buffer, or a weight's stored block, compute block or
+/// their gradients ("x_sorted", "wi_0", "compute.wi_0", "d.wi_0", "grad.wi_0").
 struct Ref {
   enum class Form : std::uint8_t { buffer, stored, compute, grad, stored_grad };
   Form form = Form::buffer;
@@ -240,8 +223,6 @@ inline std::string to_string(Ref r) {
   static char const* const prefix[] = {"", "", "compute.", "d.", "grad."};
   return prefix[static_cast<int>(r.form)] + std::string(to_string(static_cast<Weight>(r.id)));
 }
-
-// ------------------------------------------------------------------ typed handles ----------
 
 /// Element roles of workspace buffers, as types (the workspace maps each to a C++ type).
 struct Values {};  ///< the layer's value type
@@ -278,10 +259,7 @@ MOE_WORKSPACE_BUFFERS(MOE_HANDLE)
 #undef MOE_WORKSPACE_BUFFERS
 #undef MOE_HELD_BUFFERS
 
-// ------------------------------------------------------------------ declarations -----------
-
-/// \brief A buffer of the step as the plan declares it (workspace buffers: [rows, cols]), with
-/// the phase that first makes it.
+/// \brief A buffer of the step as the plan declares it, with the phase that first makes it.
 struct BufferDecl {
   Buf id = Buf::x;
   std::vector<Extent> dims;

@@ -1,10 +1,8 @@
 #pragma once
 /// \file
 /// The cost model of a layer plan (README.md, "Cost model"): a roofline per stage of one rank on a
-/// described Machine (no contention, no launch overheads, balanced routing): compute at the GEMM
-/// throughput, memory traffic at the memory bandwidth, each collective's bytes over its group's
-/// links plus latencies (rank r on node r / ranks_per_node); summed, or max(compute + memory,
-/// communication) where the plan overlaps them.
+/// Machine (balanced routing): GEMMs, memory traffic, collectives over their links (rank r on node
+/// r / ranks_per_node); summed, or max(compute + memory, communication) where overlapped.
 
 #include <moe/distributed/plan.hpp>
 #include <moe/error.hpp>
@@ -18,9 +16,8 @@
 
 namespace moe::distributed {
 
-/// \brief What the cost model knows of a machine (see the file comment). Bandwidths in GB/s
-/// (10^9 bytes per second, one direction, per rank), latencies in microseconds, throughputs in
-/// GFLOP/s per rank.
+/// \brief What the cost model knows of a machine: bandwidths in GB/s (10^9 B/s, one direction,
+/// per rank), latencies in microseconds, throughputs in GFLOP/s per rank.
 struct Machine {
   std::string name = "h100-ib";
   int ranks_per_node = 8;
@@ -28,12 +25,10 @@ struct Machine {
   double intra_latency_us = 3, inter_latency_us = 8;
   double gemm_gflops_fp32 = 50000, gemm_gflops_fp64 = 55000, gemm_gflops_bf16 = 700000;
   double memory_gbps = 3000;
-  /// The GEMM backend repacks a weight each time it changes (oneDNN on CPUs; not cuBLAS).
-  bool packs_weights = false;
+  bool packs_weights = false;  ///< the GEMM backend repacks each changed weight (oneDNN)
 
-  /// \brief A described machine, from typical published figures: `h100-ib` (8 H100 SXM per node,
-  /// NVLink 4, InfiniBand NDR) or `cpu-cluster` (two 48-core AVX-512 sockets per node, one rank
-  /// per socket, HDR InfiniBand, oneDNN).
+  /// \brief A described machine: `h100-ib` (8 H100 SXM per node, NVLink 4, InfiniBand NDR) or
+  /// `cpu-cluster` (two 48-core AVX-512 sockets per node, a rank per socket, HDR IB, oneDNN).
   static Machine preset(std::string const& name) {
     Machine m;
     if (name == "h100-ib") return m;
@@ -126,10 +121,8 @@ struct StageCost {
 
 /// \brief The predicted cost of one training step (forward + backward) of one rank.
 struct StepCost {
-  /// Readable lines: the machine, one line per stage, the step and its dominant stage.
-  std::string to_text() const;
-  /// The cost as JSON (what `moe-shard --plan --json --machine` adds as "cost").
-  moe::detail::ordered_json json() const;
+  std::string to_text() const;             ///< the machine, one line per stage, the step
+  moe::detail::ordered_json json() const;  ///< as JSON (`moe-shard --plan --json --machine`)
 
   Machine machine;
   std::vector<StageCost> stages;  ///< forward then backward, in order
@@ -170,8 +163,7 @@ inline double collective_seconds(LayerPlan const& plan, PlannedCollective const&
 
 }  // namespace detail
 
-/// \brief The predicted cost of one training step of the plan's rank on `machine`.
-/// `weights_updated` false: the same weights again (only gathered or sliced blocks are new).
+/// \brief One training step's predicted cost on `machine` (`weights_updated`: weights changed).
 inline StepCost estimate_step_cost(LayerPlan const& plan, Machine const& machine,
                                    bool weights_updated = true) {
   StepCost out;
@@ -185,27 +177,19 @@ inline StepCost estimate_step_cost(LayerPlan const& plan, Machine const& machine
   auto weight = [&](std::uint8_t id) {
     ComputeWeight w;
     for (auto const& t : plan.tensors)
-      if (t.name == to_string(static_cast<Weight>(id))) {
-        w.bytes = s;
-        for (auto n : t.compute_shape) w.bytes *= n;
-        w.moved = t.compute_shape != t.local_shape;
-        w.expert = t.compute_shape.size() == 3;
-      }
+      if (t.name == to_string(static_cast<Weight>(id)))
+        w = {s * detail::product(t.compute_shape), t.compute_shape != t.local_shape,
+             t.compute_shape.size() == 3};
     return w;
   };
   double const gemm = machine.gemm_gflops(s) * 1e9, mem = machine.memory_gbps * 1e9;
   for (auto const* phase : {&plan.step.forward, &plan.step.backward})
     for (auto const& st : *phase) {
-      StageCost c;
-      c.region = st.region;
-      c.backward = st.backward;
-      c.flops = st.flops;
-      c.overlapped = st.overlapped;
+      StageCost c{st.region, st.backward, st.flops, 0, 0, 0, 0, 0, 0, st.overlapped};
       for (auto const& col : st.collectives) {
         c.bytes_sent += col.bytes;
         c.comm_s += detail::collective_seconds(plan, col, machine);
-        // A reduction reads each received element twice and writes it once ((P-1)/P of the
-        // buffer: a reduce-scatter's bytes, half an all-reduce's).
+        // A reduction reads each received element twice and writes it once.
         if (col.kind == "reduce-scatter" || col.kind == "all-reduce")
           c.bytes_moved += 3 * (col.kind == "all-reduce" ? col.bytes / 2 : col.bytes);
       }
@@ -214,9 +198,8 @@ inline StepCost estimate_step_cost(LayerPlan const& plan, Machine const& machine
         if (w.form == Ref::Form::compute)
           if (auto const cw = weight(w.id); cw.moved) c.bytes_moved += 2 * cw.bytes;
         if (w.form != Ref::Form::buffer) continue;
-        auto const* d = plan.step.find(static_cast<Buf>(w.id));
-        if (!d || d->dims.size() != 2) continue;
-        c.bytes_moved += 2 * d->dims[0].n * d->dims[1].n * elem_bytes(d->elem, s);
+        if (auto const* d = plan.step.find(static_cast<Buf>(w.id)); d && d->dims.size() == 2)
+          c.bytes_moved += 2 * d->dims[0].n * d->dims[1].n * elem_bytes(d->elem, s);
       }
       // A gradient reduction reads and lays out each compute-block gradient once.
       if (!st.collectives.empty())

@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// How much host memory a rank may still use (MemAvailable bounded by the cgroup limits, shared
-/// among the node's ranks), and the check that refuses an estimate that does not fit. Host memory
-/// only: Kokkos cannot query device memory portably.
+/// How much host memory a rank may still use (MemAvailable within the cgroup limits, shared by the
+/// node's ranks), and the check refusing an estimate that does not fit (no device memory).
 
 #include <moe/distributed/memory_estimate.hpp>
 #include <moe/error.hpp>
@@ -12,7 +11,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
-#include <sstream>
 #include <string>
 
 namespace moe::distributed {
@@ -28,47 +26,35 @@ inline std::int64_t read_number(std::string const& path) {
   return end && *end == '\0' && v >= 0 ? std::int64_t(v) : -1;
 }
 
-/// Value of `key` (first token after it) in a "key value" file such as memory.stat.
+/// Value of `key` (the number after it) in a file of "key value ..." lines (memory.stat, meminfo).
 inline std::int64_t read_field(std::string const& path, std::string const& key) {
   std::ifstream in(path);
-  std::string k;
+  std::string k, rest;
   long long v = 0;
-  while (in >> k >> v)
+  while (in >> k >> v) {
     if (k == key) return std::int64_t(v);
+    std::getline(in, rest);
+  }
   return -1;
 }
 
-/// Bytes the cgroup at `dir` still admits: limit - usage + inactive file pages (reclaimable), or
-/// -1 without a limit.
+/// Bytes the cgroup at `dir` still admits: limit - usage + inactive file pages (-1: no limit).
 inline std::int64_t cgroup_room(std::string const& dir, bool v2) {
   std::int64_t const limit = read_number(dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes"));
   if (limit < 0 || limit >= (std::int64_t(1) << 60)) return -1;  // none ("max", or v1's ~2^63)
   std::int64_t const usage = read_number(dir + (v2 ? "/memory.current" : "/memory.usage_in_bytes"));
   if (usage < 0) return -1;
-  std::int64_t inactive =
-      read_field(dir + "/memory.stat", v2 ? "inactive_file" : "total_inactive_file");
-  if (inactive < 0) inactive = 0;
+  std::int64_t const inactive = std::max<std::int64_t>(
+      0, read_field(dir + "/memory.stat", v2 ? "inactive_file" : "total_inactive_file"));
   return std::max<std::int64_t>(0, std::min(limit, limit - usage + inactive));
 }
 
 }  // namespace detail
 
-/// \brief Host memory the node (or cgroup) can still allocate, in bytes: MemAvailable, or less
-/// where this process's cgroup or an ancestor leaves less room; -1 when unknown (not Linux).
+/// \brief Host bytes the node can still allocate (MemAvailable within the cgroups; -1: unknown).
 inline std::int64_t available_memory_bytes() {
-  std::int64_t avail = -1;
-  {
-    std::ifstream in("/proc/meminfo");
-    std::string key, unit;
-    long long v = 0;
-    while (in >> key >> v) {
-      std::getline(in, unit);
-      if (key == "MemAvailable:") {
-        avail = std::int64_t(v) * 1024;
-        break;
-      }
-    }
-  }
+  std::int64_t const kib = detail::read_field("/proc/meminfo", "MemAvailable:");
+  std::int64_t avail = kib < 0 ? -1 : kib * 1024;
   // cgroups: "0::/path" (v2) or "N:ctrl,memory,...:/path" (v1).
   std::ifstream cg("/proc/self/cgroup");
   std::string line;
@@ -95,8 +81,7 @@ inline std::int64_t available_memory_bytes() {
   return avail;
 }
 
-/// \brief Collective over `comm`: how many of its ranks share this rank's node
-/// (MPI_Comm_split_type with MPI_COMM_TYPE_SHARED).
+/// \brief Collective over `comm`: how many of its ranks share this rank's node.
 inline int ranks_on_node(MPI_Comm comm) {
   MPI_Comm node = MPI_COMM_NULL;
   int n = 1;
@@ -117,8 +102,7 @@ inline void require_fits(std::string const& who, MemoryEstimate const& est, std:
   char const* skip = std::getenv("MOE_SKIP_MEMORY_CHECK");
   if (available < 0 || (skip && *skip != '\0' && std::string(skip) != "0")) return;
   int const ranks = std::max(1, ranks_on_node);
-  std::int64_t const share = available / ranks;
-  std::int64_t const need = est.total();
+  std::int64_t const share = available / ranks, need = est.total();
   if (need <= share) return;
   std::string keys = keys_hint;
   if (keys.empty()) {

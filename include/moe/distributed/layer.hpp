@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// DistributedMoeLayer: one MoE layer over MPI ranks, laid out by a mesh and MaxText's logical-axis
-/// rules. The layout picks a strategy (strategy.hpp) that lists the step's stages; the layer runs
-/// them in order on a StepContext (docs/architecture.md).
+/// DistributedMoeLayer: one MoE layer over MPI ranks, laid out by a mesh and logical-axis rules; it
+/// runs its strategy's stages in order on a StepContext (docs/architecture.md).
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/mesh_comm.hpp>
@@ -37,11 +36,8 @@
 
 namespace moe::distributed {
 
-/// \brief One MoE layer over MPI ranks (see the file comment).
-///
-/// The constructor, set_batch_shape(), forward() and backward() are collective over `comm`, with
-/// the same configuration on every rank (checked first: a ConfigError on every rank).
-///
+/// \brief One MoE layer over MPI ranks. The constructor, set_batch_shape(), forward() and
+/// backward() are collective over `comm`, with the same configuration on every rank (checked).
 /// \tparam Scalar float or double.
 /// \tparam Policy moe::Policies<Routing, Gmm>; the partition is decided at run time by the mesh.
 template <class Scalar, class Policy = DefaultPolicies,
@@ -62,16 +58,13 @@ class DistributedMoeLayer
   using cview3 = View3<Scalar const, memory_space>;
   using view2i = View2<int, memory_space>;
 
-  /// \brief Collective. Builds the mesh and the layout for a global batch [global_batch,
-  /// seq_len, D], checks that every rank has the same configuration, allocates zero local
-  /// parameter blocks. Works on a duplicate of `comm`.
+  /// \brief Collective, on a duplicate of `comm`: the layout, agreed by all ranks; zero parameters.
   DistributedMoeLayer(MPI_Comm comm, LayerConfig const& cfg, ParallelConfig const& par,
                       std::int64_t global_batch, std::int64_t seq_len,
                       ExecSpace const& space = ExecSpace())
       : DistributedMoeLayer(comm::Communicator(comm), cfg, par, global_batch, seq_len, space) {}
 
-  /// \brief Collective over `comm` (shared, not duplicated); on comm::Communicator::local() the
-  /// one-rank pipeline with no MPI call (what MoeLayer runs).
+  /// \brief Collective over `comm`, shared (Communicator::local(): no MPI call, as in MoeLayer).
   DistributedMoeLayer(comm::Communicator comm, LayerConfig const& cfg, ParallelConfig const& par,
                       std::int64_t global_batch, std::int64_t seq_len,
                       ExecSpace const& space = ExecSpace())
@@ -86,9 +79,8 @@ class DistributedMoeLayer
     params_ = alloc_params("moe::param::");
   }
 
-  /// \brief Collective. Plans the step for another global batch shape [global_batch, seq_len, D].
-  /// Parameters stay: a shape that would store another block of one is a ConfigError on every
-  /// rank, changing nothing. The next backward() needs a forward() on the new shape.
+  /// \brief Collective. Plans the step for another global batch shape (ConfigError, changing
+  /// nothing, where a parameter's block would change); the next backward() needs a forward().
   void set_batch_shape(std::int64_t global_batch, std::int64_t seq_len) {
     // Agreed first, so that ranks given different shapes all throw rather than some returning.
     agree_batch_shape(global_batch, seq_len);
@@ -106,13 +98,10 @@ class DistributedMoeLayer
   sharding::Mesh const& mesh() const { return ctx_.layout.mesh; }
   /// How the routed experts are reached on this layout.
   ExpertRoute expert_route() const { return ctx_.layout.route; }
-  // parameters(), weights_changed() and weights_version() come from ParameterStore; every
-  // gather or slice of the expert weights is a new version.
   /// The packed copies of the expert weights kept by the GEMM backend (statistics, tests).
   gmm::PackCache const& pack_cache() const { return ctx_.ffn.pack_cache(); }
 
-  /// \brief The block of `name` this rank holds: "x", "y", "dy", "dx" ([B,S,D]) or a parameter
-  /// (gradients have their parameters' blocks).
+  /// \brief The block of `name` this rank holds: "x", "y", "dy", "dx" ([B,S,D]) or a parameter.
   TensorBlock block(std::string const& name) const { return ctx_.layout.block(name); }
 
   /// Collectives of the last forward + backward, with bytes sent by this rank.
@@ -122,8 +111,7 @@ class DistributedMoeLayer
   /// Mesh axes the batch is split over.
   std::vector<std::string> const& batch_axes() const { return ctx_.layout.batch_axes; }
 
-  /// \brief forward() and backward() for any View types that convert to LayoutRight Views of
-  /// this layer's Scalar and memory space (else a static_assert: moe::detail::api_view).
+  /// \brief forward() and backward() for any Views converting to this layer's LayoutRight Views.
   template <class XView, class YView>
   void forward(XView const& x, YView const& y, ForwardOptions const& opt = {}) {
     forward(moe::detail::api_view<cview3>(x), moe::detail::api_view<view3>(y), opt);
@@ -137,7 +125,7 @@ class DistributedMoeLayer
   /// step_plan(). opt.token_offset: global index of the batch's first token (random routing).
   void forward(cview3 x, view3 y, ForwardOptions const& opt = {}) {
     moe::detail::Region region("moe::dist::forward");
-    have_forward_ = false;  // until this forward completes
+    have_forward_ = false;
     ctx_.token_offset = opt.token_offset;
     ctx_.log.records.clear();
     ctx_.log.in_backward = false;
@@ -154,10 +142,11 @@ class DistributedMoeLayer
           "y must have the shape of x");
       check_param_shapes(params_, "parameter");
       if (ctx_.cfg.check_finite) {
-        require_finite(x, "x");
+        moe::detail::require_finite(ctx_.space, x, "x");
         // The router reads every gate column: scanned up front (cheap, [D,E]).
-        require_finite(params_.gate, block_name("gate"));
-        if (ctx_.cfg.routed_bias) require_finite(params_.gate_bias, block_name("gate_bias"));
+        moe::detail::require_finite(ctx_.space, params_.gate, block_name("gate"));
+        if (ctx_.cfg.routed_bias)
+          moe::detail::require_finite(ctx_.space, params_.gate_bias, block_name("gate_bias"));
       }
     });
     // The step keeps its own copy of x: the backward reads it after the caller may have moved on.
@@ -171,16 +160,16 @@ class DistributedMoeLayer
     if (ctx_.cfg.check_finite) {
       // Only a non-finite y pays for scanning the weights; every rank names its first bad block.
       bool const bad = !moe::detail::all_finite(ctx_.space, y2);
-      if (comm::any_rank(ctx_.world, bad)) {
+      if (comm::any_rank(ctx_.world, bad))
         comm::collective_guard(ctx_.world, [&] {
-          params_.for_each(
-              [&](char const* name, auto const& v) { require_finite(v, block_name(name)); });
+          params_.for_each([&](char const* name, auto const& v) {
+            moe::detail::require_finite(ctx_.space, v, block_name(name));
+          });
           moe::detail::require<InputError>(
               !bad,
               "y holds NaN or Inf: every input and weight block is finite, so the layer "
               "overflowed");
         });
-      }
     }
     have_forward_ = true;
   }
@@ -198,7 +187,7 @@ class DistributedMoeLayer
               dx.extent(1) == dy.extent(1) && dx.extent(2) == dy.extent(2),
           "dy and dx must have the shape of the forward's x");
       if (grads.gate.data()) check_param_shapes(grads, "gradient");
-      if (ctx_.cfg.check_finite) require_finite(dy, "dy");
+      if (ctx_.cfg.check_finite) moe::detail::require_finite(ctx_.space, dy, "dy");
     });
     ctx_.log.in_backward = true;
     if (!grads.gate.data()) grads = alloc_params("moe::grad::");
@@ -216,8 +205,7 @@ class DistributedMoeLayer
     have_forward_ = false;
   }
 
-  /// Load-balance loss of the last forward: the global value, the same on every rank.
-  double lb_loss() const { return ctx_.lb_loss; }
+  double lb_loss() const { return ctx_.lb_loss; }  ///< the last forward's global load-balance loss
   /// Loss-free bias update of the last forward (global counts), [E]; empty unless enabled.
   std::vector<double> const& bias_update() const { return ctx_.bias_update; }
   /// Experts chosen for this rank's tokens, [T_local, K].
@@ -228,21 +216,17 @@ class DistributedMoeLayer
   view2 weights() const { return ctx_.router.own_rows(ctx_.router.state().weights); }
   /// 1 where a slot of this rank's tokens survived the capacity limit, [T_local, K].
   view2i kept() const { return ctx_.router.own_rows(ctx_.router.state().kept); }
-  /// Routed slots (after capacity) this rank's experts computed in the last forward; 0 on the
-  /// dense path.
+  /// Routed slots this rank's experts computed in the last forward (0 on the dense path).
   std::int64_t routed_rows() const {
     return std::visit([&](auto const& s) { return s.routed_rows(ctx_); }, ctx_.strategy);
   }
-  /// True when the experts run the dense masked path (Layout::dense).
-  bool dense_path() const { return ctx_.plan.dense; }
+  bool dense_path() const { return ctx_.plan.dense; }  ///< the dense masked path (Layout::dense)
 
   /// The stages one step runs, with their buffers and collectives (what moe-shard --plan prints).
   distributed::StepPlan const& step_plan() const { return ctx_.plan; }
 
  private:
-  // ------------------------------------------------------------------ stages ----------------
-  /// Runs one stage: its profiling region, its buffers, and a check that every planned
-  /// collective ran (the plan's structure is the same on every rank).
+  /// Runs one stage: its profiling region, its buffers, a check that its collectives all ran.
   struct StageScope {
     StageScope(DistributedMoeLayer& l, distributed::Stage const& st)
         : layer(l), region(st.region.c_str()) {
@@ -265,8 +249,7 @@ class DistributedMoeLayer
     moe::detail::Region region;
   };
 
-  /// Runs the stages of one phase (y: the forward's; dy, dx, grads: the backward's); the stages
-  /// every strategy shares run here.
+  /// Runs the stages of one phase (y: the forward's; dy, dx, grads: the backward's).
   void run_phase(std::vector<distributed::Stage> const& phase, view2 y, cview2 dy, view2 dx,
                  params_type* grads) {
     using K = distributed::StageKind;
@@ -290,14 +273,12 @@ class DistributedMoeLayer
         ctx_.strategy);
   }
 
-  // ------------------------------------------------------------------ layout ----------------
   /// Collective: every rank was given the same global batch [B, S].
   void agree_batch_shape(std::int64_t B, std::int64_t S) const {
     comm::check_agreement(ctx_.world, "global batch shape",
                           "B=" + std::to_string(B) + ";S=" + std::to_string(S));
   }
-  /// Collective. The layout, strategy, step plan and groups of the agreed [B, S]; keep_blocks:
-  /// the parameter blocks must stay (set_batch_shape). Nothing changes on a ConfigError.
+  /// Collective: plans [B, S] (keep_blocks: same parameter blocks); a ConfigError changes nothing.
   void plan_batch(std::int64_t B, std::int64_t S, bool keep_blocks) {
     distributed::Layout layout;
     distributed::Strategy strategy;
@@ -356,12 +337,6 @@ class DistributedMoeLayer
                             moe::detail::shape_text(b.global_shape), ")");
   }
 
-  template <class V>
-  void require_finite(V const& v, std::string const& name) const {
-    moe::detail::require_finite(ctx_.space, v, name);
-  }
-
-  // ------------------------------------------------------------------ members ------------------
   distributed::StepContext<Scalar, Policy, ExecSpace> ctx_;
   bool have_forward_ = false;
 };

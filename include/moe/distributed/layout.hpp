@@ -28,15 +28,12 @@ enum class ExpertRoute {
   EpTp  ///< tokens split on D over the expert axis: gathered on D, outputs reduce-scattered on D
 };
 
-/// \brief How the shared expert is computed under expert parallelism (same result, different
-/// bytes and FLOPs per rank).
+/// \brief How the shared expert is computed under expert parallelism (same result).
 enum class SharedExpert {
   none,  ///< no shared expert
-  /// This rank's own tokens through the whole shared MLP (hidden dim over tensor only): the
-  /// default where the tokens are split over the expert axes (same FLOPs as `split`, fewer bytes).
+  /// Own tokens, hidden dim over tensor only: the default with tokens split over the expert axes.
   own,
-  /// EP-as-TP: hidden dim over tensor x expert, on the expert group's tokens; where it computes
-  /// less (replicated tokens) or EP-TP's rules put the hidden dim on the expert axes.
+  /// EP-as-TP: hidden dim over tensor x expert on the expert group's tokens (replicated, EP-TP).
   split
 };
 
@@ -96,14 +93,12 @@ inline sharding::LogicalAxes dispatch_logical() {
   return {"activation_exp", "activation_batch_moe", std::nullopt, "activation_embed_moe"};
 }
 
-/// Logical axes of the expert weights as stored (MaxText's kernel axes) and as computed (the
-/// shard_map in-specs), and the mesh axes stripped from the latter.
+/// Logical axes of the expert weights (stored, computed) and the mesh axes the latter strip.
 struct ExpertWeightAxes {
   sharding::LogicalAxes wi, wo, wi_compute, wo_compute;
   std::vector<std::string> strip;
 };
-/// MaxText's choice (layers/moe.py) under shard_exp_on_fsdp, use_2d_fsdp_sharding, or neither
-/// (then `fsdp` is stripped: `fsdp_transpose` never resolves into these in-specs).
+/// MaxText's choice (layers/moe.py) under shard_exp_on_fsdp, use_2d_fsdp_sharding, or neither.
 inline ExpertWeightAxes expert_weight_axes(ParallelConfig const& par) {
   using std::nullopt;
   if (par.shard_exp_on_fsdp)
@@ -144,11 +139,8 @@ struct Layout {
   std::int64_t local_experts = 0, first_expert = 0;  ///< L = E / ep and this rank's first expert
   ExpertRoute route = ExpertRoute::Local;
   SharedExpert shared = SharedExpert::none;  ///< how the shared expert is computed
-  /// Dense masked expert path (every local expert on every token); never on the ragged
-  /// all-to-all, whose received rows run the grouped GEMMs.
-  bool dense = false;
-  /// The dense-path dispatch tensor as MaxText resolves it; the dense path's route follows it.
-  sharding::PartitionSpec dispatch_spec;
+  bool dense = false;                     ///< dense masked experts (never on the ragged all-to-all)
+  sharding::PartitionSpec dispatch_spec;  ///< the dense-path dispatch tensor as MaxText resolves it
   std::vector<WeightLayout> weights;
 
   /// Product of the sizes of `axes`.
@@ -170,10 +162,8 @@ struct Layout {
       if (mesh.size(a) > 1) out.push_back(a);
     return out;
   }
-  /// Expert-parallel degree.
-  std::int64_t ep() const { return parts(ep_axes); }
-  /// Tensor-parallel degree.
-  std::int64_t tp() const { return parts(tp_axes); }
+  std::int64_t ep() const { return parts(ep_axes); }  ///< expert-parallel degree
+  std::int64_t tp() const { return parts(tp_axes); }  ///< tensor-parallel degree
 
   /// Layout of the weight `name` (ConfigError when the layer has no such tensor).
   WeightLayout const& weight(std::string const& name) const {
@@ -200,13 +190,10 @@ struct Layout {
   }
 };
 
-/// \brief The layout of `rank` of `world_size` ranks for a global batch [global_batch, seq_len, D].
-///
-/// Resolves every spec with the preset's rules over the mesh of the ici_* degrees and checks every
-/// divisibility (ConfigError naming the value and the rule; the same on every rank).
+/// \brief The layout of `rank` of `world_size` ranks for a global batch [global_batch, seq_len, D]:
+/// every spec resolved and every divisibility checked (ConfigError naming the value and the rule).
 /// \param dense_gmm the GEMM policy runs every expert densely (gmm::Dense), as sparse_matmul=false
-/// \param shared the shared expert's strategy; SharedExpert::none picks it (a plan asks for the
-/// other one to compare)
+/// \param shared the shared expert's strategy (SharedExpert::none: the default choice)
 inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, int world_size,
                              int rank, std::int64_t global_batch, std::int64_t seq_len,
                              bool dense_gmm = false, SharedExpert shared = SharedExpert::none) {
@@ -238,7 +225,6 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   auto resolve = [&](sharding::LogicalAxes const& l) { return lay.rules.resolve(l); };
   auto dimaxes = [&](sharding::PartitionSpec const& s, int d) { return lay.big(s[d]); };
   auto parts = [&](std::vector<std::string> const& axes) { return lay.parts(axes); };
-  // Tokens.
   lay.token_logical = {"activation_batch", "activation_norm_length", "activation_embed"};
   auto const xs = lay.token_spec = resolve(lay.token_logical);
   require<ConfigError>(dimaxes(xs, 1).empty(), "the sequence dimension resolves to mesh axes [",
@@ -248,8 +234,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   lay.batch_axes = dimaxes(xs, 0);
   auto const emb_over = dimaxes(xs, 2);  // the tensor axes there are ignored, as ever
   auto const ew = detail::expert_weight_axes(par);
-  auto const wi_st = resolve(ew.wi);
-  auto const wo_st = resolve(ew.wo);
+  auto const wi_st = resolve(ew.wi), wo_st = resolve(ew.wo);
   auto const wi_cp = sharding::remove_mesh_axes(resolve(ew.wi_compute), ew.strip);
   auto const wo_cp = sharding::remove_mesh_axes(resolve(ew.wo_compute), ew.strip);
   if (par.shard_exp_on_fsdp || par.use_2d_fsdp_sharding) {
@@ -287,8 +272,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   divisible(F, "base_moe_mlp_dim", dimaxes(wi_st, 2));
   divisible(F, "base_moe_mlp_dim", lay.tp_axes);
   divisible(D, "base_emb_dim", lay.tp_axes);  // partial outputs are reduce-scattered over D
-  // EP-TP: the tokens' embedding dim resolves to expert axes, which must be all of them (the
-  // gather gives full tokens for the gate).
+  // EP-TP: the tokens' embedding dim resolves to expert axes, which must be all of them.
   for (auto const& a : emb_over)
     if (contains(ep_axes, a)) lay.emb_axes.push_back(a);
   if (!lay.emb_axes.empty()) {
@@ -322,22 +306,16 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   lay.dense = dense_gmm || !cfg.sparse_matmul;
   lay.dispatch_spec = sharding::resolve_dispatch(lay.rules, detail::dispatch_logical(),
                                                  par.moe_dispatch_no_expert_sharding);
-  // The dense path goes expert-parallel when its dispatch spec puts the experts, and not the
-  // batch, on the expert axes; else it gathers tokens.
+  // The dense path is expert-parallel when its dispatch spec puts only the experts on EP axes.
   bool const dense_a2a = lay.big(lay.dispatch_spec[0]) == ep_axes &&
                          std::none_of(ep_axes.begin(), ep_axes.end(), [&](auto const& a) {
                            return contains(lay.dispatch_spec[1], a);
                          });
-  if (ep == 1)
-    lay.route = ExpertRoute::Local;
-  else if (!lay.emb_axes.empty())
-    lay.route = ExpertRoute::EpTp;
-  else if (!tokens_over_ep)
-    lay.route = ExpertRoute::Replicated;
-  else if (par.use_ring_of_experts || (lay.dense && !dense_a2a))
-    lay.route = ExpertRoute::Ring;
-  else
-    lay.route = ExpertRoute::RaggedA2A;
+  lay.route = ep == 1                                                ? ExpertRoute::Local
+              : !lay.emb_axes.empty()                                ? ExpertRoute::EpTp
+              : !tokens_over_ep                                      ? ExpertRoute::Replicated
+              : par.use_ring_of_experts || (lay.dense && !dense_a2a) ? ExpertRoute::Ring
+                                                                     : ExpertRoute::RaggedA2A;
   if (par.num_moe_emb_chunks > 0) {
     // MaxText's validate_num_moe_emb_chunks.
     require<ConfigError>(par.use_ring_of_experts && lay.route == ExpertRoute::Ring && !lay.dense,
@@ -360,10 +338,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   auto make = [&](std::string name, sharding::LogicalAxes logical,
                   sharding::PartitionSpec const& st, sharding::PartitionSpec const& cp,
                   std::vector<std::int64_t> shape, std::vector<std::string> reduce) {
-    WeightLayout w;
-    w.name = std::move(name);
-    w.logical = std::move(logical);
-    w.spec = st;
+    WeightLayout w{std::move(name), std::move(logical), st, {}, std::move(reduce)};
     for (std::size_t d = 0; d < shape.size(); ++d) {
       DimLayout dl;
       dl.storage = lay.big(st[d]);
@@ -382,7 +357,6 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
       dl.computed = spanned / parts(dl.slice);
       w.dims.push_back(dl);
     }
-    w.reduce = std::move(reduce);
     lay.weights.push_back(std::move(w));
   };
   auto const expert_reduce = minus(batch_axes, ep_axes);

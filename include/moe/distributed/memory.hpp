@@ -1,9 +1,7 @@
 #pragma once
 /// \file
-/// Up-front memory estimate and index-limit check of one distributed MoE layer (README.md,
-/// "memory estimate"), read off a LayerPlan's step plan, so that a tool can refuse a configuration
-/// before allocating, naming the keys to change. tests/unit/test_plan.cpp checks it against the
-/// Kokkos allocations of a step.
+/// Up-front memory estimate and index-limit check of one distributed MoE layer, read off a
+/// LayerPlan, so that a tool can refuse a configuration before allocating (README.md).
 
 #include <moe/config.hpp>
 #include <moe/distributed/host_memory.hpp>
@@ -16,7 +14,6 @@
 #endif
 
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -29,8 +26,7 @@ using Shape = std::vector<std::int64_t>;
 
 inline constexpr char const* kTokens = "per_device_batch_size, max_target_length";
 
-/// One buffer of the layer: its item, name, shape, bytes per element, scaling keys, and whether
-/// its first extent is a GEMM / launch row count.
+/// One buffer of the layer; `rows_limited`: its first extent is a GEMM / launch row count.
 struct Buffer {
   std::string item, name;
   Shape shape;
@@ -43,11 +39,7 @@ struct Buffer {
 class LayerBuffers {
  public:
   LayerBuffers(LayerPlan const& plan, LayerConfig const& cfg, bool training, bool packed)
-      : plan_(plan), training_(training), packed_(packed) {
-    s_ = std::int64_t(plan.scalar_bytes);
-    bf16_ = cfg.bf16();
-    f32_gate_ = cfg.float32_gate_logits;
-    weight_keys_ = "num_experts, base_emb_dim, base_moe_mlp_dim";
+      : plan_(plan), cfg_(cfg), training_(training), packed_(packed) {
     if (cfg.shared_mlp_dim() > 0) weight_keys_ += ", shared_experts";
     weights();
     step_buffers();
@@ -75,18 +67,16 @@ class LayerBuffers {
                                                                : weight_keys_;
       add("weights", w.name, stored, s_, wkeys);
       // dtype=bfloat16: the rounded copy of the stored block (stages::gather_weights).
-      if (bf16_ && w.name != "gate_bias" && (w.name != "gate" || !f32_gate_))
+      if (bf16_ && w.name != "gate_bias" && (w.name != "gate" || !cfg_.float32_gate_logits))
         add("weights", "bf16 " + w.name, stored, s_, wkeys);
       auto const& steps = plan_.step.weight(w.name);
-      // Forward: every block of the stored -> compute ops.
       for (auto const& op : steps.to_compute) {
         bool const slice = op.kind == distributed::WeightOp::Kind::slice;
         add("gathered weights", (slice ? "sliced " : "gathered ") + w.name, op.shape, s_, wkeys);
         if (slice) launch_rows(w.name + " slice", distributed::detail::lead(op.shape, op.dim));
       }
-      bool const expert = w.name == "wi_0" || w.name == "wi_1" || w.name == "wo";
       // 4 bytes a value: bf16 kernels pack 2 (high by half there; the plan does not know the CPU).
-      if (packed_ && expert && s_ == 4)
+      if (packed_ && s_ == 4 && (w.name == "wi_0" || w.name == "wi_1" || w.name == "wo"))
         for (int use = 0; use < (training_ ? 2 : 1); ++use)
           add("packed expert weights", (use ? "packed transposed " : "packed ") + w.name, computed,
               4, wkeys);
@@ -95,13 +85,12 @@ class LayerBuffers {
       add("weight gradients", "d_" + w.name, stored, s_, wkeys);
       if (!steps.to_storage.empty())
         add("weight gradients", "d_" + w.name + " (compute block)", computed, s_, wkeys);
-      for (auto const& op : steps.to_storage) {
-        using K = distributed::WeightOp::Kind;
-        if (op.kind == K::all_gather)
-          add("weight gradients", "unsliced d_" + w.name, op.shape, s_, wkeys);
-        else if (op.kind != K::all_reduce)
-          add("weight gradients", "scattered d_" + w.name, op.shape, s_, wkeys);
-      }
+      using K = distributed::WeightOp::Kind;
+      for (auto const& op : steps.to_storage)
+        if (op.kind != K::all_reduce)
+          add("weight gradients",
+              (op.kind == K::all_gather ? "unsliced d_" : "scattered d_") + w.name, op.shape, s_,
+              wkeys);
     }
   }
 
@@ -120,28 +109,27 @@ class LayerBuffers {
       add("", r.what, {r.rows.n}, 0, distributed::keys_text(r.rows.keys), true);
   }
 
-  // ---- the collectives' temporaries, at their largest use: pool buffers by kind, all-reduce
-  // temporaries and all-to-all bf16 copies; the bf16 wire reorders into 16-bit buffers of its own.
+  // ---- the collectives' temporaries at their largest use (the bf16 wire: 16-bit buffers)
   void collectives() {
     for (auto const* phase : {&plan_.step.forward, &plan_.step.backward}) {
       if (phase == &plan_.step.backward && !training_) break;
       for (auto const& st : *phase)
         for (auto const& c : st.collectives) {
-          bool const bf16 = c.wire == comm::Wire::bf16;
+          bool const bf16 = c.wire == comm::Wire::bf16, gather = c.kind == "all-gather";
           // Host statistics are not in the pool; an all-to-all uses the step's buffers.
           if (c.host) continue;
-          if (c.kind == "all-to-all") {
-            if (bf16) a2a_wire_ = std::max(a2a_wire_, checked_mul(c.elems, 2, "all-to-all copies"));
-            continue;
+          if (c.kind == "all-to-all" && bf16)
+            a2a_wire_ = std::max(a2a_wire_, checked_mul(c.elems, 2, "all-to-all copies"));
+          if (c.kind == "all-reduce" && c.parts > 1 && c.elems > 0) {
+            // comm::all_reduce's: [ceil(n/P)], and [P*ceil(n/P)] unless P divides n
+            std::int64_t const m = (c.elems + c.parts - 1) / c.parts;
+            ar_temp_ = std::max(
+                ar_temp_,
+                m + (m * c.parts == c.elems ? 0 : checked_mul(m, c.parts, "all-reduce buffer")));
           }
-          if (c.kind == "all-reduce") {
-            all_reduce_temp(c.elems, c.parts);
-            continue;
-          }
-          bool const gather = c.kind == "all-gather";
+          if (c.kind == "all-to-all" || c.kind == "all-reduce") continue;
           if (bf16) {
-            // Gathers: own and gathered blocks (overlapped gathers: two slots); reduce-scatters:
-            // the packed input and the received parts.
+            // Gathers: own and gathered blocks (overlapped: two slots); reduce-scatters: in, parts.
             std::int64_t& send = st.overlapped ? igather_send_ : wire_send_;
             std::int64_t& recv = st.overlapped ? igather_recv_ : (gather ? wire_recv_ : parts16_);
             send = std::max(send, gather ? c.elems / c.parts : c.elems);
@@ -171,12 +159,8 @@ class LayerBuffers {
     comm("bf16 all-to-all copies", {a2a_wire_}, 2);
     comm("all-reduce temporaries", {ar_temp_}, s_);
   }
-  // ---- dtype=bfloat16 with oneDNN (float, host): the GEMMs' operand copies, which depend on this
-  // CPU's oneDNN tier (ONEDNN_MAX_CPU_ISA included). With bf16 instructions, the bf16 copies of
-  // the GEMMs on oneDNN's bf16 matmul (detail::onednn::bf16_gemm: two buffers of the calling
-  // thread, each at its largest use): the routed experts' weight gradients (a group's rows padded
-  // to 32, balanced routing), the shared expert's and the dense path's GEMMs. Without, the float
-  // copy the weight gradients make of a 16-bit hidden state for their call.
+  // ---- dtype=bfloat16 with oneDNN (float, host): the GEMMs' operand copies per this CPU's tier:
+  // bf16_gemm's two buffers at their largest use, or the gradients' float hidden-state copy.
   void gemm_copies(bool dense) {
     if (!bf16_ || !packed_ || s_ != 4) return;
     auto const* h = plan_.step.find(distributed::Buf::h0);
@@ -195,8 +179,7 @@ class LayerBuffers {
       a = std::max(a, checked_mul(M, Kp, "a bf16 GEMM copy"));
       b = std::max(b, checked_mul(Kp, (N + 63) / 64 * 64, "a bf16 GEMM copy"));
     };
-    // A gated MLP on T rows, D -> H -> D (nn::DenseMlp, nn::DenseExperts): x.w0, a.wo, and in
-    // the backward also a^T.d_out and x^T.d_h (d_out.wo^T and d_h.w0^T are as large as forward's).
+    // A gated MLP on T rows, D -> H -> D: x.w0, a.wo, and in the backward a^T.d_out, x^T.d_h.
     auto mlp = [&](std::int64_t T, std::int64_t D, std::int64_t H) {
       gemm(T, D, H);
       gemm(T, H, D);
@@ -220,40 +203,31 @@ class LayerBuffers {
     if (b > 0) add("GEMM operand copies", "bf16 copy of op(B)", {b}, 2, keys);
   }
 
-  /// comm::all_reduce of n elements over P ranks: mine [ceil(n/P)] and, unless P divides n, a
-  /// padded copy [P*ceil(n/P)]; freed on return (the largest counts).
-  void all_reduce_temp(std::int64_t n, std::int64_t P) {
-    if (P <= 1 || n == 0) return;
-    std::int64_t const c = (n + P - 1) / P;
-    std::int64_t const t = c + (c * P == n ? 0 : checked_mul(c, P, "all-reduce buffer"));
-    ar_temp_ = std::max(ar_temp_, t);
-  }
   void launch_rows(std::string const& what, std::int64_t rows) {
     add("", what, {rows}, 0, weight_keys_, true);
   }
 
   LayerPlan const& plan_;
-  bool training_, packed_, bf16_ = false, f32_gate_ = false;
-  std::int64_t s_ = 4;
+  LayerConfig const& cfg_;
+  bool training_, packed_, bf16_ = cfg_.bf16();
+  std::int64_t s_ = std::int64_t(plan_.scalar_bytes);
   std::int64_t gather_pool_ = 0, rs_pool_ = 0, parts_pool_ = 0, ar_temp_ = 0;  // values
   // bf16 wire buffers, in 16-bit values
   std::int64_t wire_send_ = 0, wire_recv_ = 0, parts16_ = 0, igather_send_ = 0, igather_recv_ = 0,
                a2a_wire_ = 0;
-  std::string weight_keys_;
+  std::string weight_keys_ = "num_experts, base_emb_dim, base_moe_mlp_dim";
   std::vector<Buffer> bufs_;
 };
 
 }  // namespace detail
 
-/// \brief Whether oneDNN keeps packed copies of the expert weights by default: float values and
-/// moe built with oneDNN (host GEMMs). Pass false for device spaces.
+/// \brief Whether oneDNN keeps packed copies of the expert weights by default (float, host GEMMs).
 inline bool default_packed_weights(LayerPlan const& plan) {
   return MOE_HAS_ONEDNN != 0 && plan.scalar_bytes == 4;
 }
 
-/// \brief Bytes one DistributedMoeLayer needs on the plan's rank: the weights' blocks (stored,
-/// gathered or sliced, packed), in training the gradients, every StepPlan buffer, the collectives'
-/// temporaries. Not counted: the caller's x, y, dy, dx; MPI's and the runtime's own memory.
+/// \brief Bytes one DistributedMoeLayer needs on the plan's rank: weight blocks, gradients, step
+/// buffers, collective temporaries (not the caller's x, y, dy, dx, nor MPI's or the runtime's).
 /// \param training forward + backward (gradients, backward buffers); false: forward only
 /// \param packed_weights count oneDNN's packed copies of the expert weights (float, host)
 /// \throws ConfigError naming the quantity when an element or byte count does not fit int64.
@@ -284,9 +258,7 @@ inline MemoryEstimate estimate_layer_memory(LayerPlan const& plan, LayerConfig c
   return estimate_layer_memory(plan, cfg, training, default_packed_weights(plan));
 }
 
-/// \brief Refuses (ConfigError naming the tensor, its size, the limit and the keys to reduce) a
-/// plan whose tensors on this rank exceed the kernels' index limits: rows of a 32-bit BLAS call or
-/// kernel launch, elements of one flat kernel, int64 counts (MPI counts are split by moe/comm).
+/// \brief ConfigError (naming tensor, size, limit, keys) where this rank exceeds `limits`.
 inline void check_index_limits(LayerPlan const& plan,
                                IndexLimits const& limits = IndexLimits::host()) {
   detail::LayerBuffers const lb(plan, plan.config, true, false);

@@ -1,12 +1,11 @@
 #pragma once
 /// \file
-/// The report of an up-front memory estimate (memory.hpp makes it): items of bytes per rank with
-/// the config keys that scale them, as text or JSON; and the kernels' index limits.
+/// The report of an up-front memory estimate (memory.hpp): bytes per rank by item with the keys
+/// that scale them; and the kernels' index limits.
 
 #include <moe/detail/checked.hpp>
 #include <moe/detail/json.hpp>
 #include <moe/error.hpp>
-#include <moe/sharding/rules.hpp>
 
 #include <algorithm>
 #include <climits>
@@ -15,7 +14,6 @@
 #include <limits>
 #include <sstream>
 #include <string>
-#include <utility>
 #include <vector>
 
 namespace moe::distributed {
@@ -33,8 +31,6 @@ inline std::string format_bytes(std::int64_t bytes) {
                   units[u - 1]);
   return buf;
 }
-
-// ------------------------------------------------------------------ the estimate --------------
 
 /// \brief One part of a memory estimate.
 struct MemoryItem {
@@ -92,19 +88,17 @@ struct MemoryEstimate {
     return split_keys(keys);
   }
 
-  /// The items of at least 1 % of the total, largest first: "weights 1.2 GiB, optimizer 2.4 GiB,
-  /// 3 smaller items".
+  /// The items of at least 1 % of the total, largest first, then "N smaller items".
   std::string breakdown() const {
     std::int64_t const t = total();
     std::string parts;
     int small = 0;
     for (auto const& i : by_size()) {
       if (i.bytes == 0) continue;
-      if (double(i.bytes) < 0.01 * double(t)) {
+      if (double(i.bytes) < 0.01 * double(t))
         ++small;
-        continue;
-      }
-      parts += (parts.empty() ? "" : ", ") + i.what + " " + format_bytes(i.bytes);
+      else
+        parts += (parts.empty() ? "" : ", ") + i.what + " " + format_bytes(i.bytes);
     }
     if (small > 0)
       parts +=
@@ -140,8 +134,7 @@ struct MemoryEstimate {
       items_json.push_back({{"what", i.what}, {"bytes", i.bytes}, {"keys", split_keys(i.keys)}});
     return {{"total_bytes", total()}, {"items", items_json}};
   }
-  /// json() as one line of text.
-  std::string to_json() const { return moe::detail::json_text(json()); }
+  std::string to_json() const { return moe::detail::json_text(json()); }  ///< json() as one line
 
   /// "a, b" -> {"a", "b"}.
   static std::vector<std::string> split_keys(std::string const& keys) {
@@ -176,13 +169,10 @@ struct MemoryEstimate {
 struct IndexLimits {
   /// Largest element count of one tensor a flat kernel may index (ExecSpace::size_type).
   std::int64_t max_elements = std::numeric_limits<std::int64_t>::max();
-  /// Largest row count of a GEMM operand or a row-copy launch (32-bit BLAS, int league size).
-  std::int64_t max_rows = INT_MAX;
-  /// What max_elements comes from, for messages.
-  std::string element_index = "std::size_t";
+  std::int64_t max_rows = INT_MAX;  ///< largest GEMM operand or row-copy launch (32-bit BLAS, int)
+  std::string element_index = "std::size_t";  ///< what max_elements comes from, for messages
 
-  /// Host execution spaces (Serial, OpenMP, Threads): 64-bit flat indices.
-  static IndexLimits host() { return IndexLimits{}; }
+  static IndexLimits host() { return IndexLimits{}; }  ///< host spaces: 64-bit flat indices
   /// The limits of an execution space, from the index type of its default RangePolicy.
   template <class ExecSpace>
   static IndexLimits of() {

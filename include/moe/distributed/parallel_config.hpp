@@ -14,11 +14,8 @@
 
 namespace moe::distributed {
 
-/// \brief Mesh degrees and distributed-strategy switches (MaxText keys).
-///
-/// The mesh is built from the `ici_*` degrees (one may be -1: it fills the rest) over the axes of
-/// the `custom_mesh_and_rule` preset (MaxText's base axes when empty); logical-axis rules decide
-/// which tensor dimension lands on which axis.
+/// \brief Mesh degrees and distributed-strategy switches (MaxText keys): the mesh is built from the
+/// `ici_*` degrees (one may be -1: the rest) over the axes of the `custom_mesh_and_rule` preset.
 struct ParallelConfig {
   int ici_data_parallelism = 1;
   int ici_fsdp_parallelism = 1;
@@ -26,27 +23,18 @@ struct ParallelConfig {
   int ici_expert_parallelism = 1;
   int ici_tensor_parallelism = 1;
   int ici_context_parallelism = 1;
-  /// Ring of experts: all-gather tokens over the expert axis, reduce-scatter the outputs.
-  bool use_ring_of_experts = false;
-  /// > 0: the expert-parallel receive buffer holds int(T*K*factor) rows; later rows are dropped.
-  double ragged_buffer_factor = -1.0;
-  /// Gather FSDP-sharded weight dims one mesh axis at a time (one collective per axis).
-  bool moe_fsdp_use_two_stage_all_gather = false;
-  /// Preset of mesh axes + rules ("" = the library's default rules).
-  std::string custom_mesh_and_rule;
+  bool use_ring_of_experts = false;    ///< tokens all-gathered over the expert axis (the ring)
+  double ragged_buffer_factor = -1.0;  ///< > 0: receive int(T*K*factor) rows, drop the rest
+  bool moe_fsdp_use_two_stage_all_gather = false;  ///< gather FSDP dims one mesh axis at a time
+  std::string custom_mesh_and_rule;  ///< preset of mesh axes + rules ("": the default rules)
   /// Dense path with an expert axis: peel `expert` off the dispatch batch dimension (MaxText PR
   /// #4179), so the experts stay expert-parallel.
   bool moe_dispatch_no_expert_sharding = false;
-  /// Store the expert dimension of the expert weights on `fsdp` too.
-  bool shard_exp_on_fsdp = false;
-  /// Shard the expert weights on both `fsdp` and `fsdp_transpose`.
-  bool use_2d_fsdp_sharding = false;
-  /// What the expert axis shards outside the routed experts: fsdp (the batch), context, tp (D).
-  std::string expert_shard_attention_option = "fsdp";
-  /// > 0: the ring's token all-gather in this many D-chunks, overlapped with the grouped GEMM.
-  int num_moe_emb_chunks = 0;
-  /// \brief A config file's `mesh_axes` and `logical_axis_rules` (set by the tools, not a key),
-  /// used unless custom_mesh_and_rule names a preset (effective_preset()); in describe() if set.
+  bool shard_exp_on_fsdp = false;     ///< store the expert dimension of the expert weights on fsdp
+  bool use_2d_fsdp_sharding = false;  ///< shard the expert weights on fsdp and fsdp_transpose
+  std::string expert_shard_attention_option = "fsdp";  ///< fsdp (the batch), context or tp (D)
+  int num_moe_emb_chunks = 0;  ///< > 0: the ring's token all-gather in this many D-chunks
+  /// \brief A config file's `mesh_axes` and `logical_axis_rules` (set by the tools, not a key).
   std::optional<sharding::Preset> sharding;
 
   /// (key, degree) pairs of the ici_* keys, in table order.
@@ -66,9 +54,8 @@ struct ParallelConfig {
   /// \brief Sets one key from its text form; ConfigError for an unknown key or a bad value.
   void set(std::string const& key, std::string const& value) { table().set(*this, key, value); }
 
-  /// \brief Checks the rules between values that need no communicator (every tool calls it, so
-  /// one config is accepted or rejected the same everywhere): at most one ici_* degree is -1,
-  /// and ragged_buffer_factor is -1 (off) or > 0. The mesh checks its product against the ranks.
+  /// \brief Checks the rules that need no communicator: at most one ici_* degree is -1, and
+  /// ragged_buffer_factor is -1 (off) or > 0.
   void validate() const { table().validate(*this); }
 
   /// A canonical text of every field (used to check that all ranks agree).
@@ -87,9 +74,8 @@ struct ParallelConfig {
     return d;
   }
 
-  /// The mesh axes and rules the layout uses, MaxText's precedence: the preset named by
-  /// custom_mesh_and_rule (ConfigError for an unknown name) replaces any file's; else `sharding`
-  /// when set; else the library's default rules.
+  /// The mesh axes and rules the layout uses: the preset custom_mesh_and_rule names (ConfigError
+  /// if unknown), else `sharding` when set, else the library's default rules.
   sharding::Preset effective_preset() const {
     bool const named = !moe::detail::trim(custom_mesh_and_rule).empty();
     return sharding && !named ? *sharding : sharding::preset(custom_mesh_and_rule);

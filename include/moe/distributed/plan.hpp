@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// The partition plan of one distributed MoE layer (what `moe-shard --plan` prints): for one rank,
-/// the mesh, the route, every tensor's blocks and the layer's step plan with the bytes this rank
-/// sends (the layer's comm_log() record for record). Pure: any rank can be planned on one process.
+/// The partition plan of one distributed MoE layer (`moe-shard --plan`): for one rank, the mesh,
+/// route, tensor blocks and step plan with the bytes it sends (pure: any rank, on one process).
 
 #include <moe/comm/comm_log.hpp>
 #include <moe/config.hpp>
@@ -14,7 +13,6 @@
 #include <moe/error.hpp>
 #include <moe/sharding/rules.hpp>
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -27,18 +25,14 @@ struct PlanTensor {
   std::string name;               ///< x, y, gate, gate_bias, wi_0, wi_1, wo, shared_*
   sharding::LogicalAxes logical;  ///< logical names of its dimensions
   sharding::PartitionSpec spec;   ///< spec the rules resolve (size-1 axes kept)
-  /// Per dimension: mesh axes (size > 1) the stored block is split over.
-  std::vector<std::vector<std::string>> storage;
-  /// Per dimension: axes all-gathered to form the compute block.
-  std::vector<std::vector<std::string>> gathered;
-  /// Per dimension: axes the compute block is split over beyond the storage.
-  std::vector<std::vector<std::string>> sliced;
-  /// Token axes over which the gradient's contributions are summed.
-  std::vector<std::string> reduced;
-  std::vector<std::int64_t> global_shape;   ///< whole tensor
-  std::vector<std::int64_t> local_shape;    ///< block stored on this rank
-  std::vector<std::int64_t> offset;         ///< where the stored block starts
-  std::vector<std::int64_t> compute_shape;  ///< block the step computes with
+  std::vector<std::vector<std::string>> storage;  ///< per dim: mesh axes splitting the stored block
+  std::vector<std::vector<std::string>> gathered;  ///< per dim: axes gathered for the compute block
+  std::vector<std::vector<std::string>> sliced;  ///< per dim: axes splitting the compute block more
+  std::vector<std::string> reduced;              ///< token axes the gradient is summed over
+  std::vector<std::int64_t> global_shape;        ///< whole tensor
+  std::vector<std::int64_t> local_shape;         ///< block stored on this rank
+  std::vector<std::int64_t> offset;              ///< where the stored block starts
+  std::vector<std::int64_t> compute_shape;       ///< block the step computes with
 };
 
 /// \brief One collective of a training step.
@@ -52,8 +46,7 @@ struct PlanCollective {
   std::string stage;              ///< the step-plan stage that runs it (its profiling region)
 };
 
-/// \brief A choice the plan made where the rules leave one (the shared expert under expert
-/// parallelism), with what each alternative moves and computes per step on this rank.
+/// \brief A choice the rules leave (the shared expert under EP), with each alternative's cost.
 struct PlanChoice {
   struct Alternative {
     std::string name;        ///< e.g. "own tokens", "ep-as-tp"
@@ -95,10 +88,8 @@ struct LayerPlan {
     throw ConfigError(moe::detail::cat("the plan has no tensor named '", name, "'"));
   }
 
-  /// Readable multi-line text.
-  std::string to_text() const;
-  /// The plan as one JSON object (what to_json prints).
-  moe::detail::ordered_json json() const;
+  std::string to_text() const;             ///< readable multi-line text
+  moe::detail::ordered_json json() const;  ///< the plan as one JSON object
   /// json() as one line of text, newline-terminated.
   std::string to_json() const { return moe::detail::json_text(json()) + "\n"; }
 };
@@ -107,21 +98,14 @@ namespace detail {
 
 using Axes = std::vector<std::string>;
 
-/// "a, b" ("" when empty).
-inline std::string list_text(Axes const& a) { return join(a, ", ", ""); }
+inline std::string list_text(Axes const& a) { return join(a, ", ", ""); }  ///< "a, b" ("": none)
 using moe::detail::shape_text;
 /// [a, (b,c), -] : one entry per dimension.
 inline std::string spec_text(sharding::PartitionSpec const& spec) {
   std::string s = "[";
-  for (std::size_t i = 0; i < spec.size(); ++i) {
-    s += i ? ", " : "";
-    if (spec[i].empty())
-      s += "-";
-    else if (spec[i].size() == 1)
-      s += spec[i][0];
-    else
-      s += "(" + axes_text(spec[i]) + ")";
-  }
+  for (std::size_t i = 0; i < spec.size(); ++i)
+    s += (i ? ", " : "") +
+         (spec[i].size() > 1 ? "(" + axes_text(spec[i]) + ")" : axes_text(spec[i]));
   return s + "]";
 }
 inline std::string logical_text(sharding::LogicalAxes const& l) {
@@ -145,8 +129,7 @@ inline Axes names(std::vector<distributed::Ref> const& refs) {
   return out;
 }
 inline std::string pad(std::string s, std::size_t n) {
-  if (s.size() < n) s.append(n - s.size(), ' ');
-  return s;
+  return s.size() < n ? s + std::string(n - s.size(), ' ') : s;
 }
 
 /// A logical-axes list as JSON: each name, or null for an unnamed dimension.
@@ -169,8 +152,7 @@ inline PlanChoice::Alternative shared_expert_cost(StepPlan const& step, char con
   return a;
 }
 
-/// The shared expert's strategy against the other one (none without a shared expert or expert
-/// parallelism, or on EP-TP, whose rules fix it).
+/// The shared expert's strategy against the other (none without one, without EP, or on EP-TP).
 inline std::vector<PlanChoice> shared_expert_choice(LayerConfig const& cfg,
                                                     ParallelConfig const& par, int world_size,
                                                     std::size_t scalar_bytes, Layout const& lay) {
@@ -187,23 +169,19 @@ inline std::vector<PlanChoice> shared_expert_choice(LayerConfig const& cfg,
     c.alternatives.push_back(
         shared_expert_cost(make_step_plan(other, cfg, par, scalar_bytes), to_string(mode)));
   }
-  auto const& own = c.alternatives[0];
-  auto const& split = c.alternatives[1];
-  c.why = own.flops == split.flops ? "same FLOPs, fewest bytes" : "fewest FLOPs";
+  c.why = c.alternatives[0].flops == c.alternatives[1].flops ? "same FLOPs, fewest bytes"
+                                                             : "fewest FLOPs";
   return {c};
 }
 
 }  // namespace detail
 
 /// \brief The partition plan of `rank` of `world_size` ranks for a global batch
-/// [global_batch, seq_len, base_emb_dim] (pure), under the default GEMM policies.
-///
-/// Throws the ConfigError the layer's constructor would throw for the same arguments.
+/// [global_batch, seq_len, D] (pure, default GEMM policies; the layer's ConfigErrors).
 /// \param scalar_bytes size of one value (4: float, 8: double) for the byte counts
 inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, int world_size,
                            int rank, std::int64_t global_batch, std::int64_t seq_len,
                            std::size_t scalar_bytes = sizeof(float)) {
-  using detail::contains;
   moe::detail::require<ConfigError>(scalar_bytes == 4 || scalar_bytes == 8,
                                     "scalar_bytes=", scalar_bytes,
                                     " must be 4 (float) or 8 (double)");
@@ -217,18 +195,11 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
   p.local_tokens = lay.block("x").local_shape[0] * seq_len;
   p.step = distributed::make_step_plan(lay, cfg, par, scalar_bytes);
 
-  // A tensor with the block this rank stores.
   auto tensor = [&lay](std::string name, sharding::LogicalAxes logical,
                        sharding::PartitionSpec spec) {
     auto const b = lay.block(name);
-    PlanTensor t;
-    t.name = std::move(name);
-    t.logical = std::move(logical);
-    t.spec = std::move(spec);
-    t.global_shape = b.global_shape;
-    t.local_shape = b.local_shape;
-    t.offset = b.offset;
-    return t;
+    return PlanTensor{std::move(name), std::move(logical), std::move(spec), {}, {}, {}, {},
+                      b.global_shape,  b.local_shape,      b.offset,        {}};
   };
   // Tokens: split over the batch axes; gathered over the axes the strategy names.
   for (char const* name : {"x", "y"}) {
@@ -264,14 +235,13 @@ inline LayerPlan make_plan(LayerConfig const& cfg, ParallelConfig const& par, in
       "all-reduce bytes are 2*(P-1)/P of the buffer (ring algorithm); count exchanges and error "
       "checks (a few integers per collective call) are not listed");
 
-  // SEMANTICS §1.13: resolved jointly, the dense dispatch tensor's batch dimension may claim
-  // `expert`, leaving the expert dimension unsharded.
+  // SEMANTICS §1.13: resolved jointly, the dispatch tensor's batch dimension may claim `expert`.
   p.dispatch_logical = detail::dispatch_logical();
   p.dispatch_joint = sharding::resolve_dispatch(lay.rules, p.dispatch_logical, false);
   p.dispatch_repaired = sharding::resolve_dispatch(lay.rules, p.dispatch_logical, true);
   int const expert_size = lay.mesh.size("expert");
   if (!par.moe_dispatch_no_expert_sharding && expert_size > 1 &&
-      contains(p.dispatch_joint[1], "expert") && lay.big(p.dispatch_joint[0]).empty())
+      detail::contains(p.dispatch_joint[1], "expert") && lay.big(p.dispatch_joint[0]).empty())
     p.warnings.push_back(moe::detail::cat(
         "dense dispatch tensor ", detail::logical_text(p.dispatch_logical), " resolves jointly to ",
         sharding::to_json(p.dispatch_joint),
@@ -338,17 +308,14 @@ inline std::string LayerPlan::to_text() const {
     }
   }
   line("  bytes: forward ", bytes(false), ", backward ", bytes(true), ", step ", step_bytes());
-  std::vector<std::pair<std::string, std::int64_t>> by_kind;
+  Axes seen, kinds;  // the bytes of each kind, in order of first use
   for (auto const& c : collectives) {
-    auto it = std::find_if(by_kind.begin(), by_kind.end(),
-                           [&](auto const& k) { return k.first == c.kind; });
-    if (it == by_kind.end())
-      by_kind.emplace_back(c.kind, c.bytes);
-    else
-      it->second += c.bytes;
+    if (contains(seen, c.kind)) continue;
+    seen.push_back(c.kind);
+    std::int64_t b = 0;
+    for (auto const& o : collectives) b += o.kind == c.kind ? o.bytes : 0;
+    kinds.push_back(c.kind + " " + std::to_string(b));
   }
-  Axes kinds;
-  for (auto const& [k, b] : by_kind) kinds.push_back(k + " " + std::to_string(b));
   if (!kinds.empty()) line("  by kind: " + list_text(kinds));
   for (auto const& c : choices) {
     std::string alts;

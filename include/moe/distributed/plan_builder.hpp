@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// PlanBuilder: what every dispatch strategy writes its step plan (step_plan.hpp) with: this
-/// rank's sizes and buffer extents, the stages every route shares, and one helper per collective
-/// (a group of one rank plans nothing).
+/// PlanBuilder: what every dispatch strategy writes its step plan with: this rank's sizes and
+/// extents, the stages every route shares, one helper per collective (none for a group of one).
 
 #include <moe/comm/sent_bytes.hpp>
 #include <moe/comm/wire.hpp>
@@ -60,21 +59,18 @@ class PlanBuilder {
     F = lay.weight("wi_0").dims[2].computed;
     Tw = gathered_tokens ? checked_mul(T, ep, "tokens on the ring") : T;
     chunks = par.num_moe_emb_chunks;  // compute_layout allows it on the ring only
-    // Balanced routing: every expert gets T*K/E of this rank's slots (at most C per expert and
-    // sequence); each rank of the expert group receives what it sends (capped by the buffer).
+    // Balanced routing: T*K/E slots per expert (capacity C); each rank receives what it sends.
     sent = kept_slots(T);
-    recv = sent;
-    if (par.ragged_buffer_factor > 0)
-      recv = moe::detail::scaled_rows(checked_mul(T, K, "routed slots"), par.ragged_buffer_factor,
-                                      recv);
+    recv = par.ragged_buffer_factor > 0
+               ? moe::detail::scaled_rows(checked_mul(T, K, "routed slots"),
+                                          par.ragged_buffer_factor, sent)
+               : sent;
     // The gathered paths run their local experts' share of the working tokens' slots.
     local = E > 0 ? checked_mul(kept_slots(Tw), L, "local rows") / E : 0;
   }
 
-  /// What a collective moves (activations include expert rows and their gradients).
-  enum class Payload { activations, logits, weights, gate, gradients };
-  /// The wire of a collective moving `p` (docs/precision.md, "Wire"): bf16 for what a bf16 layer
-  /// holds in bf16, else the value type.
+  enum class Payload { activations, logits, weights, gate, gradients };  ///< what collectives move
+  /// The wire of a collective moving `p`: bf16 for what a bf16 layer holds in bf16 (precision.md).
   comm::Wire wire(Payload p) const {
     bool const f32_gate = (p == Payload::gate || p == Payload::logits) && cfg.float32_gate_logits;
     return cfg.bf16() && p != Payload::gradients && !f32_gate ? comm::Wire::bf16
@@ -94,7 +90,6 @@ class PlanBuilder {
   std::int64_t chunks = 0;          ///< D-chunks of the ring's token gather (0: one gather)
   bool backward = false;            ///< phase of the stages being added
 
-  // ------------------------------------------------------------ extents of the step's buffers
   static constexpr unsigned tok = scale_tokens, slot = scale_tokens | scale_topk;
   Extent tokens() const { return {T, tok}; }
   Extent work_tokens() const { return {Tw, tok}; }
@@ -112,8 +107,7 @@ class PlanBuilder {
     return lay.shared == SharedExpert::split &&
            (lay.route == ExpertRoute::RaggedA2A || lay.route == ExpertRoute::Ring);
   }
-  /// Tokens the shared expert sees.
-  Extent shared_tokens() const { return {plan_.shared_tokens, tok}; }
+  Extent shared_tokens() const { return {plan_.shared_tokens, tok}; }  ///< shared-expert tokens
 
   /// Slots kept of `tokens` tokens' T*K under per-sequence capacity (all without a capacity).
   std::int64_t kept_slots(std::int64_t tokens) const {
@@ -125,9 +119,7 @@ class PlanBuilder {
                        "kept slots");
   }
 
-  // ------------------------------------------------------------ stages and buffers
-  /// The declaration of workspace buffer `h` [rows, cols], made in the current phase (counted
-  /// under `item`, by default the buffer's own).
+  /// The declaration of workspace buffer `h` [rows, cols] in the current phase (under `item`).
   template <class Role>
   BufferDecl out(Handle<Role> h, Extent rows, Extent cols, std::optional<Item> item = {}) const {
     return {h.id, {rows, cols}, info(h.id).elem, item.value_or(info(h.id).item), backward};
@@ -138,11 +130,7 @@ class PlanBuilder {
   /// Appends a stage of the current phase; the first stage that declares a buffer declares it.
   Stage& stage(StageKind kind, std::string region, std::vector<Ref> reads,
                std::vector<Out> writes) {
-    Stage st;
-    st.kind = kind;
-    st.backward = backward;
-    st.region = std::move(region);
-    st.reads = std::move(reads);
+    Stage st{kind, backward, std::move(region), std::move(reads), {}, {}, 0, false};
     for (auto& w : writes) {
       st.writes.push_back(w.ref);
       if (w.declares) declare(std::move(w.decl));
@@ -169,23 +157,17 @@ class PlanBuilder {
   /// FLOPs of the gated FFN (three D x F GEMMs) on `rows` rows; the backward's are twice that.
   double ffn_flops(double rows, double F_) const { return (backward ? 6 : 3) * gemm(rows, D, F_); }
 
-  /// The grouped expert FFN's hidden states on `rows` rows (nn::ExpertFfn: 16-bit on a float
-  /// layer computing in bf16 when the Auto policy on the default execution space takes them, as
-  /// the memory estimate assumes, except in the chunked forward), and its FLOPs.
+  /// The grouped expert FFN's FLOPs and hidden states on `rows` rows (bf16 where Auto takes it).
   void hold_expert_ffn(Extent rows) {
     phase().back().flops = ffn_flops(double(rows.n), double(F));
     using Gmm = gmm::resolve_t<gmm::Auto, Kokkos::DefaultExecutionSpace, float>;
     bool const b16 = gmm::handles_bf16<Gmm>::value && cfg.bf16() && s == 4 && chunks == 0;
-    Elem const elem = b16 ? Elem::bf16 : Elem::value;
-    auto const held = [&](Buf b) { declare({b, {rows, mlp()}, elem, Item::hidden, backward}); };
-    if (!backward)
-      for (Buf b : {Buf::h0, Buf::h1, Buf::act}) held(b);
-    else
-      for (Buf b : {Buf::d_act, Buf::d_h1}) held(b);
+    for (Buf b : backward ? std::vector<Buf>{Buf::d_act, Buf::d_h1}
+                          : std::vector<Buf>{Buf::h0, Buf::h1, Buf::act})
+      declare({b, {rows, mlp()}, b16 ? Elem::bf16 : Elem::value, Item::hidden, backward});
   }
 
-  /// A stage running the routed experts: also reads their compute blocks and (backward) writes
-  /// their gradients.
+  /// A stage running the routed experts (reads their compute blocks, writes their gradients).
   Stage& experts_stage(std::vector<Ref> reads, std::vector<Out> writes,
                        char const* region = nullptr) {
     if (!region) region = backward ? "moe::dist::experts::backward" : "moe::dist::experts";
@@ -201,16 +183,13 @@ class PlanBuilder {
     // The shared MLP's hidden states (nn::DenseMlp) and the rows it hands to its GEMMs.
     Extent const Fs{lay.weight("shared_wi_0").dims[1].computed, scale_mlp | scale_shared};
     st.flops = ffn_flops(double(rows.n), double(Fs.n));
-    if (!backward) {
-      row_limit("shared-expert tokens", rows);
-      for (Buf b : {Buf::shared_h0, Buf::shared_h1, Buf::shared_act}) hold(b, {rows, Fs});
-    } else {
-      hold(Buf::shared_d_act, {rows, Fs});
-    }
+    if (!backward) row_limit("shared-expert tokens", rows);
+    for (Buf b : backward ? std::vector<Buf>{Buf::shared_d_act}
+                          : std::vector<Buf>{Buf::shared_h0, Buf::shared_h1, Buf::shared_act})
+      hold(b, {rows, Fs});
     return st;
   }
 
-  // ------------------------------------------------------------ collectives
   // A group of size 1 plans nothing. Token collectives move [rows, cols] blocks along dim 0 or 1.
   /// All-gather of `rows` x `cols` input blocks along `dim` (of activations unless `p` says).
   void all_gather(Stage& st, std::string what, Axes const& axes, std::int64_t rows,
@@ -225,8 +204,7 @@ class PlanBuilder {
     blocks(st, std::move(what), false, axes, lay.parts(axes), rows * cols, dim == 1 ? rows : 1,
            balanced, wire(Payload::activations));
   }
-  /// An all-reduce of `elems` values, or (`host`) of host statistics of 8 bytes (doubles or
-  /// int64, whatever the value type); gradients and statistics: always the native wire.
+  /// An all-reduce of `elems` values (`host`: 8-byte host statistics), on the native wire.
   void all_reduce(Stage& st, std::string what, Axes const& axes, std::int64_t elems,
                   bool host = false) const {
     std::int64_t const P = lay.parts(axes), bytes = host ? 8 : s;
@@ -244,7 +222,6 @@ class PlanBuilder {
         rows * cols, 1, w);
   }
 
-  // ------------------------------------------------------------ the stages every route has
   /// Starts the plan: this rank's sizes, every moved weight's ops and the step's input x [T, Dl].
   StepPlan& begin() {
     StepPlan& p = plan_;
@@ -259,10 +236,8 @@ class PlanBuilder {
     declare(out(buf::x, tokens(), token_cols()));
     return p;
   }
-  /// The forward's first stage: stored weight blocks -> compute blocks.
-  void gather_weights() { weight_stage(false); }
-  /// The router on the tokens `x`; `logits`: the chunked ring's, which all-gathers the gate
-  /// logits of the own tokens instead of the tokens.
+  void gather_weights() { weight_stage(false); }  ///< the forward's first stage
+  /// The router on the tokens `x` (`logits`: the chunked ring's, all-gathering the gate logits).
   void route(Ref x, bool logits = false) {
     std::vector<Out> writes{Buf::routing};
     if (logits) writes.insert(writes.begin(), out(buf::logits_own, tokens(), experts()));
@@ -292,9 +267,8 @@ class PlanBuilder {
     all_gather(o, "all-gather y (tensor)", lay.tp_axes, T, Dc, 1);
     backward = true;
   }
-  /// The backward's last stages, then moves the plan out: the router's backward on the tokens
-  /// `x` it routed (dx sums path, shared, router, in order) and the gradient reduction (compute
-  /// blocks -> stored blocks).
+  /// The backward's last stages, then moves the plan out: the router's backward on the tokens `x`
+  /// it routed, and the gradient reduction.
   StepPlan finish(Ref x) {
     auto& st = stage(StageKind::route, "moe::dist::route::backward",
                      {x, buf::d_weights, compute(Weight::gate)},
@@ -305,8 +279,7 @@ class PlanBuilder {
     weight_stage(true);
     return std::move(plan_);
   }
-  /// Whether the layer has a shared expert.
-  bool shared() const { return cfg.shared_mlp_dim() > 0; }
+  bool shared() const { return cfg.shared_mlp_dim() > 0; }  ///< whether there is a shared expert
 
  private:
   using Kind = WeightOp::Kind;
@@ -354,8 +327,7 @@ class PlanBuilder {
     st.collectives.push_back({std::move(what), kind, axes, bytes, balanced, parts, elems, lead,
                               elem_bytes ? elem_bytes : comm::wire_bytes(w, s), false, w});
   }
-  /// An all-gather (`gather`) or reduce-scatter on wire `w` over P ranks of `block` values per
-  /// rank (the whole buffer: P blocks); `lead`: the extents before the gathered dimension.
+  /// An all-gather (`gather`) or reduce-scatter over P ranks of `block` values per rank.
   void blocks(Stage& st, std::string what, bool gather, Axes const& axes, std::int64_t P,
               std::int64_t block, std::int64_t lead, bool balanced, comm::Wire w) const {
     namespace sent = comm::sent_bytes;
@@ -371,11 +343,10 @@ class PlanBuilder {
     for (auto const& d : w.dims) v.push_back(d.*m);
     return v;
   }
-  WeightOp op(WeightOp::Kind kind, int dim, Axes axes, std::vector<std::int64_t> shape,
+  WeightOp op(Kind kind, int dim, Axes const& axes, std::vector<std::int64_t> shape,
               std::string what) const {
-    std::int64_t const parts = lay.parts(axes);
-    std::int64_t const index = kind == WeightOp::Kind::slice ? lay.shard_index(axes) : 0;
-    return {kind, dim, std::move(axes), parts, index, std::move(shape), std::move(what)};
+    std::int64_t const index = kind == Kind::slice ? lay.shard_index(axes) : 0;
+    return {kind, dim, axes, lay.parts(axes), index, std::move(shape), std::move(what)};
   }
   WeightSteps weight_steps(WeightLayout const& w) const {
     using detail::minus;
@@ -386,9 +357,8 @@ class PlanBuilder {
       for (std::size_t d = 0; d < w.dims.size(); ++d)
         if (!(w.dims[d].*m).empty()) f(int(d), w.dims[d].*m);
     };
-    // stored -> compute: the gathers (combining blocks cut the same way), then the slices;
-    // two-stage gathers go one axis at a time, minor axis first, keeping the blocks in row-major
-    // order.
+    // stored -> compute: the gathers, then the slices; two-stage gathers go one axis at a time,
+    // minor axis first (the blocks stay in row-major order).
     auto cur = shape(w, &DimLayout::stored);
     each(&DimLayout::gather, [&](int d, Axes const& g) {
       std::vector<Axes> parts{g};
@@ -405,9 +375,8 @@ class PlanBuilder {
       cur[d] /= lay.parts(sl);
       ws.to_compute.push_back(op(Kind::slice, d, sl, cur, ""));
     });
-    // compute gradient -> stored gradient, the transpose: sum over the reduce axes not gathered,
-    // undo the slices (all-gather), then the gathers (reduce-scatter, or sum over the gathered
-    // axes that also reduce, then slice).
+    // The transpose: sum over the reduce axes not gathered, undo the slices (all-gather), then the
+    // gathers (reduce-scatter, or sum over the gathered axes that also reduce, then slice).
     Axes gathered;
     for (auto const& d : w.dims) gathered.insert(gathered.end(), d.gather.begin(), d.gather.end());
     auto const reduce = minus(w.reduce, gathered);
@@ -445,8 +414,7 @@ class PlanBuilder {
       add(st, o.what, "all-reduce", o.axes, comm::sent_bytes::all_reduce(in * s, o.parts), false,
           o.parts, in, 1);
   }
-  std::vector<Weight> moved() const {
-    // gate_bias stays replicated: it is never gathered, only its gradient is summed.
+  std::vector<Weight> moved() const {  // gate_bias is never gathered, only its gradient summed
     std::vector<Weight> n{Weight::gate, Weight::wi_0, Weight::wi_1, Weight::wo};
     if (shared())
       for (Weight w : {Weight::shared_wi_0, Weight::shared_wi_1, Weight::shared_wo}) n.push_back(w);

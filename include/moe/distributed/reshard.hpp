@@ -15,11 +15,9 @@
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 namespace moe::distributed {
 
-// Kept for existing code: the log and the group live in moe::comm.
 using comm::AxisGroup;
 using comm::CommLog;
 using comm::CommRecord;
@@ -33,20 +31,12 @@ struct Split {
 template <class V>
 Split split_at(V const& v, int d) {
   Split s;
-  for (int r = 0; r < int(V::rank); ++r) {
-    std::int64_t const e = std::int64_t(v.extent(r));
-    if (r < d)
-      s.A *= e;
-    else if (r == d)
-      s.n = e;
-    else
-      s.C *= e;
-  }
+  for (int r = 0; r < int(V::rank); ++r)
+    (r < d ? s.A : r == d ? s.n : s.C) *= std::int64_t(v.extent(r));
   return s;
 }
 
-/// Copies `rows` rows of `len` elements, row src + from(i) * len to dst + to(i) * len, converting
-/// each to D (comm::detail::WireCast). One team per row: no index arithmetic per element.
+/// Copies `rows` rows of `len` elements, src + from(i) * len to dst + to(i) * len, as D values.
 template <class ExecSpace, class S, class D, class From, class To>
 void copy_rows(ExecSpace const& space, char const* label, S const* src, D* dst, std::int64_t rows,
                std::int64_t len, From from, To to) {
@@ -108,8 +98,7 @@ inline void record(CommLog* log, std::string const& what, char const* kind, Axis
 
 }  // namespace detail
 
-/// \brief out = in gathered along dimension d over the group (block p at offset p*n along d), on
-/// `wire` (bf16: every block, this rank's too, comes back rounded). `pool` keeps the temporaries.
+/// \brief out = in gathered along dimension d over the group, on `wire` (bf16: blocks rounded).
 template <class ExecSpace, class InV, class OutV>
 void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV const& out, int d,
                 CommLog* log, std::string const& what,
@@ -145,8 +134,7 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
                       s.n * s.C, detail::Identity{}, detail::PaToAp{P, s.A});
 }
 
-/// \brief An all-gather along dimension 0 in flight (start_gather_rows): test() lets it progress,
-/// wait() completes it (on the bf16 wire, also converting the gathered rows into `out`).
+/// \brief An all-gather along dimension 0 in flight: test() progresses, wait() completes it.
 template <class T, class MS>
 class GatherRowsRequest {
  public:
@@ -166,9 +154,7 @@ class GatherRowsRequest {
   T* out_ = nullptr;
 };
 
-/// \brief Starts out = in gathered along dimension 0 without blocking (comm::iall_gather) on the
-/// pieces' agreed shape, logged as gather_dim would. The bf16 wire stages the piece in `pool`
-/// buffers of `slot` (one per gather in flight).
+/// \brief Starts gather_dim along dimension 0 without blocking (bf16: staged in `pool` `slot`).
 template <class ExecSpace, class Pieces, class InV, class OutV>
 GatherRowsRequest<typename OutV::non_const_value_type, typename OutV::memory_space>
 start_gather_rows(ExecSpace const& space, AxisGroup const& g, Pieces const& pieces, InV const& in,
@@ -197,8 +183,7 @@ start_gather_rows(ExecSpace const& space, AxisGroup const& g, Pieces const& piec
   return req;
 }
 
-/// \brief out (one block along d) = sum over the group of in's blocks along d (rank order).
-/// On the bf16 wire the blocks are summed in fp32 and rounded once (docs/precision.md, "Wire").
+/// \brief out (one block along d) = the group's sum of in's blocks (bf16: fp32 sum, rounded once).
 template <class ExecSpace, class InV, class OutV>
 void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV const& out,
                         int d, CommLog* log, std::string const& what,

@@ -1,7 +1,6 @@
 #pragma once
 /// \file
-/// StepContext: the state the stages of the distributed layer share, and its collectives, each
-/// checked against the running stage's plan.
+/// StepContext: the state the stages of the distributed layer share, and its planned collectives.
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/mesh_comm.hpp>
@@ -77,8 +76,7 @@ struct StepContext {
   nn::DenseExperts<Scalar, ExecSpace> dense;
   // Parameters: compute blocks, compute-block gradients (the stored blocks are the layer's).
   params_type cp, gc;
-  /// dtype=bfloat16: the stored weights version the rounded copies were made from.
-  std::uint64_t rounded_version = ~std::uint64_t(0);
+  std::uint64_t rounded_version = ~std::uint64_t(0);  ///< stored version of the bf16 copies
   DispatchState<memory_space> disp;
   StepWorkspace<Scalar, memory_space> ws;  // the step's buffers, by plan name
   Stage const* stage = nullptr;            // the stage running
@@ -88,7 +86,6 @@ struct StepContext {
   double lb_loss = 0;
   std::vector<double> bias_update;
 
-  // ------------------------------------------------------------------ groups ----------------
   /// A group the layer made (MeshComm's cache; the const lookup never communicates).
   AxisGroup const& group_of(std::vector<std::string> const& axes) const {
     return static_cast<comm::MeshComm const&>(*mesh_comm).group(axes);
@@ -98,7 +95,6 @@ struct StepContext {
   AxisGroup const& tp() const { return group_of(layout.tp_axes); }
   AxisGroup const& batch() const { return group_of(layout.batch_axes); }
 
-  // ------------------------------------------------------------------ routing state ---------
   using civ2 = View2<int const, memory_space>;
   civ2 expert_ids() const { return civ2(router.state().expert_ids); }
   civ2 kept() const { return civ2(router.state().kept); }
@@ -107,13 +103,11 @@ struct StepContext {
   ivec perm() const { return ivec(disp.perm.perm); }
   ivec inverse() const { return ivec(disp.perm.inverse); }
 
-  // ------------------------------------------------------------------ collectives ------------
   // Each runs on its planned collective's wire; a group of one plans none.
   /// The next collective of the running stage, checked against the plan's kind and group.
   PlannedCollective const& planned(char const* kind, std::vector<std::string> const& axes) {
     auto const& cs = stage->collectives;
-    bool const ok = next < cs.size() && cs[next].kind == kind && cs[next].axes == axes;
-    if (!ok)
+    if (next >= cs.size() || cs[next].kind != kind || cs[next].axes != axes)
       throw Error(moe::detail::cat(
           "moe internal error: stage ", stage->region, " runs a ", kind, " over [",
           detail::join(axes), "] but its plan has ",
@@ -144,8 +138,7 @@ struct StepContext {
   void all_reduce(AxisGroup const& g, V const& v, Space const& exec) {
     distributed::all_reduce(exec, g, v, &log, planned_in("all-reduce", g, v.span() == 0).what);
   }
-  /// The ragged exchange of the step (disp.a2a), forward or reverse, logged with the bytes sent
-  /// (rows a rank keeps are copied, not sent).
+  /// The ragged exchange of the step (disp.a2a), forward or reverse, logged with the bytes sent.
   template <class SrcV, class DstV>
   void all_to_all(bool reverse, SrcV const& src, DstV const& dst) {
     auto const& c = planned("all-to-all", layout.ep_axes);

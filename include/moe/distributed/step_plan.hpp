@@ -1,9 +1,7 @@
 #pragma once
 /// \file
-/// The step plan of the distributed layer (docs/architecture.md, "The step plan"): the stages of
-/// one step with their buffers and collectives, every buffer's shape, each weight's ops between
-/// its stored and compute blocks. The layer runs it; the printed plan, the memory estimate and the
-/// cost model read it. Routing-dependent sizes assume balanced routing.
+/// The step plan of the distributed layer (docs/architecture.md): the stages of one step with
+/// their buffers and collectives, and each weight's ops; sizes assume balanced routing.
 
 #include <moe/comm/wire.hpp>
 #include <moe/distributed/buffers.hpp>
@@ -26,15 +24,11 @@ struct PlannedCollective {
   std::int64_t bytes = 0;         ///< bytes this rank sends (predicted)
   bool balanced = false;          ///< sizes assume balanced routing (else exact)
   std::int64_t parts = 1;         ///< ranks in the group
-  /// Values of the whole buffer (an all-gather's output, a reduce-scatter's input).
-  std::int64_t elems = 0;
-  /// Product of the extents before the gathered / scattered dimension: > 1 means the collective
-  /// reorders its data through a pool buffer in parts * lead row copies.
-  std::int64_t lead = 1;
+  std::int64_t elems = 0;  ///< values of the whole buffer (all-gather output, reduce-scatter input)
+  std::int64_t lead = 1;   ///< extents before the gathered dim (> 1: parts * lead row copies)
   std::int64_t elem_bytes = 0;  ///< bytes of one value on the wire
   bool host = false;            ///< a statistic reduced on the host (not in the layer's pool)
-  /// What the values travel as (PlanBuilder::wire; docs/precision.md, "Wire").
-  comm::Wire wire = comm::Wire::native;
+  comm::Wire wire = comm::Wire::native;  ///< what the values travel as (PlanBuilder::wire)
 };
 
 /// What a stage does; the layer runs one function per kind and phase.
@@ -60,8 +54,7 @@ inline char const* to_string(StageKind k) {
   return names[static_cast<int>(k)];
 }
 
-/// \brief One stage of a step: its kind, profiling region, the buffers and weight blocks it reads
-/// and writes (the workspace hands it no other), and its collectives in order.
+/// \brief One stage of a step: kind, profiling region, what it reads and writes, collectives.
 struct Stage {
   StageKind kind = StageKind::route;
   bool backward = false;
@@ -69,8 +62,7 @@ struct Stage {
   std::vector<Ref> reads, writes;
   std::vector<PlannedCollective> collectives;  ///< in the order the stage runs them
   double flops = 0;  ///< floating-point operations of its GEMMs on this rank (balanced routing)
-  /// Its collectives run under its compute (the chunked ring's token gathers).
-  bool overlapped = false;
+  bool overlapped = false;  ///< its collectives run under its compute (chunked ring)
 
   /// Whether it writes `r` (or, `write` false, reads it).
   bool lists(Ref r, bool write) const {
@@ -116,17 +108,13 @@ struct StepPlan {
   std::int64_t work_tokens = 0;  ///< tokens the experts see (ring: T x ep)
   std::int64_t token_cols = 0;   ///< columns of x / y on this rank: D (EP-TP: D / ep)
   std::int64_t shared_tokens = 0;  ///< tokens the shared expert sees (EP-as-TP: T x ep)
-  /// Whether the shared expert runs on the expert group's tokens (EP-as-TP).
-  bool shared_spans() const { return shared_tokens > tokens; }
-  /// > 0: the ring gathers the tokens in this many D-chunks (ChunkedRing); 0: one gather.
-  std::int64_t emb_chunks = 0;
-  std::string route_text;  ///< how the routed experts are reached, in words (the strategy's)
-  /// Per dimension of x [B, S, D]: the mesh axes the experts' tokens are all-gathered over.
-  std::vector<std::vector<std::string>> token_gathered{{}, {}, {}};
+  bool shared_spans() const { return shared_tokens > tokens; }  ///< on the group's tokens
+  std::int64_t emb_chunks = 0;  ///< > 0: the ring gathers the tokens in this many D-chunks
+  std::string route_text;       ///< how the routed experts are reached, in words (the strategy's)
+  std::vector<std::vector<std::string>> token_gathered{{}, {}, {}};  ///< gathered axes per x dim
   std::vector<WeightSteps> weights;  ///< weights that are moved, in gather order
   std::vector<Stage> forward, backward;
-  /// Every buffer of the step, in the order the stages first make it.
-  std::vector<BufferDecl> buffers;
+  std::vector<BufferDecl> buffers;   ///< every buffer, in the order the stages first make it
   std::vector<RowLimit> row_limits;  ///< row counts handed to one GEMM or kernel launch
   std::vector<std::string> notes;    ///< assumptions of the strategy's byte counts
 

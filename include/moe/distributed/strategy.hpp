@@ -44,8 +44,7 @@ inline Strategy choose_strategy(Layout const& lay, ParallelConfig const& par) {
   return Gathered<SortedExperts, false>{};
 }
 
-/// Runs stage `st` of strategy S, forward or backward (dy, dx: the backward's; the stages every
-/// strategy shares are the layer's).
+/// Runs stage `st` of strategy S (dy, dx: the backward's; the shared stages are the layer's).
 template <class S, class Ctx>
 void run_stage(S const&, Ctx& c, Stage const& st, std::uint64_t weights_version,
                typename Ctx::cview2 dy, typename Ctx::view2 dx) {

@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// The buffers of one step by their typed handles (buffers.hpp), from one scratch pool kept
-/// between steps. A stage gets only the buffers its plan lists, in the plan's shape (routed rows
-/// may differ), so the printed plan, the memory estimate and the running code cannot drift apart.
+/// The buffers of one step by their typed handles (buffers.hpp), from one scratch pool: a stage
+/// gets only the buffers its plan lists, in the plan's shape (routed rows may differ).
 
 #include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
@@ -35,8 +34,7 @@ class StepWorkspace {
     stage_ = stage;
   }
 
-  /// \brief The buffer `h` (contents undefined) with `rows` rows (-1: the declared ones; any
-  /// number when they are Extent::routed); the running stage must list it among its writes.
+  /// \brief The buffer `h` (undefined contents) with `rows` rows (-1: as declared; routed: any).
   template <class Role>
   view_t<Role> make(Handle<Role> h, std::int64_t rows = -1) {
     auto const& d = decl(h.id);
@@ -47,9 +45,8 @@ class StepWorkspace {
                                 " with ", rows, " rows, but the plan declares ", d.dims[0].n);
     std::int64_t const cols = d.dims[1].n;
     auto buf = pool_.template get<elem_t<Role>>(to_string(h.id), std::size_t(rows * cols));
-    view_t<Role> v(buf.data(), rows, cols);
     made_[index(h.id)] = true;
-    return std::get<Views<Role>>(views_)[index(h.id)] = v;
+    return std::get<Views<Role>>(views_)[index(h.id)] = view_t<Role>(buf.data(), rows, cols);
   }
 
   /// \brief The buffer `h` as the last make() shaped it; the running stage must list it.
@@ -61,8 +58,7 @@ class StepWorkspace {
     return std::get<Views<Role>>(views_)[index(h.id)];
   }
 
-  /// The pool behind the buffers, for the temporaries of collectives and weight gathers.
-  moe::detail::ScratchPool<MemorySpace>& pool() { return pool_; }
+  moe::detail::ScratchPool<MemorySpace>& pool() { return pool_; }  ///< the pool behind the buffers
 
  private:
   static constexpr std::size_t N = std::size_t(Buf::count_);

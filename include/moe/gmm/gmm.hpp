@@ -66,10 +66,9 @@ void gmm(ExecSpace const& space, Policy, LhsView const& lhs, RhsView const& rhs,
   using R = resolve_t<Policy, ExecSpace, S>;
   constexpr bool rows16 = impl::is_bf16<TL> || impl::is_bf16<TO>;
   if constexpr (rows16 && !handles_bf16<R>::value) {
-    GmmOptions inner = opt;
-    inner.bf16_output = opt.bf16_output && !impl::is_bf16<TO>;  // narrowing rounds
+    opt.bf16_output = opt.bf16_output && !impl::is_bf16<TO>;  // narrowing rounds
     impl::via_float<S, true>(space, lhs, out, [&](auto const& l, auto const& o) {
-      gmm(space, R{}, l, rhs, groups, o, inner);
+      gmm(space, R{}, l, rhs, groups, o, opt);
     });
   } else {
     impl::Mat<ExecSpace, TO, typename OutView::memory_space> const o(out);

@@ -1,7 +1,6 @@
 #pragma once
 /// \file
-/// What every grouped-GEMM backend takes: the row partition into groups (one per expert, CSR
-/// offsets with a host copy) and the per-call options.
+/// What every grouped-GEMM backend takes: the row partition into groups and the call options.
 
 #include <moe/error.hpp>
 #include <moe/gmm/pack_cache.hpp>
@@ -34,11 +33,10 @@ struct Groups {
 
 namespace moe::gmm::detail {
 
-/// Allocates the offsets of `sizes` (device view + host mirror) and fills the host copy.
+/// The Groups of `sizes`, copied to the device on `space` (none: a blocking copy).
 template <class MemorySpace, class... Alloc>
-moe::gmm::Groups<MemorySpace> host_groups(std::vector<int64_t> const& sizes,
-                                          Alloc const&... space) {
-  moe::gmm::Groups<MemorySpace> groups;
+Groups<MemorySpace> host_groups(std::vector<int64_t> const& sizes, Alloc const&... space) {
+  Groups<MemorySpace> groups;
   groups.offsets = Kokkos::View<int64_t*, MemorySpace>(
       Kokkos::view_alloc(space..., Kokkos::WithoutInitializing, "moe::gmm::Groups::offsets"),
       sizes.size() + 1);
@@ -49,6 +47,7 @@ moe::gmm::Groups<MemorySpace> host_groups(std::vector<int64_t> const& sizes,
                                      "]=", sizes[g], " is negative; group sizes must be >= 0");
     groups.offsets_host(g + 1) = groups.offsets_host(g) + sizes[g];
   }
+  Kokkos::deep_copy(space..., groups.offsets, groups.offsets_host);
   return groups;
 }
 
@@ -61,18 +60,14 @@ namespace moe::gmm {
 template <class ExecSpace, class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
 Groups<typename ExecSpace::memory_space> make_groups(ExecSpace const& space,
                                                      std::vector<int64_t> const& sizes) {
-  auto groups = moe::gmm::detail::host_groups<typename ExecSpace::memory_space>(sizes, space);
-  Kokkos::deep_copy(space, groups.offsets, groups.offsets_host);
-  return groups;
+  return moe::gmm::detail::host_groups<typename ExecSpace::memory_space>(sizes, space);
 }
 
 /// \brief Builds Groups in MemorySpace from host group sizes (each >= 0, else moe::ShapeError);
 /// returns after the device copy is complete.
 template <class MemorySpace>
 Groups<MemorySpace> make_groups(std::vector<int64_t> const& sizes) {
-  auto groups = moe::gmm::detail::host_groups<MemorySpace>(sizes);
-  Kokkos::deep_copy(groups.offsets, groups.offsets_host);
-  return groups;
+  return moe::gmm::detail::host_groups<MemorySpace>(sizes);
 }
 
 /// \brief Builds Groups from device offsets and their host mirror, both already filled by the
@@ -106,15 +101,14 @@ struct GmmOptions {
   int group_offset = 0;
   /// out += result (rows of visited groups only) instead of out = result.
   bool accumulate = false;
-  /// Where a backend that reorders rhs into its own layout (OneDnn) keeps the reordered copy
-  /// between calls; nullptr: such a backend multiplies the weights in place. gmm only.
+  /// Where a backend that reorders rhs (OneDnn) keeps the reordered copy between calls; nullptr:
+  /// the weights are used in place. gmm only.
   PackCache* pack_cache = nullptr;
   /// Version of rhs's contents for pack_cache: a call with the same rhs and version may reuse a
   /// packed copy, so it must change whenever rhs is written (see PackCache).
   std::uint64_t rhs_version = 0;
-  /// The operands (gmm: lhs and rhs; tgmm: lhs and dy) hold bf16 values: OneDnn then runs oneDNN's
-  /// bf16 kernels where the CPU has them (gmm: with pack_cache), rounding values that are not bf16
-  /// first; elsewhere it changes nothing.
+  /// The operands (gmm: lhs and rhs; tgmm: lhs and dy) hold bf16 values: OneDnn then runs bf16
+  /// kernels where the CPU has them (gmm: with pack_cache), rounding other values first.
   bool bf16_inputs = false;
   /// out's visited rows are rounded to bf16 (as moe::detail::round_to_bf16) before the call
   /// returns. gmm only, not with accumulate.

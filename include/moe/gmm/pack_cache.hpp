@@ -73,8 +73,7 @@ class PackCache {
 
  private:
   struct Entry {
-    std::uint64_t version = 0;
-    std::uint64_t samples = 0;
+    std::uint64_t version = 0, samples = 0;
     std::shared_ptr<void> packed;
     std::size_t bytes = 0;
   };

@@ -3,10 +3,6 @@
 /// Grouped-GEMM policy traits (as Kokkos Kernels' `*_tpl_spec_avail`): each gmm/backend/*.hpp
 /// defines its tag and specialises is_policy and is_available (false: the call runs on Vendor).
 
-#include <moe/moe_config.hpp>
-
-#include <Kokkos_Core.hpp>
-
 #include <type_traits>
 
 namespace moe::gmm {

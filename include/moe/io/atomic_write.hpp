@@ -46,10 +46,8 @@ inline std::string resolve_links(std::string path) {
       throw IoError(
           detail::cat("cannot read the symbolic link '", path, "': ", std::strerror(errno)));
     target.resize(std::size_t(n));
-    if (!target.empty() && target[0] != '/') {
-      std::size_t const slash = path.find_last_of('/');
-      if (slash != std::string::npos) target = path.substr(0, slash + 1) + target;
-    }
+    if (!target.empty() && target[0] != '/')  // from the link's directory (npos + 1 == 0: none)
+      target = path.substr(0, path.find_last_of('/') + 1) + target;
     path = target;
   }
   throw IoError(detail::cat("'", path, "': more than 40 symbolic links in a row (a loop?)"));
@@ -71,10 +69,9 @@ inline void write_atomic(std::string const& link, std::vector<ByteSpan> const& p
   std::string const path = resolve_links(link);
   std::string const tmp = cat(path, ".tmp.", static_cast<long>(::getpid()));
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
-  if (fd < 0) {
+  if (fd < 0)
     throw IoError(cat("cannot write '", path, "': cannot create the temporary file '", tmp,
                       "': ", std::strerror(errno)));
-  }
   // Takes errno as an argument, before any allocation could change it.
   auto fail = [&](int e, auto const&... step) {
     if (fd >= 0) ::close(fd);
@@ -98,10 +95,9 @@ inline void write_atomic(std::string const& link, std::vector<ByteSpan> const& p
   std::size_t const slash = path.find_last_of('/');
   std::string const dir =
       slash == std::string::npos ? std::string(".") : (slash == 0 ? "/" : path.substr(0, slash));
-  if (int const e = detail::fsync_dir(dir)) {
+  if (int const e = detail::fsync_dir(dir))
     throw IoError(cat("wrote '", path, "' but the fsync of its directory '", dir,
                       "' failed: ", std::strerror(e)));
-  }
 }
 
 /// write_atomic of one string of bytes.

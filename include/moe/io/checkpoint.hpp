@@ -1,10 +1,8 @@
 #pragma once
 /// \file
-/// Checkpoints of a distributed run: save_checkpoint and load_latest_checkpoint (collective), built
-/// on checkpoint_index.hpp (one step on disk), checkpoint_lock.hpp (one writer per directory) and
-/// detail/checkpoint_files.hpp. Every rank passes its blocks (BlockRef) of global tensors; a
-/// checkpoint stores the global tensors, so a run may resume on another number of ranks or with
-/// another sharding.
+/// Checkpoints of a distributed run (collective): save_checkpoint and load_latest_checkpoint. Every
+/// rank passes its blocks (BlockRef) of global tensors; a checkpoint stores the global tensors, so
+/// a run may resume on another number of ranks or with another sharding.
 ///
 /// Save (under "dir/LOCK"): every rank plans from the same all-gathered block descriptions, so all
 /// raise the same ConfigError on bad blocks; each distinct block travels once to rank 0, which
@@ -57,8 +55,6 @@ namespace detail {
 
 using ::moe::detail::require;
 
-// ---- blocks ------------------------------------------------------------------------------------
-
 /// One block as every rank sees it after the all-gather.
 struct Desc {
   int rank = 0;
@@ -68,8 +64,6 @@ struct Desc {
   std::vector<std::int64_t> global, local, offset;
   std::uint64_t hash = 0;  ///< moe::detail::fnv1a of the block's bytes (saves only)
   std::int64_t numel = 0;  ///< elements of the local block
-
-  /// Bytes of the local block.
   std::size_t nbytes() const { return static_cast<std::size_t>(numel) * dtype_size(dtype); }
 };
 
@@ -114,8 +108,7 @@ inline std::string encode(std::vector<BlockRef> const& blocks, int rank, bool wi
   return j.dump();
 }
 
-/// Every rank's descriptions from the all-gathered texts (texts[r] is rank r's); a text encode
-/// did not write throws moe::Error.
+/// Every rank's descriptions from the all-gathered texts; moe::Error if one is corrupt.
 inline std::vector<std::vector<Desc>> decode(std::vector<std::string> const& texts) {
   std::vector<std::vector<Desc>> out(texts.size());
   try {
@@ -141,8 +134,7 @@ inline std::vector<std::vector<Desc>> decode(std::vector<std::string> const& tex
   return out;
 }
 
-/// Every tensor named by some block, checked for agreement; throws ConfigError (the same on every
-/// rank, since every rank sees the same descriptions).
+/// Every tensor named by some block, checked for agreement (ConfigError, the same on every rank).
 inline std::map<std::string, TensorSpec> tensor_specs(std::vector<std::vector<Desc>> const& all) {
   std::map<std::string, TensorSpec> specs;
   for (auto const& rank_descs : all) {
@@ -177,24 +169,22 @@ inline std::map<std::string, TensorPlan> save_plan(std::vector<std::vector<Desc>
       if (d.numel == 0) continue;
       TensorPlan& tp = plan[d.name];
       bool same = false;
-      for (Desc const* p : tp.pieces) {
-        Desc const& o = *p;
-        if (o.offset == d.offset && o.local == d.local) {
-          require<ConfigError>(o.hash == d.hash, "checkpoint: tensor '", d.name,
+      for (Desc const* o : tp.pieces) {
+        if (o->offset == d.offset && o->local == d.local) {
+          require<ConfigError>(o->hash == d.hash, "checkpoint: tensor '", d.name,
                                "': the copies of the block at ", "offset ", shape_text(d.offset),
-                               " shape ", shape_text(d.local), " on rank ", o.rank, " and rank ",
+                               " shape ", shape_text(d.local), " on rank ", o->rank, " and rank ",
                                d.rank, " differ; copies of a block must be identical");
           same = true;
           break;
         }
         bool overlap = true;
-        for (std::size_t a = 0; a < d.offset.size(); ++a) {
-          overlap = overlap && d.offset[a] < o.offset[a] + o.local[a] &&
-                    o.offset[a] < d.offset[a] + d.local[a];
-        }
+        for (std::size_t a = 0; a < d.offset.size(); ++a)
+          overlap = overlap && d.offset[a] < o->offset[a] + o->local[a] &&
+                    o->offset[a] < d.offset[a] + d.local[a];
         require<ConfigError>(!overlap, "checkpoint: tensor '", d.name, "': the block at offset ",
-                             shape_text(o.offset), " shape ", shape_text(o.local), " (rank ",
-                             o.rank, ") and the block at offset ", shape_text(d.offset), " shape ",
+                             shape_text(o->offset), " shape ", shape_text(o->local), " (rank ",
+                             o->rank, ") and the block at offset ", shape_text(d.offset), " shape ",
                              shape_text(d.local), " (rank ", d.rank,
                              ") overlap partially; blocks must be identical or disjoint");
       }
@@ -261,11 +251,10 @@ inline void save_checkpoint(moe::comm::Communicator const& comm, std::string con
     require<moe::ConfigError>(step >= 0, "checkpoint: step ", step, " is negative");
     require<moe::ConfigError>(keep >= 1, "checkpoint: keep = ", keep,
                               "; at least the new checkpoint must be kept (keep >= 1)");
-    for (auto const& kv : metadata) {
+    for (auto const& kv : metadata)
       require<moe::ConfigError>(detail::valid_utf8(kv.first) && detail::valid_utf8(kv.second),
                                 "checkpoint: metadata key '", kv.first,
                                 "' or its value is not valid UTF-8");
-    }
     mine = cd::encode(blocks, comm.rank(), true);
   });
   moe::comm::check_agreement(comm, "checkpoint directory, step and keep",
@@ -288,10 +277,9 @@ inline void save_checkpoint(moe::comm::Communicator const& comm, std::string con
     cd::make_dir(dir);
     if (!cd::holds_lock(dir)) save_lock = cd::DirLock(dir);
     cd::remove_leftovers(dir);
-    if (::mkdir(tmp.c_str(), 0777) != 0) {
+    if (::mkdir(tmp.c_str(), 0777) != 0)
       throw moe::IoError(cat("checkpoint: cannot create '", tmp,
                              "' in the checkpoint directory: ", std::strerror(errno)));
-    }
     tmp_dir.path = tmp;
     cd::crash_point("tmp_made");
     try {
@@ -407,8 +395,8 @@ inline bool load_latest_checkpoint(moe::comm::Communicator const& comm, std::str
   auto const chosen = nlohmann::json::parse(moe::comm::broadcast_bytes(comm, 0, chosen_text));
   if (chosen.is_null()) return false;
 
-  // Rank 0 cuts every block out of the global tensors (little-endian, as in the file; each block
-  // is turned into host order): its own by copy, the others' by message.
+  // Rank 0 cuts every block out of the global (little-endian) tensors in host order: its own by
+  // copy, the others' by message.
   if (root) {
     std::vector<unsigned char> buf;
     for (auto const& rank_descs : all) {
@@ -425,9 +413,8 @@ inline bool load_latest_checkpoint(moe::comm::Communicator const& comm, std::str
       }
     }
   } else {
-    for (cd::Desc const& d : all[static_cast<std::size_t>(comm.rank())]) {
+    for (cd::Desc const& d : all[static_cast<std::size_t>(comm.rank())])
       if (d.numel > 0) moe::comm::recv_bytes(comm, 0, blocks[d.index].data, d.nbytes());
-    }
   }
   metadata = chosen["metadata"].get<std::map<std::string, std::string>>();
   step = chosen["step"].get<std::int64_t>();

@@ -72,15 +72,13 @@ inline std::string checkpoint_index_text(std::int64_t step, std::uint64_t bytes,
   std::string s = cat("{\n  \"format\": \"moe-checkpoint\",\n  \"version\": 1,\n  \"step\": ", step,
                       ",\n  \"file\": \"", kCheckpointModelFile, "\",\n  \"bytes\": ", bytes,
                       ",\n  \"sha256\": \"", sha256, "\",\n  \"tensors\": [");
-  bool first = true;
   for (auto const& kv : file.tensors()) {
-    s += first ? "\n    {\"name\": " : ",\n    {\"name\": ";
-    first = false;
+    s += s.back() == '[' ? "\n    {\"name\": " : ",\n    {\"name\": ";
     detail::append_json_string(s, kv.first);
     s += cat(", \"dtype\": \"", dtype_name(kv.second.dtype),
              "\", \"shape\": ", detail::shape_text(kv.second.shape), "}");
   }
-  s += first ? "]\n}\n" : "\n  ]\n}\n";
+  s += s.back() == '[' ? "]\n}\n" : "\n  ]\n}\n";
   return s;
 }
 
@@ -93,16 +91,14 @@ inline CheckpointIndex read_checkpoint_index(std::string const& step_dir) {
   using ::moe::detail::cat;
   std::string const path = (std::filesystem::path(step_dir) / kCheckpointIndexFile).string();
   std::ifstream in(path, std::ios::binary);
-  if (!in) {
+  if (!in)
     throw IoError(cat("no readable ", kCheckpointIndexFile, " (", std::strerror(errno),
                       "): the checkpoint is incomplete"));
-  }
   std::string const text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   JsonValue const root = detail::parse_json(text, cat(kCheckpointIndexFile, ": "));
   auto member = [&](JsonValue const& obj, char const* key, K kind) -> JsonValue const& {
-    for (std::size_t i = 0; i < obj.keys.size(); ++i) {
+    for (std::size_t i = 0; i < obj.keys.size(); ++i)
       if (obj.keys[i] == key && obj.items[i].kind == kind) return obj.items[i];
-    }
     throw IoError(cat(kCheckpointIndexFile, " has no \"", key, "\" of the right type"));
   };
   auto integer = [&](JsonValue const& v, char const* what) {
@@ -140,10 +136,9 @@ inline File verify_checkpoint(std::string const& step_dir, std::int64_t step,
                               std::map<std::string, TensorSpec> const& requested) {
   using ::moe::detail::cat;
   CheckpointIndex const ix = read_checkpoint_index(step_dir);
-  if (ix.step != step) {
+  if (ix.step != step)
     throw IoError(cat(kCheckpointIndexFile, " is for step ", ix.step,
                       " but the directory is for step ", step));
-  }
   if (ix.file != kCheckpointModelFile)
     throw IoError(cat(kCheckpointIndexFile, " names the file '", ix.file, "', not '",
                       kCheckpointModelFile, "'"));
@@ -151,36 +146,31 @@ inline File verify_checkpoint(std::string const& step_dir, std::int64_t step,
   struct stat st {};
   if (::stat(model.c_str(), &st) != 0)
     throw IoError(cat("cannot stat ", kCheckpointModelFile, ": ", std::strerror(errno)));
-  if (static_cast<std::int64_t>(st.st_size) != ix.bytes) {
+  if (static_cast<std::int64_t>(st.st_size) != ix.bytes)
     throw IoError(cat(kCheckpointModelFile, " is ", st.st_size, " bytes but ", kCheckpointIndexFile,
                       " records ", ix.bytes, " (truncated or replaced)"));
-  }
   std::uint64_t size = 0;
   std::string const sha = file_sha256(model, size);
-  if (sha != ix.sha256) {
+  if (sha != ix.sha256)
     throw IoError(cat("checksum mismatch: ", kCheckpointModelFile, " has SHA-256 ", sha, " but ",
                       kCheckpointIndexFile, " records ", ix.sha256, " (corrupted)"));
-  }
   File file = File::read(model);
   bool same = ix.tensors.size() == file.size();
-  for (CheckpointIndexEntry const& e : ix.tensors) {
+  for (CheckpointIndexEntry const& e : ix.tensors)
     same = same && file.has(e.name) && file.at(e.name).dtype == e.dtype &&
            file.at(e.name).shape == e.shape;
-  }
   if (!same)
     throw IoError(
         cat(kCheckpointIndexFile, " and ", kCheckpointModelFile, " list different tensors"));
   for (auto const& kv : requested) {
-    if (!file.has(kv.first)) {
+    if (!file.has(kv.first))
       throw IoError(
           cat("it has no tensor '", kv.first, "' (requested by rank ", kv.second.rank, ")"));
-    }
     Tensor const& t = file.at(kv.first);
-    if (t.dtype != kv.second.dtype || t.shape != kv.second.global) {
+    if (t.dtype != kv.second.dtype || t.shape != kv.second.global)
       throw IoError(cat("tensor '", kv.first, "' is ", dtype_name(t.dtype), " ",
                         detail::shape_text(t.shape), " but ", dtype_name(kv.second.dtype), " ",
                         detail::shape_text(kv.second.global), " was requested"));
-    }
   }
   return file;
 }

@@ -35,8 +35,7 @@ namespace detail {
 /// The lock file of a checkpoint directory.
 inline constexpr char const* kLockFile = "LOCK";
 
-/// Seconds to wait for a lock held by another process (a job killed a moment ago may still hold
-/// it). A test hook (only rank 0 reads it).
+/// Seconds to wait for another process's lock (its job may have just been killed); a test hook.
 inline double& lock_wait_seconds() {
   static double seconds = 2.0;
   return seconds;
@@ -48,10 +47,9 @@ using DirKey = std::pair<std::uint64_t, std::uint64_t>;
 /// The key of the existing directory \p dir; throws IoError.
 inline DirKey dir_key(std::string const& dir) {
   struct stat st {};
-  if (::stat(dir.c_str(), &st) != 0) {
+  if (::stat(dir.c_str(), &st) != 0)
     throw IoError(cat("checkpoint: cannot stat the checkpoint directory '", dir,
                       "': ", std::strerror(errno)));
-  }
   return {static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
 }
 
@@ -75,8 +73,7 @@ struct HeldLocks {
   /// This process's entry for \p key, or null; the caller holds the mutex.
   HeldLock const* find(DirKey const& key) const {
     auto const it = table.find(key);
-    bool const mine = it != table.end() && it->second->pid == static_cast<long>(::getpid());
-    return mine ? it->second : nullptr;
+    return it != table.end() && it->second->pid == ::getpid() ? it->second : nullptr;
   }
 };
 inline HeldLocks& held_locks() {
@@ -108,8 +105,7 @@ inline bool holds_lock(std::string const& dir) {
     if (!held) return false;
     fd = held->fd;
   }
-  struct stat mine {};
-  struct stat now {};
+  struct stat mine = {}, now = {};
   std::string const path = join(dir, kLockFile);
   bool const same = ::fstat(fd, &mine) == 0 && ::stat(path.c_str(), &now) == 0 &&
                     mine.st_dev == now.st_dev && mine.st_ino == now.st_ino;
@@ -151,9 +147,8 @@ inline std::string describe_holder(std::string const& text, long lock_pid) {
   std::string out;
   std::istringstream lines(text);
   for (std::string line; out.size() < 1000 && std::getline(lines, line);) {
-    for (char& c : line) {
-      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
-    }
+    std::replace_if(
+        line.begin(), line.end(), [](unsigned char c) { return c < 0x20 || c == 0x7f; }, '?');
     if (!line.empty()) out += (out.empty() ? "" : ", ") + line;
   }
   if (!out.empty()) return out;
@@ -174,19 +169,17 @@ class DirLock {
     DirKey const key = dir_key(dir);
     long const self = static_cast<long>(::getpid());
     std::lock_guard<std::mutex> const guard(held_locks().mutex);
-    if (HeldLock const* held = held_locks().find(key)) {
+    if (HeldLock const* held = held_locks().find(key))
       throw ConfigError(cat("checkpoint_dir '", dir,
                             "' is already locked by this process (pid=", self, ", as '", held->dir,
                             "'): one writer per checkpoint directory; release that lock "
                             "first, or use another checkpoint_dir"));
-    }
     std::string const path = join(dir, kLockFile);
     std::string const identity = holder_identity();
     int const fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) {
+    if (fd < 0)
       throw IoError(
           cat("checkpoint: cannot open the lock file '", path, "': ", std::strerror(errno)));
-    }
     auto const deadline = std::chrono::steady_clock::now() +
                           std::chrono::duration<double>(std::max(0.0, lock_wait_seconds()));
     struct flock whole {};  // a write lock on the whole file (l_start = l_len = 0)
@@ -203,10 +196,9 @@ class DirLock {
       if (e != EACCES && e != EAGAIN) {
         // ENOLCK, EOPNOTSUPP, ...: no locks on this file system; warned once per directory.
         static std::set<DirKey> warned;
-        if (warned.insert(key).second) {
+        if (warned.insert(key).second)
           warn(cat("cannot lock '", path, "' (", std::strerror(e), "): this file system keeps no ",
                    "fcntl locks, so nothing stops another job from writing into '", dir, "'"));
-        }
         break;
       }
       if (std::chrono::steady_clock::now() < deadline) {
@@ -227,12 +219,9 @@ class DirLock {
                         "); two jobs must not share a checkpoint directory: wait for it to "
                         "finish, or set checkpoint_dir to another directory"));
     }
-    if (locked) {
-      ssize_t const size = static_cast<ssize_t>(identity.size());
-      bool const written =
-          ::ftruncate(fd, 0) == 0 && ::pwrite(fd, identity.data(), identity.size(), 0) == size;
-      if (!written) warn(cat("cannot write the holder into '", path, "': ", std::strerror(errno)));
-    }
+    if (locked && (::ftruncate(fd, 0) != 0 ||
+                   ::pwrite(fd, identity.data(), identity.size(), 0) != ssize_t(identity.size())))
+      warn(cat("cannot write the holder into '", path, "': ", std::strerror(errno)));
     held_.reset(new HeldLock{fd, locked, self, key, dir});
     held_locks().table[key] = held_.get();
   }

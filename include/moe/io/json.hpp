@@ -24,8 +24,7 @@ namespace moe::io::detail {
 
 using ::moe::detail::cat;
 
-/// Whether \p s is well-formed UTF-8 (no overlong forms, surrogates or code points beyond
-/// U+10FFFF).
+/// Whether \p s is well-formed UTF-8 (no overlong forms, surrogates or code points > U+10FFFF).
 inline bool valid_utf8(std::string const& s) {
   try {
     (void)nlohmann::json(s).dump();
@@ -60,8 +59,7 @@ inline char const* json_kind_name(JsonValue::Kind k) {
   return names[static_cast<int>(k)];
 }
 
-/// The SAX handler behind parse_json: builds the JsonValue tree; returning false stops the parse
-/// (a duplicate key, nesting beyond kMaxDepth).
+/// parse_json's SAX handler: builds the tree; false stops the parse (duplicate key, too deep).
 class JsonTreeBuilder {
  public:
   static constexpr int kMaxDepth = 64;
@@ -83,8 +81,7 @@ class JsonTreeBuilder {
   bool start_array(std::size_t) { return open(JsonValue::Kind::Array); }
   bool end_array() { return close(); }
   bool key(json::string_t& k) {
-    auto& seen = keys_.back();
-    if (!seen.insert(k).second) return stop(cat("duplicate key \"", k, "\""));
+    if (!open_.back().second.insert(k).second) return stop(cat("duplicate key \"", k, "\""));
     pending_key_ = std::move(k);
     return true;
   }
@@ -113,12 +110,11 @@ class JsonTreeBuilder {
     return false;
   }
   bool number(std::string text) { return leaf(JsonValue::Kind::Number, std::move(text)); }
-  /// A new value of \p kind: the root, or the last of the open container (under the pending key
-  /// in an object).
+  /// A new value of \p kind: the root, or the last of the open container (under the pending key).
   JsonValue* place(JsonValue::Kind kind) {
     JsonValue* v = &root;
-    if (!stack_.empty()) {
-      JsonValue& parent = *stack_.back();
+    if (!open_.empty()) {
+      JsonValue& parent = *open_.back().first;
       if (parent.kind == JsonValue::Kind::Object) parent.keys.push_back(std::move(pending_key_));
       v = &parent.items.emplace_back();
     }
@@ -132,22 +128,19 @@ class JsonTreeBuilder {
     return true;
   }
   bool open(JsonValue::Kind kind) {
-    if (int(stack_.size()) >= kMaxDepth)
+    if (int(open_.size()) >= kMaxDepth)
       return stop(cat("nesting deeper than ", kMaxDepth, " levels"));
-    stack_.push_back(place(kind));
-    keys_.emplace_back();
+    open_.emplace_back(place(kind), std::set<std::string>());
     return true;
   }
   bool close() {
-    stack_.pop_back();
-    keys_.pop_back();
+    open_.pop_back();
     return true;
   }
 
-  // The open containers, outermost first. A pointer stays valid while its container is open: a
-  // parent's items only grow by its last child, and that child is the only one still open.
-  std::vector<JsonValue*> stack_;
-  std::vector<std::set<std::string>> keys_;  // keys seen per open container
+  // The open containers, outermost first, with the keys seen in each. A pointer stays valid while
+  // its container is open: a parent's items only grow by its last child, the only one still open.
+  std::vector<std::pair<JsonValue*, std::set<std::string>>> open_;
   std::string pending_key_;
 };
 
@@ -171,11 +164,6 @@ struct CountingCharIterator {
     ++p;
     return *this;
   }
-  CountingCharIterator operator++(int) {
-    auto const old = *this;
-    ++p;
-    return old;
-  }
   friend bool operator==(CountingCharIterator const& a, CountingCharIterator const& b) {
     return a.p == b.p;
   }
@@ -184,8 +172,7 @@ struct CountingCharIterator {
   }
 };
 
-/// Parses \p text strictly (RFC 8259, UTF-8 checked, duplicate object keys rejected, nesting
-/// limited, no byte-order mark). Errors are IoErrors that start with \p where and name the byte.
+/// Parses \p text strictly (see the file comment); IoErrors start with \p where and name the byte.
 inline JsonValue parse_json(std::string const& text, std::string const& where) {
   auto fail = [&](std::string const& what, std::size_t at) {
     return IoError(

@@ -55,14 +55,9 @@ class File {
     auto it = tensors_.find(name);
     if (it != tensors_.end()) return it->second;
     std::string have;
-    std::size_t shown = 0;
-    for (auto const& kv : tensors_) {
-      if (shown == 16) {
-        have += ", ...";
-        break;
-      }
-      have += (shown++ ? ", " : "") + kv.first;
-    }
+    it = tensors_.begin();
+    for (int i = 0; i < 16 && it != tensors_.end(); ++i, ++it) have += (i ? ", " : "") + it->first;
+    if (it != tensors_.end()) have += ", ...";
     throw IoError(detail::cat(
         where(), " has no tensor '", name, "'",
         tensors_.empty() ? " (it has no tensors)" : detail::cat(" (it has: ", have, ")")));
@@ -79,10 +74,9 @@ class File {
   /// Adds or replaces \p name. Throws IoError if the tensor is inconsistent (see
   /// Tensor::validate) or the name is "__metadata__".
   void set(std::string const& name, Tensor t) {
-    if (name == "__metadata__") {
+    if (name == "__metadata__")
       throw IoError(
           "a tensor cannot be named \"__metadata__\" (the name is reserved for metadata)");
-    }
     detail::rethrow_with([&] { t.validate(); }, "cannot set tensor '", name, "': ");
     tensors_[name] = std::move(t);
   }
@@ -93,7 +87,6 @@ class File {
   /// Tensor names in sorted order.
   std::vector<std::string> names() const {
     std::vector<std::string> out;
-    out.reserve(tensors_.size());
     for (auto const& kv : tensors_) out.push_back(kv.first);
     return out;
   }
@@ -117,6 +110,7 @@ class File {
 inline File File::read(std::string const& path) {
   using detail::cat;
   using detail::JsonValue;
+  using K = JsonValue::Kind;
   std::string const file = cat("safetensors file '", path, "'");
 
   auto cannot_read = [&](std::string const& why) {
@@ -128,36 +122,30 @@ inline File File::read(std::string const& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw cannot_read(std::strerror(errno));
   std::uint64_t const file_size = static_cast<std::uint64_t>(st.st_size);
-  if (file_size < 8) {
+  if (file_size < 8)
     throw IoError(cat(file, " is ", file_size,
                       " bytes long; a safetensors file starts with an 8-byte header length"));
-  }
   unsigned char len_bytes[8];
-  if (!in.read(reinterpret_cast<char*>(len_bytes), 8)) {
+  if (!in.read(reinterpret_cast<char*>(len_bytes), 8))
     throw IoError(cat("cannot read the header length of ", file));
-  }
   std::uint64_t const header_len = detail::load_le<std::uint64_t>(len_bytes);
-  if (header_len > kMaxHeaderBytes) {
+  if (header_len > kMaxHeaderBytes)
     throw IoError(cat(file, " declares a header of ", header_len, " bytes, more than the limit of ",
                       kMaxHeaderBytes, " (not a safetensors file?)"));
-  }
-  if (header_len > file_size - 8) {
+  if (header_len > file_size - 8)
     throw IoError(cat(file, " declares a header of ", header_len, " bytes but only ", file_size - 8,
                       " bytes follow the length field (truncated file?)"));
-  }
   std::string header(static_cast<std::size_t>(header_len), '\0');
-  if (header_len > 0 && !in.read(&header[0], static_cast<std::streamsize>(header_len))) {
+  if (header_len > 0 && !in.read(&header[0], static_cast<std::streamsize>(header_len)))
     throw IoError(cat("cannot read the header of ", file));
-  }
   std::uint64_t const buffer_size = file_size - 8 - header_len;
 
   JsonValue const root = detail::parse_json(header, file + ": ");
   // Throws "<what> is <kind of v><rule>" unless v is of \p kind.
-  auto expect = [](JsonValue const& v, JsonValue::Kind kind, std::string const& what,
-                   char const* rule) {
+  auto expect = [](JsonValue const& v, K kind, std::string const& what, char const* rule) {
     if (v.kind != kind) throw IoError(cat(what, " is ", detail::json_kind_name(v.kind), rule));
   };
-  expect(root, JsonValue::Kind::Object, file + ": the header", ", not a JSON object");
+  expect(root, K::Object, file + ": the header", ", not a JSON object");
 
   struct Entry {
     std::string name;
@@ -172,37 +160,35 @@ inline File File::read(std::string const& path) {
     std::string const& name = root.keys[k];
     JsonValue const& info = root.items[k];
     if (name == "__metadata__") {
-      if (info.kind == JsonValue::Kind::Null) continue;
-      expect(info, JsonValue::Kind::Object, file + ": \"__metadata__\"",
+      if (info.kind == K::Null) continue;
+      expect(info, K::Object, file + ": \"__metadata__\"",
              "; it must be an object of string values");
       for (std::size_t m = 0; m < info.keys.size(); ++m) {
-        expect(info.items[m], JsonValue::Kind::String,
-               cat(file, ": metadata value of key '", info.keys[m], "'"), "; it must be a string");
+        expect(info.items[m], K::String, cat(file, ": metadata value of key '", info.keys[m], "'"),
+               "; it must be a string");
         out.metadata[info.keys[m]] = info.items[m].text;
       }
       continue;
     }
     std::string const ctx = cat(file, ": tensor '", name, "': ");
-    expect(info, JsonValue::Kind::Object, ctx + "entry",
+    expect(info, K::Object, ctx + "entry",
            "; it must be an object with dtype, shape and data_offsets");
     static char const* const kFields[] = {"dtype", "shape", "data_offsets"};
     JsonValue const* fields[3] = {};
     for (std::size_t f = 0; f < info.keys.size(); ++f) {
       auto const k = std::find(std::begin(kFields), std::end(kFields), info.keys[f]);
-      if (k == std::end(kFields)) {
+      if (k == std::end(kFields))
         throw IoError(cat(ctx, "unknown key \"", info.keys[f],
                           "\" (an entry has exactly dtype, shape and data_offsets)"));
-      }
       fields[k - std::begin(kFields)] = &info.items[f];
     }
-    for (std::size_t f = 0; f < 3; ++f) {
+    for (std::size_t f = 0; f < 3; ++f)
       if (!fields[f]) throw IoError(cat(ctx, "entry has no \"", kFields[f], "\""));
-    }
     JsonValue const &dtype = *fields[0], &shape = *fields[1], &offsets = *fields[2];
 
     Entry e;
     e.name = name;
-    expect(dtype, JsonValue::Kind::String, ctx + "dtype", "; it must be a string");
+    expect(dtype, K::String, ctx + "dtype", "; it must be a string");
     if (!parse_dtype(dtype.text, e.tensor.dtype)) {
       static char const* const known[] = {"BOOL", "U8",  "I8",  "F8_E5M2", "F8_E4M3",
                                           "I16",  "U16", "U32", "U64"};
@@ -211,79 +197,68 @@ inline File File::read(std::string const& path) {
       throw IoError(cat(ctx, is_known ? "unsupported dtype '" : "unknown dtype '", dtype.text,
                         "' (moe reads F32, F64, BF16, F16, I32 and I64)"));
     }
-    expect(shape, JsonValue::Kind::Array, ctx + "shape", "; it must be an array of integers");
+    expect(shape, K::Array, ctx + "shape", "; it must be an array of integers");
     for (std::size_t a = 0; a < shape.items.size(); ++a) {
       std::int64_t d = 0;
-      if (!detail::json_to_int64(shape.items[a], d)) {
+      if (!detail::json_to_int64(shape.items[a], d))
         throw IoError(cat(ctx, "dimension ", a, " of the shape (",
-                          shape.items[a].kind == JsonValue::Kind::Number
+                          shape.items[a].kind == K::Number
                               ? shape.items[a].text
                               : std::string(detail::json_kind_name(shape.items[a].kind)),
                           ") is not an integer that fits in 64 bits"));
-      }
       e.tensor.shape.push_back(d);
     }
     std::int64_t const numel = detail::checked_numel(e.tensor.shape, ctx);
     std::uint64_t const esz = dtype_size(e.tensor.dtype);
-    if (static_cast<std::uint64_t>(numel) > std::numeric_limits<std::uint64_t>::max() / esz) {
+    if (static_cast<std::uint64_t>(numel) > std::numeric_limits<std::uint64_t>::max() / esz)
       throw IoError(cat(ctx, "shape ", detail::shape_text(e.tensor.shape), " of ",
                         dtype_name(e.tensor.dtype), " needs more bytes than fit in 64 bits"));
-    }
     std::uint64_t const nbytes = static_cast<std::uint64_t>(numel) * esz;
 
     std::int64_t range[2] = {0, 0};
-    bool ok = offsets.kind == JsonValue::Kind::Array && offsets.items.size() == 2;
+    bool ok = offsets.kind == K::Array && offsets.items.size() == 2;
     for (std::size_t i = 0; ok && i < 2; ++i)
       ok = detail::json_to_int64(offsets.items[i], range[i]) && range[i] >= 0;
-    if (!ok) {
+    if (!ok)
       throw IoError(cat(ctx, "data_offsets must be [begin, end], two non-negative integers"));
-    }
-    if (range[0] > range[1]) {
+    if (range[0] > range[1])
       throw IoError(cat(ctx, "data_offsets [", range[0], ", ", range[1],
                         "] has begin > end; it must be [begin, end] with begin <= end"));
-    }
     e.begin = static_cast<std::uint64_t>(range[0]);
     e.end = static_cast<std::uint64_t>(range[1]);
-    if (e.end - e.begin != nbytes) {
+    if (e.end - e.begin != nbytes)
       throw IoError(cat(ctx, "header lies about sizes: shape ", detail::shape_text(e.tensor.shape),
                         " of ", dtype_name(e.tensor.dtype), " needs ", nbytes,
                         " bytes but data_offsets [", e.begin, ", ", e.end, "] span ",
                         e.end - e.begin));
-    }
-    if (e.end > buffer_size) {
+    if (e.end > buffer_size)
       throw IoError(cat(ctx, "data_offsets [", e.begin, ", ", e.end,
                         "] reach beyond the data buffer, which holds ", buffer_size,
                         " bytes (truncated file?)"));
-    }
     entries.push_back(std::move(e));
   }
 
-  // Overlap check on the non-empty ranges, in buffer order (which is also the order to read in).
+  // In buffer order: the non-empty ranges must not overlap.
   std::sort(entries.begin(), entries.end(), [](Entry const& a, Entry const& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
   Entry const* prev = nullptr;
-  for (Entry const& e : entries) {
+  for (Entry& e : entries) {
     if (e.begin == e.end) continue;
-    if (prev && e.begin < prev->end) {
+    if (prev && e.begin < prev->end)
       throw IoError(cat(file, ": tensors '", prev->name, "' (bytes [", prev->begin, ", ", prev->end,
                         ")) and '", e.name, "' (bytes [", e.begin, ", ", e.end,
                         ")) overlap; every tensor needs its own bytes"));
-    }
     prev = &e;
   }
-
   for (Entry& e : entries) {
     std::uint64_t const n = e.end - e.begin;
     e.tensor.bytes.resize(static_cast<std::size_t>(n));
-    if (n > 0) {
-      in.seekg(static_cast<std::streamoff>(8 + header_len + e.begin));
-      if (!in.read(reinterpret_cast<char*>(e.tensor.bytes.data()),
-                   static_cast<std::streamsize>(n))) {
-        throw IoError(cat(file, ": tensor '", e.name, "': could not read its ", n,
-                          " bytes (file changed while reading?)"));
-      }
-    }
+    in.seekg(static_cast<std::streamoff>(8 + header_len + e.begin));
+    if (n > 0 &&
+        !in.read(reinterpret_cast<char*>(e.tensor.bytes.data()), static_cast<std::streamsize>(n)))
+      throw IoError(cat(file, ": tensor '", e.name, "': could not read its ", n,
+                        " bytes (file changed while reading?)"));
     out.tensors_.emplace(std::move(e.name), std::move(e.tensor));
   }
   return out;
@@ -293,10 +268,9 @@ inline void File::write(std::string const& path) const {
   using detail::cat;
   std::string const file = cat("safetensors file '", path, "'");
   for (auto const& kv : metadata) {
-    if (!detail::valid_utf8(kv.first) || !detail::valid_utf8(kv.second)) {
+    if (!detail::valid_utf8(kv.first) || !detail::valid_utf8(kv.second))
       throw IoError(cat("cannot write ", file, ": metadata key '", kv.first,
                         "' or its value is not valid UTF-8"));
-    }
   }
   // The metadata (sorted by key, valid UTF-8) as nlohmann-json prints it compactly.
   std::string header = "{";
@@ -305,9 +279,8 @@ inline void File::write(std::string const& path) const {
   for (auto const& kv : tensors_) {
     std::string const& name = kv.first;
     Tensor const& t = kv.second;
-    if (!detail::valid_utf8(name)) {
+    if (!detail::valid_utf8(name))
       throw IoError(cat("cannot write ", file, ": tensor name '", name, "' is not valid UTF-8"));
-    }
     detail::rethrow_with([&] { t.validate(); }, "cannot write ", file, ": tensor '", name, "': ");
     if (header.size() > 1) header += ',';
     detail::append_json_string(header, name);
@@ -318,10 +291,9 @@ inline void File::write(std::string const& path) const {
   }
   header += '}';
   while (header.size() % 8 != 0) header += ' ';
-  if (header.size() > kMaxHeaderBytes) {
+  if (header.size() > kMaxHeaderBytes)
     throw IoError(cat("cannot write ", file, ": the header would be ", header.size(),
                       " bytes, more than the limit of ", kMaxHeaderBytes));
-  }
 
   std::string prefix(8, '\0');
   detail::store_le<std::uint64_t>(header.size(), reinterpret_cast<unsigned char*>(&prefix[0]));

@@ -24,19 +24,14 @@ typename V::reference_type view_element(V const& v, std::array<std::size_t, R> c
   return v(idx[I]...);
 }
 
-/// Calls f(element reference) for every element of the host-accessible view \p v in row-major
-/// (last index fastest) order.
+/// Calls f(element reference) for every element of the host view \p v, last index fastest.
 template <class V, class F>
 void for_each_row_major(V const& v, F&& f) {
   constexpr std::size_t R = static_cast<std::size_t>(V::rank);
   std::array<std::size_t, R> idx{};
-  std::size_t const n = v.size();
-  for (std::size_t flat = 0; flat < n; ++flat) {
+  for (std::size_t flat = 0; flat < v.size(); ++flat) {
     f(view_element(v, idx, std::make_index_sequence<R>{}));
-    for (std::size_t d = R; d-- > 0;) {
-      if (++idx[d] < v.extent(d)) break;
-      idx[d] = 0;
-    }
+    for (std::size_t d = R; d-- > 0 && ++idx[d] == v.extent(d);) idx[d] = 0;  // next index
   }
 }
 
@@ -76,11 +71,10 @@ void copy_to_view(Tensor const& t, View const& v, std::string const& what = "ten
   using T = typename View::non_const_value_type;
   static_assert(std::is_same<typename View::value_type, T>::value,
                 "copy_to_view: the destination View must not be const");
-  if (t.shape != detail::view_shape(v)) {
+  if (t.shape != detail::view_shape(v))
     throw ShapeError(detail::cat(what, " has shape ", detail::shape_text(t.shape),
                                  " but the View '", v.label(), "' has extents ",
                                  detail::shape_text(detail::view_shape(v))));
-  }
   std::vector<T> const values = detail::rethrow_with([&] { return t.to_vector<T>(); }, what, ": ");
   auto host = Kokkos::create_mirror_view(v);
   std::size_t i = 0;
@@ -94,10 +88,9 @@ template <class View>
 View to_view(Tensor const& t, std::string const& label) {
   constexpr std::size_t R = static_cast<std::size_t>(View::rank);
   constexpr std::size_t RD = static_cast<std::size_t>(View::rank_dynamic);
-  if (t.shape.size() != R) {
+  if (t.shape.size() != R)
     throw ShapeError(detail::cat(label, " has shape ", detail::shape_text(t.shape), " (rank ",
                                  t.shape.size(), ") but the View type has rank ", R));
-  }
   detail::rethrow_with([&] { t.validate(); }, label, ": ");
   View v = detail::make_view<View>(label, t.shape, std::make_index_sequence<RD>{});
   copy_to_view(t, v, label);

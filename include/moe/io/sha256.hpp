@@ -46,9 +46,8 @@ class Sha256 {
     update(pad, pad_len + 8);
     static char const hex[] = "0123456789abcdef";
     std::string out;
-    for (std::uint32_t w : h_) {
+    for (std::uint32_t w : h_)
       for (int s = 28; s >= 0; s -= 4) out += hex[(w >> s) & 0xF];
-    }
     return out;
   }
 
@@ -68,10 +67,9 @@ class Sha256 {
         0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
         0xc67178f2};
     std::uint32_t w[64];
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < 16; ++i)
       w[i] = std::uint32_t(p[4 * i]) << 24 | std::uint32_t(p[4 * i + 1]) << 16 |
              std::uint32_t(p[4 * i + 2]) << 8 | std::uint32_t(p[4 * i + 3]);
-    }
     for (int i = 16; i < 64; ++i) {
       std::uint32_t const s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
       std::uint32_t const s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
@@ -108,18 +106,13 @@ inline std::string sha256_hex(void const* data, std::size_t n) {
 /// \throws moe::IoError when the file cannot be opened or read
 inline std::string file_sha256(std::string const& path, std::uint64_t& size) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw IoError(::moe::detail::cat("cannot open '", path, "': ", std::strerror(errno)));
-  }
+  if (!in) throw IoError(::moe::detail::cat("cannot open '", path, "': ", std::strerror(errno)));
   Sha256 s;
   std::vector<char> buf(std::size_t{1} << 20);
   size = 0;
-  while (in) {
-    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    std::streamsize const got = in.gcount();
-    if (got <= 0) break;
-    s.update(buf.data(), static_cast<std::size_t>(got));
-    size += static_cast<std::uint64_t>(got);
+  while (in.read(buf.data(), static_cast<std::streamsize>(buf.size())) || in.gcount() > 0) {
+    s.update(buf.data(), static_cast<std::size_t>(in.gcount()));
+    size += static_cast<std::uint64_t>(in.gcount());
   }
   if (in.bad()) throw IoError(::moe::detail::cat("error while reading '", path, "'"));
   return s.hex_digest();

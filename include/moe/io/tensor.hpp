@@ -65,7 +65,6 @@ constexpr int dtype_code() {
   if (sint && sizeof(T) == 8) return static_cast<int>(DType::I64);
   return -1;
 }
-/// Whether T has a DType (dtype_code).
 template <class T>
 inline constexpr bool has_dtype = dtype_code<T>() >= 0;
 /// The DType that stores T (only where has_dtype<T>).
@@ -80,9 +79,7 @@ std::string type_label() {
 
 inline bool host_is_little_endian() {
   std::uint16_t const one = 1;
-  unsigned char first = 0;
-  std::memcpy(&first, &one, 1);
-  return first == 1;
+  return *reinterpret_cast<unsigned char const*>(&one) == 1;
 }
 
 /// Reads a T stored little-endian at \p p.
@@ -102,11 +99,9 @@ void store_le(T v, unsigned char* p) {
   if (!host_is_little_endian()) std::reverse(p, p + sizeof(T));
 }
 
-/// "[2, 3]"
 using moe::detail::shape_text;
 
-/// f(), with an IoError it throws turned into an E whose message is \p context... followed by
-/// the IoError's.
+/// f(), with an IoError it throws rethrown as an E whose message is \p context... then its own.
 template <class E = IoError, class F, class... Context>
 auto rethrow_with(F&& f, Context const&... context) -> decltype(f()) {
   try {
@@ -121,19 +116,17 @@ auto rethrow_with(F&& f, Context const&... context) -> decltype(f()) {
 inline std::int64_t checked_numel(std::vector<std::int64_t> const& shape,
                                   std::string const& where) {
   for (std::size_t i = 0; i < shape.size(); ++i) {
-    if (shape[i] < 0) {
+    if (shape[i] < 0)
       throw IoError(cat(where, "shape ", shape_text(shape), " has a negative dimension ", shape[i],
                         " at axis ", i, "; dimensions must be >= 0"));
-    }
   }
   if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return 0;
   std::int64_t n = 1;
   for (std::int64_t d : shape) {
-    if (n > std::numeric_limits<std::int64_t>::max() / d) {
+    if (n > std::numeric_limits<std::int64_t>::max() / d)
       throw IoError(
           cat(where, "shape ", shape_text(shape),
               " has more elements than fit in a 64-bit integer (shape product overflow)"));
-    }
     n *= d;
   }
   return n;
@@ -161,10 +154,9 @@ std::vector<T> convert_elements(unsigned char const* src, std::size_t n, DType d
       out[i] = static_cast<T>(load_le<S>(src + i * sizeof(S)));
     } else if constexpr (std::is_integral<S>::value) {
       S const v = load_le<S>(src + i * sizeof(S));
-      if (!int_fits<T>(v)) {
+      if (!int_fits<T>(v))
         throw IoError(cat("element ", i, " of a ", dtype_name(d), " tensor is ", v,
                           ", which does not fit in ", type_label<T>()));
-      }
       out[i] = static_cast<T>(v);
     } else {
       (void)src, (void)d;  // float -> integer: rejected before the call, never implicit
@@ -211,12 +203,11 @@ struct Tensor {
     std::size_t const n = static_cast<std::size_t>(numel());
     constexpr bool floating_t =
         std::is_floating_point<T>::value || std::is_same<T, moe::bf16>::value;
-    if (!floating_t && is_floating(dtype)) {
+    if (!floating_t && is_floating(dtype))
       throw IoError(detail::cat("cannot convert a ", dtype_name(dtype), " tensor to ",
                                 detail::type_label<T>(),
                                 " (floating values are never converted to integers; read it as "
                                 "float or double)"));
-    }
     unsigned char const* const src = bytes.data();
     if (dtype == DType::F32) return detail::convert_elements<float, T>(src, n, dtype);
     if (dtype == DType::F64) return detail::convert_elements<double, T>(src, n, dtype);
@@ -255,10 +246,9 @@ struct Tensor {
                   "integer");
     Tensor t{detail::dtype_of<T>, std::move(shape), {}};
     std::int64_t const n = t.numel();
-    if (static_cast<std::uint64_t>(n) != values.size()) {
+    if (static_cast<std::uint64_t>(n) != values.size())
       throw IoError(detail::cat("Tensor::from: shape ", detail::shape_text(t.shape), " holds ", n,
                                 " elements but ", values.size(), " values were given"));
-    }
     t.bytes.resize(values.size() * sizeof(T));
     for (std::size_t i = 0; i < values.size(); ++i)  // a moe::bf16 is its 16 bits
       detail::store_le<T>(values[i], t.bytes.data() + i * sizeof(T));

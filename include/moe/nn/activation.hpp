@@ -10,7 +10,6 @@
 #include <moe/error.hpp>
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 namespace moe::nn {
@@ -19,16 +18,12 @@ namespace detail {
 using moe::detail::exp;
 using moe::detail::tanh;
 
-/// Bit pattern of a float and back (memcpy: defined behaviour, a register move once compiled).
+/// A float's bits as a signed integer (so >> 31 spreads the sign bit) and back.
 KOKKOS_INLINE_FUNCTION std::int32_t float_bits(float x) {
-  std::int32_t i;
-  memcpy(&i, &x, sizeof i);
-  return i;
+  return std::int32_t(moe::detail::float_bits(x));
 }
 KOKKOS_INLINE_FUNCTION float bits_float(std::int32_t i) {
-  float x;
-  memcpy(&x, &i, sizeof x);
-  return x;
+  return moe::detail::bits_float(std::uint32_t(i));
 }
 
 /// exp(-|x|) in float (|x| clamped to 87, NaN too: callers multiply by x, which carries it).
@@ -128,8 +123,7 @@ KOKKOS_INLINE_FUNCTION T store(S x) {
   else
     return T(x);
 }
-/// What the kernels compute in: the first element type among Ts that is not moe::bf16, else
-/// float (all in bf16).
+/// What the kernels compute in: the first of Ts that is not moe::bf16 (float if all are).
 template <class... Ts>
 struct compute_type {
   using type = float;

@@ -39,10 +39,9 @@ struct Bf16Rounding {
 
 /// \brief ys = (act(xs . wi_0[g]) * (xs . wi_1[g])) . wo[g] per group g; keeps what backward needs.
 /// Owns its weights' PackCache: callers pass a version that changes whenever the weights change.
-/// With the bf16 scheme on a float layer whose GEMM policy takes bf16 rows itself
-/// (gmm::handles_bf16: oneDNN on the host), the hidden states (h0, h1, act and the backward's
-/// d_act, d_h1) are stored as moe::bf16, half the bytes; elsewhere, and in the chunked forward
-/// (which sums h0 and h1 over D-chunks), they are Scalars holding the same values.
+/// With bf16 on a float layer whose GEMM policy takes bf16 rows (gmm::handles_bf16: host oneDNN),
+/// the hidden states (h0, h1, act, d_act, d_h1) are stored as moe::bf16; elsewhere, and in the
+/// chunked forward (summing h0 and h1 over D-chunks), as Scalars holding the same values.
 /// \tparam Gmm a grouped-GEMM policy (gmm::Auto, OneDnn, Vendor, Tiled<...>).
 template <class Scalar, class Gmm, class ExecSpace>
 class ExpertFfn : public Bf16Rounding {
@@ -59,10 +58,7 @@ class ExpertFfn : public Bf16Rounding {
                view3 wi_0, view3 wi_1, view3 wo, view2 ys, std::uint64_t weights_version) {
     moe::detail::Region region("moe::expert_ffn");
     std::int64_t const n = xs.extent(0), F = wi_0.extent(2);
-    xs_ = xs;
-    act_ = act;
-    version_ = weights_version;
-    store_in_bf16(bf16);
+    start(xs, act, weights_version, bf16);
     gmm::GmmOptions const fw = options(false, false, true);
     hidden([&](auto& h0, auto& h1, auto& a, auto&, auto&) {
       ensure_gated(space, "moe::ffn", n, F, h0, h1, a);
@@ -73,18 +69,13 @@ class ExpertFfn : public Bf16Rounding {
     });
   }
 
-  /// \brief forward() with the first two GEMMs summed over chunks of D (xs's columns arriving a
-  /// chunk at a time): forward_begin(), forward_chunk() for every chunk and group (any order),
-  /// then forward_end(); equal to forward() up to the order of the sums. xs [n,D] is kept for
-  /// backward (all its columns written by forward_end()).
+  /// \brief forward() with the first two GEMMs summed over D-chunks of xs [n,D] (kept for backward,
+  /// all written by forward_end()): forward_begin(), forward_chunk() for every chunk and group (any
+  /// order), then forward_end(); equal to forward() up to the order of the sums.
   void forward_begin(ExecSpace const& space, Activation act, view2 xs, std::int64_t F,
                      std::uint64_t weights_version) {
-    std::int64_t const n = xs.extent(0);
-    xs_ = xs;
-    act_ = act;
-    version_ = weights_version;
-    store_in_bf16(false);
-    ensure_gated(space, "moe::ffn", n, F, h0_, h1_, a_);
+    start(xs, act, weights_version, false);
+    ensure_gated(space, "moe::ffn", xs.extent(0), F, h0_, h1_, a_);
     Kokkos::deep_copy(space, h0_, Scalar(0));
     Kokkos::deep_copy(space, h1_, Scalar(0));
   }
@@ -147,9 +138,12 @@ class ExpertFfn : public Bf16Rounding {
   static constexpr bool can_narrow =
       std::is_same<Scalar, float>::value &&
       gmm::handles_bf16<gmm::resolve_t<Gmm, ExecSpace, Scalar>>::value;
-  /// Chooses this step's storage (bf16 when `want` and can_narrow); frees the other one's arrays.
-  void store_in_bf16(bool want) {
-    narrow_ = can_narrow && want;
+  /// Keeps a forward's arguments; stores in bf16 when `narrow` and can_narrow (frees the other).
+  void start(view2 xs, Activation act, std::uint64_t weights_version, bool narrow) {
+    xs_ = xs;
+    act_ = act;
+    version_ = weights_version;
+    narrow_ = can_narrow && narrow;
     if (narrow_)
       h0_ = h1_ = a_ = da_ = dh1_ = view2();
     else
@@ -275,10 +269,7 @@ class DenseExperts : public Bf16Rounding {
     Kokkos::deep_copy(space, dx, Scalar(0));
     for (int l = 0; l < L; ++l) {
       expert(space, l, wi_0, wi_1, wo);
-      auto wd = wd_;
-      auto dwd = dwd_;
-      auto ye = ye_;
-      auto dye = dye_;
+      auto wd = wd_, dwd = dwd_, ye = ye_, dye = dye_;
       Kokkos::parallel_for(
           "moe::dense::combine_backward", Kokkos::RangePolicy<ExecSpace>(space, 0, T),
           KOKKOS_LAMBDA(std::int64_t t) {
@@ -299,8 +290,7 @@ class DenseExperts : public Bf16Rounding {
       moe::detail::gemm(space, "N", "T", Scalar(1), dh1_, sub(wi_1, l), Scalar(1), dx, bf16);
     }
     auto dwd = dwd_;
-    auto ids = ids_;
-    auto kept = kept_;
+    auto ids = ids_, kept = kept_;
     Kokkos::parallel_for(
         "moe::dense::weight_grad", Kokkos::RangePolicy<ExecSpace>(space, 0, T),
         KOKKOS_LAMBDA(std::int64_t t) {

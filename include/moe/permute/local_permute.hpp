@@ -131,12 +131,9 @@ struct LocalPermutation {
   View1<std::int64_t, MemorySpace> perm;
   /// [rows] packed source row q (source row - layout.source_offset) -> sorted row.
   View1<std::int64_t, MemorySpace> inverse;
-  /// [rows] local expert (0..L-1) of each sorted row: repeat(arange(L), group_sizes).
-  View1<int, MemorySpace> expert_ids;
-  /// [L+1] exclusive cumsum of the local group sizes (the GMM's group offsets).
-  View1<std::int64_t, MemorySpace> group_offsets;
-  /// Host copy of group_offsets.
-  typename View1<std::int64_t, MemorySpace>::HostMirror group_offsets_host;
+  View1<int, MemorySpace> expert_ids;  ///< [rows] local expert (0..L-1) of each sorted row
+  View1<std::int64_t, MemorySpace> group_offsets;  ///< [L+1] the GMM's group offsets
+  typename View1<std::int64_t, MemorySpace>::HostMirror group_offsets_host;  ///< its host copy
 
   /// \brief Rows kept (the valid prefix of the sorted buffer).
   std::int64_t rows() const { return layout.rows; }

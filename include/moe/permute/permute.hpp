@@ -16,8 +16,7 @@
 
 namespace moe::permute {
 
-/// \brief Counting-sort permutation of the routed slots, with per-expert groups; holds its
-/// buffers between calls.
+/// \brief Counting-sort permutation of the routed slots with per-expert groups (and its buffers).
 template <class MemorySpace>
 struct Permutation {
   View1<std::int64_t, MemorySpace> perm;     ///< [rows] sorted position -> slot t*K+k
@@ -58,8 +57,7 @@ void sort_by_expert(ExecSpace const& space, View2<int const, MS> ids, View2<int 
       "moe::permute::offsets", Kokkos::RangePolicy<ExecSpace>(space, 0, E + 1),
       KOKKOS_LAMBDA(int e) { offsets(e) = cursor(e < E ? sh.at(0, e, 0, C) : last); });
   Kokkos::deep_copy(space, out.groups.offsets_host, offsets);
-  auto inverse = out.inverse;
-  auto perm = out.perm;
+  auto inverse = out.inverse, perm = out.perm;
   std::int64_t const chunk = sh.chunk;
   Kokkos::parallel_for(
       "moe::permute::place", Kokkos::RangePolicy<ExecSpace>(space, 0, C),
@@ -97,8 +95,7 @@ void gather_rows(ExecSpace const& space, View2<Scalar const, MS> x,
       });
 }
 
-/// \brief Unpermute and combine: y[t] (+)= sum_k w[t,k] * ys[inverse[t*K+k]] over kept slots,
-/// summed in k order.
+/// \brief Unpermute and combine: y[t] (+)= sum_k w[t,k] * ys[inverse[t*K+k]] (kept slots, k order).
 template <class ExecSpace, class Scalar, class MS>
 void combine(ExecSpace const& space, View2<Scalar const, MS> ys,
              View1<std::int64_t const, MS> inverse, View2<Scalar const, MS> w, bool accumulate,

@@ -31,16 +31,12 @@ void route_backward(ExecSpace const& space, RouteParams const& p,
   // gathers the biased gate output.
   bool const from_scores = deepseek && !p.kind.random;
   ScoreFunc const f = p.cfg.routed_score_func;
-  bool const ds_normalise = p.ds_normalise();
-  bool const norm = p.cfg.norm_topk_prob;
+  bool const ds_normalise = p.ds_normalise(), norm = p.cfg.norm_topk_prob;
   Scalar const scaling = Scalar(p.cfg.routed_scaling_factor);
   Scalar const coef = Scalar(lb_coef);
-  auto logits = st.logits;
-  auto scores = st.scores;
-  auto biased = st.biased;
+  auto logits = st.logits, scores = st.scores, biased = st.biased, top = st.top_values,
+       w = st.weights;
   auto ids = st.expert_ids;
-  auto top = st.top_values;
-  auto w = st.weights;
   auto counts = st.seq_counts;
   Kokkos::parallel_for(
       "moe::routing::route_backward", Kokkos::RangePolicy<ExecSpace>(space, 0, biased.extent(0)),
@@ -62,21 +58,18 @@ void route_backward(ExecSpace const& space, RouteParams const& p,
           for (int k = 1; k < K; ++k) m = top(t, k) > m ? top(t, k) : m;
           Scalar z = 0;
           for (int k = 0; k < K; ++k) z += detail::exp(top(t, k) - m);
-          for (int k = 0; k < K; ++k) s += detail::exp(top(t, k) - m) / z;
+          auto sm = [&](int k) { return detail::exp(top(t, k) - m) / z; };
+          for (int k = 0; k < K; ++k) s += sm(k);
           Scalar dn = 0;
           if (norm)
             for (int k = 0; k < K; ++k) dn += d_weights(t, k) * w(t, k);
           Scalar dot = 0;
           for (int k = 0; k < K; ++k) {
-            Scalar const sm = detail::exp(top(t, k) - m) / z;
             Scalar const dpre = norm ? (d_weights(t, k) - dn) / s : d_weights(t, k);
             d_top(t, k) = dpre;  // temporarily
-            dot += dpre * sm;
+            dot += dpre * sm(k);
           }
-          for (int k = 0; k < K; ++k) {
-            Scalar const sm = detail::exp(top(t, k) - m) / z;
-            d_top(t, k) = sm * (d_top(t, k) - dot);
-          }
+          for (int k = 0; k < K; ++k) d_top(t, k) = sm(k) * (d_top(t, k) - dot);
         }
         // 2. d_biased = lb part + (generic: the selected values' gradient)
         Scalar pm = biased(t, 0), pz = 0, pdot = 0;

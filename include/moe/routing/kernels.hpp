@@ -45,20 +45,19 @@ struct Kind {
 template <class Policy>
 Kind resolve(Policy, LayerConfig const& cfg) {
   Kind k{cfg.use_random_routing, cfg.decoder_block == DecoderBlock::DeepSeek};
-  if constexpr (std::is_same_v<Policy, TopKSoftmax>) {
+  if constexpr (std::is_same_v<Policy, TopKSoftmax>)
     detail::require<ConfigError>(!k.random && !k.deepseek,
                                  "routing policy TopKSoftmax needs decoder_block=mixtral and "
                                  "use_random_routing=false");
-  } else if constexpr (std::is_same_v<Policy, DeepSeek>) {
+  else if constexpr (std::is_same_v<Policy, DeepSeek>)
     detail::require<ConfigError>(!k.random && k.deepseek,
                                  "routing policy DeepSeek needs decoder_block=deepseek and "
                                  "use_random_routing=false");
-  } else if constexpr (std::is_same_v<Policy, Random>) {
+  else if constexpr (std::is_same_v<Policy, Random>)
     detail::require<ConfigError>(k.random, "routing policy Random needs use_random_routing=true");
-  } else {
+  else
     static_assert(std::is_same_v<Policy, Auto>,
                   "routing policy must be Auto, TopKSoftmax, DeepSeek or Random");
-  }
   return k;
 }
 
@@ -84,8 +83,7 @@ using moe::detail::isnan;
 using moe::detail::log1p;
 using moe::detail::sqrt;
 
-/// Total order used by top-k: larger value first, NaN below everything, ties to the lower index
-/// (as lax.top_k).
+/// Top-k's order (as lax.top_k): larger value first, NaN below everything, ties to the lower index.
 template <class S>
 KOKKOS_INLINE_FUNCTION bool key_greater(S va, int ia, S vb, int ib) {
   bool const na = isnan(va), nb = isnan(vb);
@@ -178,8 +176,7 @@ void select_topk(ExecSpace const& space, RouteParams const& p, std::uint64_t tok
                  View2<Scalar, MS> top_values, View2<Scalar, MS> weights) {
   int const E = p.cfg.num_experts, K = p.cfg.num_experts_per_tok;
   int const G = p.cfg.n_routing_groups, TG = p.cfg.topk_routing_group;
-  bool const deepseek = p.kind.deepseek, random = p.kind.random;
-  bool const ds_normalise = p.ds_normalise();
+  bool const deepseek = p.kind.deepseek, random = p.kind.random, ds_normalise = p.ds_normalise();
   bool const norm = p.cfg.norm_topk_prob;
   Scalar const scaling = Scalar(p.cfg.routed_scaling_factor);
   std::uint64_t const seed = p.cfg.seed;
@@ -261,9 +258,8 @@ void select_topk(ExecSpace const& space, RouteParams const& p, std::uint64_t tok
 }
 
 /// \brief Capacity mask (MaxText's per-sequence capacity): in (s, k) order within a sequence, a
-/// slot is kept iff its 1-based position in its expert's queue is <= capacity (< 0: keep all).
-/// Parallel over chunks of slots: a queue position is the slot's counting cursor minus the first
-/// cursor of its (sequence, expert). `scratch` keeps buffers between calls (a new pool if omitted).
+/// slot is kept iff its 1-based position in its expert's queue is <= capacity (< 0: keep all),
+/// from counting cursors. `scratch` keeps buffers between calls (a new pool if omitted).
 template <class ExecSpace, class MS, class Pool = moe::detail::ScratchPool<MS>>
 void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_t seq_len,
                    std::int64_t capacity, int E, View2<int, MS> kept, Pool&& scratch = Pool()) {
@@ -297,10 +293,9 @@ void capacity_mask(ExecSpace const& space, View2<int const, MS> ids, std::int64_
       });
 }
 
-/// \brief Per-sequence statistics of the load-balance loss: counts[b,e] = slots of sequence b on
-/// expert e, probs[b,e] = sum over the sequence of softmax(biased). Returns (on the host) sum_b
-/// sum_e counts*probs. Counts are integer atomics and probs fixed-order column sums, so the
-/// result is the same on every backend and thread count.
+/// \brief Load-balance statistics: counts[b,e] = slots of sequence b on expert e, probs[b,e] = sum
+/// over the sequence of softmax(biased); returns sum_b sum_e counts*probs (host). Integer atomics
+/// and fixed-order column sums: the same result on every backend and thread count.
 template <class ExecSpace, class Scalar, class MS, class Pool = moe::detail::ScratchPool<MS>>
 double lb_statistics(ExecSpace const& space, View2<Scalar const, MS> biased,
                      View2<int const, MS> ids, std::int64_t seq_len, View2<std::int64_t, MS> counts,

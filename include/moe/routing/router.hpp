@@ -153,23 +153,22 @@ class Router {
     // bf16: the combine takes bf16 routing weights unless float32_weight_sum.
     moe::detail::round_bf16_if(params_.cfg.bf16() && !params_.cfg.float32_weight_sum, space,
                                st_.weights);
-    auto const ids = View2<int const, memory_space>(st_.expert_ids);
-    capacity_mask(space, ids, seq_len,
+    using iview2 = View2<int const, memory_space>;
+    capacity_mask(space, iview2(st_.expert_ids), seq_len,
                   params_.cfg.capacity_factor > 0 ? params_.cfg.capacity(seq_len) : -1, E, st_.kept,
                   scratch_);
+    iview2 const own_ids = block(st_.expert_ids, own_);
     lb_sum_ = 0;
     if (params_.cfg.load_balance_loss_weight > 0) {
       std::int64_t const b_own = block_rows() / seq_len;
       moe::detail::ensure(space, st_.seq_counts, "moe::routing::seq_counts", b_own, E);
       moe::detail::ensure(space, st_.seq_probs, "moe::routing::seq_probs", b_own, E);
-      lb_sum_ = lb_statistics(space, cview2(block(st_.biased, own_)),
-                              View2<int const, memory_space>(block(st_.expert_ids, own_)), seq_len,
+      lb_sum_ = lb_statistics(space, cview2(block(st_.biased, own_)), own_ids, seq_len,
                               st_.seq_counts, st_.seq_probs, scratch_);
     }
     if (params_.cfg.routed_bias_update_rate > 0) {
       moe::detail::ensure(space, st_.expert_counts, "moe::routing::expert_counts", E);
-      expert_histogram(space, View2<int const, memory_space>(block(st_.expert_ids, own_)),
-                       st_.expert_counts);
+      expert_histogram(space, own_ids, st_.expert_counts);
     }
   }
 

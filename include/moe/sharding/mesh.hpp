@@ -18,18 +18,9 @@ namespace moe::sharding {
 
 /// \brief MaxText's base mesh axes, in their order (used when a config names no `mesh_axes`).
 inline std::vector<std::string> const& base_mesh_axes() {
-  static std::vector<std::string> const axes{"diloco",
-                                             "data",
-                                             "stage",
-                                             "fsdp",
-                                             "fsdp_transpose",
-                                             "context",
-                                             "context_usp_ulysses",
-                                             "context_autoregressive",
-                                             "tensor",
-                                             "tensor_sequence",
-                                             "expert",
-                                             "autoregressive"};
+  static std::vector<std::string> const axes(
+      {"diloco", "data", "stage", "fsdp", "fsdp_transpose", "context", "context_usp_ulysses",
+       "context_autoregressive", "tensor", "tensor_sequence", "expert", "autoregressive"});
   return axes;
 }
 
@@ -49,8 +40,7 @@ inline std::vector<std::pair<std::string, std::string>> const& ici_parallelism_k
   return keys;
 }
 
-/// \brief Ordered named axes with sizes; the pure (MPI-free) description of a device mesh. All
-/// queries are functions of the mesh alone, so they work for any rank on any process.
+/// \brief Ordered named axes with sizes: the pure (MPI-free) description of a device mesh.
 class Mesh {
  public:
   /// \brief An empty mesh: no axes, one rank.
@@ -65,9 +55,8 @@ class Mesh {
       detail::require<ConfigError>(!name.empty(), "mesh axis ", i, " has an empty name");
       detail::require<ConfigError>(size >= 1, "mesh axis '", name, "' has size ", size,
                                    "; sizes must be >= 1");
-      for (std::size_t j = 0; j < i; ++j)
-        detail::require<ConfigError>(axes_[j].first != name, "mesh axis '", name,
-                                     "' is listed twice");
+      detail::require<ConfigError>(index(name) == static_cast<int>(i), "mesh axis '", name,
+                                   "' is listed twice");  // index(): the first of that name
       product *= size;
       detail::require<ConfigError>(product <= std::numeric_limits<int>::max(), "mesh ",
                                    describe(axes_), " spans more than ",
@@ -84,11 +73,8 @@ class Mesh {
     std::vector<std::pair<std::string, int>> axes;
     for (auto const& n : axis_names) axes.emplace_back(n, 1);
     std::string fill_axis;
-    for (auto const& entry : sizes) {
-      std::string const& name = entry.first;  // named, not a structured binding: lambdas capture it
-      int const size = entry.second;
-      auto it =
-          std::find_if(axes.begin(), axes.end(), [&](auto const& a) { return a.first == name; });
+    for (auto const& [name, size] : sizes) {
+      auto const it = find(axes, name);
       detail::require<ConfigError>(it != axes.end() || size == 1, "mesh axis '", name, "' (size ",
                                    size, ") is not one of the mesh axes [", join(axis_names), "]");
       detail::require<ConfigError>(size >= 1 || size == -1, "mesh axis '", name, "' has size ",
@@ -129,20 +115,16 @@ class Mesh {
   static Mesh from_ici(std::vector<std::pair<std::string, int>> const& ici, int num_ranks,
                        std::vector<std::string> const& mesh_axes = base_mesh_axes()) {
     std::vector<std::pair<std::string, int>> sizes;
-    for (auto const& entry : ici) {
-      std::string const& key = entry.first;  // named, not a structured binding: lambdas capture it
-      int const degree = entry.second;
-      auto const& keys = ici_parallelism_keys();
-      auto it =
-          std::find_if(keys.begin(), keys.end(), [&](auto const& k) { return k.first == key; });
+    auto const& keys = ici_parallelism_keys();
+    for (auto const& [key, degree] : ici) {
+      auto const it = find(keys, key);
       if (it == keys.end()) {
         std::vector<std::string> known;
         for (auto const& k : keys) known.push_back(k.first);
         throw ConfigError(detail::cat("unknown parallelism key '", key, "'; known: ", join(known)));
       }
-      for (auto const& s : sizes)
-        detail::require<ConfigError>(s.first != it->second, "parallelism key '", key,
-                                     "' is given twice");
+      detail::require<ConfigError>(find(sizes, it->second) == sizes.end(), "parallelism key '", key,
+                                   "' is given twice");
       detail::require<ConfigError>(degree >= 1 || degree == -1, key, "=", degree,
                                    " must be >= 1, or -1 to fill the rest");
       sizes.emplace_back(it->second, degree);
@@ -170,9 +152,8 @@ class Mesh {
   int size(int i) const { return axes_.at(static_cast<std::size_t>(i)).second; }
   /// \brief Position of the named axis, -1 when the mesh has no such axis.
   int index(std::string const& axis) const {
-    for (std::size_t i = 0; i < axes_.size(); ++i)
-      if (axes_[i].first == axis) return static_cast<int>(i);
-    return -1;
+    auto const it = find(axes_, axis);
+    return it == axes_.end() ? -1 : static_cast<int>(it - axes_.begin());
   }
   /// \brief Size of the named axis; 1 for an axis the mesh does not have.
   int size(std::string const& axis) const {
@@ -230,12 +211,9 @@ class Mesh {
   /// \brief Position of `rank` inside its group of `axes`: row-major over `axes` in given order.
   int rank_in_group(int rank, std::vector<std::string> const& axes) const {
     check_group(axes);
-    auto const c = coords(rank);
+    check_rank(rank);
     int r = 0;
-    for (auto const& a : axes) {
-      int const i = index(a);
-      r = r * size(a) + (i < 0 ? 0 : c[static_cast<std::size_t>(i)]);
-    }
+    for (auto const& a : axes) r = r * size(a) + coord(rank, a);
     return r;
   }
   /// \brief Which group of `axes` contains `rank`: row-major over the other axes, mesh order.
@@ -258,10 +236,8 @@ class Mesh {
       auto c = base;
       int rest = k;
       for (std::size_t j = axes.size(); j-- > 0;) {
-        int const s = size(axes[j]);
-        int const i = index(axes[j]);
-        if (i >= 0) c[static_cast<std::size_t>(i)] = rest % s;
-        rest /= s;
+        if (int const i = index(axes[j]); i >= 0) c[static_cast<std::size_t>(i)] = rest % size(i);
+        rest /= size(axes[j]);
       }
       out[static_cast<std::size_t>(k)] = rank_of(c);
     }
@@ -275,6 +251,11 @@ class Mesh {
   friend bool operator!=(Mesh const& a, Mesh const& b) { return !(a == b); }
 
  private:
+  /// The first (name, value) pair of `v` named `name`, or v.end().
+  template <class Pairs>
+  static auto find(Pairs& v, std::string const& name) -> decltype(v.begin()) {
+    return std::find_if(v.begin(), v.end(), [&](auto const& p) { return p.first == name; });
+  }
   static std::string join(std::vector<std::string> const& v) {
     std::string s;
     for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + v[i];

@@ -1,9 +1,8 @@
 #pragma once
 /// \file
-/// The default logical-axis rules (MaxText's base config) and the `custom_mesh_and_rule` presets,
-/// each with its own mesh axes. Only the names an MoE layer and its dense neighbours use are
-/// listed; other names resolve to unsharded, as in MaxText (`decode_batch_moe` is left out). Rule
-/// order reproduces MaxText's conflicts (see default_rules()).
+/// The default logical-axis rules (MaxText's base config) and the `custom_mesh_and_rule` presets.
+/// Only the names an MoE layer and its dense neighbours use are listed (`decode_batch_moe` is left
+/// out); other names resolve to unsharded. Rule order reproduces MaxText's conflicts.
 
 #include <moe/error.hpp>
 #include <moe/sharding/mesh.hpp>
@@ -48,8 +47,7 @@ struct Preset {
 /// \brief The library's default rules (MaxText base config, MoE-relevant names).
 inline LogicalRules default_rules() {
   return detail::rules_with_twins({
-      // Activations. Batch rules precede activation_exp: in a joint resolution of the dense
-      // dispatch tensor the batch dimension claims `expert` (SEMANTICS §1.13).
+      // Activations: batch rules first, claiming `expert` in the dense dispatch (SEMANTICS §1.13).
       {"activation_batch", {"data", "fsdp", "fsdp_transpose", "expert"}, detail::moe_too},
       {"activation_length", {"context", "context_usp_ulysses"}, detail::moe_too},
       {"activation_norm_length",
@@ -80,25 +78,21 @@ inline std::vector<std::string> preset_names() {
           "cp-as-ep", "shard-exp-on-fsdp", "pipeline-large-moe", "ep-tp"};
 }
 
-/// \brief `expert_shard_attention_option=tp` applied to `rules`: the expert axis leaves the token
-/// batch rules (`activation_batch`, `activation_batch_moe`) and joins the token embedding rules
-/// (`activation_embed`, `activation_embed_moe`, added when missing), so that the layer's input and
-/// output are sharded on D over `expert` (EP-TP). Weight rules are kept.
+/// \brief `expert_shard_attention_option=tp` applied to `rules` (EP-TP: tokens split D over
+/// `expert`): `expert` leaves the batch rules (`activation_batch`, `activation_batch_moe`) and
+/// joins the embedding rules (`activation_embed`, `activation_embed_moe`, added when missing).
 inline LogicalRules expert_shards_embed(LogicalRules const& rules) {
   LogicalRules out;
-  bool embed = false, embed_moe = false;
   for (auto r : rules.rules()) {
     if (r.name == "activation_batch" || r.name == "activation_batch_moe")
       r.axes.erase(std::remove(r.axes.begin(), r.axes.end(), "expert"), r.axes.end());
-    if (r.name == "activation_embed" || r.name == "activation_embed_moe") {
-      (r.name == "activation_embed" ? embed : embed_moe) = true;
-      if (std::find(r.axes.begin(), r.axes.end(), "expert") == r.axes.end())
-        r.axes.push_back("expert");
-    }
+    if ((r.name == "activation_embed" || r.name == "activation_embed_moe") &&
+        std::find(r.axes.begin(), r.axes.end(), "expert") == r.axes.end())
+      r.axes.push_back("expert");
     out.add(r.name, r.axes);
   }
-  if (!embed) out.add("activation_embed", {"expert"});
-  if (!embed_moe) out.add("activation_embed_moe", {"expert"});
+  for (char const* name : {"activation_embed", "activation_embed_moe"})
+    if (!rules.has(name)) out.add(name, {"expert"});
   return out;
 }
 
@@ -110,123 +104,111 @@ inline Preset preset(std::string const& name) {
   if (name == "pure-fsdp")
     return {name,
             {"fsdp"},
-            detail::rules_with_twins({
-                {"activation_batch", {"fsdp"}, detail::moe_too},
-                {"embed", {"fsdp"}, detail::moe_too},
-                {"exp_with_fsdp", {"fsdp"}},
-            })};
+            detail::rules_with_twins({{"activation_batch", {"fsdp"}, detail::moe_too},
+                                      {"embed", {"fsdp"}, detail::moe_too},
+                                      {"exp_with_fsdp", {"fsdp"}}})};
   if (name == "ep-as-dp")  // expert acts as a data axis outside the MoE
-    return {name,
-            {"data", "fsdp", "fsdp_transpose", "expert"},
-            detail::rules_with_twins({
-                {"activation_batch", {"data", "fsdp", "fsdp_transpose", "expert"}, detail::moe_too},
-                {"activation_length", {}, detail::moe_too},
-                {"activation_norm_length", {}, detail::moe_too},
-                {"activation_embed", {}, detail::moe_too},
-                {"activation_mlp", {}, detail::moe_too},
-                {"activation_exp", {"expert"}},
-                {"mlp", {"fsdp_transpose"}},
-                {"embed", {"fsdp", "fsdp_transpose"}},
-                {"embed", {"fsdp"}},
-                {"exp", {"expert"}},
-                {"mlp_moe", {"fsdp_transpose"}},
-                {"embed_moe", {"fsdp"}},
-                {"exp_with_fsdp", {"fsdp"}},
-            })};
+    return {
+        name,
+        {"data", "fsdp", "fsdp_transpose", "expert"},
+        detail::rules_with_twins(
+            {{"activation_batch", {"data", "fsdp", "fsdp_transpose", "expert"}, detail::moe_too},
+             {"activation_length", {}, detail::moe_too},
+             {"activation_norm_length", {}, detail::moe_too},
+             {"activation_embed", {}, detail::moe_too},
+             {"activation_mlp", {}, detail::moe_too},
+             {"activation_exp", {"expert"}},
+             {"mlp", {"fsdp_transpose"}},
+             {"embed", {"fsdp", "fsdp_transpose"}},
+             {"embed", {"fsdp"}},
+             {"exp", {"expert"}},
+             {"mlp_moe", {"fsdp_transpose"}},
+             {"embed_moe", {"fsdp"}},
+             {"exp_with_fsdp", {"fsdp"}}})};
   if (name == "ep-as-cp")  // expert shards the sequence outside the MoE
     return {name,
             {"data", "stage", "fsdp", "expert"},
-            detail::rules_with_twins({
-                {"activation_batch", {"data", "fsdp"}, detail::moe_too},
-                {"activation_length", {"expert"}},
-                {"activation_norm_length", {"expert"}},
-                {"activation_embed", {}},
-                {"activation_mlp", {}},
-                {"activation_exp", {"expert"}},
-                {"mlp", {}},
-                {"embed", {"fsdp", "expert"}},
-                {"layers", {"stage"}},
-                {"exp", {"expert"}},
-                {"embed_moe", {"fsdp"}},
-            })};
+            detail::rules_with_twins({{"activation_batch", {"data", "fsdp"}, detail::moe_too},
+                                      {"activation_length", {"expert"}},
+                                      {"activation_norm_length", {"expert"}},
+                                      {"activation_embed", {}},
+                                      {"activation_mlp", {}},
+                                      {"activation_exp", {"expert"}},
+                                      {"mlp", {}},
+                                      {"embed", {"fsdp", "expert"}},
+                                      {"layers", {"stage"}},
+                                      {"exp", {"expert"}},
+                                      {"embed_moe", {"fsdp"}}})};
   if (name == "cp-as-ep")  // the EP group is the (context, expert) tuple
     return {name,
             {"data", "stage", "fsdp", "context", "expert"},
-            detail::rules_with_twins({
-                {"activation_batch", {"data", "fsdp", "expert"}},
-                {"activation_batch_moe", {"data", "fsdp"}},
-                {"activation_length", {"context"}},
-                {"activation_norm_length", {"context"}},
-                {"activation_embed", {}},
-                {"activation_mlp", {}},
-                {"activation_exp", {"context", "expert"}},
-                {"mlp", {}},
-                {"embed", {"fsdp", "context", "expert"}},
-                {"layers", {"stage"}},
-                {"exp", {"context", "expert"}},
-                {"embed_moe", {"fsdp"}},
-            })};
+            detail::rules_with_twins({{"activation_batch", {"data", "fsdp", "expert"}},
+                                      {"activation_batch_moe", {"data", "fsdp"}},
+                                      {"activation_length", {"context"}},
+                                      {"activation_norm_length", {"context"}},
+                                      {"activation_embed", {}},
+                                      {"activation_mlp", {}},
+                                      {"activation_exp", {"context", "expert"}},
+                                      {"mlp", {}},
+                                      {"embed", {"fsdp", "context", "expert"}},
+                                      {"layers", {"stage"}},
+                                      {"exp", {"context", "expert"}},
+                                      {"embed_moe", {"fsdp"}}})};
   if (name == "shard-exp-on-fsdp")  // expert dim stored on (expert, fsdp), embed_moe on context
     return {name,
             {"data", "stage", "fsdp", "fsdp_transpose", "context", "expert"},
-            detail::rules_with_twins({
-                {"activation_batch", {"data", "fsdp", "fsdp_transpose", "expert"}},
-                {"activation_batch_moe", {"data", "fsdp", "fsdp_transpose"}},
-                {"activation_length", {"context"}, detail::moe_too},
-                {"activation_norm_length", {"context"}, detail::moe_too},
-                {"activation_embed", {}},
-                {"activation_mlp", {}, detail::moe_too},
-                {"activation_exp", {"expert"}},
-                {"mlp", {"fsdp_transpose"}},
-                {"embed", {"fsdp", "context", "expert"}},
-                {"layers", {"stage"}},
-                {"exp", {"expert", "fsdp"}},
-                {"mlp_moe", {"fsdp_transpose"}},
-                {"embed_moe", {"context"}},
-            })};
+            detail::rules_with_twins(
+                {{"activation_batch", {"data", "fsdp", "fsdp_transpose", "expert"}},
+                 {"activation_batch_moe", {"data", "fsdp", "fsdp_transpose"}},
+                 {"activation_length", {"context"}, detail::moe_too},
+                 {"activation_norm_length", {"context"}, detail::moe_too},
+                 {"activation_embed", {}},
+                 {"activation_mlp", {}, detail::moe_too},
+                 {"activation_exp", {"expert"}},
+                 {"mlp", {"fsdp_transpose"}},
+                 {"embed", {"fsdp", "context", "expert"}},
+                 {"layers", {"stage"}},
+                 {"exp", {"expert", "fsdp"}},
+                 {"mlp_moe", {"fsdp_transpose"}},
+                 {"embed_moe", {"context"}}})};
   if (name == "pipeline-large-moe")
     return {name,
             {"data", "stage", "fsdp", "context", "tensor", "expert"},
-            detail::rules_with_twins({
-                {"activation_batch", {"data", "fsdp", "expert"}},
-                {"activation_batch_moe", {"data", "fsdp"}},
-                {"activation_length", {"context"}},
-                {"activation_norm_length", {"context"}, detail::moe_too},
-                {"activation_embed", {"tensor"}, detail::moe_too},
-                {"activation_mlp", {"tensor"}, detail::moe_too},
-                {"activation_exp", {"expert"}},
-                {"mlp", {"tensor"}},
-                {"mlp_no_fsdp", {"tensor"}},
-                {"embed", {"fsdp", "expert"}},
-                {"layers", {"stage"}},
-                {"exp", {"expert"}},
-                {"mlp_moe", {"tensor"}},
-                {"embed_moe", {"fsdp"}},
-                {"exp_with_fsdp", {"fsdp"}},
-            })};
-  // EP-TP (MaxText PR #3600, no MaxText file: the rules are this library's): outside the routed
-  // experts `expert` acts as tensor parallelism: tokens split D over it (batch over data, fsdp),
-  // routed experts and the shared expert's hidden dim (`mlp`, computed TP-style) are stored over
-  // it, the weights' embed dims on fsdp (gathered per step).
+            detail::rules_with_twins({{"activation_batch", {"data", "fsdp", "expert"}},
+                                      {"activation_batch_moe", {"data", "fsdp"}},
+                                      {"activation_length", {"context"}},
+                                      {"activation_norm_length", {"context"}, detail::moe_too},
+                                      {"activation_embed", {"tensor"}, detail::moe_too},
+                                      {"activation_mlp", {"tensor"}, detail::moe_too},
+                                      {"activation_exp", {"expert"}},
+                                      {"mlp", {"tensor"}},
+                                      {"mlp_no_fsdp", {"tensor"}},
+                                      {"embed", {"fsdp", "expert"}},
+                                      {"layers", {"stage"}},
+                                      {"exp", {"expert"}},
+                                      {"mlp_moe", {"tensor"}},
+                                      {"embed_moe", {"fsdp"}},
+                                      {"exp_with_fsdp", {"fsdp"}}})};
+  // EP-TP (MaxText PR #3600; the rules are this library's): outside the routed experts `expert`
+  // is tensor parallelism: tokens split D over it (batch over data, fsdp); routed experts and the
+  // shared expert's hidden dim (`mlp`, computed TP-style) are stored over it; embed dims on fsdp.
   if (name == "ep-tp")
     return {name,
             {"data", "fsdp", "expert"},
-            detail::rules_with_twins({
-                {"activation_batch", {"data", "fsdp"}, detail::moe_too},
-                {"activation_length", {}, detail::moe_too},
-                {"activation_norm_length", {}, detail::moe_too},
-                // activation_exp before the embed rules: a dispatch tensor [E, B, C, D] keeps
-                // its expert dimension on `expert`.
-                {"activation_exp", {"expert"}},
-                {"activation_embed", {"expert"}, detail::moe_too},
-                {"activation_mlp", {}, detail::moe_too},
-                {"mlp", {"expert"}},
-                {"embed", {"fsdp"}},
-                {"exp", {"expert"}},
-                {"mlp_moe", {}},
-                {"embed_moe", {"fsdp"}},
-                {"exp_with_fsdp", {"fsdp"}},
-            })};
+            detail::rules_with_twins(
+                {{"activation_batch", {"data", "fsdp"}, detail::moe_too},
+                 {"activation_length", {}, detail::moe_too},
+                 {"activation_norm_length", {}, detail::moe_too},
+                 // activation_exp before the embed rules: [E, B, C, D] keeps E on `expert`.
+                 {"activation_exp", {"expert"}},
+                 {"activation_embed", {"expert"}, detail::moe_too},
+                 {"activation_mlp", {}, detail::moe_too},
+                 {"mlp", {"expert"}},
+                 {"embed", {"fsdp"}},
+                 {"exp", {"expert"}},
+                 {"mlp_moe", {}},
+                 {"embed_moe", {"fsdp"}},
+                 {"exp_with_fsdp", {"fsdp"}}})};
   std::string known;
   for (auto const& n : preset_names()) known += (known.empty() ? "" : ", ") + n;
   throw ConfigError(

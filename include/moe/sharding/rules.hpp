@@ -2,8 +2,7 @@
 /// \file
 /// Logical-axis rules resolved into PartitionSpecs as Flax's `logical_to_mesh_axes` does for
 /// MaxText (SEMANTICS.md §3.1), and MaxText's PartitionSpec utilities. Resolution never looks at
-/// a mesh: axes the mesh lacks stay in resolved specs (as size-1 axes do in MaxText's parameter
-/// shardings) and go away with drop_size_one().
+/// a mesh: axes the mesh lacks stay in resolved specs and go away with drop_size_one().
 
 #include <moe/detail/json.hpp>
 #include <moe/error.hpp>
@@ -25,8 +24,7 @@ using DimAxes = std::vector<std::string>;
 /// \brief Per tensor dimension, the mesh axes it is split over (a JAX PartitionSpec).
 using PartitionSpec = std::vector<DimAxes>;
 
-/// \brief Logical name of one tensor dimension; std::nullopt = no logical name (Python `None`),
-/// which is always unsharded.
+/// \brief Logical name of one tensor dimension; std::nullopt (Python `None`): none, unsharded.
 using LogicalAxis = std::optional<std::string>;
 
 /// \brief Logical names of a tensor's dimensions, e.g. `{"exp", std::nullopt, "mlp_no_fsdp"}`.
@@ -56,9 +54,7 @@ inline ::moe::detail::ordered_json json(PartitionSpec const& spec) {
 }
 
 /// \brief json(spec) as text, e.g. `["expert", null, ["a", "b"]]`.
-inline std::string to_json(PartitionSpec const& spec) {
-  return ::moe::detail::json_text(json(spec));
-}
+inline std::string to_json(PartitionSpec const& spec) { return detail::json_text(json(spec)); }
 
 /// \brief Ordered list of logical-axis rules (MaxText's `logical_axis_rules`). Rules sharing a
 /// name are fallbacks tried in order; order across names decides which dimension gets an axis.
@@ -115,10 +111,9 @@ class LogicalRules {
     PartitionSpec spec(logical.size());
     std::vector<std::string> used;
     for (auto const& rule : rules_) {
-      auto const it = std::find(logical.begin(), logical.end(), LogicalAxis(rule.name));
-      if (it == logical.end()) continue;
-      auto const dim = static_cast<std::size_t>(it - logical.begin());
-      if (assigned[dim]) continue;
+      auto const dim = static_cast<std::size_t>(
+          std::find(logical.begin(), logical.end(), LogicalAxis(rule.name)) - logical.begin());
+      if (dim == logical.size() || assigned[dim]) continue;
       bool const free = std::none_of(rule.axes.begin(), rule.axes.end(), [&](auto const& a) {
         return std::find(used.begin(), used.end(), a) != used.end();
       });
@@ -146,14 +141,12 @@ class LogicalRules {
 
  private:
   static void check_distinct(LogicalAxes const& logical) {
-    for (std::size_t i = 0; i < logical.size(); ++i) {
-      if (!logical[i]) continue;
+    for (std::size_t i = 0; i < logical.size(); ++i)
       for (std::size_t j = 0; j < i; ++j)
-        if (logical[j] == logical[i])
+        if (logical[i] && logical[j] == logical[i])
           throw ConfigError(detail::cat("logical axis '", *logical[i], "' appears twice (dims ", j,
                                         " and ", i, ") in tensor ", describe(logical),
                                         "; each logical name may name one dimension"));
-    }
   }
   static std::string describe(LogicalAxes const& logical) {
     std::string s = "(";
@@ -190,8 +183,7 @@ inline LogicalAxes parse_logical_axes(std::string const& csv) {
   return out;
 }
 
-/// \brief Removes the given mesh axes from every dimension (MaxText
-/// `remove_mesh_axes_from_partition_spec`, e.g. fsdp for shard_map in-specs).
+/// \brief Removes `axes` from every dimension (MaxText `remove_mesh_axes_from_partition_spec`).
 inline PartitionSpec remove_mesh_axes(PartitionSpec spec, std::vector<std::string> const& axes) {
   for (auto& dim : spec)
     for (auto const& a : axes) dim.erase(std::remove(dim.begin(), dim.end(), a), dim.end());
@@ -222,15 +214,13 @@ inline PartitionSpec remove_axis_from_dims(PartitionSpec spec, std::string const
   return spec;
 }
 
-/// \brief The `moe_dispatch_no_expert_sharding` repair (MaxText
-/// `remove_expert_from_partition_spec`): strips `expert` from the batch dimension `batch_dim`.
+/// \brief MaxText's `remove_expert_from_partition_spec`: strips `expert` from dimension batch_dim.
 inline PartitionSpec remove_expert_from_batch(PartitionSpec spec, int batch_dim = 1) {
   return remove_axis_from_dims(std::move(spec), "expert", {batch_dim});
 }
 
-/// \brief Spec of the dense-path dispatch/MLP tensors `(activation_exp, activation_batch_moe,
-/// ...)`: resolved jointly, or (`moe_dispatch_no_expert_sharding`) per dimension without batch
-/// `expert`.
+/// \brief Spec of the dense dispatch/MLP tensors `(activation_exp, activation_batch_moe, ...)`:
+/// resolved jointly, or (`moe_dispatch_no_expert_sharding`) per dimension without batch `expert`.
 inline PartitionSpec resolve_dispatch(LogicalRules const& rules, LogicalAxes const& logical,
                                       bool moe_dispatch_no_expert_sharding) {
   if (!moe_dispatch_no_expert_sharding) return rules.resolve(logical);

@@ -6,7 +6,6 @@
 #include <moe/comm/communicator.hpp>
 #include <moe/moe_config.hpp>
 
-#include <moe/comm/mpi.hpp>
 #include <moe/detail/compat.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -57,14 +56,13 @@ class MpiRange {
  public:
   /// A range MPI writes to (call finish() after MPI is done); staged in `cache` (grown) if given.
   MpiRange(T* user, std::int64_t n, char const* label, HostBuffer* cache = nullptr)
-      : user_(user), n_(n) {
+      : user_(user, static_cast<std::size_t>(n)) {
     if (!staged<MS>()) return;
-    std::size_t const bytes = static_cast<std::size_t>(n_ > 0 ? n_ : 1) * sizeof(T);
-    if (cache && cache->extent(0) >= bytes)
-      buffer_ = *cache;
-    else
-      buffer_ =
-          HostBuffer(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), bytes);
+    std::size_t const bytes = std::max<std::size_t>(user_.size(), 1) * sizeof(T);
+    buffer_ = cache && cache->extent(0) >= bytes
+                  ? *cache
+                  : HostBuffer(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)),
+                               bytes);
     if (cache) *cache = buffer_;
   }
   /// A range MPI reads from (copied to the host buffer if staged).
@@ -72,27 +70,23 @@ class MpiRange {
   static MpiRange send(ExecSpace const& space, T const* user, std::int64_t n, char const* label,
                        HostBuffer* cache = nullptr) {
     MpiRange r(const_cast<T*>(user), n, label, cache);
-    if (r.is_staged())
-      Kokkos::deep_copy(space, r.host(), Flat<T const, MS>(user, static_cast<std::size_t>(n)));
+    if (r.is_staged()) Kokkos::deep_copy(space, r.host(), r.user_);
     return r;
   }
   /// Copies what MPI wrote back to user memory (enqueued on `space`; fence before dropping this).
   template <class ExecSpace>
   void finish(ExecSpace const& space) const {
-    if (buffer_.data() != nullptr)
-      Kokkos::deep_copy(space, Flat<T, MS>(user_, static_cast<std::size_t>(n_)), host());
+    if (is_staged()) Kokkos::deep_copy(space, user_, host());
   }
-  T* data() const { return buffer_.data() != nullptr ? host().data() : user_; }
+  T* data() const { return is_staged() ? host().data() : user_.data(); }
   bool is_staged() const { return buffer_.data() != nullptr; }
 
  private:
   Flat<T, Kokkos::HostSpace> host() const {
-    return Flat<T, Kokkos::HostSpace>(reinterpret_cast<T*>(buffer_.data()),
-                                      static_cast<std::size_t>(n_));
+    return Flat<T, Kokkos::HostSpace>(reinterpret_cast<T*>(buffer_.data()), user_.size());
   }
 
-  T* user_;
-  std::int64_t n_;
+  Flat<T, MS> user_;
   HostBuffer buffer_;
 };
 
@@ -122,20 +116,15 @@ inline bool fits(std::int64_t row_elems, std::initializer_list<Blocks const*> si
 }
 
 /// A contiguous datatype of one row, freed on scope exit.
-class RowType {
- public:
+struct RowType {
   RowType(MPI_Datatype elem, std::int64_t row_elems) {
-    check_mpi(MPI_Type_contiguous(static_cast<int>(row_elems), elem, &type_),
-              "MPI_Type_contiguous");
-    check_mpi(MPI_Type_commit(&type_), "MPI_Type_commit");
+    check_mpi(MPI_Type_contiguous(static_cast<int>(row_elems), elem, &type), "MPI_Type_contiguous");
+    check_mpi(MPI_Type_commit(&type), "MPI_Type_commit");
   }
   RowType(RowType const&) = delete;
   RowType& operator=(RowType const&) = delete;
-  ~RowType() { MPI_Type_free(&type_); }
-  MPI_Datatype get() const { return type_; }
-
- private:
-  MPI_Datatype type_ = MPI_DATATYPE_NULL;
+  ~RowType() { MPI_Type_free(&type); }
+  MPI_Datatype type = MPI_DATATYPE_NULL;
 };
 
 /// Blocks of an all-gather of n rows per rank: the same n rows to every peer, peer i's at i*n.
@@ -169,7 +158,6 @@ std::vector<MPI_Request> post_pieces(Communicator const& comm, T const* send, Bl
   return reqs;
 }
 
-/// Completes every request of `reqs` (MPI_Waitall) and empties it.
 inline void wait_all(std::vector<MPI_Request>& reqs) {
   if (!reqs.empty())
     check_mpi(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE),
@@ -200,21 +188,17 @@ void exchange_rows(Communicator const& comm, Pattern pattern, T const* send, Blo
   }
   std::optional<RowType> row_type;
   if (row_elems != 1) row_type.emplace(mpi_type<T>(), row_elems);
-  MPI_Datatype const row = row_type ? row_type->get() : mpi_type<T>();
+  MPI_Datatype const row = row_type ? row_type->type : mpi_type<T>();
   int const n = static_cast<int>(s.counts.empty() ? 0 : s.counts[0]);  // alltoall, allgather
-  if (pattern == Pattern::alltoall) {
-    check_mpi(MPI_Alltoall(send, n, row, recv, n, row, comm.get()), "MPI_Alltoall");
-  } else if (pattern == Pattern::allgather) {
-    check_mpi(MPI_Allgather(send, n, row, recv, n, row, comm.get()), "MPI_Allgather");
-  } else {
-    auto ints = [](std::vector<std::int64_t> const& v) {
-      return std::vector<int>(v.begin(), v.end());
-    };
-    auto const sc = ints(s.counts), sd = ints(s.displs), rc = ints(r.counts), rd = ints(r.displs);
-    check_mpi(
-        MPI_Alltoallv(send, sc.data(), sd.data(), row, recv, rc.data(), rd.data(), row, comm.get()),
-        "MPI_Alltoallv");
-  }
+  if (pattern == Pattern::alltoall)
+    return check_mpi(MPI_Alltoall(send, n, row, recv, n, row, comm.get()), "MPI_Alltoall");
+  if (pattern == Pattern::allgather)
+    return check_mpi(MPI_Allgather(send, n, row, recv, n, row, comm.get()), "MPI_Allgather");
+  auto ints = [](auto const& v) { return std::vector<int>(v.begin(), v.end()); };
+  auto const sc = ints(s.counts), sd = ints(s.displs), rc = ints(r.counts), rd = ints(r.displs);
+  check_mpi(
+      MPI_Alltoallv(send, sc.data(), sd.data(), row, recv, rc.data(), rd.data(), row, comm.get()),
+      "MPI_Alltoallv");
 }
 
 /// exchange_rows between user memory of SrcMS and DstMS, complete on return; staged where MPI
@@ -254,10 +238,7 @@ bool overlaps(View const& a, void const* b_begin, std::size_t b_bytes) {
 template <class View>
 std::string shape_of(View const& v) {
   std::string s = "[";
-  for (unsigned d = 0; d < View::rank; ++d) {
-    if (d) s += ',';
-    s += std::to_string(v.extent(d));
-  }
+  for (unsigned d = 0; d < View::rank; ++d) s += (d ? "," : "") + std::to_string(v.extent(d));
   return s + "]";
 }
 

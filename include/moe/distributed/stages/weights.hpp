@@ -1,7 +1,7 @@
 #pragma once
 /// \file
-/// Weight stages of the distributed layer: stored blocks -> compute blocks (the plan's to_compute
-/// ops) and compute-block gradients -> stored-block gradients, on buffers kept between steps.
+/// Weight stages of the distributed layer: stored blocks -> compute blocks, and compute-block
+/// gradients -> stored-block gradients (the plan's ops), on buffers kept between steps.
 
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
@@ -17,13 +17,11 @@
 
 namespace moe::distributed::stages {
 
-/// A view of `shape` on the pool buffer of `key` (kept from step to step; keys must differ
-/// between views alive at the same time).
+/// A view of `shape` on the pool buffer of `key` (distinct keys for views alive together).
 template <class V, class Ctx>
 V shaped(Ctx& ctx, std::vector<std::int64_t> const& shape, std::string const& key) {
-  std::size_t n = 1;
-  for (auto e : shape) n *= std::size_t(e);
-  auto buf = ctx.ws.pool().template get<typename Ctx::scalar_type>(key, n);
+  auto buf = ctx.ws.pool().template get<typename Ctx::scalar_type>(
+      key, std::size_t(detail::product(shape)));
   if constexpr (V::rank == 1)
     return V(buf.data(), shape[0]);
   else if constexpr (V::rank == 2)
@@ -54,10 +52,8 @@ V run_weight_ops(Ctx& ctx, std::vector<WeightOp> const& ops, V cur, std::string 
   return cur;
 }
 
-/// Stored blocks -> compute blocks (the plan's to_compute ops). With dtype=bfloat16 each weight
-/// MaxText casts for compute is first rounded into a copy of its stored block, remade only when
-/// `version` differs from ctx.rounded_version (the caller records it). Returns true when an expert
-/// weight's compute block is new data in a reused buffer: the caller declares a new version.
+/// Stored blocks -> compute blocks (bf16: from rounded copies, remade for a new `version`); true
+/// when an expert weight's compute block is new data in a reused buffer.
 template <class Ctx>
 bool gather_weights(Ctx& ctx, typename Ctx::params_type const& stored,
                     typename Ctx::params_type& compute, std::uint64_t version) {
@@ -84,8 +80,7 @@ bool gather_weights(Ctx& ctx, typename Ctx::params_type const& stored,
   return fresh;
 }
 
-/// The compute-block gradients the backward stages write: `out`'s own where no op lies between
-/// them and the stored block, else zeroed buffers kept while the shapes stay.
+/// The compute-block gradients: `out`'s own where no op lies between, else zeroed kept buffers.
 template <class Ctx>
 void alloc_compute_grads(Ctx& ctx, typename Ctx::params_type& out) {
   using params_type = typename Ctx::params_type;

@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// The chunked ring (num_moe_emb_chunks = n, MaxText's moe_emb_chunking): the ring, routed from
-/// the all-gathered gate logits, whose token all-gather runs in n D-chunks, each overlapping the
-/// previous chunk's first grouped GEMMs. The combine and the backward are the ring's.
+/// The chunked ring (num_moe_emb_chunks = n): routed from the all-gathered gate logits, its token
+/// all-gather runs in n D-chunks overlapping the grouped GEMMs; the rest is the ring's.
 
 #include <moe/comm/iall_gather.hpp>
 #include <moe/detail/blas.hpp>
@@ -13,9 +12,7 @@
 #include <moe/permute/permute.hpp>
 
 #include <cstdint>
-#include <string>
 #include <utility>
-#include <vector>
 
 namespace moe::distributed {
 
@@ -34,8 +31,7 @@ std::pair<typename Ctx::view2, typename Ctx::view2> chunk_views(Ctx const& ctx,
   std::int64_t const T = ctx.plan.tokens, Tw = ctx.plan.work_tokens, Dc = own.extent(1);
   return {view2(own.data() + c * T * Dc, T, Dc), view2(got.data() + c * Tw * Dc, Tw, Dc)};
 }
-/// Starts the all-gather of D-chunk c of the own tokens into its rows of `got`, on its planned
-/// wire (staged in pool slot c % 2: chunk c+1 may start before chunk c's buffers are done).
+/// Starts the all-gather of D-chunk c into its rows of `got`, on its wire (pool slot c % 2).
 template <class Ctx>
 auto start_chunk_gather(Ctx& ctx, chunk_pieces<Ctx> const& pieces, typename Ctx::view2 own,
                         typename Ctx::view2 got, std::int64_t c) {
@@ -81,15 +77,13 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
     return plan_after_experts(b);  // the ring's
   }
 
-  // Its own route, dispatch and experts; the other stages are the ring's.
   /// The expert group's tokens routed from their all-gathered gate logits.
   template <class Ctx>
   static void route(Ctx& ctx) {
     using Scalar = typename Ctx::scalar_type;
-    using cview2 = typename Ctx::cview2;
     auto const x = ctx.ws.at(buf::x);
     auto lo = ctx.ws.make(buf::logits_own);
-    moe::detail::gemm(ctx.space, "N", "N", Scalar(1), cview2(x), ctx.cp.gate, Scalar(0), lo);
+    moe::detail::gemm(ctx.space, "N", "N", Scalar(1), cview2_t<Ctx>(x), ctx.cp.gate, Scalar(0), lo);
     ctx.all_gather(ctx.ep(), lo, ctx.router.logits_rows(ctx.space, ctx.plan.work_tokens), 0);
     ctx.router.forward_logits(ctx.space, ctx.cp.gate_bias, ctx.S,
                               stages::member_token_offsets(ctx, true), ctx.ep().rank());
@@ -99,14 +93,12 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
   static void dispatch(Ctx& c) {
     stages::local_sort(c);
   }
-  /// Chunk c+1's all-gather progresses between the per-expert GEMMs of chunk c, whose sorted rows
-  /// also go into their columns of x_local.
+  /// Chunk c+1's all-gather progresses between the per-expert GEMMs of chunk c.
   template <class Ctx>
   static void experts(Ctx& ctx, std::uint64_t weights_version) {
     using stages::chunk_views;
     using stages::start_chunk_gather;
     using view3 = typename Ctx::view3;
-    using cview2 = typename Ctx::cview2;
     std::int64_t const D = ctx.cfg.base_emb_dim, T = ctx.plan.tokens;
     std::int64_t const nc = ctx.plan.emb_chunks, Dc = D / nc, n = ctx.disp.perm.rows();
     std::int64_t const L = ctx.layout.local_experts, F = ctx.cp.wi_0.extent(2);
@@ -122,15 +114,14 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
     // The chunks' shapes are agreed on once (one collective check, not one per chunk).
     auto const first = chunk_views(ctx, own, got, 0);
     stages::chunk_pieces<Ctx> const pieces(ctx.ep().comm, ctx.space, first.first, first.second);
-    using request = decltype(start_chunk_gather(ctx, pieces, own, got, 0));
-    request next = start_chunk_gather(ctx, pieces, own, got, 0);
+    auto next = start_chunk_gather(ctx, pieces, own, got, 0);
     ctx.ffn.forward_begin(ctx.space, ctx.cfg.mlp_activation, xs, F, weights_version);
     for (std::int64_t c = 0; c < nc; ++c) {
-      request cur = std::move(next);
+      auto cur = std::move(next);
       cur.wait(ctx.space);
       if (c + 1 < nc) next = start_chunk_gather(ctx, pieces, own, got, c + 1);
-      permute::gather_rows(ctx.space, cview2(chunk_views(ctx, own, got, c).second), ctx.perm(), K,
-                           xs_c);
+      permute::gather_rows(ctx.space, cview2_t<Ctx>(chunk_views(ctx, own, got, c).second),
+                           ctx.perm(), K, xs_c);
       detail::copy_rows(ctx.space, "moe::dist::chunk_unpack", xs_c.data(), xs.data(), n, Dc,
                         detail::Identity{}, detail::Block{nc, c});
       // Rows [c*Dc, (c+1)*Dc) of expert l's [D, F] weights: a contiguous [1, Dc, F] block.

@@ -1,17 +1,14 @@
 #pragma once
 /// \file
 /// The EP-TP strategy (ExpertRoute::EpTp): tokens split on D over the expert axes are gathered to
-/// full D (the same on every expert rank), routed, run through the local experts, and the partial
-/// outputs reduce-scattered back to D columns; the shared expert's hidden dim is over the experts.
+/// full D, run through the local experts, and the partial outputs reduce-scattered back on D.
 
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/distributed/plan_builder.hpp>
 #include <moe/distributed/strategy/gathered.hpp>
-#include <moe/permute/permute.hpp>
 
 #include <cstdint>
-#include <vector>
 
 namespace moe::distributed {
 namespace stages {
@@ -81,11 +78,8 @@ struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
   /// The shared expert on the full-D tokens, its partial outputs added to y_cols.
   template <class Ctx>
   static void shared_forward(Ctx& c) {
-    using cview2 = typename Ctx::cview2;
-    auto xw = c.ws.at(buf::x_work);  // [T, D]: x_work is this rank's T
-    auto y_c = c.ws.at(buf::y_cols);
-    auto ysh = stages::shared_mlp_forward(c, cview2(xw), buf::y_shared);
-    stages::scatter_cols_into(c, ysh, buf::y_shared_cols, y_c);
+    auto ysh = stages::shared_mlp_forward(c, cview2_t<Ctx>(c.ws.at(buf::x_work)), buf::y_shared);
+    stages::scatter_cols_into(c, ysh, buf::y_shared_cols, c.ws.at(buf::y_cols));
   }
   template <class Ctx>
   static void output_backward(Ctx& c, typename Ctx::cview2 dy) {
@@ -102,20 +96,18 @@ struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
   }
   template <class Ctx>
   static void shared_backward(Ctx& c, typename Ctx::cview2 /*dy*/, typename Ctx::view2 dx) {
-    using cview2 = typename Ctx::cview2;
-    auto dxsh = stages::shared_mlp_backward(c, cview2(c.ws.at(buf::dy_work)), buf::dx_shared);
+    auto dxsh =
+        stages::shared_mlp_backward(c, cview2_t<Ctx>(c.ws.at(buf::dy_work)), buf::dx_shared);
     stages::scatter_cols_into(c, dxsh, buf::dx_shared_cols, dx);
   }
-  /// The router's backward on the full-D tokens: dx for this rank's D columns (their gate rows);
-  /// d_gate is whole, the same on every expert rank.
+  /// The router's backward on the full-D tokens: dx for this rank's D columns, d_gate whole.
   template <class Ctx>
   static void route_backward(Ctx& c, typename Ctx::view2 dx) {
-    using cview2 = typename Ctx::cview2;
     std::int64_t const E = c.cfg.num_experts, Dl = c.plan.token_cols;
-    cview2 gate_rows(c.cp.gate.data() + c.x_col0 * E, Dl, E);
-    c.router.backward(c.space, cview2(c.ws.at(buf::x_work)), gate_rows,
-                      cview2(c.ws.at(buf::d_weights)), c.router.lb_coefficient(c.B), dx, c.gc.gate,
-                      c.gc.gate_bias);
+    cview2_t<Ctx> gate_rows(c.cp.gate.data() + c.x_col0 * E, Dl, E);
+    c.router.backward(c.space, cview2_t<Ctx>(c.ws.at(buf::x_work)), gate_rows,
+                      cview2_t<Ctx>(c.ws.at(buf::d_weights)), c.router.lb_coefficient(c.B), dx,
+                      c.gc.gate, c.gc.gate_bias);
   }
 };
 

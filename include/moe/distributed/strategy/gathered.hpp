@@ -1,11 +1,8 @@
 #pragma once
 /// \file
-/// The gathered-tokens strategy (ExpertRoute::Ring, Replicated, Local): each rank routes the
-/// working tokens (its own, or the expert group's on the ring) and runs its local experts on them,
-/// sorted (SortedExperts, also the chunked ring's and EP-TP's) or dense (DenseExperts); the
-/// partial outputs are summed back onto their owners.
+/// The gathered-tokens strategy (Ring, Replicated, Local): local experts, sorted or dense, on the
+/// working tokens (own, or the group's on the ring), partial outputs summed back to their owners.
 
-#include <moe/detail/views.hpp>
 #include <moe/distributed/plan_builder.hpp>
 #include <moe/distributed/strategy/shared_expert.hpp>
 #include <moe/permute/local_permute.hpp>
@@ -13,7 +10,6 @@
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 namespace moe::distributed {
 
@@ -31,9 +27,7 @@ void local_sort(Ctx& ctx) {
                           ctx.disp.perm);
 }
 
-/// The backward of the experts on gathered tokens: dy all-gathered over the expert axes as
-/// `gather_dy` (blocks [T, cols] along `dim`; none: not gathered), the experts' backward, and the
-/// stage sending d_weights and dx back (the caller adds its collectives).
+/// The experts' backward on gathered tokens (dy all-gathered as `gather_dy` unless null).
 template <class Experts>
 Stage& plan_gathered_experts_backward(PlanBuilder& b, char const* gather_dy, std::int64_t cols,
                                       int dim) {
@@ -79,10 +73,9 @@ struct SortedExperts : StageDefaults {
 
   template <class Ctx>
   static void dispatch(Ctx& ctx, typename Ctx::view2 xw) {
-    using cview2 = typename Ctx::cview2;
     stages::local_sort(ctx);
     auto xs = ctx.ws.make(buf::x_local, ctx.disp.perm.rows());
-    permute::gather_rows(ctx.space, cview2(xw), ctx.perm(), ctx.cfg.num_experts_per_tok, xs);
+    permute::gather_rows(ctx.space, cview2_t<Ctx>(xw), ctx.perm(), ctx.cfg.num_experts_per_tok, xs);
   }
   /// The experts on the sorted rows (x_local; `xw` is the working tokens they came from).
   template <class Ctx>
@@ -92,23 +85,20 @@ struct SortedExperts : StageDefaults {
     ctx.ffn.forward(ctx.space, ctx.cfg.mlp_activation, xs, ctx.disp.perm.groups, ctx.cp.wi_0,
                     ctx.cp.wi_1, ctx.cp.wo, ys, weights_version);
   }
-  /// The working tokens' routed outputs, y_work [work_tokens, D]: the sorted rows weighted and
-  /// summed onto their tokens.
+  /// The working tokens' routed outputs y_work: the sorted rows weighted and summed onto them.
   template <class Ctx>
   static typename Ctx::view2 combined(Ctx& ctx) {
-    using cview2 = typename Ctx::cview2;
     auto yw = ctx.ws.make(buf::y_work);
-    permute::combine(ctx.space, cview2(ctx.ws.at(buf::y_local)), ctx.inverse(), ctx.route_weights(),
-                     false, yw);
+    permute::combine(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::y_local)), ctx.inverse(),
+                     ctx.route_weights(), false, yw);
     return yw;
   }
   template <class Ctx>
   static void combine_backward(Ctx& ctx) {
-    using cview2 = typename Ctx::cview2;
     auto dys = ctx.ws.make(buf::dy_local, ctx.disp.perm.rows());
     auto dww = ctx.ws.make(buf::d_weights_work);
-    permute::combine_backward(ctx.space, cview2(ctx.ws.at(buf::dy_work)),
-                              cview2(ctx.ws.at(buf::y_local)), ctx.perm(), ctx.inverse(),
+    permute::combine_backward(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::dy_work)),
+                              cview2_t<Ctx>(ctx.ws.at(buf::y_local)), ctx.perm(), ctx.inverse(),
                               ctx.route_weights(), dys, dww);
   }
   template <class Ctx>
@@ -117,13 +107,11 @@ struct SortedExperts : StageDefaults {
     ctx.ffn.backward(ctx.space, dys, ctx.disp.perm.groups, ctx.cp.wi_0, ctx.cp.wi_1, ctx.cp.wo, dys,
                      ctx.gc.wi_0, ctx.gc.wi_1, ctx.gc.wo);
   }
-  /// dx of the working tokens, [work_tokens, D]: the sorted rows' gradients scattered back to
-  /// their tokens.
+  /// dx of the working tokens: the sorted rows' gradients scattered back to them.
   template <class Ctx>
   static typename Ctx::view2 work_dx(Ctx& ctx) {
-    using cview2 = typename Ctx::cview2;
     auto dxw = ctx.ws.make(buf::dx_work);
-    permute::gather_rows_backward(ctx.space, cview2(ctx.ws.at(buf::dy_local)), ctx.inverse(),
+    permute::gather_rows_backward(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::dy_local)), ctx.inverse(),
                                   ctx.cfg.num_experts_per_tok, false, dxw);
     return dxw;
   }
@@ -133,8 +121,7 @@ struct SortedExperts : StageDefaults {
   }
 };
 
-/// \brief The dense masked experts (Gmm = Dense or sparse_matmul = false): every working token
-/// through every local expert, masked by the routing; no sort, no dispatch stage.
+/// \brief The dense masked experts: every working token through every local expert, masked.
 struct DenseExperts : StageDefaults {
   static constexpr bool dense = true;
   static constexpr auto rows_out = buf::y_work;
@@ -165,11 +152,10 @@ struct DenseExperts : StageDefaults {
   /// The experts on the working tokens, the buffer `xw`.
   template <class Ctx>
   static void experts(Ctx& ctx, Handle<Values> xw, std::uint64_t /*weights_version*/) {
-    using cview2 = typename Ctx::cview2;
     auto yw = ctx.ws.make(buf::y_work);
-    ctx.dense.forward(ctx.space, ctx.cfg.mlp_activation, cview2(ctx.ws.at(xw)), ctx.expert_ids(),
-                      ctx.kept(), ctx.route_weights(), int(ctx.layout.first_expert), ctx.cp.wi_0,
-                      ctx.cp.wi_1, ctx.cp.wo, yw);
+    ctx.dense.forward(ctx.space, ctx.cfg.mlp_activation, cview2_t<Ctx>(ctx.ws.at(xw)),
+                      ctx.expert_ids(), ctx.kept(), ctx.route_weights(),
+                      int(ctx.layout.first_expert), ctx.cp.wi_0, ctx.cp.wi_1, ctx.cp.wo, yw);
   }
   /// The dense experts computed y_work itself.
   template <class Ctx>
@@ -178,10 +164,9 @@ struct DenseExperts : StageDefaults {
   }
   template <class Ctx>
   static void experts_backward(Ctx& ctx) {
-    using cview2 = typename Ctx::cview2;
     auto dxw = ctx.ws.make(buf::dx_work);
     auto dww = ctx.ws.make(buf::d_weights_work);
-    ctx.dense.backward(ctx.space, cview2(ctx.ws.at(buf::dy_work)), ctx.cp.wi_0, ctx.cp.wi_1,
+    ctx.dense.backward(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::dy_work)), ctx.cp.wi_0, ctx.cp.wi_1,
                        ctx.cp.wo, dxw, dww, ctx.gc.wi_0, ctx.gc.wi_1, ctx.gc.wo);
   }
   template <class Ctx>
@@ -195,12 +180,10 @@ struct DenseExperts : StageDefaults {
   }
 };
 
-/// \brief The route, dispatch and experts stages on the working tokens W (the expert group's,
-/// gathered over it: `Ring`), through `Experts` (also EP-TP's).
+/// \brief The route, dispatch and experts stages on the working tokens W, through `Experts`.
 template <class Experts, Buf W, bool Ring>
 struct OnWorkTokens : Experts {
-  /// The working tokens.
-  static constexpr auto xw = detail::handle<W>();
+  static constexpr auto xw = detail::handle<W>();  ///< the working tokens
 
   template <class Ctx>
   static void route(Ctx& c) {
@@ -219,8 +202,7 @@ struct OnWorkTokens : Experts {
 /// \brief The gathered-tokens strategy (see the file comment); Ring: ExpertRoute::Ring.
 template <class Experts, bool Ring>
 struct Gathered : OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring> {
-  /// The working tokens: the expert group's (the ring) or this rank's.
-  using OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring>::xw;
+  using OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring>::xw;  ///< the working tokens
 
   /// Its stages, top to bottom.
   StepPlan plan(Layout const& lay, LayerConfig const& cfg, ParallelConfig const& par,
@@ -241,14 +223,11 @@ struct Gathered : OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring> {
   static StepPlan& begin(PlanBuilder& b) {
     StepPlan& p = b.begin();
     auto const ep = detail::axes_text(b.lay.ep_axes);
-    if constexpr (Ring) {
-      p.route_text =
-          "ring of experts: tokens all-gathered over " + ep + ", outputs reduce-scattered";
-      p.token_gathered[0] = b.lay.ep_axes;
-    } else {
-      p.route_text = b.ep > 1 ? "replicated batch over " + ep + ", outputs all-reduced"
-                              : std::string("local (no expert parallelism)");
-    }
+    if (Ring) p.token_gathered[0] = b.lay.ep_axes;
+    p.route_text =
+        Ring ? "ring of experts: tokens all-gathered over " + ep + ", outputs reduce-scattered"
+        : b.ep > 1 ? "replicated batch over " + ep + ", outputs all-reduced"
+                   : std::string("local (no expert parallelism)");
     return p;
   }
   /// The stages after the experts, and the backward (also the chunked ring's).
@@ -283,8 +262,7 @@ struct Gathered : OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring> {
     auto yw = Experts::combined(c);
     auto yo = c.ws.make(buf::y_own);
     stages::tokens_reduce(c, Ring, yw, yo);
-    auto y_c = c.ws.make(buf::y_cols);
-    c.reduce_scatter(c.tp(), yo, y_c, 1);
+    c.reduce_scatter(c.tp(), yo, c.ws.make(buf::y_cols), 1);
   }
   template <class Ctx>
   static void output_backward(Ctx& c, typename Ctx::cview2 dy) {

@@ -1,8 +1,7 @@
 #pragma once
 /// \file
 /// The ragged all-to-all strategy (ExpertRoute::RaggedA2A): rows travel to their experts' ranks,
-/// are regrouped by local expert, run through the grouped GEMMs, and travel back as D/tp column
-/// blocks (partial outputs over the tensor-split hidden dim reduce-scattered first).
+/// run through the grouped GEMMs by local expert, and travel back as D/tp column blocks.
 
 #include <moe/comm/collectives.hpp>
 #include <moe/comm/ragged_all_to_all.hpp>
@@ -13,7 +12,6 @@
 #include <moe/permute/local_permute.hpp>
 #include <moe/permute/permute.hpp>
 
-#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -88,7 +86,6 @@ struct RaggedA2A : StageDefaults {
   }
   template <class Ctx>
   static void dispatch(Ctx& ctx) {
-    using cview2 = typename Ctx::cview2;
     auto x = ctx.ws.at(buf::x);
     int const E = ctx.cfg.num_experts, K = ctx.cfg.num_experts_per_tok;
     int const ep = ctx.ep().size();
@@ -96,10 +93,12 @@ struct RaggedA2A : StageDefaults {
     auto& perm = ctx.disp.perm;
     permute::sort_by_expert(ctx.space, ctx.expert_ids(), ctx.kept(), E, perm);
     auto xs_o = ctx.ws.make(buf::x_sorted, perm.rows());
-    permute::gather_rows(ctx.space, cview2(x), ctx.perm(), K, xs_o);
+    permute::gather_rows(ctx.space, cview2_t<Ctx>(x), ctx.perm(), K, xs_o);
     auto const& off = perm.groups.offsets_host;
-    std::vector<std::int64_t> sizes(E), send(ep);
-    for (int e = 0; e < E; ++e) sizes[e] = off(e + 1) - off(e);
+    View1<std::int64_t, Kokkos::HostSpace> mine("moe::dist::sizes", E),
+        all("moe::dist::all_sizes", E * ep);
+    std::vector<std::int64_t> send(ep);
+    for (int e = 0; e < E; ++e) mine(e) = off(e + 1) - off(e);
     for (int j = 0; j < ep; ++j) send[j] = off((j + 1) * L) - off(j * L);
     std::int64_t const R =
         ctx.par.ragged_buffer_factor > 0
@@ -109,9 +108,6 @@ struct RaggedA2A : StageDefaults {
     auto xr = ctx.ws.make(buf::x_received, ctx.disp.a2a->recv_total());
     ctx.all_to_all(false, xs_o, xr);
     // Everyone's group sizes -> the received rows regrouped by local expert.
-    View1<std::int64_t, Kokkos::HostSpace> mine("moe::dist::sizes", E),
-        all("moe::dist::all_sizes", E * ep);
-    std::copy(sizes.begin(), sizes.end(), mine.data());
     comm::all_gather(ctx.ep().comm, Kokkos::DefaultHostExecutionSpace(), mine, all);
     std::vector<std::int64_t> G(all.data(), all.data() + E * ep);
     permute::make_local_permutation(ctx.space, permute::local_layout(G, E, ep, ctx.ep().rank(), R),
@@ -133,28 +129,27 @@ struct RaggedA2A : StageDefaults {
   }
   template <class Ctx>
   static void combine(Ctx& ctx) {
-    using cview2 = typename Ctx::cview2;
-    auto ys_c = ctx.ws.at(buf::y_local_cols);
     auto yr_c = ctx.ws.make(buf::y_received_cols, ctx.disp.a2a->recv_total());
-    permute::unpermute_rows(ctx.space, ctx.disp.lp, ys_c, yr_c);
+    permute::unpermute_rows(ctx.space, ctx.disp.lp, ctx.ws.at(buf::y_local_cols), yr_c);
     auto ys_o_c = ctx.ws.make(buf::y_sorted_cols, ctx.disp.perm.rows());
     ctx.all_to_all(true, yr_c, ys_o_c);
     auto y_c = ctx.ws.make(buf::y_cols);
-    permute::combine(ctx.space, cview2(ys_o_c), ctx.inverse(), ctx.route_weights(), false, y_c);
+    permute::combine(ctx.space, cview2_t<Ctx>(ys_o_c), ctx.inverse(), ctx.route_weights(), false,
+                     y_c);
   }
   template <class Ctx>
   static void output_backward(Ctx& ctx, typename Ctx::cview2 dy) {
-    auto dy_c = ctx.ws.make(buf::dy_cols);
-    distributed::slice_dim(ctx.space, ctx.tp().size(), ctx.tp().rank(), dy, dy_c, 1);
+    distributed::slice_dim(ctx.space, ctx.tp().size(), ctx.tp().rank(), dy,
+                           ctx.ws.make(buf::dy_cols), 1);
   }
   template <class Ctx>
   static void combine_backward(Ctx& ctx) {
-    using cview2 = typename Ctx::cview2;
     auto dy_c = ctx.ws.at(buf::dy_cols);
     auto dys_o_c = ctx.ws.make(buf::dy_sorted_cols, ctx.disp.perm.rows());
     auto dw = ctx.ws.make(buf::d_weights);
-    permute::combine_backward(ctx.space, cview2(dy_c), cview2(ctx.ws.at(buf::y_sorted_cols)),
-                              ctx.perm(), ctx.inverse(), ctx.route_weights(), dys_o_c, dw);
+    permute::combine_backward(ctx.space, cview2_t<Ctx>(dy_c),
+                              cview2_t<Ctx>(ctx.ws.at(buf::y_sorted_cols)), ctx.perm(),
+                              ctx.inverse(), ctx.route_weights(), dys_o_c, dw);
     ctx.all_reduce(ctx.tp(), dw);
     auto dyr_c = ctx.ws.make(buf::dy_received_cols, ctx.disp.a2a->recv_total());
     ctx.all_to_all(false, dys_o_c, dyr_c);
@@ -173,14 +168,13 @@ struct RaggedA2A : StageDefaults {
   }
   template <class Ctx>
   static void dispatch_backward(Ctx& ctx, typename Ctx::view2 dx) {
-    using cview2 = typename Ctx::cview2;
     auto dxs_c = ctx.ws.at(buf::dy_local_cols);
     auto dxr_c = ctx.ws.at(buf::dy_received_cols);
     permute::unpermute_rows(ctx.space, ctx.disp.lp, dxs_c, dxr_c);
     auto dxs_o_c = ctx.ws.at(buf::dy_sorted_cols);
     ctx.all_to_all(true, dxr_c, dxs_o_c);
     auto dx_c = ctx.ws.at(buf::dy_cols);
-    permute::gather_rows_backward(ctx.space, cview2(dxs_o_c), ctx.inverse(),
+    permute::gather_rows_backward(ctx.space, cview2_t<Ctx>(dxs_o_c), ctx.inverse(),
                                   ctx.cfg.num_experts_per_tok, false, dx_c);
     ctx.all_gather(ctx.tp(), dx_c, dx, 1);
   }

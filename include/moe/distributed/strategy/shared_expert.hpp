@@ -1,7 +1,7 @@
 #pragma once
 /// \file
-/// The shared expert of every strategy but EP-TP, as the layout chose it (SharedExpert), and the
-/// shared MLP itself (also EP-TP's); StageDefaults, the stage functions a strategy may not define.
+/// The shared expert (SharedExpert; EP-TP's own), and StageDefaults: the stage functions a
+/// strategy may not define.
 
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
@@ -14,7 +14,6 @@
 
 namespace moe::distributed::stages {
 
-// ---------------------------------------------------------------------------- plan
 /// Working tokens -> own tokens in the plan (see tokens_reduce).
 inline void plan_tokens_reduce(PlanBuilder const& b, Stage& st, std::string const& what,
                                std::int64_t cols, bool spans) {
@@ -23,67 +22,55 @@ inline void plan_tokens_reduce(PlanBuilder const& b, Stage& st, std::string cons
   else
     b.all_reduce(st, "reduce " + what + " (expert)", b.lay.ep_axes, b.T * cols);
 }
-/// The forward stage, as the layout's SharedExpert says.
+/// The forward stage, as the layout's SharedExpert says (EP-as-TP: through the expert group).
 inline void plan_shared_forward(PlanBuilder& b) {
-  Extent const Tg = b.shared_tokens(), D = b.emb(), cols = b.emb_cols();
-  if (b.lay.shared == SharedExpert::own) {
-    auto& st = b.shared_stage(
-        buf::x, Tg,
-        {b.out(buf::y_shared, Tg, D), b.out(buf::y_shared_cols, b.tokens(), cols), buf::y_cols});
-    b.reduce_scatter(st, "reduce-scatter y shared (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
-    return;
+  Extent const Tg = b.shared_tokens(), D = b.emb(), T = b.tokens();
+  bool const own = b.lay.shared == SharedExpert::own, spans = b.shared_spans();
+  std::vector<Out> w{b.out(buf::y_shared, Tg, D), b.out(buf::y_shared_cols, T, b.emb_cols()),
+                     buf::y_cols};
+  if (!own) {
+    w.insert(w.begin() + 1, b.out(buf::y_own, T, D, Item::shared));
+    w.insert(w.begin(), b.out(buf::x_shared, Tg, D));
   }
-  bool const spans = b.shared_spans();
-  auto& st = b.shared_stage(buf::x, Tg,
-                            {b.out(buf::x_shared, Tg, D), b.out(buf::y_shared, Tg, D),
-                             b.out(buf::y_own, b.tokens(), D, Item::shared),
-                             b.out(buf::y_shared_cols, b.tokens(), cols), buf::y_cols});
+  auto& st = b.shared_stage(buf::x, Tg, std::move(w));
   if (spans) b.all_gather(st, "all-gather x (shared, expert)", b.lay.ep_axes, b.T, b.D, 0);
-  plan_tokens_reduce(b, st, "y shared", b.D, spans);
+  if (!own) plan_tokens_reduce(b, st, "y shared", b.D, spans);
   b.reduce_scatter(st, "reduce-scatter y shared (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
 }
 inline void plan_shared_backward(PlanBuilder& b) {
   Extent const Tg = b.shared_tokens(), D = b.emb();
-  if (b.lay.shared == SharedExpert::own) {
-    auto& st = b.shared_stage(Buf::dy, Tg, {b.out(buf::dx_shared, Tg, D), Buf::dx});
-    b.all_reduce(st, "reduce d_x shared (tensor)", b.lay.tp_axes, b.T * b.D);
-    return;
+  bool const own = b.lay.shared == SharedExpert::own, spans = b.shared_spans();
+  std::vector<Out> w{b.out(buf::dx_shared, Tg, D), Buf::dx};
+  if (!own) {
+    w.insert(w.begin() + 1, buf::y_own);
+    w.insert(w.begin(), b.out(buf::dy_shared, Tg, D));
   }
-  bool const spans = b.shared_spans();
-  auto& st = b.shared_stage(
-      Buf::dy, Tg,
-      {b.out(buf::dy_shared, Tg, D), b.out(buf::dx_shared, Tg, D), buf::y_own, Buf::dx});
+  auto& st = b.shared_stage(Buf::dy, Tg, std::move(w));
   if (spans) b.all_gather(st, "all-gather d_y (shared, expert)", b.lay.ep_axes, b.T, b.D, 0);
   b.all_reduce(st, "reduce d_x shared (tensor)", b.lay.tp_axes, b.T * (spans ? b.ep : 1) * b.D);
-  plan_tokens_reduce(b, st, "d_x shared", b.D, spans);
+  if (!own) plan_tokens_reduce(b, st, "d_x shared", b.D, spans);
 }
-
-// ---------------------------------------------------------------------------- run
 
 /// The shared MLP on the tokens x (full D) into the zeroed workspace buffer `name` [rows, D].
 template <class Ctx>
 typename Ctx::view2 shared_mlp_forward(Ctx& ctx, typename Ctx::cview2 x, Handle<Values> name) {
-  using Scalar = typename Ctx::scalar_type;
   auto y = ctx.ws.make(name, std::int64_t(x.extent(0)));
-  Kokkos::deep_copy(ctx.space, y, Scalar(0));
+  Kokkos::deep_copy(ctx.space, y, typename Ctx::scalar_type(0));
   ctx.shared.forward(ctx.space, ctx.cfg.mlp_activation, x, ctx.cp.shared_wi_0, ctx.cp.shared_wi_1,
                      ctx.cp.shared_wo, y);
   return y;
 }
-/// Its transpose: the input gradient into the zeroed buffer `name`, the weight gradients into
-/// the compute-block gradients.
+/// Its transpose: dx into the zeroed buffer `name`, the weight gradients into ctx.gc.
 template <class Ctx>
 typename Ctx::view2 shared_mlp_backward(Ctx& ctx, typename Ctx::cview2 dy, Handle<Values> name) {
-  using Scalar = typename Ctx::scalar_type;
   auto dx = ctx.ws.make(name, std::int64_t(dy.extent(0)));
-  Kokkos::deep_copy(ctx.space, dx, Scalar(0));
+  Kokkos::deep_copy(ctx.space, dx, typename Ctx::scalar_type(0));
   ctx.shared.backward(ctx.space, dy, ctx.cp.shared_wi_0, ctx.cp.shared_wi_1, ctx.cp.shared_wo, dx,
                       ctx.gc.shared_wi_0, ctx.gc.shared_wi_1, ctx.gc.shared_wo);
   return dx;
 }
 
-/// Own tokens -> working tokens: an all-gather over the expert group when the working tokens
-/// are the group's (`spans`), else a copy.
+/// Own tokens -> working tokens: all-gathered over the expert group (`spans`), else copied.
 template <class Ctx>
 void tokens_gather(Ctx& ctx, bool spans, typename Ctx::cview2 own, typename Ctx::view2 work) {
   if (spans)
@@ -91,9 +78,7 @@ void tokens_gather(Ctx& ctx, bool spans, typename Ctx::cview2 own, typename Ctx:
   else
     Kokkos::deep_copy(ctx.space, work, own);
 }
-/// Working tokens -> own tokens: a reduce-scatter over the expert group when the working tokens
-/// are the group's (`spans`), else a sum over it (replicated tokens; a copy without expert
-/// parallelism).
+/// Working tokens -> own tokens: reduce-scattered over the expert group (`spans`), else summed.
 template <class Ctx>
 void tokens_reduce(Ctx& ctx, bool spans, typename Ctx::view2 work, typename Ctx::view2 own) {
   if (spans) {
@@ -124,18 +109,15 @@ struct StageDefaults {
     stages::no_stage(*c.stage);
   }
 
-  /// The shared expert added into the D/tp columns y_cols: on this rank's own tokens, or EP-as-TP
-  /// on the expert group's, the partial outputs going back to their tokens' owners.
+  /// The shared expert added into the D/tp columns y_cols (own tokens, or EP-as-TP the group's).
   template <class Ctx>
   static void shared_forward(Ctx& ctx) {
-    using cview2 = typename Ctx::cview2;
     auto const x = ctx.ws.at(buf::x), y_c = ctx.ws.at(buf::y_cols);
-    bool const own = ctx.layout.shared == SharedExpert::own;
-    bool const spans = ctx.plan.shared_spans();
-    cview2 xs = x;
+    bool const own = ctx.layout.shared == SharedExpert::own, spans = ctx.plan.shared_spans();
+    cview2_t<Ctx> xs = x;
     if (!own) {
       auto xsh = ctx.ws.make(buf::x_shared);
-      stages::tokens_gather(ctx, spans, cview2(x), xsh);
+      stages::tokens_gather(ctx, spans, cview2_t<Ctx>(x), xsh);
       xs = xsh;
     }
     auto ysh = stages::shared_mlp_forward(ctx, xs, buf::y_shared);
@@ -151,8 +133,7 @@ struct StageDefaults {
   /// The transpose of shared_forward: dx += the shared expert's input gradient.
   template <class Ctx>
   static void shared_backward(Ctx& ctx, typename Ctx::cview2 dy, typename Ctx::view2 dx) {
-    bool const own = ctx.layout.shared == SharedExpert::own;
-    bool const spans = ctx.plan.shared_spans();
+    bool const own = ctx.layout.shared == SharedExpert::own, spans = ctx.plan.shared_spans();
     if (!own) {
       auto dysh = ctx.ws.make(buf::dy_shared);
       stages::tokens_gather(ctx, spans, dy, dysh);
@@ -170,10 +151,9 @@ struct StageDefaults {
   /// The router's backward on this rank's tokens: dx += d_logits gate^T, d_gate, d_gate_bias.
   template <class Ctx>
   static void route_backward(Ctx& ctx, typename Ctx::view2 dx) {
-    using cview2 = typename Ctx::cview2;
-    ctx.router.backward(ctx.space, cview2(ctx.ws.at(buf::x)), ctx.cp.gate,
-                        cview2(ctx.ws.at(buf::d_weights)), ctx.router.lb_coefficient(ctx.B), dx,
-                        ctx.gc.gate, ctx.gc.gate_bias);
+    ctx.router.backward(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::x)), ctx.cp.gate,
+                        cview2_t<Ctx>(ctx.ws.at(buf::d_weights)), ctx.router.lb_coefficient(ctx.B),
+                        dx, ctx.gc.gate, ctx.gc.gate_bias);
   }
 };
 

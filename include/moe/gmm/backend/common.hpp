@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// What the grouped-GEMM backends share: unmanaged operand view types, zeroing of unvisited rows,
-/// the host-side shape checks of gmm/tgmm, and the primary `Impl` template each backend
-/// specialises for its policy tag.
+/// What the grouped-GEMM backends share: operand view types, zeroing, bf16 copies, shape checks,
+/// and the primary `Impl` template each backend specialises for its policy tag.
 
 #include <moe/bf16.hpp>
 #include <moe/detail/compat.hpp>
@@ -34,32 +33,25 @@ using Tensor = Unmanaged<Scalar***, Exec, Mem>;
 using Rows = std::pair<int64_t, int64_t>;
 
 using moe::detail::fence;
+using moe::detail::require;
 
 /// Whether T is moe::bf16 (const or not): an operand stored in 16 bits.
 template <class T>
 inline constexpr bool is_bf16 = std::is_same<std::remove_const_t<T>, moe::bf16>::value;
 
-/// The index range of a rows x cols matrix on `space`.
-template <class ExecSpace>
-auto matrix_range(ExecSpace const& space, int64_t rows, int64_t cols) {
-  using Policy = Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>, Kokkos::IndexType<int64_t>>;
-  return Policy(space, {0, 0}, {rows, cols});
-}
-
-/// w(i, j) = W(v(i, j)) over the extents of v (W: the element type of w; moe::bf16 converts
-/// through float both ways).
+/// w(i, j) = W(v(i, j)) over the extents of v (W: w's element type; bf16 converts via float).
 template <class ExecSpace, class V, class Wv>
 void convert_into(ExecSpace const& space, V const& v, Wv const& w, char const* label) {
   using W = typename Wv::value_type;
+  using Policy = Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>, Kokkos::IndexType<int64_t>>;
   int64_t const rows = v.extent(0), cols = v.extent(1);
   if (rows > 0 && cols > 0)
     Kokkos::parallel_for(
-        label, matrix_range(space, rows, cols),
+        label, Policy(space, {0, 0}, {rows, cols}),
         KOKKOS_LAMBDA(int64_t i, int64_t j) { w(i, j) = W(float(v(i, j))); });
 }
 
-/// A 2-D view as S values: itself when it holds S, else an S copy in its space (widened,
-/// exact, with `read`; uninitialised without).
+/// A 2-D view as S values: itself, or an S copy (widened with `read`, else uninitialised).
 template <class S, class ExecSpace, class V>
 auto widened(ExecSpace const& space, V const& v, bool read = true) {
   if constexpr (!is_bf16<typename V::value_type>) {
@@ -73,9 +65,8 @@ auto widened(ExecSpace const& space, V const& v, bool read = true) {
   }
 }
 
-/// Runs run(a', b') on S views of two 2-D operands: the moe::bf16 ones through S copies, the
-/// others themselves. With `BWritten` (gmm's out) a bf16 b's copy starts uninitialised and is
-/// narrowed (rounded to bf16) into b after. How every path that computes in S takes bf16 operands.
+/// Runs run(a', b') on S views of two 2-D operands (bf16 ones through S copies). With `BWritten`
+/// (gmm's out) a bf16 b's copy starts uninitialised and is narrowed into b after.
 template <class S, bool BWritten, class ExecSpace, class A, class B, class Run>
 void via_float(ExecSpace const& space, A const& a, B const& b, Run&& run) {
   auto const wa = widened<S>(space, a);
@@ -86,23 +77,22 @@ void via_float(ExecSpace const& space, A const& a, B const& b, Run&& run) {
   fence(space, "moe::gmm: float copies used");  // before they are freed
 }
 
-/// out = 0 on a 2-D block (any row stride).
-template <class ExecSpace, class Scalar, class Mem>
-void zero(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out, char const* label) {
-  int64_t const rows = out.extent(0), cols = out.extent(1);
-  if (rows == 0 || cols == 0) return;
-  Kokkos::parallel_for(
-      label, Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<int64_t>>(space, 0, rows * cols),
-      KOKKOS_LAMBDA(int64_t idx) { out(idx / cols, idx % cols) = Scalar(0); });
-}
-
-/// Zeroes out's rows [begin, end).
+/// Zeroes out's rows [begin, end) (any row stride).
 template <class ExecSpace, class Scalar, class Mem>
 void zero_rows(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out, int64_t begin,
                int64_t end, char const* label) {
-  if (end > begin)
-    zero(space, Mat<ExecSpace, Scalar, Mem>(Kokkos::subview(out, Rows(begin, end), Kokkos::ALL)),
-         label);
+  int64_t const cols = out.extent(1);
+  if (end > begin && cols > 0)
+    Kokkos::parallel_for(
+        label,
+        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<int64_t>>(space, begin * cols, end * cols),
+        KOKKOS_LAMBDA(int64_t idx) { out(idx / cols, idx % cols) = Scalar(0); });
+}
+
+/// out = 0 on a 2-D block.
+template <class ExecSpace, class Scalar, class Mem>
+void zero(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out, char const* label) {
+  zero_rows(space, out, 0, out.extent(0), label);
 }
 
 /// Zeroes the rows of out outside [begin, end) (rows of no visited group).
@@ -113,8 +103,7 @@ void zero_outside(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out
   zero_rows(space, out, end, int64_t(out.extent(0)), "moe::gmm::zero_unvisited_rows");
 }
 
-/// out[r, :] rounded to bf16 for rows r in [begin, end) (GmmOptions::bf16_output on the paths
-/// that compute in float).
+/// out[r, :] rounded to bf16 for rows r in [begin, end) (bf16_output on the float paths).
 template <class ExecSpace, class Scalar, class Mem>
 void round_rows(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out, int64_t begin,
                 int64_t end) {
@@ -130,79 +119,72 @@ void round_rows(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out, 
 }
 
 inline void check_blas_extent(char const* what, char const* name, int64_t value) {
-  moe::detail::require<ShapeError>(value <= INT_MAX, what, ": ", name, "=", value,
-                                   " exceeds the 32-bit BLAS limit ", INT_MAX,
-                                   "; use the Tiled policy or split the problem");
+  require<ShapeError>(value <= INT_MAX, what, ": ", name, "=", value,
+                      " exceeds the 32-bit BLAS limit ", INT_MAX,
+                      "; use the Tiled policy or split the problem");
 }
 
-// ----------------------------------------------------------------------------------------------
-// Shape checks (host)
-
-/// The checks gmm and tgmm share: `local` = rhs or out names the per-group operand, whose
-/// extent(0) is G_local; lhs has m rows.
+/// The shape checks gmm and tgmm share (`local`: rhs or out, whose extent(0) is G_local).
 template <class Mem>
 void check_groups(char const* what, char const* local, std::size_t g_local, int64_t m,
-                  moe::gmm::Groups<Mem> const& groups, moe::gmm::GmmOptions const& opt) {
-  moe::detail::require<ShapeError>(g_local <= INT_MAX, what, ": ", local, ".extent(0)=", g_local,
-                                   " groups is more than ", INT_MAX);
+                  Groups<Mem> const& groups, GmmOptions const& opt) {
+  require<ShapeError>(g_local <= INT_MAX, what, ": ", local, ".extent(0)=", g_local,
+                      " groups is more than ", INT_MAX);
   int const num_local = static_cast<int>(g_local);
-  moe::detail::require<ShapeError>(
+  require<ShapeError>(
       groups.offsets.extent(0) == groups.offsets_host.extent(0) && groups.offsets.extent(0) >= 1,
       what, ": groups.offsets.extent(0)=", groups.offsets.extent(0),
       " and groups.offsets_host.extent(0)=", groups.offsets_host.extent(0),
       " must be equal and >= 1; build Groups with moe::gmm::make_groups");
-  moe::detail::require<ShapeError>(opt.group_offset >= 0, what, ": group_offset=", opt.group_offset,
-                                   " must be >= 0");
-  moe::detail::require<ShapeError>(
-      static_cast<int64_t>(opt.group_offset) + num_local <= groups.num_groups(), what,
-      ": group_offset=", opt.group_offset, " + G_local=", num_local,
-      " exceeds the number of groups G=", groups.num_groups());
-  moe::detail::require<ShapeError>(m >= groups.rows(), what, ": lhs.extent(0)=", m,
-                                   " is smaller than the number of grouped rows ", groups.rows(),
-                                   " (sum of group sizes); lhs needs a row for each");
+  require<ShapeError>(opt.group_offset >= 0, what, ": group_offset=", opt.group_offset,
+                      " must be >= 0");
+  require<ShapeError>(static_cast<int64_t>(opt.group_offset) + num_local <= groups.num_groups(),
+                      what, ": group_offset=", opt.group_offset, " + G_local=", num_local,
+                      " exceeds the number of groups G=", groups.num_groups());
+  require<ShapeError>(m >= groups.rows(), what, ": lhs.extent(0)=", m,
+                      " is smaller than the number of grouped rows ", groups.rows(),
+                      " (sum of group sizes); lhs needs a row for each");
 }
 
 template <class L, class R, class O, class Mem>
-void check_gmm(L const& lhs, R const& rhs, moe::gmm::Groups<Mem> const& groups, O const& out,
-               moe::gmm::GmmOptions const& opt) {
+void check_gmm(L const& lhs, R const& rhs, Groups<Mem> const& groups, O const& out,
+               GmmOptions const& opt) {
   char const* what = "moe::gmm::gmm";
   int64_t const m = lhs.extent(0), k = lhs.extent(1);
   int64_t const rk = opt.transpose_rhs ? rhs.extent(2) : rhs.extent(1);
   int64_t const n = opt.transpose_rhs ? rhs.extent(1) : rhs.extent(2);
   check_groups(what, "rhs", rhs.extent(0), m, groups, opt);
-  moe::detail::require<ShapeError>(
-      rk == k, what, ": lhs is [", m, ",", k, "] but rhs is [", rhs.extent(0), ",", rhs.extent(1),
-      ",", rhs.extent(2), "]; rhs.extent(", opt.transpose_rhs ? 2 : 1, ")=", rk,
-      " must equal lhs.extent(1)=", k, opt.transpose_rhs ? " (transpose_rhs)" : "");
+  require<ShapeError>(rk == k, what, ": lhs is [", m, ",", k, "] but rhs is [", rhs.extent(0), ",",
+                      rhs.extent(1), ",", rhs.extent(2), "]; rhs.extent(",
+                      opt.transpose_rhs ? 2 : 1, ")=", rk, " must equal lhs.extent(1)=", k,
+                      opt.transpose_rhs ? " (transpose_rhs)" : "");
   bool const out16 = is_bf16<typename O::value_type>;
-  moe::detail::require<ConfigError>(
+  require<ConfigError>(
       !((opt.bf16_output || out16) && opt.accumulate), what,
       out16 ? ": out holds moe::bf16 with accumulate=true; a bf16 output cannot be summed into "
               "(sum into a float output and round the sum instead)"
             : ": bf16_output=true with accumulate=true; a rounded output cannot be summed into "
               "(round the sum instead)");
-  moe::detail::require<ShapeError>(out.extent(0) == lhs.extent(0) && int64_t(out.extent(1)) == n,
-                                   what, ": out is [", out.extent(0), ",", out.extent(1),
-                                   "] but must be [lhs.extent(0), n] = [", m, ",", n, "]");
+  require<ShapeError>(out.extent(0) == lhs.extent(0) && int64_t(out.extent(1)) == n, what,
+                      ": out is [", out.extent(0), ",", out.extent(1),
+                      "] but must be [lhs.extent(0), n] = [", m, ",", n, "]");
 }
 
 template <class L, class D, class O, class Mem>
-void check_tgmm(L const& lhs, D const& dy, moe::gmm::Groups<Mem> const& groups, O const& out,
-                moe::gmm::GmmOptions const& opt) {
+void check_tgmm(L const& lhs, D const& dy, Groups<Mem> const& groups, O const& out,
+                GmmOptions const& opt) {
   char const* what = "moe::gmm::tgmm";
   int64_t const m = lhs.extent(0), k = lhs.extent(1), n = dy.extent(1);
   check_groups(what, "out", out.extent(0), m, groups, opt);
-  moe::detail::require<ShapeError>(int64_t(dy.extent(0)) == m, what,
-                                   ": dy.extent(0)=", dy.extent(0),
-                                   " must equal lhs.extent(0)=", m);
-  moe::detail::require<ShapeError>(int64_t(out.extent(1)) == k && int64_t(out.extent(2)) == n, what,
-                                   ": out is [", out.extent(0), ",", out.extent(1), ",",
-                                   out.extent(2), "] but must be [G_local, ", k, ", ", n,
-                                   "] = [G_local, lhs.extent(1), dy.extent(1)]");
+  require<ShapeError>(int64_t(dy.extent(0)) == m, what, ": dy.extent(0)=", dy.extent(0),
+                      " must equal lhs.extent(0)=", m);
+  require<ShapeError>(int64_t(out.extent(1)) == k && int64_t(out.extent(2)) == n, what,
+                      ": out is [", out.extent(0), ",", out.extent(1), ",", out.extent(2),
+                      "] but must be [G_local, ", k, ", ", n,
+                      "] = [G_local, lhs.extent(1), dy.extent(1)]");
 }
 
-/// The implementation of a policy: static gmm() and tgmm() on unmanaged row-major operands. Each
-/// backend file specialises it for its tag (and moe::gmm::is_policy / is_available beside it).
+/// A policy's implementation: static gmm() and tgmm() on unmanaged row-major operands.
 template <class Policy>
 struct Impl {
   static_assert(!std::is_same<Policy, Policy>::value,
@@ -226,8 +208,7 @@ template <class T, class S>
 inline constexpr bool row_element = std::is_same<std::remove_const_t<T>, S>::value || is_bf16<T>;
 
 /// The compile-time rules of gmm (`Rhs` = rhs [G,k,n], out [m,n]) and tgmm (`Rhs` = dy [m,n],
-/// out [G,k,n]): the weights-side operand (gmm's rhs, tgmm's out) holds the scalar S (float or
-/// double); the row operands hold S or moe::bf16.
+/// out [G,k,n]): the weights (gmm's rhs, tgmm's out) hold S, the row operands S or moe::bf16.
 template <class Policy, class ExecSpace, class Lhs, class Rhs, class Out, unsigned OutRank>
 constexpr void static_checks() {
   static_assert(is_policy<Policy>::value, "moe::gmm: Policy is not a grouped-GEMM policy tag");

@@ -18,14 +18,11 @@ struct is_policy<Dense> : std::true_type {};
 
 namespace moe::gmm::detail {
 
-using moe::detail::blas_gemm;
-using moe::detail::BlasOrder;
 template <>
 struct Impl<moe::gmm::Dense> {
   template <class E, class S, class ML, class MR, class MO, class Mem>
   static void gmm(E const& space, CMat<E, S, ML> const& lhs, CTensor<E, S, MR> const& rhs,
-                  moe::gmm::Groups<Mem> const& groups, Mat<E, S, MO> const& out,
-                  moe::gmm::GmmOptions const& opt) {
+                  Groups<Mem> const& groups, Mat<E, S, MO> const& out, GmmOptions const& opt) {
     int const num_local = rhs.extent(0);
     int64_t const m = lhs.extent(0), n = out.extent(1);
     auto const& off = groups.offsets_host;
@@ -39,9 +36,10 @@ struct Impl<moe::gmm::Dense> {
       int64_t const r0 = off(opt.group_offset + g), r1 = off(opt.group_offset + g + 1);
       zero(space, all_u, "moe::gmm::dense::zero");
       if (lhs.extent(1) > 0) {
-        BlasOrder<E, CMat<E, S, ML>, CMat<E, S, MR>, Mat<E, S, MO>> order(space);
+        moe::detail::BlasOrder<E, CMat<E, S, ML>, CMat<E, S, MR>, Mat<E, S, MO>> order(space);
         CMat<E, S, MR> b = Kokkos::subview(rhs, g, Kokkos::ALL, Kokkos::ALL);
-        blas_gemm(space, "N", opt.transpose_rhs ? "T" : "N", S(1), lhs, b, S(1), all_u);
+        moe::detail::blas_gemm(space, "N", opt.transpose_rhs ? "T" : "N", S(1), lhs, b, S(1),
+                               all_u);
       }
       bool const acc = opt.accumulate;
       Kokkos::parallel_for(
@@ -57,8 +55,7 @@ struct Impl<moe::gmm::Dense> {
 
   template <class E, class S, class ML, class MD, class MO, class Mem>
   static void tgmm(E const& space, CMat<E, S, ML> const& lhs, CMat<E, S, MD> const& dy,
-                   moe::gmm::Groups<Mem> const& groups, Tensor<E, S, MO> const& out,
-                   moe::gmm::GmmOptions const& opt) {
+                   Groups<Mem> const& groups, Tensor<E, S, MO> const& out, GmmOptions const& opt) {
     int const num_local = out.extent(0);
     int64_t const m = lhs.extent(0), k = lhs.extent(1);
     auto const& off = groups.offsets_host;
@@ -78,8 +75,8 @@ struct Impl<moe::gmm::Dense> {
             int64_t const r = idx / k, j = idx % k;
             masked(r, j) = (r >= r0 && r < r1) ? lhs(r, j) : S(0);
           });
-      BlasOrder<E, CMat<E, S, ML>, CMat<E, S, MD>, Mat<E, S, MO>> order(space);
-      blas_gemm(space, "T", "N", S(1), CMat<E, S, ML>(masked), dy, S(1), c);
+      moe::detail::BlasOrder<E, CMat<E, S, ML>, CMat<E, S, MD>, Mat<E, S, MO>> order(space);
+      moe::detail::blas_gemm(space, "T", "N", S(1), CMat<E, S, ML>(masked), dy, S(1), c);
     }
     fence(space, "moe::gmm::dense: before releasing the temporary");
   }

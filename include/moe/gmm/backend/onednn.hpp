@@ -1,9 +1,8 @@
 #pragma once
 /// \file
-/// gmm::OneDnn: grouped GEMM on the host through oneDNN, float only. Packed mode (a direct kernel,
-/// KernelPlan, and a PackCache): weights reordered once per version, groups run as row chunks.
-/// Plain mode: one sgemm per group on the weights in place (few_rows for 2-3 rows). Packed chunks
-/// and tgmm calls run single-threaded, one per OpenMP thread, with results independent of which.
+/// gmm::OneDnn: grouped GEMM on the host through oneDNN, float only. Packed mode (a KernelPlan and
+/// a PackCache): weights reordered once per version, groups run as row chunks. Plain mode: one
+/// sgemm per group (few_rows for 2-3 rows). Packed chunks and tgmm calls run one per OpenMP thread.
 
 #include <moe/detail/onednn.hpp>
 #include <moe/gmm/backend/common.hpp>
@@ -101,23 +100,19 @@ namespace moe::gmm::detail {
 #if MOE_HAS_ONEDNN
 namespace dn = moe::detail::onednn;
 
-/// f[r * ld + j] = float(x[r * ld + j]) for r < rows, j < cols: rows of floats or moe::bf16
-/// (widened, exact) as floats with the same row stride.
+/// f[r * ld + j] = float(x[r * ld + j]) for r < rows, j < cols (bf16 widened exactly).
 template <class T>
 void widen_rows(T const* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, float* f) {
   for (std::int64_t r = 0; r < rows; ++r)
     for (std::int64_t j = 0; j < cols; ++j) f[r * ld + j] = float(x[r * ld + j]);
 }
 
-// Where is_available<OneDnn> holds (resolve_t picks Vendor elsewhere). lhs and out (gmm), lhs and
-// dy (tgmm) may be moe::bf16: the bf16 kernels read and write them as they are; every path that
-// computes in float goes through widened copies (per chunk in packed mode, else via_float).
+// bf16 row operands: the bf16 kernels take them as they are, the float paths widened copies.
 template <>
 struct Impl<moe::gmm::OneDnn> {
   template <class E, class TL, class TO, class ML, class MR, class MO, class Mem>
   static void gmm(E const& space, CMat<E, TL, ML> const& lhs, CTensor<E, float, MR> const& rhs,
-                  moe::gmm::Groups<Mem> const& groups, Mat<E, TO, MO> const& out,
-                  moe::gmm::GmmOptions const& opt) {
+                  Groups<Mem> const& groups, Mat<E, TO, MO> const& out, GmmOptions const& opt) {
     int const num_local = rhs.extent(0);
     std::int64_t const m = lhs.extent(0), k = lhs.extent(1), n = out.extent(1);
     auto const& off = groups.offsets_host;
@@ -129,20 +124,17 @@ struct Impl<moe::gmm::OneDnn> {
       zero_rows(space, out, begin, end, "moe::gmm::zero_rows");
     } else if (k > 0 && n > 0 && end > begin) {
       std::int64_t const lda = lhs.stride(0), ldc = out.stride(0), ldw = rhs.stride(1);
-      // Packing pays only when the packed copy is kept for later calls: without a cache the
-      // call runs plain (unless a test forces the packed mode). bf16 inputs take the bf16 plan
-      // where the CPU has bf16 kernels, else the fp32 one (on the same bf16-valued floats).
+      // Packing pays only when the packed copy is kept (a cache, or a test forcing it). bf16
+      // inputs take the bf16 plan where the CPU has bf16 kernels, else the fp32 one.
       bool const keep = opt.pack_cache || dn::forced().mode == dn::Forced::Mode::packed;
-      dn::KernelPlan* p = nullptr;
-      if (keep && opt.bf16_inputs && dn::bf16_kernels()) {
-        p = &dn::plan(k, n, trans, ldw, lda, ldc, true);
-        if (!p->packed()) p = nullptr;
-      }
-      if (!p) p = &dn::plan(k, n, trans, ldw, lda, ldc);
+      dn::KernelPlan* p = keep && opt.bf16_inputs && dn::bf16_kernels()
+                              ? &dn::plan(k, n, trans, ldw, lda, ldc, true)
+                              : nullptr;
+      if (!p || !p->packed()) p = &dn::plan(k, n, trans, ldw, lda, ldc);
       if (keep && p->packed()) {
         packed_gmm(*p, lhs, rhs, groups, out, opt);
       } else if constexpr (is_bf16<TL> || is_bf16<TO>) {
-        moe::gmm::GmmOptions inner = opt;
+        GmmOptions inner = opt;
         inner.bf16_output = opt.bf16_output && !is_bf16<TO>;  // narrowing rounds
         via_float<float, true>(space, lhs, out, [&](auto const& l, auto const& o) {
           gmm(space, CMat<E, float, typename E::memory_space>(l), rhs, groups,
@@ -150,8 +142,7 @@ struct Impl<moe::gmm::OneDnn> {
         });
         return;
       } else {
-        // Plain layout: one sgemm per group on the weights in place. Rows are padded to the
-        // bucket as in Vendor (the extra rows belong to later groups or are zeroed below).
+        // Plain layout: one sgemm per group, rows padded to the bucket as in Vendor.
         std::int64_t const pad = acc ? 1 : dn::row_bucket;
         for (int g = 0; g < num_local; ++g) {
           std::int64_t const r0 = off(go + g), r1 = off(go + g + 1);
@@ -174,14 +165,13 @@ struct Impl<moe::gmm::OneDnn> {
     fence(space, "moe::gmm::gmm<OneDnn>: done");
   }
 
-  /// Packed layout: each group as row chunks (at most chunk_cap rows), listed (kernels made here),
-  /// then run longest first, one per thread. A chunk run past its group writes to a thread buffer;
-  /// a chunk without a direct kernel runs as sgemm. bf16 rows are widened per chunk where the
-  /// kernel takes floats, and float results narrowed per chunk into a bf16 out.
+  /// Packed layout: each group as row chunks (at most chunk_cap rows), run longest first, one per
+  /// thread. A chunk run past its group writes to a thread buffer; one without a direct kernel runs
+  /// as sgemm. bf16 rows are widened, float results narrowed per chunk where needed.
   template <class E, class TL, class TO, class ML, class MR, class MO, class Mem>
   static void packed_gmm(moe::detail::onednn::KernelPlan& p, CMat<E, TL, ML> const& lhs,
-                         CTensor<E, float, MR> const& rhs, moe::gmm::Groups<Mem> const& groups,
-                         Mat<E, TO, MO> const& out, moe::gmm::GmmOptions const& opt) {
+                         CTensor<E, float, MR> const& rhs, Groups<Mem> const& groups,
+                         Mat<E, TO, MO> const& out, GmmOptions const& opt) {
     int const num_local = rhs.extent(0);
     std::int64_t const m = lhs.extent(0), k = lhs.extent(1), n = out.extent(1);
     std::int64_t const lda = lhs.stride(0), ldc = out.stride(0), ldw = rhs.stride(1);
@@ -218,8 +208,8 @@ struct Impl<moe::gmm::OneDnn> {
       Call const& c = calls[std::size_t(i)];
       std::int64_t const rows = c.chunk.rows, run = c.chunk.run;
       TL const* const in = x + c.c0 * lda;
-      // The chunk's rows as floats with row stride lda, zero-padded to `count` rows: in place
-      // when they are floats and all inside lhs, else a copy in the thread's buffer 2.
+      // The chunk's rows as floats (row stride lda) zero-padded to `count` rows: in place, or
+      // a copy in the thread's buffer 2.
       auto float_rows = [&](std::int64_t count) -> float const* {
         if constexpr (!is_bf16<TL>)
           if (c.c0 + count <= m) return in;
@@ -228,8 +218,7 @@ struct Impl<moe::gmm::OneDnn> {
         std::fill(f + rows * lda, f + count * lda, 0.0f);
         return f;
       };
-      // Float results [rows, n] (row stride ld), in out's rows already or not, into out: added
-      // (a buffer's, when accumulating), copied, rounded.
+      // Float results [rows, n] (row stride ld) into out: added, copied or rounded.
       auto store = [&](float const* from, std::int64_t ld) {
         for (std::int64_t r = 0; r < rows; ++r) {
           float const* f = from + r * ld;
@@ -247,13 +236,13 @@ struct Impl<moe::gmm::OneDnn> {
         }
       };
       // Into out's rows when float and inside out, else into the thread's buffer 0.
-      auto float_dst = [&](std::int64_t ld_in_place) -> float* {
+      auto float_dst = [&]() -> float* {
         if constexpr (!is_bf16<TO>)
-          if (run == rows && ld_in_place == ldc) return y + c.c0 * ldc;
+          if (run == rows) return y + c.c0 * ldc;
         return dn::thread_buffer(0, std::size_t(run * ldc));
       };
       if (!c.kernel) {
-        float* const dst = float_dst(ldc);
+        float* const dst = float_dst();
         dn::sgemm('N', trans ? 'T' : 'N', rows, n, k, 1.0f, float_rows(rows), lda,
                   rhs.data() + c.g * rhs.stride(0), ldw, acc && !is_bf16<TO> ? 1.0f : 0.0f, dst,
                   ldc);
@@ -292,7 +281,7 @@ struct Impl<moe::gmm::OneDnn> {
           }
         return;
       }
-      float* const dst = float_dst(ldc);
+      float* const dst = float_dst();
       c.kernel->run({{DNNL_ARG_SRC, src},
                      {DNNL_ARG_WEIGHTS, weights},
                      {DNNL_ARG_DST, dnnl::memory(p.dst_desc(run), dn::engine(), dst)}});
@@ -301,22 +290,18 @@ struct Impl<moe::gmm::OneDnn> {
   }
 
   /// bf16 inputs on bf16 kernels: a bf16_gemm per group on all threads (rows padded to a multiple
-  /// of tgmm_bf16_rows), reading bf16 operands as they are. Else one single-threaded sgemm per
-  /// (group, column block), a group with over half a thread's share of the rows split into
-  /// 16-column multiples so no thread idles; bf16 operands then through float copies (whole
-  /// operands via_float, or a group the bf16 kernels refused), with the operands' row strides.
+  /// of tgmm_bf16_rows). Else one single-threaded sgemm per (group, column block), a large group
+  /// split into 16-column multiples so no thread idles; bf16 operands then as float copies.
   template <class E, class TL, class TD, class ML, class MD, class MO, class Mem>
   static void tgmm(E const& space, CMat<E, TL, ML> const& lhs, CMat<E, TD, MD> const& dy,
-                   moe::gmm::Groups<Mem> const& groups, Tensor<E, float, MO> const& out,
-                   moe::gmm::GmmOptions const& opt) {
-    constexpr bool b16 = is_bf16<TL> || is_bf16<TD>;
-    if constexpr (b16) {
+                   Groups<Mem> const& groups, Tensor<E, float, MO> const& out,
+                   GmmOptions const& opt) {
+    if constexpr (is_bf16<TL> || is_bf16<TD>)
       if (!opt.bf16_inputs || !dn::bf16_kernels())
         return via_float<float, false>(space, lhs, dy, [&](auto const& l, auto const& d) {
           using M = typename E::memory_space;
           tgmm(space, CMat<E, float, M>(l), CMat<E, float, M>(d), groups, out, opt);
         });
-    }
     int const num_local = out.extent(0);
     std::int64_t const k = out.extent(1), n = out.extent(2);
     auto const& off = groups.offsets_host;
@@ -335,17 +320,12 @@ struct Impl<moe::gmm::OneDnn> {
     };
     std::vector<Call> calls;
     std::vector<std::vector<float>> copies;  // of bf16 rows, for groups the bf16 kernels refused
-    // rows of x (row stride ld, cols used) as floats: in place, or a copy kept in `copies`.
     auto floats = [&](auto const* x, std::int64_t ld, std::int64_t rows,
                       std::int64_t cols) -> float const* {
-      if constexpr (std::is_same<std::remove_const_t<std::remove_pointer_t<decltype(x)>>,
-                                 float>::value) {
-        return x;
-      } else {
-        auto& f = copies.emplace_back(std::size_t(rows * ld));
-        widen_rows(x, ld, rows, cols, f.data());
-        return f.data();
-      }
+      if constexpr (!is_bf16<std::remove_pointer_t<decltype(x)>>) return x;
+      auto& f = copies.emplace_back(std::size_t(rows * ld));
+      widen_rows(x, ld, rows, cols, f.data());
+      return f.data();
     };
     for (int g = 0; g < num_local; ++g) {
       std::int64_t const r0 = off(go + g), rows = off(go + g + 1) - r0;
@@ -383,8 +363,7 @@ struct Impl<moe::gmm::OneDnn> {
   }
 };
 #else
-// Without oneDNN the tag runs as Vendor (resolve_t never picks it; code that names
-// Impl<OneDnn> still compiles).
+// Without oneDNN the tag runs as Vendor (so code naming Impl<OneDnn> still compiles).
 template <>
 struct Impl<moe::gmm::OneDnn> : Impl<moe::gmm::Vendor> {};
 #endif

@@ -1,7 +1,6 @@
 #pragma once
 /// \file
-/// The kernels behind gmm::OneDnn (design: gmm/backend/onednn.hpp): row chunking, the streaming
-/// kernel for 2-3 rows, oneDNN descriptors, the kernel plan of a weight shape and weight packing.
+/// The kernels behind gmm::OneDnn: row chunking, few_rows, descriptors, KernelPlan and packing.
 
 #include <moe/detail/hash.hpp>
 #include <moe/detail/onednn.hpp>
@@ -33,9 +32,8 @@ enum class Family { matmul, conv };
 
 inline char const* family_name(Family f) { return f == Family::matmul ? "matmul" : "conv1x1"; }
 
-/// Test hooks, so every path runs on every CPU: plain never packs; packed packs without a
-/// PackCache, taking the first allowed family unchecked if none passes; `family` limits the
-/// families tried; `layout` forces a packed weight layout.
+/// Test hooks: plain never packs; packed packs without a PackCache (the first allowed family
+/// unchecked if none passes); `family` limits the families tried; `layout` forces a layout.
 struct Forced {
   enum class Mode { chosen, plain, packed } mode = Mode::chosen;
   bool any_family = true;
@@ -58,7 +56,7 @@ struct Chunk {
 inline constexpr std::int64_t min_chunk_cap = 32;
 
 /// Rows per packed call for `total` rows on `threads` threads: max_chunk_rows, lowered to a
-/// thread's share (rounded up to row_bucket, at least min_chunk_cap) so every thread gets a call.
+/// thread's share (rounded up to row_bucket, at least min_chunk_cap).
 inline std::int64_t chunk_cap(std::int64_t total, int threads) {
   if (threads <= 1) return max_chunk_rows;
   std::int64_t const share = (total + threads - 1) / threads;
@@ -66,24 +64,21 @@ inline std::int64_t chunk_cap(std::int64_t total, int threads) {
   return std::clamp(up, min_chunk_cap, max_chunk_rows);
 }
 
-/// Packed calls run a multiple of run_multiple rows (fewer rows as they are): at most 3 + cap / 4
-/// kernels per weight shape; a coarser multiple wastes more FLOPs than a call saves.
+/// Packed calls run a multiple of run_multiple rows (fewer rows as they are).
 inline constexpr std::int64_t run_multiple = 4;
 
 /// The next call when `left` rows of the group remain: at most `cap` rows, run over the next
-/// multiple of run_multiple (the caller supplies the rows past the group, even past lhs's end).
+/// multiple of run_multiple (the caller supplies the rows past the group).
 inline Chunk chunk_rows(std::int64_t left, std::int64_t cap = max_chunk_rows) {
   std::int64_t const rows = std::min(left, cap);
   if (rows < run_multiple) return {rows, rows};
   return {rows, (rows + run_multiple - 1) / run_multiple * run_multiple};
 }
 
-/// Groups of 2 to few_rows_max rows run on few_rows() in the plain mode: sgemm packs the weights
-/// on every call, which for a handful of rows costs more than the multiply.
+/// Groups of 2 to few_rows_max rows run on few_rows() in the plain mode (sgemm packs per call).
 inline constexpr std::int64_t few_rows_max = 3;
 
-/// acc[r, :] += sum_{c in [c0,c1)} x[r, c] * W[c, :] for the R rows: W's rows are read in memory
-/// order, once, and acc (R x n) stays in cache.
+/// acc[r, :] += sum_{c in [c0,c1)} x[r, c] * W[c, :] for the R rows (W read once, in order).
 template <int R>
 void few_rows_part(std::int64_t c0, std::int64_t c1, std::int64_t n, float const* x,
                    std::int64_t ldx, float const* w, std::int64_t ldw, float* acc) {
@@ -99,8 +94,8 @@ void few_rows_part(std::int64_t c0, std::int64_t c1, std::int64_t n, float const
   }
 }
 
-/// out[r, :] (+)= sum_c x[r, c] * W[c, :] for r < rows <= few_rows_max, W [k,n] (row stride ldw),
-/// each thread streaming a range of W's rows into its own partial sums, added in thread order.
+/// out[r, :] (+)= sum_c x[r, c] * W[c, :] for r < rows <= few_rows_max, W [k,n] (row stride
+/// ldw): each thread sums a range of W's rows, the partial sums added in thread order.
 inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float const* x,
                      std::int64_t ldx, float const* w, std::int64_t ldw, float* out,
                      std::int64_t ldo, bool accumulate) {
@@ -110,18 +105,14 @@ inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float co
   ++runs;
   // Below ~1 MB of weights a thread team costs more than it saves.
   int const threads = k * n < (std::int64_t(1) << 18) ? 1 : max_threads();
-  // Reused across calls; the team reaches it through `sums` (naming a thread_local inside the
-  // parallel region would give each thread its own, empty buffer).
+  // The team reaches it through `sums` (in the region a thread_local is each thread's own).
   static thread_local std::vector<float> partial;
   partial.assign(std::size_t(threads) * std::size_t(rows * n), 0.0f);
   float* const sums = partial.data();
   auto part = [&](int t) {
     std::int64_t const c0 = k * t / threads, c1 = k * (t + 1) / threads;
     float* acc = sums + std::size_t(t) * std::size_t(rows * n);
-    if (rows == 2)
-      few_rows_part<2>(c0, c1, n, x, ldx, w, ldw, acc);
-    else
-      few_rows_part<3>(c0, c1, n, x, ldx, w, ldw, acc);
+    (rows == 2 ? few_rows_part<2> : few_rows_part<3>)(c0, c1, n, x, ldx, w, ldw, acc);
   };
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static, 1) num_threads(threads)
@@ -138,8 +129,7 @@ inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float co
   }
 }
 
-/// Row-major [rows, cols] with row stride ld (the activations or the output) as the family's
-/// source or destination: a matrix, or a channels-last 1x1 image (N=1, C=cols, H=rows, W=1).
+/// Row-major [rows, cols] (row stride ld) as a matrix, or an image (N=1, C=cols, H=rows, W=1).
 inline dnnl::memory::desc rows_desc(Family f, std::int64_t rows, std::int64_t cols, std::int64_t ld,
                                     DataType dt = DataType::f32) {
   if (f == Family::matmul) return matrix_desc(rows, cols, ld, dt);
@@ -147,8 +137,8 @@ inline dnnl::memory::desc rows_desc(Family f, std::int64_t rows, std::int64_t co
                             dnnl::memory::dims{rows * ld, 1, ld, ld});
 }
 
-/// The weights of out = x * W in the family's terms (matmul: [k, n]; 1x1 convolution: O=n,
-/// I=k): W row-major [k, n] with row stride ld, or (trans) row-major [n, k] used transposed.
+/// The weights of out = x * W in the family's terms (matmul [k, n]; conv O=n, I=k): W row-major
+/// [k, n] (row stride ld), or (trans) [n, k] used transposed.
 inline dnnl::memory::desc weights_desc(Family f, std::int64_t k, std::int64_t n, bool trans,
                                        std::int64_t ld) {
   using dims = dnnl::memory::dims;
@@ -166,8 +156,8 @@ inline dnnl::memory::desc tagged_weights(Family f, std::int64_t k, std::int64_t 
   return dnnl::memory::desc(f == Family::matmul ? dims{k, n} : dims{n, k, 1, 1}, dt, tag);
 }
 
-/// use(pd) for the family's descriptor of out[rows, n] (+)= x[rows, k] * W, weights `w` (x of w's
-/// type; out float, or bf16 with `bf16_out`); throws dnnl::error when oneDNN has none at all.
+/// use(pd) for the family's descriptor of out[rows, n] (+)= x[rows, k] * W (x of w's type; out
+/// float, or bf16 with `bf16_out`); throws dnnl::error when oneDNN has none.
 template <class Use>
 auto with_pd(Family f, std::int64_t rows, std::int64_t k, std::int64_t n, std::int64_t lda,
              std::int64_t ldc, dnnl::memory::desc const& w, bool accumulate, Use&& use,
@@ -198,12 +188,11 @@ inline std::string kernel_what(Family f, std::int64_t rows, std::int64_t k, std:
 }
 
 /// \brief How one weight shape runs: packed (a family, its weight layout, the reorder that packs
-/// an expert, a checked kernel per chunk size) or plain. A bf16 plan multiplies bf16 copies of the
-/// rows (row stride k) by weights packed as bf16 (fp32 accumulation), only where bf16_kernels().
+/// an expert, a checked kernel per chunk size) or plain. A bf16 plan takes dense bf16 rows and
+/// weights packed as bf16 (fp32 accumulation), only where bf16_kernels().
 class KernelPlan {
  public:
-  /// k: contraction, n: output columns, trans/ldw: how the weights are stored (row-major [k, n],
-  /// or [n, k] used transposed, row stride ldw), lda/ldc: row strides of lhs and out.
+  /// Weights row-major [k, n] (or [n, k] with trans), row stride ldw; lda/ldc: of lhs and out.
   KernelPlan(std::int64_t k, std::int64_t n, bool trans, std::int64_t ldw, std::int64_t lda,
              std::int64_t ldc, bool bf16 = false)
       : k_(k), n_(n), lda_(bf16 ? k : lda), ldc_(ldc), bf16_(bf16) {
@@ -231,8 +220,8 @@ class KernelPlan {
   /// The reorder of one expert's weights into packed_desc() (packed() only).
   Kernel const& packer() const { return *packer_; }
 
-  /// The kernel over `rows` rows, made and checked on first use (not in a parallel region); nullptr
-  /// without a direct kernel. `bf16_out` (bf16 plans): it writes dense bf16 rows [rows, n].
+  /// The kernel over `rows` rows, made on first use (not in a parallel region); nullptr without a
+  /// direct kernel. `bf16_out` (bf16 plans): it writes dense bf16 rows [rows, n].
   Kernel const* kernel(std::int64_t rows, bool accumulate, bool bf16_out = false) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto [it, fresh] = kernels_.try_emplace({rows, accumulate, bf16_out});
@@ -306,7 +295,7 @@ class KernelPlan {
   }
 
   /// The weight layouts to try, best first: the forced one; for fp32 matmul 48-column blocks
-  /// (faster than oneDNN's 64 on few rows), then oneDNN's choice (the only one for bf16).
+  /// (faster than oneDNN's 64 on few rows), then oneDNN's choice.
   static std::vector<dnnl::memory::format_tag> packed_layouts(Family fam, Forced const& f,
                                                               bool bf16) {
     using tag = dnnl::memory::format_tag;
@@ -324,8 +313,7 @@ class KernelPlan {
   std::map<std::tuple<std::int64_t, bool, bool>, std::unique_ptr<Kernel>> kernels_;
 };
 
-/// The process-wide plan of a weight shape and storage (and test hook state); bf16: the plan for
-/// bf16 inputs (rows copied densely: lda is then k).
+/// The process-wide plan of a weight shape and storage (and test hooks); bf16: for bf16 inputs.
 inline KernelPlan& plan(std::int64_t k, std::int64_t n, bool trans, std::int64_t ldw,
                         std::int64_t lda, std::int64_t ldc, bool bf16 = false) {
   using Key = std::tuple<std::int64_t, std::int64_t, bool, std::int64_t, std::int64_t, std::int64_t,

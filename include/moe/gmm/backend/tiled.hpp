@@ -28,10 +28,7 @@ using DeviceTiled = Tiled<64, 16, 64>;
 
 namespace moe::gmm::detail {
 
-// ----------------------------------------------------------------------------------------------
-// Tiled: a team computes one output tile C[TM,TN] += A[TM,TK-chunk] * B[TK-chunk,TN] with A and B
-// staged in scratch. Each thread of the team owns UM x UN register blocks of C ("micro tiles");
-// on host backends a team is one thread walking all micro tiles of its tile.
+// A team's threads each own UM x UN blocks of C ("micro tiles"); on host a team is one thread.
 
 /// Bytes of one SIMD register of the host target this translation unit is compiled for.
 #if defined(__AVX512F__)
@@ -86,11 +83,14 @@ struct TileCore {
     Scalar *a, *b, *c;
   };
 
+  /// The team's A, B and C tiles, C zeroed.
   KOKKOS_INLINE_FUNCTION static Scratch scratch(member_type const& team, int level) {
-    ScratchView a(team.team_scratch(level), TK * TMp);
-    ScratchView b(team.team_scratch(level), TK * TNp);
-    ScratchView c(team.team_scratch(level), TMp * TNp);
-    return {a.data(), b.data(), c.data()};
+    auto take = [&](int n) { return ScratchView(team.team_scratch(level), n).data(); };
+    Scratch const s{take(TK * TMp), take(TK * TNp), take(TMp * TNp)};  // in this order
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, TMp * TNp),
+                         [&](int idx) { s.c[idx] = Scalar(0); });
+    team.team_barrier();  // store() may read C with no multiply() between (k == 0, empty group)
+    return s;
   }
 
   /// Calls f(r, c, valid) for every element of an R x C block, valid = r < rv && c < cv: host
@@ -112,18 +112,16 @@ struct TileCore {
     }
   }
 
-  KOKKOS_INLINE_FUNCTION static void clear(member_type const& team, Scratch const& s) {
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, TMp * TNp),
-                         [&](int idx) { s.c[idx] = Scalar(0); });
-  }
-
-  /// C += A * B over the micro tiles that hold part of the valid rows x cols (never the padding).
+  /// Once A and B are staged: C += A * B over the micro tiles that hold part of the valid rows x
+  /// cols (never the padding), between team barriers.
   KOKKOS_INLINE_FUNCTION static void multiply(member_type const& team, Scratch const& s, int rows,
                                               int cols) {
+    team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, num_micro), [&](int t) {
       int const i0 = (t / (TNp / UN)) * UM, j0 = (t % (TNp / UN)) * UN;
       if (i0 < rows && j0 < cols) micro_tile<Scalar, TMp, TK, TNp, UM, UN>(s.a, s.b, s.c, i0, j0);
     });
+    team.team_barrier();
   }
 
   /// out(row0 + i, col0 + j) (+)= C(i, j) for i < rows, j < cols.
@@ -134,10 +132,7 @@ struct TileCore {
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows * cols), [&](int idx) {
       int const i = idx / cols, j = idx % cols;
       Scalar const v = s.c[i * TNp + j];
-      if (accumulate)
-        out(row0 + i, col0 + j) += v;
-      else
-        out(row0 + i, col0 + j) = v;
+      out(row0 + i, col0 + j) = accumulate ? out(row0 + i, col0 + j) + v : v;
     });
   }
 
@@ -149,7 +144,6 @@ template <class ExecSpace, class Scalar, int TM, int TK, int TN, bool TransB, cl
           class MemR, class MemO, class MemG>
 struct TiledGmmKernel {
   using Core = TileCore<ExecSpace, Scalar, TM, TK, TN>;
-  using member_type = typename Core::member_type;
   static constexpr int TMp = Core::TMp, TNp = Core::TNp;
 
   CMat<ExecSpace, Scalar, MemL> lhs;
@@ -162,12 +156,10 @@ struct TiledGmmKernel {
   bool accumulate;
   int level;
 
-  KOKKOS_INLINE_FUNCTION void operator()(member_type const& team) const {
-    // Tiles run group by group, n-tile by n-tile, then over the group's m-tiles, so a group's
-    // rhs panel [k, TN] stays in cache while its row tiles stream past. The team finds its group
-    // by walking the group sizes: no tile-prefix array, so no allocation per call.
-    int64_t const t = team.league_rank();
-    int64_t local = t, m_tiles = 0;
+  KOKKOS_INLINE_FUNCTION void operator()(typename Core::member_type const& team) const {
+    // Tiles run group by group, n-tile by n-tile, then over the group's m-tiles (its rhs panel
+    // stays in cache). The team finds its group by walking the group sizes (no allocation).
+    int64_t local = team.league_rank(), m_tiles = 0;
     int g = 0;
     for (; g < num_local; ++g) {
       m_tiles = (offsets(group_offset + g + 1) - offsets(group_offset + g) + TM - 1) / TM;
@@ -182,28 +174,22 @@ struct TiledGmmKernel {
     int64_t const col0 = int64_t(nt) * TN;
     int const cols = static_cast<int>(n - col0 < TN ? n - col0 : TN);
 
-    auto s = Core::scratch(team, level);
-    Core::clear(team, s);
+    auto const s = Core::scratch(team, level);
     for (int64_t k0 = 0; k0 < k; k0 += TK) {
       int const kc = static_cast<int>(k - k0 < TK ? k - k0 : TK);
-      Scalar* const a = s.a;
-      Scalar* const b = s.b;
-      // As[kk][i] = lhs(row0 + i, k0 + kk)
       Core::stage(team, TMp, TK, rows, kc, [&](int i, int kk, bool valid) {
-        a[kk * TMp + i] = valid ? lhs(row0 + i, k0 + kk) : Scalar(0);
+        s.a[kk * TMp + i] = valid ? lhs(row0 + i, k0 + kk) : Scalar(0);
       });
-      if (TransB) {  // Bs[kk][j] = rhs(g, col0 + j, k0 + kk)
+      if (TransB) {
         Core::stage(team, TNp, TK, cols, kc, [&](int j, int kk, bool valid) {
-          b[kk * TNp + j] = valid ? rhs(g, col0 + j, k0 + kk) : Scalar(0);
+          s.b[kk * TNp + j] = valid ? rhs(g, col0 + j, k0 + kk) : Scalar(0);
         });
-      } else {  // Bs[kk][j] = rhs(g, k0 + kk, col0 + j)
+      } else {
         Core::stage(team, TK, TNp, kc, cols, [&](int kk, int j, bool valid) {
-          b[kk * TNp + j] = valid ? rhs(g, k0 + kk, col0 + j) : Scalar(0);
+          s.b[kk * TNp + j] = valid ? rhs(g, k0 + kk, col0 + j) : Scalar(0);
         });
       }
-      team.team_barrier();
       Core::multiply(team, s, rows, cols);
-      team.team_barrier();
     }
     Core::store(team, s, out, row0, rows, col0, cols, accumulate);
   }
@@ -213,7 +199,6 @@ template <class ExecSpace, class Scalar, int TM, int TK, int TN, class MemL, cla
           class MemG>
 struct TiledTgmmKernel {
   using Core = TileCore<ExecSpace, Scalar, TM, TK, TN>;
-  using member_type = typename Core::member_type;
   static constexpr int TMp = Core::TMp, TNp = Core::TNp;
 
   CMat<ExecSpace, Scalar, MemL> lhs;
@@ -226,7 +211,7 @@ struct TiledTgmmKernel {
   bool accumulate;
   int level;
 
-  KOKKOS_INLINE_FUNCTION void operator()(member_type const& team) const {
+  KOKKOS_INLINE_FUNCTION void operator()(typename Core::member_type const& team) const {
     int64_t const t = team.league_rank();
     int const g = static_cast<int>(t / (int64_t(k_tiles) * n_tiles));
     int const rest = static_cast<int>(t % (int64_t(k_tiles) * n_tiles));
@@ -236,22 +221,17 @@ struct TiledTgmmKernel {
     int const cols = static_cast<int>(n - col0 < TN ? n - col0 : TN);
     int64_t const r_begin = offsets(group_offset + g), r_end = offsets(group_offset + g + 1);
 
-    auto s = Core::scratch(team, level);
-    Core::clear(team, s);
+    auto const s = Core::scratch(team, level);
     for (int64_t r0 = r_begin; r0 < r_end; r0 += TK) {
       int const rc = static_cast<int>(r_end - r0 < TK ? r_end - r0 : TK);
-      // The contraction runs over the group's rows: As[kk][i] = lhs(r0 + kk, kcol0 + i).
-      Scalar* const a = s.a;
-      Scalar* const b = s.b;
+      // The contraction runs over the group's rows.
       Core::stage(team, TK, TMp, rc, kcols, [&](int kk, int i, bool valid) {
-        a[kk * TMp + i] = valid ? lhs(r0 + kk, kcol0 + i) : Scalar(0);
+        s.a[kk * TMp + i] = valid ? lhs(r0 + kk, kcol0 + i) : Scalar(0);
       });
       Core::stage(team, TK, TNp, rc, cols, [&](int kk, int j, bool valid) {
-        b[kk * TNp + j] = valid ? dy(r0 + kk, col0 + j) : Scalar(0);
+        s.b[kk * TNp + j] = valid ? dy(r0 + kk, col0 + j) : Scalar(0);
       });
-      team.team_barrier();
       Core::multiply(team, s, kcols, cols);
-      team.team_barrier();
     }
     auto out_g = Kokkos::subview(out, g, Kokkos::ALL, Kokkos::ALL);
     Core::store(team, s, out_g, kcol0, kcols, col0, cols, accumulate);
@@ -262,18 +242,15 @@ struct TiledTgmmKernel {
 template <class Core, class ExecSpace>
 Kokkos::TeamPolicy<ExecSpace> tile_policy(ExecSpace const& space, int64_t league, int& level,
                                           char const* what) {
+  using Policy = Kokkos::TeamPolicy<ExecSpace>;
   std::size_t const bytes = Core::scratch_bytes();
-  moe::detail::require<ShapeError>(league <= INT_MAX, what, ": ", league,
-                                   " tiles exceed the launch limit ", INT_MAX,
-                                   "; use larger tiles");
-  level =
-      bytes <= static_cast<std::size_t>(Kokkos::TeamPolicy<ExecSpace>::scratch_size_max(0)) ? 0 : 1;
-  moe::detail::require<ShapeError>(
-      bytes <= static_cast<std::size_t>(Kokkos::TeamPolicy<ExecSpace>::scratch_size_max(level)),
-      what, ": the tiles need ", bytes, " bytes of team scratch, more than the ",
-      Kokkos::TeamPolicy<ExecSpace>::scratch_size_max(level),
-      " available; use smaller TM, TK or TN");
-  return Kokkos::TeamPolicy<ExecSpace>(space, static_cast<int>(league), Core::team_size())
+  require<ShapeError>(league <= INT_MAX, what, ": ", league, " tiles exceed the launch limit ",
+                      INT_MAX, "; use larger tiles");
+  level = bytes <= std::size_t(Policy::scratch_size_max(0)) ? 0 : 1;
+  require<ShapeError>(bytes <= std::size_t(Policy::scratch_size_max(level)), what,
+                      ": the tiles need ", bytes, " bytes of team scratch, more than the ",
+                      Policy::scratch_size_max(level), " available; use smaller TM, TK or TN");
+  return Policy(space, int(league), Core::team_size())
       .set_scratch_size(level, Kokkos::PerTeam(bytes));
 }
 
@@ -281,8 +258,7 @@ template <int TM, int TK, int TN>
 struct Impl<moe::gmm::Tiled<TM, TK, TN>> {
   template <class E, class S, class ML, class MR, class MO, class Mem>
   static void gmm(E const& space, CMat<E, S, ML> const& lhs, CTensor<E, S, MR> const& rhs,
-                  moe::gmm::Groups<Mem> const& groups, Mat<E, S, MO> const& out,
-                  moe::gmm::GmmOptions const& opt) {
+                  Groups<Mem> const& groups, Mat<E, S, MO> const& out, GmmOptions const& opt) {
     char const* what = "moe::gmm::gmm<Tiled>";
     int const num_local = rhs.extent(0);
     int64_t const n = out.extent(1);
@@ -294,34 +270,28 @@ struct Impl<moe::gmm::Tiled<TM, TK, TN>> {
     int64_t m_tiles = 0;
     for (int g = 0; g < num_local; ++g) m_tiles += (off(go + g + 1) - off(go + g) + TM - 1) / TM;
     int64_t const n_tiles = (n + TN - 1) / TN;
-    moe::detail::require<ShapeError>(n_tiles <= INT_MAX, what, ": n=", n, " is too large");
+    require<ShapeError>(n_tiles <= INT_MAX, what, ": n=", n, " is too large");
 
     int level = 0;
     auto policy = tile_policy<TileCore<E, S, TM, TK, TN>>(space, m_tiles * n_tiles, level, what);
     int64_t const k = lhs.extent(1);
-    int const nt = static_cast<int>(n_tiles);
     auto launch = [&](auto trans) {
       TiledGmmKernel<E, S, TM, TK, TN, decltype(trans)::value, ML, MR, MO, Mem> kernel{
-          lhs, rhs, out, groups.offsets, go, num_local, k, n, nt, opt.accumulate, level};
+          lhs, rhs, out, groups.offsets, go, num_local, k, n, int(n_tiles), opt.accumulate, level};
       Kokkos::parallel_for("moe::gmm::gmm<Tiled>", policy, kernel);
     };
-    if (opt.transpose_rhs)
-      launch(std::true_type{});
-    else
-      launch(std::false_type{});
+    opt.transpose_rhs ? launch(std::true_type{}) : launch(std::false_type{});
   }
 
   template <class E, class S, class ML, class MD, class MO, class Mem>
   static void tgmm(E const& space, CMat<E, S, ML> const& lhs, CMat<E, S, MD> const& dy,
-                   moe::gmm::Groups<Mem> const& groups, Tensor<E, S, MO> const& out,
-                   moe::gmm::GmmOptions const& opt) {
+                   Groups<Mem> const& groups, Tensor<E, S, MO> const& out, GmmOptions const& opt) {
     char const* what = "moe::gmm::tgmm<Tiled>";
     int const num_local = out.extent(0);
     int64_t const k = out.extent(1), n = out.extent(2);
     if (num_local == 0 || k == 0 || n == 0) return;
     int64_t const k_tiles = (k + TM - 1) / TM, n_tiles = (n + TN - 1) / TN;
-    moe::detail::require<ShapeError>(k_tiles * n_tiles <= INT_MAX, what, ": k=", k, " x n=", n,
-                                     " is too large");
+    require<ShapeError>(k_tiles * n_tiles <= INT_MAX, what, ": k=", k, " x n=", n, " is too large");
     int level = 0;
     auto policy =
         tile_policy<TileCore<E, S, TM, TK, TN>>(space, num_local * k_tiles * n_tiles, level, what);

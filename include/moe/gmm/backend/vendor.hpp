@@ -18,15 +18,11 @@ struct is_policy<Vendor> : std::true_type {};
 
 namespace moe::gmm::detail {
 
-using moe::detail::blas_gemm;
-using moe::detail::BlasOrder;
-
 template <>
 struct Impl<moe::gmm::Vendor> {
   template <class E, class S, class ML, class MR, class MO, class Mem>
   static void gmm(E const& space, CMat<E, S, ML> const& lhs, CTensor<E, S, MR> const& rhs,
-                  moe::gmm::Groups<Mem> const& groups, Mat<E, S, MO> const& out,
-                  moe::gmm::GmmOptions const& opt) {
+                  Groups<Mem> const& groups, Mat<E, S, MO> const& out, GmmOptions const& opt) {
     char const* what = "moe::gmm::gmm<Vendor>";
     int const num_local = rhs.extent(0);
     int64_t const m = lhs.extent(0), k = lhs.extent(1);
@@ -40,7 +36,7 @@ struct Impl<moe::gmm::Vendor> {
       // Host BLAS runs a multiple of its register block of rows faster: without accumulate a
       // group's rows are padded to 16 (later groups overwrite the extra rows, or they are zeroed).
       int64_t const pad = opt.accumulate || !moe::detail::runs_on_host<E>() ? 1 : 16;
-      BlasOrder<E, CMat<E, S, ML>, CMat<E, S, MR>, Mat<E, S, MO>> order(space);
+      moe::detail::BlasOrder<E, CMat<E, S, ML>, CMat<E, S, MR>, Mat<E, S, MO>> order(space);
       for (int g = 0; g < num_local; ++g) {
         int64_t const r0 = off(opt.group_offset + g), r1 = off(opt.group_offset + g + 1);
         if (r1 == r0) continue;
@@ -50,8 +46,8 @@ struct Impl<moe::gmm::Vendor> {
         CMat<E, S, ML> a = Kokkos::subview(lhs, Rows(r0, stop), Kokkos::ALL);
         CMat<E, S, MR> b = Kokkos::subview(rhs, g, Kokkos::ALL, Kokkos::ALL);
         Mat<E, S, MO> c = Kokkos::subview(out, Rows(r0, stop), Kokkos::ALL);
-        blas_gemm(space, "N", opt.transpose_rhs ? "T" : "N", S(1), a, b,
-                  opt.accumulate ? S(1) : S(0), c);
+        moe::detail::blas_gemm(space, "N", opt.transpose_rhs ? "T" : "N", S(1), a, b,
+                               opt.accumulate ? S(1) : S(0), c);
       }
     }
     if (!opt.accumulate) zero_outside(space, out, begin, end);
@@ -59,15 +55,14 @@ struct Impl<moe::gmm::Vendor> {
 
   template <class E, class S, class ML, class MD, class MO, class Mem>
   static void tgmm(E const& space, CMat<E, S, ML> const& lhs, CMat<E, S, MD> const& dy,
-                   moe::gmm::Groups<Mem> const& groups, Tensor<E, S, MO> const& out,
-                   moe::gmm::GmmOptions const& opt) {
+                   Groups<Mem> const& groups, Tensor<E, S, MO> const& out, GmmOptions const& opt) {
     char const* what = "moe::gmm::tgmm<Vendor>";
     int const num_local = out.extent(0);
     auto const& off = groups.offsets_host;
     if (out.extent(1) == 0 || out.extent(2) == 0) return;
     check_blas_extent(what, "k", out.extent(1));
     check_blas_extent(what, "n", out.extent(2));
-    BlasOrder<E, CMat<E, S, ML>, CMat<E, S, MD>, Mat<E, S, MO>> order(space);
+    moe::detail::BlasOrder<E, CMat<E, S, ML>, CMat<E, S, MD>, Mat<E, S, MO>> order(space);
     for (int g = 0; g < num_local; ++g) {
       int64_t const r0 = off(opt.group_offset + g), r1 = off(opt.group_offset + g + 1);
       Mat<E, S, MO> c = Kokkos::subview(out, g, Kokkos::ALL, Kokkos::ALL);
@@ -78,7 +73,7 @@ struct Impl<moe::gmm::Vendor> {
       check_blas_extent(what, "rows of a group", r1 - r0);
       CMat<E, S, ML> a = Kokkos::subview(lhs, Rows(r0, r1), Kokkos::ALL);
       CMat<E, S, MD> b = Kokkos::subview(dy, Rows(r0, r1), Kokkos::ALL);
-      blas_gemm(space, "T", "N", S(1), a, b, opt.accumulate ? S(1) : S(0), c);
+      moe::detail::blas_gemm(space, "T", "N", S(1), a, b, opt.accumulate ? S(1) : S(0), c);
     }
   }
 };

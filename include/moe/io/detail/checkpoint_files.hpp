@@ -87,17 +87,16 @@ inline std::vector<std::pair<std::int64_t, std::string>> list_steps(std::string 
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     std::string const name = it->path().filename().string();
-    if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 || name.size() > 5 + 18) continue;
-    if (!std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
-      continue;
     std::error_code dec;
-    if (!it->is_directory(dec)) continue;
+    if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 || name.size() > 5 + 18 ||
+        !std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+        !it->is_directory(dec))
+      continue;
     out.emplace_back(std::stoll(name.substr(5)), it->path().string());
   }
-  if (ec) {
+  if (ec)
     throw IoError(
         cat("checkpoint: cannot list the checkpoint directory '", dir, "': ", ec.message()));
-  }
   std::sort(out.begin(), out.end(), std::greater<>());  // newest step first, then by path
   return out;
 }
@@ -129,10 +128,9 @@ inline void install(std::string const& dir, std::string const& tmp, std::string 
 #endif
     if (old.empty()) {  // no exchange: move the old one aside first
       old = hidden_path(dir, "trash_", fs::path(final_dir).filename().string());
-      if (::rename(final_dir.c_str(), old.c_str()) != 0) {
+      if (::rename(final_dir.c_str(), old.c_str()) != 0)
         throw IoError(
             cat("checkpoint: cannot move '", final_dir, "' aside: ", std::strerror(errno)));
-      }
     }
   }
   if (old != tmp && ::rename(tmp.c_str(), final_dir.c_str()) != 0) {
@@ -162,10 +160,7 @@ inline void retain(std::string const& dir, std::int64_t step, int keep) {
     } catch (std::exception const&) {
       continue;  // incomplete: not counted, not deleted
     }
-    if (kept < keep) {
-      ++kept;
-      continue;
-    }
+    if (kept++ < keep) continue;
     std::string const trash = hidden_path(dir, "trash_", fs::path(path).filename().string());
     if (::rename(path.c_str(), trash.c_str()) != 0) {
       warn(cat("cannot remove the old checkpoint '", path, "': ", std::strerror(errno)));
@@ -182,10 +177,9 @@ inline void retain(std::string const& dir, std::int64_t step, int keep) {
 inline void make_dir(std::string const& dir) {
   std::error_code ec;
   bool const created = fs::create_directories(dir, ec);
-  if (ec || !fs::is_directory(dir, ec)) {
+  if (ec || !fs::is_directory(dir, ec))
     throw IoError(cat("checkpoint: cannot create the checkpoint directory '", dir,
                       "': ", ec ? ec.message() : std::string("not a directory")));
-  }
   if (created) sync_dir(fs::absolute(dir, ec).parent_path().string());
 }
 
