@@ -15,9 +15,7 @@ namespace moe {
 inline ConfigTable<LayerConfig> const& LayerConfig::table() {
   using C = LayerConfig;
   static ConfigTable<C> const t = [] {
-    auto req = [](bool ok, auto const&... msg) {
-      if (!ok) throw ConfigError(detail::cat(msg...));
-    };
+    auto req = [](bool ok, auto const&... msg) { detail::require<ConfigError>(ok, msg...); };
     ConfigTable<C> t(DescribeNumbers::ToString, ";");
     // Fields, in describe() order (the ranks compare that text; tests quote `K=1`, `cf=1.5`).
     t.field("num_experts", &C::num_experts, "E", "E, routed experts");

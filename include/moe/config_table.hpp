@@ -279,14 +279,13 @@ class ConfigTable {
       if (!tag.empty() && f.tag == tag)
         throw std::logic_error("config table: describe() name '" + tag + "' is used twice");
     }
-    ConfigField<C> f;
+    ConfigField<C>& f = fields_.emplace_back();
     f.key = std::move(key);
     f.tag = std::move(tag);
     f.doc = std::move(doc);
     f.member = m;
     f.describe = [m](C const& c, DescribeNumbers n) { return describe_of(c.*m, n); };
-    fields_.push_back(std::move(f));
-    return fields_.back();
+    return f;
   }
 
   template <class T>

@@ -25,10 +25,9 @@ template <class InMS, class OutMS, class T, class ExecSpace>
 void all_gather_rows(Communicator const& comm, ExecSpace const& space, T const* in, T* out,
                      std::int64_t n, std::int64_t row) {
   int const P = comm.size();
-  bool const fast = row <= count_limit() && n * P <= count_limit();
   auto const [s, r] = gather_blocks(P, n);
   exchange_staged<InMS, OutMS>(comm, space, "moe::comm::all_gather", Pattern::allgather, in, s,
-                               n * row, out, r, P * n * row, row, fast);
+                               n * row, out, r, P * n * row, row, fits(row, {&s, &r}));
 }
 
 /// reduce_scatter of P*c rows into c rows (shapes agreed): rank j sums the P chunks j in rank
@@ -39,13 +38,12 @@ void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T con
                          moe::detail::ScratchPool<OutMS>* pool = nullptr) {
   int const P = comm.size();
   std::int64_t const chunk = c * row;
-  bool const fast = row <= count_limit() && c * P <= count_limit();
   char const* parts_label = "moe::comm::reduce_scatter::parts";
   auto const parts = pool ? pool->template get<T>(parts_label, std::size_t(P * chunk))
                           : moe::detail::alloc<View1<T, OutMS>>(space, parts_label, P * chunk);
   Blocks const s = gather_blocks(P, c).second;  // chunk i at i*c, on both sides
   exchange_staged<InMS, OutMS>(comm, space, "moe::comm::reduce_scatter", Pattern::alltoall, in, s,
-                               P * chunk, parts.data(), s, P * chunk, row, fast);
+                               P * chunk, parts.data(), s, P * chunk, row, fits(row, {&s}));
   Kokkos::parallel_for(
       "moe::comm::reduce_scatter::sum",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(space, 0, chunk),

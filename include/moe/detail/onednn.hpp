@@ -301,11 +301,10 @@ void bf16_transposed(T const* x, std::int64_t ldx, std::int64_t rows, std::int64
 }
 
 /// out[r, c] = bf16(x[r, c]) for r < rows, c < cols, and 0 for the other r < padded, c < ldo
-/// (x with row stride ldx; ldo >= cols, dense by default).
+/// (x with row stride ldx; ldo >= cols).
 template <class T>
 void bf16_rows(T const* x, std::int64_t ldx, std::int64_t rows, std::int64_t cols,
-               std::int64_t padded, std::uint16_t* out, std::int64_t ldo = 0) {
-  if (ldo == 0) ldo = cols;
+               std::int64_t padded, std::uint16_t* out, std::int64_t ldo) {
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t c = 0; c < cols; ++c) out[r * ldo + c] = bits_of(x[r * ldx + c]);
     std::fill(out + r * ldo + cols, out + (r + 1) * ldo, std::uint16_t(0));

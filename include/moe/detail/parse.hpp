@@ -21,13 +21,14 @@ inline std::string trim(std::string s) {
   return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
 }
 
+inline std::string lower(std::string s) {
+  for (auto& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
 /// \brief The candidate closest to `name` when it is a plausible misspelling (case-insensitive
 /// Levenshtein distance at most max(1, |name|/4), or equal ignoring case), else "".
 inline std::string nearest(std::string const& name, std::vector<std::string> const& candidates) {
-  auto lower = [](std::string s) {
-    for (auto& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
-    return s;
-  };
   std::string const a = lower(name);
   std::string best;
   std::size_t best_d = std::max<std::size_t>(1, a.size() / 4) + 1;
@@ -84,8 +85,7 @@ inline double parse_double(std::string const& key, std::string const& v) {
 }
 
 inline bool parse_bool(std::string const& key, std::string const& v) {
-  std::string t = trim(v);
-  for (auto& c : t) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  std::string const t = lower(trim(v));
   if (t == "true" || t == "1" || t == "yes" || t == "on") return true;
   if (t == "false" || t == "0" || t == "no" || t == "off") return false;
   throw ConfigError(cat(key, "=", v, " is not a boolean (true or false)"));

@@ -175,12 +175,9 @@ inline StepCost estimate_step_cost(LayerPlan const& plan, Machine const& machine
     bool moved = false, expert = false;
   };
   auto weight = [&](std::uint8_t id) {
-    ComputeWeight w;
-    for (auto const& t : plan.tensors)
-      if (t.name == to_string(static_cast<Weight>(id)))
-        w = {s * detail::product(t.compute_shape), t.compute_shape != t.local_shape,
-             t.compute_shape.size() == 3};
-    return w;
+    auto const& t = plan.tensor(to_string(static_cast<Weight>(id)));
+    return ComputeWeight{s * detail::product(t.compute_shape), t.compute_shape != t.local_shape,
+                         t.compute_shape.size() == 3};
   };
   double const gemm = machine.gemm_gflops(s) * 1e9, mem = machine.memory_gbps * 1e9;
   for (auto const* phase : {&plan.step.forward, &plan.step.backward})

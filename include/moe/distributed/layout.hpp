@@ -273,8 +273,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
   divisible(F, "base_moe_mlp_dim", lay.tp_axes);
   divisible(D, "base_emb_dim", lay.tp_axes);  // partial outputs are reduce-scattered over D
   // EP-TP: the tokens' embedding dim resolves to expert axes, which must be all of them.
-  for (auto const& a : emb_over)
-    if (contains(ep_axes, a)) lay.emb_axes.push_back(a);
+  lay.emb_axes = minus(emb_over, minus(emb_over, ep_axes));
   if (!lay.emb_axes.empty()) {
     require<ConfigError>(lay.emb_axes == ep_axes,
                          "the embedding dimension of the tokens resolves to the expert axes [",
@@ -302,7 +301,6 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
                        "] = ", parts(batch_axes));
   lay.batch_parts = parts(batch_axes);
   lay.batch_index = lay.shard_index(batch_axes);
-  bool const tokens_over_ep = all_ep_in_batch();
   lay.dense = dense_gmm || !cfg.sparse_matmul;
   lay.dispatch_spec = sharding::resolve_dispatch(lay.rules, detail::dispatch_logical(),
                                                  par.moe_dispatch_no_expert_sharding);
@@ -313,7 +311,7 @@ inline Layout compute_layout(LayerConfig const& cfg, ParallelConfig const& par, 
                          });
   lay.route = ep == 1                                                ? ExpertRoute::Local
               : !lay.emb_axes.empty()                                ? ExpertRoute::EpTp
-              : !tokens_over_ep                                      ? ExpertRoute::Replicated
+              : !all_ep_in_batch()                                   ? ExpertRoute::Replicated
               : par.use_ring_of_experts || (lay.dense && !dense_a2a) ? ExpertRoute::Ring
                                                                      : ExpertRoute::RaggedA2A;
   if (par.num_moe_emb_chunks > 0) {

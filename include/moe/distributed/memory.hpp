@@ -111,13 +111,12 @@ class LayerBuffers {
 
   // ---- the collectives' temporaries at their largest use (the bf16 wire: 16-bit buffers)
   void collectives() {
-    for (auto const* phase : {&plan_.step.forward, &plan_.step.backward}) {
-      if (phase == &plan_.step.backward && !training_) break;
+    for (auto const* phase : {&plan_.step.forward, &plan_.step.backward})
       for (auto const& st : *phase)
         for (auto const& c : st.collectives) {
           bool const bf16 = c.wire == comm::Wire::bf16, gather = c.kind == "all-gather";
           // Host statistics are not in the pool; an all-to-all uses the step's buffers.
-          if (c.host) continue;
+          if (c.host || (st.backward && !training_)) continue;
           if (c.kind == "all-to-all" && bf16)
             a2a_wire_ = std::max(a2a_wire_, checked_mul(c.elems, 2, "all-to-all copies"));
           if (c.kind == "all-reduce" && c.parts > 1 && c.elems > 0) {
@@ -142,7 +141,6 @@ class LayerBuffers {
           if (c.lead > 1)
             launch_rows(c.what + " (row copies)", checked_mul(c.parts, c.lead, "rows of a copy"));
         }
-    }
     std::string const keys = std::string(kTokens) + ", base_emb_dim, " + weight_keys_;
     auto comm = [&](char const* name, Shape shape, std::int64_t elem_bytes) {
       if (shape.back() > 0) add("communication buffers", name, std::move(shape), elem_bytes, keys);

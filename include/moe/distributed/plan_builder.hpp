@@ -222,7 +222,8 @@ class PlanBuilder {
         rows * cols, 1, w);
   }
 
-  /// Starts the plan: this rank's sizes, every moved weight's ops and the step's input x [T, Dl].
+  /// Starts the plan: this rank's sizes, every moved weight's ops, the step's input x [T, Dl] and
+  /// the forward's first stage, gather_weights.
   StepPlan& begin() {
     StepPlan& p = plan_;
     p.route = lay.route;
@@ -234,9 +235,9 @@ class PlanBuilder {
     p.emb_chunks = chunks;
     for (auto const& w : lay.weights) p.weights.push_back(weight_steps(w));
     declare(out(buf::x, tokens(), token_cols()));
+    weight_stage(false);
     return p;
   }
-  void gather_weights() { weight_stage(false); }  ///< the forward's first stage
   /// The router on the tokens `x` (`logits`: the chunked ring's, all-gathering the gate logits).
   void route(Ref x, bool logits = false) {
     std::vector<Out> writes{Buf::routing};
@@ -312,12 +313,11 @@ class PlanBuilder {
     return stage(kind, region, std::move(reads), std::move(writes));
   }
   void declare(BufferDecl d) {
-    for (auto const& have : plan_.buffers)
-      if (have.id == d.id) {
-        moe::detail::require<Error>(have.shape() == d.shape(), "moe internal error: the plan ",
-                                    "declares buffer ", to_string(d.id), " twice, with two shapes");
-        return;
-      }
+    if (auto const* have = plan_.find(d.id)) {
+      moe::detail::require<Error>(have->shape() == d.shape(), "moe internal error: the plan ",
+                                  "declares buffer ", to_string(d.id), " twice, with two shapes");
+      return;
+    }
     plan_.buffers.push_back(std::move(d));
   }
   /// Plans a collective; `elem_bytes` 0: a value on `w` (host statistics pass their own).
@@ -361,15 +361,12 @@ class PlanBuilder {
     // minor axis first (the blocks stay in row-major order).
     auto cur = shape(w, &DimLayout::stored);
     each(&DimLayout::gather, [&](int d, Axes const& g) {
-      std::vector<Axes> parts{g};
-      if (par.moe_fsdp_use_two_stage_all_gather && g.size() > 1) {
-        parts.clear();
-        for (auto it = g.rbegin(); it != g.rend(); ++it) parts.push_back({*it});
-      }
-      for (auto const& a : parts) {
+      auto gather = [&](Axes const& a) {
         cur[d] *= lay.parts(a);
         ws.to_compute.push_back(op(Kind::all_gather, d, a, cur, "gather " + w.name));
-      }
+      };
+      if (!par.moe_fsdp_use_two_stage_all_gather) return gather(g);
+      for (auto it = g.rbegin(); it != g.rend(); ++it) gather({*it});
     });
     each(&DimLayout::slice, [&](int d, Axes const& sl) {
       cur[d] /= lay.parts(sl);

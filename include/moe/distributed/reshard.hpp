@@ -20,7 +20,6 @@ namespace moe::distributed {
 
 using comm::AxisGroup;
 using comm::CommLog;
-using comm::CommRecord;
 
 namespace detail {
 
@@ -67,10 +66,10 @@ struct Identity {
   KOKKOS_INLINE_FUNCTION std::int64_t operator()(std::int64_t i) const { return i; }
 };
 
-/// A group of one: out = in, no communication (returns true).
+/// A group of one (P = 1): out = in, no communication (returns true).
 template <class ExecSpace, class InV, class OutV>
-bool copy_if_alone(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV const& out) {
-  if (g.size() > 1) return false;
+bool copy_if_alone(ExecSpace const& space, int P, InV const& in, OutV const& out) {
+  if (P > 1) return false;
   Kokkos::deep_copy(space, out, in);
   return true;
 }
@@ -106,8 +105,8 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
                 comm::Wire wire = comm::Wire::native) {
   using T = typename OutV::non_const_value_type;
   using MS = typename OutV::memory_space;
-  if (detail::copy_if_alone(space, g, in, out)) return;
   int const P = g.size();
+  if (detail::copy_if_alone(space, P, in, out)) return;
   auto const s = detail::split_at(in, d);
   detail::record(log, what, "all-gather", g,
                  comm::sent_bytes::all_gather(detail::bytes_of(in, wire), P));
@@ -191,39 +190,31 @@ void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& i
                         comm::Wire wire = comm::Wire::native) {
   using T = typename OutV::non_const_value_type;
   using MS = typename OutV::memory_space;
-  if (detail::copy_if_alone(space, g, in, out)) return;
   int const P = g.size();
+  if (detail::copy_if_alone(space, P, in, out)) return;
   auto const s = detail::split_at(out, d);
   detail::record(log, what, "reduce-scatter", g,
                  comm::sent_bytes::reduce_scatter(detail::bytes_of(out, wire), P));
-  if (wire == comm::Wire::bf16) {
-    // in [A, P, n*C] -> 16 bits in [P, A, n*C] order, in one pass.
-    using W = moe::bf16;
-    auto const buf = detail::temporary<W>(space, pool, "moe::reshard::wire_send", in.span());
+  // in [A, P, n*C] -> [P, A, n*C] (bf16: as 16 bits) in a temporary, in one pass.
+  auto packed = [&](auto value, char const* key) {
+    auto const buf = detail::temporary<decltype(value)>(space, pool, key, in.span());
     detail::copy_rows(space, "moe::reshard::rs_pack", in.data(), buf.data(), P * s.A, s.n * s.C,
                       detail::PaToAp{P, s.A}, detail::Identity{});
-    comm::reduce_scatter(g.comm, space, View1<W const, MS>(buf),
-                         View1<T, MS>(out.data(), out.span()), pool);
-    return;
-  }
-  View1<T const, MS> src(in.data(), in.span());
-  if (s.A > 1) {
-    // in [A, P, n*C] -> [P, A, n*C] in a temporary.
-    auto buf = detail::temporary<T>(space, pool, "moe::reshard::rs", in.span());
-    detail::copy_rows(space, "moe::reshard::rs_pack", in.data(), buf.data(), P * s.A, s.n * s.C,
-                      detail::PaToAp{P, s.A}, detail::Identity{});
-    src = buf;
-  }
-  comm::reduce_scatter(g.comm, space, src, View1<T, MS>(out.data(), out.span()), pool);
+    return View1<decltype(value) const, MS>(buf);
+  };
+  View1<T, MS> const dst(out.data(), out.span());
+  if (wire == comm::Wire::bf16)
+    return comm::reduce_scatter(g.comm, space, packed(moe::bf16{}, "moe::reshard::wire_send"), dst,
+                                pool);
+  View1<T const, MS> const src =
+      s.A > 1 ? packed(T{}, "moe::reshard::rs") : View1<T const, MS>(in.data(), in.span());
+  comm::reduce_scatter(g.comm, space, src, dst, pool);
 }
 
 /// \brief out = this rank's block along d of in (no communication).
 template <class ExecSpace, class InV, class OutV>
 void slice_dim(ExecSpace const& space, int P, int p, InV const& in, OutV const& out, int d) {
-  if (P == 1) {
-    Kokkos::deep_copy(space, out, in);
-    return;
-  }
+  if (detail::copy_if_alone(space, P, in, out)) return;
   auto const s = detail::split_at(out, d);
   detail::copy_rows(space, "moe::reshard::slice", in.data(), out.data(), s.A, s.n * s.C,
                     detail::Block{P, p}, detail::Identity{});

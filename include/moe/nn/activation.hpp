@@ -107,21 +107,14 @@ KOKKOS_INLINE_FUNCTION S cast(S x) {
     return x;
 }
 
-/// A stored element as the compute type S (moe::bf16 widens through float, exactly).
+/// A stored element as the compute type S (moe::bf16 widens through float, exactly; storing
+/// converts back with T(x), moe::bf16 rounding through float).
 template <class S, class T>
 KOKKOS_INLINE_FUNCTION S load(T const& x) {
   if constexpr (std::is_same<T, moe::bf16>::value)
     return S(float(x));
   else
     return S(x);
-}
-/// A computed value as the stored element type T (moe::bf16 rounds through float).
-template <class T, class S>
-KOKKOS_INLINE_FUNCTION T store(S x) {
-  if constexpr (std::is_same<T, moe::bf16>::value)
-    return T(float(x));
-  else
-    return T(x);
 }
 /// What the kernels compute in: the first of Ts that is not moe::bf16 (float if all are).
 template <class... Ts>
@@ -151,7 +144,7 @@ void gated_forward_kernel(Kokkos::RangePolicy<ExecSpace> const& range, T0 const*
                           TA* pa) {
   Kokkos::parallel_for(
       "moe::nn::gated_forward", range, KOKKOS_LAMBDA(std::int64_t i) {
-        pa[i] = store<TA>(
+        pa[i] = TA(
             cast<Round>(detail::act(A, cast<Round>(load<S>(p0[i]))) * cast<Round>(load<S>(p1[i]))));
       });
 }
@@ -166,21 +159,21 @@ void gated_backward_kernel(Kokkos::RangePolicy<ExecSpace> const& range, T0 const
         S f, df;
         detail::act_and_grad(A, cast<Round>(load<S>(p0[i])), f, df);
         S const g = cast<Round>(load<S>(pd[i]));
-        q0[i] = store<Q0>(cast<Round>(g * cast<Round>(load<S>(p1[i])) * df));
-        q1[i] = store<Q1>(cast<Round>(g * f));
+        q0[i] = Q0(cast<Round>(g * cast<Round>(load<S>(p1[i])) * df));
+        q1[i] = Q1(cast<Round>(g * f));
       });
 }
 
-/// Calls run(silu, round) with std::true_type / std::false_type arguments for (act == Silu, bf16):
-/// one kernel instantiation per combination, chosen once outside the loop.
+/// Calls run(act, round) with std::integral_constant arguments (the Activation, bf16): one
+/// kernel instantiation per combination, chosen once outside the loop.
 template <class Run>
 void dispatch(Activation act, bool bf16, Run&& run) {
-  using yes = std::true_type;
-  using no = std::false_type;
+  using silu = std::integral_constant<Activation, Activation::Silu>;
+  using gelu = std::integral_constant<Activation, Activation::Gelu>;
   if (act == Activation::Silu)
-    bf16 ? run(yes{}, yes{}) : run(yes{}, no{});
+    bf16 ? run(silu{}, std::true_type{}) : run(silu{}, std::false_type{});
   else
-    bf16 ? run(no{}, yes{}) : run(no{}, no{});
+    bf16 ? run(gelu{}, std::true_type{}) : run(gelu{}, std::false_type{});
 }
 }  // namespace detail
 
@@ -195,10 +188,9 @@ void gated_forward(ExecSpace const& space, Activation act, std::int64_t rows, V0
                                           typename VA::value_type>::type;
   detail::check_views(h0, h1, a);
   Kokkos::RangePolicy<ExecSpace> const range(space, 0, rows * std::int64_t(h0.extent(1)));
-  detail::dispatch(act, bf16, [&](auto silu, auto round) {
-    constexpr Activation A = decltype(silu)::value ? Activation::Silu : Activation::Gelu;
-    detail::gated_forward_kernel<A, decltype(round)::value, S>(range, h0.data(), h1.data(),
-                                                               a.data());
+  detail::dispatch(act, bf16, [&](auto A, auto round) {
+    detail::gated_forward_kernel<decltype(A)::value, decltype(round)::value, S>(
+        range, h0.data(), h1.data(), a.data());
   });
 }
 
@@ -213,10 +205,9 @@ void gated_backward(ExecSpace const& space, Activation act, std::int64_t rows, V
                                           typename Q1::value_type>::type;
   detail::check_views(h0, h1, da, dh0, dh1);
   Kokkos::RangePolicy<ExecSpace> const range(space, 0, rows * std::int64_t(h0.extent(1)));
-  detail::dispatch(act, bf16, [&](auto silu, auto round) {
-    constexpr Activation A = decltype(silu)::value ? Activation::Silu : Activation::Gelu;
-    detail::gated_backward_kernel<A, decltype(round)::value, S>(range, h0.data(), h1.data(),
-                                                                da.data(), dh0.data(), dh1.data());
+  detail::dispatch(act, bf16, [&](auto A, auto round) {
+    detail::gated_backward_kernel<decltype(A)::value, decltype(round)::value, S>(
+        range, h0.data(), h1.data(), da.data(), dh0.data(), dh1.data());
   });
 }
 

@@ -92,8 +92,7 @@ class ExpertFfn : public Bf16Rounding {
   /// The activation and the down projection of a chunked forward: ys [n,D].
   void forward_end(ExecSpace const& space, groups_type const& groups, view3 wo, view2 ys) {
     moe::detail::Region region("moe::expert_ffn");
-    std::int64_t const n = xs_.extent(0);
-    gated_forward(space, act_, n, cview2(h0_), cview2(h1_), a_, bf16);
+    gated_forward(space, act_, xs_.extent(0), cview2(h0_), cview2(h1_), a_, bf16);
     gmm::gmm(space, Gmm{}, a_, wo, groups, ys, options(false, false, true));
   }
 
@@ -267,9 +266,11 @@ class DenseExperts : public Bf16Rounding {
     moe::detail::ensure(space, dh1_, "moe::dense::d_h1", T, F);
     moe::detail::ensure(space, dwd_, "moe::dense::d_weights", T, L);
     Kokkos::deep_copy(space, dx, Scalar(0));
+    auto wd = wd_, dwd = dwd_, dye = dye_;
+    auto ids = ids_, kept = kept_;
     for (int l = 0; l < L; ++l) {
       expert(space, l, wi_0, wi_1, wo);
-      auto wd = wd_, dwd = dwd_, ye = ye_, dye = dye_;
+      auto ye = ye_;  // allocated by expert()
       Kokkos::parallel_for(
           "moe::dense::combine_backward", Kokkos::RangePolicy<ExecSpace>(space, 0, T),
           KOKKOS_LAMBDA(std::int64_t t) {
@@ -289,8 +290,6 @@ class DenseExperts : public Bf16Rounding {
       moe::detail::gemm(space, "N", "T", Scalar(1), da_, sub(wi_0, l), Scalar(1), dx, bf16);
       moe::detail::gemm(space, "N", "T", Scalar(1), dh1_, sub(wi_1, l), Scalar(1), dx, bf16);
     }
-    auto dwd = dwd_;
-    auto ids = ids_, kept = kept_;
     Kokkos::parallel_for(
         "moe::dense::weight_grad", Kokkos::RangePolicy<ExecSpace>(space, 0, T),
         KOKKOS_LAMBDA(std::int64_t t) {

@@ -49,18 +49,19 @@ inline void truncate_blocks(moe::permute::LocalLayout& lay, std::int64_t R) {
       lay.group_sizes[l] += lay.block_sizes[std::size_t(i) * lay.num_local + l];
 }
 
-inline void check_sizes(char const* who, std::vector<std::int64_t> const& v) {
-  for (std::size_t k = 0; k < v.size(); ++k)
-    moe::detail::require<ShapeError>(v[k] >= 0, who, ": group size [", k, "]=", v[k],
-                                     " is negative; group sizes must be >= 0");
-}
-
-/// A layout of shard `me` of `ep`, holding L = E/ep local experts; ConfigError unless they divide.
-inline LocalLayout shard_layout(char const* who, int E, int ep, int me) {
+/// A layout of shard `me` of `ep`, holding L = E/ep local experts; ConfigError unless they divide,
+/// ShapeError unless the group sizes G are [senders, E] and >= 0.
+inline LocalLayout shard_layout(char const* who, int E, int ep, int me,
+                                std::vector<std::int64_t> const& G) {
   moe::detail::require<ConfigError>(E >= 1 && ep >= 1 && E % ep == 0, who, ": num_experts=", E,
                                     " is not divisible by the expert-parallel size ", ep);
   moe::detail::require<ConfigError>(me >= 0 && me < ep, who, ": me=", me,
                                     " is not a shard index in [0, ", ep, ")");
+  moe::detail::require<ShapeError>(!G.empty() && G.size() % E == 0, who, ": G has ", G.size(),
+                                   " entries; it must be [senders, E] with E=", E);
+  for (std::size_t k = 0; k < G.size(); ++k)
+    moe::detail::require<ShapeError>(G[k] >= 0, who, ": group size [", k, "]=", G[k],
+                                     " is negative; group sizes must be >= 0");
   LocalLayout lay;
   lay.num_local = E / ep;
   return lay;
@@ -95,10 +96,7 @@ void gather_by(ExecSpace const& space, char const* label, Map const& map, std::i
 inline LocalLayout local_layout(std::vector<std::int64_t> const& G, int E, int ep, int me,
                                 std::int64_t R = -1) {
   char const* who = "moe::permute::local_layout";
-  LocalLayout lay = detail::shard_layout(who, E, ep, me);
-  moe::detail::require<ShapeError>(!G.empty() && G.size() % E == 0, who, ": G has ", G.size(),
-                                   " entries; it must be [senders, E] with E=", E);
-  detail::check_sizes(who, G);
+  LocalLayout lay = detail::shard_layout(who, E, ep, me, G);
   lay.num_senders = static_cast<int>(G.size() / E);
   for (int i = 0; i < lay.num_senders; ++i)
     for (int l = 0; l < lay.num_local; ++l)
@@ -112,8 +110,8 @@ inline LocalLayout local_layout(std::vector<std::int64_t> const& G, int E, int e
 inline LocalLayout local_layout_replicated(std::vector<std::int64_t> const& global_group_sizes,
                                            int ep, int me, std::int64_t R = -1) {
   char const* who = "moe::permute::local_layout_replicated";
-  LocalLayout lay = detail::shard_layout(who, static_cast<int>(global_group_sizes.size()), ep, me);
-  detail::check_sizes(who, global_group_sizes);
+  LocalLayout lay =
+      detail::shard_layout(who, int(global_group_sizes.size()), ep, me, global_group_sizes);
   lay.num_senders = 1;
   for (int e = 0; e < me * lay.num_local; ++e) lay.source_offset += global_group_sizes[e];
   lay.block_sizes.assign(global_group_sizes.begin() + std::size_t(me) * lay.num_local,
@@ -150,39 +148,29 @@ void make_local_permutation(ExecSpace const& space, LocalLayout const& layout,
   int const S = layout.num_senders, L = layout.num_local, nb = S * L;
   lp.layout = layout;
   std::int64_t const rows = layout.rows;
-  // Per block in sorted (local expert major, sender minor) order b = l*S + i: its first sorted
-  // row (sorted_start[b], plus the total at nb) and its first source row (source_start[b]).
+  // Per block in sorted (local expert major) order b = l*S + i: its first sorted row seg(b) (the
+  // total at nb) and its first source row seg(nb + 1 + b); source blocks are k = i*L + l.
   auto seg = lp.scratch.template get<std::int64_t>("segments", 2 * nb + 1);
   moe::detail::ensure(Kokkos::DefaultHostExecutionSpace(), lp.seg_host,
                       "moe::permute::local::segments", 2 * nb + 1);
   auto const& seg_host = lp.seg_host;
-  std::vector<std::int64_t> source_start(nb);
   std::int64_t run = layout.source_offset;
-  for (int k = 0; k < nb; ++k) source_start[k] = run, run += layout.block_sizes[k];
+  for (int k = 0; k < nb; ++k)
+    seg_host(nb + 1 + k % L * S + k / L) = run, run += layout.block_sizes[k];
   run = 0;
-  for (int l = 0; l < L; ++l)
-    for (int i = 0; i < S; ++i) {
-      int const b = l * S + i;
-      seg_host(b) = run;
-      seg_host(nb + 1 + b) = source_start[std::size_t(i) * L + l];
-      run += layout.block_sizes[std::size_t(i) * L + l];
-    }
+  for (int b = 0; b < nb; ++b) seg_host(b) = run, run += layout.block_sizes[b % S * L + b / S];
   seg_host(nb) = run;
   Kokkos::deep_copy(space, seg, seg_host);
 
   moe::detail::ensure(space, lp.group_offsets, "moe::permute::local::group_offsets", L + 1);
   if (lp.group_offsets_host.extent(0) != lp.group_offsets.extent(0))
     lp.group_offsets_host = Kokkos::create_mirror_view(lp.group_offsets);
-  lp.group_offsets_host(0) = 0;
-  for (int l = 0; l < L; ++l)
-    lp.group_offsets_host(l + 1) = lp.group_offsets_host(l) + layout.group_sizes[l];
+  for (int l = 0; l <= L; ++l) lp.group_offsets_host(l) = seg_host(l * S);  // block l*S: expert l
   Kokkos::deep_copy(space, lp.group_offsets, lp.group_offsets_host);
 
-  lp.perm = lp.scratch.template get<std::int64_t>("perm", rows);
-  lp.inverse = lp.scratch.template get<std::int64_t>("inverse", rows);
-  lp.expert_ids = lp.scratch.template get<int>("expert_ids", rows);
-  auto perm = lp.perm, inverse = lp.inverse;
-  auto ids = lp.expert_ids;
+  auto const perm = lp.perm = lp.scratch.template get<std::int64_t>("perm", rows);
+  auto const inverse = lp.inverse = lp.scratch.template get<std::int64_t>("inverse", rows);
+  auto const ids = lp.expert_ids = lp.scratch.template get<int>("expert_ids", rows);
   std::int64_t const base = layout.source_offset;
   Kokkos::parallel_for(
       "moe::permute::local::build",

@@ -40,8 +40,8 @@ void sort_by_expert(ExecSpace const& space, View2<int const, MS> ids, View2<int 
                                       moe::detail::counting_chunk<ExecSpace>(E), E};
   std::int64_t const C = sh.chunks_per_segment();
   auto cursor = out.scratch.template get<std::int64_t>("sort_cursor", sh.cursors());
-  out.inverse = out.scratch.template get<std::int64_t>("sort_inverse", N);
-  out.perm = out.scratch.template get<std::int64_t>("sort_perm", N);
+  auto const inverse = out.inverse = out.scratch.template get<std::int64_t>("sort_inverse", N);
+  auto const perm = out.perm = out.scratch.template get<std::int64_t>("sort_perm", N);
   moe::detail::ensure(space, out.groups.offsets, "moe::permute::offsets", E + 1);
   if (out.groups.offsets_host.extent(0) != out.groups.offsets.extent(0))
     out.groups.offsets_host = Kokkos::create_mirror_view(out.groups.offsets);
@@ -57,7 +57,6 @@ void sort_by_expert(ExecSpace const& space, View2<int const, MS> ids, View2<int 
       "moe::permute::offsets", Kokkos::RangePolicy<ExecSpace>(space, 0, E + 1),
       KOKKOS_LAMBDA(int e) { offsets(e) = cursor(e < E ? sh.at(0, e, 0, C) : last); });
   Kokkos::deep_copy(space, out.groups.offsets_host, offsets);
-  auto inverse = out.inverse, perm = out.perm;
   std::int64_t const chunk = sh.chunk;
   Kokkos::parallel_for(
       "moe::permute::place", Kokkos::RangePolicy<ExecSpace>(space, 0, C),
@@ -83,8 +82,7 @@ void gather_rows(ExecSpace const& space, View2<Scalar const, MS> x,
                  View1<std::int64_t const, MS> perm, int K, View2<Scalar, MS> out) {
   moe::detail::Region region("moe::permute::gather");
   std::int64_t const D = x.extent(1), n = perm.extent(0);
-  // Rows come in expert order, i.e. scattered over x: on a CPU each is a TLB and cache miss, so
-  // the source row a few iterations ahead is prefetched.
+  // Rows come in expert order, scattered over x: prefetch the source row a few iterations ahead.
   constexpr std::int64_t ahead = 8;
   moe::detail::for_each_row(
       space, "moe::permute::gather_rows", n,
@@ -95,31 +93,42 @@ void gather_rows(ExecSpace const& space, View2<Scalar const, MS> x,
       });
 }
 
+namespace detail {
+/// out[t] (+)= sum_k w[t,k] * src[inverse[t*K+k]] over the kept slots, in k order (a gather by
+/// the inverse permutation); an empty w weighs every slot 1 (exact).
+template <class ExecSpace, class Scalar, class MS>
+void gather_slots(ExecSpace const& space, char const* label, View2<Scalar const, MS> src,
+                  View1<std::int64_t const, MS> inverse, View2<Scalar const, MS> w, std::int64_t K,
+                  bool accumulate, View2<Scalar, MS> out) {
+  std::int64_t const D = out.extent(1), T = out.extent(0);
+  bool const weighted = w.data() != nullptr;
+  constexpr std::int64_t ahead = 4;  // tokens: their src rows are scattered (see gather_rows)
+  moe::detail::for_each_row(
+      space, label, T, KOKKOS_LAMBDA(std::int64_t t, std::int64_t lane, std::int64_t lanes) {
+        if (lane == 0 && t + ahead < T && D > 0)
+          for (std::int64_t k = 0; k < K; ++k) {
+            std::int64_t const r = inverse((t + ahead) * K + k);
+            if (r >= 0) moe::detail::prefetch(&src(r, 0));
+          }
+        if (!accumulate)
+          for (std::int64_t d = lane; d < D; d += lanes) out(t, d) = Scalar(0);
+        for (std::int64_t k = 0; k < K; ++k) {
+          std::int64_t const r = inverse(t * K + k);
+          if (r < 0) continue;
+          Scalar const wk = weighted ? w(t, k) : Scalar(1);
+          for (std::int64_t d = lane; d < D; d += lanes) out(t, d) += wk * src(r, d);
+        }
+      });
+}
+}  // namespace detail
+
 /// \brief Unpermute and combine: y[t] (+)= sum_k w[t,k] * ys[inverse[t*K+k]] (kept slots, k order).
 template <class ExecSpace, class Scalar, class MS>
 void combine(ExecSpace const& space, View2<Scalar const, MS> ys,
              View1<std::int64_t const, MS> inverse, View2<Scalar const, MS> w, bool accumulate,
              View2<Scalar, MS> y) {
   moe::detail::Region region("moe::combine");
-  std::int64_t const D = y.extent(1), K = w.extent(1), T = y.extent(0);
-  constexpr std::int64_t ahead = 4;  // tokens: their ys rows are scattered (see gather_rows)
-  moe::detail::for_each_row(
-      space, "moe::permute::combine", T,
-      KOKKOS_LAMBDA(std::int64_t t, std::int64_t lane, std::int64_t lanes) {
-        if (lane == 0 && t + ahead < T && D > 0)
-          for (std::int64_t k = 0; k < K; ++k) {
-            std::int64_t const r = inverse((t + ahead) * K + k);
-            if (r >= 0) moe::detail::prefetch(&ys(r, 0));
-          }
-        if (!accumulate)
-          for (std::int64_t d = lane; d < D; d += lanes) y(t, d) = Scalar(0);
-        for (std::int64_t k = 0; k < K; ++k) {
-          std::int64_t const r = inverse(t * K + k);
-          if (r < 0) continue;
-          Scalar const wk = w(t, k);
-          for (std::int64_t d = lane; d < D; d += lanes) y(t, d) += wk * ys(r, d);
-        }
-      });
+  detail::gather_slots(space, "moe::permute::combine", ys, inverse, w, w.extent(1), accumulate, y);
 }
 
 /// \brief Backward of combine. dys[i] = w[s] * dy[s / K] for the slot s = perm[i] (a gather),
@@ -158,18 +167,8 @@ void gather_rows_backward(ExecSpace const& space, View2<Scalar const, MS> dxs,
                           View1<std::int64_t const, MS> inverse, int K, bool accumulate,
                           View2<Scalar, MS> dx) {
   moe::detail::Region region("moe::permute::gather::backward");
-  std::int64_t const D = dx.extent(1);
-  moe::detail::for_each_row(
-      space, "moe::permute::gather_rows_backward", dx.extent(0),
-      KOKKOS_LAMBDA(std::int64_t t, std::int64_t lane, std::int64_t lanes) {
-        if (!accumulate)
-          for (std::int64_t d = lane; d < D; d += lanes) dx(t, d) = Scalar(0);
-        for (std::int64_t k = 0; k < K; ++k) {
-          std::int64_t const r = inverse(t * K + k);
-          if (r < 0) continue;
-          for (std::int64_t d = lane; d < D; d += lanes) dx(t, d) += dxs(r, d);
-        }
-      });
+  detail::gather_slots(space, "moe::permute::gather_rows_backward", dxs, inverse,
+                       View2<Scalar const, MS>(), K, accumulate, dx);
 }
 
 }  // namespace moe::permute

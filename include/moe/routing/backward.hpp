@@ -54,10 +54,8 @@ void route_backward(ExecSpace const& space, RouteParams const& p,
           }
         } else {
           // w = softmax(top) [/ sum]; undo the renormalisation, then the softmax.
-          Scalar s = 0, m = top(t, 0);
-          for (int k = 1; k < K; ++k) m = top(t, k) > m ? top(t, k) : m;
-          Scalar z = 0;
-          for (int k = 0; k < K; ++k) z += detail::exp(top(t, k) - m);
+          Scalar s = 0, m, z;
+          detail::softmax_norm(K, Kokkos::subview(top, t, Kokkos::ALL()), m, z);
           auto sm = [&](int k) { return detail::exp(top(t, k) - m) / z; };
           for (int k = 0; k < K; ++k) s += sm(k);
           Scalar dn = 0;
@@ -72,11 +70,10 @@ void route_backward(ExecSpace const& space, RouteParams const& p,
           for (int k = 0; k < K; ++k) d_top(t, k) = sm(k) * (d_top(t, k) - dot);
         }
         // 2. d_biased = lb part + (generic: the selected values' gradient)
-        Scalar pm = biased(t, 0), pz = 0, pdot = 0;
+        Scalar pm = 0, pz = 0, pdot = 0;
         std::int64_t const b = std::int64_t(t) / seq_len;
         if (coef != Scalar(0)) {
-          for (int e = 1; e < E; ++e) pm = biased(t, e) > pm ? biased(t, e) : pm;
-          for (int e = 0; e < E; ++e) pz += detail::exp(biased(t, e) - pm);
+          detail::softmax_norm(E, Kokkos::subview(biased, t, Kokkos::ALL()), pm, pz);
           for (int e = 0; e < E; ++e)
             pdot += coef * Scalar(counts(b, e)) * detail::exp(biased(t, e) - pm) / pz;
         }

@@ -92,6 +92,28 @@ KOKKOS_INLINE_FUNCTION bool key_greater(S va, int ia, S vb, int ib) {
   return ia < ib;
 }
 
+/// One top-k step: the i < n with ok(i) that comes next after `prev` (< 0: first) in key_greater
+/// order of v[i], or -1.
+template <class V, class Ok>
+KOKKOS_INLINE_FUNCTION int next_best(int n, V const& v, int prev, Ok const& ok) {
+  int best = -1;
+  for (int i = 0; i < n; ++i) {
+    if (prev >= 0 && !key_greater(v[prev], prev, v[i], i)) continue;
+    if (best >= 0 && !key_greater(v[i], i, v[best], best)) continue;
+    if (ok(i)) best = i;
+  }
+  return best;
+}
+
+/// Max m and normaliser z = sum_i exp(v[i] - m) of the softmax of v[0..n), in that order.
+template <class V, class S>
+KOKKOS_INLINE_FUNCTION void softmax_norm(std::int64_t n, V const& v, S& m, S& z) {
+  m = v[0];
+  for (std::int64_t i = 1; i < n; ++i) m = v[i] > m ? v[i] : m;
+  z = S(0);
+  for (std::int64_t i = 0; i < n; ++i) z += exp(v[i] - m);
+}
+
 template <class S>
 KOKKOS_INLINE_FUNCTION S sigmoid(S x) {
   return x >= S(0) ? S(1) / (S(1) + exp(-x)) : exp(x) / (S(1) + exp(x));
@@ -151,10 +173,8 @@ void apply_score(ExecSpace const& space, ScoreFunc f, View2<Scalar const, MS> lo
       "moe::routing::score", Kokkos::RangePolicy<ExecSpace>(space, 0, logits.extent(0)),
       KOKKOS_LAMBDA(std::size_t t) {
         if (f == ScoreFunc::Softmax) {
-          Scalar m = logits(t, 0);
-          for (int e = 1; e < E; ++e) m = logits(t, e) > m ? logits(t, e) : m;
-          Scalar z = 0;
-          for (int e = 0; e < E; ++e) z += detail::exp(logits(t, e) - m);
+          Scalar m, z;
+          detail::softmax_norm(E, Kokkos::subview(logits, t, Kokkos::ALL()), m, z);
           for (int e = 0; e < E; ++e) scores(t, e) = detail::exp(logits(t, e) - m) / z;
         } else {
           for (int e = 0; e < E; ++e) {
@@ -186,53 +206,26 @@ void select_topk(ExecSpace const& space, RouteParams const& p, std::uint64_t tok
         auto row = Kokkos::subview(biased, t, Kokkos::ALL());
         int const gsize = G > 0 ? E / G : E;
         // Group-limited routing: bit g of `allowed` is set for the TG best groups (G <= 64).
-        std::uint64_t allowed = ~std::uint64_t(0);
-        if (G > 0) {
-          allowed = 0;
-          int prev_g = -1;
-          Scalar prev_s = 0;
-          for (int j = 0; j < TG; ++j) {
-            int best_g = -1;
-            Scalar best_s = 0;
-            for (int g = 0; g < G; ++g) {
-              Scalar const sg = detail::group_score(row, g, gsize);
-              if (prev_g >= 0 && !detail::key_greater(prev_s, prev_g, sg, g)) continue;
-              if (best_g >= 0 && !detail::key_greater(sg, g, best_s, best_g)) continue;
-              best_g = g;
-              best_s = sg;
-            }
-            allowed |= std::uint64_t(1) << best_g;
-            prev_g = best_g;
-            prev_s = best_s;
-          }
+        std::uint64_t allowed = G > 0 ? 0 : ~std::uint64_t(0);
+        Scalar group[64];
+        for (int g = 0; g < G; ++g) group[g] = detail::group_score(row, g, gsize);
+        for (int j = 0, g = -1; G > 0 && j < TG; ++j) {
+          g = detail::next_best(G, group, g, [](int) { return true; });
+          allowed |= std::uint64_t(1) << g;
         }
         auto eligible = [&](int e) { return G <= 0 || ((allowed >> (e / gsize)) & 1u); };
-        if (random) {
-          for (int k = 0; k < K; ++k) {
-            std::uint64_t const h =
+        for (int k = 0, e = -1; k < K; ++k) {
+          if (random)
+            e = int(
                 detail::splitmix64(seed ^ detail::splitmix64((token_offset + t) * 0x100000001B3ULL +
-                                                             std::uint64_t(k)));
-            int const e = int(h % std::uint64_t(E));
-            ids(t, k) = e;
-            top_values(t, k) = row(e);
-          }
-        } else {
-          int prev = -1;
-          for (int k = 0; k < K; ++k) {
-            int best = -1;
-            for (int e = 0; e < E; ++e) {
-              if (prev >= 0 && !detail::key_greater(row(prev), prev, row(e), e)) continue;
-              if (best >= 0 && !detail::key_greater(row(e), e, row(best), best)) continue;
-              if (!eligible(e)) continue;
-              best = e;
-            }
-            if (best < 0) best = 0;  // unreachable for valid configs; keeps indices in range
-            ids(t, k) = best;
-            top_values(t, k) = deepseek ? scores(t, best) : row(best);
-            prev = best;
-          }
+                                                             std::uint64_t(k))) %
+                std::uint64_t(E));
+          else
+            e = detail::next_best(E, row, e, eligible);
+          if (e < 0) e = 0;  // unreachable for valid configs; keeps indices in range
+          ids(t, k) = e;
+          top_values(t, k) = deepseek && !random ? scores(t, e) : row(e);
         }
-        // Weight post-processing.
         if (deepseek) {
           Scalar sum = 0;
           for (int k = 0; k < K; ++k) sum += top_values(t, k);
@@ -242,10 +235,8 @@ void select_topk(ExecSpace const& space, RouteParams const& p, std::uint64_t tok
             weights(t, k) = w * scaling;
           }
         } else {
-          Scalar m = top_values(t, 0);
-          for (int k = 1; k < K; ++k) m = top_values(t, k) > m ? top_values(t, k) : m;
-          Scalar z = 0;
-          for (int k = 0; k < K; ++k) z += detail::exp(top_values(t, k) - m);
+          Scalar m, z;
+          detail::softmax_norm(K, Kokkos::subview(top_values, t, Kokkos::ALL()), m, z);
           Scalar s = 0;
           for (int k = 0; k < K; ++k) {
             weights(t, k) = detail::exp(top_values(t, k) - m) / z;
@@ -308,10 +299,8 @@ double lb_statistics(ExecSpace const& space, View2<Scalar const, MS> biased,
   Kokkos::parallel_for(
       "moe::routing::lb_softmax", Kokkos::RangePolicy<ExecSpace>(space, 0, T),
       KOKKOS_LAMBDA(std::int64_t t) {
-        Scalar m = biased(t, 0);
-        for (std::int64_t e = 1; e < E; ++e) m = biased(t, e) > m ? biased(t, e) : m;
-        Scalar z = 0;
-        for (std::int64_t e = 0; e < E; ++e) z += detail::exp(biased(t, e) - m);
+        Scalar m, z;
+        detail::softmax_norm(E, Kokkos::subview(biased, t, Kokkos::ALL()), m, z);
         mz(2 * t) = double(m);
         mz(2 * t + 1) = double(z);
       });

@@ -64,13 +64,10 @@ class Router {
   /// The last forward's state restricted to block `own` (the rows whose backward this rank runs).
   state_type own_state() const {
     state_type s = st_;
-    s.logits = block(st_.logits, own_);
-    s.scores = block(st_.scores, own_);
-    s.biased = block(st_.biased, own_);
-    s.expert_ids = block(st_.expert_ids, own_);
-    s.top_values = block(st_.top_values, own_);
-    s.weights = block(st_.weights, own_);
-    s.kept = block(st_.kept, own_);
+    for (auto m : {&state_type::logits, &state_type::scores, &state_type::biased,
+                   &state_type::top_values, &state_type::weights})
+      s.*m = block(st_.*m, own_);
+    for (auto m : {&state_type::expert_ids, &state_type::kept}) s.*m = block(st_.*m, own_);
     return s;
   }
   /// Rows of the own block of any [R, n] view routed by the last forward.

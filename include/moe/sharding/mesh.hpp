@@ -228,9 +228,8 @@ class Mesh {
   }
   /// \brief Global ranks of the group of `axes` that contains `rank`, ordered by rank_in_group.
   std::vector<int> group_members(int rank, std::vector<std::string> const& axes) const {
-    check_group(axes);
+    int const n = group_size(axes);  // checks the axes first
     auto const base = coords(rank);
-    int const n = group_size(axes);
     std::vector<int> out(static_cast<std::size_t>(n));
     for (int k = 0; k < n; ++k) {
       auto c = base;

@@ -3,10 +3,7 @@
 /// Route stage of the distributed layer: the router on the working tokens, global statistics.
 
 #include <moe/detail/views.hpp>
-#include <moe/distributed/layout.hpp>
-#include <moe/distributed/step_plan.hpp>
 #include <moe/routing/kernels.hpp>
-#include <moe/routing/router.hpp>
 
 #include <cstdint>
 #include <vector>

@@ -6,7 +6,6 @@
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/distributed/reshard.hpp>
-#include <moe/distributed/step_context.hpp>
 #include <moe/distributed/step_plan.hpp>
 
 #include <cstddef>
@@ -57,10 +56,9 @@ V run_weight_ops(Ctx& ctx, std::vector<WeightOp> const& ops, V cur, std::string 
 template <class Ctx>
 bool gather_weights(Ctx& ctx, typename Ctx::params_type const& stored,
                     typename Ctx::params_type& compute, std::uint64_t version) {
-  using params_type = typename Ctx::params_type;
   bool const reround = ctx.cfg.bf16() && ctx.rounded_version != version;
   bool fresh = reround;
-  params_type::for_each_field(ctx.cfg, [&](char const* n, auto m) {
+  Ctx::params_type::for_each_field(ctx.cfg, [&](char const* n, auto m) {
     auto src = stored.*m;
     std::string const name = n;
     if (ctx.cfg.bf16() && name != "gate_bias" && (name != "gate" || !ctx.cfg.float32_gate_logits)) {
@@ -83,9 +81,8 @@ bool gather_weights(Ctx& ctx, typename Ctx::params_type const& stored,
 /// The compute-block gradients: `out`'s own where no op lies between, else zeroed kept buffers.
 template <class Ctx>
 void alloc_compute_grads(Ctx& ctx, typename Ctx::params_type& out) {
-  using params_type = typename Ctx::params_type;
   using Scalar = typename Ctx::scalar_type;
-  params_type::for_each_field(ctx.cfg, [&](char const* n, auto m) {
+  Ctx::params_type::for_each_field(ctx.cfg, [&](char const* n, auto m) {
     auto& g = ctx.gc.*m;
     if (ctx.plan.weight(n).to_storage.empty()) {
       g = out.*m;
@@ -108,8 +105,7 @@ void alloc_compute_grads(Ctx& ctx, typename Ctx::params_type& out) {
 template <class Ctx>
 void reduce_grads(Ctx& ctx, typename Ctx::params_type const& computed,
                   typename Ctx::params_type& out) {
-  using params_type = typename Ctx::params_type;
-  params_type::for_each_field(ctx.cfg, [&](char const* n, auto m) {
+  Ctx::params_type::for_each_field(ctx.cfg, [&](char const* n, auto m) {
     auto const& ops = ctx.plan.weight(n).to_storage;
     if (ops.empty()) return;
     Kokkos::deep_copy(ctx.space, out.*m,

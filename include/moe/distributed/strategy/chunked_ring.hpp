@@ -5,7 +5,6 @@
 
 #include <moe/comm/iall_gather.hpp>
 #include <moe/detail/blas.hpp>
-#include <moe/detail/views.hpp>
 #include <moe/distributed/plan_builder.hpp>
 #include <moe/distributed/reshard.hpp>
 #include <moe/distributed/strategy/gathered.hpp>
@@ -23,13 +22,10 @@ using chunk_pieces = comm::AllGatherPieces<typename Ctx::scalar_type, typename C
                                            typename Ctx::memory_space>;
 /// D-chunk c of the own tokens (chunk-major `own`) and its rows of the gathered `got`.
 template <class Ctx>
-std::pair<typename Ctx::view2, typename Ctx::view2> chunk_views(Ctx const& ctx,
-                                                                typename Ctx::view2 own,
-                                                                typename Ctx::view2 got,
-                                                                std::int64_t c) {
+auto chunk_views(Ctx const& ctx, typename Ctx::view2 own, typename Ctx::view2 got, std::int64_t c) {
   using view2 = typename Ctx::view2;
   std::int64_t const T = ctx.plan.tokens, Tw = ctx.plan.work_tokens, Dc = own.extent(1);
-  return {view2(own.data() + c * T * Dc, T, Dc), view2(got.data() + c * Tw * Dc, Tw, Dc)};
+  return std::pair{view2(own.data() + c * T * Dc, T, Dc), view2(got.data() + c * Tw * Dc, Tw, Dc)};
 }
 /// Starts the all-gather of D-chunk c into its rows of `got`, on its wire (pool slot c % 2).
 template <class Ctx>
@@ -55,7 +51,6 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
         " columns (together the bytes of one token gather), chunk i+1 in flight while the first "
         "grouped GEMMs of chunk i run; the backward is the ring's"));
     Extent const n = b.local_rows(), Tw = b.work_tokens(), Dn{b.D / b.chunks, scale_emb};
-    b.gather_weights();
     b.route(buf::x, true);
     b.stage(StageKind::dispatch, "moe::dispatch::gathered", {Buf::routing},
             {b.out(buf::local_ids, Tw, b.topk()), b.out(buf::local_kept, Tw, b.topk())});
@@ -96,31 +91,28 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
   /// Chunk c+1's all-gather progresses between the per-expert GEMMs of chunk c.
   template <class Ctx>
   static void experts(Ctx& ctx, std::uint64_t weights_version) {
-    using stages::chunk_views;
-    using stages::start_chunk_gather;
     using view3 = typename Ctx::view3;
     std::int64_t const D = ctx.cfg.base_emb_dim, T = ctx.plan.tokens;
     std::int64_t const nc = ctx.plan.emb_chunks, Dc = D / nc, n = ctx.disp.perm.rows();
     std::int64_t const L = ctx.layout.local_experts, F = ctx.cp.wi_0.extent(2);
     int const K = ctx.cfg.num_experts_per_tok;
-    auto const x = ctx.ws.at(buf::x);
     // Own tokens chunk-major: rows [c*T, (c+1)*T) are columns [c*Dc, (c+1)*Dc) of x.
     auto own = ctx.ws.make(buf::x_chunks_own);
-    detail::copy_rows(ctx.space, "moe::dist::chunk_pack", x.data(), own.data(), T * nc, Dc,
-                      detail::Identity{}, detail::PaToAp{T, nc});
+    detail::copy_rows(ctx.space, "moe::dist::chunk_pack", ctx.ws.at(buf::x).data(), own.data(),
+                      T * nc, Dc, detail::Identity{}, detail::PaToAp{T, nc});
     auto got = ctx.ws.make(buf::x_chunks);
     auto xs = ctx.ws.make(buf::x_local, n);
     auto xs_c = ctx.ws.make(buf::x_local_chunk, n);
     // The chunks' shapes are agreed on once (one collective check, not one per chunk).
-    auto const first = chunk_views(ctx, own, got, 0);
+    auto const first = stages::chunk_views(ctx, own, got, 0);
     stages::chunk_pieces<Ctx> const pieces(ctx.ep().comm, ctx.space, first.first, first.second);
-    auto next = start_chunk_gather(ctx, pieces, own, got, 0);
+    auto next = stages::start_chunk_gather(ctx, pieces, own, got, 0);
     ctx.ffn.forward_begin(ctx.space, ctx.cfg.mlp_activation, xs, F, weights_version);
     for (std::int64_t c = 0; c < nc; ++c) {
       auto cur = std::move(next);
       cur.wait(ctx.space);
-      if (c + 1 < nc) next = start_chunk_gather(ctx, pieces, own, got, c + 1);
-      permute::gather_rows(ctx.space, cview2_t<Ctx>(chunk_views(ctx, own, got, c).second),
+      if (c + 1 < nc) next = stages::start_chunk_gather(ctx, pieces, own, got, c + 1);
+      permute::gather_rows(ctx.space, cview2_t<Ctx>(stages::chunk_views(ctx, own, got, c).second),
                            ctx.perm(), K, xs_c);
       detail::copy_rows(ctx.space, "moe::dist::chunk_unpack", xs_c.data(), xs.data(), n, Dc,
                         detail::Identity{}, detail::Block{nc, c});

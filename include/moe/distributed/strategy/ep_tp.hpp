@@ -3,7 +3,6 @@
 /// The EP-TP strategy (ExpertRoute::EpTp): tokens split on D over the expert axes are gathered to
 /// full D, run through the local experts, and the partial outputs reduce-scattered back on D.
 
-#include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/distributed/plan_builder.hpp>
 #include <moe/distributed/strategy/gathered.hpp>
@@ -11,18 +10,6 @@
 #include <cstdint>
 
 namespace moe::distributed {
-namespace stages {
-
-/// Partial full-D rows reduce-scattered over the expert axes into `cols`, added to `into`.
-template <class Ctx>
-void scatter_cols_into(Ctx& ctx, typename Ctx::view2 full, Handle<Values> cols,
-                       typename Ctx::view2 into) {
-  auto c = ctx.ws.make(cols);
-  ctx.reduce_scatter(ctx.ep(), full, c, 1);
-  moe::detail::add_into(ctx.space, c, into);
-}
-
-}  // namespace stages
 
 /// \brief The EP-TP strategy (see the file comment).
 template <class Experts>
@@ -36,7 +23,13 @@ struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
                    "reduce-scattered on D";
     p.token_gathered[2] = lay.emb_axes;
     Extent const T = b.tokens(), D = b.emb(), Dl = b.token_cols();
-    b.gather_weights();
+    // The shared expert on the full-D tokens `x`, its outputs reduce-scattered on D into `into`.
+    auto shared = [&](Ref x, Handle<Values> y, Handle<Values> cols, Out into, char const* what) {
+      if (!b.shared()) return;
+      auto& st = b.shared_stage(x, T, {b.out(y, T, D), b.out(cols, T, Dl), std::move(into)});
+      b.reduce_scatter(st, moe::detail::cat("reduce-scatter ", what, " shared (ep-tp)"),
+                       lay.ep_axes, b.T, b.Dl, 1);
+    };
     auto& g = b.stage(StageKind::gather_tokens, "moe::dist::gather_tokens", {buf::x},
                       {b.out(buf::x_work, T, D)});
     b.all_gather(g, "all-gather tokens (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
@@ -45,30 +38,15 @@ struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
     auto& c = b.stage(StageKind::combine, "moe::dist::combine", {Experts::rows_out, Buf::routing},
                       {b.out(buf::y_work, T, D), b.out(buf::y_cols, T, Dl)});
     b.reduce_scatter(c, "reduce-scatter y (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
-    if (b.shared()) {
-      auto& st = b.shared_stage(
-          buf::x_work, T,
-          {b.out(buf::y_shared, T, D), b.out(buf::y_shared_cols, T, Dl), buf::y_cols});
-      b.reduce_scatter(st, "reduce-scatter y shared (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
-    }
+    shared(buf::x_work, buf::y_shared, buf::y_shared_cols, buf::y_cols, "y");
     b.output();
     auto& d = stages::plan_gathered_experts_backward<Experts>(b, "all-gather d_y (ep-tp)", b.Dl, 1);
     b.all_reduce(d, "reduce d_weights (expert)", lay.ep_axes, b.T * b.K);
     b.reduce_scatter(d, "reduce-scatter d_x (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
-    if (b.shared()) {
-      auto& st =
-          b.shared_stage(buf::dy_work, T,
-                         {b.out(buf::dx_shared, T, D), b.out(buf::dx_shared_cols, T, Dl), Buf::dx});
-      b.reduce_scatter(st, "reduce-scatter d_x shared (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
-    }
+    shared(buf::dy_work, buf::dx_shared, buf::dx_shared_cols, Buf::dx, "d_x");
     return b.finish(buf::x_work);
   }
 
-  /// This rank's D columns -> the full-D tokens x_work, which the experts run on.
-  template <class Ctx>
-  static void gather_tokens(Ctx& c) {
-    c.all_gather(c.ep(), c.ws.at(buf::x), c.ws.make(buf::x_work), 1);
-  }
   /// Partial outputs reduce-scattered back to this rank's D columns.
   template <class Ctx>
   static void combine(Ctx& c) {
@@ -79,7 +57,7 @@ struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
   template <class Ctx>
   static void shared_forward(Ctx& c) {
     auto ysh = stages::shared_mlp_forward(c, cview2_t<Ctx>(c.ws.at(buf::x_work)), buf::y_shared);
-    stages::scatter_cols_into(c, ysh, buf::y_shared_cols, c.ws.at(buf::y_cols));
+    stages::scatter_cols_into(c, c.ep(), ysh, buf::y_shared_cols, c.ws.at(buf::y_cols));
   }
   template <class Ctx>
   static void output_backward(Ctx& c, typename Ctx::cview2 dy) {
@@ -98,7 +76,7 @@ struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
   static void shared_backward(Ctx& c, typename Ctx::cview2 /*dy*/, typename Ctx::view2 dx) {
     auto dxsh =
         stages::shared_mlp_backward(c, cview2_t<Ctx>(c.ws.at(buf::dy_work)), buf::dx_shared);
-    stages::scatter_cols_into(c, dxsh, buf::dx_shared_cols, dx);
+    stages::scatter_cols_into(c, c.ep(), dxsh, buf::dx_shared_cols, dx);
   }
   /// The router's backward on the full-D tokens: dx for this rank's D columns, d_gate whole.
   template <class Ctx>

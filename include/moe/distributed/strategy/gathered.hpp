@@ -185,6 +185,11 @@ template <class Experts, Buf W, bool Ring>
 struct OnWorkTokens : Experts {
   static constexpr auto xw = detail::handle<W>();  ///< the working tokens
 
+  /// Own tokens x -> x_work, all-gathered over the expert axes (ring: rows; EP-TP: D columns).
+  template <class Ctx>
+  static void gather_tokens(Ctx& c) {
+    c.all_gather(c.ep(), c.ws.at(buf::x), c.ws.make(buf::x_work), Ring ? 0 : 1);
+  }
   template <class Ctx>
   static void route(Ctx& c) {
     stages::route_tokens(c, c.ws.at(xw), Ring);
@@ -209,7 +214,6 @@ struct Gathered : OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring> {
                 std::int64_t value_bytes) const {
     PlanBuilder b(lay, cfg, par, value_bytes, Ring);
     begin(b);
-    b.gather_weights();
     if constexpr (Ring) {
       auto& st = b.stage(StageKind::gather_tokens, "moe::dist::gather_tokens", {buf::x},
                          {b.out(buf::x_work, b.work_tokens(), b.emb())});
@@ -232,30 +236,25 @@ struct Gathered : OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring> {
   }
   /// The stages after the experts, and the backward (also the chunked ring's).
   static StepPlan plan_after_experts(PlanBuilder& b) {
-    using stages::plan_tokens_reduce;
     // The experts' output summed onto the owners' tokens, then split into D/tp columns.
     auto& c = b.stage(
         StageKind::combine, "moe::dist::combine", {Experts::rows_out, Buf::routing},
         {b.out(buf::y_work, b.work_tokens(), b.emb()), b.out(buf::y_own, b.tokens(), b.emb()),
          b.out(buf::y_cols, b.tokens(), b.emb_cols())});
-    plan_tokens_reduce(b, c, "y", b.D, Ring);
+    stages::plan_tokens_reduce(b, c, "y", b.D, Ring);
     b.reduce_scatter(c, "reduce-scatter y (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
     if (b.shared()) stages::plan_shared_forward(b);
     b.output();
     auto& d = stages::plan_gathered_experts_backward<Experts>(
         b, Ring ? "all-gather d_y (expert)" : nullptr, b.D, 0);
     b.all_reduce(d, "reduce d_weights (tensor)", b.lay.tp_axes, b.Tw * b.K);
-    plan_tokens_reduce(b, d, "d_weights", b.K, Ring);
+    stages::plan_tokens_reduce(b, d, "d_weights", b.K, Ring);
     b.all_reduce(d, "reduce d_x (tensor)", b.lay.tp_axes, b.Tw * b.D);
-    plan_tokens_reduce(b, d, "d_x", b.D, Ring);
+    stages::plan_tokens_reduce(b, d, "d_x", b.D, Ring);
     if (b.shared()) stages::plan_shared_backward(b);
     return b.finish(buf::x);
   }
 
-  template <class Ctx>
-  static void gather_tokens(Ctx& c) {
-    c.all_gather(c.ep(), c.ws.at(buf::x), c.ws.make(buf::x_work), 0);
-  }
   /// The working tokens' outputs summed onto the own tokens, then split over tensor into y_cols.
   template <class Ctx>
   static void combine(Ctx& c) {

@@ -36,7 +36,6 @@ struct RaggedA2A : StageDefaults {
         par.ragged_buffer_factor > 0 ? "; the receive buffer caps the rows at int(T*K*factor)"
                                      : ""));
     Extent const sent = b.sent_rows(), recv = b.recv_rows(), D = b.emb(), Dc = b.emb_cols();
-    b.gather_weights();
     b.route(buf::x);
     auto& d =
         b.stage(StageKind::dispatch, "moe::dispatch::ragged_all_to_all", {buf::x, Buf::routing},
@@ -86,14 +85,13 @@ struct RaggedA2A : StageDefaults {
   }
   template <class Ctx>
   static void dispatch(Ctx& ctx) {
-    auto x = ctx.ws.at(buf::x);
     int const E = ctx.cfg.num_experts, K = ctx.cfg.num_experts_per_tok;
     int const ep = ctx.ep().size();
     std::int64_t const L = ctx.layout.local_experts;
     auto& perm = ctx.disp.perm;
     permute::sort_by_expert(ctx.space, ctx.expert_ids(), ctx.kept(), E, perm);
     auto xs_o = ctx.ws.make(buf::x_sorted, perm.rows());
-    permute::gather_rows(ctx.space, cview2_t<Ctx>(x), ctx.perm(), K, xs_o);
+    permute::gather_rows(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::x)), ctx.perm(), K, xs_o);
     auto const& off = perm.groups.offsets_host;
     View1<std::int64_t, Kokkos::HostSpace> mine("moe::dist::sizes", E),
         all("moe::dist::all_sizes", E * ep);
@@ -133,9 +131,8 @@ struct RaggedA2A : StageDefaults {
     permute::unpermute_rows(ctx.space, ctx.disp.lp, ctx.ws.at(buf::y_local_cols), yr_c);
     auto ys_o_c = ctx.ws.make(buf::y_sorted_cols, ctx.disp.perm.rows());
     ctx.all_to_all(true, yr_c, ys_o_c);
-    auto y_c = ctx.ws.make(buf::y_cols);
     permute::combine(ctx.space, cview2_t<Ctx>(ys_o_c), ctx.inverse(), ctx.route_weights(), false,
-                     y_c);
+                     ctx.ws.make(buf::y_cols));
   }
   template <class Ctx>
   static void output_backward(Ctx& ctx, typename Ctx::cview2 dy) {
@@ -144,10 +141,9 @@ struct RaggedA2A : StageDefaults {
   }
   template <class Ctx>
   static void combine_backward(Ctx& ctx) {
-    auto dy_c = ctx.ws.at(buf::dy_cols);
     auto dys_o_c = ctx.ws.make(buf::dy_sorted_cols, ctx.disp.perm.rows());
     auto dw = ctx.ws.make(buf::d_weights);
-    permute::combine_backward(ctx.space, cview2_t<Ctx>(dy_c),
+    permute::combine_backward(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::dy_cols)),
                               cview2_t<Ctx>(ctx.ws.at(buf::y_sorted_cols)), ctx.perm(),
                               ctx.inverse(), ctx.route_weights(), dys_o_c, dw);
     ctx.all_reduce(ctx.tp(), dw);
@@ -168,9 +164,8 @@ struct RaggedA2A : StageDefaults {
   }
   template <class Ctx>
   static void dispatch_backward(Ctx& ctx, typename Ctx::view2 dx) {
-    auto dxs_c = ctx.ws.at(buf::dy_local_cols);
     auto dxr_c = ctx.ws.at(buf::dy_received_cols);
-    permute::unpermute_rows(ctx.space, ctx.disp.lp, dxs_c, dxr_c);
+    permute::unpermute_rows(ctx.space, ctx.disp.lp, ctx.ws.at(buf::dy_local_cols), dxr_c);
     auto dxs_o_c = ctx.ws.at(buf::dy_sorted_cols);
     ctx.all_to_all(true, dxr_c, dxs_o_c);
     auto dx_c = ctx.ws.at(buf::dy_cols);

@@ -89,64 +89,61 @@ void tokens_reduce(Ctx& ctx, bool spans, typename Ctx::view2 work, typename Ctx:
   }
 }
 
+/// Partial full-D rows reduce-scattered over `g` into the D columns `cols`, added to `into`.
+template <class Ctx, class Group>
+void scatter_cols_into(Ctx& ctx, Group const& g, typename Ctx::view2 full, Handle<Values> cols,
+                       typename Ctx::view2 into) {
+  auto c = ctx.ws.make(cols);
+  ctx.reduce_scatter(g, full, c, 1);
+  moe::detail::add_into(ctx.space, c, into);
+}
+/// Own tokens `x` -> the shared expert's: `x` (SharedExpert::own), else gathered into `work`.
+template <class Ctx>
+typename Ctx::cview2 shared_in(Ctx& ctx, typename Ctx::cview2 x, Handle<Values> work) {
+  if (ctx.layout.shared == SharedExpert::own) return x;
+  auto w = ctx.ws.make(work);
+  tokens_gather(ctx, ctx.plan.shared_spans(), x, w);
+  return w;
+}
+/// The shared expert's rows `y` -> own tokens: `y` (SharedExpert::own), else reduced into y_own.
+template <class Ctx>
+typename Ctx::view2 shared_out(Ctx& ctx, typename Ctx::view2 y) {
+  if (ctx.layout.shared == SharedExpert::own) return y;
+  auto yo = ctx.ws.make(buf::y_own);
+  tokens_reduce(ctx, ctx.plan.shared_spans(), y, yo);
+  return yo;
+}
+
 }  // namespace moe::distributed::stages
 
 namespace moe::distributed {
 
 /// \brief The stage functions a strategy (deriving from it) does not define itself.
 struct StageDefaults {
-  // Kinds the strategy never plans: an internal error naming the stage.
-  template <class Ctx, class... Args>
-  static void gather_tokens(Ctx& c, Args&&...) {
-    stages::no_stage(*c.stage);
-  }
-  template <class Ctx, class... Args>
-  static void dispatch(Ctx& c, Args&&...) {
-    stages::no_stage(*c.stage);
-  }
-  template <class Ctx, class... Args>
-  static void combine_backward(Ctx& c, Args&&...) {
-    stages::no_stage(*c.stage);
-  }
+  /// Kinds the strategy never plans: an internal error naming the stage.
+  struct NoStage {
+    template <class Ctx, class... Args>
+    void operator()(Ctx& c, Args&&...) const {
+      stages::no_stage(*c.stage);
+    }
+  };
+  static constexpr NoStage gather_tokens{}, dispatch{}, combine_backward{};
 
   /// The shared expert added into the D/tp columns y_cols (own tokens, or EP-as-TP the group's).
   template <class Ctx>
   static void shared_forward(Ctx& ctx) {
     auto const x = ctx.ws.at(buf::x), y_c = ctx.ws.at(buf::y_cols);
-    bool const own = ctx.layout.shared == SharedExpert::own, spans = ctx.plan.shared_spans();
-    cview2_t<Ctx> xs = x;
-    if (!own) {
-      auto xsh = ctx.ws.make(buf::x_shared);
-      stages::tokens_gather(ctx, spans, cview2_t<Ctx>(x), xsh);
-      xs = xsh;
-    }
-    auto ysh = stages::shared_mlp_forward(ctx, xs, buf::y_shared);
-    if (!own) {
-      auto yo = ctx.ws.make(buf::y_own);
-      stages::tokens_reduce(ctx, spans, ysh, yo);
-      ysh = yo;
-    }
-    auto ysh_c = ctx.ws.make(buf::y_shared_cols);
-    ctx.reduce_scatter(ctx.tp(), ysh, ysh_c, 1);
-    moe::detail::add_into(ctx.space, ysh_c, y_c);
+    auto const xs = stages::shared_in(ctx, cview2_t<Ctx>(x), buf::x_shared);
+    auto const ysh = stages::shared_out(ctx, stages::shared_mlp_forward(ctx, xs, buf::y_shared));
+    stages::scatter_cols_into(ctx, ctx.tp(), ysh, buf::y_shared_cols, y_c);
   }
   /// The transpose of shared_forward: dx += the shared expert's input gradient.
   template <class Ctx>
   static void shared_backward(Ctx& ctx, typename Ctx::cview2 dy, typename Ctx::view2 dx) {
-    bool const own = ctx.layout.shared == SharedExpert::own, spans = ctx.plan.shared_spans();
-    if (!own) {
-      auto dysh = ctx.ws.make(buf::dy_shared);
-      stages::tokens_gather(ctx, spans, dy, dysh);
-      dy = dysh;
-    }
-    auto dxsh = stages::shared_mlp_backward(ctx, dy, buf::dx_shared);
+    auto dxsh = stages::shared_mlp_backward(ctx, stages::shared_in(ctx, dy, buf::dy_shared),
+                                            buf::dx_shared);
     ctx.all_reduce(ctx.tp(), dxsh);
-    if (!own) {
-      auto yo = ctx.ws.make(buf::y_own);
-      stages::tokens_reduce(ctx, spans, dxsh, yo);
-      dxsh = yo;
-    }
-    moe::detail::add_into(ctx.space, dxsh, dx);
+    moe::detail::add_into(ctx.space, stages::shared_out(ctx, dxsh), dx);
   }
   /// The router's backward on this rank's tokens: dx += d_logits gate^T, d_gate, d_gate_bias.
   template <class Ctx>

@@ -127,10 +127,9 @@ struct Impl<moe::gmm::OneDnn> {
       // Packing pays only when the packed copy is kept (a cache, or a test forcing it). bf16
       // inputs take the bf16 plan where the CPU has bf16 kernels, else the fp32 one.
       bool const keep = opt.pack_cache || dn::forced().mode == dn::Forced::Mode::packed;
-      dn::KernelPlan* p = keep && opt.bf16_inputs && dn::bf16_kernels()
-                              ? &dn::plan(k, n, trans, ldw, lda, ldc, true)
-                              : nullptr;
-      if (!p || !p->packed()) p = &dn::plan(k, n, trans, ldw, lda, ldc);
+      bool const bf16 = keep && opt.bf16_inputs && dn::bf16_kernels();
+      dn::KernelPlan* p = &dn::plan(k, n, trans, ldw, lda, ldc, bf16);
+      if (bf16 && !p->packed()) p = &dn::plan(k, n, trans, ldw, lda, ldc);
       if (keep && p->packed()) {
         packed_gmm(*p, lhs, rhs, groups, out, opt);
       } else if constexpr (is_bf16<TL> || is_bf16<TO>) {
@@ -202,14 +201,12 @@ struct Impl<moe::gmm::OneDnn> {
     // Longest first: the threads take calls as they free up, so the last ones are short.
     std::stable_sort(calls.begin(), calls.end(),
                      [](Call const& a, Call const& b) { return a.chunk.run > b.chunk.run; });
-    TL const* const x = lhs.data();
     TO* const y = out.data();
     dn::for_each_item(std::int64_t(calls.size()), [&](std::int64_t i) {
       Call const& c = calls[std::size_t(i)];
       std::int64_t const rows = c.chunk.rows, run = c.chunk.run;
-      TL const* const in = x + c.c0 * lda;
-      // The chunk's rows as floats (row stride lda) zero-padded to `count` rows: in place, or
-      // a copy in the thread's buffer 2.
+      TL const* const in = lhs.data() + c.c0 * lda;
+      // The chunk's rows as floats zero-padded to `count` rows: in place, or in thread buffer 2.
       auto float_rows = [&](std::int64_t count) -> float const* {
         if constexpr (!is_bf16<TL>)
           if (c.c0 + count <= m) return in;
@@ -218,10 +215,10 @@ struct Impl<moe::gmm::OneDnn> {
         std::fill(f + rows * lda, f + count * lda, 0.0f);
         return f;
       };
-      // Float results [rows, n] (row stride ld) into out: added, copied or rounded.
-      auto store = [&](float const* from, std::int64_t ld) {
+      // Float results [rows, n] (row stride ldc) into out: added, copied or rounded.
+      auto store = [&](float const* from) {
         for (std::int64_t r = 0; r < rows; ++r) {
-          float const* f = from + r * ld;
+          float const* f = from + r * ldc;
           TO* to = y + (c.c0 + r) * ldc;
           if constexpr (is_bf16<TO>) {
             for (std::int64_t j = 0; j < n; ++j) to[j] = moe::bf16(f[j]);
@@ -235,18 +232,19 @@ struct Impl<moe::gmm::OneDnn> {
           }
         }
       };
-      // Into out's rows when float and inside out, else into the thread's buffer 0.
-      auto float_dst = [&]() -> float* {
-        if constexpr (!is_bf16<TO>)
-          if (run == rows) return y + c.c0 * ldc;
-        return dn::thread_buffer(0, std::size_t(run * ldc));
-      };
+      // Float results [run, ldc], or bf16 ones [run, n] from a bf16 kernel: into out's rows when
+      // of its type and inside it, else into the thread's buffer 0.
+      bool const float_out = !to_bf16 || !c.kernel;
+      bool const in_place = run == rows && (float_out ? !is_bf16<TO> : (is_bf16<TO> && ldc == n));
+      void* const dst = in_place ? static_cast<void*>(y + c.c0 * ldc)
+                        : float_out
+                            ? static_cast<void*>(dn::thread_buffer(0, std::size_t(run * ldc)))
+                            : dn::thread_buffer<std::uint16_t>(0, std::size_t(run * n));
       if (!c.kernel) {
-        float* const dst = float_dst();
         dn::sgemm('N', trans ? 'T' : 'N', rows, n, k, 1.0f, float_rows(rows), lda,
-                  rhs.data() + c.g * rhs.stride(0), ldw, acc && !is_bf16<TO> ? 1.0f : 0.0f, dst,
-                  ldc);
-        return store(dst, ldc);
+                  rhs.data() + c.g * rhs.stride(0), ldw, acc && !is_bf16<TO> ? 1.0f : 0.0f,
+                  static_cast<float*>(dst), ldc);
+        return store(static_cast<float const*>(dst));
       }
       void const* src_rows = nullptr;
       if (p.bf16()) {  // bf16 rows, dense (row stride k), zero-padded: bf16 lhs rows in place
@@ -254,38 +252,26 @@ struct Impl<moe::gmm::OneDnn> {
           if (run == rows && lda == k) src_rows = in;
         if (!src_rows) {
           auto* const b = dn::thread_buffer<std::uint16_t>(2, std::size_t(run * k));
-          dn::bf16_rows(in, lda, rows, k, run, b);
+          dn::bf16_rows(in, lda, rows, k, run, b, k);
           src_rows = b;
         }
       } else {
         src_rows = float_rows(run);
       }
-      dnnl::memory const src(p.src_desc(run), dn::engine(), const_cast<void*>(src_rows));
-      dnnl::memory const& weights = pk->experts[std::size_t(c.g)];
-      if (to_bf16) {  // bf16 rows [run, n]: into a bf16 out in place, else the thread's buffer
-        void* dst = nullptr;
-        if constexpr (is_bf16<TO>)
-          if (run == rows && ldc == n) dst = y + c.c0 * ldc;
-        auto* const b = dst ? nullptr : dn::thread_buffer<std::uint16_t>(0, std::size_t(run * n));
-        c.kernel->run({{DNNL_ARG_SRC, src},
-                       {DNNL_ARG_WEIGHTS, weights},
-                       {DNNL_ARG_DST, dnnl::memory(p.dst_desc(run, true), dn::engine(),
-                                                   dst ? dst : static_cast<void*>(b))}});
-        if (b)
-          for (std::int64_t r = 0; r < rows; ++r) {
-            if constexpr (is_bf16<TO>)
-              std::copy(b + r * n, b + (r + 1) * n,
-                        reinterpret_cast<std::uint16_t*>(y + (c.c0 + r) * ldc));
-            else
-              dn::widen_bf16_streaming(b + r * n, n, y + (c.c0 + r) * ldc);
-          }
-        return;
-      }
-      float* const dst = float_dst();
-      c.kernel->run({{DNNL_ARG_SRC, src},
-                     {DNNL_ARG_WEIGHTS, weights},
-                     {DNNL_ARG_DST, dnnl::memory(p.dst_desc(run), dn::engine(), dst)}});
-      store(dst, ldc);
+      c.kernel->run(
+          {{DNNL_ARG_SRC, dnnl::memory(p.src_desc(run), dn::engine(), const_cast<void*>(src_rows))},
+           {DNNL_ARG_WEIGHTS, (*pk)[std::size_t(c.g)]},
+           {DNNL_ARG_DST, dnnl::memory(p.dst_desc(run, to_bf16), dn::engine(), dst)}});
+      if (float_out) return store(static_cast<float const*>(dst));
+      auto const* const b = static_cast<std::uint16_t const*>(dst);
+      if (!in_place)
+        for (std::int64_t r = 0; r < rows; ++r) {
+          if constexpr (is_bf16<TO>)
+            std::copy(b + r * n, b + (r + 1) * n,
+                      reinterpret_cast<std::uint16_t*>(y + (c.c0 + r) * ldc));
+          else
+            dn::widen_bf16_streaming(b + r * n, n, y + (c.c0 + r) * ldc);
+        }
     });
   }
 

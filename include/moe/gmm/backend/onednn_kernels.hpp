@@ -13,7 +13,6 @@
 #include <mutex>
 #include <string>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 #if MOE_HAS_ONEDNN
@@ -31,6 +30,36 @@ inline constexpr std::int64_t tgmm_min_columns = 128;
 enum class Family { matmul, conv };
 
 inline char const* family_name(Family f) { return f == Family::matmul ? "matmul" : "conv1x1"; }
+
+/// Row-major [rows, cols] (row stride ld) as a matrix, or an image (N=1, C=cols, H=rows, W=1).
+inline dnnl::memory::desc rows_desc(Family f, std::int64_t rows, std::int64_t cols, std::int64_t ld,
+                                    DataType dt = DataType::f32) {
+  if (f == Family::matmul) return matrix_desc(rows, cols, ld, dt);
+  return dnnl::memory::desc(dnnl::memory::dims{1, cols, rows, 1}, dt,
+                            dnnl::memory::dims{rows * ld, 1, ld, ld});
+}
+
+/// The family's descriptor of out[rows, n] (+)= x[rows, k] * W under kernel_attr (x of w's type;
+/// out float, or bf16 with `bf16_out`), oneDNN 2.x and 3.x; throws dnnl::error when it has none.
+inline dnnl::primitive_desc kernel_pd(Family f, std::int64_t rows, std::int64_t k, std::int64_t n,
+                                      std::int64_t lda, std::int64_t ldc,
+                                      dnnl::memory::desc const& w, bool accumulate,
+                                      bool bf16_out = false) {
+  auto const attr = kernel_attr(accumulate);
+  auto const src = rows_desc(f, rows, k, lda, w.data_type());
+  auto const dst = rows_desc(f, rows, n, ldc, bf16_out ? DataType::bf16 : DataType::f32);
+  dnnl::memory::dims const unit{1, 1}, none{0, 0};
+  auto const prop = dnnl::prop_kind::forward_inference;
+  auto const direct = dnnl::algorithm::convolution_direct;
+  if (f == Family::matmul) return matmul_pd(src, w, dst, attr);
+#if DNNL_VERSION_MAJOR >= 3
+  return dnnl::convolution_forward::primitive_desc(engine(), prop, direct, src, w, dst, unit, none,
+                                                   none, attr);
+#else
+  return dnnl::convolution_forward::primitive_desc(
+      dnnl::convolution_forward::desc(prop, direct, src, w, dst, unit, none, none), attr, engine());
+#endif
+}
 
 /// Test hooks: plain never packs; packed packs without a PackCache (the first allowed family
 /// unchecked if none passes); `family` limits the families tried; `layout` forces a layout.
@@ -109,15 +138,14 @@ inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float co
   static thread_local std::vector<float> partial;
   partial.assign(std::size_t(threads) * std::size_t(rows * n), 0.0f);
   float* const sums = partial.data();
-  auto part = [&](int t) {
-    std::int64_t const c0 = k * t / threads, c1 = k * (t + 1) / threads;
-    float* acc = sums + std::size_t(t) * std::size_t(rows * n);
-    (rows == 2 ? few_rows_part<2> : few_rows_part<3>)(c0, c1, n, x, ldx, w, ldw, acc);
-  };
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static, 1) num_threads(threads)
 #endif
-  for (int t = 0; t < threads; ++t) part(t);
+  for (int t = 0; t < threads; ++t) {
+    std::int64_t const c0 = k * t / threads, c1 = k * (t + 1) / threads;
+    float* acc = sums + std::size_t(t) * std::size_t(rows * n);
+    (rows == 2 ? few_rows_part<2> : few_rows_part<3>)(c0, c1, n, x, ldx, w, ldw, acc);
+  }
   for (std::int64_t r = 0; r < rows; ++r) {
     float* o = out + r * ldo;
     for (std::int64_t j = 0; j < n; ++j) {
@@ -127,14 +155,6 @@ inline void few_rows(std::int64_t rows, std::int64_t k, std::int64_t n, float co
       o[j] = accumulate ? o[j] + v : v;
     }
   }
-}
-
-/// Row-major [rows, cols] (row stride ld) as a matrix, or an image (N=1, C=cols, H=rows, W=1).
-inline dnnl::memory::desc rows_desc(Family f, std::int64_t rows, std::int64_t cols, std::int64_t ld,
-                                    DataType dt = DataType::f32) {
-  if (f == Family::matmul) return matrix_desc(rows, cols, ld, dt);
-  return dnnl::memory::desc(dnnl::memory::dims{1, cols, rows, 1}, dt,
-                            dnnl::memory::dims{rows * ld, 1, ld, ld});
 }
 
 /// The weights of out = x * W in the family's terms (matmul [k, n]; conv O=n, I=k): W row-major
@@ -156,28 +176,12 @@ inline dnnl::memory::desc tagged_weights(Family f, std::int64_t k, std::int64_t 
   return dnnl::memory::desc(f == Family::matmul ? dims{k, n} : dims{n, k, 1, 1}, dt, tag);
 }
 
-/// use(pd) for the family's descriptor of out[rows, n] (+)= x[rows, k] * W (x of w's type; out
-/// float, or bf16 with `bf16_out`); throws dnnl::error when oneDNN has none.
+/// use(kernel_pd(...)): the descriptor handed to a callback.
 template <class Use>
 auto with_pd(Family f, std::int64_t rows, std::int64_t k, std::int64_t n, std::int64_t lda,
              std::int64_t ldc, dnnl::memory::desc const& w, bool accumulate, Use&& use,
              bool bf16_out = false) {
-  auto const attr = kernel_attr(accumulate);
-  auto const src = rows_desc(f, rows, k, lda, w.data_type());
-  auto const dst = rows_desc(f, rows, n, ldc, bf16_out ? DataType::bf16 : DataType::f32);
-  if (f == Family::matmul) return use(matmul_pd(src, w, dst, attr));
-  dnnl::memory::dims const unit{1, 1}, none{0, 0};
-#if DNNL_VERSION_MAJOR >= 3
-  return use(dnnl::convolution_forward::primitive_desc(engine(), dnnl::prop_kind::forward_inference,
-                                                       dnnl::algorithm::convolution_direct, src, w,
-                                                       dst, unit, none, none, attr));
-#else
-  return use(dnnl::convolution_forward::primitive_desc(
-      dnnl::convolution_forward::desc(dnnl::prop_kind::forward_inference,
-                                      dnnl::algorithm::convolution_direct, src, w, dst, unit, none,
-                                      none),
-      attr, engine()));
-#endif
+  return use(kernel_pd(f, rows, k, n, lda, ldc, w, accumulate, bf16_out));
 }
 
 /// "matmul 256x1024x2816 +=" (rows x k x n; "+=" with the sum post-op; " bf16" for bf16 inputs).
@@ -230,16 +234,12 @@ class KernelPlan {
       std::string const what =
           kernel_what(family_, rows, k_, n_, accumulate, bf16_) + (bf16_out ? " to bf16" : "");
       try {
-        it->second = with_pd(
-            family_, rows, k_, n_, lda_, bf16_out ? n_ : ldc_, packed_desc_, accumulate,
-            [&](auto const& pd) -> std::unique_ptr<Kernel> {
-              std::string const impl = pd.impl_info_str();
-              if (direct_kernel(impl))
-                return std::make_unique<Kernel>(pd, what, bf16_ ? " bf16" : "");
-              note_rejected(what, impl);
-              return nullptr;
-            },
-            bf16_out);
+        auto const pd = kernel_pd(family_, rows, k_, n_, lda_, bf16_out ? n_ : ldc_, packed_desc_,
+                                  accumulate, bf16_out);
+        if (direct_kernel(pd.impl_info_str()))
+          it->second = std::make_unique<Kernel>(pd, what, bf16_ ? " bf16" : "");
+        else
+          note_rejected(what, pd.impl_info_str());
       } catch (dnnl::error const& e) {
         note_rejected(what, std::string("no implementation: ") + e.what());
       }
@@ -262,31 +262,27 @@ class KernelPlan {
               std::string& refused) {
     auto refuse = [&](std::string const& why) {
       refused += (refused.empty() ? "" : "; ") + std::string(family_name(fam)) + ": " + why;
-      return false;
     };
     for (auto const tag : packed_layouts(fam, f, bf16_)) {
       try {
-        auto const [impl, layout] =
-            with_pd(fam, max_chunk_rows, k_, n_, lda_, ldc_,
-                    tagged_weights(fam, k_, n_, tag, data_type()), false, [](auto const& pd) {
-                      return std::make_pair(std::string(pd.impl_info_str()), pd.weights_desc());
-                    });
+        auto const pd = kernel_pd(fam, max_chunk_rows, k_, n_, lda_, ldc_,
+                                  tagged_weights(fam, k_, n_, tag, data_type()), false);
+        std::string const impl = pd.impl_info_str();
         if (checked && !direct_kernel(impl)) {
           refuse(impl);
           continue;
         }
         dnnl::reorder::primitive_desc const rpd(engine(), weights_desc(fam, k_, n_, trans, ldw),
-                                                engine(), layout, kernel_attr(false));
-        if (reference_impl(rpd.impl_info_str())) {
-          refuse(std::string("packing reorder ") + rpd.impl_info_str());
-          continue;
+                                                engine(), pd.weights_desc(), kernel_attr(false));
+        if (!reference_impl(rpd.impl_info_str())) {
+          packer_ = std::make_unique<Kernel>(rpd, std::string("pack ") + std::to_string(k_) + "x" +
+                                                      std::to_string(n_) + " weights" +
+                                                      (bf16_ ? " as bf16" : ""));
+          family_ = fam;
+          packed_desc_ = pd.weights_desc();
+          return true;
         }
-        packer_ = std::make_unique<Kernel>(rpd, std::string("pack ") + std::to_string(k_) + "x" +
-                                                    std::to_string(n_) + " weights" +
-                                                    (bf16_ ? " as bf16" : ""));
-        family_ = fam;
-        packed_desc_ = layout;
-        return true;
+        refuse(std::string("packing reorder ") + rpd.impl_info_str());
       } catch (dnnl::error const& e) {
         refuse(std::string("no implementation (") + e.what() + ")");
       }
@@ -330,9 +326,7 @@ inline KernelPlan& plan(std::int64_t k, std::int64_t n, bool trans, std::int64_t
 inline constexpr std::int64_t tgmm_bf16_rows = 32;
 
 /// Every expert of one rhs tensor in the plan's packed layout.
-struct PackedTensor {
-  std::vector<dnnl::memory> experts;
-};
+using PackedTensor = std::vector<dnnl::memory>;
 
 /// Hash of 16 sampled values per expert of rhs (the PackCache's guard against unversioned writes).
 template <class Tensor>
@@ -363,16 +357,16 @@ std::shared_ptr<PackedTensor> packed(KernelPlan& p, Tensor const& rhs, bool tran
   // A new version is written into the old copy's storage (fresh pages cost more than the reorder).
   std::shared_ptr<PackedTensor> out;
   if (opt.pack_cache) out = std::static_pointer_cast<PackedTensor>(opt.pack_cache->previous(key));
-  if (!out || out->experts.size() != rhs.extent(0) ||
-      (!out->experts.empty() && !(out->experts.front().get_desc() == p.packed_desc())))
+  if (!out || out->size() != rhs.extent(0) ||
+      (!out->empty() && !(out->front().get_desc() == p.packed_desc())))
     out = std::make_shared<PackedTensor>();
   dnnl::memory::desc const user =
       weights_desc(p.family(), trans ? e2 : e1, trans ? e1 : e2, trans, rhs.stride(1));
-  bool const fresh = out->experts.empty();
+  bool const fresh = out->empty();
   for (std::size_t g = 0; g < rhs.extent(0); ++g) {
     dnnl::memory src(user, engine(), const_cast<float*>(rhs.data() + g * rhs.stride(0)));
-    if (fresh) out->experts.emplace_back(p.packed_desc(), engine());
-    p.packer().run({{DNNL_ARG_FROM, src}, {DNNL_ARG_TO, out->experts[g]}});
+    if (fresh) out->emplace_back(p.packed_desc(), engine());
+    p.packer().run({{DNNL_ARG_FROM, src}, {DNNL_ARG_TO, (*out)[g]}});
   }
   ++counters().packed_tensors;
   if (opt.pack_cache)
