@@ -3,7 +3,6 @@
 /// The buffers of one step (Buf), their table (kBufferInfo) and typed handles (`buf::x_sorted`);
 /// held buffers are what components keep between steps.
 
-
 #include <cstddef>
 #include <cstdint>
 #include <string>
