@@ -26,13 +26,12 @@ inline void plan_tokens_reduce(PlanBuilder const& b, Stage& st, std::string cons
 inline void plan_shared_forward(PlanBuilder& b) {
   Extent const Tg = b.shared_tokens(), D = b.emb(), T = b.tokens();
   bool const own = b.lay.shared == SharedExpert::own, spans = b.shared_spans();
-  std::vector<Out> w{b.out(buf::y_shared, Tg, D), b.out(buf::y_shared_cols, T, b.emb_cols()),
-                     buf::y_cols};
-  if (!own) {
-    w.insert(w.begin() + 1, b.out(buf::y_own, T, D, Item::shared));
-    w.insert(w.begin(), b.out(buf::x_shared, Tg, D));
-  }
-  auto& st = b.shared_stage(buf::x, Tg, std::move(w));
+  auto const ysh_cols = b.out(buf::y_shared_cols, T, b.emb_cols());
+  auto& st = b.shared_stage(
+      buf::x, Tg,
+      own ? std::vector<Out>{b.out(buf::y_shared, Tg, D), ysh_cols, buf::y_cols}
+          : std::vector<Out>{b.out(buf::x_shared, Tg, D), b.out(buf::y_shared, Tg, D),
+                             b.out(buf::y_own, T, D, Item::shared), ysh_cols, buf::y_cols});
   if (spans) b.all_gather(st, "all-gather x (shared, expert)", b.lay.ep_axes, b.T, b.D, 0);
   if (!own) plan_tokens_reduce(b, st, "y shared", b.D, spans);
   b.reduce_scatter(st, "reduce-scatter y shared (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
@@ -40,12 +39,11 @@ inline void plan_shared_forward(PlanBuilder& b) {
 inline void plan_shared_backward(PlanBuilder& b) {
   Extent const Tg = b.shared_tokens(), D = b.emb();
   bool const own = b.lay.shared == SharedExpert::own, spans = b.shared_spans();
-  std::vector<Out> w{b.out(buf::dx_shared, Tg, D), Buf::dx};
-  if (!own) {
-    w.insert(w.begin() + 1, buf::y_own);
-    w.insert(w.begin(), b.out(buf::dy_shared, Tg, D));
-  }
-  auto& st = b.shared_stage(Buf::dy, Tg, std::move(w));
+  auto& st =
+      b.shared_stage(Buf::dy, Tg,
+                     own ? std::vector<Out>{b.out(buf::dx_shared, Tg, D), Buf::dx}
+                         : std::vector<Out>{b.out(buf::dy_shared, Tg, D),
+                                            b.out(buf::dx_shared, Tg, D), buf::y_own, Buf::dx});
   if (spans) b.all_gather(st, "all-gather d_y (shared, expert)", b.lay.ep_axes, b.T, b.D, 0);
   b.all_reduce(st, "reduce d_x shared (tensor)", b.lay.tp_axes, b.T * (spans ? b.ep : 1) * b.D);
   if (!own) plan_tokens_reduce(b, st, "d_x shared", b.D, spans);
