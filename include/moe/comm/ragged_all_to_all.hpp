@@ -255,7 +255,8 @@ class RaggedAllToAll {
                   "the destination writable");
     using SrcMS = typename SrcView::memory_space;
     using DstMS = typename DstView::memory_space;
-    auto const [src_rows, row] = detail::rows_of(src);
+    // Plain locals, not structured bindings: `row` is captured by a lambda below (nvcc).
+    std::int64_t const src_rows = detail::rows_of(src).first, row = detail::rows_of(src).second;
     auto const [dst_rows, dst_row] = detail::rows_of(dst);
     std::string msg;
     if (!src.span_is_contiguous() || !dst.span_is_contiguous())
