@@ -28,6 +28,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <ostream>
@@ -446,6 +447,122 @@ TEST(OneDnnKernels, Bf16DenseGemmRunsBf16KernelsWhereTheCpuHasThem) {
     EXPECT_EQ(bf16_calls, 0u) << st.summary();
     EXPECT_EQ(d.runs(st, "sgemm"), std::uint64_t(calls)) << st.summary();
   }
+}
+
+// Where bf16 inputs take bf16 kernels: never without bf16 instructions; MOE_BF16_KERNELS on /
+// off forces the choice; auto takes them with AMX, and without it where the CPU's VDPBF16PS
+// runs at least 0.9 of VFMADD231PS's FLOP rate (measured; on an AMX Xeon capped to AVX512-BF16
+// it runs 0.5); another value is refused naming it.
+TEST(Bf16Kernels, WhereBf16InputsTakeBf16Kernels) {
+  namespace d = moe::detail;
+  EXPECT_FALSE(d::bf16_dot_pays(112e9, 226e9));
+  EXPECT_TRUE(d::bf16_dot_pays(204e9, 226e9));
+  EXPECT_TRUE(d::bf16_dot_pays(452e9, 226e9));
+  EXPECT_TRUE(d::bf16_dot_pays(0, 226e9));  // not measurable here: as oneDNN's tier says
+  char const* was = std::getenv("MOE_BF16_KERNELS");
+  std::string const saved = was ? was : "";
+  for (char const* v : {"on", "off", "auto"}) {
+    SCOPED_TRACE(v);
+    ::setenv("MOE_BF16_KERNELS", v, 1);
+    for (bool amx : {false, true}) EXPECT_FALSE(d::use_bf16_kernels(false, amx));
+    if (std::string(v) != "auto") {
+      EXPECT_EQ(d::use_bf16_kernels(true, false), std::string(v) == "on");
+      EXPECT_EQ(d::use_bf16_kernels(true, true), std::string(v) == "on");
+    } else {
+      EXPECT_TRUE(d::use_bf16_kernels(true, true));
+#if defined(__x86_64__) && defined(__GNUC__)
+      if (__builtin_cpu_supports("avx512bf16")) {
+        double const dot = d::zmm_loop_flops(true), fma = d::zmm_loop_flops(false);
+        std::printf("one thread: VDPBF16PS %.1f GFLOP/s, VFMADD231PS %.1f GFLOP/s (%.2f)\n",
+                    dot * 1e-9, fma * 1e-9, dot / fma);
+        EXPECT_GT(dot, 0.0);
+        EXPECT_GT(fma, 0.0);
+        EXPECT_EQ(d::use_bf16_kernels(true, false), d::bf16_dot_pays_here());
+      }
+#endif
+    }
+  }
+  ::setenv("MOE_BF16_KERNELS", "sometimes", 1);
+  try {
+    d::use_bf16_kernels(true, false);
+    ADD_FAILURE() << "MOE_BF16_KERNELS=sometimes was accepted";
+  } catch (moe::ConfigError const& e) {
+    EXPECT_NE(std::string(e.what()).find("MOE_BF16_KERNELS=sometimes is not one of auto, on, off"),
+              std::string::npos)
+        << e.what();
+  }
+  if (was)
+    ::setenv("MOE_BF16_KERNELS", saved.c_str(), 1);
+  else
+    ::unsetenv("MOE_BF16_KERNELS");
+}
+
+// The dense GEMMs on operands stored as moe::bf16 (the shared expert's 16-bit hidden states):
+// bit for bit the results of the same values held in floats with bf16 inputs, a bf16 C equal
+// to the float C rounded once. Each way the shared expert calls it (h0 = x.w0 into bf16, a.wo
+// and a^T.d_out reading bf16 A, x^T.d_h reading bf16 B, d_h.w^T accumulating into float), all
+// four operands' storage combinations otherwise, and alpha != 1 (float copies on any CPU).
+TEST(OneDnnKernels, Bf16StoredDenseGemmGivesTheFloatOperandsBits) {
+  using B16 = Kokkos::View<moe::bf16**, Kokkos::LayoutRight, Mem>;
+  std::int64_t const M = 70, N = 90, K = 128;
+  Rng rng(23);
+  auto narrow = [](View2 const& v) {
+    B16 b("b16", v.extent(0), v.extent(1));
+    for (std::size_t i = 0; i < v.span(); ++i) b.data()[i] = moe::bf16(v.data()[i]);
+    return b;
+  };
+  auto bits = [](float x) { return moe::detail::bf16_bits(x); };
+  StatsDelta d;
+  int bf16_calls = 0;
+  for (int stored = 1; stored < 8; ++stored)  // bit 0: A, bit 1: B, bit 2: C stored as bf16
+    for (char const* ta : {"N", "T"})
+      for (char const* tb : {"N", "T"})
+        for (float alpha : {1.0f, 0.5f})
+          for (bool accumulate : {false, true}) {
+            bool const a16 = stored & 1, b16 = stored & 2, c16 = stored & 4;
+            if (c16 && accumulate) continue;  // the layer never accumulates into bf16
+            SCOPED_TRACE(std::string(ta) + tb + " stored " + std::to_string(stored) + " alpha " +
+                         std::to_string(alpha) + (accumulate ? " +=" : ""));
+            bool const tA = ta[0] == 'T', tB = tb[0] == 'T';
+            Vec a = rng.vec(std::size_t(M * K), -1, 1), b = rng.vec(std::size_t(K * N), -1, 1);
+            Vec c = rng.vec(std::size_t(M * N), -1, 1);
+            for (Vec* v : {&a, &b})
+              for (double& e : *v) e = moe::detail::round_to_bf16(e);
+            auto const A = moe_ref::kk::to_view<View2>(a, tA ? K : M, tA ? M : K);
+            auto const B = moe_ref::kk::to_view<View2>(b, tB ? N : K, tB ? K : N);
+            auto const C = moe_ref::kk::to_view<View2>(c, M, N);
+            auto const C2 = moe_ref::kk::to_view<View2>(c, M, N);
+            float const beta = accumulate ? 1.0f : 0.0f;
+            moe::detail::gemm(Exec(), ta, tb, alpha, A, B, beta, C, true);  // floats
+            auto const A16 = narrow(A), B16v = narrow(B), C16 = narrow(C2);
+            auto run = [&](auto const& x, auto const& y) {
+              if (c16)
+                moe::detail::gemm(Exec(), ta, tb, alpha, x, y, beta, C16, true);
+              else
+                moe::detail::gemm(Exec(), ta, tb, alpha, x, y, beta, C2, true);
+            };
+            if (a16 && b16)
+              run(A16, B16v);
+            else if (a16)
+              run(A16, B);
+            else if (b16)
+              run(A, B16v);
+            else
+              run(A, B);
+            bf16_calls += alpha == 1.0f ? 2 : 0;
+            Exec().fence();
+            for (std::int64_t i = 0; i < M * N; ++i) {
+              float const want = C.data()[i];
+              if (c16)
+                ASSERT_EQ(C16.data()[i].bits, bits(want)) << "element " << i << ": " << want;
+              else
+                ASSERT_EQ(C2.data()[i], want) << "element " << i;
+            }
+          }
+  auto const st = moe::gmm::onednn_stats();
+  EXPECT_EQ(st.bf16_runs() - d.before.bf16_runs(),
+            std::uint64_t(dn::bf16_kernels() ? bf16_calls : 0))
+      << st.summary();
 }
 
 // The cap splits a group by the thread count, the result does not depend on it: the same group

@@ -1670,7 +1670,7 @@ struct AllocationTracker {
 // in float32 and in bf16 compute, whose expert hidden states are 16-bit (half the bytes).
 TEST(MemoryEstimate, MatchesTheLayersAllocations) {
   if (Kokkos::Tools::profileLibraryLoaded()) GTEST_SKIP() << "a Kokkos Tools library is loaded";
-  std::int64_t hidden_fp32 = 0;
+  std::int64_t hidden_fp32 = 0, shared_fp32 = 0;
   for (auto dtype : {moe::ComputeDtype::Native, moe::ComputeDtype::BFloat16}) {
     char const* const name = dtype == moe::ComputeDtype::Native ? "float32" : "bfloat16";
     SCOPED_TRACE(name);
@@ -1711,16 +1711,20 @@ TEST(MemoryEstimate, MatchesTheLayersAllocations) {
                 static_cast<long long>(est.total()), static_cast<long long>(peak), ratio);
     EXPECT_GT(ratio, 0.9) << est.to_text();
     EXPECT_LT(ratio, 1.3) << est.to_text();
-    // h0, h1, act, d_act, d_h1 on T*K rows of F: 16-bit with bf16 where the layer's GEMMs take
-    // them (oneDNN).
+    // h0, h1, act, d_act, d_h1 on T*K rows of F and the shared expert's h0, h1, act, d_act on T
+    // rows of its width: 16-bit with bf16 where the layer's GEMMs take them (oneDNN).
     using Gmm = moe::gmm::resolve_t<moe::gmm::Auto, Kokkos::DefaultExecutionSpace, float>;
     bool const b16 = dtype == moe::ComputeDtype::BFloat16 && moe::gmm::handles_bf16<Gmm>::value;
-    std::int64_t const hidden = est.bytes("expert hidden states");
+    std::int64_t const hidden = est.bytes("expert hidden states"),
+                       shared = est.bytes("shared expert");
     EXPECT_EQ(hidden, 5 * B * S * 2 * 128 * (b16 ? 2 : 4));
-    if (dtype == moe::ComputeDtype::Native)
+    if (dtype == moe::ComputeDtype::Native) {
       hidden_fp32 = hidden;
-    else
+      shared_fp32 = shared;
+    } else {
       EXPECT_EQ((b16 ? 2 : 1) * hidden, hidden_fp32);
+      EXPECT_EQ(shared_fp32 - shared, b16 ? 4 * B * S * 128 * 2 : 0);
+    }
   }
 }
 
@@ -1732,8 +1736,10 @@ TEST(MemoryEstimate, MatchesTheLayersAllocations) {
 // dense GEMMs, [T, F] and [T, F] in the backward (a^T.d_out's A, x^T.d_h's B). A scratch program
 // measured the buffers after a step on an AMX CPU: 6.13 MB each without the shared expert (1,088
 // rows in its largest group, against the estimate's balanced 1,024), 23.07 MB each with it.
-// Without bf16 instructions: the weight gradients' float copy of one 16-bit hidden state [T*K, F].
-// Nothing for float32 or without oneDNN.
+// In inference only the shared expert's forward GEMMs copy ([T, F] for a.wo's A, [D, F] for
+// x.w0's B). Without bf16 instructions: the float copy of one 16-bit hidden state, the weight
+// gradients' [T*K, F] in training, a shared expert's [T, F] in inference. Nothing for float32 or
+// without oneDNN.
 TEST(MemoryEstimate, CountsTheGemmOperandCopies) {
   moe::LayerConfig cfg;
   cfg.num_experts = 8;
@@ -1758,6 +1764,13 @@ TEST(MemoryEstimate, CountsTheGemmOperandCopies) {
     EXPECT_EQ(moe::estimate_layer_memory(p, cfg, true, true).bytes("GEMM operand copies"), want)
         << "shared_experts=" << shared << (bf16_cpu ? ", bf16 instructions" : "");
     EXPECT_EQ(moe::estimate_layer_memory(p, cfg, true, false).bytes("GEMM operand copies"), 0);
+    std::int64_t const inference = !MOE_HAS_ONEDNN ? 0
+                                   : bf16_cpu      ? shared * (T * F + 1024 * F) * 2
+                                   : hidden16      ? shared * T * F * 4
+                                                   : 0;
+    EXPECT_EQ(moe::estimate_layer_memory(p, cfg, false, true).bytes("GEMM operand copies"),
+              inference)
+        << "inference, shared_experts=" << shared;
   }
   cfg.dtype = moe::ComputeDtype::Native;
   auto const p = moe::make_plan(cfg, moe::ParallelConfig{}, 1, 0, 4, 1024);

@@ -3,6 +3,7 @@
 /// Dense GEMM on an execution-space instance, on oneDNN or whichever Kokkos Kernels is present.
 
 #include <moe/detail/compat.hpp>
+#include <moe/detail/elementwise.hpp>
 #include <moe/detail/onednn.hpp>
 #include <moe/moe_config.hpp>
 
@@ -55,39 +56,58 @@ struct BlasOrder {
   BlasOrder& operator=(BlasOrder const&) = delete;
 };
 
+/// The scalar a GEMM writing V's elements computes in (float for moe::bf16).
+template <class V>
+using gemm_scalar_t =
+    std::conditional_t<is_bf16<typename V::value_type>, float, typename V::non_const_value_type>;
+
 /// C = alpha * op(A) * op(B) + beta * C with op "N" / "T", ordered on `space`: oneDNN for host
 /// float row-major operands when moe has it, else Kokkos Kernels. `bf16_inputs`: A and B hold bf16
 /// values, multiplied on oneDNN's bf16 kernels (onednn::bf16_gemm) for alpha 1, beta 0 or 1.
+/// Operands stored as moe::bf16 (16-bit hidden states, docs/precision.md) go to those kernels
+/// where the CPU has them (a bf16 C rounded by the kernel, beta 0), else through float copies
+/// (a bf16 C narrowed after).
 template <class ExecSpace, class AV, class BV, class CV>
-void gemm(ExecSpace const& space, char const* ta, char const* tb,
-          typename CV::non_const_value_type alpha, AV const& A, BV const& B,
-          typename CV::non_const_value_type beta, CV const& C, bool bf16_inputs = false) {
+void gemm(ExecSpace const& space, char const* ta, char const* tb, gemm_scalar_t<CV> alpha,
+          AV const& A, BV const& B, gemm_scalar_t<CV> beta, CV const& C, bool bf16_inputs = false) {
   if (C.extent(0) == 0 || C.extent(1) == 0) return;
   Region region("moe::gemm");
+  constexpr bool c16 = is_bf16<typename CV::value_type>;
+  constexpr bool any16 =
+      is_bf16<typename AV::value_type> || is_bf16<typename BV::value_type> || c16;
 #if MOE_HAS_ONEDNN
-  using F = typename CV::non_const_value_type;
+  using F = gemm_scalar_t<CV>;
   if constexpr (runs_on_host<ExecSpace>() && std::is_same_v<F, float> &&
-                std::is_same_v<typename AV::non_const_value_type, F> &&
-                std::is_same_v<typename BV::non_const_value_type, F>) {
+                std::is_same_v<gemm_scalar_t<AV>, F> && std::is_same_v<gemm_scalar_t<BV>, F>) {
     if (A.stride(1) == 1 && B.stride(1) == 1 && C.stride(1) == 1) {
       char const opA = ta[0] == 'T' || ta[0] == 't' ? 'T' : 'N';
       char const opB = tb[0] == 'T' || tb[0] == 't' ? 'T' : 'N';
       std::int64_t const M = C.extent(0), N = C.extent(1),
                          K = opA == 'T' ? A.extent(0) : A.extent(1);
       fence(space, "moe::gemm<OneDnn>: operands ready");
-      if (bf16_inputs && alpha == 1.0f && (beta == 0.0f || beta == 1.0f) &&
+      if ((bf16_inputs || any16) && alpha == 1.0f && (beta == 0.0f || beta == 1.0f) &&
           onednn::bf16_gemm(opA, opB, M, N, K, A.data(), A.stride(0), B.data(), B.stride(0),
                             beta == 1.0f, C.data(), C.stride(0)))
         return;
-      onednn::sgemm(opA, opB, M, N, K, alpha, A.data(), A.stride(0), B.data(), B.stride(0), beta,
-                    C.data(), C.stride(0));
-      return;
+      if constexpr (!any16) {
+        onednn::sgemm(opA, opB, M, N, K, alpha, A.data(), A.stride(0), B.data(), B.stride(0), beta,
+                      C.data(), C.stride(0));
+        return;
+      }
     }
   }
 #endif
-  (void)bf16_inputs;
-  BlasOrder<ExecSpace, AV, BV, CV> order(space);
-  blas_gemm(space, ta, tb, alpha, A, B, beta, C);
+  if constexpr (any16) {
+    auto const c = widened<float>(space, C, beta != 0.0f);
+    gemm(space, ta, tb, alpha, widened<float>(space, A), widened<float>(space, B), beta, c,
+         bf16_inputs);
+    if constexpr (c16) convert_into(space, c, C, "moe::gemm::narrow");
+    fence(space, "moe::gemm: float copies used");  // before they are freed
+  } else {
+    (void)bf16_inputs;
+    BlasOrder<ExecSpace, AV, BV, CV> order(space);
+    blas_gemm(space, ta, tb, alpha, A, B, beta, C);
+  }
 }
 
 }  // namespace moe::detail

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 namespace moe::detail {
 
@@ -76,6 +77,36 @@ void round_bf16(ExecSpace const& space, V const& v) {
 template <class ExecSpace, class V>
 void round_bf16_if(bool on, ExecSpace const& space, V const& v) {
   if (on && v.span() > 0) round_bf16(space, v);
+}
+
+/// Whether T is moe::bf16 (const or not): an operand stored in 16 bits.
+template <class T>
+inline constexpr bool is_bf16 = std::is_same<std::remove_const_t<T>, moe::bf16>::value;
+
+/// w(i, j) = W(v(i, j)) over the extents of v (W: w's element type; bf16 converts via float).
+template <class ExecSpace, class V, class Wv>
+void convert_into(ExecSpace const& space, V const& v, Wv const& w, char const* label) {
+  using W = typename Wv::value_type;
+  using Policy = Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>, Kokkos::IndexType<std::int64_t>>;
+  std::int64_t const rows = v.extent(0), cols = v.extent(1);
+  if (rows > 0 && cols > 0)
+    Kokkos::parallel_for(
+        label, Policy(space, {0, 0}, {rows, cols}),
+        KOKKOS_LAMBDA(std::int64_t i, std::int64_t j) { w(i, j) = W(float(v(i, j))); });
+}
+
+/// A 2-D view as S values: itself, or an S copy (widened with `read`, else uninitialised).
+template <class S, class ExecSpace, class V>
+auto widened(ExecSpace const& space, V const& v, bool read = true) {
+  if constexpr (!is_bf16<typename V::value_type>) {
+    return v;
+  } else {
+    Kokkos::View<S**, Kokkos::LayoutRight, typename ExecSpace::memory_space> w(
+        Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::gmm::widened"), v.extent(0),
+        v.extent(1));
+    if (read) convert_into(space, v, w, "moe::gmm::widen");
+    return w;
+  }
 }
 
 }  // namespace moe::detail

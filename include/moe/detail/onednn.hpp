@@ -9,6 +9,7 @@
 #if MOE_HAS_ONEDNN
 
 #include <moe/bf16.hpp>
+#include <moe/detail/bf16_dot.hpp>
 #include <moe/error.hpp>
 
 #include <oneapi/dnnl/dnnl.hpp>
@@ -110,10 +111,13 @@ inline bool direct_kernel(std::string const& impl) {
   return impl.rfind("gemm", 0) != 0 && !reference_impl(impl);
 }
 
-/// Whether oneDNN runs bf16 kernels with bf16 instructions here (AVX512-BF16 or AMX).
+/// Whether moe runs oneDNN's bf16 kernels (bf16 inputs otherwise take its fp32 kernels) at
+/// oneDNN's tier here: use_bf16_kernels (bf16_dot.hpp).
 inline bool bf16_kernels() {
-  auto const bf16 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_bf16);
-  return (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & bf16) == bf16;
+  auto const isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+  auto has = [isa](dnnl::cpu_isa i) { return (isa & unsigned(i)) == unsigned(i); };
+  return use_bf16_kernels(has(dnnl::cpu_isa::avx512_core_bf16),
+                          has(dnnl::cpu_isa::avx512_core_amx));
 }
 
 /// What the process's oneDNN calls did (read by moe::gmm::onednn_stats()).
@@ -406,15 +410,18 @@ void bf16_blocked(T const* x, std::int64_t ldx, std::int64_t rows, std::int64_t 
 }
 
 /// \brief Row-major C[M,N] = op(A) * op(B) (+ C with `accumulate`) on oneDNN's bf16 kernels on
-/// all threads: operands (float or moe::bf16) copied to bf16, fp32 output, the contraction padded
-/// to `pad_k` > K. Returns false, having done nothing, without a bf16 non-reference kernel.
-template <class TA, class TB>
+/// all threads: operands (float or moe::bf16) copied to bf16, fp32 accumulation, C float or
+/// moe::bf16 (rounded by the kernel), the contraction padded to `pad_k` > K. Returns false,
+/// having done nothing, without a bf16 non-reference kernel or for a bf16 C with `accumulate`.
+template <class TA, class TB, class TC>
 bool bf16_gemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t K, TA const* A,
-               std::int64_t lda, TB const* B, std::int64_t ldb, bool accumulate, float* C,
+               std::int64_t lda, TB const* B, std::int64_t ldb, bool accumulate, TC* C,
                std::int64_t ldc, std::int64_t pad_k = 0) {
-  if (M == 0 || N == 0 || K == 0 || !bf16_kernels()) return false;
+  constexpr bool c16 = std::is_same<TC, moe::bf16>::value;
+  if (M == 0 || N == 0 || K == 0 || (c16 && accumulate) || !bf16_kernels()) return false;
   std::int64_t const Kp = std::max(K, pad_k);
   bool blocked = tb == 'N' && Kp % 32 == 0;
+  auto const c_desc = matrix_desc(M, N, ldc, c16 ? DataType::bf16 : DataType::f32);
   using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, int, bool>;
   static std::mutex mutex;
   static std::map<Key, std::unique_ptr<Kernel>> kernels;
@@ -422,13 +429,16 @@ bool bf16_gemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t K,
   // reference one (a refusal unless blocked: B is then copied plain).
   auto kernel_for = [&](bool b) {
     std::lock_guard<std::mutex> lock(mutex);
-    auto [it, fresh] = kernels.try_emplace(Key{M, N, Kp, ldc, accumulate, max_threads(), b});
+    // A bf16 C negates ldc in the key (never accumulating, so that key is otherwise unused).
+    auto [it, fresh] =
+        kernels.try_emplace(Key{M, N, Kp, c16 ? -ldc : ldc, accumulate, max_threads(), b});
     if (!fresh) return it->second.get();
     std::string const what = "gemm " + std::to_string(M) + "x" + std::to_string(Kp) + "x" +
-                             std::to_string(N) + (accumulate ? " +=" : "") + " bf16";
+                             std::to_string(N) + (accumulate ? " +=" : "") +
+                             (c16 ? " bf16 out" : " bf16");
     try {
       auto const pd = matmul_pd(matrix_desc(M, Kp, Kp, DataType::bf16), bf16_weights_desc(Kp, N, b),
-                                matrix_desc(M, N, ldc), kernel_attr(accumulate));
+                                c_desc, kernel_attr(accumulate));
       if (!reference_impl(pd.impl_info_str()))
         it->second = std::make_unique<Kernel>(pd, what, " bf16");
       else if (!b)
@@ -453,7 +463,7 @@ bool bf16_gemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t K,
   }
   kernel->run({{DNNL_ARG_SRC, dnnl::memory(matrix_desc(M, Kp, Kp, DataType::bf16), engine(), a)},
                {DNNL_ARG_WEIGHTS, dnnl::memory(bf16_weights_desc(Kp, N, blocked), engine(), b)},
-               {DNNL_ARG_DST, dnnl::memory(matrix_desc(M, N, ldc), engine(), C)}});
+               {DNNL_ARG_DST, dnnl::memory(c_desc, engine(), C)}});
   return true;
 }
 

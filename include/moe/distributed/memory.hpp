@@ -158,16 +158,22 @@ class LayerBuffers {
     comm("all-reduce temporaries", {ar_temp_}, s_);
   }
   // ---- dtype=bfloat16 with oneDNN (float, host): the GEMMs' operand copies per this CPU's tier:
-  // bf16_gemm's two buffers at their largest use, or the gradients' float hidden-state copy.
+  // bf16_gemm's two buffers at their largest use, or the float copy of one 16-bit hidden state
+  // (the routed weight gradients' in training, any of the shared expert's GEMMs').
   void gemm_copies(bool dense) {
     if (!bf16_ || !packed_ || s_ != 4) return;
     auto const* h = plan_.step.find(distributed::Buf::h0);
+    auto const* hs = plan_.step.find(distributed::Buf::shared_h0);
     auto const& w = plan_.tensor("wi_0").compute_shape;  // [L, D, F]
     std::string const keys = std::string(kTokens) + ", " + weight_keys_;
 #if MOE_HAS_ONEDNN
     if (!moe::detail::onednn::bf16_kernels()) {
-      if (training_ && h && h->elem == distributed::Elem::bf16)
-        add("GEMM operand copies", "float copy of a hidden state", h->shape(), 4, keys);
+      auto const* copied = training_ && h && h->elem == distributed::Elem::bf16 ? h : nullptr;
+      auto size = [](auto const* d) { return d->dims[0].n * d->dims[1].n; };  // [rows, F]
+      if (hs && hs->elem == distributed::Elem::bf16 && (!copied || size(hs) > size(copied)))
+        copied = hs;
+      if (copied)
+        add("GEMM operand copies", "float copy of a hidden state", copied->shape(), 4, keys);
       return;
     }
 #endif
@@ -193,7 +199,7 @@ class LayerBuffers {
         for (int t = 0; t < 2; ++t)  // x^T d_h ([D, F]) and act^T d_y ([F, D])
           gemm(w[1 + t], (rows + w[0] - 1) / w[0], w[2 - t], 32);
     }
-    if (auto const* hs = plan_.step.find(distributed::Buf::shared_h0)) {
+    if (hs) {
       auto const& s = plan_.tensor("shared_wi_0").compute_shape;  // [D, H]
       mlp(hs->dims[0].n, s[0], s[1]);
     }

@@ -157,14 +157,18 @@ class PlanBuilder {
   /// FLOPs of the gated FFN (three D x F GEMMs) on `rows` rows; the backward's are twice that.
   double ffn_flops(double rows, double F_) const { return (backward ? 6 : 3) * gemm(rows, D, F_); }
 
-  /// The grouped expert FFN's FLOPs and hidden states on `rows` rows (bf16 where Auto takes it).
+  /// The element of hidden states: bf16 where nn::stores_bf16 holds for Auto on the default space.
+  Elem hidden_elem() const {
+    using Gmm = gmm::resolve_t<gmm::Auto, Kokkos::DefaultExecutionSpace, float>;
+    return gmm::handles_bf16<Gmm>::value && cfg.bf16() && s == 4 ? Elem::bf16 : Elem::value;
+  }
+  /// The grouped expert FFN's FLOPs and hidden states on `rows` rows (the chunked forward's float).
   void hold_expert_ffn(Extent rows) {
     phase().back().flops = ffn_flops(double(rows.n), double(F));
-    using Gmm = gmm::resolve_t<gmm::Auto, Kokkos::DefaultExecutionSpace, float>;
-    bool const b16 = gmm::handles_bf16<Gmm>::value && cfg.bf16() && s == 4 && chunks == 0;
+    Elem const e = chunks == 0 ? hidden_elem() : Elem::value;
     for (Buf b : backward ? std::vector<Buf>{Buf::d_act, Buf::d_h1}
                           : std::vector<Buf>{Buf::h0, Buf::h1, Buf::act})
-      declare({b, {rows, mlp()}, b16 ? Elem::bf16 : Elem::value, Item::hidden, backward});
+      declare({b, {rows, mlp()}, e, Item::hidden, backward});
   }
 
   /// A stage running the routed experts (reads their compute blocks, writes their gradients).
@@ -186,7 +190,7 @@ class PlanBuilder {
     if (!backward) row_limit("shared-expert tokens", rows);
     for (Buf b : backward ? std::vector<Buf>{Buf::shared_d_act}
                           : std::vector<Buf>{Buf::shared_h0, Buf::shared_h1, Buf::shared_act})
-      hold(b, {rows, Fs});
+      declare({b, {rows, Fs}, hidden_elem(), info(b).item, backward});
     return st;
   }
 

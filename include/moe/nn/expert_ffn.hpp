@@ -37,11 +37,17 @@ struct Bf16Rounding {
   }
 };
 
+/// Whether a bf16 step of a Scalar layer stores its hidden states as moe::bf16 (half the bytes,
+/// the same values): float layers whose GEMM policy Gmm takes 16-bit rows itself on ExecSpace
+/// (gmm::handles_bf16: oneDNN on the host). Elsewhere they stay Scalars holding bf16 values.
+template <class Scalar, class Gmm, class ExecSpace>
+inline constexpr bool stores_bf16 = std::is_same<Scalar, float>::value&&
+    gmm::handles_bf16<gmm::resolve_t<Gmm, ExecSpace, Scalar>>::value;
+
 /// \brief ys = (act(xs . wi_0[g]) * (xs . wi_1[g])) . wo[g] per group g; keeps what backward needs.
 /// Owns its weights' PackCache: callers pass a version that changes whenever the weights change.
-/// With bf16 on a float layer whose GEMM policy takes bf16 rows (gmm::handles_bf16: host oneDNN),
-/// the hidden states (h0, h1, act, d_act, d_h1) are stored as moe::bf16; elsewhere, and in the
-/// chunked forward (summing h0 and h1 over D-chunks), as Scalars holding the same values.
+/// With bf16 where stores_bf16, the hidden states (h0, h1, act, d_act, d_h1) are moe::bf16;
+/// elsewhere, and in the chunked forward (summing h0 and h1 over D-chunks), Scalars.
 /// \tparam Gmm a grouped-GEMM policy (gmm::Auto, OneDnn, Vendor, Tiled<...>).
 template <class Scalar, class Gmm, class ExecSpace>
 class ExpertFfn : public Bf16Rounding {
@@ -133,10 +139,7 @@ class ExpertFfn : public Bf16Rounding {
     o.bf16_output = bf16 && rounded;
     return o;
   }
-  /// Whether a bf16 step stores its hidden states as moe::bf16 (see the class comment).
-  static constexpr bool can_narrow =
-      std::is_same<Scalar, float>::value &&
-      gmm::handles_bf16<gmm::resolve_t<Gmm, ExecSpace, Scalar>>::value;
+  static constexpr bool can_narrow = stores_bf16<Scalar, Gmm, ExecSpace>;
   /// Keeps a forward's arguments; stores in bf16 when `narrow` and can_narrow (frees the other).
   void start(view2 xs, Activation act, std::uint64_t weights_version, bool narrow) {
     xs_ = xs;
@@ -164,7 +167,8 @@ class ExpertFfn : public Bf16Rounding {
   std::uint64_t version_ = 0;
 };
 
-/// \brief Dense gated MLP (the shared expert): out (+)= (act(x . w0) * (x . w1)) . wo.
+/// \brief Dense gated MLP (the shared expert): out (+)= (act(x . w0) * (x . w1)) . wo. With bf16
+/// where stores_bf16 (on Auto's GEMM policy) its hidden states (h0, h1, act, d_act) are moe::bf16.
 template <class Scalar, class ExecSpace>
 class DenseMlp : public Bf16Rounding {
  public:
@@ -179,11 +183,18 @@ class DenseMlp : public Bf16Rounding {
     std::int64_t const T = x.extent(0), H = w0.extent(1);
     x_ = x;
     act_ = act;
-    ensure_gated(space, "moe::mlp", T, H, h0_, h1_, a_);
-    moe::detail::gemm(space, "N", "N", Scalar(1), x, w0, Scalar(0), h0_, bf16);
-    moe::detail::gemm(space, "N", "N", Scalar(1), x, w1, Scalar(0), h1_, bf16);
-    gated_forward(space, act, T, cview2(h0_), cview2(h1_), a_, bf16);
-    moe::detail::gemm(space, "N", "N", Scalar(1), a_, wo, Scalar(1), out, bf16);
+    narrow_ = can_narrow && bf16;
+    if (narrow_)
+      h0_ = h1_ = a_ = da_ = view2();
+    else
+      b0_ = b1_ = ba_ = bda_ = View2<moe::bf16, memory_space>();
+    hidden([&](auto& h0, auto& h1, auto& a, auto&) {
+      ensure_gated(space, "moe::mlp", T, H, h0, h1, a);
+      moe::detail::gemm(space, "N", "N", Scalar(1), x, w0, Scalar(0), h0, bf16);
+      moe::detail::gemm(space, "N", "N", Scalar(1), x, w1, Scalar(0), h1, bf16);
+      gated_forward(space, act, T, h0, h1, a, bf16);
+      moe::detail::gemm(space, "N", "N", Scalar(1), a, wo, Scalar(1), out, bf16);
+    });
   }
 
   /// From dout [T,D]: dx (+)= the input gradient, weight gradients overwritten.
@@ -191,21 +202,34 @@ class DenseMlp : public Bf16Rounding {
                 view2 d_w0, view2 d_w1, view2 d_wo) {
     moe::detail::Region region("moe::shared_expert::backward");
     std::int64_t const T = x_.extent(0), H = w0.extent(1);
-    moe::detail::ensure(space, da_, "moe::mlp::d_act", T, H);
-    moe::detail::gemm(space, "T", "N", Scalar(1), a_, dout, Scalar(0), d_wo, bf16);
-    moe::detail::gemm(space, "N", "T", Scalar(1), dout, wo, Scalar(0), da_, bf16);
-    // d_h0 overwrites d_act, d_h1 overwrites the saved activation (no longer needed).
-    gated_backward(space, act_, T, cview2(h0_), cview2(h1_), cview2(da_), da_, a_, bf16);
-    moe::detail::gemm(space, "T", "N", Scalar(1), x_, da_, Scalar(0), d_w0, bf16);
-    moe::detail::gemm(space, "T", "N", Scalar(1), x_, a_, Scalar(0), d_w1, bf16);
-    moe::detail::gemm(space, "N", "T", Scalar(1), da_, w0, Scalar(1), dx, bf16);
-    moe::detail::gemm(space, "N", "T", Scalar(1), a_, w1, Scalar(1), dx, bf16);
+    hidden([&](auto& h0, auto& h1, auto& a, auto& da) {
+      moe::detail::ensure(space, da, "moe::mlp::d_act", T, H);
+      moe::detail::gemm(space, "T", "N", Scalar(1), a, dout, Scalar(0), d_wo, bf16);
+      moe::detail::gemm(space, "N", "T", Scalar(1), dout, wo, Scalar(0), da, bf16);
+      // d_h0 overwrites d_act, d_h1 overwrites the saved activation (no longer needed).
+      gated_backward(space, act_, T, h0, h1, da, da, a, bf16);
+      moe::detail::gemm(space, "T", "N", Scalar(1), x_, da, Scalar(0), d_w0, bf16);
+      moe::detail::gemm(space, "T", "N", Scalar(1), x_, a, Scalar(0), d_w1, bf16);
+      moe::detail::gemm(space, "N", "T", Scalar(1), da, w0, Scalar(1), dx, bf16);
+      moe::detail::gemm(space, "N", "T", Scalar(1), a, w1, Scalar(1), dx, bf16);
+    });
   }
 
  private:
+  static constexpr bool can_narrow = stores_bf16<Scalar, gmm::Auto, ExecSpace>;
+  /// body(h0, h1, act, d_act) on the hidden states in the storage the forward chose.
+  template <class Body>
+  void hidden(Body&& body) {
+    if constexpr (can_narrow)
+      if (narrow_) return body(b0_, b1_, ba_, bda_);
+    body(h0_, h1_, a_, da_);
+  }
+
   Activation act_ = Activation::Silu;
   cview2 x_;
   view2 h0_, h1_, a_, da_;
+  View2<moe::bf16, memory_space> b0_, b1_, ba_, bda_;  // the same in bf16 (narrow_)
+  bool narrow_ = false;
 };
 
 /// \brief The dense masked path (MaxText's sparse_matmul = false), the sparse paths' reference:
