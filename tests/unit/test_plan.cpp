@@ -1667,63 +1667,71 @@ struct AllocationTracker {
 // The estimate against what a layer step really allocates: the peak of the Kokkos allocations
 // of a DistributedMoeLayer (one rank) from its construction through forward and backward, with
 // its gradients (oneDNN's packed copies are not Kokkos allocations: not counted on either side),
-// in float32 and in bf16 compute, whose expert hidden states are 16-bit (half the bytes).
+// in float32 and in bf16 compute, whose hidden states (routed or dense experts', the shared
+// expert's) are 16-bit (half the bytes), on the sparse path and the dense masked one.
 TEST(MemoryEstimate, MatchesTheLayersAllocations) {
   if (Kokkos::Tools::profileLibraryLoaded()) GTEST_SKIP() << "a Kokkos Tools library is loaded";
-  std::int64_t hidden_fp32 = 0, shared_fp32 = 0;
-  for (auto dtype : {moe::ComputeDtype::Native, moe::ComputeDtype::BFloat16}) {
-    char const* const name = dtype == moe::ComputeDtype::Native ? "float32" : "bfloat16";
-    SCOPED_TRACE(name);
-    moe::LayerConfig cfg;
-    cfg.num_experts = 8;
-    cfg.num_experts_per_tok = 2;
-    cfg.base_emb_dim = 64;
-    cfg.base_moe_mlp_dim = 128;
-    cfg.shared_experts = 1;
-    cfg.load_balance_loss_weight = 0.01;
-    cfg.dtype = dtype;
-    moe::ParallelConfig par;
-    std::int64_t const B = 16, S = 64, D = 64;
-    auto const p = moe::make_plan(cfg, par, 1, 0, B, S);
-    auto const est = moe::estimate_layer_memory(p, cfg, true, false);
-    moe::View3<float> x("x", B, S, D), y("y", B, S, D), dy("dy", B, S, D), dx("dx", B, S, D);
-    Kokkos::Random_XorShift64_Pool<> pool(7);
-    Kokkos::fill_random(x, pool, -1.0f, 1.0f);
-    Kokkos::fill_random(dy, pool, -1.0f, 1.0f);
-    std::int64_t peak = 0;
-    {
-      AllocationTracker tracker;
+  for (bool sparse : {true, false}) {
+    std::int64_t hidden_fp32 = 0, shared_fp32 = 0;
+    for (auto dtype : {moe::ComputeDtype::Native, moe::ComputeDtype::BFloat16}) {
+      char const* const name = dtype == moe::ComputeDtype::Native ? "float32" : "bfloat16";
+      SCOPED_TRACE(std::string(name) + (sparse ? ", sparse" : ", dense"));
+      moe::LayerConfig cfg;
+      cfg.num_experts = 8;
+      cfg.num_experts_per_tok = 2;
+      cfg.base_emb_dim = 64;
+      cfg.base_moe_mlp_dim = 128;
+      cfg.shared_experts = 1;
+      cfg.load_balance_loss_weight = 0.01;
+      cfg.sparse_matmul = sparse;
+      cfg.dtype = dtype;
+      moe::ParallelConfig par;
+      std::int64_t const B = 16, S = 64, D = 64;
+      auto const p = moe::make_plan(cfg, par, 1, 0, B, S);
+      auto const est = moe::estimate_layer_memory(p, cfg, true, false);
+      moe::View3<float> x("x", B, S, D), y("y", B, S, D), dy("dy", B, S, D), dx("dx", B, S, D);
+      Kokkos::Random_XorShift64_Pool<> pool(7);
+      Kokkos::fill_random(x, pool, -1.0f, 1.0f);
+      Kokkos::fill_random(dy, pool, -1.0f, 1.0f);
+      std::int64_t peak = 0;
       {
-        moe::DistributedMoeLayer<float> layer(moe_test::self_comm(), cfg, par, B, S);
-        layer.parameters().for_each(
-            [&](char const*, auto const& v) { Kokkos::fill_random(v, pool, -0.1f, 0.1f); });
-        moe::DistributedMoeLayer<float>::params_type grads;
-        for (int step = 0; step < 2; ++step) {
-          layer.forward(x, y);
-          layer.backward(dy, dx, grads);
+        AllocationTracker tracker;
+        {
+          moe::DistributedMoeLayer<float> layer(moe_test::self_comm(), cfg, par, B, S);
+          layer.parameters().for_each(
+              [&](char const*, auto const& v) { Kokkos::fill_random(v, pool, -0.1f, 0.1f); });
+          moe::DistributedMoeLayer<float>::params_type grads;
+          for (int step = 0; step < 2; ++step) {
+            layer.forward(x, y);
+            layer.backward(dy, dx, grads);
+          }
+          Kokkos::fence();
         }
-        Kokkos::fence();
+        peak = AllocationTracker::peak;
       }
-      peak = AllocationTracker::peak;
-    }
-    double const ratio = double(est.total()) / double(peak);
-    std::printf("%s: estimate %lld bytes, Kokkos peak %lld bytes, ratio %.3f\n", name,
-                static_cast<long long>(est.total()), static_cast<long long>(peak), ratio);
-    EXPECT_GT(ratio, 0.9) << est.to_text();
-    EXPECT_LT(ratio, 1.3) << est.to_text();
-    // h0, h1, act, d_act, d_h1 on T*K rows of F and the shared expert's h0, h1, act, d_act on T
-    // rows of its width: 16-bit with bf16 where the layer's GEMMs take them (oneDNN).
-    using Gmm = moe::gmm::resolve_t<moe::gmm::Auto, Kokkos::DefaultExecutionSpace, float>;
-    bool const b16 = dtype == moe::ComputeDtype::BFloat16 && moe::gmm::handles_bf16<Gmm>::value;
-    std::int64_t const hidden = est.bytes("expert hidden states"),
-                       shared = est.bytes("shared expert");
-    EXPECT_EQ(hidden, 5 * B * S * 2 * 128 * (b16 ? 2 : 4));
-    if (dtype == moe::ComputeDtype::Native) {
-      hidden_fp32 = hidden;
-      shared_fp32 = shared;
-    } else {
-      EXPECT_EQ((b16 ? 2 : 1) * hidden, hidden_fp32);
-      EXPECT_EQ(shared_fp32 - shared, b16 ? 4 * B * S * 128 * 2 : 0);
+      double const ratio = double(est.total()) / double(peak);
+      std::printf("%s, %s: estimate %lld bytes, Kokkos peak %lld bytes, ratio %.3f\n", name,
+                  sparse ? "sparse" : "dense", static_cast<long long>(est.total()),
+                  static_cast<long long>(peak), ratio);
+      EXPECT_GT(ratio, 0.9) << est.to_text();
+      EXPECT_LT(ratio, 1.3) << est.to_text();
+      // h0, h1, act, d_act, d_h1 on T*K rows (sparse) or T rows (dense: one expert's) of F, and
+      // the shared expert's h0, h1, act, d_act on T rows of its width: 16-bit with bf16 where
+      // the layer's GEMMs take them (oneDNN).
+      using Gmm = moe::gmm::resolve_t<moe::gmm::Auto, Kokkos::DefaultExecutionSpace, float>;
+      bool const b16 = dtype == moe::ComputeDtype::BFloat16 && moe::gmm::handles_bf16<Gmm>::value;
+      std::int64_t const hidden = est.bytes("expert hidden states"),
+                         shared = est.bytes("shared expert");
+      if (sparse) {
+        EXPECT_EQ(hidden, 5 * B * S * 2 * 128 * (b16 ? 2 : 4));
+      }
+      if (dtype == moe::ComputeDtype::Native) {
+        hidden_fp32 = hidden;
+        shared_fp32 = shared;
+      } else {
+        EXPECT_EQ(hidden_fp32 - hidden, b16 ? 5 * B * S * (sparse ? 2 : 1) * 128 * 2 : 0);
+        EXPECT_EQ(shared_fp32 - shared, b16 ? 4 * B * S * 128 * 2 : 0);
+      }
     }
   }
 }

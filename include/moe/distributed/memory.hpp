@@ -159,7 +159,7 @@ class LayerBuffers {
   }
   // ---- dtype=bfloat16 with oneDNN (float, host): the GEMMs' operand copies per this CPU's tier:
   // bf16_gemm's two buffers at their largest use, or the float copy of one 16-bit hidden state
-  // (the routed weight gradients' in training, any of the shared expert's GEMMs').
+  // (the routed weight gradients' in training, any of the shared expert's and dense path's).
   void gemm_copies(bool dense) {
     if (!bf16_ || !packed_ || s_ != 4) return;
     auto const* h = plan_.step.find(distributed::Buf::h0);
@@ -168,7 +168,9 @@ class LayerBuffers {
     std::string const keys = std::string(kTokens) + ", " + weight_keys_;
 #if MOE_HAS_ONEDNN
     if (!moe::detail::onednn::bf16_kernels()) {
-      auto const* copied = training_ && h && h->elem == distributed::Elem::bf16 ? h : nullptr;
+      // The routed GEMMs copy a hidden state in training only, the dense path's in its forward.
+      bool const h16 = h && h->elem == distributed::Elem::bf16 && (training_ || dense);
+      auto const* copied = h16 ? h : nullptr;
       auto size = [](auto const* d) { return d->dims[0].n * d->dims[1].n; };  // [rows, F]
       if (hs && hs->elem == distributed::Elem::bf16 && (!copied || size(hs) > size(copied)))
         copied = hs;

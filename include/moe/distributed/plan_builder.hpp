@@ -162,6 +162,10 @@ class PlanBuilder {
     using Gmm = gmm::resolve_t<gmm::Auto, Kokkos::DefaultExecutionSpace, float>;
     return gmm::handles_bf16<Gmm>::value && cfg.bf16() && s == 4 ? Elem::bf16 : Elem::value;
   }
+  /// Declares hidden states a component keeps, of hidden_elem().
+  void hold_hidden(Buf b, std::vector<Extent> dims) {
+    declare({b, std::move(dims), hidden_elem(), info(b).item, backward});
+  }
   /// The grouped expert FFN's FLOPs and hidden states on `rows` rows (the chunked forward's float).
   void hold_expert_ffn(Extent rows) {
     phase().back().flops = ffn_flops(double(rows.n), double(F));
@@ -190,7 +194,7 @@ class PlanBuilder {
     if (!backward) row_limit("shared-expert tokens", rows);
     for (Buf b : backward ? std::vector<Buf>{Buf::shared_d_act}
                           : std::vector<Buf>{Buf::shared_h0, Buf::shared_h1, Buf::shared_act})
-      declare({b, {rows, Fs}, hidden_elem(), info(b).item, backward});
+      hold_hidden(b, {rows, Fs});
     return st;
   }
 

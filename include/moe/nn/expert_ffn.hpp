@@ -41,8 +41,35 @@ struct Bf16Rounding {
 /// the same values): float layers whose GEMM policy Gmm takes 16-bit rows itself on ExecSpace
 /// (gmm::handles_bf16: oneDNN on the host). Elsewhere they stay Scalars holding bf16 values.
 template <class Scalar, class Gmm, class ExecSpace>
-inline constexpr bool stores_bf16 = std::is_same<Scalar, float>::value&&
-    gmm::handles_bf16<gmm::resolve_t<Gmm, ExecSpace, Scalar>>::value;
+inline constexpr bool stores_bf16 =
+    (std::is_same<Scalar, float>::value &&
+     gmm::handles_bf16<gmm::resolve_t<Gmm, ExecSpace, Scalar>>::value);
+
+/// \brief The hidden states of a gated FFN step: h0, h1, act (kept from forward to backward) and
+/// the backward's d_act, d_h1, as Scalars or, in a bf16 step where CanNarrow (stores_bf16), as
+/// moe::bf16 (the same values); each FFN class uses the ones it needs.
+template <class Scalar, class Mem, bool CanNarrow>
+struct HiddenStates {
+  View2<Scalar, Mem> h0, h1, act, d_act, d_h1;
+  View2<moe::bf16, Mem> b0, b1, b_act, b_d_act, b_d_h1;  // the same in bf16 (narrow)
+  bool narrow = false;
+
+  /// Chooses a step's storage (bf16 when `bf16` and CanNarrow) and frees the other.
+  void choose(bool bf16) {
+    narrow = CanNarrow && bf16;
+    if (narrow)
+      h0 = h1 = act = d_act = d_h1 = View2<Scalar, Mem>();
+    else
+      b0 = b1 = b_act = b_d_act = b_d_h1 = View2<moe::bf16, Mem>();
+  }
+  /// body(h0, h1, act, d_act, d_h1) on the storage chosen.
+  template <class Body>
+  void visit(Body&& body) {
+    if constexpr (CanNarrow)
+      if (narrow) return body(b0, b1, b_act, b_d_act, b_d_h1);
+    body(h0, h1, act, d_act, d_h1);
+  }
+};
 
 /// \brief ys = (act(xs . wi_0[g]) * (xs . wi_1[g])) . wo[g] per group g; keeps what backward needs.
 /// Owns its weights' PackCache: callers pass a version that changes whenever the weights change.
@@ -66,7 +93,7 @@ class ExpertFfn : public Bf16Rounding {
     std::int64_t const n = xs.extent(0), F = wi_0.extent(2);
     start(xs, act, weights_version, bf16);
     gmm::GmmOptions const fw = options(false, false, true);
-    hidden([&](auto& h0, auto& h1, auto& a, auto&, auto&) {
+    hs_.visit([&](auto& h0, auto& h1, auto& a, auto&, auto&) {
       ensure_gated(space, "moe::ffn", n, F, h0, h1, a);
       gmm::gmm(space, Gmm{}, xs, wi_0, groups, h0, fw);
       gmm::gmm(space, Gmm{}, xs, wi_1, groups, h1, fw);
@@ -81,9 +108,9 @@ class ExpertFfn : public Bf16Rounding {
   void forward_begin(ExecSpace const& space, Activation act, view2 xs, std::int64_t F,
                      std::uint64_t weights_version) {
     start(xs, act, weights_version, false);
-    ensure_gated(space, "moe::ffn", xs.extent(0), F, h0_, h1_, a_);
-    Kokkos::deep_copy(space, h0_, Scalar(0));
-    Kokkos::deep_copy(space, h1_, Scalar(0));
+    ensure_gated(space, "moe::ffn", xs.extent(0), F, hs_.h0, hs_.h1, hs_.act);
+    Kokkos::deep_copy(space, hs_.h0, Scalar(0));
+    Kokkos::deep_copy(space, hs_.h1, Scalar(0));
   }
   /// h0 += xs_c . wi_0_c[g], h1 += xs_c . wi_1_c[g] for the groups [g0, g0 + G) of the [G, Dc, F]
   /// blocks (one D-chunk of each expert's weights); xs_c [n, Dc] is that chunk of xs's columns.
@@ -92,14 +119,14 @@ class ExpertFfn : public Bf16Rounding {
     moe::detail::Region region("moe::expert_ffn::chunk");
     gmm::GmmOptions o = options(false, true);
     o.group_offset = g0;
-    gmm::gmm(space, Gmm{}, xs_c, wi_0_c, groups, h0_, o);
-    gmm::gmm(space, Gmm{}, xs_c, wi_1_c, groups, h1_, o);
+    gmm::gmm(space, Gmm{}, xs_c, wi_0_c, groups, hs_.h0, o);
+    gmm::gmm(space, Gmm{}, xs_c, wi_1_c, groups, hs_.h1, o);
   }
   /// The activation and the down projection of a chunked forward: ys [n,D].
   void forward_end(ExecSpace const& space, groups_type const& groups, view3 wo, view2 ys) {
     moe::detail::Region region("moe::expert_ffn");
-    gated_forward(space, act_, xs_.extent(0), cview2(h0_), cview2(h1_), a_, bf16);
-    gmm::gmm(space, Gmm{}, a_, wo, groups, ys, options(false, false, true));
+    gated_forward(space, act_, xs_.extent(0), cview2(hs_.h0), cview2(hs_.h1), hs_.act, bf16);
+    gmm::gmm(space, Gmm{}, hs_.act, wo, groups, ys, options(false, false, true));
   }
 
   /// From dys [n,D]: dxs [n,D] (may alias dys) and the weight gradients (overwritten). The
@@ -109,7 +136,7 @@ class ExpertFfn : public Bf16Rounding {
     moe::detail::Region region("moe::expert_ffn::backward");
     std::int64_t const n = xs_.extent(0), F = wi_0.extent(2);
     round(space, dys);  // the expert outputs' gradient (w * dy from the combine) is bf16
-    hidden([&](auto& h0, auto& h1, auto& a, auto& da, auto& dh1) {
+    hs_.visit([&](auto& h0, auto& h1, auto& a, auto& da, auto& dh1) {
       moe::detail::ensure(space, da, "moe::ffn::d_act", n, F);
       moe::detail::ensure(space, dh1, "moe::ffn::d_h1", n, F);
       gmm::tgmm(space, Gmm{}, a, dys, groups, d_wo, options(false, false));
@@ -139,30 +166,17 @@ class ExpertFfn : public Bf16Rounding {
     o.bf16_output = bf16 && rounded;
     return o;
   }
-  static constexpr bool can_narrow = stores_bf16<Scalar, Gmm, ExecSpace>;
-  /// Keeps a forward's arguments; stores in bf16 when `narrow` and can_narrow (frees the other).
+  /// Keeps a forward's arguments; the hidden states in bf16 when `narrow` where stores_bf16.
   void start(view2 xs, Activation act, std::uint64_t weights_version, bool narrow) {
     xs_ = xs;
     act_ = act;
     version_ = weights_version;
-    narrow_ = can_narrow && narrow;
-    if (narrow_)
-      h0_ = h1_ = a_ = da_ = dh1_ = view2();
-    else
-      b0_ = b1_ = ba_ = bda_ = bdh1_ = View2<moe::bf16, memory_space>();
-  }
-  /// body(h0, h1, act, d_act, d_h1) on the hidden states in the storage the forward chose.
-  template <class Body>
-  void hidden(Body&& body) {
-    if constexpr (can_narrow)
-      if (narrow_) return body(b0_, b1_, ba_, bda_, bdh1_);
-    body(h0_, h1_, a_, da_, dh1_);
+    hs_.choose(narrow);
   }
 
   Activation act_ = Activation::Silu;
-  view2 xs_, h0_, h1_, a_, da_, dh1_;
-  View2<moe::bf16, memory_space> b0_, b1_, ba_, bda_, bdh1_;  // the same in bf16 (narrow_)
-  bool narrow_ = false;
+  view2 xs_;
+  HiddenStates<Scalar, memory_space, stores_bf16<Scalar, Gmm, ExecSpace>> hs_;
   gmm::PackCache cache_;
   std::uint64_t version_ = 0;
 };
@@ -183,12 +197,8 @@ class DenseMlp : public Bf16Rounding {
     std::int64_t const T = x.extent(0), H = w0.extent(1);
     x_ = x;
     act_ = act;
-    narrow_ = can_narrow && bf16;
-    if (narrow_)
-      h0_ = h1_ = a_ = da_ = view2();
-    else
-      b0_ = b1_ = ba_ = bda_ = View2<moe::bf16, memory_space>();
-    hidden([&](auto& h0, auto& h1, auto& a, auto&) {
+    hs_.choose(bf16);
+    hs_.visit([&](auto& h0, auto& h1, auto& a, auto&, auto&) {
       ensure_gated(space, "moe::mlp", T, H, h0, h1, a);
       moe::detail::gemm(space, "N", "N", Scalar(1), x, w0, Scalar(0), h0, bf16);
       moe::detail::gemm(space, "N", "N", Scalar(1), x, w1, Scalar(0), h1, bf16);
@@ -202,7 +212,7 @@ class DenseMlp : public Bf16Rounding {
                 view2 d_w0, view2 d_w1, view2 d_wo) {
     moe::detail::Region region("moe::shared_expert::backward");
     std::int64_t const T = x_.extent(0), H = w0.extent(1);
-    hidden([&](auto& h0, auto& h1, auto& a, auto& da) {
+    hs_.visit([&](auto& h0, auto& h1, auto& a, auto& da, auto&) {
       moe::detail::ensure(space, da, "moe::mlp::d_act", T, H);
       moe::detail::gemm(space, "T", "N", Scalar(1), a, dout, Scalar(0), d_wo, bf16);
       moe::detail::gemm(space, "N", "T", Scalar(1), dout, wo, Scalar(0), da, bf16);
@@ -216,24 +226,15 @@ class DenseMlp : public Bf16Rounding {
   }
 
  private:
-  static constexpr bool can_narrow = stores_bf16<Scalar, gmm::Auto, ExecSpace>;
-  /// body(h0, h1, act, d_act) on the hidden states in the storage the forward chose.
-  template <class Body>
-  void hidden(Body&& body) {
-    if constexpr (can_narrow)
-      if (narrow_) return body(b0_, b1_, ba_, bda_);
-    body(h0_, h1_, a_, da_);
-  }
-
   Activation act_ = Activation::Silu;
   cview2 x_;
-  view2 h0_, h1_, a_, da_;
-  View2<moe::bf16, memory_space> b0_, b1_, ba_, bda_;  // the same in bf16 (narrow_)
-  bool narrow_ = false;
+  HiddenStates<Scalar, memory_space, stores_bf16<Scalar, gmm::Auto, ExecSpace>> hs_;
 };
 
 /// \brief The dense masked path (MaxText's sparse_matmul = false), the sparse paths' reference:
 /// experts [e0, e0+L) on every token, weighted by the routing weights of the kept slots on them.
+/// With bf16 where stores_bf16 (on Auto's GEMM policy) its hidden states (one expert's h0, h1,
+/// act, d_act, d_h1) are moe::bf16.
 template <class Scalar, class ExecSpace>
 class DenseExperts : public Bf16Rounding {
  public:
@@ -253,6 +254,7 @@ class DenseExperts : public Bf16Rounding {
     kept_ = kept;
     act_ = act;
     e0_ = e0;
+    hs_.choose(bf16);
     std::int64_t const T = x.extent(0), D = x.extent(1);
     int const L = int(wi_0.extent(0)), K = int(ids.extent(1));
     moe::detail::ensure(space, wd_, "moe::dense::weights", T, L);
@@ -286,8 +288,6 @@ class DenseExperts : public Bf16Rounding {
     std::int64_t const T = x_.extent(0), D = x_.extent(1), F = wi_0.extent(2);
     int const L = int(wi_0.extent(0)), K = int(ids_.extent(1)), e0 = e0_;
     moe::detail::ensure(space, dye_, "moe::dense::d_y_expert", T, D);
-    moe::detail::ensure(space, da_, "moe::dense::d_act", T, F);
-    moe::detail::ensure(space, dh1_, "moe::dense::d_h1", T, F);
     moe::detail::ensure(space, dwd_, "moe::dense::d_weights", T, L);
     Kokkos::deep_copy(space, dx, Scalar(0));
     auto wd = wd_, dwd = dwd_, dye = dye_;
@@ -306,13 +306,17 @@ class DenseExperts : public Bf16Rounding {
             dwd(t, l) = acc;
           });
       round(space, dye_);
-      moe::detail::gemm(space, "T", "N", Scalar(1), a_, dye_, Scalar(0), sub(d_wo, l), bf16);
-      moe::detail::gemm(space, "N", "T", Scalar(1), dye_, sub(wo, l), Scalar(0), da_, bf16);
-      gated_backward(space, act_, T, cview2(h0_), cview2(h1_), cview2(da_), da_, dh1_, bf16);
-      moe::detail::gemm(space, "T", "N", Scalar(1), x_, da_, Scalar(0), sub(d_wi_0, l), bf16);
-      moe::detail::gemm(space, "T", "N", Scalar(1), x_, dh1_, Scalar(0), sub(d_wi_1, l), bf16);
-      moe::detail::gemm(space, "N", "T", Scalar(1), da_, sub(wi_0, l), Scalar(1), dx, bf16);
-      moe::detail::gemm(space, "N", "T", Scalar(1), dh1_, sub(wi_1, l), Scalar(1), dx, bf16);
+      hs_.visit([&](auto& h0, auto& h1, auto& a, auto& da, auto& dh1) {
+        moe::detail::ensure(space, da, "moe::dense::d_act", T, F);
+        moe::detail::ensure(space, dh1, "moe::dense::d_h1", T, F);
+        moe::detail::gemm(space, "T", "N", Scalar(1), a, dye_, Scalar(0), sub(d_wo, l), bf16);
+        moe::detail::gemm(space, "N", "T", Scalar(1), dye_, sub(wo, l), Scalar(0), da, bf16);
+        gated_backward(space, act_, T, h0, h1, da, da, dh1, bf16);
+        moe::detail::gemm(space, "T", "N", Scalar(1), x_, da, Scalar(0), sub(d_wi_0, l), bf16);
+        moe::detail::gemm(space, "T", "N", Scalar(1), x_, dh1, Scalar(0), sub(d_wi_1, l), bf16);
+        moe::detail::gemm(space, "N", "T", Scalar(1), da, sub(wi_0, l), Scalar(1), dx, bf16);
+        moe::detail::gemm(space, "N", "T", Scalar(1), dh1, sub(wi_1, l), Scalar(1), dx, bf16);
+      });
     }
     Kokkos::parallel_for(
         "moe::dense::weight_grad", Kokkos::RangePolicy<ExecSpace>(space, 0, T),
@@ -328,12 +332,14 @@ class DenseExperts : public Bf16Rounding {
   /// Expert l on every token: h0, h1, a = act(h0) * h1, ye = a . wo[l].
   void expert(ExecSpace const& space, int l, view3 wi_0, view3 wi_1, view3 wo) {
     std::int64_t const T = x_.extent(0), D = x_.extent(1), F = wi_0.extent(2);
-    ensure_gated(space, "moe::dense", T, F, h0_, h1_, a_);
     moe::detail::ensure(space, ye_, "moe::dense::y_expert", T, D);
-    moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_0, l), Scalar(0), h0_, bf16);
-    moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_1, l), Scalar(0), h1_, bf16);
-    gated_forward(space, act_, T, cview2(h0_), cview2(h1_), a_, bf16);
-    moe::detail::gemm(space, "N", "N", Scalar(1), a_, sub(wo, l), Scalar(0), ye_, bf16);
+    hs_.visit([&](auto& h0, auto& h1, auto& a, auto&, auto&) {
+      ensure_gated(space, "moe::dense", T, F, h0, h1, a);
+      moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_0, l), Scalar(0), h0, bf16);
+      moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_1, l), Scalar(0), h1, bf16);
+      gated_forward(space, act_, T, h0, h1, a, bf16);
+      moe::detail::gemm(space, "N", "N", Scalar(1), a, sub(wo, l), Scalar(0), ye_, bf16);
+    });
     round(space, ye_);
   }
   /// Expert l's [D, F] or [F, D] block of a weight tensor.
@@ -343,7 +349,8 @@ class DenseExperts : public Bf16Rounding {
   int e0_ = 0;
   cview2 x_;
   iview2 ids_, kept_;
-  view2 wd_, h0_, h1_, a_, ye_, dye_, da_, dh1_, dwd_;
+  view2 wd_, ye_, dye_, dwd_;
+  HiddenStates<Scalar, memory_space, stores_bf16<Scalar, gmm::Auto, ExecSpace>> hs_;
 };
 
 }  // namespace moe::nn

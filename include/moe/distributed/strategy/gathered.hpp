@@ -134,7 +134,7 @@ struct DenseExperts : StageDefaults {
     b.row_limit("dense expert rows", Tw);
     b.phase().back().flops = b.ffn_flops(double(b.Tw) * double(b.L), double(b.F));
     b.hold(Buf::dense_weights, {Tw, L});
-    for (Buf h : {Buf::h0, Buf::h1, Buf::act}) b.hold(h, {Tw, b.mlp()});
+    for (Buf h : {Buf::h0, Buf::h1, Buf::act}) b.hold_hidden(h, {Tw, b.mlp()});
     b.hold(Buf::y_expert, {Tw, b.emb()});
   }
   static void plan_backward(PlanBuilder& b) {
@@ -145,7 +145,7 @@ struct DenseExperts : StageDefaults {
     double const rows = double(b.Tw) * double(b.L);
     b.phase().back().flops = b.ffn_flops(rows, double(b.F)) + 3 * b.gemm(rows, b.D, b.F);
     b.hold(Buf::dy_expert, {Tw, b.emb()});
-    for (Buf h : {Buf::d_act, Buf::d_h1}) b.hold(h, {Tw, b.mlp()});
+    for (Buf h : {Buf::d_act, Buf::d_h1}) b.hold_hidden(h, {Tw, b.mlp()});
     b.hold(Buf::d_dense_weights, {Tw, L});
   }
 
