@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 namespace moe::detail {
@@ -75,12 +76,11 @@ inline bool bf16_dot_pays_here() {
 /// "off" never (fp32 kernels on the bf16 values). Another value is a moe::ConfigError.
 enum class Bf16Kernels { automatic, on, off };
 inline Bf16Kernels bf16_kernels_setting() {
-  char const* v = std::getenv("MOE_BF16_KERNELS");
-  std::string const s = v ? v : "auto";
-  if (s == "auto") return Bf16Kernels::automatic;
-  if (s == "on") return Bf16Kernels::on;
-  if (s == "off") return Bf16Kernels::off;
-  throw ConfigError("MOE_BF16_KERNELS=" + s + " is not one of auto, on, off");
+  char const* v = std::getenv("MOE_BF16_KERNELS");  // read per call (no allocation): tests set it
+  if (!v || std::strcmp(v, "auto") == 0) return Bf16Kernels::automatic;
+  if (std::strcmp(v, "on") == 0) return Bf16Kernels::on;
+  if (std::strcmp(v, "off") == 0) return Bf16Kernels::off;
+  throw ConfigError(std::string("MOE_BF16_KERNELS=") + v + " is not one of auto, on, off");
 }
 
 /// Whether bf16 inputs run bf16 kernels, given what the GEMM library's tier has (AVX512-BF16,

@@ -422,16 +422,15 @@ bool bf16_gemm(char ta, char tb, std::int64_t M, std::int64_t N, std::int64_t K,
   std::int64_t const Kp = std::max(K, pad_k);
   bool blocked = tb == 'N' && Kp % 32 == 0;
   auto const c_desc = matrix_desc(M, N, ldc, c16 ? DataType::bf16 : DataType::f32);
-  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, int, bool>;
+  using Key =
+      std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, int, bool, bool>;
   static std::mutex mutex;
   static std::map<Key, std::unique_ptr<Kernel>> kernels;
   // The kernel with B dense or (`b`) blocked, made once; nullptr where oneDNN has only a
   // reference one (a refusal unless blocked: B is then copied plain).
   auto kernel_for = [&](bool b) {
     std::lock_guard<std::mutex> lock(mutex);
-    // A bf16 C negates ldc in the key (never accumulating, so that key is otherwise unused).
-    auto [it, fresh] =
-        kernels.try_emplace(Key{M, N, Kp, c16 ? -ldc : ldc, accumulate, max_threads(), b});
+    auto [it, fresh] = kernels.try_emplace(Key{M, N, Kp, ldc, accumulate, max_threads(), b, c16});
     if (!fresh) return it->second.get();
     std::string const what = "gemm " + std::to_string(M) + "x" + std::to_string(Kp) + "x" +
                              std::to_string(N) + (accumulate ? " +=" : "") +
