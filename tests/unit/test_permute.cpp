@@ -2,12 +2,22 @@
 // std::stable_sort.
 #include "reference.hpp"
 
+#include <moe/detail/elementwise.hpp>
+#include <moe/detail/rows.hpp>
+#include <moe/nn/activation.hpp>
 #include <moe/permute/permute.hpp>
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 namespace {
 
@@ -290,7 +300,144 @@ void gather_combine_cases() {
   }
 }
 
-TEST(PermuteGatherCombine, MatchLoopsDouble) { gather_combine_cases<double>(); }
-TEST(PermuteGatherCombine, MatchLoopsFloat) { gather_combine_cases<float>(); }
+/// OpenMP's thread count for the object's lifetime (nothing without OpenMP).
+class OmpThreads {
+ public:
+  explicit OmpThreads([[maybe_unused]] int n) {
+#if defined(_OPENMP)
+    omp_set_num_threads(n);
+#endif
+  }
+  ~OmpThreads() {
+#if defined(_OPENMP)
+    omp_set_num_threads(saved_);
+#endif
+  }
+  OmpThreads(OmpThreads const&) = delete;
+  OmpThreads& operator=(OmpThreads const&) = delete;
+
+ private:
+#if defined(_OPENMP)
+  int saved_ = omp_get_max_threads();
+#endif
+};
+
+// On 1 thread and on 3 (the 300-token case has ~480 rows: split where splits_over_openmp).
+TEST(PermuteGatherCombine, MatchLoopsDouble) {
+  for (int threads : {1, 3}) {
+    SCOPED_TRACE(::testing::Message() << threads << " OpenMP threads");
+    OmpThreads const omp(threads);
+    gather_combine_cases<double>();
+  }
+}
+TEST(PermuteGatherCombine, MatchLoopsFloat) {
+  for (int threads : {1, 3}) {
+    SCOPED_TRACE(::testing::Message() << threads << " OpenMP threads");
+    OmpThreads const omp(threads);
+    gather_combine_cases<float>();
+  }
+}
+
+// moe::detail::for_each_index on Kokkos::Serial: contiguous blocks, one per OpenMP thread, each
+// index once; short ranges and calls from inside a parallel region stay on their thread.
+TEST(HostThreads, ForEachIndexSplitsContiguousBlocksOverOpenMpThreads) {
+#if !defined(_OPENMP)
+  GTEST_SKIP() << "built without OpenMP: host loops run on Kokkos alone";
+#else
+  if (!moe::detail::splits_over_openmp<Exec>())
+    GTEST_SKIP() << "the default execution space is not Kokkos::Serial: Kokkos runs its loops";
+  OmpThreads const omp(3);
+  auto owners = [](std::int64_t n, std::int64_t grain) {
+    std::vector<int> owner(std::size_t(n), -1), visits(std::size_t(n), 0);
+    moe::detail::for_each_index(Exec(), "test", n, grain, [&](std::int64_t i) {
+      owner[std::size_t(i)] = omp_get_thread_num();
+      ++visits[std::size_t(i)];
+    });
+    for (std::int64_t i = 0; i < n; ++i) EXPECT_EQ(visits[std::size_t(i)], 1) << "index " << i;
+    return owner;
+  };
+  std::vector<int> const split = owners(1000, 10);
+  for (int t = 0; t < 3; ++t)  // block t: [1000 t / 3, 1000 (t + 1) / 3)
+    for (std::int64_t i = 1000 * t / 3; i < 1000 * (t + 1) / 3; ++i)
+      ASSERT_EQ(split[std::size_t(i)], t) << "index " << i;
+  std::vector<int> const one = owners(15, 10);  // under 2 * grain: one thread
+  for (int o : one) EXPECT_EQ(o, 0);
+  std::vector<int> const two = owners(25, 10);  // 2 pieces of at least the grain
+  EXPECT_EQ(two.front(), 0);
+  EXPECT_EQ(two.back(), 1);
+  // Inside a parallel region every caller runs its whole range on its own thread.
+  std::vector<std::vector<int>> nested(2, std::vector<int>(200, -1));
+#pragma omp parallel num_threads(2)
+  {
+    int const me = omp_get_thread_num();
+    moe::detail::for_each_index(Exec(), "test", 200, 10, [&](std::int64_t i) {
+      nested[std::size_t(me)][std::size_t(i)] = omp_get_thread_num();
+    });
+  }
+  for (int me = 0; me < 2; ++me)
+    for (int o : nested[std::size_t(me)]) EXPECT_EQ(o, me);
+#endif
+}
+
+// The kernels that split over OpenMP threads write the same bits on 1, 2, 3 and 5 threads:
+// the bf16 activation forward and backward, the rounding copy, and the first non-finite index.
+TEST(HostThreads, ElementKernelsGiveTheSameBitsOnAnyNumberOfThreads) {
+  using V = moe::View2<float, MS>;
+  using B = moe::View2<moe::bf16, MS>;
+  std::int64_t const rows = 37, F = 3001;  // n = 111,037: above 2 * element_grain
+  Rng rng(7);
+  Vec const h0 = rng.vec(std::size_t(rows * F), -6, 6), h1 = rng.vec(std::size_t(rows * F), -2, 2);
+  Vec const da = rng.vec(std::size_t(rows * F), -1, 1);
+  auto bits = [](auto const& v) {
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+    std::vector<unsigned char> b(h.span() * sizeof(typename decltype(h)::value_type));
+    std::memcpy(b.data(), h.data(), b.size());
+    return b;
+  };
+  using Run = std::vector<std::vector<unsigned char>>;
+  auto run = [&](int threads) {
+    OmpThreads const omp(threads);
+    Exec space;
+    V f0 = to_view<V>(h0, rows, F), f1 = to_view<V>(h1, rows, F), fd = to_view<V>(da, rows, F);
+    B b0("b0", rows, F), b1("b1", rows, F), ba("ba", rows, F), bd0("bd0", rows, F),
+        bd1("bd1", rows, F);
+    moe::detail::convert_into(space, f0, b0, "test");
+    moe::detail::convert_into(space, f1, b1, "test");
+    moe::nn::gated_forward(space, moe::Activation::Silu, rows, b0, b1, ba, true);
+    moe::nn::gated_backward(space, moe::Activation::Gelu, rows, b0, b1, ba, bd0, bd1, true);
+    V fa("fa", rows, F), g0("g0", rows, F), g1("g1", rows, F), r("r", rows, F);
+    moe::nn::gated_forward(space, moe::Activation::Gelu, rows, f0, f1, fa, false);
+    moe::nn::gated_backward(space, moe::Activation::Silu, rows, f0, f1, fd, g0, g1, false);
+    moe::detail::copy_into(space, f0, r, true);
+    return Run{bits(b0), bits(ba), bits(bd0), bits(bd1), bits(fa), bits(g0), bits(g1), bits(r)};
+  };
+  Run const one = run(1);
+  for (int threads : {2, 3, 5}) {
+    Run const many = run(threads);
+    for (std::size_t k = 0; k < one.size(); ++k)
+      EXPECT_TRUE(many[k] == one[k]) << "output " << k << " on " << threads << " threads";
+  }
+  // first_nonfinite: the least index over the blocks, whichever thread scans it.
+  V probe = to_view<V>(h0, rows, F);
+  auto h = Kokkos::create_mirror_view(probe);
+  Kokkos::deep_copy(h, probe);
+  std::int64_t const n = rows * F, inf_at = n / 2 + 5, nan_at = n - 3;
+  h.data()[nan_at] = std::numeric_limits<float>::quiet_NaN();
+  Kokkos::deep_copy(probe, h);
+  for (int threads : {1, 2, 3, 5}) {
+    OmpThreads const omp(threads);
+    EXPECT_EQ(moe::detail::first_nonfinite(Exec(), probe), nan_at) << threads << " threads";
+  }
+  h.data()[inf_at] = -std::numeric_limits<float>::infinity();
+  Kokkos::deep_copy(probe, h);
+  for (int threads : {1, 2, 3, 5}) {
+    OmpThreads const omp(threads);
+    EXPECT_EQ(moe::detail::first_nonfinite(Exec(), probe), inf_at) << threads << " threads";
+    EXPECT_FALSE(moe::detail::all_finite(Exec(), probe));
+  }
+  Kokkos::deep_copy(probe, to_view<V>(h0, rows, F));
+  OmpThreads const omp(3);
+  EXPECT_EQ(moe::detail::first_nonfinite(Exec(), probe), n);
+}
 
 }  // namespace

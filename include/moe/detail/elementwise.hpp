@@ -5,13 +5,16 @@
 
 #include <moe/bf16.hpp>
 #include <moe/detail/compat.hpp>
+#include <moe/detail/rows.hpp>
 #include <moe/error.hpp>
 
 #include <Kokkos_Core.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace moe::detail {
 
@@ -21,6 +24,21 @@ std::int64_t first_nonfinite(ExecSpace const& space, V const& v) {
   std::int64_t const n = std::int64_t(v.span());
   if (n == 0) return 0;
   auto const* p = v.data();
+  if constexpr (splits_over_openmp<ExecSpace>()) {
+    // One block a thread, each scanned up to its first non-finite element; the least of those.
+    if (int const threads = split_threads(n, element_grain); threads > 1) {
+      std::vector<std::int64_t> firsts(std::size_t(threads), n);
+      for_each_index(space, "moe::check_finite", threads, 1, [&](std::int64_t t) {
+        std::int64_t const end = n * (t + 1) / threads;
+        for (std::int64_t i = n * t / threads; i < end; ++i)
+          if (!moe::detail::isfinite(p[i])) {
+            firsts[std::size_t(t)] = i;
+            break;
+          }
+      });
+      return *std::min_element(firsts.begin(), firsts.end());
+    }
+  }
   std::int64_t first = n;
   Kokkos::parallel_reduce(
       "moe::check_finite", Kokkos::RangePolicy<ExecSpace>(space, 0, n),
@@ -58,8 +76,8 @@ template <class ExecSpace, class Src, class Dst>
 void add_into(ExecSpace const& space, Src const& src, Dst const& dst) {
   auto const* s = src.data();
   auto* d = dst.data();
-  Kokkos::parallel_for(
-      "moe::add_into", Kokkos::RangePolicy<ExecSpace>(space, 0, std::int64_t(dst.span())),
+  for_each_index(
+      space, "moe::add_into", std::int64_t(dst.span()), element_grain,
       KOKKOS_LAMBDA(std::int64_t i) { d[i] += s[i]; });
 }
 
@@ -68,9 +86,32 @@ void add_into(ExecSpace const& space, Src const& src, Dst const& dst) {
 template <class ExecSpace, class V>
 void round_bf16(ExecSpace const& space, V const& v) {
   auto* p = v.data();
-  Kokkos::parallel_for(
-      "moe::round_bf16", Kokkos::RangePolicy<ExecSpace>(space, 0, std::int64_t(v.span())),
+  for_each_index(
+      space, "moe::round_bf16", std::int64_t(v.span()), element_grain,
       KOKKOS_LAMBDA(std::int64_t i) { p[i] = round_to_bf16(p[i]); });
+}
+
+/// \brief dst[i] = src[i], rounded to the nearest bf16 when `round` (the bf16 scheme's copy of
+/// an input), over two contiguous views of the same span: deep_copy and round_bf16 in one pass.
+template <class ExecSpace, class Src, class Dst>
+void copy_into(ExecSpace const& space, Src const& src, Dst const& dst, bool round) {
+  static_assert(Kokkos::SpaceAccessibility<ExecSpace, typename Src::memory_space>::accessible &&
+                    Kokkos::SpaceAccessibility<ExecSpace, typename Dst::memory_space>::accessible,
+                "moe::detail::copy_into: both views must be reachable from the execution space");
+  require<ShapeError>(
+      src.span() == dst.span() && src.span_is_contiguous() && dst.span_is_contiguous(),
+      "moe::detail::copy_into: two contiguous views of one span, not ", src.span(), " and ",
+      dst.span(), " elements");
+  auto const* s = src.data();
+  auto* d = dst.data();
+  std::int64_t const n = std::int64_t(dst.span());
+  if (round)
+    for_each_index(
+        space, "moe::copy_rounded", n, element_grain,
+        KOKKOS_LAMBDA(std::int64_t i) { d[i] = round_to_bf16(s[i]); });
+  else
+    for_each_index(
+        space, "moe::copy", n, element_grain, KOKKOS_LAMBDA(std::int64_t i) { d[i] = s[i]; });
 }
 
 /// round_bf16(space, v) when `on` (the layer's dtype is bfloat16); nothing otherwise.
@@ -87,12 +128,12 @@ inline constexpr bool is_bf16 = std::is_same<std::remove_const_t<T>, moe::bf16>:
 template <class ExecSpace, class V, class Wv>
 void convert_into(ExecSpace const& space, V const& v, Wv const& w, char const* label) {
   using W = typename Wv::value_type;
-  using Policy = Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>, Kokkos::IndexType<std::int64_t>>;
-  std::int64_t const rows = v.extent(0), cols = v.extent(1);
-  if (rows > 0 && cols > 0)
-    Kokkos::parallel_for(
-        label, Policy(space, {0, 0}, {rows, cols}),
-        KOKKOS_LAMBDA(std::int64_t i, std::int64_t j) { w(i, j) = W(float(v(i, j))); });
+  std::int64_t const cols = v.extent(1);
+  for_each_row(
+      space, label, std::int64_t(v.extent(0)),
+      KOKKOS_LAMBDA(std::int64_t i, std::int64_t lane, std::int64_t lanes) {
+        for (std::int64_t j = lane; j < cols; j += lanes) w(i, j) = W(float(v(i, j)));
+      });
 }
 
 /// A 2-D view as S values: itself, or an S copy (widened with `read`, else uninitialised).

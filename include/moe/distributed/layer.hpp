@@ -152,8 +152,8 @@ class DistributedMoeLayer
     // The step keeps its own copy of x: the backward reads it after the caller may have moved on.
     ctx_.ws.enter(&ctx_.plan, nullptr);
     auto const xc = ctx_.ws.make(distributed::buf::x);
-    Kokkos::deep_copy(ctx_.space, xc, cview2(x.data(), T, D));
-    moe::detail::round_bf16_if(ctx_.cfg.bf16(), ctx_.space, xc);  // docs/precision.md
+    moe::detail::copy_into(ctx_.space, cview2(x.data(), T, D), xc,
+                           ctx_.cfg.bf16());  // rounded: docs/precision.md
     auto y2 = view2(y.data(), T, D);
     run_phase(ctx_.plan.forward, y2, {}, {}, nullptr);
     moe::detail::round_bf16_if(ctx_.cfg.bf16(), ctx_.space, y2);
@@ -195,8 +195,7 @@ class DistributedMoeLayer
     auto dy2 = cview2(dy.data(), T, D);
     if (ctx_.cfg.bf16()) {  // a bf16 copy of dy (docs/precision.md)
       auto const dyc = distributed::stages::shaped<view2>(ctx_, {T, D}, "bf16.dy");
-      Kokkos::deep_copy(ctx_.space, dyc, dy2);
-      moe::detail::round_bf16(ctx_.space, dyc);
+      moe::detail::copy_into(ctx_.space, dy2, dyc, true);
       dy2 = dyc;
     }
     auto dx2 = view2(dx.data(), T, D);

@@ -6,6 +6,7 @@
 #include <moe/bf16.hpp>
 #include <moe/config_types.hpp>
 #include <moe/detail/compat.hpp>
+#include <moe/detail/rows.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/error.hpp>
 
@@ -116,6 +117,24 @@ KOKKOS_INLINE_FUNCTION S load(T const& x) {
   else
     return S(x);
 }
+/// A stored element as S, rounded to bf16 when Round: cast<Round>(load<S>(x)), where a moe::bf16
+/// element skips the rounding (a bf16 value rounds to itself; saves the work in the 16-bit case).
+template <bool Round, class S, class T>
+KOKKOS_INLINE_FUNCTION S load_rounded(T const& x) {
+  if constexpr (std::is_same<std::remove_const_t<T>, moe::bf16>::value)
+    return load<S>(x);
+  else
+    return cast<Round>(load<S>(x));
+}
+/// x as a stored element of type T, rounded to bf16 when Round: T(cast<Round>(x)), where a
+/// moe::bf16 element rounds once, in its own conversion (the same bits).
+template <bool Round, class T, class S>
+KOKKOS_INLINE_FUNCTION T store_rounded(S x) {
+  if constexpr (std::is_same<T, moe::bf16>::value)
+    return T(float(x));
+  else
+    return T(cast<Round>(x));
+}
 /// What the kernels compute in: the first of Ts that is not moe::bf16 (float if all are).
 template <class... Ts>
 struct compute_type {
@@ -140,27 +159,29 @@ void check_views(V const&... v) {
 
 /// gated_forward's kernel for one activation A (a template argument: no branch in the loop).
 template <Activation A, bool Round, class S, class ExecSpace, class T0, class T1, class TA>
-void gated_forward_kernel(Kokkos::RangePolicy<ExecSpace> const& range, T0 const* p0, T1 const* p1,
+void gated_forward_kernel(ExecSpace const& space, std::int64_t n, T0 const* p0, T1 const* p1,
                           TA* pa) {
-  Kokkos::parallel_for(
-      "moe::nn::gated_forward", range, KOKKOS_LAMBDA(std::int64_t i) {
-        pa[i] = TA(
-            cast<Round>(detail::act(A, cast<Round>(load<S>(p0[i]))) * cast<Round>(load<S>(p1[i]))));
+  moe::detail::for_each_index(
+      space, "moe::nn::gated_forward", n, moe::detail::element_grain,
+      KOKKOS_LAMBDA(std::int64_t i) {
+        pa[i] = store_rounded<Round, TA>(detail::act(A, load_rounded<Round, S>(p0[i])) *
+                                         load_rounded<Round, S>(p1[i]));
       });
 }
 
 /// gated_backward's kernel for one activation A (a template argument: no branch in the loop).
 template <Activation A, bool Round, class S, class ExecSpace, class T0, class T1, class TD,
           class Q0, class Q1>
-void gated_backward_kernel(Kokkos::RangePolicy<ExecSpace> const& range, T0 const* p0, T1 const* p1,
+void gated_backward_kernel(ExecSpace const& space, std::int64_t n, T0 const* p0, T1 const* p1,
                            TD const* pd, Q0* q0, Q1* q1) {
-  Kokkos::parallel_for(
-      "moe::nn::gated_backward", range, KOKKOS_LAMBDA(std::int64_t i) {
+  moe::detail::for_each_index(
+      space, "moe::nn::gated_backward", n, moe::detail::element_grain,
+      KOKKOS_LAMBDA(std::int64_t i) {
         S f, df;
-        detail::act_and_grad(A, cast<Round>(load<S>(p0[i])), f, df);
-        S const g = cast<Round>(load<S>(pd[i]));
-        q0[i] = Q0(cast<Round>(g * cast<Round>(load<S>(p1[i])) * df));
-        q1[i] = Q1(cast<Round>(g * f));
+        detail::act_and_grad(A, load_rounded<Round, S>(p0[i]), f, df);
+        S const g = load_rounded<Round, S>(pd[i]);
+        q0[i] = store_rounded<Round, Q0>(g * load_rounded<Round, S>(p1[i]) * df);
+        q1[i] = store_rounded<Round, Q1>(g * f);
       });
 }
 
@@ -187,10 +208,10 @@ void gated_forward(ExecSpace const& space, Activation act, std::int64_t rows, V0
   using S = typename detail::compute_type<typename V0::value_type, typename V1::value_type,
                                           typename VA::value_type>::type;
   detail::check_views(h0, h1, a);
-  Kokkos::RangePolicy<ExecSpace> const range(space, 0, rows * std::int64_t(h0.extent(1)));
+  std::int64_t const n = rows * std::int64_t(h0.extent(1));
   detail::dispatch(act, bf16, [&](auto A, auto round) {
     detail::gated_forward_kernel<decltype(A)::value, decltype(round)::value, S>(
-        range, h0.data(), h1.data(), a.data());
+        space, n, h0.data(), h1.data(), a.data());
   });
 }
 
@@ -204,10 +225,10 @@ void gated_backward(ExecSpace const& space, Activation act, std::int64_t rows, V
                                           typename VD::value_type, typename Q0::value_type,
                                           typename Q1::value_type>::type;
   detail::check_views(h0, h1, da, dh0, dh1);
-  Kokkos::RangePolicy<ExecSpace> const range(space, 0, rows * std::int64_t(h0.extent(1)));
+  std::int64_t const n = rows * std::int64_t(h0.extent(1));
   detail::dispatch(act, bf16, [&](auto A, auto round) {
     detail::gated_backward_kernel<decltype(A)::value, decltype(round)::value, S>(
-        range, h0.data(), h1.data(), da.data(), dh0.data(), dh1.data());
+        space, n, h0.data(), h1.data(), da.data(), dh0.data(), dh1.data());
   });
 }
 

@@ -147,9 +147,9 @@ void combine_backward(ExecSpace const& space, View2<Scalar const, MS> dy,
         Scalar const ws = w(t, s % K);
         for (std::int64_t d = lane; d < D; d += lanes) dys(i, d) = ws * dy(t, d);
       });
-  Kokkos::parallel_for(
-      "moe::permute::combine_backward_weights",
-      Kokkos::RangePolicy<ExecSpace>(space, 0, dy.extent(0)), KOKKOS_LAMBDA(std::int64_t t) {
+  moe::detail::for_each_index(
+      space, "moe::permute::combine_backward_weights", std::int64_t(dy.extent(0)),
+      moe::detail::row_grain, KOKKOS_LAMBDA(std::int64_t t) {
         for (std::int64_t k = 0; k < K; ++k) {
           std::int64_t const r = inverse(t * K + k);
           Scalar acc = 0;
