@@ -75,11 +75,10 @@ class LayerBuffers {
         add("gathered weights", (slice ? "sliced " : "gathered ") + w.name, op.shape, s_, wkeys);
         if (slice) launch_rows(w.name + " slice", distributed::detail::lead(op.shape, op.dim));
       }
-      // 4 bytes a value: bf16 kernels pack 2 (high by half there; the plan does not know the CPU).
       if (packed_ && s_ == 4 && (w.name == "wi_0" || w.name == "wi_1" || w.name == "wo"))
         for (int use = 0; use < (training_ ? 2 : 1); ++use)
           add("packed expert weights", (use ? "packed transposed " : "packed ") + w.name, computed,
-              4, wkeys);
+              pack_bytes(), wkeys);
       if (!training_) continue;
       // Backward: compute-block gradient (unless written straight into the caller's) -> ops.
       add("weight gradients", "d_" + w.name, stored, s_, wkeys);
@@ -207,6 +206,15 @@ class LayerBuffers {
     }
     if (a > 0) add("GEMM operand copies", "bf16 copy of op(A)", {a}, 2, keys);
     if (b > 0) add("GEMM operand copies", "bf16 copy of op(B)", {b}, 2, keys);
+  }
+
+  /// Bytes of one packed weight value: 2 where a bf16 layer runs oneDNN's bf16 kernels, else 4.
+  /// As the GEMM operand copies, this follows the oneDNN tier of the CPU making the estimate.
+  std::int64_t pack_bytes() const {
+#if MOE_HAS_ONEDNN
+    if (bf16_ && moe::detail::onednn::bf16_kernels()) return 2;
+#endif
+    return 4;
   }
 
   void launch_rows(std::string const& what, std::int64_t rows) {
