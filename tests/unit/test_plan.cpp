@@ -1662,13 +1662,17 @@ struct AllocationTracker {
   AllocationTracker& operator=(AllocationTracker const&) = delete;
 };
 
-}  // namespace
+/// A bf16 layer of 8 experts, 2 per token, widths D and F.
+moe::LayerConfig bf16_layer(int D, int F) {
+  moe::LayerConfig cfg;
+  cfg.num_experts = 8;
+  cfg.num_experts_per_tok = 2;
+  cfg.base_emb_dim = D;
+  cfg.base_moe_mlp_dim = F;
+  cfg.dtype = moe::ComputeDtype::BFloat16;
+  return cfg;
+}
 
-// The estimate against what a layer step really allocates: the peak of the Kokkos allocations
-// of a DistributedMoeLayer (one rank) from its construction through forward and backward, with
-// its gradients (oneDNN's packed copies are not Kokkos allocations: not counted on either side),
-// in float32 and in bf16 compute, whose hidden states (routed or dense experts', the shared
-// expert's) are 16-bit (half the bytes), on the sparse path and the dense masked one.
 /// Whether a layer of `dtype` packs its expert weights as bf16 here (oneDNN's bf16 kernels).
 bool packs_bf16([[maybe_unused]] moe::ComputeDtype dtype) {
 #if MOE_HAS_ONEDNN
@@ -1692,6 +1696,13 @@ void expect_packed_bytes(moe::MemoryEstimate const& est, std::int64_t packed, bo
   }
 }
 
+}  // namespace
+
+// The estimate against what a layer step really allocates: the peak of the Kokkos allocations
+// of a DistributedMoeLayer (one rank) from its construction through forward and backward, with
+// its gradients (oneDNN's packed copies, outside Kokkos, against the layer's pack cache),
+// in float32 and in bf16 compute, whose hidden states (routed or dense experts', the shared
+// expert's) are 16-bit (half the bytes), on the sparse path and the dense masked one.
 TEST(MemoryEstimate, MatchesTheLayersAllocations) {
   if (Kokkos::Tools::profileLibraryLoaded()) GTEST_SKIP() << "a Kokkos Tools library is loaded";
   for (bool sparse : {true, false}) {
@@ -1699,11 +1710,7 @@ TEST(MemoryEstimate, MatchesTheLayersAllocations) {
     for (auto dtype : {moe::ComputeDtype::Native, moe::ComputeDtype::BFloat16}) {
       char const* const name = dtype == moe::ComputeDtype::Native ? "float32" : "bfloat16";
       SCOPED_TRACE(std::string(name) + (sparse ? ", sparse" : ", dense"));
-      moe::LayerConfig cfg;
-      cfg.num_experts = 8;
-      cfg.num_experts_per_tok = 2;
-      cfg.base_emb_dim = 64;
-      cfg.base_moe_mlp_dim = 128;
+      moe::LayerConfig cfg = bf16_layer(64, 128);
       cfg.shared_experts = 1;
       cfg.load_balance_loss_weight = 0.01;
       cfg.sparse_matmul = sparse;
@@ -1775,12 +1782,7 @@ TEST(MemoryEstimate, CountsPackedWeightsAtTheWidthOfTheKernels) {
 #else
   char const* was = std::getenv("MOE_BF16_KERNELS");
   std::string const saved = was ? was : "";
-  moe::LayerConfig cfg;
-  cfg.num_experts = 8;
-  cfg.num_experts_per_tok = 2;
-  cfg.base_emb_dim = 64;
-  cfg.base_moe_mlp_dim = 128;
-  cfg.dtype = moe::ComputeDtype::BFloat16;
+  moe::LayerConfig const cfg = bf16_layer(64, 128);
   moe::ParallelConfig par;
   std::int64_t const B = 4, S = 64, D = 64;
   for (char const* setting : {"off", "on"}) {
@@ -1828,12 +1830,7 @@ TEST(MemoryEstimate, CountsPackedWeightsAtTheWidthOfTheKernels) {
 // gradients' [T*K, F] in training, a shared expert's [T, F] in inference. Nothing for float32 or
 // without oneDNN.
 TEST(MemoryEstimate, CountsTheGemmOperandCopies) {
-  moe::LayerConfig cfg;
-  cfg.num_experts = 8;
-  cfg.num_experts_per_tok = 2;
-  cfg.base_emb_dim = 1024;
-  cfg.base_moe_mlp_dim = 2816;
-  cfg.dtype = moe::ComputeDtype::BFloat16;
+  moe::LayerConfig cfg = bf16_layer(1024, 2816);
   std::int64_t const T = 4096, F = 2816;
   bool bf16_cpu = false;
 #if MOE_HAS_ONEDNN
