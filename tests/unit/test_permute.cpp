@@ -344,12 +344,14 @@ TEST(HostThreads, ForEachIndexSplitsContiguousBlocksOverOpenMpThreads) {
 #if !defined(_OPENMP)
   GTEST_SKIP() << "built without OpenMP: host loops run on Kokkos alone";
 #else
-  if (!moe::detail::splits_over_openmp<Exec>())
-    GTEST_SKIP() << "the default execution space is not Kokkos::Serial: Kokkos runs its loops";
+  // The host space (the host lambdas below cannot run on a device space).
+  using Host = Kokkos::DefaultHostExecutionSpace;
+  if (!moe::detail::splits_over_openmp<Host>())
+    GTEST_SKIP() << "the host execution space is not Kokkos::Serial: Kokkos runs its loops";
   OmpThreads const omp(3);
   auto owners = [](std::int64_t n, std::int64_t grain) {
     std::vector<int> owner(std::size_t(n), -1), visits(std::size_t(n), 0);
-    moe::detail::for_each_index(Exec(), "test", n, grain, [&](std::int64_t i) {
+    moe::detail::for_each_index(Host(), "test", n, grain, [&](std::int64_t i) {
       owner[std::size_t(i)] = omp_get_thread_num();
       ++visits[std::size_t(i)];
     });
@@ -370,7 +372,7 @@ TEST(HostThreads, ForEachIndexSplitsContiguousBlocksOverOpenMpThreads) {
 #pragma omp parallel num_threads(2)
   {
     int const me = omp_get_thread_num();
-    moe::detail::for_each_index(Exec(), "test", 200, 10, [&](std::int64_t i) {
+    moe::detail::for_each_index(Host(), "test", 200, 10, [&](std::int64_t i) {
       nested[std::size_t(me)][std::size_t(i)] = omp_get_thread_num();
     });
   }
