@@ -10,11 +10,10 @@
 
 #include <Kokkos_Core.hpp>
 
-#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <type_traits>
-#include <vector>
 
 namespace moe::detail {
 
@@ -24,21 +23,15 @@ std::int64_t first_nonfinite(ExecSpace const& space, V const& v) {
   std::int64_t const n = std::int64_t(v.span());
   if (n == 0) return 0;
   auto const* p = v.data();
-  if constexpr (splits_over_openmp<ExecSpace>()) {
-    // One block a thread, each scanned up to its first non-finite element; the least of those.
-    if (int const threads = split_threads(n, element_grain); threads > 1) {
-      std::vector<std::int64_t> firsts(std::size_t(threads), n);
-      for_each_index(space, "moe::check_finite", threads, 1, [&](std::int64_t t) {
-        std::int64_t const end = n * (t + 1) / threads;
-        for (std::int64_t i = n * t / threads; i < end; ++i)
-          if (!moe::detail::isfinite(p[i])) {
-            firsts[std::size_t(t)] = i;
-            break;
-          }
-      });
-      return *std::min_element(firsts.begin(), firsts.end());
-    }
-  }
+  // On OpenMP's threads: each block scanned up to its first non-finite element, the least kept.
+  std::atomic<std::int64_t> least{n};
+  auto scan = [&](std::int64_t begin, std::int64_t end) {
+    std::int64_t i = begin;
+    while (i < end && moe::detail::isfinite(p[i])) ++i;
+    for (std::int64_t seen = least.load(); i < end && i < seen;)
+      if (least.compare_exchange_weak(seen, i)) break;
+  };
+  if (run_blocks<ExecSpace>("moe::check_finite", n, element_grain, scan)) return least.load();
   std::int64_t first = n;
   Kokkos::parallel_reduce(
       "moe::check_finite", Kokkos::RangePolicy<ExecSpace>(space, 0, n),

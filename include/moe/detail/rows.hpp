@@ -46,29 +46,42 @@ inline int split_threads([[maybe_unused]] std::int64_t n, [[maybe_unused]] std::
 #endif
 }
 
-/// \brief Runs body(i) for every i in [0, n) on `space` (Kokkos::parallel_for, labelled). Where
-/// splits_over_openmp, ranges of at least 2 * grain items run as contiguous blocks, one per OpenMP
-/// thread: for kernels whose items write disjoint elements and reduce nothing across items, so
-/// the results are the same bits on any number of threads.
-template <class ExecSpace, class Body>
-void for_each_index(ExecSpace const& space, char const* label, std::int64_t n, std::int64_t grain,
-                    Body const& body) {
-  if (n <= 0) return;
+/// \brief Where splits_over_openmp<ExecSpace> and [0, n) holds at least 2 * grain items: runs
+/// block(begin, end) on contiguous blocks of [0, n), one per OpenMP thread (at most n / grain of
+/// them), inside a Kokkos Tools region named `label`, and returns true; otherwise runs nothing
+/// and returns false (the caller's Kokkos kernel then does the work).
+template <class ExecSpace, class Block>
+bool run_blocks([[maybe_unused]] char const* label, [[maybe_unused]] std::int64_t n,
+                [[maybe_unused]] std::int64_t grain, [[maybe_unused]] Block const& block) {
+#if defined(_OPENMP)
   if constexpr (splits_over_openmp<ExecSpace>()) {
     int const threads = split_threads(n, grain);
     if (threads > 1) {
       Region region(label);
-#if defined(_OPENMP)
 #pragma omp parallel num_threads(threads)
       {
         std::int64_t const t = omp_get_thread_num(), parts = omp_get_num_threads();
-        std::int64_t const end = n * (t + 1) / parts;
-        for (std::int64_t i = n * t / parts; i < end; ++i) body(i);
+        block(n * t / parts, n * (t + 1) / parts);
       }
-#endif
-      return;
+      return true;
     }
   }
+#endif
+  return false;
+}
+
+/// \brief Runs body(i) for every i in [0, n) on `space` (Kokkos::parallel_for, labelled), or as
+/// run_blocks' contiguous blocks on OpenMP's threads: for kernels whose items write disjoint
+/// elements and reduce nothing across items, so the results are the same bits on any number of
+/// threads.
+template <class ExecSpace, class Body>
+void for_each_index(ExecSpace const& space, char const* label, std::int64_t n, std::int64_t grain,
+                    Body const& body) {
+  if (n <= 0) return;
+  if (run_blocks<ExecSpace>(label, n, grain, [&](std::int64_t begin, std::int64_t end) {
+        for (std::int64_t i = begin; i < end; ++i) body(i);
+      }))
+    return;
   Kokkos::parallel_for(
       label, Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(space, 0, n), body);
 }

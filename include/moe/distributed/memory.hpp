@@ -166,7 +166,7 @@ class LayerBuffers {
     auto const& w = plan_.tensor("wi_0").compute_shape;  // [L, D, F]
     std::string const keys = std::string(kTokens) + ", " + weight_keys_;
 #if MOE_HAS_ONEDNN
-    if (!moe::detail::onednn::bf16_kernels()) {
+    if (!bf16_kernels_) {
       // The routed GEMMs copy a hidden state in training only, the dense path's in its forward.
       bool const h16 = h && h->elem == distributed::Elem::bf16 && (training_ || dense);
       auto const* copied = h16 ? h : nullptr;
@@ -208,13 +208,16 @@ class LayerBuffers {
     if (b > 0) add("GEMM operand copies", "bf16 copy of op(B)", {b}, 2, keys);
   }
 
-  /// Bytes of one packed weight value: 2 where a bf16 layer runs oneDNN's bf16 kernels, else 4.
-  /// As the GEMM operand copies, this follows the oneDNN tier of the CPU making the estimate.
-  std::int64_t pack_bytes() const {
+  /// Bytes of one packed weight value: 2 where the layer runs oneDNN's bf16 kernels, else 4.
+  std::int64_t pack_bytes() const { return bf16_kernels_ ? 2 : 4; }
+  /// Whether a bf16 layer runs oneDNN's bf16 kernels on the CPU making the estimate (its tier,
+  /// ONEDNN_MAX_CPU_ISA and MOE_BF16_KERNELS included): the width of its packs and operand copies.
+  static bool runs_bf16_kernels([[maybe_unused]] bool bf16) {
 #if MOE_HAS_ONEDNN
-    if (bf16_ && moe::detail::onednn::bf16_kernels()) return 2;
+    return bf16 && moe::detail::onednn::bf16_kernels();
+#else
+    return false;
 #endif
-    return 4;
   }
 
   void launch_rows(std::string const& what, std::int64_t rows) {
@@ -224,6 +227,7 @@ class LayerBuffers {
   LayerPlan const& plan_;
   LayerConfig const& cfg_;
   bool training_, packed_, bf16_ = cfg_.bf16();
+  bool bf16_kernels_ = runs_bf16_kernels(bf16_);
   std::int64_t s_ = std::int64_t(plan_.scalar_bytes);
   std::int64_t gather_pool_ = 0, rs_pool_ = 0, parts_pool_ = 0, ar_temp_ = 0;  // values
   // bf16 wire buffers, in 16-bit values
