@@ -8,6 +8,7 @@
 #include <Kokkos_Macros.hpp>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace moe {
 
@@ -105,5 +106,16 @@ struct bf16 {
   }
 };
 static_assert(sizeof(bf16) == 2, "moe::bf16 is 16 bits");
+
+namespace detail {
+/// s as a D: to bf16 rounds to nearest even, from bf16 is exact; bf16 converts through float, and
+/// any other pair as D(s).
+template <class D, class S>
+KOKKOS_INLINE_FUNCTION D value_cast(S s) {
+  constexpr bool via_float =
+      !std::is_same<S, D>::value && (std::is_same<S, bf16>::value || std::is_same<D, bf16>::value);
+  return D(std::conditional_t<via_float, float, D>(s));
+}
+}  // namespace detail
 
 }  // namespace moe

@@ -213,20 +213,21 @@ TEST(TrainLayouts, ResumedRunContinuesTheUninterruptedRun) {
 
 TEST(TrainPrecision, Bf16MarkovRunEndsWithinTwoPercentOfFloat32) {
   // MaxText's defaults (dtype=bfloat16: bf16 MoE layers; fp32 weights, gradients and moments)
-  // against float32 on a short run of the default Markov source, one rank each.
+  // against float32 on the default Markov run (train_moe's defaults, 400 steps), one rank. A
+  // short run still far from its plateau is no test of this: a 40-step run at 10x the learning
+  // rate ended 0.6 % apart in a -O1 build and 2.5 % apart at -O3 (the bf16 rounding amplifies
+  // the last-bit differences of the compilers' choices); the default run ends within 0.4-0.6 %.
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank != 0) GTEST_SKIP() << "one rank runs it (MPI_COMM_SELF)";
   auto cfg = [](char const* dtype) {
     TrainConfig c;
-    c.apply({{"dtype", dtype},
-             {"steps", "40"},
-             {"per_device_batch_size", "4"},
-             {"max_target_length", "32"},
-             {"learning_rate", "1e-2"},
-             {"seed", "5"}});
+    c.apply({{"dtype", dtype}});
     return c;
   };
   auto const f32 = run(MPI_COMM_SELF, cfg("float32"));
   auto const bf = run(MPI_COMM_SELF, cfg("bfloat16"));
-  ASSERT_EQ(bf.history.size(), 40u);
+  ASSERT_EQ(bf.history.size(), std::size_t(TrainConfig().steps));
   EXPECT_LT(f32.final_loss, 0.8 * f32.history.front().loss);  // it learns
   EXPECT_LE(std::abs(bf.final_loss - f32.final_loss), 0.02 * f32.final_loss)
       << "bfloat16 " << bf.final_loss << " vs float32 " << f32.final_loss;

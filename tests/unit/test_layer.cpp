@@ -1340,6 +1340,65 @@ TEST(Bf16Scheme, RoundedWeightsFollowEveryNewVersionOnly) {
   EXPECT_EQ(moe_ref::kk::to_vec(y), want);
 }
 
+// The routed rows in 16 bits (x_local, y_local, dy_local of a layer on oneDNN): the expert FFN
+// gives the bits it gives on float rows holding the same bf16 values (its outputs rounded), and
+// the same dx rows and weight gradients, on groups of several sizes (empty, few-row, chunked).
+TEST(Bf16Scheme, ExpertFfnOn16BitRowsGivesTheBitsOfFloatRows) {
+  using Ffn = moe::nn::ExpertFfn<float, moe::gmm::Auto, Exec>;
+  if constexpr (!moe::nn::stores_bf16<float, moe::gmm::Auto, Exec>) {
+    GTEST_SKIP() << "16-bit rows need the oneDNN GEMM policy";
+  } else {
+    using V2 = moe::View2<float, MS>;
+    using V3 = moe::View3<float, MS>;
+    using B2 = moe::View2<moe::bf16, MS>;
+    Exec space;
+    int const D = 32, F = 48;
+    std::vector<std::int64_t> const sizes = {5, 0, 1, 70};
+    int const G = int(sizes.size());
+    std::int64_t n = 0;
+    for (auto r : sizes) n += r;
+    auto const groups = moe::gmm::make_groups(space, sizes);
+    Rng rng(21);
+    auto rounded = [&](std::size_t count) {
+      Vec v = rng.vec(count, -1, 1);
+      for (auto& e : v) e = double(moe::detail::round_to_bf16(float(e)));
+      return v;
+    };
+    auto const wi_0 = to_view<V3>(rounded(std::size_t(G * D * F)), G, D, F);
+    auto const wi_1 = to_view<V3>(rounded(std::size_t(G * D * F)), G, D, F);
+    auto const wo = to_view<V3>(rounded(std::size_t(G * F * D)), G, F, D);
+    auto const xs = to_view<V2>(rounded(std::size_t(n * D)), n, D);
+    auto const dys = to_view<V2>(rounded(std::size_t(n * D)), n, D);
+    auto narrow = [&](V2 const& v) {
+      B2 b("b", v.extent(0), v.extent(1));
+      moe::detail::copy_into(space, v, b, false);
+      return b;
+    };
+    auto widen = [&](B2 const& b) {
+      V2 v("v", b.extent(0), b.extent(1));
+      moe::detail::copy_into(space, b, v, false);
+      return to_vec(v);
+    };
+    Ffn wide, half;
+    wide.bf16 = half.bf16 = true;
+    V2 ys("ys", n, D);
+    B2 ys16("ys16", n, D);
+    wide.forward(space, moe::Activation::Silu, xs, groups, wi_0, wi_1, wo, ys, 1);
+    half.forward(space, moe::Activation::Silu, narrow(xs), groups, wi_0, wi_1, wo, ys16, 1);
+    EXPECT_EQ(widen(ys16), to_vec(ys)) << "y rows";
+    V3 g0("g0", G, D, F), g1("g1", G, D, F), go("go", G, F, D);
+    V3 h0("h0", G, D, F), h1("h1", G, D, F), ho("ho", G, F, D);
+    V2 dxs("dxs", n, D);
+    auto const dys16 = narrow(dys);
+    wide.backward(space, dys, groups, wi_0, wi_1, wo, dys, g0, g1, go);  // dx overwrites dy
+    half.backward(space, dys16, groups, wi_0, wi_1, wo, dxs, h0, h1, ho);
+    EXPECT_EQ(to_vec(dxs), to_vec(dys)) << "dx rows";
+    EXPECT_EQ(to_vec(h0), to_vec(g0)) << "d wi_0";
+    EXPECT_EQ(to_vec(h1), to_vec(g1)) << "d wi_1";
+    EXPECT_EQ(to_vec(ho), to_vec(go)) << "d wo";
+  }
+}
+
 TEST(Bf16Scheme, DtypeKey) {
   LayerConfig c;
   EXPECT_FALSE(c.bf16());

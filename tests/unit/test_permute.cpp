@@ -2,6 +2,7 @@
 // std::stable_sort.
 #include "reference.hpp"
 
+#include <moe/bf16.hpp>
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/rows.hpp>
 #include <moe/nn/activation.hpp>
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -335,6 +337,78 @@ TEST(PermuteGatherCombine, MatchLoopsFloat) {
     SCOPED_TRACE(::testing::Message() << threads << " OpenMP threads");
     OmpThreads const omp(threads);
     gather_combine_cases<float>();
+  }
+}
+
+/// The 16-bit bits of v's values (float views holding bf16 values, or moe::bf16 views).
+template <class V>
+std::vector<std::uint16_t> bf16_bits_of(V const& v) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  std::vector<std::uint16_t> b(h.span());
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    if constexpr (std::is_same_v<typename V::non_const_value_type, moe::bf16>)
+      b[i] = h.data()[i].bits;
+    else
+      b[i] = moe::bf16(float(h.data()[i])).bits;
+  }
+  return b;
+}
+
+// 16-bit routed rows (a bf16 layer's x_local, y_local, dy_local): each kernel gives the bits of
+// its float path on bf16-valued floats, rounded where the float path's caller rounds.
+TEST(PermuteGatherCombine, Bf16RowsGiveTheBitsOfTheFloatPath) {
+  using V2 = moe::View2<float, MS>;
+  using C2 = moe::View2<float const, MS>;
+  using B2 = moe::View2<moe::bf16, MS>;
+  using CB2 = moe::View2<moe::bf16 const, MS>;
+  using CI = moe::View1<std::int64_t const, MS>;
+  Exec space;
+  for (int threads : {1, 3}) {
+    OmpThreads const omp(threads);
+    auto const f = make_fixture(300, 2, 8, 37, 0.8, 7);
+    int const T = f.T, K = f.K, D = f.D;
+    std::int64_t const n = f.p.rows();
+    Rng rng(8);
+    auto rounded = [&](std::size_t count) {
+      Vec v = rng.vec(count, -3, 3);
+      for (auto& e : v) e = double(moe::detail::round_to_bf16(float(e)));
+      return v;
+    };
+    auto const x = to_view<V2>(rounded(std::size_t(T) * D), T, D);
+    auto const ys = to_view<V2>(rounded(std::size_t(n) * D), n, D);
+    auto const dxs = to_view<V2>(rounded(std::size_t(n) * D), n, D);
+    auto const w = to_view<V2>(rng.vec(std::size_t(T) * K, 0, 1), T, K);
+    auto const dy = to_view<V2>(rng.vec(std::size_t(T) * D, -1, 1), T, D);
+    auto narrow = [&](V2 const& v) {
+      B2 b("b", v.extent(0), v.extent(1));
+      moe::detail::copy_into(space, v, b, false);
+      return b;
+    };
+    auto const ys16 = narrow(ys), dxs16 = narrow(dxs);
+    CI perm(f.p.perm), inv(f.p.inverse);
+
+    V2 xs("xs", n, D);
+    B2 xs16("xs16", n, D);
+    moe::permute::gather_rows(space, C2(x), perm, K, xs);
+    moe::permute::gather_rows(space, C2(x), perm, K, xs16);
+    EXPECT_EQ(bf16_bits_of(xs16), bf16_bits_of(xs)) << "gather_rows";
+
+    V2 y("y", T, D), y16("y16", T, D);
+    moe::permute::combine(space, C2(ys), inv, C2(w), false, y);
+    moe::permute::combine(space, CB2(ys16), inv, C2(w), false, y16);
+    EXPECT_EQ(to_vec(y16), to_vec(y)) << "combine";
+
+    V2 dys("dys", n, D), dw("dw", T, K), dw16("dw16", T, K);
+    B2 dys16("dys16", n, D);
+    moe::permute::combine_backward(space, C2(dy), C2(ys), perm, inv, C2(w), dys, dw);
+    moe::permute::combine_backward(space, C2(dy), CB2(ys16), perm, inv, C2(w), dys16, dw16);
+    EXPECT_EQ(bf16_bits_of(dys16), bf16_bits_of(dys)) << "combine_backward rows, rounded";
+    EXPECT_EQ(to_vec(dw16), to_vec(dw)) << "combine_backward weights";
+
+    V2 dx("dx", T, D), dx16("dx16", T, D);
+    moe::permute::gather_rows_backward(space, C2(dxs), inv, K, false, dx);
+    moe::permute::gather_rows_backward(space, CB2(dxs16), inv, K, false, dx16);
+    EXPECT_EQ(to_vec(dx16), to_vec(dx)) << "gather_rows_backward";
   }
 }
 

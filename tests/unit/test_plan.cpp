@@ -370,6 +370,51 @@ TEST(Plan, RaggedAllToAll) {
   EXPECT_NE(p.notes[0].find("(ep-1)/ep"), std::string::npos) << p.notes[0];
 }
 
+// The routed rows at the experts (x_local, y_local, dy_local) are 16-bit exactly where the
+// hidden states are (a bf16 layer on oneDNN), the experts' dx rows then a float buffer of their
+// own (dx_local); the chunked ring's rows stay float (its forward slices them by D-chunks).
+TEST(Plan, Bf16RoutedRowsAre16BitWhereTheHiddenStatesAre) {
+  using moe::distributed::Buf;
+  using moe::distributed::Elem;
+  Names const ring = {"ici_expert_parallelism=-1", "use_ring_of_experts=true"};
+  Names chunked = ring;
+  chunked.push_back("num_moe_emb_chunks=2");
+  struct L {
+    int ranks;
+    Names layout;
+    bool chunks;
+  };
+  std::vector<L> const layouts = {
+      {1, {"ici_data_parallelism=-1"}, false},
+      {4, {"ici_expert_parallelism=-1"}, false},
+      {4, ring, false},
+      {4, {"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=-1"}, false},
+      {4, chunked, true}};
+  for (auto const& l : layouts)
+    for (char const* dtype : {"float32", "bfloat16"}) {
+      auto const p = plan(l.ranks, l.layout, {std::string("dtype=") + dtype});
+      SCOPED_TRACE(p.to_text());
+      auto const* h0 = p.step.find(Buf::h0);
+      ASSERT_NE(h0, nullptr);
+      bool const narrow = h0->elem == Elem::bf16 && !l.chunks;
+      if (std::string(dtype) == "float32") {
+        EXPECT_EQ(h0->elem, Elem::value);
+      }
+      for (Buf b : {Buf::x_local, Buf::y_local, Buf::dy_local}) {
+        auto const* d = p.step.find(b);
+        ASSERT_NE(d, nullptr) << to_string(b);
+        EXPECT_EQ(d->elem, narrow ? Elem::bf16 : Elem::value) << to_string(b);
+      }
+      auto const* dx = p.step.find(Buf::dx_local);
+      EXPECT_EQ(dx != nullptr, narrow);
+      if (dx) {
+        EXPECT_EQ(dx->elem, Elem::value);
+        EXPECT_EQ(dx->shape(), p.step.find(Buf::dy_local)->shape());
+      }
+      expect_step_dataflow(p);
+    }
+}
+
 TEST(Plan, RingAndDenseGatherTokens) {
   for (auto const& p : {plan(2, {"ici_expert_parallelism=-1", "use_ring_of_experts=true"}),
                         plan(2, {"ici_expert_parallelism=-1"}, {"sparse_matmul=false"})}) {
@@ -1706,7 +1751,7 @@ void expect_packed_bytes(moe::MemoryEstimate const& est, std::int64_t packed, bo
 TEST(MemoryEstimate, MatchesTheLayersAllocations) {
   if (Kokkos::Tools::profileLibraryLoaded()) GTEST_SKIP() << "a Kokkos Tools library is loaded";
   for (bool sparse : {true, false}) {
-    std::int64_t hidden_fp32 = 0, shared_fp32 = 0;
+    std::int64_t hidden_fp32 = 0, shared_fp32 = 0, rows_fp32 = 0;
     for (auto dtype : {moe::ComputeDtype::Native, moe::ComputeDtype::BFloat16}) {
       char const* const name = dtype == moe::ComputeDtype::Native ? "float32" : "bfloat16";
       SCOPED_TRACE(std::string(name) + (sparse ? ", sparse" : ", dense"));
@@ -1745,9 +1790,15 @@ TEST(MemoryEstimate, MatchesTheLayersAllocations) {
       if (sparse)
         expect_packed_bytes(moe::estimate_layer_memory(p, cfg, true, true), packed,
                             packs_bf16(dtype));
-      double const ratio = double(est.total()) / double(peak);
+      // Below oneDNN's bf16 kernels the GEMMs' float copies of 16-bit operands are Kokkos Views
+      // (the estimate's "GEMM operand copies"; the bf16 kernels' copies are oneDNN-side buffers).
+      std::int64_t const copies =
+          dtype == moe::ComputeDtype::BFloat16 && !packs_bf16(dtype)
+              ? moe::estimate_layer_memory(p, cfg, true, true).bytes("GEMM operand copies")
+              : 0;
+      double const ratio = double(est.total() + copies) / double(peak);
       std::printf("%s, %s: estimate %lld bytes, Kokkos peak %lld bytes, ratio %.3f\n", name,
-                  sparse ? "sparse" : "dense", static_cast<long long>(est.total()),
+                  sparse ? "sparse" : "dense", static_cast<long long>(est.total() + copies),
                   static_cast<long long>(peak), ratio);
       EXPECT_GT(ratio, 0.9) << est.to_text();
       EXPECT_LT(ratio, 1.3) << est.to_text();
@@ -1761,12 +1812,19 @@ TEST(MemoryEstimate, MatchesTheLayersAllocations) {
       if (sparse) {
         EXPECT_EQ(hidden, 5 * B * S * 2 * 128 * (b16 ? 2 : 4));
       }
+      // Token rows: the routed rows at the experts (x_local, y_local, dy_local on T*K rows of D)
+      // 16-bit where the hidden states are, plus the experts' float dx rows (dx_local), and the
+      // bf16 step's rounded copy of dy (T x D floats).
+      std::int64_t const rows = est.bytes("token rows"), n = B * S * 2;
       if (dtype == moe::ComputeDtype::Native) {
         hidden_fp32 = hidden;
         shared_fp32 = shared;
+        rows_fp32 = rows;
       } else {
         EXPECT_EQ(hidden_fp32 - hidden, b16 ? 5 * B * S * (sparse ? 2 : 1) * 128 * 2 : 0);
         EXPECT_EQ(shared_fp32 - shared, b16 ? 4 * B * S * 128 * 2 : 0);
+        EXPECT_EQ(rows_fp32 - rows,
+                  (b16 && sparse ? 3 * n * D * 2 - n * D * 4 : 0) - B * S * D * 4);
       }
     }
   }
@@ -1826,9 +1884,9 @@ TEST(MemoryEstimate, CountsPackedWeightsAtTheWidthOfTheKernels) {
 // measured the buffers after a step on an AMX CPU: 6.13 MB each without the shared expert (1,088
 // rows in its largest group, against the estimate's balanced 1,024), 23.07 MB each with it.
 // In inference only the shared expert's forward GEMMs copy ([T, F] for a.wo's A, [D, F] for
-// x.w0's B). Without bf16 instructions: the float copy of one 16-bit hidden state, the weight
-// gradients' [T*K, F] in training, a shared expert's [T, F] in inference. Nothing for float32 or
-// without oneDNN.
+// x.w0's B). Without bf16 instructions: float copies of 16-bit operands, the weight gradients'
+// [T*K, F] hidden state and [T*K, D] routed rows in training, a shared expert's [T, F] in
+// inference. Nothing for float32 or without oneDNN.
 TEST(MemoryEstimate, CountsTheGemmOperandCopies) {
   moe::LayerConfig cfg = bf16_layer(1024, 2816);
   std::int64_t const T = 4096, F = 2816;
@@ -1843,7 +1901,7 @@ TEST(MemoryEstimate, CountsTheGemmOperandCopies) {
     auto const p = moe::make_plan(cfg, moe::ParallelConfig{}, 1, 0, 4, 1024);
     std::int64_t const want = !MOE_HAS_ONEDNN ? 0
                               : bf16_cpu      ? 2 * (shared ? T * F : 1024 * F) * 2
-                              : hidden16      ? T * 2 * F * 4
+                              : hidden16      ? T * 2 * (F + 1024) * 4
                                               : 0;
     EXPECT_EQ(moe::estimate_layer_memory(p, cfg, true, true).bytes("GEMM operand copies"), want)
         << "shared_experts=" << shared << (bf16_cpu ? ", bf16 instructions" : "");

@@ -28,9 +28,7 @@ template <class D>
 struct WireCast {
   template <class S>
   KOKKOS_INLINE_FUNCTION static D from(S s) {
-    constexpr bool via_float =  // bf16 converts to and from float only
-        !std::is_same_v<S, D> && (std::is_same_v<S, moe::bf16> || std::is_same_v<D, moe::bf16>);
-    return D(std::conditional_t<via_float, float, D>(s));
+    return moe::detail::value_cast<D>(s);
   }
 };
 

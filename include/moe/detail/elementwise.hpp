@@ -84,10 +84,16 @@ void round_bf16(ExecSpace const& space, V const& v) {
       KOKKOS_LAMBDA(std::int64_t i) { p[i] = round_to_bf16(p[i]); });
 }
 
+/// Whether T is moe::bf16 (const or not): an operand stored in 16 bits.
+template <class T>
+inline constexpr bool is_bf16 = std::is_same<std::remove_const_t<T>, moe::bf16>::value;
+
 /// \brief dst[i] = src[i], rounded to the nearest bf16 when `round` (the bf16 scheme's copy of
 /// an input), over two contiguous views of the same span: deep_copy and round_bf16 in one pass.
+/// The element types may differ (value_cast: a moe::bf16 dst rounds every value).
 template <class ExecSpace, class Src, class Dst>
 void copy_into(ExecSpace const& space, Src const& src, Dst const& dst, bool round) {
+  using T = typename Dst::non_const_value_type;
   static_assert(Kokkos::SpaceAccessibility<ExecSpace, typename Src::memory_space>::accessible &&
                     Kokkos::SpaceAccessibility<ExecSpace, typename Dst::memory_space>::accessible,
                 "moe::detail::copy_into: both views must be reachable from the execution space");
@@ -98,13 +104,17 @@ void copy_into(ExecSpace const& space, Src const& src, Dst const& dst, bool roun
   auto const* s = src.data();
   auto* d = dst.data();
   std::int64_t const n = std::int64_t(dst.span());
-  if (round)
-    for_each_index(
-        space, "moe::copy_rounded", n, element_grain,
-        KOKKOS_LAMBDA(std::int64_t i) { d[i] = round_to_bf16(s[i]); });
-  else
-    for_each_index(
-        space, "moe::copy", n, element_grain, KOKKOS_LAMBDA(std::int64_t i) { d[i] = s[i]; });
+  if constexpr (!is_bf16<T> && !is_bf16<typename Src::value_type>) {
+    if (round) {
+      for_each_index(
+          space, "moe::copy_rounded", n, element_grain,
+          KOKKOS_LAMBDA(std::int64_t i) { d[i] = round_to_bf16(T(s[i])); });
+      return;
+    }
+  }
+  for_each_index(
+      space, "moe::copy", n, element_grain,
+      KOKKOS_LAMBDA(std::int64_t i) { d[i] = value_cast<T>(s[i]); });
 }
 
 /// round_bf16(space, v) when `on` (the layer's dtype is bfloat16); nothing otherwise.
@@ -112,10 +122,6 @@ template <class ExecSpace, class V>
 void round_bf16_if(bool on, ExecSpace const& space, V const& v) {
   if (on && v.span() > 0) round_bf16(space, v);
 }
-
-/// Whether T is moe::bf16 (const or not): an operand stored in 16 bits.
-template <class T>
-inline constexpr bool is_bf16 = std::is_same<std::remove_const_t<T>, moe::bf16>::value;
 
 /// w(i, j) = W(v(i, j)) over the extents of v (W: w's element type; bf16 converts via float).
 template <class ExecSpace, class V, class Wv>

@@ -16,12 +16,16 @@ enum class Elem : std::uint8_t {
   i32,    ///< 32-bit integers (expert ids, masks)
   i64,    ///< 64-bit integers (permutations, counts)
   f64,    ///< host doubles (statistics)
-  bf16    ///< moe::bf16 (the expert FFN's hidden states on a float layer computing in bf16)
+  bf16,   ///< moe::bf16 (the expert FFN's hidden states on a float layer computing in bf16)
+  rows    ///< the routed rows at the experts: bf16 where the plan narrows them, else value
 };
 
 /// Bytes of one element of role `e` when a value has `value_bytes` bytes.
 inline std::int64_t elem_bytes(Elem e, std::int64_t value_bytes) {
-  return e == Elem::value ? value_bytes : e == Elem::i32 ? 4 : e == Elem::bf16 ? 2 : 8;
+  return e == Elem::value || e == Elem::rows ? value_bytes
+         : e == Elem::i32                    ? 4
+         : e == Elem::bf16                   ? 2
+                                             : 8;
 }
 
 /// \brief The memory-estimate item a buffer is counted under.
@@ -79,9 +83,9 @@ enum class BufKind : std::uint8_t { external, workspace, held };  ///< what kind
   X(x_chunks, value, token_rows)         \
   X(x_sorted, value, token_rows)         \
   X(x_received, value, token_rows)       \
-  X(x_local, value, token_rows)          \
+  X(x_local, rows, token_rows)           \
   X(x_local_chunk, value, token_rows)    \
-  X(y_local, value, token_rows)          \
+  X(y_local, rows, token_rows)           \
   X(y_local_cols, value, token_rows)     \
   X(y_received_cols, value, token_rows)  \
   X(y_sorted_cols, value, token_rows)    \
@@ -92,7 +96,8 @@ enum class BufKind : std::uint8_t { external, workspace, held };  ///< what kind
   X(dy_sorted_cols, value, token_rows)   \
   X(dy_received_cols, value, token_rows) \
   X(dy_local_cols, value, token_rows)    \
-  X(dy_local, value, token_rows)         \
+  X(dy_local, rows, token_rows)          \
+  X(dx_local, value, token_rows)         \
   X(dy_work, value, token_rows)          \
   X(dx_work, value, token_rows)          \
   X(d_weights, value, routing)           \
@@ -225,6 +230,7 @@ inline std::string to_string(Ref r) {
 /// Element roles of workspace buffers, as types (the workspace maps each to a C++ type).
 struct Values {};  ///< the layer's value type
 struct Ints {};    ///< int
+struct Rows {};    ///< routed rows: the value type, or moe::bf16 where the plan narrows them
 
 /// \brief A workspace buffer, typed by its element role: what a stage makes and reads.
 template <class Role>
@@ -238,10 +244,13 @@ namespace detail {
 template <Buf B>
 constexpr auto handle() {
   static_assert(info(B).kind == BufKind::workspace, "only workspace buffers have handles");
-  static_assert(info(B).elem == Elem::value || info(B).elem == Elem::i32,
-                "workspace buffers hold values or ints");
+  static_assert(
+      info(B).elem == Elem::value || info(B).elem == Elem::i32 || info(B).elem == Elem::rows,
+      "workspace buffers hold values, ints or routed rows");
   if constexpr (info(B).elem == Elem::i32)
     return Handle<Ints>{B};
+  else if constexpr (info(B).elem == Elem::rows)
+    return Handle<Rows>{B};
   else
     return Handle<Values>{B};
 }

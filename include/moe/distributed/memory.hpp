@@ -167,14 +167,23 @@ class LayerBuffers {
     std::string const keys = std::string(kTokens) + ", " + weight_keys_;
 #if MOE_HAS_ONEDNN
     if (!bf16_kernels_) {
-      // The routed GEMMs copy a hidden state in training only, the dense path's in its forward.
-      bool const h16 = h && h->elem == distributed::Elem::bf16 && (training_ || dense);
-      auto const* copied = h16 ? h : nullptr;
-      auto size = [](auto const* d) { return d->dims[0].n * d->dims[1].n; };  // [rows, F]
-      if (hs && hs->elem == distributed::Elem::bf16 && (!copied || size(hs) > size(copied)))
-        copied = hs;
-      if (copied)
-        add("GEMM operand copies", "float copy of a hidden state", copied->shape(), 4, keys);
+      // The routed GEMMs copy in training only (each weight gradient's tgmm widens its two 16-bit
+      // operands: a hidden state [rows, F] and, where the routed rows are 16-bit, a row block
+      // [rows, D]), the dense path's GEMMs a hidden state in its forward.
+      using distributed::Elem;
+      auto size = [](auto const* d) { return d->dims[0].n * d->dims[1].n; };
+      std::int64_t routed = 0, shared = 0;
+      if (h && h->elem == Elem::bf16 && (training_ || dense)) {
+        routed = size(h);
+        auto const* xl = plan_.step.find(distributed::Buf::x_local);
+        if (!dense && xl && xl->elem == Elem::bf16) routed += size(xl);
+      }
+      if (hs && hs->elem == Elem::bf16) shared = size(hs);
+      if (routed > 0 || shared > 0)
+        add("GEMM operand copies",
+            routed >= shared ? "float copies of the routed GEMMs' 16-bit operands"
+                             : "float copy of a hidden state",
+            {std::max(routed, shared)}, 4, keys);
       return;
     }
 #endif

@@ -122,7 +122,8 @@ class PlanBuilder {
   /// The declaration of workspace buffer `h` [rows, cols] in the current phase (under `item`).
   template <class Role>
   BufferDecl out(Handle<Role> h, Extent rows, Extent cols, std::optional<Item> item = {}) const {
-    return {h.id, {rows, cols}, info(h.id).elem, item.value_or(info(h.id).item), backward};
+    Elem const e = info(h.id).elem == Elem::rows ? rows_elem() : info(h.id).elem;
+    return {h.id, {rows, cols}, e, item.value_or(info(h.id).item), backward};
   }
 
   /// The stages of the current phase.
@@ -162,6 +163,11 @@ class PlanBuilder {
     using Gmm = gmm::resolve_t<gmm::Auto, Kokkos::DefaultExecutionSpace, float>;
     return gmm::handles_bf16<Gmm>::value && cfg.bf16() && s == 4 ? Elem::bf16 : Elem::value;
   }
+  /// The element of the routed rows at the experts (buffers of role Rows: x_local, y_local,
+  /// dy_local): hidden_elem(), except on the chunked ring (its forward slices float rows).
+  Elem rows_elem() const { return chunks == 0 ? hidden_elem() : Elem::value; }
+  /// Whether the routed rows are 16-bit: the experts' dx rows then need a float buffer (dx_local).
+  bool narrow_rows() const { return rows_elem() == Elem::bf16; }
   /// Declares hidden states a component keeps, of hidden_elem().
   void hold_hidden(Buf b, std::vector<Extent> dims) {
     declare({b, std::move(dims), hidden_elem(), info(b).item, backward});

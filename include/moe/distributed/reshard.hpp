@@ -13,6 +13,7 @@
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
+#include <moe/error.hpp>
 
 #include <cstdint>
 #include <string>
@@ -72,9 +73,9 @@ struct Identity {
 template <class ExecSpace, class InV, class OutV>
 bool copy_if_alone(ExecSpace const& space, int P, InV const& in, OutV const& out) {
   if (P > 1) return false;
-  if constexpr (std::is_same<typename InV::non_const_value_type,
-                             typename OutV::non_const_value_type>::value &&
-                std::is_same<typename InV::memory_space, typename OutV::memory_space>::value &&
+  constexpr bool same_type =
+      std::is_same<typename InV::non_const_value_type, typename OutV::non_const_value_type>::value;
+  if constexpr (std::is_same<typename InV::memory_space, typename OutV::memory_space>::value &&
                 int(InV::rank) == int(OutV::rank)) {
     bool same = in.span_is_contiguous() && out.span_is_contiguous();
     for (unsigned r = 0; r < InV::rank; ++r) same = same && in.extent(r) == out.extent(r);
@@ -83,8 +84,22 @@ bool copy_if_alone(ExecSpace const& space, int P, InV const& in, OutV const& out
       return true;
     }
   }
-  Kokkos::deep_copy(space, out, in);
+  if constexpr (same_type)
+    Kokkos::deep_copy(space, out, in);
+  else
+    throw Error("moe internal error: a copy between element types needs equal contiguous views");
   return true;
+}
+
+/// Whether two views hold the same element type (a collective between 16-bit routed rows and
+/// float buffers needs the bf16 wire, which converts).
+template <class InV, class OutV>
+inline constexpr bool same_elements =
+    std::is_same<typename InV::non_const_value_type, typename OutV::non_const_value_type>::value;
+
+/// The error of a collective between element types on the native wire (never planned).
+inline Error mixed_native_wire() {
+  return Error("moe internal error: a collective between float and bf16 rows on the native wire");
 }
 
 /// A temporary of n T's: the pool's buffer `key` when there is a pool, else a new View.
@@ -136,14 +151,18 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
     moe::detail::fence(space, "moe::reshard::gather_dim: unpacked");
     return;
   }
-  // With A > 1 the blocks arrive [P, A, n*C] in a temporary, reordered into out's [A, P, n*C].
-  View1<T, MS> const got =
-      s.A == 1 ? View1<T, MS>(out.data(), out.span())
-               : detail::temporary<T>(space, pool, "moe::reshard::gather", out.span());
-  comm::all_gather(g.comm, space, View1<T const, MS>(in.data(), in.span()), got);
-  if (s.A > 1)
-    detail::copy_rows(space, "moe::reshard::gather_unpack", got.data(), out.data(), P * s.A,
-                      s.n * s.C, detail::Identity{}, detail::PaToAp{P, s.A});
+  if constexpr (!detail::same_elements<InV, OutV>) {
+    throw detail::mixed_native_wire();
+  } else {
+    // With A > 1 the blocks arrive [P, A, n*C] in a temporary, reordered into out's [A, P, n*C].
+    View1<T, MS> const got =
+        s.A == 1 ? View1<T, MS>(out.data(), out.span())
+                 : detail::temporary<T>(space, pool, "moe::reshard::gather", out.span());
+    comm::all_gather(g.comm, space, View1<T const, MS>(in.data(), in.span()), got);
+    if (s.A > 1)
+      detail::copy_rows(space, "moe::reshard::gather_unpack", got.data(), out.data(), P * s.A,
+                        s.n * s.C, detail::Identity{}, detail::PaToAp{P, s.A});
+  }
 }
 
 /// \brief An all-gather along dimension 0 in flight: test() progresses, wait() completes it.
@@ -219,9 +238,13 @@ void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& i
   if (wire == comm::Wire::bf16)
     return comm::reduce_scatter(g.comm, space, packed(moe::bf16{}, "moe::reshard::wire_send"), dst,
                                 pool);
-  View1<T const, MS> const src =
-      s.A > 1 ? packed(T{}, "moe::reshard::rs") : View1<T const, MS>(in.data(), in.span());
-  comm::reduce_scatter(g.comm, space, src, dst, pool);
+  if constexpr (!detail::same_elements<InV, OutV>) {
+    throw detail::mixed_native_wire();
+  } else {
+    View1<T const, MS> const src =
+        s.A > 1 ? packed(T{}, "moe::reshard::rs") : View1<T const, MS>(in.data(), in.span());
+    comm::reduce_scatter(g.comm, space, src, dst, pool);
+  }
 }
 
 /// \brief out = this rank's block along d of in (no communication).

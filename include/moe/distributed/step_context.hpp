@@ -78,9 +78,10 @@ struct StepContext {
   params_type cp, gc;
   std::uint64_t rounded_version = ~std::uint64_t(0);  ///< stored version of the bf16 copies
   DispatchState<memory_space> disp;
-  StepWorkspace<Scalar, memory_space> ws;  // the step's buffers, by plan name
-  Stage const* stage = nullptr;            // the stage running
-  std::size_t next = 0;                    // its next planned collective
+  // The step's buffers, by plan name (routed rows 16-bit where the plan and the ffn allow).
+  StepWorkspace<Scalar, memory_space, nn::stores_bf16<Scalar, gmm_policy, ExecSpace>> ws;
+  Stage const* stage = nullptr;  // the stage running
+  std::size_t next = 0;          // its next planned collective
   CommLog log;
   std::uint64_t token_offset = 0;  // ForwardOptions::token_offset of the last forward
   double lb_loss = 0;

@@ -3,6 +3,7 @@
 /// The buffers of one step by their typed handles (buffers.hpp), from one scratch pool: a stage
 /// gets only the buffers its plan lists, in the plan's shape (routed rows may differ).
 
+#include <moe/bf16.hpp>
 #include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/distributed/buffers.hpp>
@@ -17,11 +18,32 @@
 
 namespace moe::distributed {
 
+/// \brief A buffer of routed rows (role Rows): Values, or moe::bf16 (the same values in half the
+/// bytes) where the plan declares it Elem::bf16 and the layer can narrow (CanNarrow).
+template <class Value, class MemorySpace, bool CanNarrow>
+struct RowsView {
+  View2<Value, MemorySpace> wide;
+  View2<moe::bf16, MemorySpace> narrow;
+  bool is_narrow = false;
+
+  std::int64_t rows() const { return std::int64_t(is_narrow ? narrow.extent(0) : wide.extent(0)); }
+  /// body(v) on the view in use: View2<Value> or (narrow) View2<moe::bf16>.
+  template <class Body>
+  decltype(auto) visit(Body&& body) const {
+    if constexpr (CanNarrow)
+      if (is_narrow) return body(narrow);
+    return body(wide);
+  }
+};
+
 /// \brief The [rows, cols] buffers of one step (see the file comment).
 /// \tparam Value the C++ type of the role Values (the layer's value type).
-template <class Value, class MemorySpace>
+/// \tparam CanNarrow whether buffers of role Rows may be moe::bf16 (the layer's GEMM policy takes
+/// 16-bit rows: nn::stores_bf16); they are where the plan declares them Elem::bf16.
+template <class Value, class MemorySpace, bool CanNarrow = false>
 class StepWorkspace {
  public:
+  using rows_t = RowsView<Value, MemorySpace, CanNarrow>;
   /// The C++ element type of a role.
   template <class Role>
   using elem_t = std::conditional_t<std::is_same_v<Role, Ints>, int, Value>;
@@ -39,23 +61,44 @@ class StepWorkspace {
   view_t<Role> make(Handle<Role> h, std::int64_t rows = -1) {
     auto const& d = decl(h.id);
     if (rows < 0) rows = d.dims[0].n;
-    declared(h, true);
-    moe::detail::require<Error>(d.dims[0].routed || rows == d.dims[0].n,
-                                "moe internal error: ", where(), " makes buffer ", to_string(h.id),
-                                " with ", rows, " rows, but the plan declares ", d.dims[0].n);
+    check_make(h.id, d, rows);
     std::int64_t const cols = d.dims[1].n;
     auto buf = pool_.template get<elem_t<Role>>(to_string(h.id), std::size_t(rows * cols));
     made_[index(h.id)] = true;
     return std::get<Views<Role>>(views_)[index(h.id)] = view_t<Role>(buf.data(), rows, cols);
   }
 
+  /// \brief The routed-rows buffer `h` as make() above, of the element the plan declares.
+  rows_t make(Handle<Rows> h, std::int64_t rows = -1) {
+    auto const& d = decl(h.id);
+    Handle<Values> const v{h.id};
+    rows_t r;
+    r.is_narrow = narrow(h);
+    if (!r.is_narrow) {
+      r.wide = make(v, rows);
+    } else {
+      if (rows < 0) rows = d.dims[0].n;
+      check_make(h.id, d, rows);
+      auto buf = pool_.template get<moe::bf16>(to_string(h.id), std::size_t(rows * d.dims[1].n));
+      r.narrow = View2<moe::bf16, MemorySpace>(buf.data(), rows, d.dims[1].n);
+      made_[index(h.id)] = true;
+    }
+    return rows_[index(h.id)] = r;
+  }
+
+  /// Whether the routed-rows buffer `h` is 16-bit in this step's plan (no stage access needed).
+  bool narrow(Handle<Rows> h) const { return CanNarrow && decl(h.id).elem == Elem::bf16; }
+
   /// \brief The buffer `h` as the last make() shaped it; the running stage must list it.
   template <class Role>
-  view_t<Role> at(Handle<Role> h) const {
+  auto at(Handle<Role> h) const {
     declared(h, false);
     moe::detail::require<Error>(made_[index(h.id)], "moe internal error: step buffer '",
                                 to_string(h.id), "' is read before any stage wrote it");
-    return std::get<Views<Role>>(views_)[index(h.id)];
+    if constexpr (std::is_same_v<Role, Rows>)
+      return rows_[index(h.id)];
+    else
+      return std::get<Views<Role>>(views_)[index(h.id)];
   }
 
   moe::detail::ScratchPool<MemorySpace>& pool() { return pool_; }  ///< the pool behind the buffers
@@ -67,6 +110,12 @@ class StepWorkspace {
   template <class Role>
   using Views = std::array<view_t<Role>, N>;
 
+  void check_make(Buf b, BufferDecl const& d, std::int64_t rows) const {
+    declared(b, true);
+    moe::detail::require<Error>(d.dims[0].routed || rows == d.dims[0].n,
+                                "moe internal error: ", where(), " makes buffer ", to_string(b),
+                                " with ", rows, " rows, but the plan declares ", d.dims[0].n);
+  }
   std::string where() const {
     return stage_ ? "stage " + stage_->region : std::string("the step's input");
   }
@@ -87,6 +136,7 @@ class StepWorkspace {
 
   moe::detail::ScratchPool<MemorySpace> pool_;
   std::tuple<Views<Values>, Views<Ints>> views_;
+  std::array<rows_t, N> rows_{};
   std::array<bool, N> made_{};
   StepPlan const* plan_ = nullptr;
   Stage const* stage_ = nullptr;

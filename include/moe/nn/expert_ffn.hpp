@@ -31,9 +31,14 @@ void ensure_gated(ExecSpace const& space, std::string const& owner, std::int64_t
 /// weight gradients stay fp32): the activations and GEMMs take bf16 inputs and outputs.
 struct Bf16Rounding {
   bool bf16 = false;
+  /// Rounds each view to bf16 when bf16 (moe::bf16 views hold bf16 values already).
   template <class ExecSpace, class... V>
   void round(ExecSpace const& space, V const&... v) const {
-    (moe::detail::round_bf16_if(bf16, space, v), ...);
+    auto one = [&](auto const& x) {
+      if constexpr (!moe::detail::is_bf16<typename std::decay_t<decltype(x)>::value_type>)
+        moe::detail::round_bf16_if(bf16, space, x);
+    };
+    (one(v), ...);
   }
 };
 
@@ -74,7 +79,8 @@ struct HiddenStates {
 /// \brief ys = (act(xs . wi_0[g]) * (xs . wi_1[g])) . wo[g] per group g; keeps what backward needs.
 /// Owns its weights' PackCache: callers pass a version that changes whenever the weights change.
 /// With bf16 where stores_bf16, the hidden states (h0, h1, act, d_act, d_h1) are moe::bf16;
-/// elsewhere, and in the chunked forward (summing h0 and h1 over D-chunks), Scalars.
+/// elsewhere, and in the chunked forward (summing h0 and h1 over D-chunks), Scalars. The routed
+/// rows (xs, ys, dys) are Scalars or, where stores_bf16, moe::bf16 (the caller's choice).
 /// \tparam Gmm a grouped-GEMM policy (gmm::Auto, OneDnn, Vendor, Tiled<...>).
 template <class Scalar, class Gmm, class ExecSpace>
 class ExpertFfn : public Bf16Rounding {
@@ -84,11 +90,14 @@ class ExpertFfn : public Bf16Rounding {
   using view3 = View3<Scalar, memory_space>;
   using cview2 = View2<Scalar const, memory_space>;
   using groups_type = gmm::Groups<memory_space>;
+  using bview2 = View2<moe::bf16, memory_space>;
 
   /// xs [n,D] (kept until backward), weights [G,D,F] / [G,F,D] whose contents have version
-  /// `weights_version`, ys [n,D] (rows past the groups are zeroed).
-  void forward(ExecSpace const& space, Activation act, view2 xs, groups_type const& groups,
-               view3 wi_0, view3 wi_1, view3 wo, view2 ys, std::uint64_t weights_version) {
+  /// `weights_version`, ys [n,D] (rows past the groups are zeroed). xs and ys are view2 or, where
+  /// stores_bf16 and bf16, bview2.
+  template <class XS, class YS>
+  void forward(ExecSpace const& space, Activation act, XS const& xs, groups_type const& groups,
+               view3 wi_0, view3 wi_1, view3 wo, YS const& ys, std::uint64_t weights_version) {
     moe::detail::Region region("moe::expert_ffn");
     std::int64_t const n = xs.extent(0), F = wi_0.extent(2);
     start(xs, act, weights_version, bf16);
@@ -129,24 +138,28 @@ class ExpertFfn : public Bf16Rounding {
     gmm::gmm(space, Gmm{}, hs_.act, wo, groups, ys, options(false, false, true));
   }
 
-  /// From dys [n,D]: dxs [n,D] (may alias dys) and the weight gradients (overwritten). The
-  /// weights must be the forward's (same version).
-  void backward(ExecSpace const& space, view2 dys, groups_type const& groups, view3 wi_0,
+  /// From dys [n,D] (view2, or bview2 as forward's rows): dxs [n,D] (a view2: its two GEMMs sum
+  /// in fp32; may alias a view2 dys) and the weight gradients (overwritten). The weights must be
+  /// the forward's (same version).
+  template <class DYS>
+  void backward(ExecSpace const& space, DYS const& dys, groups_type const& groups, view3 wi_0,
                 view3 wi_1, view3 wo, view2 dxs, view3 d_wi_0, view3 d_wi_1, view3 d_wo) {
     moe::detail::Region region("moe::expert_ffn::backward");
-    std::int64_t const n = xs_.extent(0), F = wi_0.extent(2);
+    std::int64_t const n = dxs.extent(0), F = wi_0.extent(2);
     round(space, dys);  // the expert outputs' gradient (w * dy from the combine) is bf16
-    hs_.visit([&](auto& h0, auto& h1, auto& a, auto& da, auto& dh1) {
-      moe::detail::ensure(space, da, "moe::ffn::d_act", n, F);
-      moe::detail::ensure(space, dh1, "moe::ffn::d_h1", n, F);
-      gmm::tgmm(space, Gmm{}, a, dys, groups, d_wo, options(false, false));
-      gmm::gmm(space, Gmm{}, dys, wo, groups, da, options(true, false, true));
-      // dh0 overwrites da (each element reads its own da before writing).
-      gated_backward(space, act_, n, h0, h1, da, da, dh1, bf16);
-      gmm::tgmm(space, Gmm{}, xs_, da, groups, d_wi_0, options(false, false));
-      gmm::tgmm(space, Gmm{}, xs_, dh1, groups, d_wi_1, options(false, false));
-      gmm::gmm(space, Gmm{}, da, wi_0, groups, dxs, options(true, false));
-      gmm::gmm(space, Gmm{}, dh1, wi_1, groups, dxs, options(true, true));
+    visit_xs([&](auto const& xs) {
+      hs_.visit([&](auto& h0, auto& h1, auto& a, auto& da, auto& dh1) {
+        moe::detail::ensure(space, da, "moe::ffn::d_act", n, F);
+        moe::detail::ensure(space, dh1, "moe::ffn::d_h1", n, F);
+        gmm::tgmm(space, Gmm{}, a, dys, groups, d_wo, options(false, false));
+        gmm::gmm(space, Gmm{}, dys, wo, groups, da, options(true, false, true));
+        // dh0 overwrites da (each element reads its own da before writing).
+        gated_backward(space, act_, n, h0, h1, da, da, dh1, bf16);
+        gmm::tgmm(space, Gmm{}, xs, da, groups, d_wi_0, options(false, false));
+        gmm::tgmm(space, Gmm{}, xs, dh1, groups, d_wi_1, options(false, false));
+        gmm::gmm(space, Gmm{}, da, wi_0, groups, dxs, options(true, false));
+        gmm::gmm(space, Gmm{}, dh1, wi_1, groups, dxs, options(true, true));
+      });
     });
     round(space, dxs);
   }
@@ -167,16 +180,36 @@ class ExpertFfn : public Bf16Rounding {
     return o;
   }
   /// Keeps a forward's arguments; the hidden states in bf16 when `narrow` where stores_bf16.
-  void start(view2 xs, Activation act, std::uint64_t weights_version, bool narrow) {
-    xs_ = xs;
+  template <class XS>
+  void start(XS const& xs, Activation act, std::uint64_t weights_version, bool narrow) {
+    static_assert(std::is_same_v<XS, view2> || (CanNarrow && std::is_same_v<XS, bview2>),
+                  "moe::nn::ExpertFfn: rows are Scalars, or moe::bf16 where stores_bf16");
+    xs_ = view2();
+    xs16_ = bview2();
+    xs_narrow_ = !std::is_same_v<XS, view2>;
+    if constexpr (std::is_same_v<XS, view2>)
+      xs_ = xs;
+    else
+      xs16_ = xs;
     act_ = act;
     version_ = weights_version;
     hs_.choose(narrow);
   }
 
+  /// body(xs) on the forward's rows (view2 or bview2).
+  template <class Body>
+  void visit_xs(Body&& body) const {
+    if constexpr (CanNarrow)
+      if (xs_narrow_) return body(xs16_);
+    body(xs_);
+  }
+
+  static constexpr bool CanNarrow = stores_bf16<Scalar, Gmm, ExecSpace>;
   Activation act_ = Activation::Silu;
   view2 xs_;
-  HiddenStates<Scalar, memory_space, stores_bf16<Scalar, Gmm, ExecSpace>> hs_;
+  bview2 xs16_;  // the forward's rows when they are 16-bit
+  bool xs_narrow_ = false;
+  HiddenStates<Scalar, memory_space, CanNarrow> hs_;
   gmm::PackCache cache_;
   std::uint64_t version_ = 0;
 };

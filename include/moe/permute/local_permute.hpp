@@ -5,6 +5,7 @@
 /// a list of (sender, local expert) blocks: the all-to-all's receive buffer (clamped to R rows
 /// as RaggedAllToAll drops them), or one sender at offset_s of the globally sorted buffer.
 
+#include <moe/bf16.hpp>
 #include <moe/detail/compat.hpp>
 #include <moe/detail/counting.hpp>
 #include <moe/detail/rows.hpp>
@@ -72,6 +73,7 @@ void gather_by(ExecSpace const& space, char const* label, Map const& map, std::i
                SrcView const& src, DstView const& dst) {
   static_assert(SrcView::rank == 2 && DstView::rank == 2,
                 "moe::permute: local row moves take [rows, D] views");
+  using T = typename DstView::non_const_value_type;
   std::int64_t const D = dst.extent(1);
   moe::detail::require<ShapeError>(
       src.extent(1) == dst.extent(1) && static_cast<std::int64_t>(dst.extent(0)) >= rows, label,
@@ -82,9 +84,11 @@ void gather_by(ExecSpace const& space, char const* label, Map const& map, std::i
       space, label, n, KOKKOS_LAMBDA(std::int64_t p, std::int64_t lane, std::int64_t lanes) {
         if (p < rows) {
           std::int64_t const q = map(p);
-          for (std::int64_t d = lane; d < D; d += lanes) dst(p, d) = src(q, d);
+          for (std::int64_t d = lane; d < D; d += lanes)
+            dst(p, d) = moe::detail::value_cast<T>(src(q, d));
         } else {
-          for (std::int64_t d = lane; d < D; d += lanes) dst(p, d) = 0;
+          for (std::int64_t d = lane; d < D; d += lanes)
+            dst(p, d) = moe::detail::value_cast<T>(0.0f);
         }
       });
 }

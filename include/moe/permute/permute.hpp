@@ -4,6 +4,7 @@
 /// Every backward here is a gather by the other direction of the permutation, never a
 /// scatter-add, so results are deterministic on every backend.
 
+#include <moe/bf16.hpp>
 #include <moe/detail/compat.hpp>
 #include <moe/detail/counting.hpp>
 #include <moe/detail/rows.hpp>
@@ -13,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace moe::permute {
 
@@ -77,9 +79,10 @@ void sort_by_expert(ExecSpace const& space, View2<int const, MS> ids, View2<int 
 }
 
 /// \brief Sorted copy of the token rows: out[i] = x[perm[i] / K]  (the K-fold replication).
-template <class ExecSpace, class Scalar, class MS>
+/// out may be moe::bf16 rows (each value rounded to nearest even: exact on bf16 values).
+template <class ExecSpace, class Scalar, class MS, class O>
 void gather_rows(ExecSpace const& space, View2<Scalar const, MS> x,
-                 View1<std::int64_t const, MS> perm, int K, View2<Scalar, MS> out) {
+                 View1<std::int64_t const, MS> perm, int K, View2<O, MS> out) {
   moe::detail::Region region("moe::permute::gather");
   std::int64_t const D = x.extent(1), n = perm.extent(0);
   // Rows come in expert order, scattered over x: prefetch the source row a few iterations ahead.
@@ -89,15 +92,16 @@ void gather_rows(ExecSpace const& space, View2<Scalar const, MS> x,
       KOKKOS_LAMBDA(std::int64_t i, std::int64_t lane, std::int64_t lanes) {
         if (lane == 0 && i + ahead < n && D > 0) moe::detail::prefetch(&x(perm(i + ahead) / K, 0));
         std::int64_t const t = perm(i) / K;
-        for (std::int64_t d = lane; d < D; d += lanes) out(i, d) = x(t, d);
+        for (std::int64_t d = lane; d < D; d += lanes)
+          out(i, d) = moe::detail::value_cast<O>(x(t, d));
       });
 }
 
 namespace detail {
 /// out[t] (+)= sum_k w[t,k] * src[inverse[t*K+k]] over the kept slots, in k order (a gather by
-/// the inverse permutation); an empty w weighs every slot 1 (exact).
-template <class ExecSpace, class Scalar, class MS>
-void gather_slots(ExecSpace const& space, char const* label, View2<Scalar const, MS> src,
+/// the inverse permutation); an empty w weighs every slot 1 (exact). src may be moe::bf16 rows.
+template <class ExecSpace, class Scalar, class MS, class S>
+void gather_slots(ExecSpace const& space, char const* label, View2<S const, MS> src,
                   View1<std::int64_t const, MS> inverse, View2<Scalar const, MS> w, std::int64_t K,
                   bool accumulate, View2<Scalar, MS> out) {
   std::int64_t const D = out.extent(1), T = out.extent(0);
@@ -116,28 +120,29 @@ void gather_slots(ExecSpace const& space, char const* label, View2<Scalar const,
           std::int64_t const r = inverse(t * K + k);
           if (r < 0) continue;
           Scalar const wk = weighted ? w(t, k) : Scalar(1);
-          for (std::int64_t d = lane; d < D; d += lanes) out(t, d) += wk * src(r, d);
+          for (std::int64_t d = lane; d < D; d += lanes)
+            out(t, d) += wk * moe::detail::value_cast<Scalar>(src(r, d));
         }
       });
 }
 }  // namespace detail
 
 /// \brief Unpermute and combine: y[t] (+)= sum_k w[t,k] * ys[inverse[t*K+k]] (kept slots, k order).
-template <class ExecSpace, class Scalar, class MS>
-void combine(ExecSpace const& space, View2<Scalar const, MS> ys,
-             View1<std::int64_t const, MS> inverse, View2<Scalar const, MS> w, bool accumulate,
-             View2<Scalar, MS> y) {
+/// ys may be moe::bf16 rows (widened exactly).
+template <class ExecSpace, class Scalar, class MS, class S>
+void combine(ExecSpace const& space, View2<S const, MS> ys, View1<std::int64_t const, MS> inverse,
+             View2<Scalar const, MS> w, bool accumulate, View2<Scalar, MS> y) {
   moe::detail::Region region("moe::combine");
   detail::gather_slots(space, "moe::permute::combine", ys, inverse, w, w.extent(1), accumulate, y);
 }
 
 /// \brief Backward of combine. dys[i] = w[s] * dy[s / K] for the slot s = perm[i] (a gather),
-/// and dw[t,k] = <dy[t], ys[inverse[t*K+k]]> (0 for dropped slots): the router gradient.
-template <class ExecSpace, class Scalar, class MS>
-void combine_backward(ExecSpace const& space, View2<Scalar const, MS> dy,
-                      View2<Scalar const, MS> ys, View1<std::int64_t const, MS> perm,
-                      View1<std::int64_t const, MS> inverse, View2<Scalar const, MS> w,
-                      View2<Scalar, MS> dys, View2<Scalar, MS> dw) {
+/// and dw[t,k] = <dy[t], ys[inverse[t*K+k]]> (0 for dropped slots): the router gradient. ys and
+/// dys may be moe::bf16 rows (ys widened exactly, w * dy rounded to nearest even into dys).
+template <class ExecSpace, class Scalar, class MS, class S, class O>
+void combine_backward(ExecSpace const& space, View2<Scalar const, MS> dy, View2<S const, MS> ys,
+                      View1<std::int64_t const, MS> perm, View1<std::int64_t const, MS> inverse,
+                      View2<Scalar const, MS> w, View2<O, MS> dys, View2<Scalar, MS> dw) {
   moe::detail::Region region("moe::combine::backward");
   std::int64_t const D = dy.extent(1), K = w.extent(1);
   moe::detail::for_each_row(
@@ -145,25 +150,31 @@ void combine_backward(ExecSpace const& space, View2<Scalar const, MS> dy,
       KOKKOS_LAMBDA(std::int64_t i, std::int64_t lane, std::int64_t lanes) {
         std::int64_t const s = perm(i), t = s / K;
         Scalar const ws = w(t, s % K);
-        for (std::int64_t d = lane; d < D; d += lanes) dys(i, d) = ws * dy(t, d);
+        for (std::int64_t d = lane; d < D; d += lanes)
+          dys(i, d) = moe::detail::value_cast<O>(ws * dy(t, d));
       });
+  // A float dot product is summed in double: each product of two floats is exact there, so no
+  // compiler's choice to fuse (or not) the multiply and the add changes the result, and float and
+  // 16-bit ys (the same values) give the same bits in every build.
+  using Acc = std::conditional_t<std::is_same<Scalar, float>::value, double, Scalar>;
   moe::detail::for_each_index(
       space, "moe::permute::combine_backward_weights", std::int64_t(dy.extent(0)),
       moe::detail::row_grain, KOKKOS_LAMBDA(std::int64_t t) {
         for (std::int64_t k = 0; k < K; ++k) {
           std::int64_t const r = inverse(t * K + k);
-          Scalar acc = 0;
+          Acc acc = 0;
           if (r >= 0)
-            for (std::int64_t d = 0; d < D; ++d) acc += dy(t, d) * ys(r, d);
-          dw(t, k) = acc;
+            for (std::int64_t d = 0; d < D; ++d)
+              acc += Acc(dy(t, d)) * Acc(moe::detail::value_cast<Scalar>(ys(r, d)));
+          dw(t, k) = Scalar(acc);
         }
       });
 }
 
 /// \brief Backward of gather_rows: dx[t] (+)= sum_k dxs[inverse[t*K+k]] over kept slots, in k
-/// order (a gather by the inverse permutation, not a scatter-add).
-template <class ExecSpace, class Scalar, class MS>
-void gather_rows_backward(ExecSpace const& space, View2<Scalar const, MS> dxs,
+/// order (a gather by the inverse permutation, not a scatter-add). dxs may be moe::bf16 rows.
+template <class ExecSpace, class Scalar, class MS, class S>
+void gather_rows_backward(ExecSpace const& space, View2<S const, MS> dxs,
                           View1<std::int64_t const, MS> inverse, int K, bool accumulate,
                           View2<Scalar, MS> dx) {
   moe::detail::Region region("moe::permute::gather::backward");

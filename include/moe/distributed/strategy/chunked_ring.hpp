@@ -101,7 +101,7 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
     detail::copy_rows(ctx.space, "moe::dist::chunk_pack", ctx.ws.at(buf::x).data(), own.data(),
                       T * nc, Dc, detail::Identity{}, detail::PaToAp{T, nc});
     auto got = ctx.ws.make(buf::x_chunks);
-    auto xs = ctx.ws.make(buf::x_local, n);
+    auto xs = ctx.ws.make(buf::x_local, n).wide;  // the chunked plan's rows are Values
     auto xs_c = ctx.ws.make(buf::x_local_chunk, n);
     // The chunks' shapes are agreed on once (one collective check, not one per chunk).
     auto const first = stages::chunk_views(ctx, own, got, 0);
@@ -125,7 +125,7 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
         if (c + 1 < nc) next.test();
       }
     }
-    auto ys = ctx.ws.make(buf::y_local, n);
+    auto ys = ctx.ws.make(buf::y_local, n).wide;
     ctx.ffn.forward_end(ctx.space, ctx.disp.perm.groups, ctx.cp.wo, ys);
   }
 };

@@ -4,6 +4,7 @@
 /// working tokens (own, or the group's on the ring), partial outputs summed back to their owners.
 
 #include <moe/distributed/plan_builder.hpp>
+#include <moe/distributed/stages/experts.hpp>
 #include <moe/distributed/strategy/shared_expert.hpp>
 #include <moe/permute/local_permute.hpp>
 #include <moe/permute/permute.hpp>
@@ -36,7 +37,7 @@ Stage& plan_gathered_experts_backward(PlanBuilder& b, char const* gather_dy, std
   if (gather_dy) b.all_gather(o, gather_dy, b.lay.ep_axes, b.T, cols, dim);
   Experts::plan_backward(b);
   return b.stage(StageKind::dispatch, "moe::dispatch::gathered::backward",
-                 {Experts::dx_rows, buf::d_weights_work},
+                 {Experts::dx_rows(b), buf::d_weights_work},
                  {b.out(buf::dx_work, b.work_tokens(), b.emb()),
                   b.out(buf::d_weights, b.tokens(), b.topk()), Buf::dx});
 }
@@ -44,11 +45,16 @@ Stage& plan_gathered_experts_backward(PlanBuilder& b, char const* gather_dy, std
 }  // namespace stages
 
 /// \brief The routed rows of the working tokens sorted by local expert through the grouped GEMMs.
+/// x_local, y_local and dy_local are 16-bit where the plan narrows them (PlanBuilder::rows_elem);
+/// the experts' dx rows are then a float buffer of their own (dx_local), else they overwrite
+/// dy_local.
 struct SortedExperts : StageDefaults {
   static constexpr bool dense = false;
   /// What the experts write (the combine reads it) and what the dispatch backward reads.
   static constexpr auto rows_out = buf::y_local;
-  static constexpr auto dx_rows = buf::dy_local;
+  static Ref dx_rows(PlanBuilder const& b) {
+    return b.narrow_rows() ? Ref(buf::dx_local) : Ref(buf::dy_local);
+  }
 
   /// The dispatch and experts stages on the working tokens `xw`.
   static void plan_forward(PlanBuilder& b, Handle<Values> xw) {
@@ -67,51 +73,62 @@ struct SortedExperts : StageDefaults {
         StageKind::combine, "moe::dist::combine::backward",
         {buf::dy_work, buf::y_local, Buf::routing},
         {b.out(buf::dy_local, n, b.emb()), b.out(buf::d_weights_work, b.work_tokens(), b.topk())});
-    b.experts_stage({buf::dy_local}, {buf::dy_local});
+    if (b.narrow_rows())
+      b.experts_stage({buf::dy_local}, {b.out(buf::dx_local, n, b.emb())});
+    else
+      b.experts_stage({buf::dy_local}, {buf::dy_local});
     b.hold_expert_ffn(n);
   }
 
   template <class Ctx>
   static void dispatch(Ctx& ctx, typename Ctx::view2 xw) {
     stages::local_sort(ctx);
-    auto xs = ctx.ws.make(buf::x_local, ctx.disp.perm.rows());
-    permute::gather_rows(ctx.space, cview2_t<Ctx>(xw), ctx.perm(), ctx.cfg.num_experts_per_tok, xs);
+    ctx.ws.make(buf::x_local, ctx.disp.perm.rows()).visit([&](auto const& xs) {
+      permute::gather_rows(ctx.space, cview2_t<Ctx>(xw), ctx.perm(), ctx.cfg.num_experts_per_tok,
+                           xs);
+    });
   }
   /// The experts on the sorted rows (x_local; `xw` is the working tokens they came from).
   template <class Ctx>
   static void experts(Ctx& ctx, Handle<Values> /*xw*/, std::uint64_t weights_version) {
-    auto xs = ctx.ws.at(buf::x_local);
-    auto ys = ctx.ws.make(buf::y_local, xs.extent(0));
-    ctx.ffn.forward(ctx.space, ctx.cfg.mlp_activation, xs, ctx.disp.perm.groups, ctx.cp.wi_0,
-                    ctx.cp.wi_1, ctx.cp.wo, ys, weights_version);
+    auto const xr = ctx.ws.at(buf::x_local);
+    auto const yr = ctx.ws.make(buf::y_local, xr.rows());
+    stages::experts_forward(ctx, xr, yr, ctx.disp.perm.groups, weights_version);
   }
   /// The working tokens' routed outputs y_work: the sorted rows weighted and summed onto them.
   template <class Ctx>
   static typename Ctx::view2 combined(Ctx& ctx) {
     auto yw = ctx.ws.make(buf::y_work);
-    permute::combine(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::y_local)), ctx.inverse(),
-                     ctx.route_weights(), false, yw);
+    ctx.ws.at(buf::y_local).visit([&](auto const& ys) {
+      permute::combine(ctx.space, stages::const_rows(ys), ctx.inverse(), ctx.route_weights(), false,
+                       yw);
+    });
     return yw;
   }
   template <class Ctx>
   static void combine_backward(Ctx& ctx) {
-    auto dys = ctx.ws.make(buf::dy_local, ctx.disp.perm.rows());
+    auto dyr = ctx.ws.make(buf::dy_local, ctx.disp.perm.rows());
     auto dww = ctx.ws.make(buf::d_weights_work);
-    permute::combine_backward(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::dy_work)),
-                              cview2_t<Ctx>(ctx.ws.at(buf::y_local)), ctx.perm(), ctx.inverse(),
-                              ctx.route_weights(), dys, dww);
+    ctx.ws.at(buf::y_local).visit([&](auto const& ys) {
+      dyr.visit([&](auto const& dys) {
+        permute::combine_backward(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::dy_work)),
+                                  stages::const_rows(ys), ctx.perm(), ctx.inverse(),
+                                  ctx.route_weights(), dys, dww);
+      });
+    });
   }
   template <class Ctx>
   static void experts_backward(Ctx& ctx) {
-    auto dys = ctx.ws.at(buf::dy_local);  // dxs overwrites dys
-    ctx.ffn.backward(ctx.space, dys, ctx.disp.perm.groups, ctx.cp.wi_0, ctx.cp.wi_1, ctx.cp.wo, dys,
-                     ctx.gc.wi_0, ctx.gc.wi_1, ctx.gc.wo);
+    // dxs overwrites dys, or (16-bit dys) goes to dx_local.
+    stages::experts_backward(ctx, ctx.ws.at(buf::dy_local), stages::experts_dx_rows(ctx, true),
+                             ctx.disp.perm.groups);
   }
   /// dx of the working tokens: the sorted rows' gradients scattered back to them.
   template <class Ctx>
   static typename Ctx::view2 work_dx(Ctx& ctx) {
     auto dxw = ctx.ws.make(buf::dx_work);
-    permute::gather_rows_backward(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::dy_local)), ctx.inverse(),
+    auto const dxs = stages::experts_dx_rows(ctx, false);
+    permute::gather_rows_backward(ctx.space, cview2_t<Ctx>(dxs), ctx.inverse(),
                                   ctx.cfg.num_experts_per_tok, false, dxw);
     return dxw;
   }
@@ -125,7 +142,7 @@ struct SortedExperts : StageDefaults {
 struct DenseExperts : StageDefaults {
   static constexpr bool dense = true;
   static constexpr auto rows_out = buf::y_work;
-  static constexpr auto dx_rows = buf::dx_work;
+  static Ref dx_rows(PlanBuilder const&) { return buf::dx_work; }
 
   static void plan_forward(PlanBuilder& b, Handle<Values> xw) {
     Extent const Tw = b.work_tokens(), L{b.L, scale_experts};

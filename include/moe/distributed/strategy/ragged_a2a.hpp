@@ -8,6 +8,7 @@
 #include <moe/detail/views.hpp>
 #include <moe/distributed/plan_builder.hpp>
 #include <moe/distributed/reshard.hpp>
+#include <moe/distributed/stages/experts.hpp>
 #include <moe/distributed/strategy/shared_expert.hpp>
 #include <moe/permute/local_permute.hpp>
 #include <moe/permute/permute.hpp>
@@ -65,8 +66,9 @@ struct RaggedA2A : StageDefaults {
                  b.out(buf::dy_received_cols, recv, Dc), b.out(buf::dy_local_cols, recv, Dc)});
     b.all_reduce(cb, "reduce d_weights (tensor)", lay.tp_axes, b.T * b.K);
     b.all_to_all(cb, "dispatch d_y", b.sent, b.Dc);
-    auto& eb =
-        b.experts_stage({buf::dy_local_cols}, {b.out(buf::dy_local, recv, D), buf::dy_local_cols});
+    std::vector<Out> eb_out{b.out(buf::dy_local, recv, D), buf::dy_local_cols};
+    if (b.narrow_rows()) eb_out.push_back(b.out(buf::dx_local, recv, D));
+    auto& eb = b.experts_stage({buf::dy_local_cols}, std::move(eb_out));
     b.all_gather(eb, "all-gather d_y (tensor)", lay.tp_axes, b.recv, b.Dc, 1, true);
     b.reduce_scatter(eb, "reduce-scatter d_x (tensor)", lay.tp_axes, b.recv, b.Dc, 1, true);
     b.hold_expert_ffn(recv);
@@ -110,20 +112,20 @@ struct RaggedA2A : StageDefaults {
     std::vector<std::int64_t> G(all.data(), all.data() + E * ep);
     permute::make_local_permutation(ctx.space, permute::local_layout(G, E, ep, ctx.ep().rank(), R),
                                     ctx.disp.lp);
-    auto xs = ctx.ws.make(buf::x_local, ctx.disp.lp.rows());
-    permute::permute_rows(ctx.space, ctx.disp.lp, xr, xs);
+    ctx.ws.make(buf::x_local, ctx.disp.lp.rows()).visit([&](auto const& xs) {
+      permute::permute_rows(ctx.space, ctx.disp.lp, xr, xs);
+    });
     ctx.disp.groups.offsets = ctx.disp.lp.group_offsets;
     ctx.disp.groups.offsets_host = ctx.disp.lp.group_offsets_host;
   }
   template <class Ctx>
   static void experts(Ctx& ctx, std::uint64_t weights_version) {
-    auto xs = ctx.ws.at(buf::x_local);
-    std::int64_t const n = xs.extent(0);
-    auto ys = ctx.ws.make(buf::y_local, n);
-    ctx.ffn.forward(ctx.space, ctx.cfg.mlp_activation, xs, ctx.disp.groups, ctx.cp.wi_0,
-                    ctx.cp.wi_1, ctx.cp.wo, ys, weights_version);
+    auto const xr = ctx.ws.at(buf::x_local);
+    std::int64_t const n = xr.rows();
+    auto const yr = ctx.ws.make(buf::y_local, n);
+    stages::experts_forward(ctx, xr, yr, ctx.disp.groups, weights_version);
     auto ys_c = ctx.ws.make(buf::y_local_cols, n);
-    ctx.reduce_scatter(ctx.tp(), ys, ys_c, 1);
+    yr.visit([&](auto const& ys) { ctx.reduce_scatter(ctx.tp(), ys, ys_c, 1); });
   }
   template <class Ctx>
   static void combine(Ctx& ctx) {
@@ -155,12 +157,12 @@ struct RaggedA2A : StageDefaults {
   template <class Ctx>
   static void experts_backward(Ctx& ctx) {
     auto dys_c = ctx.ws.at(buf::dy_local_cols);
-    auto dys = ctx.ws.make(buf::dy_local, dys_c.extent(0));
-    ctx.all_gather(ctx.tp(), dys_c, dys, 1);
-    // dxs (partial over tensor) overwrites dys, then its column block dys_c.
-    ctx.ffn.backward(ctx.space, dys, ctx.disp.groups, ctx.cp.wi_0, ctx.cp.wi_1, ctx.cp.wo, dys,
-                     ctx.gc.wi_0, ctx.gc.wi_1, ctx.gc.wo);
-    ctx.reduce_scatter(ctx.tp(), dys, dys_c, 1);
+    auto const dyr = ctx.ws.make(buf::dy_local, dys_c.extent(0));
+    dyr.visit([&](auto const& dys) { ctx.all_gather(ctx.tp(), dys_c, dys, 1); });
+    // dxs (partial over tensor; overwriting float dys, else dx_local), then its column block dys_c.
+    auto const dxs = stages::experts_dx_rows(ctx, true);
+    stages::experts_backward(ctx, dyr, dxs, ctx.disp.groups);
+    ctx.reduce_scatter(ctx.tp(), dxs, dys_c, 1);
   }
   template <class Ctx>
   static void dispatch_backward(Ctx& ctx, typename Ctx::view2 dx) {
