@@ -2,8 +2,11 @@
 /// \file
 /// View aliases used across moe: everything is LayoutRight (row-major, as MaxText's tensors).
 
+#include <moe/bf16.hpp>
+
 #include <Kokkos_Core.hpp>
 
+#include <cstdint>
 #include <string>
 #include <type_traits>
 
@@ -67,4 +70,38 @@ Expected api_view(Given const& v) {
 }
 
 }  // namespace detail
+namespace detail {
+/// \brief Rows held as Value or, where CanNarrow, as moe::bf16 (the same values in half the
+/// bytes): a bf16 step's routed rows, whose width is chosen at run time.
+template <class Value, class MemorySpace, bool CanNarrow>
+struct RowsView {
+  View2<Value, MemorySpace> wide;
+  View2<moe::bf16, MemorySpace> narrow;
+  bool is_narrow = false;
+
+  /// Holds `v` (a View2 of Value, or of moe::bf16 where CanNarrow), dropping the other width.
+  template <class V>
+  void set(V const& v) {
+    static_assert(std::is_same<V, View2<Value, MemorySpace>>::value ||
+                      (CanNarrow && std::is_same<V, View2<moe::bf16, MemorySpace>>::value),
+                  "moe::detail::RowsView: rows of Value, or of moe::bf16 where CanNarrow");
+    *this = RowsView();
+    if constexpr (std::is_same<V, View2<Value, MemorySpace>>::value) {
+      wide = v;
+    } else {
+      narrow = v;
+      is_narrow = true;
+    }
+  }
+  std::int64_t rows() const { return std::int64_t(is_narrow ? narrow.extent(0) : wide.extent(0)); }
+  /// body(v) on the view in use: View2<Value> or (narrow) View2<moe::bf16>.
+  template <class Body>
+  decltype(auto) visit(Body&& body) const {
+    if constexpr (CanNarrow)
+      if (is_narrow) return body(narrow);
+    return body(wide);
+  }
+};
+}  // namespace detail
+
 }  // namespace moe

@@ -69,12 +69,16 @@ struct Identity {
   KOKKOS_INLINE_FUNCTION std::int64_t operator()(std::int64_t i) const { return i; }
 };
 
+/// Whether two views hold the same element type (a collective between 16-bit routed rows and
+/// float buffers needs the bf16 wire, which converts).
+template <class InV, class OutV>
+inline constexpr bool same_elements =
+    std::is_same<typename InV::non_const_value_type, typename OutV::non_const_value_type>::value;
+
 /// A group of one (P = 1): out = in, no communication (returns true).
 template <class ExecSpace, class InV, class OutV>
 bool copy_if_alone(ExecSpace const& space, int P, InV const& in, OutV const& out) {
   if (P > 1) return false;
-  constexpr bool same_type =
-      std::is_same<typename InV::non_const_value_type, typename OutV::non_const_value_type>::value;
   if constexpr (std::is_same<typename InV::memory_space, typename OutV::memory_space>::value &&
                 int(InV::rank) == int(OutV::rank)) {
     bool same = in.span_is_contiguous() && out.span_is_contiguous();
@@ -84,18 +88,12 @@ bool copy_if_alone(ExecSpace const& space, int P, InV const& in, OutV const& out
       return true;
     }
   }
-  if constexpr (same_type)
+  if constexpr (same_elements<InV, OutV>)
     Kokkos::deep_copy(space, out, in);
   else
     throw Error("moe internal error: a copy between element types needs equal contiguous views");
   return true;
 }
-
-/// Whether two views hold the same element type (a collective between 16-bit routed rows and
-/// float buffers needs the bf16 wire, which converts).
-template <class InV, class OutV>
-inline constexpr bool same_elements =
-    std::is_same<typename InV::non_const_value_type, typename OutV::non_const_value_type>::value;
 
 /// The error of a collective between element types on the native wire (never planned).
 inline Error mixed_native_wire() {

@@ -3,7 +3,6 @@
 /// The buffers of one step by their typed handles (buffers.hpp), from one scratch pool: a stage
 /// gets only the buffers its plan lists, in the plan's shape (routed rows may differ).
 
-#include <moe/bf16.hpp>
 #include <moe/detail/scratch.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/distributed/buffers.hpp>
@@ -18,23 +17,9 @@
 
 namespace moe::distributed {
 
-/// \brief A buffer of routed rows (role Rows): Values, or moe::bf16 (the same values in half the
-/// bytes) where the plan declares it Elem::bf16 and the layer can narrow (CanNarrow).
-template <class Value, class MemorySpace, bool CanNarrow>
-struct RowsView {
-  View2<Value, MemorySpace> wide;
-  View2<moe::bf16, MemorySpace> narrow;
-  bool is_narrow = false;
-
-  std::int64_t rows() const { return std::int64_t(is_narrow ? narrow.extent(0) : wide.extent(0)); }
-  /// body(v) on the view in use: View2<Value> or (narrow) View2<moe::bf16>.
-  template <class Body>
-  decltype(auto) visit(Body&& body) const {
-    if constexpr (CanNarrow)
-      if (is_narrow) return body(narrow);
-    return body(wide);
-  }
-};
+/// A buffer of routed rows (role Rows): Values, or moe::bf16 where the plan declares it
+/// Elem::bf16 and the layer can narrow (CanNarrow).
+using moe::detail::RowsView;
 
 /// \brief The [rows, cols] buffers of one step (see the file comment).
 /// \tparam Value the C++ type of the role Values (the layer's value type).
@@ -73,14 +58,13 @@ class StepWorkspace {
     auto const& d = decl(h.id);
     Handle<Values> const v{h.id};
     rows_t r;
-    r.is_narrow = narrow(h);
-    if (!r.is_narrow) {
-      r.wide = make(v, rows);
-    } else {
+    if (!narrow(h)) {
+      r.set(make(v, rows));
+    } else if constexpr (CanNarrow) {
       if (rows < 0) rows = d.dims[0].n;
       check_make(h.id, d, rows);
       auto buf = pool_.template get<moe::bf16>(to_string(h.id), std::size_t(rows * d.dims[1].n));
-      r.narrow = View2<moe::bf16, MemorySpace>(buf.data(), rows, d.dims[1].n);
+      r.set(View2<moe::bf16, MemorySpace>(buf.data(), rows, d.dims[1].n));
       made_[index(h.id)] = true;
     }
     return rows_[index(h.id)] = r;

@@ -134,7 +134,7 @@ class ExpertFfn : public Bf16Rounding {
   /// The activation and the down projection of a chunked forward: ys [n,D].
   void forward_end(ExecSpace const& space, groups_type const& groups, view3 wo, view2 ys) {
     moe::detail::Region region("moe::expert_ffn");
-    gated_forward(space, act_, xs_.extent(0), cview2(hs_.h0), cview2(hs_.h1), hs_.act, bf16);
+    gated_forward(space, act_, xs_.rows(), cview2(hs_.h0), cview2(hs_.h1), hs_.act, bf16);
     gmm::gmm(space, Gmm{}, hs_.act, wo, groups, ys, options(false, false, true));
   }
 
@@ -147,7 +147,7 @@ class ExpertFfn : public Bf16Rounding {
     moe::detail::Region region("moe::expert_ffn::backward");
     std::int64_t const n = dxs.extent(0), F = wi_0.extent(2);
     round(space, dys);  // the expert outputs' gradient (w * dy from the combine) is bf16
-    visit_xs([&](auto const& xs) {
+    xs_.visit([&](auto const& xs) {
       hs_.visit([&](auto& h0, auto& h1, auto& a, auto& da, auto& dh1) {
         moe::detail::ensure(space, da, "moe::ffn::d_act", n, F);
         moe::detail::ensure(space, dh1, "moe::ffn::d_h1", n, F);
@@ -182,33 +182,15 @@ class ExpertFfn : public Bf16Rounding {
   /// Keeps a forward's arguments; the hidden states in bf16 when `narrow` where stores_bf16.
   template <class XS>
   void start(XS const& xs, Activation act, std::uint64_t weights_version, bool narrow) {
-    static_assert(std::is_same_v<XS, view2> || (CanNarrow && std::is_same_v<XS, bview2>),
-                  "moe::nn::ExpertFfn: rows are Scalars, or moe::bf16 where stores_bf16");
-    xs_ = view2();
-    xs16_ = bview2();
-    xs_narrow_ = !std::is_same_v<XS, view2>;
-    if constexpr (std::is_same_v<XS, view2>)
-      xs_ = xs;
-    else
-      xs16_ = xs;
+    xs_.set(xs);  // Scalars, or moe::bf16 where stores_bf16
     act_ = act;
     version_ = weights_version;
     hs_.choose(narrow);
   }
 
-  /// body(xs) on the forward's rows (view2 or bview2).
-  template <class Body>
-  void visit_xs(Body&& body) const {
-    if constexpr (CanNarrow)
-      if (xs_narrow_) return body(xs16_);
-    body(xs_);
-  }
-
   static constexpr bool CanNarrow = stores_bf16<Scalar, Gmm, ExecSpace>;
   Activation act_ = Activation::Silu;
-  view2 xs_;
-  bview2 xs16_;  // the forward's rows when they are 16-bit
-  bool xs_narrow_ = false;
+  moe::detail::RowsView<Scalar, memory_space, CanNarrow> xs_;  // the forward's rows
   HiddenStates<Scalar, memory_space, CanNarrow> hs_;
   gmm::PackCache cache_;
   std::uint64_t version_ = 0;
