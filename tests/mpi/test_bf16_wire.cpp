@@ -190,6 +190,80 @@ TEST(Bf16Wire, RaggedAllToAllMovesRowsAsBf16) {
     EXPECT_EQ(back.data()[i], round_bf16(src.data()[i])) << i;
 }
 
+/// A bf16 View holding `v` rounded.
+template <class V>
+moe::View2<moe::bf16, Mem> to_bf16(V const& v) {
+  moe::View2<moe::bf16, Mem> w("w", v.extent(0), v.extent(1));
+  for (std::size_t i = 0; i < v.span(); ++i) w.data()[i] = moe::bf16(v.data()[i]);
+  return w;
+}
+/// Whether the bf16 `got` holds `want` (a float) rounded to bf16, element by element.
+template <class V, class W>
+::testing::AssertionResult holds_rounded(V const& got, W const& want) {
+  if (got.span() != want.span()) return ::testing::AssertionFailure() << "sizes differ";
+  for (std::size_t i = 0; i < got.span(); ++i)
+    if (moe::detail::float_bits(float(got.data()[i])) !=
+        moe::detail::float_bits(round_bf16(want.data()[i])))
+      return ::testing::AssertionFailure()
+             << "element " << i << ": " << float(got.data()[i]) << " against " << want.data()[i];
+  return ::testing::AssertionSuccess();
+}
+
+// A bf16 step's routed rows are 16-bit in memory on the ragged all-to-all path (x_sorted,
+// x_received, the column blocks): its exchanges and tensor-axis collectives between 16-bit rows,
+// and from float rows into 16-bit ones, give exactly the float rows' results on the bf16 wire,
+// rounded to bf16 (which they already are wherever the values travelled).
+TEST(Bf16Wire, CollectivesOn16BitRowsGiveTheBitsOfFloatRows) {
+  using moe::comm::Wire;
+  int const P = world_size(), me = world_rank();
+  auto const g = world_group();
+  auto value = [&](std::int64_t i) { return float(std::sin(0.3 + me * 0.77 + i * 0.131) * 3); };
+  std::int64_t const rows = 7, cols = 5;
+  // Reduce-scatter along dim 1: from 16-bit rows and from float rows into 16-bit blocks.
+  moe::View2<float, Mem> in("in", rows, P * cols), out("out", rows, cols);
+  for (std::size_t i = 0; i < in.span(); ++i) in.data()[i] = value(std::int64_t(i));
+  auto const in16 = to_bf16(in);
+  moe::View2<moe::bf16, Mem> out16("out16", rows, cols), out16f("out16f", rows, cols);
+  moe::distributed::reduce_scatter_dim(Exec(), g, in, out, 1, nullptr, "rs", nullptr, Wire::bf16);
+  moe::distributed::reduce_scatter_dim(Exec(), g, in16, out16, 1, nullptr, "rs", nullptr,
+                                       Wire::bf16);
+  moe::distributed::reduce_scatter_dim(Exec(), g, in, out16f, 1, nullptr, "rs", nullptr,
+                                       Wire::bf16);
+  Exec().fence();
+  // From 16-bit pieces: the float rows' pieces are rounded on the wire (one rank: copied).
+  EXPECT_TRUE(holds_rounded(out16, out));
+  EXPECT_TRUE(holds_rounded(out16f, out));
+  // All-gather along dim 1 between 16-bit rows.
+  moe::View2<float, Mem> gin("gin", rows, cols), gout("gout", rows, P * cols);
+  for (std::size_t i = 0; i < gin.span(); ++i) gin.data()[i] = value(std::int64_t(i) + 1000);
+  moe::View2<moe::bf16, Mem> gout16("gout16", rows, P * cols);
+  moe::distributed::gather_dim(Exec(), g, gin, gout, 1, nullptr, "ag", nullptr, Wire::bf16);
+  moe::distributed::gather_dim(Exec(), g, to_bf16(gin), gout16, 1, nullptr, "ag", nullptr,
+                               Wire::bf16);
+  Exec().fence();
+  EXPECT_TRUE(holds_rounded(gout16, gout));
+  // The ragged all-to-all moves 16-bit rows as they are, on either wire, forward and reverse.
+  moe::comm::Communicator comm(MPI_COMM_WORLD);
+  std::vector<std::int64_t> send(static_cast<std::size_t>(P));
+  std::int64_t total = 0;
+  for (int j = 0; j < P; ++j) total += send[std::size_t(j)] = (2 * me + j) % 3 + 1;
+  moe::comm::RaggedAllToAll a2a(comm, send);
+  moe::View2<float, Mem> src("src", total, cols), recv("recv", a2a.recv_total() + 1, cols),
+      back("back", total, cols);
+  for (std::size_t i = 0; i < src.span(); ++i) src.data()[i] = value(std::int64_t(i) + 2000);
+  a2a.forward(Exec(), src, recv, Wire::bf16);
+  a2a.reverse(Exec(), recv, back, Wire::bf16);
+  for (Wire w : {Wire::bf16, Wire::native}) {
+    moe::View2<moe::bf16, Mem> recv16("recv16", a2a.recv_total() + 1, cols),
+        back16("back16", total, cols);
+    Kokkos::deep_copy(recv16, moe::bf16(7.0f));
+    a2a.forward(Exec(), to_bf16(src), recv16, w);
+    EXPECT_TRUE(holds_rounded(recv16, recv)) << "forward, wire " << int(w);
+    a2a.reverse(Exec(), recv16, back16, w);
+    EXPECT_TRUE(holds_rounded(back16, back)) << "reverse, wire " << int(w);
+  }
+}
+
 // ------------------------------------------------------------------ the layer on every layout
 
 using Tensors = std::map<std::string, std::vector<double>>;

@@ -405,6 +405,25 @@ TEST(Plan, Bf16RoutedRowsAre16BitWhereTheHiddenStatesAre) {
         ASSERT_NE(d, nullptr) << to_string(b);
         EXPECT_EQ(d->elem, narrow ? Elem::bf16 : Elem::value) << to_string(b);
       }
+      // Every buffer of routed rows the plan declares (on the ragged all-to-all: its sent and
+      // received rows and column blocks too), and its all-to-alls, which then move them as they
+      // are.
+      int rows = 0, a2a = 0;
+      for (auto const& d : p.step.buffers)
+        if (moe::distributed::info(d.id).elem == Elem::rows) {
+          ++rows;
+          EXPECT_EQ(d.elem, narrow ? Elem::bf16 : Elem::value) << to_string(d.id);
+        }
+      for (auto const* phase : {&p.step.forward, &p.step.backward})
+        for (auto const& st : *phase)
+          for (auto const& c : st.collectives)
+            if (c.kind == "all-to-all") {
+              ++a2a;
+              EXPECT_EQ(c.rows16, narrow) << c.what;
+            }
+      bool const ragged = p.layout.route == moe::ExpertRoute::RaggedA2A;
+      EXPECT_EQ(rows, ragged ? 11 : 3);
+      EXPECT_EQ(a2a, ragged ? 4 : 0);
       auto const* dx = p.step.find(Buf::dx_local);
       EXPECT_EQ(dx != nullptr, narrow);
       if (dx) {

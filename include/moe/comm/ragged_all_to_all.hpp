@@ -282,7 +282,8 @@ class RaggedAllToAll {
                                             detail::Pattern::alltoallv, from, s, n_src, to, r,
                                             n_dst, row, !any_slow, stage_);
     };
-    if (wire == Wire::bf16) {
+    // Rows already 16-bit travel as they are; wider rows on the bf16 wire through 16-bit copies.
+    if (wire == Wire::bf16 && !std::is_same_v<T, bf16>) {
       using moe::detail::alloc;
       auto const s16 = alloc<View1<bf16, SrcMS>>(space, "moe::comm::RaggedAllToAll::s16", n_src);
       auto const d16 = alloc<View1<bf16, DstMS>>(space, "moe::comm::RaggedAllToAll::d16", n_dst);

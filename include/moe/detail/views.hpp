@@ -3,6 +3,7 @@
 /// View aliases used across moe: everything is LayoutRight (row-major, as MaxText's tensors).
 
 #include <moe/bf16.hpp>
+#include <moe/error.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -100,6 +101,16 @@ struct RowsView {
     if constexpr (CanNarrow)
       if (is_narrow) return body(narrow);
     return body(wide);
+  }
+  /// body(mine, its) on the views in use here and in `other`, which must be of the same width:
+  /// a copy, permutation or collective between two buffers of routed rows.
+  template <class Body>
+  decltype(auto) visit_with(RowsView const& other, Body&& body) const {
+    if (is_narrow != other.is_narrow)
+      throw Error("moe internal error: two buffers of routed rows differ in width");
+    if constexpr (CanNarrow)
+      if (is_narrow) return body(narrow, other.narrow);
+    return body(wide, other.wide);
   }
 };
 }  // namespace detail

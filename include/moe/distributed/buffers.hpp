@@ -17,7 +17,7 @@ enum class Elem : std::uint8_t {
   i64,    ///< 64-bit integers (permutations, counts)
   f64,    ///< host doubles (statistics)
   bf16,   ///< moe::bf16 (the expert FFN's hidden states on a float layer computing in bf16)
-  rows    ///< the routed rows at the experts: bf16 where the plan narrows them, else value
+  rows    ///< routed rows (at the experts, on the all-to-all): bf16 where the plan narrows them
 };
 
 /// Bytes of one element of role `e` when a value has `value_bytes` bytes.
@@ -76,40 +76,40 @@ enum class BufKind : std::uint8_t { external, workspace, held };  ///< what kind
 // The caller's tensors and the router's state (names in stage reads and writes only):
 #define MOE_EXTERNAL_BUFFERS(X) X(y) X(dy) X(dx) X(routing)
 // Workspace buffers: X(name, element role, memory-estimate item).
-#define MOE_WORKSPACE_BUFFERS(X)         \
-  X(x, value, token_rows)                \
-  X(x_work, value, token_rows)           \
-  X(x_chunks_own, value, token_rows)     \
-  X(x_chunks, value, token_rows)         \
-  X(x_sorted, value, token_rows)         \
-  X(x_received, value, token_rows)       \
-  X(x_local, rows, token_rows)           \
-  X(x_local_chunk, value, token_rows)    \
-  X(y_local, rows, token_rows)           \
-  X(y_local_cols, value, token_rows)     \
-  X(y_received_cols, value, token_rows)  \
-  X(y_sorted_cols, value, token_rows)    \
-  X(y_cols, value, token_rows)           \
-  X(y_work, value, token_rows)           \
-  X(y_own, value, token_rows)            \
-  X(dy_cols, value, token_rows)          \
-  X(dy_sorted_cols, value, token_rows)   \
-  X(dy_received_cols, value, token_rows) \
-  X(dy_local_cols, value, token_rows)    \
-  X(dy_local, rows, token_rows)          \
-  X(dx_local, value, token_rows)         \
-  X(dy_work, value, token_rows)          \
-  X(dx_work, value, token_rows)          \
-  X(d_weights, value, routing)           \
-  X(d_weights_work, value, token_rows)   \
-  X(logits_own, value, routing)          \
-  X(local_ids, i32, routing)             \
-  X(local_kept, i32, routing)            \
-  X(x_shared, value, shared)             \
-  X(y_shared, value, shared)             \
-  X(y_shared_cols, value, shared)        \
-  X(dy_shared, value, shared)            \
-  X(dx_shared, value, shared)            \
+#define MOE_WORKSPACE_BUFFERS(X)        \
+  X(x, value, token_rows)               \
+  X(x_work, value, token_rows)          \
+  X(x_chunks_own, value, token_rows)    \
+  X(x_chunks, value, token_rows)        \
+  X(x_sorted, rows, token_rows)         \
+  X(x_received, rows, token_rows)       \
+  X(x_local, rows, token_rows)          \
+  X(x_local_chunk, value, token_rows)   \
+  X(y_local, rows, token_rows)          \
+  X(y_local_cols, rows, token_rows)     \
+  X(y_received_cols, rows, token_rows)  \
+  X(y_sorted_cols, rows, token_rows)    \
+  X(y_cols, value, token_rows)          \
+  X(y_work, value, token_rows)          \
+  X(y_own, value, token_rows)           \
+  X(dy_cols, value, token_rows)         \
+  X(dy_sorted_cols, rows, token_rows)   \
+  X(dy_received_cols, rows, token_rows) \
+  X(dy_local_cols, rows, token_rows)    \
+  X(dy_local, rows, token_rows)         \
+  X(dx_local, value, token_rows)        \
+  X(dy_work, value, token_rows)         \
+  X(dx_work, value, token_rows)         \
+  X(d_weights, value, routing)          \
+  X(d_weights_work, value, token_rows)  \
+  X(logits_own, value, routing)         \
+  X(local_ids, i32, routing)            \
+  X(local_kept, i32, routing)           \
+  X(x_shared, value, shared)            \
+  X(y_shared, value, shared)            \
+  X(y_shared_cols, value, shared)       \
+  X(dy_shared, value, shared)           \
+  X(dx_shared, value, shared)           \
   X(dx_shared_cols, value, shared)
 // Kept by components: X(name, printed name, element role, item).
 #define MOE_HELD_BUFFERS(X)                             \

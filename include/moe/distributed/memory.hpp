@@ -116,7 +116,7 @@ class LayerBuffers {
           bool const bf16 = c.wire == comm::Wire::bf16, gather = c.kind == "all-gather";
           // Host statistics are not in the pool; an all-to-all uses the step's buffers.
           if (c.host || (st.backward && !training_)) continue;
-          if (c.kind == "all-to-all" && bf16)
+          if (c.kind == "all-to-all" && bf16 && !c.rows16)
             a2a_wire_ = std::max(a2a_wire_, checked_mul(c.elems, 2, "all-to-all copies"));
           if (c.kind == "all-reduce" && c.parts > 1 && c.elems > 0) {
             // comm::all_reduce's: [ceil(n/P)], and [P*ceil(n/P)] unless P divides n

@@ -163,8 +163,9 @@ class PlanBuilder {
     using Gmm = gmm::resolve_t<gmm::Auto, Kokkos::DefaultExecutionSpace, float>;
     return gmm::handles_bf16<Gmm>::value && cfg.bf16() && s == 4 ? Elem::bf16 : Elem::value;
   }
-  /// The element of the routed rows at the experts (buffers of role Rows: x_local, y_local,
-  /// dy_local): hidden_elem(), except on the chunked ring (its forward slices float rows).
+  /// The element of the routed rows (buffers of role Rows: x_local, y_local, dy_local at the
+  /// experts, and the ragged all-to-all's rows and column blocks between the sort and them):
+  /// hidden_elem(), except on the chunked ring (its forward slices float rows).
   Elem rows_elem() const { return chunks == 0 ? hidden_elem() : Elem::value; }
   /// Whether the routed rows are 16-bit: the experts' dx rows then need a float buffer (dx_local).
   bool narrow_rows() const { return rows_elem() == Elem::bf16; }
@@ -228,12 +229,13 @@ class PlanBuilder {
       st.collectives.back().host = host;
     }
   }
-  /// A ragged all-to-all over the expert axes of rows x cols activations (balanced routing).
+  /// A ragged all-to-all over the expert axes of rows x cols routed rows (balanced routing).
   void all_to_all(Stage& st, std::string what, std::int64_t rows, std::int64_t cols) const {
     comm::Wire const w = wire(Payload::activations);
     add(st, std::move(what), "all-to-all", lay.ep_axes,
         comm::sent_bytes::all_to_all_balanced(rows * cols * comm::wire_bytes(w, s), ep), true, ep,
         rows * cols, 1, w);
+    st.collectives.back().rows16 = narrow_rows();
   }
 
   /// Starts the plan: this rank's sizes, every moved weight's ops, the step's input x [T, Dl] and

@@ -28,6 +28,7 @@ struct PlannedCollective {
   std::int64_t elem_bytes = 0;  ///< bytes of one value on the wire
   bool host = false;            ///< a statistic reduced on the host (not in the layer's pool)
   comm::Wire wire = comm::Wire::native;  ///< what the values travel as (PlanBuilder::wire)
+  bool rows16 = false;  ///< an all-to-all of 16-bit routed rows: no copies to and from the wire
 };
 
 /// What a stage does; the layer runs one function per kind and phase.

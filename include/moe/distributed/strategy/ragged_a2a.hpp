@@ -85,6 +85,8 @@ struct RaggedA2A : StageDefaults {
   static void route(Ctx& c) {
     stages::route_tokens(c, c.ws.at(buf::x), false);
   }
+  // The rows between the sort and the experts, and back, are routed rows (role Rows): 16-bit
+  // where the plan narrows them, which the bf16 wire would round them to anyway.
   template <class Ctx>
   static void dispatch(Ctx& ctx) {
     int const E = ctx.cfg.num_experts, K = ctx.cfg.num_experts_per_tok;
@@ -92,8 +94,10 @@ struct RaggedA2A : StageDefaults {
     std::int64_t const L = ctx.layout.local_experts;
     auto& perm = ctx.disp.perm;
     permute::sort_by_expert(ctx.space, ctx.expert_ids(), ctx.kept(), E, perm);
-    auto xs_o = ctx.ws.make(buf::x_sorted, perm.rows());
-    permute::gather_rows(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::x)), ctx.perm(), K, xs_o);
+    auto const xs_o = ctx.ws.make(buf::x_sorted, perm.rows());
+    xs_o.visit([&](auto const& xs) {
+      permute::gather_rows(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::x)), ctx.perm(), K, xs);
+    });
     auto const& off = perm.groups.offsets_host;
     View1<std::int64_t, Kokkos::HostSpace> mine("moe::dist::sizes", E),
         all("moe::dist::all_sizes", E * ep);
@@ -105,16 +109,14 @@ struct RaggedA2A : StageDefaults {
             ? comm::ragged_buffer_size(ctx.plan.tokens * K, ep, E, K, ctx.par.ragged_buffer_factor)
             : -1;
     ctx.disp.a2a = std::make_unique<comm::RaggedAllToAll>(ctx.ep().comm, send, R);
-    auto xr = ctx.ws.make(buf::x_received, ctx.disp.a2a->recv_total());
-    ctx.all_to_all(false, xs_o, xr);
+    auto const xr = ctx.ws.make(buf::x_received, ctx.disp.a2a->recv_total());
+    all_to_all(ctx, false, xs_o, xr);
     // Everyone's group sizes -> the received rows regrouped by local expert.
     comm::all_gather(ctx.ep().comm, Kokkos::DefaultHostExecutionSpace(), mine, all);
     std::vector<std::int64_t> G(all.data(), all.data() + E * ep);
     permute::make_local_permutation(ctx.space, permute::local_layout(G, E, ep, ctx.ep().rank(), R),
                                     ctx.disp.lp);
-    ctx.ws.make(buf::x_local, ctx.disp.lp.rows()).visit([&](auto const& xs) {
-      permute::permute_rows(ctx.space, ctx.disp.lp, xr, xs);
-    });
+    permute_rows(ctx, false, xr, ctx.ws.make(buf::x_local, ctx.disp.lp.rows()));
     ctx.disp.groups.offsets = ctx.disp.lp.group_offsets;
     ctx.disp.groups.offsets_host = ctx.disp.lp.group_offsets_host;
   }
@@ -124,17 +126,20 @@ struct RaggedA2A : StageDefaults {
     std::int64_t const n = xr.rows();
     auto const yr = ctx.ws.make(buf::y_local, n);
     stages::experts_forward(ctx, xr, yr, ctx.disp.groups, weights_version);
-    auto ys_c = ctx.ws.make(buf::y_local_cols, n);
-    yr.visit([&](auto const& ys) { ctx.reduce_scatter(ctx.tp(), ys, ys_c, 1); });
+    yr.visit_with(ctx.ws.make(buf::y_local_cols, n), [&](auto const& ys, auto const& ys_c) {
+      ctx.reduce_scatter(ctx.tp(), ys, ys_c, 1);
+    });
   }
   template <class Ctx>
   static void combine(Ctx& ctx) {
-    auto yr_c = ctx.ws.make(buf::y_received_cols, ctx.disp.a2a->recv_total());
-    permute::unpermute_rows(ctx.space, ctx.disp.lp, ctx.ws.at(buf::y_local_cols), yr_c);
-    auto ys_o_c = ctx.ws.make(buf::y_sorted_cols, ctx.disp.perm.rows());
-    ctx.all_to_all(true, yr_c, ys_o_c);
-    permute::combine(ctx.space, cview2_t<Ctx>(ys_o_c), ctx.inverse(), ctx.route_weights(), false,
-                     ctx.ws.make(buf::y_cols));
+    auto const yr_c = ctx.ws.make(buf::y_received_cols, ctx.disp.a2a->recv_total());
+    permute_rows(ctx, true, ctx.ws.at(buf::y_local_cols), yr_c);
+    auto const ys_o_c = ctx.ws.make(buf::y_sorted_cols, ctx.disp.perm.rows());
+    all_to_all(ctx, true, yr_c, ys_o_c);
+    ys_o_c.visit([&](auto const& ys) {
+      permute::combine(ctx.space, stages::const_rows(ys), ctx.inverse(), ctx.route_weights(), false,
+                       ctx.ws.make(buf::y_cols));
+    });
   }
   template <class Ctx>
   static void output_backward(Ctx& ctx, typename Ctx::cview2 dy) {
@@ -143,42 +148,63 @@ struct RaggedA2A : StageDefaults {
   }
   template <class Ctx>
   static void combine_backward(Ctx& ctx) {
-    auto dys_o_c = ctx.ws.make(buf::dy_sorted_cols, ctx.disp.perm.rows());
+    auto const dys_o_c = ctx.ws.make(buf::dy_sorted_cols, ctx.disp.perm.rows());
     auto dw = ctx.ws.make(buf::d_weights);
-    permute::combine_backward(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::dy_cols)),
-                              cview2_t<Ctx>(ctx.ws.at(buf::y_sorted_cols)), ctx.perm(),
-                              ctx.inverse(), ctx.route_weights(), dys_o_c, dw);
+    ctx.ws.at(buf::y_sorted_cols).visit_with(dys_o_c, [&](auto const& ys, auto const& dys) {
+      permute::combine_backward(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::dy_cols)),
+                                stages::const_rows(ys), ctx.perm(), ctx.inverse(),
+                                ctx.route_weights(), dys, dw);
+    });
     ctx.all_reduce(ctx.tp(), dw);
-    auto dyr_c = ctx.ws.make(buf::dy_received_cols, ctx.disp.a2a->recv_total());
-    ctx.all_to_all(false, dys_o_c, dyr_c);
-    auto dys_c = ctx.ws.make(buf::dy_local_cols, ctx.disp.lp.rows());
-    permute::permute_rows(ctx.space, ctx.disp.lp, dyr_c, dys_c);
+    auto const dyr_c = ctx.ws.make(buf::dy_received_cols, ctx.disp.a2a->recv_total());
+    all_to_all(ctx, false, dys_o_c, dyr_c);
+    permute_rows(ctx, false, dyr_c, ctx.ws.make(buf::dy_local_cols, ctx.disp.lp.rows()));
   }
   template <class Ctx>
   static void experts_backward(Ctx& ctx) {
-    auto dys_c = ctx.ws.at(buf::dy_local_cols);
-    auto const dyr = ctx.ws.make(buf::dy_local, dys_c.extent(0));
-    dyr.visit([&](auto const& dys) { ctx.all_gather(ctx.tp(), dys_c, dys, 1); });
+    auto const dys_c = ctx.ws.at(buf::dy_local_cols);
+    auto const dyr = ctx.ws.make(buf::dy_local, dys_c.rows());
+    dys_c.visit_with(dyr,
+                     [&](auto const& c, auto const& dys) { ctx.all_gather(ctx.tp(), c, dys, 1); });
     // dxs (partial over tensor; overwriting float dys, else dx_local), then its column block dys_c.
     auto const dxs = stages::experts_dx_rows(ctx, true);
     stages::experts_backward(ctx, dyr, dxs, ctx.disp.groups);
-    ctx.reduce_scatter(ctx.tp(), dxs, dys_c, 1);
+    dys_c.visit([&](auto const& c) { ctx.reduce_scatter(ctx.tp(), dxs, c, 1); });
   }
   template <class Ctx>
   static void dispatch_backward(Ctx& ctx, typename Ctx::view2 dx) {
-    auto dxr_c = ctx.ws.at(buf::dy_received_cols);
-    permute::unpermute_rows(ctx.space, ctx.disp.lp, ctx.ws.at(buf::dy_local_cols), dxr_c);
-    auto dxs_o_c = ctx.ws.at(buf::dy_sorted_cols);
-    ctx.all_to_all(true, dxr_c, dxs_o_c);
+    auto const dxr_c = ctx.ws.at(buf::dy_received_cols);
+    permute_rows(ctx, true, ctx.ws.at(buf::dy_local_cols), dxr_c);
+    auto const dxs_o_c = ctx.ws.at(buf::dy_sorted_cols);
+    all_to_all(ctx, true, dxr_c, dxs_o_c);
     auto dx_c = ctx.ws.at(buf::dy_cols);
-    permute::gather_rows_backward(ctx.space, cview2_t<Ctx>(dxs_o_c), ctx.inverse(),
-                                  ctx.cfg.num_experts_per_tok, false, dx_c);
+    dxs_o_c.visit([&](auto const& dxs) {
+      permute::gather_rows_backward(ctx.space, stages::const_rows(dxs), ctx.inverse(),
+                                    ctx.cfg.num_experts_per_tok, false, dx_c);
+    });
     ctx.all_gather(ctx.tp(), dx_c, dx, 1);
   }
   /// The rows this rank's experts received.
   template <class Ctx>
   std::int64_t routed_rows(Ctx const& c) const {
     return c.disp.lp.rows();
+  }
+
+ private:
+  /// The ragged exchange (forward, or `reverse`) between two buffers of routed rows.
+  template <class Ctx, class Rows>
+  static void all_to_all(Ctx& ctx, bool reverse, Rows const& src, Rows const& dst) {
+    src.visit_with(dst, [&](auto const& s, auto const& d) { ctx.all_to_all(reverse, s, d); });
+  }
+  /// The received rows regrouped by local expert (or back: `inverse`), routed rows to routed rows.
+  template <class Ctx, class Rows>
+  static void permute_rows(Ctx& ctx, bool inverse, Rows const& src, Rows const& dst) {
+    src.visit_with(dst, [&](auto const& s, auto const& d) {
+      if (inverse)
+        permute::unpermute_rows(ctx.space, ctx.disp.lp, s, d);
+      else
+        permute::permute_rows(ctx.space, ctx.disp.lp, s, d);
+    });
   }
 };
 
