@@ -356,7 +356,7 @@ TEST(Plan, RaggedAllToAll) {
                               "B reduce-scatter [expert] reduce-scatter d_shared_wi_1",
                               "B reduce-scatter [expert] reduce-scatter d_shared_wo",
                           }));
-  // Balanced routing: T_local*K*D*sizeof*(ep-1)/ep = 16*2*16*4/2.
+  // Balanced routing: T_local*K*D*bytes*(ep-1)/ep = 16*2*16*4/2.
   EXPECT_EQ(bytes_of(p, "dispatch"), 16 * 2 * 16 * 4 / 2);
   EXPECT_EQ(bytes_of(p, "combine"), 16 * 2 * 16 * 4 / 2);
   for (auto const& c : p.collectives) EXPECT_EQ(c.balanced, c.kind == "all-to-all") << c.what;
@@ -368,6 +368,12 @@ TEST(Plan, RaggedAllToAll) {
   ASSERT_FALSE(p.notes.empty());
   EXPECT_NE(p.notes[0].find("balanced routing"), std::string::npos) << p.notes[0];
   EXPECT_NE(p.notes[0].find("(ep-1)/ep"), std::string::npos) << p.notes[0];
+  // Its bytes are those of the wire: 2 a value in a bf16 step.
+  EXPECT_NE(p.notes[0].find("16*2*16*4*1/2 = 1024 bytes"), std::string::npos) << p.notes[0];
+  auto const b16 = plan(2, {"ici_expert_parallelism=-1"}, {"dtype=bfloat16"});
+  EXPECT_EQ(bytes_of(b16, "dispatch"), 16 * 2 * 16 * 2 / 2);
+  ASSERT_FALSE(b16.notes.empty());
+  EXPECT_NE(b16.notes[0].find("16*2*16*2*1/2 = 512 bytes"), std::string::npos) << b16.notes[0];
 }
 
 // The routed rows at the experts (x_local, y_local, dy_local) are 16-bit exactly where the

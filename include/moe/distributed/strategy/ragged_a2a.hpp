@@ -26,11 +26,13 @@ struct RaggedA2A : StageDefaults {
     PlanBuilder b(lay, cfg, par, value_bytes, false);
     StepPlan& p = b.begin();
     p.route_text = "ragged all-to-all over " + detail::axes_text(lay.ep_axes);
+    // Bytes of a value on the all-to-all's wire (2 on the bf16 wire).
+    std::int64_t const w = comm::wire_bytes(b.wire(PlanBuilder::Payload::activations), b.s);
     p.notes.push_back(moe::detail::cat(
         "all-to-all bytes (marked ~) assume balanced routing: each dispatch and each combine "
-        "sends T_local*K*D*sizeof*(ep-1)/ep = ",
-        b.T, "*", b.K, "*", b.D, "*", b.s, "*", b.ep - 1, "/", b.ep, " = ",
-        b.T * b.K * b.D * b.s * (b.ep - 1) / b.ep,
+        "sends T_local*K*D*bytes*(ep-1)/ep = ",
+        b.T, "*", b.K, "*", b.D, "*", w, "*", b.ep - 1, "/", b.ep, " = ",
+        b.T * b.K * b.D * w * (b.ep - 1) / b.ep,
         " bytes (D/tp columns after the tensor split), and the tensor-axis collectives on "
         "received rows assume T_local*K of them",
         cfg.capacity_factor > 0 ? "; per-sequence capacity keeps min(S*K, E*C) slots" : "",
