@@ -5,10 +5,8 @@
 
 #include <moe/detail/views.hpp>
 #include <moe/distributed/buffers.hpp>
-#include <moe/error.hpp>
 
 #include <cstdint>
-#include <type_traits>
 
 namespace moe::distributed::stages {
 
@@ -22,14 +20,9 @@ auto const_rows(V const& v) {
 template <class Ctx, class Rows, class Groups>
 void experts_forward(Ctx& ctx, Rows const& xr, Rows const& yr, Groups const& groups,
                      std::uint64_t weights_version) {
-  xr.visit([&](auto const& xs) {
-    yr.visit([&](auto const& ys) {
-      if constexpr (std::is_same_v<std::decay_t<decltype(xs)>, std::decay_t<decltype(ys)>>)
-        ctx.ffn.forward(ctx.space, ctx.cfg.mlp_activation, xs, groups, ctx.cp.wi_0, ctx.cp.wi_1,
-                        ctx.cp.wo, ys, weights_version);
-      else
-        throw Error("moe internal error: the experts' input and output rows differ in width");
-    });
+  xr.visit_with(yr, [&](auto const& xs, auto const& ys) {
+    ctx.ffn.forward(ctx.space, ctx.cfg.mlp_activation, xs, groups, ctx.cp.wi_0, ctx.cp.wi_1,
+                    ctx.cp.wo, ys, weights_version);
   });
 }
 
