@@ -113,7 +113,7 @@ inline moe::MemoryEstimate estimate_memory(TrainConfig const& cfg, int ranks, bo
   std::int64_t const nu_bytes = cfg.bf16_nu() ? moment16 : params_bytes;
   est.add("optimizer (AdamW moments)", checked_add(mu_bytes, nu_bytes, "AdamW moments"),
           moe::MemoryEstimate::merge_keys(pkeys, "mu_dtype, weight_dtype"));
-  for (char const* item : {"gathered weights", "packed expert weights"})
+  for (char const* item : {"bf16 weight copies", "gathered weights", "packed expert weights"})
     if (layer.bytes(item) > 0) est.add(item, checked_mul(layer.bytes(item), N, item), wkeys);
 
   // The driver's activations.

@@ -33,6 +33,8 @@ template <bool P>
 struct moe::gmm::is_policy<OneDnnForced<P>> : std::true_type {};
 template <bool P>
 struct moe::gmm::handles_bf16<OneDnnForced<P>> : moe::gmm::handles_bf16<moe::gmm::OneDnn> {};
+template <bool P>
+struct moe::gmm::rounds_rhs<OneDnnForced<P>> : moe::gmm::rounds_rhs<moe::gmm::OneDnn> {};
 template <bool P, class E, class S>
 struct moe::gmm::is_available<OneDnnForced<P>, E, S>
     : moe::gmm::is_available<moe::gmm::OneDnn, E, S> {};
@@ -855,6 +857,49 @@ TEST(GmmPolicies, AutoResolvesToTheAvailableBackend) {
 #endif
   static_assert(
       std::is_same_v<resolve_t<moe::gmm::Auto, Kokkos::DefaultHostExecutionSpace, double>, Vendor>);
+}
+
+// round_rhs (a bf16 layer's fp32 master weights, with no rounded copy of its own): the product
+// of unrounded weights with round_rhs is bit for bit the product of the same weights rounded to
+// bf16 first, on every policy (OneDnn rounds as it packs, or a copy per group in its plain mode;
+// the others get a rounded copy of rhs), in both weight layouts, overwriting and accumulating, with
+// groups of 2-3 rows (the plain mode's few-rows kernel), several chunks, an empty group and
+// group_offset, with and without bf16_inputs (the bf16 or the fp32 packs) and a pack cache.
+TYPED_TEST(Gmm, RoundRhsGivesTheBitsOfRoundedWeights) {
+  using S = typename TestFixture::S;
+  using P = typename TestFixture::Policy;
+  std::mt19937 gen(31);
+  std::uniform_int_distribution<int> fine(-65536, 65536);  // 17 significant bits: few are bf16
+  for (bool trans : {false, true})
+    for (bool accumulate : {false, true})
+      for (bool bf16_inputs : {true, false})
+        for (bool cached : {false, true}) {
+          SCOPED_TRACE(std::string(trans ? "transpose_rhs" : "plain") +
+                       (accumulate ? ", accumulate" : "") + (bf16_inputs ? ", bf16_inputs" : "") +
+                       (cached ? ", pack cache" : ""));
+          moe::gmm::PackCache cache;
+          GmmOptions opt;
+          opt.transpose_rhs = trans;
+          opt.accumulate = accumulate;
+          opt.bf16_inputs = bf16_inputs;
+          opt.group_offset = 1;
+          opt.pack_cache = cached ? &cache : nullptr;
+          opt.rhs_version = 1;
+          Problem p = make_gmm_problem({5, 2, 0, 3, 40, 17}, 80, 40, 36, 4, opt, 17);
+          for (double& e : p.rhs) e = fine(gen) / 65536.0;
+          Problem rounded = p;
+          int changed = 0;
+          for (double& e : rounded.rhs) {
+            double const r = moe::detail::round_to_bf16(e);
+            changed += r != e;
+            e = r;
+          }
+          ASSERT_GT(changed, int(p.rhs.size()) / 2) << "the weights must not be bf16 values";
+          auto const want = run_gmm<P, S>(rounded);
+          p.opt.round_rhs = true;
+          cache.clear();
+          EXPECT_EQ((run_gmm<P, S>(p)), want);
+        }
 }
 
 // ---------------------------------------------------------------------------------------------

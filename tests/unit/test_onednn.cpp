@@ -114,7 +114,8 @@ struct GmmCase {
   moe::gmm::Groups<Mem> groups;
   moe::gmm::PackCache cache;
 
-  bool bf16 = false;  // inputs rounded to bf16 values and run with GmmOptions::bf16_inputs
+  bool bf16 = false;       // inputs rounded to bf16 values and run with GmmOptions::bf16_inputs
+  bool round_rhs = false;  // run with GmmOptions::round_rhs
 
   GmmCase(std::vector<std::int64_t> s, std::int64_t k_, std::int64_t n_, bool t, unsigned seed,
           bool bf16_inputs = false)
@@ -141,9 +142,17 @@ struct GmmCase {
     opt.pack_cache = &cache;
     opt.rhs_version = 1;
     opt.bf16_inputs = bf16;
+    opt.round_rhs = round_rhs;
     Exec space;
     moe::gmm::gmm(space, moe::gmm::OneDnn{}, lhs, rhs, groups, out, opt);
     space.fence();
+  }
+
+  /// Rounds the weights to bf16 values (w and rhs).
+  void round_weights() {
+    for (double& e : w) e = moe::detail::round_to_bf16(e);
+    std::size_t const E = sizes.size();
+    rhs = trans ? moe_ref::kk::to_view<View3>(w, E, n, k) : moe_ref::kk::to_view<View3>(w, E, k, n);
   }
 
   /// run(false) then run(true), each checked (out = x * W, then 2 x (x * W)).
@@ -614,6 +623,47 @@ TEST(OneDnnKernels, ForcedLayoutMismatchIsRefusedChunkByChunk) {
     EXPECT_GE(st.rejected - d.before.rejected, 4u) << st.summary();
     EXPECT_GE(d.runs(st, "sgemm"), 10u) << "every chunk ran as sgemm: " << st.summary();
     ASSERT_FALSE(st.rejected_what.empty());
+  }
+}
+
+// GmmOptions::round_rhs on the packed mode's paths that read the weights in place: a chunk with
+// no kernel (a forced layout no kernel accepts) runs as sgemm on a rounded copy of its expert's
+// weights, and gives the bits of the weights rounded first, overwriting and accumulating, on both
+// weight layouts; and an fp32 pack made for round_rhs is kept apart from the unrounded pack of
+// the same tensor and version (the second call packs again and gives the unrounded product).
+TEST(OneDnnKernels, RoundRhsRoundsTheWeightsOnEveryPackedPath) {
+  for (bool trans : {false, true}) {
+    SCOPED_TRACE(trans ? "transposed" : "plain");
+    {
+      dn::Forced f;
+      f.mode = dn::Forced::Mode::packed;
+      f.any_family = false;
+      f.family = dn::Family::matmul;
+      f.layout = dnnl::memory::format_tag::AB16b16a;
+      ScopedForced forced(f);
+      StatsDelta d;
+      GmmCase masters({1, 3, 16, 40, 0, 21}, 24, 40, trans, 3),
+          rounded({1, 3, 16, 40, 0, 21}, 24, 40, trans, 3);
+      masters.round_rhs = true;
+      rounded.round_weights();
+      for (bool acc : {false, true}) {
+        masters.run(acc);
+        rounded.run(acc);
+        EXPECT_EQ(moe_ref::kk::to_vec(masters.out), moe_ref::kk::to_vec(rounded.out))
+            << "a chunk without a kernel, " << (acc ? "accumulating" : "overwriting");
+      }
+      EXPECT_GE(d.runs(moe::gmm::onednn_stats(), "sgemm"), 20u)
+          << "every chunk ran as sgemm: " << moe::gmm::onednn_stats().summary();
+    }
+    GmmCase c({5, 0, 17, 40}, 24, 48, trans, 4);
+    c.round_rhs = true;
+    c.run(false);
+    std::uint64_t const packs = c.cache.packs();
+    c.round_rhs = false;
+    EXPECT_TRUE(c.run_both(1)) << "after a rounded pack of the same tensor and version";
+    if (packs > 0) {
+      EXPECT_EQ(c.cache.packs(), packs + 1) << "the unrounded weights packed apart";
+    }
   }
 }
 

@@ -1447,6 +1447,28 @@ TEST(MemoryEstimate, WeightsAndGradientsOfOneRank) {
   EXPECT_EQ(m.total(), sum);
 }
 
+// dtype=bfloat16 keeps a rounded copy (fp32-held bf16 values, remade for each weight version) of
+// each weight its GEMMs take in bf16: the gate (not under float32_gate_logits) and the shared
+// expert's, and the routed experts' only where their GEMMs do not round them while packing
+// (oneDNN: packed_weights), or on the dense masked path (sparse_matmul=false), whose GEMMs read
+// the weights in place.
+TEST(MemoryEstimate, Bf16KeepsRoundedCopiesOfTheWeightsItsGemmsDoNotRound) {
+  std::int64_t const gate = 16 * 8, experts = 3 * 8 * 16 * 8, shared = 3 * 16 * 8;
+  std::int64_t const masters = (gate + experts + shared) * 4;
+  Names const one{"ici_data_parallelism=-1"};
+  auto copies = [&](Names const& layer, bool packed) {
+    auto const p = plan(1, one, layer);
+    auto const m = moe::estimate_layer_memory(p, p.config, true, packed);
+    EXPECT_EQ(m.bytes("weights"), masters) << "the fp32 masters";
+    return m.bytes("bf16 weight copies");
+  };
+  EXPECT_EQ(copies({}, true), 0);
+  EXPECT_EQ(copies({"dtype=bfloat16"}, false), masters);
+  EXPECT_EQ(copies({"dtype=bfloat16"}, true), (gate + shared) * 4);
+  EXPECT_EQ(copies({"dtype=bfloat16", "float32_gate_logits=true"}, true), shared * 4);
+  EXPECT_EQ(copies({"dtype=bfloat16", "sparse_matmul=false"}, true), masters);
+}
+
 TEST(MemoryEstimate, FsdpGathersAndScattersBlocks) {
   // Stored blocks at fsdp=4 (Plan.FsdpGathersWeightsAndReduceScattersGradients): gate [4,8],
   // wi_0 / wi_1 [8,4,8], wo [8,8,4], shared_wi_0 / shared_wi_1 [4,8], shared_wo [8,4].
@@ -1678,6 +1700,16 @@ TEST(MemoryEstimate, TrainMoeWholeModel) {
   EXPECT_EQ(m2.bytes("activations"), 2 * m.bytes("activations"));
   EXPECT_EQ(m2.bytes("MoE expert hidden states"), 2 * m.bytes("MoE expert hidden states"));
   EXPECT_EQ(m2.bytes("weights"), m.bytes("weights"));
+  // bf16 compute: the parameters, gradients and moments are the fp32 masters' as before; the
+  // rounded copies of the weights (without packs: every weight's) are an item of their own.
+  cfg.per_device_batch_size = 8;
+  cfg.set("dtype", "bfloat16");
+  ASSERT_TRUE(cfg.layer.bf16());
+  auto const b = train::estimate_memory(cfg, 1, false);
+  EXPECT_EQ(b.bytes("weights"), m.bytes("weights"));
+  EXPECT_EQ(b.bytes("gradients"), m.bytes("gradients"));
+  EXPECT_EQ(b.bytes("optimizer (AdamW moments)"), m.bytes("optimizer (AdamW moments)"));
+  EXPECT_EQ(b.bytes("bf16 weight copies"), 2 * moe_layer * 4);
   // The brief's runaway configurations are refused with the keys to change.
   train::TrainConfig huge;
   huge.per_device_batch_size = 65536;
@@ -1788,7 +1820,9 @@ TEST(MemoryEstimate, MatchesTheLayersAllocations) {
       moe::ParallelConfig par;
       std::int64_t const B = 16, S = 64, D = 64;
       auto const p = moe::make_plan(cfg, par, 1, 0, B, S);
-      auto const est = moe::estimate_layer_memory(p, cfg, true, false);
+      // With the GEMMs this layer runs (oneDNN's where moe has it): no rounded copy of the expert
+      // weights where they round them as they pack them.
+      auto const est = moe::estimate_layer_memory(p, cfg, true, moe::default_packed_weights(p));
       moe::View3<float> x("x", B, S, D), y("y", B, S, D), dy("dy", B, S, D), dx("dx", B, S, D);
       Kokkos::Random_XorShift64_Pool<> pool(7);
       Kokkos::fill_random(x, pool, -1.0f, 1.0f);
@@ -1815,15 +1849,14 @@ TEST(MemoryEstimate, MatchesTheLayersAllocations) {
       if (sparse)
         expect_packed_bytes(moe::estimate_layer_memory(p, cfg, true, true), packed,
                             packs_bf16(dtype));
-      // Below oneDNN's bf16 kernels the GEMMs' float copies of 16-bit operands are Kokkos Views
-      // (the estimate's "GEMM operand copies"; the bf16 kernels' copies are oneDNN-side buffers).
-      std::int64_t const copies =
-          dtype == moe::ComputeDtype::BFloat16 && !packs_bf16(dtype)
-              ? moe::estimate_layer_memory(p, cfg, true, true).bytes("GEMM operand copies")
-              : 0;
-      double const ratio = double(est.total() + copies) / double(peak);
+      // The estimate's Kokkos allocations: not the packed copies, nor the bf16 kernels' operand
+      // copies (oneDNN-side buffers); below those kernels the GEMMs' float copies of 16-bit
+      // operands are Kokkos Views.
+      std::int64_t const kokkos = est.total() - est.bytes("packed expert weights") -
+                                  (packs_bf16(dtype) ? est.bytes("GEMM operand copies") : 0);
+      double const ratio = double(kokkos) / double(peak);
       std::printf("%s, %s: estimate %lld bytes, Kokkos peak %lld bytes, ratio %.3f\n", name,
-                  sparse ? "sparse" : "dense", static_cast<long long>(est.total() + copies),
+                  sparse ? "sparse" : "dense", static_cast<long long>(kokkos),
                   static_cast<long long>(peak), ratio);
       EXPECT_GT(ratio, 0.9) << est.to_text();
       EXPECT_LT(ratio, 1.3) << est.to_text();

@@ -66,9 +66,10 @@ class LayerBuffers {
                                 : w.name.rfind("gate", 0) == 0 ? "num_experts, base_emb_dim"
                                                                : weight_keys_;
       add("weights", w.name, stored, s_, wkeys);
-      // dtype=bfloat16: the rounded copy of the stored block (stages::gather_weights).
-      if (bf16_ && w.name != "gate_bias" && (w.name != "gate" || !cfg_.float32_gate_logits))
-        add("weights", "bf16 " + w.name, stored, s_, wkeys);
+      // dtype=bfloat16: the rounded copy of the stored block (stages::gather_weights), none of
+      // the expert weights that oneDNN's packing rounds.
+      if (distributed::keeps_rounded_copy(cfg_, plan_.step, w.name, packed_ && s_ == 4))
+        add("bf16 weight copies", "bf16 " + w.name, stored, s_, wkeys);
       auto const& steps = plan_.step.weight(w.name);
       for (auto const& op : steps.to_compute) {
         bool const slice = op.kind == distributed::WeightOp::Kind::slice;
@@ -256,15 +257,17 @@ inline bool default_packed_weights(LayerPlan const& plan) {
 /// \brief Bytes one DistributedMoeLayer needs on the plan's rank: weight blocks, gradients, step
 /// buffers, collective temporaries (not the caller's x, y, dy, dx, nor MPI's or the runtime's).
 /// \param training forward + backward (gradients, backward buffers); false: forward only
-/// \param packed_weights count oneDNN's packed copies of the expert weights (float, host)
+/// \param packed_weights the expert GEMMs are oneDNN's (float, host): count their packed copies of
+/// the expert weights, and (bf16) no rounded copy of those, which the packing rounds
 /// \throws ConfigError naming the quantity when an element or byte count does not fit int64.
 inline MemoryEstimate estimate_layer_memory(LayerPlan const& plan, LayerConfig const& cfg,
                                             bool training, bool packed_weights) {
   detail::LayerBuffers const lb(plan, cfg, training, packed_weights);
   MemoryEstimate est;
-  for (char const* item : {"weights", "gathered weights", "packed expert weights",
-                           "weight gradients", "routing", "token rows", "expert hidden states",
-                           "shared expert", "communication buffers", "GEMM operand copies"}) {
+  for (char const* item :
+       {"weights", "bf16 weight copies", "gathered weights", "packed expert weights",
+        "weight gradients", "routing", "token rows", "expert hidden states", "shared expert",
+        "communication buffers", "GEMM operand copies"}) {
     std::int64_t bytes = 0;
     std::string keys;
     for (auto const& b : lb.buffers()) {

@@ -147,6 +147,19 @@ struct StepPlan {
   }
 };
 
+/// \brief Whether a bf16 step keeps a rounded copy of the stored weight `name`, remade for each
+/// weight version (stages::gather_weights): of each weight its GEMMs take in bf16 (all but
+/// gate_bias, and gate under float32_gate_logits), except the routed experts' (wi_0, wi_1, wo) on
+/// the sparse path where `experts_round`: their GEMMs round them as they pack them
+/// (nn::ExpertFfn::rounds_weights: oneDNN on the host).
+inline bool keeps_rounded_copy(LayerConfig const& cfg, StepPlan const& plan,
+                               std::string const& name, bool experts_round) {
+  if (!cfg.bf16() || name == "gate_bias" || (name == "gate" && cfg.float32_gate_logits))
+    return false;
+  bool const expert = name == "wi_0" || name == "wi_1" || name == "wo";
+  return !(expert && experts_round && !plan.dense);
+}
+
 namespace detail {
 /// "a,b" ("-" when empty): mesh axes as the plan prints them.
 inline std::string axes_text(std::vector<std::string> const& a) { return join(a, ",", "-"); }

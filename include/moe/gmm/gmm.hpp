@@ -64,6 +64,14 @@ void gmm(ExecSpace const& space, Policy, LhsView const& lhs, RhsView const& rhs,
   impl::check_gmm(lhs, rhs, groups, out, opt);
   moe::detail::Region region("moe::gmm::gmm");
   using R = resolve_t<Policy, ExecSpace, S>;
+  if constexpr (!rounds_rhs<R>::value)
+    if (opt.round_rhs) {  // this backend reads rhs as it is: hand it a rounded copy
+      opt.round_rhs = false;
+      auto const rounded = impl::rounded_copy(space, rhs);
+      gmm(space, R{}, lhs, rounded, groups, out, opt);
+      moe::detail::fence(space, "moe::gmm: rounded weights used");  // before they are freed
+      return;
+    }
   constexpr bool rows16 = impl::is_bf16<TL> || impl::is_bf16<TO>;
   if constexpr (rows16 && !handles_bf16<R>::value) {
     opt.bf16_output = opt.bf16_output && !impl::is_bf16<TO>;  // narrowing rounds

@@ -113,6 +113,13 @@ struct GmmOptions {
   /// out's visited rows are rounded to bf16 (as moe::detail::round_to_bf16) before the call
   /// returns. gmm only, not with accumulate.
   bool bf16_output = false;
+  /// The product takes rhs rounded to bf16 (as moe::detail::round_to_bf16): a caller holding
+  /// fp32 master weights needs no rounded copy of its own. Backends where gmm::rounds_rhs (OneDnn)
+  /// round while packing (a bf16 pack rounds anyway; an fp32 pack is rounded in place, and its
+  /// PackCache entry is kept apart from the unrounded one); elsewhere gmm rounds a copy of rhs on
+  /// every call. The same bits as rounding rhs first, except that oneDNN's bf16 packing reads
+  /// float subnormals as zero (docs/precision.md). gmm only.
+  bool round_rhs = false;
 };
 
 }  // namespace moe::gmm

@@ -16,15 +16,16 @@ namespace moe::gmm {
 /// version (MoeLayer::weights_changed), or when a hash of sampled values differs. Not thread-safe.
 class PackCache {
  public:
-  /// Identity of one use of one tensor.
+  /// Identity of one use of one tensor (`rounded`: the packed values are rounded to bf16).
   struct Key {
     void const* data = nullptr;
     std::int64_t e0 = 0, e1 = 0, e2 = 0;
     int scalar_bytes = 0;
     bool transposed = false;
+    bool rounded = false;
     bool operator<(Key const& o) const {
-      return std::tie(data, e0, e1, e2, scalar_bytes, transposed) <
-             std::tie(o.data, o.e0, o.e1, o.e2, o.scalar_bytes, o.transposed);
+      return std::tie(data, e0, e1, e2, scalar_bytes, transposed, rounded) <
+             std::tie(o.data, o.e0, o.e1, o.e2, o.scalar_bytes, o.transposed, o.rounded);
     }
   };
 

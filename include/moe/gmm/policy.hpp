@@ -22,6 +22,11 @@ struct is_available : std::true_type {};
 template <class Policy>
 struct handles_bf16 : std::false_type {};
 
+/// \brief True when `Policy`'s implementation honours GmmOptions::round_rhs itself (rounding as it
+/// packs the weights); for other policies gmm passes it a rounded copy of rhs on every call.
+template <class Policy>
+struct rounds_rhs : std::false_type {};
+
 /// \brief Policy: the best backend of the execution space and scalar: OneDnn on host spaces for
 /// float with oneDNN (MOE_ENABLE_ONEDNN), else Vendor on host spaces, DeviceTiled on devices.
 struct Auto {};

@@ -78,6 +78,8 @@ struct HiddenStates {
 
 /// \brief ys = (act(xs . wi_0[g]) * (xs . wi_1[g])) . wo[g] per group g; keeps what backward needs.
 /// Owns its weights' PackCache: callers pass a version that changes whenever the weights change.
+/// With bf16 the weights must hold bf16 values, except where rounds_weights (oneDNN, which rounds
+/// as it packs: GmmOptions::round_rhs): there the caller may pass fp32 masters as they are.
 /// With bf16 where stores_bf16, the hidden states (h0, h1, act, d_act, d_h1) are moe::bf16;
 /// elsewhere, and in the chunked forward (summing h0 and h1 over D-chunks), Scalars. The routed
 /// rows (xs, ys, dys) are Scalars or, where stores_bf16, moe::bf16 (the caller's choice).
@@ -167,6 +169,12 @@ class ExpertFfn : public Bf16Rounding {
   /// The packed copies of the weights (empty unless the GEMM backend packs).
   gmm::PackCache const& pack_cache() const { return cache_; }
 
+  /// Whether a bf16 step's GEMMs round the weights themselves (as they pack them, once per
+  /// version; a shape oneDNN runs unpacked rounds one expert's block per call), so that a caller
+  /// holding fp32 weights keeps no rounded copy of them.
+  static constexpr bool rounds_weights =
+      gmm::rounds_rhs<gmm::resolve_t<Gmm, ExecSpace, Scalar>>::value;
+
  private:
   /// `rounded`: the output is one the bf16 scheme rounds (GmmOptions::bf16_output when bf16).
   gmm::GmmOptions options(bool transpose, bool accumulate, bool rounded = false) {
@@ -177,6 +185,7 @@ class ExpertFfn : public Bf16Rounding {
     o.rhs_version = version_;
     o.bf16_inputs = bf16;
     o.bf16_output = bf16 && rounded;
+    o.round_rhs = bf16 && rounds_weights;
     return o;
   }
   /// Keeps a forward's arguments; the hidden states in bf16 when `narrow` where stores_bf16.

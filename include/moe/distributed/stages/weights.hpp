@@ -51,17 +51,18 @@ V run_weight_ops(Ctx& ctx, std::vector<WeightOp> const& ops, V cur, std::string 
   return cur;
 }
 
-/// Stored blocks -> compute blocks (bf16: from rounded copies, remade for a new `version`); true
-/// when an expert weight's compute block is new data in a reused buffer.
+/// Stored blocks -> compute blocks (bf16: from rounded copies, remade for a new `version`, where
+/// keeps_rounded_copy); true when an expert weight's compute block is new data in a reused buffer.
 template <class Ctx>
 bool gather_weights(Ctx& ctx, typename Ctx::params_type const& stored,
                     typename Ctx::params_type& compute, std::uint64_t version) {
   bool const reround = ctx.cfg.bf16() && ctx.rounded_version != version;
   bool fresh = reround;
+  constexpr bool experts_round = std::decay_t<decltype(ctx.ffn)>::rounds_weights;
   Ctx::params_type::for_each_field(ctx.cfg, [&](char const* n, auto m) {
     auto src = stored.*m;
     std::string const name = n;
-    if (ctx.cfg.bf16() && name != "gate_bias" && (name != "gate" || !ctx.cfg.float32_gate_logits)) {
+    if (keeps_rounded_copy(ctx.cfg, ctx.plan, name, experts_round)) {
       std::vector<std::int64_t> shape;
       for (unsigned d = 0; d < src.rank; ++d) shape.push_back(std::int64_t(src.extent(d)));
       auto copy = shaped<std::decay_t<decltype(src)>>(ctx, shape, "bf16." + name);

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace moe::gmm {
@@ -28,6 +29,9 @@ struct is_policy<OneDnn> : std::true_type {};
 
 template <>
 struct handles_bf16<OneDnn> : std::integral_constant<bool, MOE_HAS_ONEDNN != 0> {};
+
+template <>
+struct rounds_rhs<OneDnn> : std::integral_constant<bool, MOE_HAS_ONEDNN != 0> {};
 
 template <class ExecSpace, class Scalar>
 struct is_available<OneDnn, ExecSpace, Scalar>
@@ -107,6 +111,21 @@ void widen_rows(T const* x, std::int64_t ld, std::int64_t rows, std::int64_t col
     for (std::int64_t j = 0; j < cols; ++j) f[r * ld + j] = float(x[r * ld + j]);
 }
 
+/// Expert g's weights where a GEMM reads them in place ({pointer, row stride}): rhs's own, or with
+/// GmmOptions::round_rhs a dense copy rounded to bf16 in `copy` (the paths that pack no weights).
+template <class Rhs>
+std::pair<float const*, std::int64_t> weights_in_place(Rhs const& rhs, int g,
+                                                       moe::gmm::GmmOptions const& opt,
+                                                       float* copy) {
+  float const* const w = rhs.data() + g * rhs.stride(0);
+  std::int64_t const rows = rhs.extent(1), cols = rhs.extent(2), ld = rhs.stride(1);
+  if (!opt.round_rhs) return {w, ld};
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t j = 0; j < cols; ++j)
+      copy[r * cols + j] = moe::detail::round_to_bf16(w[r * ld + j]);
+  return {copy, cols};
+}
+
 // bf16 row operands: the bf16 kernels take them as they are, the float paths widened copies.
 template <>
 struct Impl<moe::gmm::OneDnn> {
@@ -143,19 +162,20 @@ struct Impl<moe::gmm::OneDnn> {
       } else {
         // Plain layout: one sgemm per group, rows padded to the bucket as in Vendor.
         std::int64_t const pad = acc ? 1 : dn::row_bucket;
+        std::vector<float> rounded(opt.round_rhs ? std::size_t(k * n) : 0);
         for (int g = 0; g < num_local; ++g) {
           std::int64_t const r0 = off(go + g), r1 = off(go + g + 1);
           if (r1 == r0) continue;
+          auto const [w, ld] = weights_in_place(rhs, g, opt, rounded.data());
           if (!trans && r1 - r0 >= 2 && r1 - r0 <= dn::few_rows_max) {
-            dn::few_rows(r1 - r0, k, n, lhs.data() + r0 * lda, lda, rhs.data() + g * rhs.stride(0),
-                         ldw, out.data() + r0 * ldc, ldc, acc);
+            dn::few_rows(r1 - r0, k, n, lhs.data() + r0 * lda, lda, w, ld, out.data() + r0 * ldc,
+                         ldc, acc);
             continue;
           }
           std::int64_t const padded = r0 + (r1 - r0 + pad - 1) / pad * pad;
           std::int64_t const stop = padded <= m ? padded : r1;
-          dn::sgemm('N', trans ? 'T' : 'N', stop - r0, n, k, 1.0f, lhs.data() + r0 * lda, lda,
-                    rhs.data() + g * rhs.stride(0), ldw, acc ? 1.0f : 0.0f, out.data() + r0 * ldc,
-                    ldc);
+          dn::sgemm('N', trans ? 'T' : 'N', stop - r0, n, k, 1.0f, lhs.data() + r0 * lda, lda, w,
+                    ld, acc ? 1.0f : 0.0f, out.data() + r0 * ldc, ldc);
         }
         if (opt.bf16_output) round_rows(space, out, begin, end);
       }
@@ -173,7 +193,7 @@ struct Impl<moe::gmm::OneDnn> {
                          Mat<E, TO, MO> const& out, GmmOptions const& opt) {
     int const num_local = rhs.extent(0);
     std::int64_t const m = lhs.extent(0), k = lhs.extent(1), n = out.extent(1);
-    std::int64_t const lda = lhs.stride(0), ldc = out.stride(0), ldw = rhs.stride(1);
+    std::int64_t const lda = lhs.stride(0), ldc = out.stride(0);
     bool const acc = opt.accumulate, trans = opt.transpose_rhs;
     auto const& off = groups.offsets_host;
     int const go = opt.group_offset;
@@ -241,9 +261,10 @@ struct Impl<moe::gmm::OneDnn> {
                             ? static_cast<void*>(dn::thread_buffer(0, std::size_t(run * ldc)))
                             : dn::thread_buffer<std::uint16_t>(0, std::size_t(run * n));
       if (!c.kernel) {
-        dn::sgemm('N', trans ? 'T' : 'N', rows, n, k, 1.0f, float_rows(rows), lda,
-                  rhs.data() + c.g * rhs.stride(0), ldw, acc && !is_bf16<TO> ? 1.0f : 0.0f,
-                  static_cast<float*>(dst), ldc);
+        auto const [w, ld] = weights_in_place(
+            rhs, c.g, opt, opt.round_rhs ? dn::thread_buffer(1, std::size_t(k * n)) : nullptr);
+        dn::sgemm('N', trans ? 'T' : 'N', rows, n, k, 1.0f, float_rows(rows), lda, w, ld,
+                  acc && !is_bf16<TO> ? 1.0f : 0.0f, static_cast<float*>(dst), ldc);
         return store(static_cast<float const*>(dst));
       }
       void const* src_rows = nullptr;

@@ -344,12 +344,15 @@ std::uint64_t sample_hash(Tensor const& rhs) {
 }
 
 /// The packed copy of rhs for `p`: the cache's if it holds this version, else reordered (cached).
+/// Its values are rounded to bf16 in a bf16 plan (the reorder rounds to nearest even, reading float
+/// subnormals as zero) and, with opt.round_rhs, in an fp32 plan (rounded in place after it).
 template <class Tensor>
 std::shared_ptr<PackedTensor> packed(KernelPlan& p, Tensor const& rhs, bool trans,
                                      moe::gmm::GmmOptions const& opt) {
   std::int64_t const e0 = rhs.extent(0), e1 = rhs.extent(1), e2 = rhs.extent(2);
-  moe::gmm::PackCache::Key const key{rhs.data(), e0, e1, e2, p.bf16() ? 2 : int(sizeof(float)),
-                                     trans};
+  bool const round_fp32 = opt.round_rhs && !p.bf16();
+  moe::gmm::PackCache::Key const key{
+      rhs.data(), e0, e1, e2, p.bf16() ? 2 : int(sizeof(float)), trans, p.bf16() || opt.round_rhs};
   std::uint64_t const samples = opt.pack_cache ? sample_hash(rhs) : 0;
   if (opt.pack_cache)
     if (auto hit = opt.pack_cache->find(key, opt.rhs_version, samples))
@@ -368,6 +371,12 @@ std::shared_ptr<PackedTensor> packed(KernelPlan& p, Tensor const& rhs, bool tran
     if (fresh) out->emplace_back(p.packed_desc(), engine());
     p.packer().run({{DNNL_ARG_FROM, src}, {DNNL_ARG_TO, (*out)[g]}});
   }
+  if (round_fp32)  // an fp32 layout holds floats only (padding zeros stay zeros)
+    for_each_item(e0, [&](std::int64_t g) {
+      auto* const v = static_cast<float*>((*out)[std::size_t(g)].get_data_handle());
+      std::size_t const count = p.packed_desc().get_size() / sizeof(float);
+      for (std::size_t i = 0; i < count; ++i) v[i] = moe::detail::round_to_bf16(v[i]);
+    });
   ++counters().packed_tensors;
   if (opt.pack_cache)
     opt.pack_cache->put(key, opt.rhs_version, samples, out,
