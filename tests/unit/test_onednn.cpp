@@ -458,6 +458,73 @@ TEST(OneDnnKernels, Bf16DenseGemmRunsBf16KernelsWhereTheCpuHasThem) {
   }
 }
 
+// round_b (a layer's fp32 master weights as B, with no rounded copy of its own): the dense GEMM
+// gives bit for bit the product of B rounded to bf16 first, on oneDNN's bf16 kernels (which round
+// B as they copy it) and with MOE_BF16_KERNELS=off on sgemm over a rounded copy; every
+// transposition, overwriting and accumulating, a bf16-stored A, alpha != 1 and K off the blocked
+// layout. Also in double (Kokkos Kernels over a rounded copy).
+TEST(OneDnnKernels, DenseGemmRoundBGivesTheBitsOfARoundedB) {
+  std::int64_t const M = 20, N = 90;
+  Rng rng(29);
+  char const* was = std::getenv("MOE_BF16_KERNELS");
+  std::string const saved = was ? was : "";
+  for (char const* setting : {"on", "off"}) {
+    ::setenv("MOE_BF16_KERNELS", setting, 1);
+    for (std::int64_t const K : {130, 128})
+      for (char const* ta : {"N", "T"})
+        for (char const* tb : {"N", "T"})
+          for (float const beta : {0.0f, 1.0f}) {
+            SCOPED_TRACE(std::string("MOE_BF16_KERNELS=") + setting + " " + ta + tb +
+                         (beta != 0.0f ? " +=" : "") + " K=" + std::to_string(K));
+            bool const tA = ta[0] == 'T', tB = tb[0] == 'T';
+            Vec a = rng.vec(std::size_t(M * K), -1, 1), b = rng.vec(std::size_t(K * N), -1, 1);
+            Vec const c = rng.vec(std::size_t(M * N), -1, 1);
+            for (double& e : a) e = moe::detail::round_to_bf16(e);
+            Vec rb = b;
+            for (double& e : rb) e = moe::detail::round_to_bf16(e);
+            auto const A = moe_ref::kk::to_view<View2>(a, tA ? K : M, tA ? M : K);
+            auto const masters = moe_ref::kk::to_view<View2>(b, tB ? N : K, tB ? K : N);
+            auto const rounded = moe_ref::kk::to_view<View2>(rb, tB ? N : K, tB ? K : N);
+            for (float const alpha : {1.0f, 0.5f}) {
+              auto const got = moe_ref::kk::to_view<View2>(c, M, N);
+              auto const want = moe_ref::kk::to_view<View2>(c, M, N);
+              moe::detail::gemm(Exec(), ta, tb, alpha, A, masters, beta, got, true, true);
+              moe::detail::gemm(Exec(), ta, tb, alpha, A, rounded, beta, want, true);
+              EXPECT_EQ(moe_ref::kk::to_vec(got), moe_ref::kk::to_vec(want)) << "alpha " << alpha;
+            }
+            using B16 = Kokkos::View<moe::bf16**, Kokkos::LayoutRight, Mem>;
+            B16 A16("a16", A.extent(0), A.extent(1));
+            for (std::size_t i = 0; i < A.span(); ++i) A16.data()[i] = moe::bf16(A.data()[i]);
+            auto const got = moe_ref::kk::to_view<View2>(c, M, N);
+            auto const want = moe_ref::kk::to_view<View2>(c, M, N);
+            moe::detail::gemm(Exec(), ta, tb, 1.0f, A16, masters, beta, got, true, true);
+            moe::detail::gemm(Exec(), ta, tb, 1.0f, A16, rounded, beta, want, true);
+            EXPECT_EQ(moe_ref::kk::to_vec(got), moe_ref::kk::to_vec(want)) << "bf16-stored A";
+          }
+  }
+  if (was)
+    ::setenv("MOE_BF16_KERNELS", saved.c_str(), 1);
+  else
+    ::unsetenv("MOE_BF16_KERNELS");
+  using D2 = Kokkos::View<double**, Kokkos::LayoutRight, Mem>;
+  Vec const a = rng.vec(std::size_t(M * 64), -1, 1), b = rng.vec(std::size_t(64 * N), -1, 1);
+  Vec rb = b;
+  for (double& e : rb) e = moe::detail::round_to_bf16(e);
+  auto const A = moe_ref::kk::to_view<D2>(a, M, 64);
+  D2 got("got", M, N), want("want", M, N);
+  moe::detail::gemm(Exec(), "N", "N", 1.0, A, moe_ref::kk::to_view<D2>(b, 64, N), 0.0, got, true,
+                    true);
+  moe::detail::gemm(Exec(), "N", "N", 1.0, A, moe_ref::kk::to_view<D2>(rb, 64, N), 0.0, want);
+  EXPECT_EQ(moe_ref::kk::to_vec(got), moe_ref::kk::to_vec(want)) << "double";
+  EXPECT_NE(moe_ref::kk::to_vec(got), moe_ref::kk::to_vec([&] {
+              D2 raw("raw", M, N);
+              moe::detail::gemm(Exec(), "N", "N", 1.0, A, moe_ref::kk::to_view<D2>(b, 64, N), 0.0,
+                                raw);
+              return raw;
+            }()))
+      << "the unrounded product differs (the test can fail)";
+}
+
 // Where bf16 inputs take bf16 kernels: never without bf16 instructions; MOE_BF16_KERNELS on /
 // off forces the choice; auto takes them with AMX, and without it where the CPU's VDPBF16PS
 // runs at least 0.9 of VFMADD231PS's FLOP rate (measured; on an AMX Xeon capped to AVX512-BF16

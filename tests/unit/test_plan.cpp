@@ -1409,6 +1409,16 @@ TEST(MoeShardPlan, MachineAddsTheCost) {
 
 namespace {
 
+/// Whether a layer of `dtype` runs oneDNN's bf16 kernels here (its expert weights packed as bf16,
+/// its dense GEMMs on bf16 copies).
+bool packs_bf16([[maybe_unused]] moe::ComputeDtype dtype) {
+#if MOE_HAS_ONEDNN
+  return dtype == moe::ComputeDtype::BFloat16 && moe::detail::onednn::bf16_kernels();
+#else
+  return false;
+#endif
+}
+
 /// estimate_layer_memory of the plan test's layer (E=8, K=2, D=16, F=8, one shared expert, S=4).
 moe::MemoryEstimate estimate(int ranks, Names const& layout, std::int64_t batch = 8,
                              bool training = true, bool packed = false) {
@@ -1448,13 +1458,15 @@ TEST(MemoryEstimate, WeightsAndGradientsOfOneRank) {
 }
 
 // dtype=bfloat16 keeps a rounded copy (fp32-held bf16 values, remade for each weight version) of
-// each weight its GEMMs take in bf16: the gate (not under float32_gate_logits) and the shared
-// expert's, and the routed experts' only where their GEMMs do not round them while packing
-// (oneDNN: packed_weights), or on the dense masked path (sparse_matmul=false), whose GEMMs read
-// the weights in place.
+// each weight its GEMMs take in bf16 and do not round themselves: the gate always (not under
+// float32_gate_logits); the routed experts' only where their grouped GEMMs are not oneDNN's
+// (packed_weights), which round them as they pack them; the shared expert's, and the routed
+// experts' on the dense masked path (sparse_matmul=false), only where the dense GEMMs are not
+// oneDNN's bf16 kernels, which round B as they copy it (MOE_BF16_KERNELS on and off, on a CPU
+// with bf16 instructions; without them only off).
 TEST(MemoryEstimate, Bf16KeepsRoundedCopiesOfTheWeightsItsGemmsDoNotRound) {
-  std::int64_t const gate = 16 * 8, experts = 3 * 8 * 16 * 8, shared = 3 * 16 * 8;
-  std::int64_t const masters = (gate + experts + shared) * 4;
+  std::int64_t const gate = 16 * 8 * 4, experts = 3 * 8 * 16 * 8 * 4, shared = 3 * 16 * 8 * 4;
+  std::int64_t const masters = gate + experts + shared;
   Names const one{"ici_data_parallelism=-1"};
   auto copies = [&](Names const& layer, bool packed) {
     auto const p = plan(1, one, layer);
@@ -1462,11 +1474,24 @@ TEST(MemoryEstimate, Bf16KeepsRoundedCopiesOfTheWeightsItsGemmsDoNotRound) {
     EXPECT_EQ(m.bytes("weights"), masters) << "the fp32 masters";
     return m.bytes("bf16 weight copies");
   };
-  EXPECT_EQ(copies({}, true), 0);
-  EXPECT_EQ(copies({"dtype=bfloat16"}, false), masters);
-  EXPECT_EQ(copies({"dtype=bfloat16"}, true), (gate + shared) * 4);
-  EXPECT_EQ(copies({"dtype=bfloat16", "float32_gate_logits=true"}, true), shared * 4);
-  EXPECT_EQ(copies({"dtype=bfloat16", "sparse_matmul=false"}, true), masters);
+  char const* was = std::getenv("MOE_BF16_KERNELS");
+  std::string const saved = was ? was : "";
+  for (char const* setting : {"on", "off"}) {
+    SCOPED_TRACE(std::string("MOE_BF16_KERNELS=") + setting);
+    ::setenv("MOE_BF16_KERNELS", setting, 1);
+    bool const kernels = packs_bf16(moe::ComputeDtype::BFloat16);
+    std::int64_t const dense = kernels ? 0 : shared;  // the shared expert's, if kept
+    EXPECT_EQ(copies({}, true), 0);
+    EXPECT_EQ(copies({"dtype=bfloat16"}, false), masters);
+    EXPECT_EQ(copies({"dtype=bfloat16"}, true), gate + dense);
+    EXPECT_EQ(copies({"dtype=bfloat16", "float32_gate_logits=true"}, true), dense);
+    EXPECT_EQ(copies({"dtype=bfloat16", "sparse_matmul=false"}, true),
+              gate + (kernels ? 0 : experts + shared));
+  }
+  if (was)
+    ::setenv("MOE_BF16_KERNELS", saved.c_str(), 1);
+  else
+    ::unsetenv("MOE_BF16_KERNELS");
 }
 
 TEST(MemoryEstimate, FsdpGathersAndScattersBlocks) {
@@ -1773,15 +1798,6 @@ moe::LayerConfig bf16_layer(int D, int F) {
   cfg.base_moe_mlp_dim = F;
   cfg.dtype = moe::ComputeDtype::BFloat16;
   return cfg;
-}
-
-/// Whether a layer of `dtype` packs its expert weights as bf16 here (oneDNN's bf16 kernels).
-bool packs_bf16([[maybe_unused]] moe::ComputeDtype dtype) {
-#if MOE_HAS_ONEDNN
-  return dtype == moe::ComputeDtype::BFloat16 && moe::detail::onednn::bf16_kernels();
-#else
-  return false;
-#endif
 }
 
 /// A layer's packed expert weights (bytes) against the estimate's item: equal for bf16 packs;

@@ -66,10 +66,13 @@ using gemm_scalar_t =
 /// values, multiplied on oneDNN's bf16 kernels (onednn::bf16_gemm) for alpha 1, beta 0 or 1.
 /// Operands stored as moe::bf16 (16-bit hidden states, docs/precision.md) go to those kernels
 /// where the CPU has them (a bf16 C rounded by the kernel, beta 0), else through float copies
-/// (a bf16 C narrowed after).
+/// (a bf16 C narrowed after). `round_b`: B holds fp32 values (a layer's master weights) that the
+/// product takes rounded to bf16: the bf16 kernels round them as they copy B (to nearest even,
+/// as round_to_bf16), every other path multiplies a rounded copy made for the call.
 template <class ExecSpace, class AV, class BV, class CV>
 void gemm(ExecSpace const& space, char const* ta, char const* tb, gemm_scalar_t<CV> alpha,
-          AV const& A, BV const& B, gemm_scalar_t<CV> beta, CV const& C, bool bf16_inputs = false) {
+          AV const& A, BV const& B, gemm_scalar_t<CV> beta, CV const& C, bool bf16_inputs = false,
+          bool round_b = false) {
   if (C.extent(0) == 0 || C.extent(1) == 0) return;
   Region region("moe::gemm");
   constexpr bool c16 = is_bf16<typename CV::value_type>;
@@ -89,14 +92,21 @@ void gemm(ExecSpace const& space, char const* ta, char const* tb, gemm_scalar_t<
           onednn::bf16_gemm(opA, opB, M, N, K, A.data(), A.stride(0), B.data(), B.stride(0),
                             beta == 1.0f, C.data(), C.stride(0)))
         return;
-      if constexpr (!any16) {
-        onednn::sgemm(opA, opB, M, N, K, alpha, A.data(), A.stride(0), B.data(), B.stride(0), beta,
-                      C.data(), C.stride(0));
-        return;
-      }
+      if constexpr (!any16)
+        if (!round_b) {
+          onednn::sgemm(opA, opB, M, N, K, alpha, A.data(), A.stride(0), B.data(), B.stride(0),
+                        beta, C.data(), C.stride(0));
+          return;
+        }
     }
   }
 #endif
+  if constexpr (!is_bf16<typename BV::value_type>)
+    if (round_b) {
+      gemm(space, ta, tb, alpha, A, rounded_copy(space, B), beta, C, bf16_inputs);
+      fence(space, "moe::gemm: rounded copy of B used");  // before it is freed
+      return;
+    }
   if constexpr (any16) {
     auto const c = widened<float>(space, C, beta != 0.0f);
     gemm(space, ta, tb, alpha, widened<float>(space, A), widened<float>(space, B), beta, c,

@@ -149,4 +149,35 @@ auto widened(ExecSpace const& space, V const& v, bool read = true) {
   }
 }
 
+/// A row-major copy of the 2-D or 3-D view v with every value rounded to bf16: the operand a
+/// GEMM multiplies when its caller holds fp32 weights that the product takes rounded
+/// (GmmOptions::round_rhs, detail::gemm's round_b) and the GEMM path does not round them itself.
+template <class ExecSpace, class V>
+auto rounded_copy(ExecSpace const& space, V const& v) {
+  using S = typename V::non_const_value_type;
+  using MS = typename V::memory_space;
+  static_assert(V::rank == 2 || V::rank == 3, "moe::detail::rounded_copy: a 2-D or 3-D view");
+  auto const alloc = Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::rounded_copy");
+  std::int64_t const e1 = v.extent(1);
+  if constexpr (V::rank == 2) {
+    Kokkos::View<S**, Kokkos::LayoutRight, MS> out(alloc, v.extent(0), v.extent(1));
+    Kokkos::parallel_for(
+        "moe::rounded_copy", Kokkos::RangePolicy<ExecSpace>(space, 0, std::int64_t(out.size())),
+        KOKKOS_LAMBDA(std::int64_t i) {
+          out(i / e1, i % e1) = round_to_bf16(S(v(i / e1, i % e1)));
+        });
+    return out;
+  } else {
+    Kokkos::View<S***, Kokkos::LayoutRight, MS> out(alloc, v.extent(0), v.extent(1), v.extent(2));
+    std::int64_t const e2 = v.extent(2);
+    Kokkos::parallel_for(
+        "moe::rounded_copy", Kokkos::RangePolicy<ExecSpace>(space, 0, std::int64_t(out.size())),
+        KOKKOS_LAMBDA(std::int64_t i) {
+          std::int64_t const g = i / (e1 * e2), r = i / e2 % e1, c = i % e2;
+          out(g, r, c) = round_to_bf16(S(v(g, r, c)));
+        });
+    return out;
+  }
+}
+
 }  // namespace moe::detail

@@ -67,8 +67,10 @@ class LayerBuffers {
                                                                : weight_keys_;
       add("weights", w.name, stored, s_, wkeys);
       // dtype=bfloat16: the rounded copy of the stored block (stages::gather_weights), none of
-      // the expert weights that oneDNN's packing rounds.
-      if (distributed::keeps_rounded_copy(cfg_, plan_.step, w.name, packed_ && s_ == 4))
+      // the weights that oneDNN's packing or its bf16 kernels round.
+      bool const onednn = packed_ && s_ == 4;
+      if (distributed::keeps_rounded_copy(cfg_, plan_.step, w.name, onednn,
+                                          onednn && bf16_kernels_))
         add("bf16 weight copies", "bf16 " + w.name, stored, s_, wkeys);
       auto const& steps = plan_.step.weight(w.name);
       for (auto const& op : steps.to_compute) {
@@ -257,8 +259,9 @@ inline bool default_packed_weights(LayerPlan const& plan) {
 /// \brief Bytes one DistributedMoeLayer needs on the plan's rank: weight blocks, gradients, step
 /// buffers, collective temporaries (not the caller's x, y, dy, dx, nor MPI's or the runtime's).
 /// \param training forward + backward (gradients, backward buffers); false: forward only
-/// \param packed_weights the expert GEMMs are oneDNN's (float, host): count their packed copies of
-/// the expert weights, and (bf16) no rounded copy of those, which the packing rounds
+/// \param packed_weights the GEMMs are oneDNN's (float, host): count their packed copies of the
+/// expert weights, and (bf16) no rounded copy of the weights that oneDNN rounds (the packing, and
+/// on a CPU with bf16 kernels the dense GEMMs: distributed::keeps_rounded_copy)
 /// \throws ConfigError naming the quantity when an element or byte count does not fit int64.
 inline MemoryEstimate estimate_layer_memory(LayerPlan const& plan, LayerConfig const& cfg,
                                             bool training, bool packed_weights) {

@@ -57,6 +57,7 @@ struct StepContext {
               ExecSpace const& s)
       : world(std::move(comm)), cfg(c), par(p), space(s) {
     ffn.bf16 = shared.bf16 = dense.bf16 = c.bf16();
+    shared.round_weights = dense.round_weights = nn::dense_gemms_round_weights<Scalar, ExecSpace>();
   }
 
   comm::Communicator world;

@@ -149,15 +149,19 @@ struct StepPlan {
 
 /// \brief Whether a bf16 step keeps a rounded copy of the stored weight `name`, remade for each
 /// weight version (stages::gather_weights): of each weight its GEMMs take in bf16 (all but
-/// gate_bias, and gate under float32_gate_logits), except the routed experts' (wi_0, wi_1, wo) on
-/// the sparse path where `experts_round`: their GEMMs round them as they pack them
-/// (nn::ExpertFfn::rounds_weights: oneDNN on the host).
+/// gate_bias, and gate under float32_gate_logits) that they do not round themselves. The routed
+/// experts' (wi_0, wi_1, wo) on the sparse path are rounded where `experts_round`: their grouped
+/// GEMMs round them as they pack them (nn::ExpertFfn::rounds_weights: oneDNN on the host); the
+/// shared expert's, and the routed experts' on the dense masked path, where `dense_round`: their
+/// dense GEMMs copy them rounded on every call (nn::dense_gemms_round_weights: oneDNN's bf16
+/// kernels). The gate's GEMM reads its weights as they are.
 inline bool keeps_rounded_copy(LayerConfig const& cfg, StepPlan const& plan,
-                               std::string const& name, bool experts_round) {
+                               std::string const& name, bool experts_round, bool dense_round) {
   if (!cfg.bf16() || name == "gate_bias" || (name == "gate" && cfg.float32_gate_logits))
     return false;
+  if (name == "gate") return true;
   bool const expert = name == "wi_0" || name == "wi_1" || name == "wo";
-  return !(expert && experts_round && !plan.dense);
+  return !(expert && !plan.dense ? experts_round : dense_round);
 }
 
 namespace detail {

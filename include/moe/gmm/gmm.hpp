@@ -67,7 +67,7 @@ void gmm(ExecSpace const& space, Policy, LhsView const& lhs, RhsView const& rhs,
   if constexpr (!rounds_rhs<R>::value)
     if (opt.round_rhs) {  // this backend reads rhs as it is: hand it a rounded copy
       opt.round_rhs = false;
-      auto const rounded = impl::rounded_copy(space, rhs);
+      auto const rounded = moe::detail::rounded_copy(space, rhs);
       gmm(space, R{}, lhs, rounded, groups, out, opt);
       moe::detail::fence(space, "moe::gmm: rounded weights used");  // before they are freed
       return;

@@ -31,6 +31,10 @@ void ensure_gated(ExecSpace const& space, std::string const& owner, std::int64_t
 /// weight gradients stay fp32): the activations and GEMMs take bf16 inputs and outputs.
 struct Bf16Rounding {
   bool bf16 = false;
+  /// With bf16, the dense GEMMs (DenseMlp, DenseExperts) are handed fp32 master weights and take
+  /// them rounded (moe::detail::gemm's round_b): at no cost where dense_gemms_round_weights, else
+  /// through a rounded copy per call. False: the weights passed hold bf16 values already.
+  bool round_weights = false;
   /// Rounds each view to bf16 when bf16 (moe::bf16 views hold bf16 values already).
   template <class ExecSpace, class... V>
   void round(ExecSpace const& space, V const&... v) const {
@@ -41,6 +45,20 @@ struct Bf16Rounding {
     (one(v), ...);
   }
 };
+
+/// \brief Whether a bf16 step's dense GEMMs (moe::detail::gemm with bf16 inputs: the shared
+/// expert's and the dense masked path's) on ExecSpace round fp32 weights themselves at no cost:
+/// oneDNN's bf16 kernels, which copy B rounded on every call anyway, where this CPU runs them
+/// (onednn::bf16_kernels()). Elsewhere they would multiply a rounded copy made per call, so the
+/// layer keeps a rounded copy of those weights (distributed::keeps_rounded_copy).
+template <class Scalar, class ExecSpace>
+bool dense_gemms_round_weights() {
+#if MOE_HAS_ONEDNN
+  if constexpr (std::is_same<Scalar, float>::value && moe::detail::runs_on_host<ExecSpace>())
+    return moe::detail::onednn::bf16_kernels();
+#endif
+  return false;
+}
 
 /// Whether a bf16 step of a Scalar layer stores its hidden states as moe::bf16 (half the bytes,
 /// the same values): float layers whose GEMM policy Gmm takes 16-bit rows itself on ExecSpace
@@ -222,12 +240,13 @@ class DenseMlp : public Bf16Rounding {
     x_ = x;
     act_ = act;
     hs_.choose(bf16);
+    bool const rw = bf16 && round_weights;
     hs_.visit([&](auto& h0, auto& h1, auto& a, auto&, auto&) {
       ensure_gated(space, "moe::mlp", T, H, h0, h1, a);
-      moe::detail::gemm(space, "N", "N", Scalar(1), x, w0, Scalar(0), h0, bf16);
-      moe::detail::gemm(space, "N", "N", Scalar(1), x, w1, Scalar(0), h1, bf16);
+      moe::detail::gemm(space, "N", "N", Scalar(1), x, w0, Scalar(0), h0, bf16, rw);
+      moe::detail::gemm(space, "N", "N", Scalar(1), x, w1, Scalar(0), h1, bf16, rw);
       gated_forward(space, act, T, h0, h1, a, bf16);
-      moe::detail::gemm(space, "N", "N", Scalar(1), a, wo, Scalar(1), out, bf16);
+      moe::detail::gemm(space, "N", "N", Scalar(1), a, wo, Scalar(1), out, bf16, rw);
     });
   }
 
@@ -236,16 +255,17 @@ class DenseMlp : public Bf16Rounding {
                 view2 d_w0, view2 d_w1, view2 d_wo) {
     moe::detail::Region region("moe::shared_expert::backward");
     std::int64_t const T = x_.extent(0), H = w0.extent(1);
+    bool const rw = bf16 && round_weights;
     hs_.visit([&](auto& h0, auto& h1, auto& a, auto& da, auto&) {
       moe::detail::ensure(space, da, "moe::mlp::d_act", T, H);
       moe::detail::gemm(space, "T", "N", Scalar(1), a, dout, Scalar(0), d_wo, bf16);
-      moe::detail::gemm(space, "N", "T", Scalar(1), dout, wo, Scalar(0), da, bf16);
+      moe::detail::gemm(space, "N", "T", Scalar(1), dout, wo, Scalar(0), da, bf16, rw);
       // d_h0 overwrites d_act, d_h1 overwrites the saved activation (no longer needed).
       gated_backward(space, act_, T, h0, h1, da, da, a, bf16);
       moe::detail::gemm(space, "T", "N", Scalar(1), x_, da, Scalar(0), d_w0, bf16);
       moe::detail::gemm(space, "T", "N", Scalar(1), x_, a, Scalar(0), d_w1, bf16);
-      moe::detail::gemm(space, "N", "T", Scalar(1), da, w0, Scalar(1), dx, bf16);
-      moe::detail::gemm(space, "N", "T", Scalar(1), a, w1, Scalar(1), dx, bf16);
+      moe::detail::gemm(space, "N", "T", Scalar(1), da, w0, Scalar(1), dx, bf16, rw);
+      moe::detail::gemm(space, "N", "T", Scalar(1), a, w1, Scalar(1), dx, bf16, rw);
     });
   }
 
@@ -313,6 +333,7 @@ class DenseExperts : public Bf16Rounding {
     int const L = int(wi_0.extent(0)), K = int(ids_.extent(1)), e0 = e0_;
     moe::detail::ensure(space, dye_, "moe::dense::d_y_expert", T, D);
     moe::detail::ensure(space, dwd_, "moe::dense::d_weights", T, L);
+    bool const rw = bf16 && round_weights;
     Kokkos::deep_copy(space, dx, Scalar(0));
     auto wd = wd_, dwd = dwd_, dye = dye_;
     auto ids = ids_, kept = kept_;
@@ -334,12 +355,12 @@ class DenseExperts : public Bf16Rounding {
         moe::detail::ensure(space, da, "moe::dense::d_act", T, F);
         moe::detail::ensure(space, dh1, "moe::dense::d_h1", T, F);
         moe::detail::gemm(space, "T", "N", Scalar(1), a, dye_, Scalar(0), sub(d_wo, l), bf16);
-        moe::detail::gemm(space, "N", "T", Scalar(1), dye_, sub(wo, l), Scalar(0), da, bf16);
+        moe::detail::gemm(space, "N", "T", Scalar(1), dye_, sub(wo, l), Scalar(0), da, bf16, rw);
         gated_backward(space, act_, T, h0, h1, da, da, dh1, bf16);
         moe::detail::gemm(space, "T", "N", Scalar(1), x_, da, Scalar(0), sub(d_wi_0, l), bf16);
         moe::detail::gemm(space, "T", "N", Scalar(1), x_, dh1, Scalar(0), sub(d_wi_1, l), bf16);
-        moe::detail::gemm(space, "N", "T", Scalar(1), da, sub(wi_0, l), Scalar(1), dx, bf16);
-        moe::detail::gemm(space, "N", "T", Scalar(1), dh1, sub(wi_1, l), Scalar(1), dx, bf16);
+        moe::detail::gemm(space, "N", "T", Scalar(1), da, sub(wi_0, l), Scalar(1), dx, bf16, rw);
+        moe::detail::gemm(space, "N", "T", Scalar(1), dh1, sub(wi_1, l), Scalar(1), dx, bf16, rw);
       });
     }
     Kokkos::parallel_for(
@@ -357,12 +378,13 @@ class DenseExperts : public Bf16Rounding {
   void expert(ExecSpace const& space, int l, view3 wi_0, view3 wi_1, view3 wo) {
     std::int64_t const T = x_.extent(0), D = x_.extent(1), F = wi_0.extent(2);
     moe::detail::ensure(space, ye_, "moe::dense::y_expert", T, D);
+    bool const rw = bf16 && round_weights;
     hs_.visit([&](auto& h0, auto& h1, auto& a, auto&, auto&) {
       ensure_gated(space, "moe::dense", T, F, h0, h1, a);
-      moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_0, l), Scalar(0), h0, bf16);
-      moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_1, l), Scalar(0), h1, bf16);
+      moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_0, l), Scalar(0), h0, bf16, rw);
+      moe::detail::gemm(space, "N", "N", Scalar(1), x_, sub(wi_1, l), Scalar(0), h1, bf16, rw);
       gated_forward(space, act_, T, h0, h1, a, bf16);
-      moe::detail::gemm(space, "N", "N", Scalar(1), a, sub(wo, l), Scalar(0), ye_, bf16);
+      moe::detail::gemm(space, "N", "N", Scalar(1), a, sub(wo, l), Scalar(0), ye_, bf16, rw);
     });
     round(space, ye_);
   }

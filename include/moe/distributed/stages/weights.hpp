@@ -62,7 +62,7 @@ bool gather_weights(Ctx& ctx, typename Ctx::params_type const& stored,
   Ctx::params_type::for_each_field(ctx.cfg, [&](char const* n, auto m) {
     auto src = stored.*m;
     std::string const name = n;
-    if (keeps_rounded_copy(ctx.cfg, ctx.plan, name, experts_round)) {
+    if (keeps_rounded_copy(ctx.cfg, ctx.plan, name, experts_round, ctx.shared.round_weights)) {
       std::vector<std::int64_t> shape;
       for (unsigned d = 0; d < src.rank; ++d) shape.push_back(std::int64_t(src.extent(d)));
       auto copy = shaped<std::decay_t<decltype(src)>>(ctx, shape, "bf16." + name);

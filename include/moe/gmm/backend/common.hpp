@@ -93,24 +93,6 @@ void round_rows(ExecSpace const& space, Mat<ExecSpace, Scalar, Mem> const& out, 
         });
 }
 
-/// A row-major copy of the 3-D rhs with every value rounded to bf16 (GmmOptions::round_rhs on a
-/// backend that reads rhs as it is).
-template <class ExecSpace, class RhsView>
-auto rounded_copy(ExecSpace const& space, RhsView const& rhs) {
-  using S = typename RhsView::non_const_value_type;
-  Kokkos::View<S***, Kokkos::LayoutRight, typename RhsView::memory_space> out(
-      Kokkos::view_alloc(space, Kokkos::WithoutInitializing, "moe::gmm::rounded_rhs"),
-      rhs.extent(0), rhs.extent(1), rhs.extent(2));
-  int64_t const e1 = rhs.extent(1), e2 = rhs.extent(2);
-  Kokkos::parallel_for(
-      "moe::gmm::round_rhs", Kokkos::RangePolicy<ExecSpace>(space, 0, int64_t(out.size())),
-      KOKKOS_LAMBDA(int64_t i) {
-        int64_t const g = i / (e1 * e2), r = i / e2 % e1, c = i % e2;
-        out(g, r, c) = moe::detail::round_to_bf16(S(rhs(g, r, c)));
-      });
-  return out;
-}
-
 inline void check_blas_extent(char const* what, char const* name, int64_t value) {
   require<ShapeError>(value <= INT_MAX, what, ": ", name, "=", value,
                       " exceeds the 32-bit BLAS limit ", INT_MAX,
