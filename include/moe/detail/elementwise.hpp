@@ -149,11 +149,20 @@ auto widened(ExecSpace const& space, V const& v, bool read = true) {
   }
 }
 
+/// The row-major view rounded_copy makes of a 2-D or 3-D view V.
+template <class V>
+using rounded_copy_t =
+    Kokkos::View<std::conditional_t<V::rank == 2, typename V::non_const_value_type**,
+                                    typename V::non_const_value_type***>,
+                 Kokkos::LayoutRight, typename V::memory_space>;
+
 /// A row-major copy of the 2-D or 3-D view v with every value rounded to bf16: the operand a
 /// GEMM multiplies when its caller holds fp32 weights that the product takes rounded
 /// (GmmOptions::round_rhs, detail::gemm's round_b) and the GEMM path does not round them itself.
+/// (The return type is spelled out: nvcc refuses an extended lambda in a function whose return
+/// type is deduced.)
 template <class ExecSpace, class V>
-auto rounded_copy(ExecSpace const& space, V const& v) {
+rounded_copy_t<V> rounded_copy(ExecSpace const& space, V const& v) {
   using S = typename V::non_const_value_type;
   using MS = typename V::memory_space;
   static_assert(V::rank == 2 || V::rank == 3, "moe::detail::rounded_copy: a 2-D or 3-D view");
