@@ -694,10 +694,10 @@ TEST(OneDnnKernels, ForcedLayoutMismatchIsRefusedChunkByChunk) {
 }
 
 // GmmOptions::round_rhs on the packed mode's paths that read the weights in place: a chunk with
-// no kernel (a forced layout no kernel accepts) runs as sgemm on a rounded copy of its expert's
-// weights, and gives the bits of the weights rounded first, overwriting and accumulating, on both
-// weight layouts; and an fp32 pack made for round_rhs is kept apart from the unrounded pack of
-// the same tensor and version (the second call packs again and gives the unrounded product).
+// no kernel (a forced layout no kernel accepts) runs as sgemm on a rounded copy of the weights
+// made for the call, and gives the bits of the weights rounded first, overwriting and accumulating,
+// on both weight layouts; and an fp32 pack made for round_rhs is kept apart from the unrounded pack
+// of the same tensor and version (the second call packs again and gives the unrounded product).
 TEST(OneDnnKernels, RoundRhsRoundsTheWeightsOnEveryPackedPath) {
   for (bool trans : {false, true}) {
     SCOPED_TRACE(trans ? "transposed" : "plain");

@@ -78,7 +78,7 @@ class LayerBuffers {
         add("gathered weights", (slice ? "sliced " : "gathered ") + w.name, op.shape, s_, wkeys);
         if (slice) launch_rows(w.name + " slice", distributed::detail::lead(op.shape, op.dim));
       }
-      if (packed_ && s_ == 4 && (w.name == "wi_0" || w.name == "wi_1" || w.name == "wo"))
+      if (onednn && (w.name == "wi_0" || w.name == "wi_1" || w.name == "wo"))
         for (int use = 0; use < (training_ ? 2 : 1); ++use)
           add("packed expert weights", (use ? "packed transposed " : "packed ") + w.name, computed,
               pack_bytes(), wkeys);

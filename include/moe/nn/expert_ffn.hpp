@@ -188,7 +188,7 @@ class ExpertFfn : public Bf16Rounding {
   gmm::PackCache const& pack_cache() const { return cache_; }
 
   /// Whether a bf16 step's GEMMs round the weights themselves (as they pack them, once per
-  /// version; a shape oneDNN runs unpacked rounds one expert's block per call), so that a caller
+  /// version; a shape oneDNN runs unpacked multiplies a rounded copy per call), so that a caller
   /// holding fp32 weights keeps no rounded copy of them.
   static constexpr bool rounds_weights =
       gmm::rounds_rhs<gmm::resolve_t<Gmm, ExecSpace, Scalar>>::value;

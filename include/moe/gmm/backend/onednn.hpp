@@ -15,7 +15,6 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 namespace moe::gmm {
@@ -111,21 +110,6 @@ void widen_rows(T const* x, std::int64_t ld, std::int64_t rows, std::int64_t col
     for (std::int64_t j = 0; j < cols; ++j) f[r * ld + j] = float(x[r * ld + j]);
 }
 
-/// Expert g's weights where a GEMM reads them in place ({pointer, row stride}): rhs's own, or with
-/// GmmOptions::round_rhs a dense copy rounded to bf16 in `copy` (the paths that pack no weights).
-template <class Rhs>
-std::pair<float const*, std::int64_t> weights_in_place(Rhs const& rhs, int g,
-                                                       moe::gmm::GmmOptions const& opt,
-                                                       float* copy) {
-  float const* const w = rhs.data() + g * rhs.stride(0);
-  std::int64_t const rows = rhs.extent(1), cols = rhs.extent(2), ld = rhs.stride(1);
-  if (!opt.round_rhs) return {w, ld};
-  for (std::int64_t r = 0; r < rows; ++r)
-    for (std::int64_t j = 0; j < cols; ++j)
-      copy[r * cols + j] = moe::detail::round_to_bf16(w[r * ld + j]);
-  return {copy, cols};
-}
-
 // bf16 row operands: the bf16 kernels take them as they are, the float paths widened copies.
 template <>
 struct Impl<moe::gmm::OneDnn> {
@@ -151,6 +135,15 @@ struct Impl<moe::gmm::OneDnn> {
       if (bf16 && !p->packed()) p = &dn::plan(k, n, trans, ldw, lda, ldc);
       if (keep && p->packed()) {
         packed_gmm(*p, lhs, rhs, groups, out, opt);
+      } else if (opt.round_rhs) {
+        // The plain layout reads rhs in place: it multiplies a rounded copy (packing nothing).
+        GmmOptions inner = opt;
+        inner.round_rhs = false;
+        inner.pack_cache = nullptr;
+        auto const rounded = moe::detail::rounded_copy(space, rhs);
+        gmm(space, lhs, CTensor<E, float, MR>(rounded), groups, out, inner);
+        fence(space, "moe::gmm::gmm<OneDnn>: rounded weights used");  // before they are freed
+        return;
       } else if constexpr (is_bf16<TL> || is_bf16<TO>) {
         GmmOptions inner = opt;
         inner.bf16_output = opt.bf16_output && !is_bf16<TO>;  // narrowing rounds
@@ -162,20 +155,19 @@ struct Impl<moe::gmm::OneDnn> {
       } else {
         // Plain layout: one sgemm per group, rows padded to the bucket as in Vendor.
         std::int64_t const pad = acc ? 1 : dn::row_bucket;
-        std::vector<float> rounded(opt.round_rhs ? std::size_t(k * n) : 0);
         for (int g = 0; g < num_local; ++g) {
           std::int64_t const r0 = off(go + g), r1 = off(go + g + 1);
           if (r1 == r0) continue;
-          auto const [w, ld] = weights_in_place(rhs, g, opt, rounded.data());
           if (!trans && r1 - r0 >= 2 && r1 - r0 <= dn::few_rows_max) {
-            dn::few_rows(r1 - r0, k, n, lhs.data() + r0 * lda, lda, w, ld, out.data() + r0 * ldc,
-                         ldc, acc);
+            dn::few_rows(r1 - r0, k, n, lhs.data() + r0 * lda, lda, rhs.data() + g * rhs.stride(0),
+                         ldw, out.data() + r0 * ldc, ldc, acc);
             continue;
           }
           std::int64_t const padded = r0 + (r1 - r0 + pad - 1) / pad * pad;
           std::int64_t const stop = padded <= m ? padded : r1;
-          dn::sgemm('N', trans ? 'T' : 'N', stop - r0, n, k, 1.0f, lhs.data() + r0 * lda, lda, w,
-                    ld, acc ? 1.0f : 0.0f, out.data() + r0 * ldc, ldc);
+          dn::sgemm('N', trans ? 'T' : 'N', stop - r0, n, k, 1.0f, lhs.data() + r0 * lda, lda,
+                    rhs.data() + g * rhs.stride(0), ldw, acc ? 1.0f : 0.0f, out.data() + r0 * ldc,
+                    ldc);
         }
         if (opt.bf16_output) round_rows(space, out, begin, end);
       }
@@ -218,6 +210,15 @@ struct Impl<moe::gmm::OneDnn> {
         c0 += c.rows;
       }
     }
+    // A chunk with no kernel runs sgemm on the weights in place: with round_rhs, on one rounded
+    // copy made before the chunks run.
+    moe::detail::rounded_copy_t<CTensor<E, float, MR>> rounded_rhs;
+    if (opt.round_rhs &&
+        std::any_of(calls.begin(), calls.end(), [](Call const& c) { return !c.kernel; })) {
+      rounded_rhs = moe::detail::rounded_copy(E(), rhs);
+      fence(E(), "moe::gmm::gmm<OneDnn>: rounded weights made");
+    }
+    CTensor<E, float, MR> const w = rounded_rhs.data() ? CTensor<E, float, MR>(rounded_rhs) : rhs;
     // Longest first: the threads take calls as they free up, so the last ones are short.
     std::stable_sort(calls.begin(), calls.end(),
                      [](Call const& a, Call const& b) { return a.chunk.run > b.chunk.run; });
@@ -261,10 +262,9 @@ struct Impl<moe::gmm::OneDnn> {
                             ? static_cast<void*>(dn::thread_buffer(0, std::size_t(run * ldc)))
                             : dn::thread_buffer<std::uint16_t>(0, std::size_t(run * n));
       if (!c.kernel) {
-        auto const [w, ld] = weights_in_place(
-            rhs, c.g, opt, opt.round_rhs ? dn::thread_buffer(1, std::size_t(k * n)) : nullptr);
-        dn::sgemm('N', trans ? 'T' : 'N', rows, n, k, 1.0f, float_rows(rows), lda, w, ld,
-                  acc && !is_bf16<TO> ? 1.0f : 0.0f, static_cast<float*>(dst), ldc);
+        dn::sgemm('N', trans ? 'T' : 'N', rows, n, k, 1.0f, float_rows(rows), lda,
+                  w.data() + c.g * w.stride(0), w.stride(1), acc && !is_bf16<TO> ? 1.0f : 0.0f,
+                  static_cast<float*>(dst), ldc);
         return store(static_cast<float const*>(dst));
       }
       void const* src_rows = nullptr;
