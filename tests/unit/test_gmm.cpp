@@ -215,13 +215,19 @@ void expect_close(std::vector<double> const& got, Expected const& e, std::string
   }
 }
 
+/// p's rhs on the device: [G_local, k, n], or [G_local, n, k] with transpose_rhs.
+template <class S>
+View3<S> rhs_view(Problem const& p) {
+  return p.opt.transpose_rhs
+             ? to_device<View3<S>>("moe::gmm::test::rhs", p.rhs, p.num_local, p.n, p.k)
+             : to_device<View3<S>>("moe::gmm::test::rhs", p.rhs, p.num_local, p.k, p.n);
+}
+
 /// gmm with lhs stored as TL and out as TO (S or moe::bf16); the result as doubles.
 template <class Policy, class S, class TL = S, class TO = S>
 std::vector<double> run_gmm(Problem const& p, bool default_instance = false) {
   auto lhs = to_device<View2<TL>>("moe::gmm::test::lhs", p.lhs, p.m, p.k);
-  auto rhs = p.opt.transpose_rhs
-                 ? to_device<View3<S>>("moe::gmm::test::rhs", p.rhs, p.num_local, p.n, p.k)
-                 : to_device<View3<S>>("moe::gmm::test::rhs", p.rhs, p.num_local, p.k, p.n);
+  auto rhs = rhs_view<S>(p);
   auto out = to_device<View2<TO>>("moe::gmm::test::out", p.out, p.m, p.n);
   auto groups = moe::gmm::make_groups<Mem>(p.sizes);
   if (default_instance) {
@@ -231,6 +237,21 @@ std::vector<double> run_gmm(Problem const& p, bool default_instance = false) {
     moe::gmm::gmm(space, Policy{}, lhs, rhs, groups, out, p.opt);
     space.fence();
   }
+  return to_host(out);
+}
+
+/// gmm_sum of a's product and b's (b: the second lhs and rhs; a's groups, out and options), the
+/// lhs stored as TL and out as TO.
+template <class Policy, class S, class TL = S, class TO = S>
+std::vector<double> run_gmm_sum(Problem const& a, Problem const& b) {
+  auto lhs_a = to_device<View2<TL>>("moe::gmm::test::lhs_a", a.lhs, a.m, a.k);
+  auto lhs_b = to_device<View2<TL>>("moe::gmm::test::lhs_b", b.lhs, b.m, b.k);
+  auto rhs_a = rhs_view<S>(a), rhs_b = rhs_view<S>(b);
+  auto out = to_device<View2<TO>>("moe::gmm::test::out", a.out, a.m, a.n);
+  auto groups = moe::gmm::make_groups<Mem>(a.sizes);
+  Exec space;
+  moe::gmm::gmm_sum(space, Policy{}, lhs_a, rhs_a, lhs_b, rhs_b, groups, out, a.opt);
+  space.fence();
   return to_host(out);
 }
 
@@ -900,6 +921,70 @@ TYPED_TEST(Gmm, RoundRhsGivesTheBitsOfRoundedWeights) {
           cache.clear();
           EXPECT_EQ((run_gmm<P, S>(p)), want);
         }
+}
+
+// gmm_sum (a gated FFN's input gradient into 16-bit rows): out = lhs_a . rhs_a + lhs_b . rhs_b
+// is bit for bit gmm of the first product, then gmm of the second with accumulate into scalar
+// rows, rounded after where it rounds (bf16_output, or a moe::bf16 out), on every policy: both
+// weight layouts, groups of 2-3 rows, several chunks, a group whose rows are not a multiple of
+// the packed runs, an empty group, group_offset (the rows of other groups zeroed), bf16 inputs
+// with and without a pack cache and round_rhs; and it never accumulates (moe::ConfigError).
+TYPED_TEST(Gmm, SumOfTwoProductsGivesTheBitsOfTwoCalls) {
+  using S = typename TestFixture::S;
+  using P = typename TestFixture::Policy;
+  using moe::bf16;
+  for (bool trans : {false, true})
+    for (bool b16 : {true, false})
+      for (bool cached : {false, true}) {
+        SCOPED_TRACE(std::string(trans ? "transpose_rhs" : "plain") + (b16 ? ", bf16" : "") +
+                     (cached ? ", pack cache, round_rhs" : ""));
+        moe::gmm::PackCache cache;
+        GmmOptions opt;
+        opt.transpose_rhs = trans;
+        opt.group_offset = 1;
+        opt.bf16_inputs = opt.bf16_output = b16;
+        opt.pack_cache = cached ? &cache : nullptr;
+        opt.rhs_version = 1;
+        opt.round_rhs = b16 && cached;
+        std::vector<int64_t> const sizes{5, 2, 0, 3, 301, 17};
+        Problem a = make_gmm_problem(sizes, 338, 48, 40, 4, opt, 41);
+        Problem b = make_gmm_problem(sizes, 338, 48, 40, 4, opt, 43);
+        if (b16)
+          for (Problem* p : {&a, &b})
+            for (double& e : p->lhs) e = moe::detail::round_to_bf16(e);
+        // The two calls, the second accumulating into the first's scalar rows.
+        Problem first = a;
+        first.opt.bf16_output = false;
+        Problem second = b;
+        second.opt = first.opt;
+        second.opt.accumulate = true;
+        second.out = run_gmm<P, S>(first);
+        cache.clear();
+        auto want = run_gmm<P, S>(second);
+        if (b16)
+          for (double& e : want) e = moe::detail::round_to_bf16(e);
+        if (!b16) {
+          Expected ref = reference_gmm(a);
+          Expected const ref_b = reference_gmm(b);
+          for (std::size_t i = 0; i < ref.value.size(); ++i) {
+            ref.value[i] += ref_b.value[i];
+            ref.scale[i] += ref_b.scale[i];
+          }
+          expect_close<S>(want, ref, "the two calls");
+        }
+        cache.clear();
+        EXPECT_EQ((run_gmm_sum<P, S>(a, b)), want) << "scalar rows";
+        if (b16) {
+          cache.clear();
+          EXPECT_EQ((run_gmm_sum<P, S, bf16, bf16>(a, b)), want) << "bf16 lhs, bf16 out";
+          cache.clear();
+          EXPECT_EQ((run_gmm_sum<P, S, S, bf16>(a, b)), want) << "scalar lhs, bf16 out";
+        }
+      }
+  GmmOptions acc;
+  acc.accumulate = true;
+  Problem p = make_gmm_problem({3, 4}, 7, 8, 8, 2, acc, 3);
+  EXPECT_THROW((run_gmm_sum<P, S>(p, p)), moe::ConfigError);
 }
 
 // ---------------------------------------------------------------------------------------------

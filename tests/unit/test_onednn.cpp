@@ -734,6 +734,49 @@ TEST(OneDnnKernels, RoundRhsRoundsTheWeightsOnEveryPackedPath) {
   }
 }
 
+// gmm_sum into 16-bit rows where oneDNN's packed mode has no kernel for a chunk (a forced layout
+// mismatch: both products of every chunk run as sgemm into the chunk's float sum): the bits of
+// gmm, then gmm with accumulate into float rows, rounded after; on both weight layouts, with
+// round_rhs (the rounded copies such chunks multiply).
+TEST(OneDnnKernels, GmmSumIntoBf16RowsOnChunksWithoutAKernel) {
+  for (bool trans : {false, true}) {
+    SCOPED_TRACE(trans ? "transposed" : "plain");
+    dn::Forced f;
+    f.mode = dn::Forced::Mode::packed;
+    f.any_family = false;
+    f.family = dn::Family::matmul;
+    f.layout = dnnl::memory::format_tag::AB16b16a;
+    ScopedForced forced(f);
+    StatsDelta d;
+    std::vector<std::int64_t> const sizes{1, 3, 16, 40, 0, 21};
+    GmmCase a(sizes, 24, 40, trans, 3, true), b(sizes, 24, 40, trans, 5, true);
+    a.round_rhs = true;
+    a.run(false);
+    GmmOptions opt;
+    opt.transpose_rhs = trans;
+    opt.accumulate = true;
+    opt.bf16_inputs = opt.round_rhs = true;
+    Exec space;
+    moe::gmm::gmm(space, moe::gmm::OneDnn{}, b.lhs, b.rhs, a.groups, a.out, opt);
+    space.fence();
+    Vec want = moe_ref::kk::to_vec(a.out);
+    for (double& e : want) e = moe::detail::round_to_bf16(e);
+    Kokkos::View<moe::bf16**, Kokkos::LayoutRight, Mem> out16("moe::test::onednn::out16", a.m, a.n);
+    opt.accumulate = false;
+    opt.bf16_output = true;
+    opt.pack_cache = &a.cache;
+    opt.rhs_version = 1;
+    moe::gmm::gmm_sum(space, moe::gmm::OneDnn{}, a.lhs, a.rhs, b.lhs, b.rhs, a.groups, out16, opt);
+    space.fence();
+    auto const h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), out16);
+    Vec got(want.size());
+    for (std::size_t i = 0; i < got.size(); ++i) got[i] = float(h.data()[i]);
+    EXPECT_EQ(got, want);
+    EXPECT_GE(d.runs(moe::gmm::onednn_stats(), "sgemm"), 20u)
+        << "every chunk ran as sgemm: " << moe::gmm::onednn_stats().summary();
+  }
+}
+
 // The same layout without the forced mode: the plan's probe refuses it and the shape runs plain.
 TEST(OneDnnKernels, ForcedLayoutWithoutAKernelIsRefusedAtThePlan) {
   dn::Forced f;

@@ -51,15 +51,15 @@ inline dnnl::stream& thread_stream() {
   return s;
 }
 
-/// A growing, 64-byte aligned buffer of at least `count` T owned by the calling thread (slot 0, 1
-/// or 2 of each T), valid until it asks for the same slot again.
+/// A growing, 64-byte aligned buffer of at least `count` T owned by the calling thread (slot 0 to
+/// 3 of each T), valid until it asks for the same slot again.
 template <class T = float>
 T* thread_buffer(int slot, std::size_t count) {
   struct Free {
     void operator()(T* p) const { std::free(p); }
   };
-  thread_local std::unique_ptr<T, Free> buffers[3];
-  thread_local std::size_t sizes[3] = {0, 0, 0};
+  thread_local std::unique_ptr<T, Free> buffers[4];
+  thread_local std::size_t sizes[4] = {0, 0, 0, 0};
   if (sizes[slot] < count) {
     auto* p = static_cast<T*>(std::aligned_alloc(64, (count * sizeof(T) + 63) / 64 * 64));
     if (!p) throw std::bad_alloc();  // the old buffer and its size stay valid

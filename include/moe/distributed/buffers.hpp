@@ -97,7 +97,6 @@ enum class BufKind : std::uint8_t { external, workspace, held };  ///< what kind
   X(dy_received_cols, rows, token_rows) \
   X(dy_local_cols, rows, token_rows)    \
   X(dy_local, rows, token_rows)         \
-  X(dx_local, value, token_rows)        \
   X(dy_work, value, token_rows)         \
   X(dx_work, value, token_rows)         \
   X(d_weights, value, routing)          \

@@ -167,7 +167,7 @@ class PlanBuilder {
   /// experts, and the ragged all-to-all's rows and column blocks between the sort and them):
   /// hidden_elem(), except on the chunked ring (its forward slices float rows).
   Elem rows_elem() const { return chunks == 0 ? hidden_elem() : Elem::value; }
-  /// Whether the routed rows are 16-bit: the experts' dx rows then need a float buffer (dx_local).
+  /// Whether the routed rows are 16-bit (the all-to-alls then move them as they are).
   bool narrow_rows() const { return rows_elem() == Elem::bf16; }
   /// Declares hidden states a component keeps, of hidden_elem().
   void hold_hidden(Buf b, std::vector<Extent> dims) {

@@ -99,6 +99,59 @@ void gmm(Policy policy, LhsView const& lhs, RhsView const& rhs,
   gmm(typename OutView::execution_space(), policy, lhs, rhs, groups, out, opt);
 }
 
+/// \brief Two grouped GEMMs summed: out = lhs_a * rhs_a[g] + lhs_b * rhs_b[g] on the rows of each
+/// visited group (each product as gmm's, with the same groups and options; other rows zeroed). The
+/// sum is taken in the scalar before out is written, so a moe::bf16 out (or opt.bf16_output)
+/// rounds it once: the bits of gmm(a), then gmm(b) with accumulate into a scalar out, rounded
+/// after. A gated FFN's input gradient (d_h0 . wi_0^T + d_h1 . wi_1^T) written into 16-bit rows.
+/// With a 16-bit out, OneDnn's packed mode sums each row chunk in a thread buffer; elsewhere the
+/// sum goes through a scalar copy of out made for the call. opt.accumulate: moe::ConfigError.
+template <class Policy, class ExecSpace, class LhsA, class RhsA, class LhsB, class RhsB,
+          class OutView, class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
+void gmm_sum(ExecSpace const& space, Policy policy, LhsA const& lhs_a, RhsA const& rhs_a,
+             LhsB const& lhs_b, RhsB const& rhs_b,
+             Groups<typename ExecSpace::memory_space> const& groups, OutView const& out,
+             GmmOptions const& opt = {}) {
+  namespace impl = moe::gmm::detail;
+  impl::static_checks<Policy, ExecSpace, LhsA, RhsA, OutView, 2>();
+  impl::static_checks<Policy, ExecSpace, LhsB, RhsB, OutView, 2>();
+  using S = typename RhsA::non_const_value_type;
+  using TO = typename OutView::non_const_value_type;
+  moe::detail::require<ConfigError>(!opt.accumulate,
+                                    "moe::gmm::gmm_sum: accumulate=true; the sum overwrites out");
+  impl::check_gmm(lhs_a, rhs_a, groups, out, opt);
+  impl::check_gmm(lhs_b, rhs_b, groups, out, opt);
+  moe::detail::Region region("moe::gmm::gmm_sum");
+  using R = resolve_t<Policy, ExecSpace, S>;
+  if constexpr (!impl::is_bf16<TO>) {
+    GmmOptions first = opt;
+    first.bf16_output = false;
+    gmm(space, policy, lhs_a, rhs_a, groups, out, first);
+    GmmOptions second = first;
+    second.accumulate = true;
+    gmm(space, policy, lhs_b, rhs_b, groups, out, second);
+    if (opt.bf16_output)
+      impl::round_rows(space, impl::Mat<ExecSpace, TO, typename OutView::memory_space>(out),
+                       groups.offsets_host(opt.group_offset),
+                       groups.offsets_host(opt.group_offset + int(rhs_a.extent(0))));
+  } else {
+    using TL = typename LhsA::non_const_value_type;
+    if constexpr (impl::sums_rows16<R>::value &&
+                  std::is_same<TL, typename LhsB::non_const_value_type>::value) {
+      using M = typename OutView::memory_space;
+      if (impl::Impl<R>::gmm_sum(
+              space, impl::CMat<ExecSpace, TL, M>(lhs_a), impl::CTensor<ExecSpace, S, M>(rhs_a),
+              impl::CMat<ExecSpace, TL, M>(lhs_b), impl::CTensor<ExecSpace, S, M>(rhs_b), groups,
+              impl::Mat<ExecSpace, TO, M>(out), opt))
+        return;
+    }
+    auto const wide = impl::widened<S>(space, out, false);
+    gmm_sum(space, policy, lhs_a, rhs_a, lhs_b, rhs_b, groups, wide, opt);
+    impl::convert_into(space, wide, out, "moe::gmm::narrow");
+    moe::detail::fence(space, "moe::gmm::gmm_sum: float sum narrowed");  // before it is freed
+  }
+}
+
 /// \brief Weight gradient of gmm: out[g] = lhs[rows of group group_offset+g, :]^T * dy[same rows,
 /// :] for g in [0, G_local); lhs [m, k], dy [m, n], out [G_local, k, n]. Empty groups give zero
 /// blocks; opt.accumulate adds to out instead; opt.transpose_rhs is ignored. out holds the scalar;

@@ -158,12 +158,12 @@ class ExpertFfn : public Bf16Rounding {
     gmm::gmm(space, Gmm{}, hs_.act, wo, groups, ys, options(false, false, true));
   }
 
-  /// From dys [n,D] (view2, or bview2 as forward's rows): dxs [n,D] (a view2: its two GEMMs sum
-  /// in fp32; may alias a view2 dys) and the weight gradients (overwritten). The weights must be
-  /// the forward's (same version).
-  template <class DYS>
+  /// From dys [n,D] (view2, or bview2 as forward's rows): dxs [n,D] (view2, or bview2 where
+  /// stores_bf16: its two GEMMs are summed in fp32 and rounded once, gmm::gmm_sum; may alias dys)
+  /// and the weight gradients (overwritten). The weights must be the forward's (same version).
+  template <class DYS, class DXS>
   void backward(ExecSpace const& space, DYS const& dys, groups_type const& groups, view3 wi_0,
-                view3 wi_1, view3 wo, view2 dxs, view3 d_wi_0, view3 d_wi_1, view3 d_wo) {
+                view3 wi_1, view3 wo, DXS const& dxs, view3 d_wi_0, view3 d_wi_1, view3 d_wo) {
     moe::detail::Region region("moe::expert_ffn::backward");
     std::int64_t const n = dxs.extent(0), F = wi_0.extent(2);
     round(space, dys);  // the expert outputs' gradient (w * dy from the combine) is bf16
@@ -177,11 +177,9 @@ class ExpertFfn : public Bf16Rounding {
         gated_backward(space, act_, n, h0, h1, da, da, dh1, bf16);
         gmm::tgmm(space, Gmm{}, xs, da, groups, d_wi_0, options(false, false));
         gmm::tgmm(space, Gmm{}, xs, dh1, groups, d_wi_1, options(false, false));
-        gmm::gmm(space, Gmm{}, da, wi_0, groups, dxs, options(true, false));
-        gmm::gmm(space, Gmm{}, dh1, wi_1, groups, dxs, options(true, true));
+        gmm::gmm_sum(space, Gmm{}, da, wi_0, dh1, wi_1, groups, dxs, options(true, false, true));
       });
     });
-    round(space, dxs);
   }
 
   /// The packed copies of the weights (empty unless the GEMM backend packs).

@@ -26,22 +26,15 @@ void experts_forward(Ctx& ctx, Rows const& xr, Rows const& yr, Groups const& gro
   });
 }
 
-/// The experts' backward from the routed rows `dyr`: dxs (float; may be dyr's own float view)
-/// and the compute-block weight gradients.
+/// The experts' backward from the routed rows `dyr`: their dx rows overwrite dyr (float rows, or
+/// 16-bit ones: the two products summed in fp32 and rounded once), and the compute-block weight
+/// gradients.
 template <class Ctx, class Rows, class Groups>
-void experts_backward(Ctx& ctx, Rows const& dyr, typename Ctx::view2 dxs, Groups const& groups) {
+void experts_backward(Ctx& ctx, Rows const& dyr, Groups const& groups) {
   dyr.visit([&](auto const& dys) {
-    ctx.ffn.backward(ctx.space, dys, groups, ctx.cp.wi_0, ctx.cp.wi_1, ctx.cp.wo, dxs, ctx.gc.wi_0,
+    ctx.ffn.backward(ctx.space, dys, groups, ctx.cp.wi_0, ctx.cp.wi_1, ctx.cp.wo, dys, ctx.gc.wi_0,
                      ctx.gc.wi_1, ctx.gc.wo);
   });
-}
-
-/// The float view the experts' dx rows go to: dy_local's own (float rows), else dx_local.
-template <class Ctx>
-typename Ctx::view2 experts_dx_rows(Ctx& ctx, bool make) {
-  if (!ctx.ws.narrow(buf::dy_local)) return ctx.ws.at(buf::dy_local).wide;
-  return make ? ctx.ws.make(buf::dx_local, ctx.ws.at(buf::dy_local).rows())
-              : ctx.ws.at(buf::dx_local);
 }
 
 }  // namespace moe::distributed::stages

@@ -46,15 +46,12 @@ Stage& plan_gathered_experts_backward(PlanBuilder& b, char const* gather_dy, std
 
 /// \brief The routed rows of the working tokens sorted by local expert through the grouped GEMMs.
 /// x_local, y_local and dy_local are 16-bit where the plan narrows them (PlanBuilder::rows_elem);
-/// the experts' dx rows are then a float buffer of their own (dx_local), else they overwrite
-/// dy_local.
+/// the experts' dx rows overwrite dy_local.
 struct SortedExperts : StageDefaults {
   static constexpr bool dense = false;
   /// What the experts write (the combine reads it) and what the dispatch backward reads.
   static constexpr auto rows_out = buf::y_local;
-  static Ref dx_rows(PlanBuilder const& b) {
-    return b.narrow_rows() ? Ref(buf::dx_local) : Ref(buf::dy_local);
-  }
+  static Ref dx_rows(PlanBuilder const&) { return buf::dy_local; }
 
   /// The dispatch and experts stages on the working tokens `xw`.
   static void plan_forward(PlanBuilder& b, Handle<Values> xw) {
@@ -73,10 +70,7 @@ struct SortedExperts : StageDefaults {
         StageKind::combine, "moe::dist::combine::backward",
         {buf::dy_work, buf::y_local, Buf::routing},
         {b.out(buf::dy_local, n, b.emb()), b.out(buf::d_weights_work, b.work_tokens(), b.topk())});
-    if (b.narrow_rows())
-      b.experts_stage({buf::dy_local}, {b.out(buf::dx_local, n, b.emb())});
-    else
-      b.experts_stage({buf::dy_local}, {buf::dy_local});
+    b.experts_stage({buf::dy_local}, {buf::dy_local});
     b.hold_expert_ffn(n);
   }
 
@@ -119,17 +113,16 @@ struct SortedExperts : StageDefaults {
   }
   template <class Ctx>
   static void experts_backward(Ctx& ctx) {
-    // dxs overwrites dys, or (16-bit dys) goes to dx_local.
-    stages::experts_backward(ctx, ctx.ws.at(buf::dy_local), stages::experts_dx_rows(ctx, true),
-                             ctx.disp.perm.groups);
+    stages::experts_backward(ctx, ctx.ws.at(buf::dy_local), ctx.disp.perm.groups);  // dxs: dys
   }
   /// dx of the working tokens: the sorted rows' gradients scattered back to them.
   template <class Ctx>
   static typename Ctx::view2 work_dx(Ctx& ctx) {
     auto dxw = ctx.ws.make(buf::dx_work);
-    auto const dxs = stages::experts_dx_rows(ctx, false);
-    permute::gather_rows_backward(ctx.space, cview2_t<Ctx>(dxs), ctx.inverse(),
-                                  ctx.cfg.num_experts_per_tok, false, dxw);
+    ctx.ws.at(buf::dy_local).visit([&](auto const& dxs) {
+      permute::gather_rows_backward(ctx.space, stages::const_rows(dxs), ctx.inverse(),
+                                    ctx.cfg.num_experts_per_tok, false, dxw);
+    });
     return dxw;
   }
   template <class Ctx>

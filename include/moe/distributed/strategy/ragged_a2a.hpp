@@ -68,9 +68,8 @@ struct RaggedA2A : StageDefaults {
                  b.out(buf::dy_received_cols, recv, Dc), b.out(buf::dy_local_cols, recv, Dc)});
     b.all_reduce(cb, "reduce d_weights (tensor)", lay.tp_axes, b.T * b.K);
     b.all_to_all(cb, "dispatch d_y", b.sent, b.Dc);
-    std::vector<Out> eb_out{b.out(buf::dy_local, recv, D), buf::dy_local_cols};
-    if (b.narrow_rows()) eb_out.push_back(b.out(buf::dx_local, recv, D));
-    auto& eb = b.experts_stage({buf::dy_local_cols}, std::move(eb_out));
+    auto& eb =
+        b.experts_stage({buf::dy_local_cols}, {b.out(buf::dy_local, recv, D), buf::dy_local_cols});
     b.all_gather(eb, "all-gather d_y (tensor)", lay.tp_axes, b.recv, b.Dc, 1, true);
     b.reduce_scatter(eb, "reduce-scatter d_x (tensor)", lay.tp_axes, b.recv, b.Dc, 1, true);
     b.hold_expert_ffn(recv);
@@ -168,10 +167,10 @@ struct RaggedA2A : StageDefaults {
     auto const dyr = ctx.ws.make(buf::dy_local, dys_c.rows());
     dys_c.visit_with(dyr,
                      [&](auto const& c, auto const& dys) { ctx.all_gather(ctx.tp(), c, dys, 1); });
-    // dxs (partial over tensor; overwriting float dys, else dx_local), then its column block dys_c.
-    auto const dxs = stages::experts_dx_rows(ctx, true);
-    stages::experts_backward(ctx, dyr, dxs, ctx.disp.groups);
-    dys_c.visit([&](auto const& c) { ctx.reduce_scatter(ctx.tp(), dxs, c, 1); });
+    // dxs (partial over tensor) overwrites dys, then goes to its column block dys_c.
+    stages::experts_backward(ctx, dyr, ctx.disp.groups);
+    dyr.visit_with(
+        dys_c, [&](auto const& dxs, auto const& c) { ctx.reduce_scatter(ctx.tp(), dxs, c, 1); });
   }
   template <class Ctx>
   static void dispatch_backward(Ctx& ctx, typename Ctx::view2 dx) {

@@ -159,6 +159,11 @@ void check_tgmm(L const& lhs, D const& dy, Groups<Mem> const& groups, O const& o
                       "] = [G_local, lhs.extent(1), dy.extent(1)]");
 }
 
+/// Whether a policy's Impl has gmm_sum(): the sum of two products written into 16-bit rows
+/// without a float copy of them (gmm::gmm_sum makes one for the others).
+template <class Policy>
+struct sums_rows16 : std::false_type {};
+
 /// A policy's implementation: static gmm() and tgmm() on unmanaged row-major operands.
 template <class Policy>
 struct Impl {

@@ -110,6 +110,9 @@ void widen_rows(T const* x, std::int64_t ld, std::int64_t rows, std::int64_t col
     for (std::int64_t j = 0; j < cols; ++j) f[r * ld + j] = float(x[r * ld + j]);
 }
 
+template <>
+struct sums_rows16<moe::gmm::OneDnn> : std::true_type {};
+
 // bf16 row operands: the bf16 kernels take them as they are, the float paths widened copies.
 template <>
 struct Impl<moe::gmm::OneDnn> {
@@ -127,13 +130,7 @@ struct Impl<moe::gmm::OneDnn> {
       zero_rows(space, out, begin, end, "moe::gmm::zero_rows");
     } else if (k > 0 && n > 0 && end > begin) {
       std::int64_t const lda = lhs.stride(0), ldc = out.stride(0), ldw = rhs.stride(1);
-      // Packing pays only when the packed copy is kept (a cache, or a test forcing it). bf16
-      // inputs take the bf16 plan where the CPU has bf16 kernels, else the fp32 one.
-      bool const keep = opt.pack_cache || dn::forced().mode == dn::Forced::Mode::packed;
-      bool const bf16 = keep && opt.bf16_inputs && dn::bf16_kernels();
-      dn::KernelPlan* p = &dn::plan(k, n, trans, ldw, lda, ldc, bf16);
-      if (bf16 && !p->packed()) p = &dn::plan(k, n, trans, ldw, lda, ldc);
-      if (keep && p->packed()) {
+      if (dn::KernelPlan* const p = packed_plan(lhs, rhs, out, opt)) {
         packed_gmm(*p, lhs, rhs, groups, out, opt);
       } else if (opt.round_rhs) {
         // The plain layout reads rhs in place: it multiplies a rounded copy (packing nothing).
@@ -176,13 +173,64 @@ struct Impl<moe::gmm::OneDnn> {
     fence(space, "moe::gmm::gmm<OneDnn>: done");
   }
 
+  /// The plan of the packed mode for lhs * rhs -> out, or nullptr (the plain mode). Packing pays
+  /// only when the packed copy is kept (a cache, or a test forcing it). bf16 inputs take the bf16
+  /// plan where the CPU has bf16 kernels, else the fp32 one.
+  template <class E, class TL, class TO, class ML, class MR, class MO>
+  static dn::KernelPlan* packed_plan(CMat<E, TL, ML> const& lhs, CTensor<E, float, MR> const& rhs,
+                                     Mat<E, TO, MO> const& out, GmmOptions const& opt) {
+    std::int64_t const k = lhs.extent(1), n = out.extent(1);
+    std::int64_t const lda = lhs.stride(0), ldc = out.stride(0), ldw = rhs.stride(1);
+    bool const trans = opt.transpose_rhs;
+    bool const keep = opt.pack_cache || dn::forced().mode == dn::Forced::Mode::packed;
+    bool const bf16 = keep && opt.bf16_inputs && dn::bf16_kernels();
+    dn::KernelPlan* p = &dn::plan(k, n, trans, ldw, lda, ldc, bf16);
+    if (bf16 && !p->packed()) p = &dn::plan(k, n, trans, ldw, lda, ldc);
+    return keep && p->packed() ? p : nullptr;
+  }
+
+  /// The second product of gmm_sum's packed mode (lhs_b, rhs_b).
+  template <class E, class TL, class ML, class MR>
+  struct Second {
+    CMat<E, TL, ML> lhs;
+    CTensor<E, float, MR> rhs;
+  };
+
+  /// gmm::gmm_sum into 16-bit rows in the packed mode (the plan gmm would take is packed, and both
+  /// products share it): each chunk's two products summed in a thread buffer, as gmm and then gmm
+  /// with accumulate sum them into float rows, and narrowed. False (nothing done) elsewhere.
+  template <class E, class TL, class ML, class MR, class MO, class Mem>
+  static bool gmm_sum(E const& space, CMat<E, TL, ML> const& lhs_a,
+                      CTensor<E, float, MR> const& rhs_a, CMat<E, TL, ML> const& lhs_b,
+                      CTensor<E, float, MR> const& rhs_b, Groups<Mem> const& groups,
+                      Mat<E, moe::bf16, MO> const& out, GmmOptions const& opt) {
+    std::int64_t const k = lhs_a.extent(1), n = out.extent(1);
+    auto const& off = groups.offsets_host;
+    std::int64_t const begin = off(opt.group_offset),
+                       end = off(opt.group_offset + int(rhs_a.extent(0)));
+    if (k == 0 || n == 0 || end == begin || lhs_b.stride(0) != lhs_a.stride(0) ||
+        rhs_b.stride(0) != rhs_a.stride(0) || rhs_b.stride(1) != rhs_a.stride(1))
+      return false;
+    dn::KernelPlan* const p = packed_plan(lhs_a, rhs_a, out, opt);
+    if (!p) return false;
+    fence(space, "moe::gmm::gmm_sum<OneDnn>: operands ready");
+    Second<E, TL, ML, MR> const second{lhs_b, rhs_b};
+    packed_gmm(*p, lhs_a, rhs_a, groups, out, opt, &second);
+    zero_outside(space, out, begin, end);
+    fence(space, "moe::gmm::gmm_sum<OneDnn>: done");
+    return true;
+  }
+
   /// Packed layout: each group as row chunks (at most chunk_cap rows), run longest first, one per
   /// thread. A chunk run past its group writes to a thread buffer; one without a direct kernel runs
-  /// as sgemm. bf16 rows are widened, float results narrowed per chunk where needed.
+  /// as sgemm. bf16 rows are widened, float results narrowed per chunk where needed. With `second`
+  /// (gmm_sum; a bf16 out, no accumulate) each chunk adds its second product to its first in
+  /// thread buffer 3, with the kernels and arithmetic of two calls into float rows.
   template <class E, class TL, class TO, class ML, class MR, class MO, class Mem>
   static void packed_gmm(moe::detail::onednn::KernelPlan& p, CMat<E, TL, ML> const& lhs,
                          CTensor<E, float, MR> const& rhs, Groups<Mem> const& groups,
-                         Mat<E, TO, MO> const& out, GmmOptions const& opt) {
+                         Mat<E, TO, MO> const& out, GmmOptions const& opt,
+                         Second<E, TL, ML, MR> const* second = nullptr) {
     int const num_local = rhs.extent(0);
     std::int64_t const m = lhs.extent(0), k = lhs.extent(1), n = out.extent(1);
     std::int64_t const lda = lhs.stride(0), ldc = out.stride(0);
@@ -190,35 +238,50 @@ struct Impl<moe::gmm::OneDnn> {
     auto const& off = groups.offsets_host;
     int const go = opt.group_offset;
     auto const pk = dn::packed(p, rhs, trans, opt);
+    auto const pk_b = second ? dn::packed(p, second->rhs, trans, opt) : nullptr;
     struct Call {
       int g;
       std::int64_t c0;
       dn::Chunk chunk;
       dn::Kernel const* kernel;  // null: sgemm on the weights in place
+      std::int64_t run_b;        // the second product's (gmm_sum)
+      dn::Kernel const* kernel_b;
     };
     std::vector<Call> calls;
     bool const rounded = opt.bf16_output || is_bf16<TO>;
-    bool const to_bf16 = rounded && p.bf16();  // never with acc (check_gmm)
+    bool const to_bf16 = !second && rounded && p.bf16();  // never with acc (check_gmm)
     std::int64_t const cap = dn::chunk_cap(off(go + num_local) - off(go), dn::max_threads());
     for (int g = 0; g < num_local; ++g) {
       std::int64_t const r1 = off(go + g + 1);
       for (std::int64_t c0 = off(go + g); c0 < r1;) {
         dn::Chunk c = dn::chunk_rows(r1 - c0, cap);
         dn::Kernel const* kernel = p.kernel(c.run, acc && c.run == c.rows, to_bf16);
+        // The second product accumulates, as a second gmm call with accumulate would.
+        dn::Kernel const* kernel_b = second ? p.kernel(c.run, c.run == c.rows) : nullptr;
+        std::int64_t const run_b = kernel_b ? c.run : c.rows;
         if (!kernel) c.run = c.rows;
-        calls.push_back({g, c0, c, kernel});
+        calls.push_back({g, c0, c, kernel, run_b, kernel_b});
         c0 += c.rows;
       }
     }
     // A chunk with no kernel runs sgemm on the weights in place: with round_rhs, on one rounded
     // copy made before the chunks run.
-    moe::detail::rounded_copy_t<CTensor<E, float, MR>> rounded_rhs;
-    if (opt.round_rhs &&
-        std::any_of(calls.begin(), calls.end(), [](Call const& c) { return !c.kernel; })) {
-      rounded_rhs = moe::detail::rounded_copy(E(), rhs);
+    using Rounded = moe::detail::rounded_copy_t<CTensor<E, float, MR>>;
+    auto weights = [&](CTensor<E, float, MR> const& r, Rounded& copy, bool needed) {
+      if (!opt.round_rhs || !needed) return r;
+      copy = moe::detail::rounded_copy(E(), r);
       fence(E(), "moe::gmm::gmm<OneDnn>: rounded weights made");
-    }
-    CTensor<E, float, MR> const w = rounded_rhs.data() ? CTensor<E, float, MR>(rounded_rhs) : rhs;
+      return CTensor<E, float, MR>(copy);
+    };
+    Rounded rounded_a, rounded_b;
+    CTensor<E, float, MR> const w =
+        weights(rhs, rounded_a,
+                std::any_of(calls.begin(), calls.end(), [](Call const& c) { return !c.kernel; }));
+    CTensor<E, float, MR> const w_b =
+        second ? weights(second->rhs, rounded_b,
+                         std::any_of(calls.begin(), calls.end(),
+                                     [](Call const& c) { return !c.kernel_b; }))
+               : w;
     // Longest first: the threads take calls as they free up, so the last ones are short.
     std::stable_sort(calls.begin(), calls.end(),
                      [](Call const& a, Call const& b) { return a.chunk.run > b.chunk.run; });
@@ -226,16 +289,57 @@ struct Impl<moe::gmm::OneDnn> {
     dn::for_each_item(std::int64_t(calls.size()), [&](std::int64_t i) {
       Call const& c = calls[std::size_t(i)];
       std::int64_t const rows = c.chunk.rows, run = c.chunk.run;
-      TL const* const in = lhs.data() + c.c0 * lda;
-      // The chunk's rows as floats zero-padded to `count` rows: in place, or in thread buffer 2.
-      auto float_rows = [&](std::int64_t count) -> float const* {
+      // The chunk's rows of `from` as floats zero-padded to `count` rows: in place, or in thread
+      // buffer 2.
+      auto float_rows = [&](TL const* from, std::int64_t count) -> float const* {
         if constexpr (!is_bf16<TL>)
-          if (c.c0 + count <= m) return in;
+          if (c.c0 + count <= m) return from;
         float* const f = dn::thread_buffer(2, std::size_t(count * lda));
-        widen_rows(in, lda, rows, k, f);
+        widen_rows(from, lda, rows, k, f);
         std::fill(f + rows * lda, f + count * lda, 0.0f);
         return f;
       };
+      // The kernel's source: the chunk's rows of `from` padded to `count` rows, as the plan takes
+      // them (bf16 rows dense, row stride k: bf16 lhs rows in place where they are so).
+      auto kernel_rows = [&](TL const* from, std::int64_t count) -> void const* {
+        if (!p.bf16()) return float_rows(from, count);
+        if constexpr (is_bf16<TL>)
+          if (count == rows && lda == k) return from;
+        auto* const b = dn::thread_buffer<std::uint16_t>(2, std::size_t(count * k));
+        dn::bf16_rows(from, lda, rows, k, count, b, k);
+        return b;
+      };
+      auto run_kernel = [&](dn::Kernel const& kernel, dn::PackedTensor const& packs,
+                            void const* src, std::int64_t count, bool bf16_dst, void* dst) {
+        kernel.run(
+            {{DNNL_ARG_SRC, dnnl::memory(p.src_desc(count), dn::engine(), const_cast<void*>(src))},
+             {DNNL_ARG_WEIGHTS, packs[std::size_t(c.g)]},
+             {DNNL_ARG_DST, dnnl::memory(p.dst_desc(count, bf16_dst), dn::engine(), dst)}});
+      };
+      TL const* const in = lhs.data() + c.c0 * lda;
+      if (second) {  // gmm_sum: both products into the chunk's float sum, then narrowed
+        float* const sum = dn::thread_buffer(3, std::size_t(std::max(run, c.run_b) * ldc));
+        if (c.kernel)
+          run_kernel(*c.kernel, *pk, kernel_rows(in, run), run, false, sum);
+        else
+          dn::sgemm('N', trans ? 'T' : 'N', rows, n, k, 1.0f, float_rows(in, rows), lda,
+                    w.data() + c.g * w.stride(0), w.stride(1), 0.0f, sum, ldc);
+        TL const* const in_b = second->lhs.data() + c.c0 * lda;
+        if (!c.kernel_b) {
+          dn::sgemm('N', trans ? 'T' : 'N', rows, n, k, 1.0f, float_rows(in_b, rows), lda,
+                    w_b.data() + c.g * w_b.stride(0), w_b.stride(1), 1.0f, sum, ldc);
+        } else if (c.run_b == rows) {  // the accumulating kernel, on the sum
+          run_kernel(*c.kernel_b, *pk_b, kernel_rows(in_b, rows), rows, false, sum);
+        } else {  // past the group: into thread buffer 0, then added
+          float* const part = dn::thread_buffer(0, std::size_t(c.run_b * ldc));
+          run_kernel(*c.kernel_b, *pk_b, kernel_rows(in_b, c.run_b), c.run_b, false, part);
+          for (std::int64_t r = 0; r < rows; ++r)
+            for (std::int64_t j = 0; j < n; ++j) sum[r * ldc + j] += part[r * ldc + j];
+        }
+        for (std::int64_t r = 0; r < rows; ++r)
+          for (std::int64_t j = 0; j < n; ++j) y[(c.c0 + r) * ldc + j] = TO(sum[r * ldc + j]);
+        return;
+      }
       // Float results [rows, n] (row stride ldc) into out: added, copied or rounded.
       auto store = [&](float const* from) {
         for (std::int64_t r = 0; r < rows; ++r) {
@@ -262,27 +366,12 @@ struct Impl<moe::gmm::OneDnn> {
                             ? static_cast<void*>(dn::thread_buffer(0, std::size_t(run * ldc)))
                             : dn::thread_buffer<std::uint16_t>(0, std::size_t(run * n));
       if (!c.kernel) {
-        dn::sgemm('N', trans ? 'T' : 'N', rows, n, k, 1.0f, float_rows(rows), lda,
+        dn::sgemm('N', trans ? 'T' : 'N', rows, n, k, 1.0f, float_rows(in, rows), lda,
                   w.data() + c.g * w.stride(0), w.stride(1), acc && !is_bf16<TO> ? 1.0f : 0.0f,
                   static_cast<float*>(dst), ldc);
         return store(static_cast<float const*>(dst));
       }
-      void const* src_rows = nullptr;
-      if (p.bf16()) {  // bf16 rows, dense (row stride k), zero-padded: bf16 lhs rows in place
-        if constexpr (is_bf16<TL>)
-          if (run == rows && lda == k) src_rows = in;
-        if (!src_rows) {
-          auto* const b = dn::thread_buffer<std::uint16_t>(2, std::size_t(run * k));
-          dn::bf16_rows(in, lda, rows, k, run, b, k);
-          src_rows = b;
-        }
-      } else {
-        src_rows = float_rows(run);
-      }
-      c.kernel->run(
-          {{DNNL_ARG_SRC, dnnl::memory(p.src_desc(run), dn::engine(), const_cast<void*>(src_rows))},
-           {DNNL_ARG_WEIGHTS, (*pk)[std::size_t(c.g)]},
-           {DNNL_ARG_DST, dnnl::memory(p.dst_desc(run, to_bf16), dn::engine(), dst)}});
+      run_kernel(*c.kernel, *pk, kernel_rows(in, run), run, to_bf16, dst);
       if (float_out) return store(static_cast<float const*>(dst));
       auto const* const b = static_cast<std::uint16_t const*>(dst);
       if (!in_place)
