@@ -126,8 +126,8 @@ void run_case(Case const& c, bool memory = false, std::int64_t D = 16, std::int6
   if (memory) {
     // The estimate's items for the GEMMs this layer runs (oneDNN's where moe has it: no rounded
     // copy of the expert weights, which its packing rounds) against what the layer allocated
-    // beyond the caller's tensors. oneDNN's packed copies and its bf16 kernels' operand copies
-    // are not Kokkos allocations: not counted on either side.
+    // beyond the caller's tensors. oneDNN's packed copies and the GEMMs' thread buffers are not
+    // Kokkos allocations: not counted on either side.
     std::int64_t const callers = 4 * b_local * S * Dl * std::int64_t(sizeof(Scalar));
     typename moe::DistributedMoeLayer<Scalar>::params_type grads;
     for (int step = 0; step < 2; ++step) {
@@ -137,12 +137,8 @@ void run_case(Case const& c, bool memory = false, std::int64_t D = 16, std::int6
     Kokkos::fence();
     bool const onednn = moe::default_packed_weights(plan);
     auto const est = moe::estimate_layer_memory(plan, cfg, true, onednn);
-    bool bf16_kernels = false;
-#if MOE_HAS_ONEDNN
-    bf16_kernels = bf16 && moe::detail::onednn::bf16_kernels();
-#endif
-    std::int64_t const kokkos = est.total() - est.bytes("packed expert weights") -
-                                (bf16_kernels ? est.bytes("GEMM operand copies") : 0);
+    std::int64_t const kokkos =
+        est.total() - est.bytes("packed expert weights") - est.bytes("GEMM thread buffers");
     double const ratio = double(kokkos) / double(AllocationTracker::peak - before - callers);
     EXPECT_GT(ratio, 0.9) << "rank " << rank << "\n" << est.to_text();
     EXPECT_LT(ratio, 1.3) << "rank " << rank << "\n" << est.to_text();

@@ -159,9 +159,12 @@ class LayerBuffers {
     comm("bf16 all-to-all copies", {a2a_wire_}, 2);
     comm("all-reduce temporaries", {ar_temp_}, s_);
   }
-  // ---- dtype=bfloat16 with oneDNN (float, host): the GEMMs' operand copies per this CPU's tier:
-  // bf16_gemm's two buffers at their largest use, or the float copy of one 16-bit hidden state
-  // (the routed weight gradients' in training, any of the shared expert's and dense path's).
+  // ---- dtype=bfloat16 with oneDNN (float, host): the GEMMs' operand copies per this CPU's tier.
+  // "GEMM thread buffers": oneDNN-side buffers of the threads, kept from call to call (not Kokkos
+  // allocations): bf16_gemm's two buffers of the calling thread at their largest use, or below the
+  // bf16 tiers the routed weight gradients' float copies of a group's 16-bit operands on every
+  // thread. "GEMM operand copies": below the bf16 tiers, the float copy (a Kokkos View, for the
+  // call) of one 16-bit hidden state that the shared expert's and the dense path's GEMMs take.
   void gemm_copies(bool dense) {
     if (!bf16_ || !packed_ || s_ != 4) return;
     auto const* h = plan_.step.find(distributed::Buf::h0);
@@ -170,23 +173,21 @@ class LayerBuffers {
     std::string const keys = std::string(kTokens) + ", " + weight_keys_;
 #if MOE_HAS_ONEDNN
     if (!bf16_kernels_) {
-      // The routed GEMMs copy in training only (each weight gradient's tgmm widens its two 16-bit
-      // operands: a hidden state [rows, F] and, where the routed rows are 16-bit, a row block
-      // [rows, D]), the dense path's GEMMs a hidden state in its forward.
+      // Each tgmm call widens its group's rows of lhs and of dy into its thread's two buffers:
+      // [rows, F] and [rows, D] of a group, at most max(F, D) wide each where the routed rows are
+      // 16-bit (else F: the hidden states only); a group of balanced routing on every thread.
       using distributed::Elem;
       auto size = [](auto const* d) { return d->dims[0].n * d->dims[1].n; };
-      std::int64_t routed = 0, shared = 0;
-      if (h && h->elem == Elem::bf16 && (training_ || dense)) {
-        routed = size(h);
+      if (h && h->elem == Elem::bf16 && training_ && !dense && w[0] > 0) {
         auto const* xl = plan_.step.find(distributed::Buf::x_local);
-        if (!dense && xl && xl->elem == Elem::bf16) routed += size(xl);
+        std::int64_t const width = xl && xl->elem == Elem::bf16 ? std::max(w[1], w[2]) : w[2];
+        add("GEMM thread buffers", "float copies of a group's 16-bit operands, per thread",
+            {moe::detail::onednn::max_threads(), 2, (h->dims[0].n + w[0] - 1) / w[0], width}, 4,
+            keys);
       }
-      if (hs && hs->elem == Elem::bf16) shared = size(hs);
-      if (routed > 0 || shared > 0)
-        add("GEMM operand copies",
-            routed >= shared ? "float copies of the routed GEMMs' 16-bit operands"
-                             : "float copy of a hidden state",
-            {std::max(routed, shared)}, 4, keys);
+      std::int64_t copy = dense && h && h->elem == Elem::bf16 ? size(h) : 0;
+      if (hs && hs->elem == Elem::bf16) copy = std::max(copy, size(hs));
+      if (copy > 0) add("GEMM operand copies", "float copy of a hidden state", {copy}, 4, keys);
       return;
     }
 #endif
@@ -216,8 +217,8 @@ class LayerBuffers {
       auto const& s = plan_.tensor("shared_wi_0").compute_shape;  // [D, H]
       mlp(hs->dims[0].n, s[0], s[1]);
     }
-    if (a > 0) add("GEMM operand copies", "bf16 copy of op(A)", {a}, 2, keys);
-    if (b > 0) add("GEMM operand copies", "bf16 copy of op(B)", {b}, 2, keys);
+    if (a > 0) add("GEMM thread buffers", "bf16 copy of op(A)", {a}, 2, keys);
+    if (b > 0) add("GEMM thread buffers", "bf16 copy of op(B)", {b}, 2, keys);
   }
 
   /// Bytes of one packed weight value: 2 where the layer runs oneDNN's bf16 kernels, else 4.
@@ -270,7 +271,7 @@ inline MemoryEstimate estimate_layer_memory(LayerPlan const& plan, LayerConfig c
   for (char const* item :
        {"weights", "bf16 weight copies", "gathered weights", "packed expert weights",
         "weight gradients", "routing", "token rows", "expert hidden states", "shared expert",
-        "communication buffers", "GEMM operand copies"}) {
+        "communication buffers", "GEMM operand copies", "GEMM thread buffers"}) {
     std::int64_t bytes = 0;
     std::string keys;
     for (auto const& b : lb.buffers()) {

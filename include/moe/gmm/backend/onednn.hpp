@@ -387,17 +387,13 @@ struct Impl<moe::gmm::OneDnn> {
 
   /// bf16 inputs on bf16 kernels: a bf16_gemm per group on all threads (rows padded to a multiple
   /// of tgmm_bf16_rows). Else one single-threaded sgemm per (group, column block), a large group
-  /// split into 16-column multiples so no thread idles; bf16 operands then as float copies.
+  /// split into 16-column multiples so no thread idles; a 16-bit operand is widened by each call
+  /// into its thread's buffers (the group's lhs rows: float slot 2; the block's columns of its dy
+  /// rows, at their own offsets: slot 3), reused from call to call.
   template <class E, class TL, class TD, class ML, class MD, class MO, class Mem>
   static void tgmm(E const& space, CMat<E, TL, ML> const& lhs, CMat<E, TD, MD> const& dy,
                    Groups<Mem> const& groups, Tensor<E, float, MO> const& out,
                    GmmOptions const& opt) {
-    if constexpr (is_bf16<TL> || is_bf16<TD>)
-      if (!opt.bf16_inputs || !dn::bf16_kernels())
-        return via_float<float, false>(space, lhs, dy, [&](auto const& l, auto const& d) {
-          using M = typename E::memory_space;
-          tgmm(space, CMat<E, float, M>(l), CMat<E, float, M>(d), groups, out, opt);
-        });
     int const num_local = out.extent(0);
     std::int64_t const k = out.extent(1), n = out.extent(2);
     auto const& off = groups.offsets_host;
@@ -411,18 +407,8 @@ struct Impl<moe::gmm::OneDnn> {
     struct Call {
       int g;
       std::int64_t n0, n1;
-      float const* a;  // the group's lhs rows and dy rows as floats (row strides lda, ldd)
-      float const* d;
     };
     std::vector<Call> calls;
-    std::vector<std::vector<float>> copies;  // of bf16 rows, for groups the bf16 kernels refused
-    auto floats = [&](auto const* x, std::int64_t ld, std::int64_t rows,
-                      std::int64_t cols) -> float const* {
-      if constexpr (!is_bf16<std::remove_pointer_t<decltype(x)>>) return x;
-      auto& f = copies.emplace_back(std::size_t(rows * ld));
-      widen_rows(x, ld, rows, cols, f.data());
-      return f.data();
-    };
     for (int g = 0; g < num_local; ++g) {
       std::int64_t const r0 = off(go + g), rows = off(go + g + 1) - r0;
       float* const o = out.data() + g * out.stride(0);
@@ -438,21 +424,35 @@ struct Impl<moe::gmm::OneDnn> {
           dn::bf16_gemm('T', 'N', k, n, rows, lhs.data() + r0 * lda, lda, dy.data() + r0 * ldd, ldd,
                         opt.accumulate, o, ldo, padded))
         continue;
-      float const* const a = floats(lhs.data() + r0 * lda, lda, rows, k);
-      float const* const d = floats(dy.data() + r0 * ldd, ldd, rows, n);
       std::int64_t const blocks =
           threads == 1 ? 1
                        : std::max<std::int64_t>(
                              1, std::min((rows + share - 1) / share, n / dn::tgmm_min_columns));
       for (std::int64_t b = 0; b < blocks; ++b)
-        calls.push_back({g, n * b / blocks / 16 * 16,
-                         b + 1 == blocks ? n : n * (b + 1) / blocks / 16 * 16, a, d});
+        calls.push_back(
+            {g, n * b / blocks / 16 * 16, b + 1 == blocks ? n : n * (b + 1) / blocks / 16 * 16});
     }
     fence(space, "moe::gmm::tgmm<OneDnn>: empty groups zeroed");
     dn::for_each_item(std::int64_t(calls.size()), [&](std::int64_t i) {
       Call const& c = calls[std::size_t(i)];
-      std::int64_t const rows = off(go + c.g + 1) - off(go + c.g);
-      dn::sgemm('T', 'N', k, c.n1 - c.n0, rows, 1.0f, c.a, lda, c.d + c.n0, ldd,
+      std::int64_t const r0 = off(go + c.g), rows = off(go + c.g + 1) - r0;
+      float const* a = nullptr;
+      if constexpr (is_bf16<TL>) {
+        float* const f = dn::thread_buffer(2, std::size_t(rows * lda));
+        widen_rows(lhs.data() + r0 * lda, lda, rows, k, f);
+        a = f;
+      } else {
+        a = lhs.data() + r0 * lda;
+      }
+      float const* d = nullptr;
+      if constexpr (is_bf16<TD>) {
+        float* const f = dn::thread_buffer(3, std::size_t(rows * ldd));
+        widen_rows(dy.data() + r0 * ldd + c.n0, ldd, rows, c.n1 - c.n0, f + c.n0);
+        d = f;
+      } else {
+        d = dy.data() + r0 * ldd;
+      }
+      dn::sgemm('T', 'N', k, c.n1 - c.n0, rows, 1.0f, a, lda, d + c.n0, ldd,
                 opt.accumulate ? 1.0f : 0.0f, out.data() + c.g * out.stride(0) + c.n0, ldo);
     });
     fence(space, "moe::gmm::tgmm<OneDnn>: done");
