@@ -123,11 +123,10 @@ inline moe::MemoryEstimate estimate_memory(TrainConfig const& cfg, int ranks, bo
   act = checked_add(act, bytes({3, T}, 4, "the token ids"), "activations");
   est.add("activations", act, tok + ", base_emb_dim, base_num_decoder_layers");
   est.add("logits", bytes({2, T, V}, s, "the logits [T,V]"), tok + ", vocab_size");
-  // The GEMMs' operand copies (made for a call) and thread buffers (per thread, kept from call to
-  // call) serve every layer in turn: counted once, not per layer.
+  // The GEMMs' operand copies are buffers of the threads, kept from call to call and used by
+  // every layer in turn: counted once, not per layer.
   for (auto const& i : layer.items)
-    if (i.what == "GEMM operand copies" || i.what == "GEMM thread buffers")
-      est.add(i.what, i.bytes, i.keys);
+    if (i.what == "GEMM operand copies") est.add(i.what, i.bytes, i.keys);
   for (char const* item :
        {"routing", "token rows", "expert hidden states", "shared expert", "communication buffers"})
     if (layer.bytes(item) > 0) {

@@ -138,7 +138,7 @@ void run_case(Case const& c, bool memory = false, std::int64_t D = 16, std::int6
     bool const onednn = moe::default_packed_weights(plan);
     auto const est = moe::estimate_layer_memory(plan, cfg, true, onednn);
     std::int64_t const kokkos =
-        est.total() - est.bytes("packed expert weights") - est.bytes("GEMM thread buffers");
+        est.total() - est.bytes("packed expert weights") - est.bytes("GEMM operand copies");
     double const ratio = double(kokkos) / double(AllocationTracker::peak - before - callers);
     EXPECT_GT(ratio, 0.9) << "rank " << rank << "\n" << est.to_text();
     EXPECT_LT(ratio, 1.3) << "rank " << rank << "\n" << est.to_text();

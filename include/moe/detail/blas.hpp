@@ -65,10 +65,11 @@ using gemm_scalar_t =
 /// float row-major operands when moe has it, else Kokkos Kernels. `bf16_inputs`: A and B hold bf16
 /// values, multiplied on oneDNN's bf16 kernels (onednn::bf16_gemm) for alpha 1, beta 0 or 1.
 /// Operands stored as moe::bf16 (16-bit hidden states, docs/precision.md) go to those kernels
-/// where the CPU has them (a bf16 C rounded by the kernel, beta 0), else through float copies
-/// (a bf16 C narrowed after). `round_b`: B holds fp32 values (a layer's master weights) that the
-/// product takes rounded to bf16: the bf16 kernels round them as they copy B (to nearest even,
-/// as round_to_bf16), every other path multiplies a rounded copy made for the call.
+/// where the CPU has them (a bf16 C rounded by the kernel, beta 0), else through float copies (a
+/// bf16 C narrowed after): with oneDNN in buffers of the calling thread kept from call to call,
+/// elsewhere Views made for the call. `round_b`: B holds fp32 values (a layer's master weights)
+/// that the product takes rounded to bf16: the bf16 kernels round them as they copy B (to nearest
+/// even, as round_to_bf16), every other path multiplies a rounded copy made for the call.
 template <class ExecSpace, class AV, class BV, class CV>
 void gemm(ExecSpace const& space, char const* ta, char const* tb, gemm_scalar_t<CV> alpha,
           AV const& A, BV const& B, gemm_scalar_t<CV> beta, CV const& C, bool bf16_inputs = false,
@@ -96,6 +97,30 @@ void gemm(ExecSpace const& space, char const* ta, char const* tb, gemm_scalar_t<
         if (!round_b) {
           onednn::sgemm(opA, opB, M, N, K, alpha, A.data(), A.stride(0), B.data(), B.stride(0),
                         beta, C.data(), C.stride(0));
+          return;
+        }
+      if constexpr (any16)
+        if (!round_b) {
+          // Below the bf16 tiers: each 16-bit operand widened into a buffer of the calling thread
+          // (float slots 2, 3, 0 in turn; kept from call to call: the memory estimate's "GEMM
+          // operand copies"), multiplied by sgemm, a 16-bit C narrowed after.
+          int slot = 2;
+          auto floats = [&](auto const& V, bool read) -> std::pair<float*, std::int64_t> {
+            using T = std::remove_const_t<typename std::decay_t<decltype(V)>::value_type>;
+            std::int64_t const rows = V.extent(0), cols = V.extent(1);
+            if constexpr (is_bf16<T>) {
+              float* const f = onednn::thread_buffer(slot, std::size_t(rows * cols));
+              slot = slot == 2 ? 3 : 0;
+              if (read) onednn::convert_rows(V.data(), V.stride(0), rows, cols, f, cols);
+              return {f, cols};
+            } else {
+              return {const_cast<float*>(V.data()), std::int64_t(V.stride(0))};
+            }
+          };
+          auto const a = floats(A, true), b = floats(B, true), c = floats(C, beta != 0.0f);
+          onednn::sgemm(opA, opB, M, N, K, alpha, a.first, a.second, b.first, b.second, beta,
+                        c.first, c.second);
+          if constexpr (c16) onednn::convert_rows(c.first, c.second, M, N, C.data(), C.stride(0));
           return;
         }
     }

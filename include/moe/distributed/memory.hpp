@@ -159,12 +159,12 @@ class LayerBuffers {
     comm("bf16 all-to-all copies", {a2a_wire_}, 2);
     comm("all-reduce temporaries", {ar_temp_}, s_);
   }
-  // ---- dtype=bfloat16 with oneDNN (float, host): the GEMMs' operand copies per this CPU's tier.
-  // "GEMM thread buffers": oneDNN-side buffers of the threads, kept from call to call (not Kokkos
-  // allocations): bf16_gemm's two buffers of the calling thread at their largest use, or below the
-  // bf16 tiers the routed weight gradients' float copies of a group's 16-bit operands on every
-  // thread. "GEMM operand copies": below the bf16 tiers, the float copy (a Kokkos View, for the
-  // call) of one 16-bit hidden state that the shared expert's and the dense path's GEMMs take.
+  // ---- dtype=bfloat16 with oneDNN (float, host): the GEMMs' operand copies per this CPU's tier,
+  // buffers of the threads kept from call to call (oneDNN-side, not Kokkos allocations):
+  // bf16_gemm's two buffers of the calling thread at their largest use; or below the bf16 tiers
+  // the routed weight gradients' float copies of a group's 16-bit operands on every thread, and
+  // the calling thread's float copy of a 16-bit hidden state for the shared expert's and the
+  // dense path's GEMMs (their sum: an upper bound, as the two can share a buffer).
   void gemm_copies(bool dense) {
     if (!bf16_ || !packed_ || s_ != 4) return;
     auto const* h = plan_.step.find(distributed::Buf::h0);
@@ -181,7 +181,7 @@ class LayerBuffers {
       if (h && h->elem == Elem::bf16 && training_ && !dense && w[0] > 0) {
         auto const* xl = plan_.step.find(distributed::Buf::x_local);
         std::int64_t const width = xl && xl->elem == Elem::bf16 ? std::max(w[1], w[2]) : w[2];
-        add("GEMM thread buffers", "float copies of a group's 16-bit operands, per thread",
+        add("GEMM operand copies", "float copies of a group's 16-bit operands, per thread",
             {moe::detail::onednn::max_threads(), 2, (h->dims[0].n + w[0] - 1) / w[0], width}, 4,
             keys);
       }
@@ -217,8 +217,8 @@ class LayerBuffers {
       auto const& s = plan_.tensor("shared_wi_0").compute_shape;  // [D, H]
       mlp(hs->dims[0].n, s[0], s[1]);
     }
-    if (a > 0) add("GEMM thread buffers", "bf16 copy of op(A)", {a}, 2, keys);
-    if (b > 0) add("GEMM thread buffers", "bf16 copy of op(B)", {b}, 2, keys);
+    if (a > 0) add("GEMM operand copies", "bf16 copy of op(A)", {a}, 2, keys);
+    if (b > 0) add("GEMM operand copies", "bf16 copy of op(B)", {b}, 2, keys);
   }
 
   /// Bytes of one packed weight value: 2 where the layer runs oneDNN's bf16 kernels, else 4.
@@ -271,7 +271,7 @@ inline MemoryEstimate estimate_layer_memory(LayerPlan const& plan, LayerConfig c
   for (char const* item :
        {"weights", "bf16 weight copies", "gathered weights", "packed expert weights",
         "weight gradients", "routing", "token rows", "expert hidden states", "shared expert",
-        "communication buffers", "GEMM operand copies", "GEMM thread buffers"}) {
+        "communication buffers", "GEMM operand copies"}) {
     std::int64_t bytes = 0;
     std::string keys;
     for (auto const& b : lb.buffers()) {
