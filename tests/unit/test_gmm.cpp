@@ -985,6 +985,19 @@ TYPED_TEST(Gmm, SumOfTwoProductsGivesTheBitsOfTwoCalls) {
   acc.accumulate = true;
   Problem p = make_gmm_problem({3, 4}, 7, 8, 8, 2, acc, 3);
   EXPECT_THROW((run_gmm_sum<P, S>(p, p)), moe::ConfigError);
+  GmmOptions plain;
+  Problem a = make_gmm_problem({3, 4}, 7, 8, 8, 2, plain, 5);
+  Problem one = make_gmm_problem({3, 4}, 7, 8, 8, 1, plain, 7);
+  EXPECT_THROW((run_gmm_sum<P, S>(a, one)), moe::ShapeError) << "one rhs_b per group";
+  // A second product of another contraction length (its own k) sums as well.
+  Problem longer = make_gmm_problem({3, 4}, 7, 12, 8, 2, plain, 9);
+  Expected ref = reference_gmm(a);
+  Expected const ref_b = reference_gmm(longer);
+  for (std::size_t i = 0; i < ref.value.size(); ++i) {
+    ref.value[i] += ref_b.value[i];
+    ref.scale[i] += ref_b.scale[i];
+  }
+  expect_close<S>(run_gmm_sum<P, S>(a, longer), ref, "second product with k=12");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1948,47 +1948,45 @@ TEST(MemoryEstimate, CountsPackedWeightsAtTheWidthOfTheKernels) {
 #endif
 }
 
-// The GEMMs' operand copies with bf16 compute and oneDNN, which depend on the CPU's tier, all
-// buffers of the threads (kept from call to call). With bf16 instructions: the bf16 copies of the
-// GEMMs on oneDNN's bf16 matmul (detail::onednn::bf16_gemm), two buffers of the calling thread at
-// their largest use. At E=8, K=2, D=1024, F=2816 and T=4096 tokens on one rank (balanced routing:
-// 1024 rows per expert) the routed weight gradients' copies are [F, 1024] and [1024, F]; a shared
-// expert (H=F) adds its dense GEMMs, [T, F] and [T, F] in the backward (a^T.d_out's A, x^T.d_h's
-// B). A scratch program measured the buffers after a step on an AMX CPU: 6.13 MB each without the
-// shared expert (1,088 rows in its largest group, against the estimate's balanced 1,024), 23.07
-// MB each with it. In inference only the shared expert's forward GEMMs copy ([T, F] for a.wo's A,
-// [D, F] for x.w0's B). Without bf16 instructions: the routed weight gradients' float copies of a
-// group's two 16-bit operands on every thread (2 x 1024 rows x max(F, D) per thread, in
-// training), and the calling thread's float copy of the shared expert's [T, F] hidden state
-// (training and inference). Nothing for float32 or without oneDNN.
+// The GEMMs' operand copies with bf16 compute and oneDNN, which depend on the CPU's tier. With
+// bf16 instructions: the bf16 copies of the GEMMs on oneDNN's bf16 matmul
+// (detail::onednn::bf16_gemm), two buffers of the calling thread at their largest use. At E=8,
+// K=2, D=1024, F=2816 and T=4096 tokens on one rank (balanced routing: 1024 rows per expert) the
+// routed weight gradients' copies are [F, 1024] and [1024, F]; a shared expert (H=F) adds its
+// dense GEMMs, [T, F] and [T, F] in the backward (a^T.d_out's A, x^T.d_h's B). A scratch program
+// measured the buffers after a step on an AMX CPU: 6.13 MB each without the shared expert (1,088
+// rows in its largest group, against the estimate's balanced 1,024), 23.07 MB each with it.
+// In inference only the shared expert's forward GEMMs copy ([T, F] for a.wo's A, [D, F] for
+// x.w0's B). Without bf16 instructions: float copies of 16-bit operands in one buffer of the
+// calling thread at its largest use, the weight gradients' [T*K, F] hidden state and [T*K, D]
+// routed rows in training, a shared expert's [T, F] in inference. All are buffers of the threads
+// kept from call to call. Nothing for float32 or without oneDNN.
 TEST(MemoryEstimate, CountsTheGemmOperandCopies) {
   moe::LayerConfig cfg = bf16_layer(1024, 2816);
   std::int64_t const T = 4096, F = 2816;
   bool bf16_cpu = false;
-  std::int64_t threads = 1;
 #if MOE_HAS_ONEDNN
   bf16_cpu = moe::detail::onednn::bf16_kernels();
-  threads = moe::detail::onednn::max_threads();
 #endif
   using Gmm = moe::gmm::resolve_t<moe::gmm::Auto, Kokkos::DefaultExecutionSpace, float>;
-  bool const hidden16 = MOE_HAS_ONEDNN && moe::gmm::handles_bf16<Gmm>::value && !bf16_cpu;
+  bool const hidden16 = moe::gmm::handles_bf16<Gmm>::value;
   for (int shared : {0, 1}) {
-    SCOPED_TRACE("shared_experts=" + std::to_string(shared) +
-                 (bf16_cpu ? ", bf16 instructions" : ""));
     cfg.shared_experts = shared;
     auto const p = moe::make_plan(cfg, moe::ParallelConfig{}, 1, 0, 4, 1024);
-    std::int64_t const train = !MOE_HAS_ONEDNN ? 0
-                               : bf16_cpu      ? 2 * (shared ? T * F : 1024 * F) * 2
-                               : hidden16      ? (threads * 2 * 1024 * F + shared * T * F) * 4
-                                               : 0;
-    EXPECT_EQ(moe::estimate_layer_memory(p, cfg, true, true).bytes("GEMM operand copies"), train);
+    std::int64_t const want = !MOE_HAS_ONEDNN ? 0
+                              : bf16_cpu      ? 2 * (shared ? T * F : 1024 * F) * 2
+                              : hidden16      ? T * 2 * (F + 1024) * 4
+                                              : 0;
+    EXPECT_EQ(moe::estimate_layer_memory(p, cfg, true, true).bytes("GEMM operand copies"), want)
+        << "shared_experts=" << shared << (bf16_cpu ? ", bf16 instructions" : "");
     EXPECT_EQ(moe::estimate_layer_memory(p, cfg, true, false).bytes("GEMM operand copies"), 0);
     std::int64_t const inference = !MOE_HAS_ONEDNN ? 0
                                    : bf16_cpu      ? shared * (T * F + 1024 * F) * 2
                                    : hidden16      ? shared * T * F * 4
                                                    : 0;
     EXPECT_EQ(moe::estimate_layer_memory(p, cfg, false, true).bytes("GEMM operand copies"),
-              inference);
+              inference)
+        << "inference, shared_experts=" << shared;
   }
   cfg.dtype = moe::ComputeDtype::Native;
   auto const p = moe::make_plan(cfg, moe::ParallelConfig{}, 1, 0, 4, 1024);

@@ -160,11 +160,11 @@ class LayerBuffers {
     comm("all-reduce temporaries", {ar_temp_}, s_);
   }
   // ---- dtype=bfloat16 with oneDNN (float, host): the GEMMs' operand copies per this CPU's tier,
-  // buffers of the threads kept from call to call (oneDNN-side, not Kokkos allocations):
-  // bf16_gemm's two buffers of the calling thread at their largest use; or below the bf16 tiers
-  // the routed weight gradients' float copies of a group's 16-bit operands on every thread, and
-  // the calling thread's float copy of a 16-bit hidden state for the shared expert's and the
-  // dense path's GEMMs (their sum: an upper bound, as the two can share a buffer).
+  // buffers of the calling thread kept from call to call (oneDNN-side, not Kokkos allocations):
+  // bf16_gemm's two buffers at their largest use; or below the bf16 tiers one float buffer, at
+  // its largest use: the routed weight gradients' copies of their 16-bit operands (a hidden
+  // state and, where the routed rows are 16-bit, a block of them), or the copy of one 16-bit
+  // hidden state for the shared expert's and the dense path's GEMMs.
   void gemm_copies(bool dense) {
     if (!bf16_ || !packed_ || s_ != 4) return;
     auto const* h = plan_.step.find(distributed::Buf::h0);
@@ -173,21 +173,23 @@ class LayerBuffers {
     std::string const keys = std::string(kTokens) + ", " + weight_keys_;
 #if MOE_HAS_ONEDNN
     if (!bf16_kernels_) {
-      // Each tgmm call widens its group's rows of lhs and of dy into its thread's two buffers:
-      // [rows, F] and [rows, D] of a group, at most max(F, D) wide each where the routed rows are
-      // 16-bit (else F: the hidden states only); a group of balanced routing on every thread.
+      // The routed GEMMs copy in training only (each weight gradient's tgmm widens its two 16-bit
+      // operands: a hidden state [rows, F] and, where the routed rows are 16-bit, a row block
+      // [rows, D]), the dense path's GEMMs a hidden state in its forward.
       using distributed::Elem;
       auto size = [](auto const* d) { return d->dims[0].n * d->dims[1].n; };
-      if (h && h->elem == Elem::bf16 && training_ && !dense && w[0] > 0) {
+      std::int64_t routed = 0, shared = 0;
+      if (h && h->elem == Elem::bf16 && (training_ || dense)) {
+        routed = size(h);
         auto const* xl = plan_.step.find(distributed::Buf::x_local);
-        std::int64_t const width = xl && xl->elem == Elem::bf16 ? std::max(w[1], w[2]) : w[2];
-        add("GEMM operand copies", "float copies of a group's 16-bit operands, per thread",
-            {moe::detail::onednn::max_threads(), 2, (h->dims[0].n + w[0] - 1) / w[0], width}, 4,
-            keys);
+        if (!dense && xl && xl->elem == Elem::bf16) routed += size(xl);
       }
-      std::int64_t copy = dense && h && h->elem == Elem::bf16 ? size(h) : 0;
-      if (hs && hs->elem == Elem::bf16) copy = std::max(copy, size(hs));
-      if (copy > 0) add("GEMM operand copies", "float copy of a hidden state", {copy}, 4, keys);
+      if (hs && hs->elem == Elem::bf16) shared = size(hs);
+      if (routed > 0 || shared > 0)
+        add("GEMM operand copies",
+            routed >= shared ? "float copies of the routed GEMMs' 16-bit operands"
+                             : "float copy of a hidden state",
+            {std::max(routed, shared)}, 4, keys);
       return;
     }
 #endif

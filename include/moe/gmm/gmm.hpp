@@ -121,6 +121,10 @@ void gmm_sum(ExecSpace const& space, Policy policy, LhsA const& lhs_a, RhsA cons
                                     "moe::gmm::gmm_sum: accumulate=true; the sum overwrites out");
   impl::check_gmm(lhs_a, rhs_a, groups, out, opt);
   impl::check_gmm(lhs_b, rhs_b, groups, out, opt);
+  moe::detail::require<ShapeError>(rhs_a.extent(0) == rhs_b.extent(0),
+                                   "moe::gmm::gmm_sum: rhs_a.extent(0)=", rhs_a.extent(0),
+                                   " and rhs_b.extent(0)=", rhs_b.extent(0),
+                                   " must be equal (one weight matrix per group for each product)");
   moe::detail::Region region("moe::gmm::gmm_sum");
   using R = resolve_t<Policy, ExecSpace, S>;
   if constexpr (!impl::is_bf16<TO>) {

@@ -208,8 +208,9 @@ struct Impl<moe::gmm::OneDnn> {
     auto const& off = groups.offsets_host;
     std::int64_t const begin = off(opt.group_offset),
                        end = off(opt.group_offset + int(rhs_a.extent(0)));
-    if (k == 0 || n == 0 || end == begin || lhs_b.stride(0) != lhs_a.stride(0) ||
-        rhs_b.stride(0) != rhs_a.stride(0) || rhs_b.stride(1) != rhs_a.stride(1))
+    if (k == 0 || n == 0 || end == begin || std::int64_t(lhs_b.extent(1)) != k ||
+        lhs_b.stride(0) != lhs_a.stride(0) || rhs_b.stride(0) != rhs_a.stride(0) ||
+        rhs_b.stride(1) != rhs_a.stride(1))
       return false;
     dn::KernelPlan* const p = packed_plan(lhs_a, rhs_a, out, opt);
     if (!p) return false;
@@ -387,9 +388,9 @@ struct Impl<moe::gmm::OneDnn> {
 
   /// bf16 inputs on bf16 kernels: a bf16_gemm per group on all threads (rows padded to a multiple
   /// of tgmm_bf16_rows). Else one single-threaded sgemm per (group, column block), a large group
-  /// split into 16-column multiples so no thread idles; a 16-bit operand is widened by each call
-  /// into its thread's buffers (the group's lhs rows: float slot 2; the block's columns of its dy
-  /// rows, at their own offsets: slot 3), reused from call to call.
+  /// split into 16-column multiples so no thread idles; 16-bit operands widened first into one
+  /// buffer of the calling thread, kept from call to call (float copies made per call took fresh
+  /// pages every call).
   template <class E, class TL, class TD, class ML, class MD, class MO, class Mem>
   static void tgmm(E const& space, CMat<E, TL, ML> const& lhs, CMat<E, TD, MD> const& dy,
                    Groups<Mem> const& groups, Tensor<E, float, MO> const& out,
@@ -433,26 +434,35 @@ struct Impl<moe::gmm::OneDnn> {
             {g, n * b / blocks / 16 * 16, b + 1 == blocks ? n : n * (b + 1) / blocks / 16 * 16});
     }
     fence(space, "moe::gmm::tgmm<OneDnn>: empty groups zeroed");
+    // The rows the calls read as floats: 16-bit operands widened (all threads) into one buffer
+    // of the calling thread, lhs then dy, kept from call to call (the memory estimate's "GEMM
+    // operand copies"); float ones in place. Row r of lhs at a0 + (r - begin) * la, of dy at
+    // d0 + (r - begin) * ld.
+    std::int64_t const begin = off(go), visited = off(go + num_local) - begin;
+    float const* a0 = nullptr;
+    float const* d0 = nullptr;
+    std::int64_t la = lda, ld = ldd;
+    if constexpr (!is_bf16<TL>) a0 = lhs.data() + begin * lda;
+    if constexpr (!is_bf16<TD>) d0 = dy.data() + begin * ldd;
+    if constexpr (is_bf16<TL> || is_bf16<TD>) {
+      if (!calls.empty()) {
+        float* const f = dn::thread_buffer(
+            2, std::size_t(visited * ((is_bf16<TL> ? k : 0) + (is_bf16<TD> ? n : 0))));
+        float* next = f;
+        if constexpr (is_bf16<TL>) {
+          dn::convert_rows(lhs.data() + begin * lda, lda, visited, k, next, k);
+          a0 = next, la = k, next += visited * k;
+        }
+        if constexpr (is_bf16<TD>) {
+          dn::convert_rows(dy.data() + begin * ldd, ldd, visited, n, next, n);
+          d0 = next, ld = n;
+        }
+      }
+    }
     dn::for_each_item(std::int64_t(calls.size()), [&](std::int64_t i) {
       Call const& c = calls[std::size_t(i)];
-      std::int64_t const r0 = off(go + c.g), rows = off(go + c.g + 1) - r0;
-      float const* a = nullptr;
-      if constexpr (is_bf16<TL>) {
-        float* const f = dn::thread_buffer(2, std::size_t(rows * lda));
-        widen_rows(lhs.data() + r0 * lda, lda, rows, k, f);
-        a = f;
-      } else {
-        a = lhs.data() + r0 * lda;
-      }
-      float const* d = nullptr;
-      if constexpr (is_bf16<TD>) {
-        float* const f = dn::thread_buffer(3, std::size_t(rows * ldd));
-        widen_rows(dy.data() + r0 * ldd + c.n0, ldd, rows, c.n1 - c.n0, f + c.n0);
-        d = f;
-      } else {
-        d = dy.data() + r0 * ldd;
-      }
-      dn::sgemm('T', 'N', k, c.n1 - c.n0, rows, 1.0f, a, lda, d + c.n0, ldd,
+      std::int64_t const r0 = off(go + c.g) - begin, rows = off(go + c.g + 1) - off(go + c.g);
+      dn::sgemm('T', 'N', k, c.n1 - c.n0, rows, 1.0f, a0 + r0 * la, la, d0 + r0 * ld + c.n0, ld,
                 opt.accumulate ? 1.0f : 0.0f, out.data() + c.g * out.stride(0) + c.n0, ldo);
     });
     fence(space, "moe::gmm::tgmm<OneDnn>: done");
