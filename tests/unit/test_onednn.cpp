@@ -102,6 +102,17 @@ struct ScopedForced {
   dn::Forced saved;
 };
 
+/// matmul with weights forced into a layout no kernel takes (AB16b16a); `packed`: packed anyway,
+/// so every chunk runs as sgemm on the weights in place (else the plan refuses and runs plain).
+dn::Forced layout_without_a_kernel(bool packed) {
+  dn::Forced f;
+  if (packed) f.mode = dn::Forced::Mode::packed;
+  f.any_family = false;
+  f.family = dn::Family::matmul;
+  f.layout = dnnl::memory::format_tag::AB16b16a;
+  return f;
+}
+
 /// A grouped GEMM on random weights, checked against a double reference.
 struct GmmCase {
   std::vector<std::int64_t> sizes;
@@ -702,12 +713,7 @@ TEST(OneDnnKernels, RoundRhsRoundsTheWeightsOnEveryPackedPath) {
   for (bool trans : {false, true}) {
     SCOPED_TRACE(trans ? "transposed" : "plain");
     {
-      dn::Forced f;
-      f.mode = dn::Forced::Mode::packed;
-      f.any_family = false;
-      f.family = dn::Family::matmul;
-      f.layout = dnnl::memory::format_tag::AB16b16a;
-      ScopedForced forced(f);
+      ScopedForced forced(layout_without_a_kernel(true));
       StatsDelta d;
       GmmCase masters({1, 3, 16, 40, 0, 21}, 24, 40, trans, 3),
           rounded({1, 3, 16, 40, 0, 21}, 24, 40, trans, 3);
@@ -741,12 +747,7 @@ TEST(OneDnnKernels, RoundRhsRoundsTheWeightsOnEveryPackedPath) {
 TEST(OneDnnKernels, GmmSumIntoBf16RowsOnChunksWithoutAKernel) {
   for (bool trans : {false, true}) {
     SCOPED_TRACE(trans ? "transposed" : "plain");
-    dn::Forced f;
-    f.mode = dn::Forced::Mode::packed;
-    f.any_family = false;
-    f.family = dn::Family::matmul;
-    f.layout = dnnl::memory::format_tag::AB16b16a;
-    ScopedForced forced(f);
+    ScopedForced forced(layout_without_a_kernel(true));
     StatsDelta d;
     std::vector<std::int64_t> const sizes{1, 3, 16, 40, 0, 21};
     GmmCase a(sizes, 24, 40, trans, 3, true), b(sizes, 24, 40, trans, 5, true);
@@ -779,11 +780,7 @@ TEST(OneDnnKernels, GmmSumIntoBf16RowsOnChunksWithoutAKernel) {
 
 // The same layout without the forced mode: the plan's probe refuses it and the shape runs plain.
 TEST(OneDnnKernels, ForcedLayoutWithoutAKernelIsRefusedAtThePlan) {
-  dn::Forced f;
-  f.any_family = false;
-  f.family = dn::Family::matmul;
-  f.layout = dnnl::memory::format_tag::AB16b16a;
-  ScopedForced forced(f);
+  ScopedForced forced(layout_without_a_kernel(false));
   GmmCase c({5, 0, 17, 40}, 24, 48, true, 4);
   StatsDelta d;
   c.run(false);
