@@ -104,6 +104,8 @@ void gemm(ExecSpace const& space, char const* ta, char const* tb, gemm_scalar_t<
           // Below the bf16 tiers: each 16-bit operand widened into a buffer of the calling thread
           // (float slots 2, 3, 0 in turn; kept from call to call: the memory estimate's "GEMM
           // operand copies"), multiplied by sgemm, a 16-bit C narrowed after.
+          using Buffer = Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace,
+                                      Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
           int slot = 2;
           auto floats = [&](auto const& V, bool read) -> std::pair<float*, std::int64_t> {
             using T = std::remove_const_t<typename std::decay_t<decltype(V)>::value_type>;
@@ -111,16 +113,20 @@ void gemm(ExecSpace const& space, char const* ta, char const* tb, gemm_scalar_t<
             if constexpr (is_bf16<T>) {
               float* const f = onednn::thread_buffer(slot, std::size_t(rows * cols));
               slot = slot == 2 ? 3 : 0;
-              if (read) onednn::convert_rows(V.data(), V.stride(0), rows, cols, f, cols);
+              if (read) convert_into(space, V, Buffer(f, rows, cols), "moe::gemm::widen");
               return {f, cols};
             } else {
               return {const_cast<float*>(V.data()), std::int64_t(V.stride(0))};
             }
           };
           auto const a = floats(A, true), b = floats(B, true), c = floats(C, beta != 0.0f);
+          fence(space, "moe::gemm<OneDnn>: float copies made");
           onednn::sgemm(opA, opB, M, N, K, alpha, a.first, a.second, b.first, b.second, beta,
                         c.first, c.second);
-          if constexpr (c16) onednn::convert_rows(c.first, c.second, M, N, C.data(), C.stride(0));
+          if constexpr (c16) {
+            convert_into(space, Buffer(c.first, M, N), C, "moe::gemm::narrow");
+            fence(space, "moe::gemm<OneDnn>: C narrowed");
+          }
           return;
         }
     }

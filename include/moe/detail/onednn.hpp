@@ -100,18 +100,6 @@ void for_each_item(std::int64_t n, Body&& body) {
   if (error) std::rethrow_exception(error);
 }
 
-/// dst[r * ld_dst + j] = To(src[r * ld_src + j]) for r < rows, j < cols, blocks of rows on all
-/// threads: moe::bf16 widened exactly, floats narrowed to the nearest bf16 (ties to even).
-template <class From, class To>
-void convert_rows(From const* src, std::int64_t ld_src, std::int64_t rows, std::int64_t cols,
-                  To* dst, std::int64_t ld_dst) {
-  constexpr std::int64_t block = 32;
-  for_each_item((rows + block - 1) / block, [&](std::int64_t b) {
-    for (std::int64_t r = b * block; r < std::min(rows, (b + 1) * block); ++r)
-      for (std::int64_t c = 0; c < cols; ++c) dst[r * ld_dst + c] = To(float(src[r * ld_src + c]));
-  });
-}
-
 /// Whether an impl_info_str names a oneDNN reference implementation ("ref:any", "gemm:ref").
 inline bool reference_impl(std::string const& impl) {
   return impl.rfind("ref", 0) == 0 || impl.find(":ref") != std::string::npos;

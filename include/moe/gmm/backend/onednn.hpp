@@ -448,15 +448,20 @@ struct Impl<moe::gmm::OneDnn> {
       if (!calls.empty()) {
         float* const f = dn::thread_buffer(
             2, std::size_t(visited * ((is_bf16<TL> ? k : 0) + (is_bf16<TD> ? n : 0))));
+        using Buffer = Mat<E, float, Kokkos::HostSpace>;
+        auto const rows = std::make_pair(begin, begin + visited);
         float* next = f;
         if constexpr (is_bf16<TL>) {
-          dn::convert_rows(lhs.data() + begin * lda, lda, visited, k, next, k);
+          convert_into(space, Kokkos::subview(lhs, rows, Kokkos::ALL), Buffer(next, visited, k),
+                       "moe::gmm::widen");
           a0 = next, la = k, next += visited * k;
         }
         if constexpr (is_bf16<TD>) {
-          dn::convert_rows(dy.data() + begin * ldd, ldd, visited, n, next, n);
+          convert_into(space, Kokkos::subview(dy, rows, Kokkos::ALL), Buffer(next, visited, n),
+                       "moe::gmm::widen");
           d0 = next, ld = n;
         }
+        fence(space, "moe::gmm::tgmm<OneDnn>: float copies made");
       }
     }
     dn::for_each_item(std::int64_t(calls.size()), [&](std::int64_t i) {
