@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 export MOE_VERBOSE=${MOE_VERBOSE:-1}
-# -O1 (about half the build time of -O3; the suite checks results, not speed) and no plotting
+# -Og (about a third of the build time of -O3; the suite checks results, not speed) and no plotting
 # packages: the whole command stays well under CI's 20 minutes on 2 cores.
 export MOE_QUICK_BUILD=${MOE_QUICK_BUILD:-ON} MOE_PLOTTING=${MOE_PLOTTING:-0}
 moe_log_init
