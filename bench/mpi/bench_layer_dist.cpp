@@ -12,9 +12,10 @@
 //
 //   layer_dist/<strategy>/<fwd|bwd>/E=8/T=<global tokens>/K=2
 //
-// <strategy>_bf16 (ep_a2a_bf16, fsdp_bf16): the same layouts with dtype=bfloat16, whose
-// all-to-alls, activation collectives and weight gathers move 16-bit bf16 (docs/precision.md,
-// "Wire"): comm_MB_per_rank is half the fp32 row's but for the gradient reductions (fp32).
+// <strategy>_bf16 (ep_a2a_bf16, fsdp_bf16, ep_ring_bf16): the same layouts with dtype=bfloat16,
+// whose all-to-alls, activation collectives and weight gathers move 16-bit bf16
+// (docs/precision.md, "Wire"): comm_MB_per_rank is half the fp32 row's but for the gradient
+// reductions (fp32).
 //
 // EP-TP (ep_tp, and ep_tp_dense: every local expert on every token, the yardstick of expert work
 // that grows with the gathered tokens) also reports the rows after its all-gather
@@ -206,6 +207,9 @@ bool register_all() {
       {"ep_a2a", {"ici_expert_parallelism=-1"}},
       {"ep_a2a_bf16", {"ici_expert_parallelism=-1"}, {"dtype=bfloat16"}},
       {"ep_ring", {"ici_expert_parallelism=-1", "use_ring_of_experts=true"}},
+      {"ep_ring_bf16",
+       {"ici_expert_parallelism=-1", "use_ring_of_experts=true"},
+       {"dtype=bfloat16"}},
       {"tp", {"ici_tensor_parallelism=-1"}},
       {"shard_exp_on_fsdp", {"custom_mesh_and_rule=shard-exp-on-fsdp", "ici_fsdp_parallelism=-1"}},
       {"ep_tp", {"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=-1"}},

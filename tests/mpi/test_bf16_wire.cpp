@@ -242,6 +242,17 @@ TEST(Bf16Wire, CollectivesOn16BitRowsGiveTheBitsOfFloatRows) {
                                Wire::bf16);
   Exec().fence();
   EXPECT_TRUE(holds_rounded(gout16, gout));
+  // All-gather along dim 0 (the ring's tokens and d_y) into 16-bit rows, received in place, from
+  // float rows (rounded on the wire) and from 16-bit rows.
+  moe::View2<float, Mem> rout("rout", P * rows, cols);
+  moe::View2<moe::bf16, Mem> rout16("rout16", P * rows, cols), rout16b("rout16b", P * rows, cols);
+  moe::distributed::gather_dim(Exec(), g, gin, rout, 0, nullptr, "ag", nullptr, Wire::bf16);
+  moe::distributed::gather_dim(Exec(), g, gin, rout16, 0, nullptr, "ag", nullptr, Wire::bf16);
+  moe::distributed::gather_dim(Exec(), g, to_bf16(gin), rout16b, 0, nullptr, "ag", nullptr,
+                               Wire::bf16);
+  Exec().fence();
+  EXPECT_TRUE(holds_rounded(rout16, rout));
+  EXPECT_TRUE(holds_rounded(rout16b, rout));
   // The ragged all-to-all moves 16-bit rows as they are, on either wire, forward and reverse.
   moe::comm::Communicator comm(MPI_COMM_WORLD);
   std::vector<std::int64_t> send(static_cast<std::size_t>(P));

@@ -404,6 +404,20 @@ TEST(PermuteGatherCombine, Bf16RowsGiveTheBitsOfTheFloatPath) {
     moe::permute::combine_backward(space, C2(dy), CB2(ys16), perm, inv, C2(w), dys16, dw16);
     EXPECT_EQ(bf16_bits_of(dys16), bf16_bits_of(dys)) << "combine_backward rows, rounded";
     EXPECT_EQ(to_vec(dw16), to_vec(dw)) << "combine_backward weights";
+    // A 16-bit dy too (a bf16 layer's dy_work: bf16 values), widened exactly.
+    auto const dyb = to_view<V2>(rounded(std::size_t(T) * D), T, D);
+    auto const dyb16 = narrow(dyb);
+    moe::permute::combine_backward(space, C2(dyb), C2(ys), perm, inv, C2(w), dys, dw);
+    moe::permute::combine_backward(space, CB2(dyb16), CB2(ys16), perm, inv, C2(w), dys16, dw16);
+    EXPECT_EQ(bf16_bits_of(dys16), bf16_bits_of(dys)) << "combine_backward rows, 16-bit dy";
+    EXPECT_EQ(to_vec(dw16), to_vec(dw)) << "combine_backward weights, 16-bit dy";
+    // gather_rows from 16-bit tokens (the ring's x_work) into either width.
+    auto const x16 = narrow(x);
+    V2 xsw("xsw", n, D);
+    moe::permute::gather_rows(space, CB2(x16), perm, K, xsw);
+    moe::permute::gather_rows(space, CB2(x16), perm, K, xs16);
+    EXPECT_EQ(to_vec(xsw), to_vec(xs)) << "gather_rows from 16-bit rows";
+    EXPECT_EQ(bf16_bits_of(xs16), bf16_bits_of(xs)) << "gather_rows 16-bit to 16-bit";
 
     V2 dx("dx", T, D), dx16("dx16", T, D);
     moe::permute::gather_rows_backward(space, C2(dxs), inv, K, false, dx);

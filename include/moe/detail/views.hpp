@@ -95,6 +95,11 @@ struct RowsView {
     }
   }
   std::int64_t rows() const { return std::int64_t(is_narrow ? narrow.extent(0) : wide.extent(0)); }
+  /// The rows as Value, for a reader that takes only Value rows (where the plan keeps them wide).
+  View2<Value, MemorySpace> const& values() const {
+    if (is_narrow) throw Error("moe internal error: 16-bit rows read as the layer's value type");
+    return wide;
+  }
   /// body(v) on the view in use: View2<Value> or (narrow) View2<moe::bf16>.
   template <class Body>
   decltype(auto) visit(Body&& body) const {

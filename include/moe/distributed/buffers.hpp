@@ -17,7 +17,8 @@ enum class Elem : std::uint8_t {
   i64,    ///< 64-bit integers (permutations, counts)
   f64,    ///< host doubles (statistics)
   bf16,   ///< moe::bf16 (the expert FFN's hidden states on a float layer computing in bf16)
-  rows    ///< routed rows (at the experts, on the all-to-all): bf16 where the plan narrows them
+  rows    ///< rows the plan may narrow to bf16: the routed rows (at the experts, on the
+          ///< all-to-all) and the gathered paths' working tokens and their output gradients
 };
 
 /// Bytes of one element of role `e` when a value has `value_bytes` bytes.
@@ -78,7 +79,7 @@ enum class BufKind : std::uint8_t { external, workspace, held };  ///< what kind
 // Workspace buffers: X(name, element role, memory-estimate item).
 #define MOE_WORKSPACE_BUFFERS(X)        \
   X(x, value, token_rows)               \
-  X(x_work, value, token_rows)          \
+  X(x_work, rows, token_rows)           \
   X(x_chunks_own, value, token_rows)    \
   X(x_chunks, value, token_rows)        \
   X(x_sorted, rows, token_rows)         \
@@ -97,7 +98,7 @@ enum class BufKind : std::uint8_t { external, workspace, held };  ///< what kind
   X(dy_received_cols, rows, token_rows) \
   X(dy_local_cols, rows, token_rows)    \
   X(dy_local, rows, token_rows)         \
-  X(dy_work, value, token_rows)         \
+  X(dy_work, rows, token_rows)          \
   X(dx_work, value, token_rows)         \
   X(d_weights, value, routing)          \
   X(d_weights_work, value, token_rows)  \
@@ -229,7 +230,7 @@ inline std::string to_string(Ref r) {
 /// Element roles of workspace buffers, as types (the workspace maps each to a C++ type).
 struct Values {};  ///< the layer's value type
 struct Ints {};    ///< int
-struct Rows {};    ///< routed rows: the value type, or moe::bf16 where the plan narrows them
+struct Rows {};    ///< rows of Elem::rows: the value type, or moe::bf16 where the plan narrows them
 
 /// \brief A workspace buffer, typed by its element role: what a stage makes and reads.
 template <class Role>

@@ -119,10 +119,14 @@ class PlanBuilder {
                        "kept slots");
   }
 
-  /// The declaration of workspace buffer `h` [rows, cols] in the current phase (under `item`).
+  /// The declaration of workspace buffer `h` [rows, cols] in the current phase (under `item`);
+  /// a buffer of role Rows of rows_elem(), or (`narrow` false: its readers take only values) wide.
   template <class Role>
-  BufferDecl out(Handle<Role> h, Extent rows, Extent cols, std::optional<Item> item = {}) const {
-    Elem const e = info(h.id).elem == Elem::rows ? rows_elem() : info(h.id).elem;
+  BufferDecl out(Handle<Role> h, Extent rows, Extent cols, std::optional<Item> item = {},
+                 bool narrow = true) const {
+    Elem const e = info(h.id).elem != Elem::rows ? info(h.id).elem
+                   : narrow                      ? rows_elem()
+                                                 : Elem::value;
     return {h.id, {rows, cols}, e, item.value_or(info(h.id).item), backward};
   }
 
@@ -139,6 +143,8 @@ class PlanBuilder {
     phase().push_back(std::move(st));
     return phase().back();
   }
+  /// The declaration of buffer `b` so far (nullptr: none yet).
+  BufferDecl const* find(Buf b) const { return plan_.find(b); }
   /// Declares a buffer a component keeps between steps, made by the current phase's last stage.
   void hold(Buf b, std::vector<Extent> dims) {
     declare({b, std::move(dims), info(b).elem, info(b).item, backward});
@@ -163,9 +169,10 @@ class PlanBuilder {
     using Gmm = gmm::resolve_t<gmm::Auto, Kokkos::DefaultExecutionSpace, float>;
     return gmm::handles_bf16<Gmm>::value && cfg.bf16() && s == 4 ? Elem::bf16 : Elem::value;
   }
-  /// The element of the routed rows (buffers of role Rows: x_local, y_local, dy_local at the
-  /// experts, and the ragged all-to-all's rows and column blocks between the sort and them):
-  /// hidden_elem(), except on the chunked ring (its forward slices float rows).
+  /// The element of the buffers of role Rows (x_local, y_local, dy_local at the experts, the
+  /// ragged all-to-all's rows and column blocks between the sort and them, and the working tokens
+  /// x_work and dy_work of the sorted gathered paths): hidden_elem(), except on the chunked ring
+  /// (its forward slices float rows).
   Elem rows_elem() const { return chunks == 0 ? hidden_elem() : Elem::value; }
   /// Whether the routed rows are 16-bit (the all-to-alls then move them as they are).
   bool narrow_rows() const { return rows_elem() == Elem::bf16; }
@@ -229,13 +236,18 @@ class PlanBuilder {
       st.collectives.back().host = host;
     }
   }
+  /// Marks the last collective of `st` (where it plans one) as moving 16-bit rows at both ends,
+  /// where `narrow` (PlannedCollective::rows16).
+  static void rows16(Stage& st, bool narrow) {
+    if (narrow && !st.collectives.empty()) st.collectives.back().rows16 = true;
+  }
   /// A ragged all-to-all over the expert axes of rows x cols routed rows (balanced routing).
   void all_to_all(Stage& st, std::string what, std::int64_t rows, std::int64_t cols) const {
     comm::Wire const w = wire(Payload::activations);
     add(st, std::move(what), "all-to-all", lay.ep_axes,
         comm::sent_bytes::all_to_all_balanced(rows * cols * comm::wire_bytes(w, s), ep), true, ep,
         rows * cols, 1, w);
-    st.collectives.back().rows16 = narrow_rows();
+    rows16(st, narrow_rows());
   }
 
   /// Starts the plan: this rank's sizes, every moved weight's ops, the step's input x [T, Dl] and
@@ -254,7 +266,8 @@ class PlanBuilder {
     weight_stage(false);
     return p;
   }
-  /// The router on the tokens `x` (`logits`: the chunked ring's, all-gathering the gate logits).
+  /// The router on the tokens `x` (`logits`: the ring's, all-gathering the own tokens' gate
+  /// logits).
   void route(Ref x, bool logits = false) {
     std::vector<Out> writes{Buf::routing};
     if (logits) writes.insert(writes.begin(), out(buf::logits_own, tokens(), experts()));

@@ -28,7 +28,9 @@ struct PlannedCollective {
   std::int64_t elem_bytes = 0;  ///< bytes of one value on the wire
   bool host = false;            ///< a statistic reduced on the host (not in the layer's pool)
   comm::Wire wire = comm::Wire::native;  ///< what the values travel as (PlanBuilder::wire)
-  bool rows16 = false;  ///< an all-to-all of 16-bit routed rows: no copies to and from the wire
+  /// 16-bit rows at both ends: an all-to-all moves them as they are, an all-gather of rows
+  /// receives into them (no copies to and from the wire; no receive copy).
+  bool rows16 = false;
 };
 
 /// What a stage does; the layer runs one function per kind and phase.

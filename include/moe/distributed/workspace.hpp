@@ -85,6 +85,17 @@ class StepWorkspace {
       return std::get<Views<Role>>(views_)[index(h.id)];
   }
 
+  /// The buffer `h` as rows of either width (a Values buffer: wide), for readers taking both.
+  rows_t rows(Handle<Values> h) const {
+    rows_t r;
+    r.set(at(h));
+    return r;
+  }
+  rows_t rows(Handle<Rows> h) const { return at(h); }
+  /// The buffer `h` as Values, for readers taking only those (a Rows buffer the plan keeps wide).
+  view_t<Values> values(Handle<Values> h) const { return at(h); }
+  view_t<Values> values(Handle<Rows> h) const { return at(h).values(); }
+
   moe::detail::ScratchPool<MemorySpace>& pool() { return pool_; }  ///< the pool behind the buffers
 
  private:

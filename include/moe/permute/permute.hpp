@@ -137,10 +137,11 @@ void combine(ExecSpace const& space, View2<S const, MS> ys, View1<std::int64_t c
 }
 
 /// \brief Backward of combine. dys[i] = w[s] * dy[s / K] for the slot s = perm[i] (a gather),
-/// and dw[t,k] = <dy[t], ys[inverse[t*K+k]]> (0 for dropped slots): the router gradient. ys and
-/// dys may be moe::bf16 rows (ys widened exactly, w * dy rounded to nearest even into dys).
-template <class ExecSpace, class Scalar, class MS, class S, class O>
-void combine_backward(ExecSpace const& space, View2<Scalar const, MS> dy, View2<S const, MS> ys,
+/// and dw[t,k] = <dy[t], ys[inverse[t*K+k]]> (0 for dropped slots): the router gradient. dy, ys
+/// and dys may be moe::bf16 rows (dy and ys widened exactly, w * dy rounded to nearest even into
+/// dys).
+template <class ExecSpace, class Scalar, class MS, class G, class S, class O>
+void combine_backward(ExecSpace const& space, View2<G const, MS> dy, View2<S const, MS> ys,
                       View1<std::int64_t const, MS> perm, View1<std::int64_t const, MS> inverse,
                       View2<Scalar const, MS> w, View2<O, MS> dys, View2<Scalar, MS> dw) {
   moe::detail::Region region("moe::combine::backward");
@@ -151,7 +152,7 @@ void combine_backward(ExecSpace const& space, View2<Scalar const, MS> dy, View2<
         std::int64_t const s = perm(i), t = s / K;
         Scalar const ws = w(t, s % K);
         for (std::int64_t d = lane; d < D; d += lanes)
-          dys(i, d) = moe::detail::value_cast<O>(ws * dy(t, d));
+          dys(i, d) = moe::detail::value_cast<O>(ws * moe::detail::value_cast<Scalar>(dy(t, d)));
       });
   // A float dot product is summed in double: each product of two floats is exact there, so no
   // compiler's choice to fuse (or not) the multiply and the add changes the result, and float and
@@ -165,7 +166,8 @@ void combine_backward(ExecSpace const& space, View2<Scalar const, MS> dy, View2<
           Acc acc = 0;
           if (r >= 0)
             for (std::int64_t d = 0; d < D; ++d)
-              acc += Acc(dy(t, d)) * Acc(moe::detail::value_cast<Scalar>(ys(r, d)));
+              acc += Acc(moe::detail::value_cast<Scalar>(dy(t, d))) *
+                     Acc(moe::detail::value_cast<Scalar>(ys(r, d)));
           dw(t, k) = Scalar(acc);
         }
       });

@@ -2,7 +2,9 @@
 /// \file
 /// Route stage of the distributed layer: the router on the working tokens, global statistics.
 
+#include <moe/detail/blas.hpp>
 #include <moe/detail/views.hpp>
+#include <moe/distributed/buffers.hpp>
 #include <moe/routing/kernels.hpp>
 
 #include <cstdint>
@@ -49,11 +51,26 @@ void route_statistics(Ctx& ctx) {
   }
 }
 
-/// Routes the working tokens xw (own, or the expert group's on the ring).
+/// Routes the working tokens xw (the own tokens, full D).
 template <class Ctx>
-void route_tokens(Ctx& ctx, typename Ctx::view2 xw, bool ring) {
+void route_tokens(Ctx& ctx, typename Ctx::view2 xw) {
   ctx.router.forward(ctx.space, cview2_t<Ctx>(xw), ctx.cp.gate, ctx.cp.gate_bias, ctx.S,
-                     member_token_offsets(ctx, ring), ring ? ctx.ep().rank() : 0);
+                     member_token_offsets(ctx, false), 0);
+  route_statistics(ctx);
+}
+
+/// Routes the expert group's tokens on the ring from their gate logits: the own tokens' logits
+/// (x . gate, [T, E]) all-gathered over the expert axes, so that no rank multiplies the gathered
+/// tokens by the gate, and the router never reads them (they may be 16-bit: x_work).
+template <class Ctx>
+void route_from_logits(Ctx& ctx) {
+  using Scalar = typename Ctx::scalar_type;
+  auto lo = ctx.ws.make(buf::logits_own);
+  moe::detail::gemm(ctx.space, "N", "N", Scalar(1), cview2_t<Ctx>(ctx.ws.at(buf::x)), ctx.cp.gate,
+                    Scalar(0), lo);
+  ctx.all_gather(ctx.ep(), lo, ctx.router.logits_rows(ctx.space, ctx.plan.work_tokens), 0);
+  ctx.router.forward_logits(ctx.space, ctx.cp.gate_bias, ctx.S, member_token_offsets(ctx, true),
+                            ctx.ep().rank());
   route_statistics(ctx);
 }
 

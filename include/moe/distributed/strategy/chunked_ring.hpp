@@ -72,18 +72,6 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
     return plan_after_experts(b);  // the ring's
   }
 
-  /// The expert group's tokens routed from their all-gathered gate logits.
-  template <class Ctx>
-  static void route(Ctx& ctx) {
-    using Scalar = typename Ctx::scalar_type;
-    auto const x = ctx.ws.at(buf::x);
-    auto lo = ctx.ws.make(buf::logits_own);
-    moe::detail::gemm(ctx.space, "N", "N", Scalar(1), cview2_t<Ctx>(x), ctx.cp.gate, Scalar(0), lo);
-    ctx.all_gather(ctx.ep(), lo, ctx.router.logits_rows(ctx.space, ctx.plan.work_tokens), 0);
-    ctx.router.forward_logits(ctx.space, ctx.cp.gate_bias, ctx.S,
-                              stages::member_token_offsets(ctx, true), ctx.ep().rank());
-    stages::route_statistics(ctx);
-  }
   template <class Ctx>
   static void dispatch(Ctx& c) {
     stages::local_sort(c);
@@ -101,7 +89,7 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
     detail::copy_rows(ctx.space, "moe::dist::chunk_pack", ctx.ws.at(buf::x).data(), own.data(),
                       T * nc, Dc, detail::Identity{}, detail::PaToAp{T, nc});
     auto got = ctx.ws.make(buf::x_chunks);
-    auto xs = ctx.ws.make(buf::x_local, n).wide;  // the chunked plan's rows are Values
+    auto xs = ctx.ws.make(buf::x_local, n).values();  // the chunked plan's rows are Values
     auto xs_c = ctx.ws.make(buf::x_local_chunk, n);
     // The chunks' shapes are agreed on once (one collective check, not one per chunk).
     auto const first = stages::chunk_views(ctx, own, got, 0);
@@ -125,7 +113,7 @@ struct ChunkedRing : Gathered<SortedExperts, true> {
         if (c + 1 < nc) next.test();
       }
     }
-    auto ys = ctx.ws.make(buf::y_local, n).wide;
+    auto ys = ctx.ws.make(buf::y_local, n).values();
     ctx.ffn.forward_end(ctx.space, ctx.disp.perm.groups, ctx.cp.wo, ys);
   }
 };

@@ -31,7 +31,7 @@ struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
                        lay.ep_axes, b.T, b.Dl, 1);
     };
     auto& g = b.stage(StageKind::gather_tokens, "moe::dist::gather_tokens", {buf::x},
-                      {b.out(buf::x_work, T, D)});
+                      {b.out(buf::x_work, T, D, {}, false)});  // read as values
     b.all_gather(g, "all-gather tokens (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
     b.route(buf::x_work);
     Experts::plan_forward(b, buf::x_work);
@@ -40,7 +40,8 @@ struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
     b.reduce_scatter(c, "reduce-scatter y (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
     shared(buf::x_work, buf::y_shared, buf::y_shared_cols, buf::y_cols, "y");
     b.output();
-    auto& d = stages::plan_gathered_experts_backward<Experts>(b, "all-gather d_y (ep-tp)", b.Dl, 1);
+    auto& d = stages::plan_gathered_experts_backward<Experts>(b, "all-gather d_y (ep-tp)", b.Dl, 1,
+                                                              false);  // dy_work read as values
     b.all_reduce(d, "reduce d_weights (expert)", lay.ep_axes, b.T * b.K);
     b.reduce_scatter(d, "reduce-scatter d_x (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
     shared(buf::dy_work, buf::dx_shared, buf::dx_shared_cols, Buf::dx, "d_x");
@@ -56,12 +57,13 @@ struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
   /// The shared expert on the full-D tokens, its partial outputs added to y_cols.
   template <class Ctx>
   static void shared_forward(Ctx& c) {
-    auto ysh = stages::shared_mlp_forward(c, cview2_t<Ctx>(c.ws.at(buf::x_work)), buf::y_shared);
+    auto ysh =
+        stages::shared_mlp_forward(c, cview2_t<Ctx>(c.ws.values(buf::x_work)), buf::y_shared);
     stages::scatter_cols_into(c, c.ep(), ysh, buf::y_shared_cols, c.ws.at(buf::y_cols));
   }
   template <class Ctx>
   static void output_backward(Ctx& c, typename Ctx::cview2 dy) {
-    c.all_gather(c.ep(), dy, c.ws.make(buf::dy_work), 1);
+    c.all_gather(c.ep(), dy, c.ws.make(buf::dy_work).values(), 1);
   }
   template <class Ctx>
   static void dispatch_backward(Ctx& c, typename Ctx::view2 dx) {
@@ -75,7 +77,7 @@ struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
   template <class Ctx>
   static void shared_backward(Ctx& c, typename Ctx::cview2 /*dy*/, typename Ctx::view2 dx) {
     auto dxsh =
-        stages::shared_mlp_backward(c, cview2_t<Ctx>(c.ws.at(buf::dy_work)), buf::dx_shared);
+        stages::shared_mlp_backward(c, cview2_t<Ctx>(c.ws.values(buf::dy_work)), buf::dx_shared);
     stages::scatter_cols_into(c, c.ep(), dxsh, buf::dx_shared_cols, dx);
   }
   /// The router's backward on the full-D tokens: dx for this rank's D columns, d_gate whole.
@@ -83,7 +85,7 @@ struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
   static void route_backward(Ctx& c, typename Ctx::view2 dx) {
     std::int64_t const E = c.cfg.num_experts, Dl = c.plan.token_cols;
     cview2_t<Ctx> gate_rows(c.cp.gate.data() + c.x_col0 * E, Dl, E);
-    c.router.backward(c.space, cview2_t<Ctx>(c.ws.at(buf::x_work)), gate_rows,
+    c.router.backward(c.space, cview2_t<Ctx>(c.ws.values(buf::x_work)), gate_rows,
                       cview2_t<Ctx>(c.ws.at(buf::d_weights)), c.router.lb_coefficient(c.B), dx,
                       c.gc.gate, c.gc.gate_bias);
   }

@@ -28,13 +28,17 @@ void local_sort(Ctx& ctx) {
                           ctx.disp.perm);
 }
 
-/// The experts' backward on gathered tokens (dy all-gathered as `gather_dy` unless null).
+/// The experts' backward on gathered tokens (dy all-gathered as `gather_dy` unless null); the
+/// working dy_work 16-bit where the plan narrows rows and `narrow_dy` (its readers take both).
 template <class Experts>
 Stage& plan_gathered_experts_backward(PlanBuilder& b, char const* gather_dy, std::int64_t cols,
-                                      int dim) {
+                                      int dim, bool narrow_dy) {
   auto& o = b.stage(StageKind::output, "moe::dist::output::backward", {Buf::dy},
-                    {b.out(buf::dy_work, b.work_tokens(), b.emb())});
-  if (gather_dy) b.all_gather(o, gather_dy, b.lay.ep_axes, b.T, cols, dim);
+                    {b.out(buf::dy_work, b.work_tokens(), b.emb(), {}, narrow_dy)});
+  if (gather_dy) {
+    b.all_gather(o, gather_dy, b.lay.ep_axes, b.T, cols, dim);
+    PlanBuilder::rows16(o, dim == 0 && b.find(Buf::dy_work)->elem == Elem::bf16);
+  }
   Experts::plan_backward(b);
   return b.stage(StageKind::dispatch, "moe::dispatch::gathered::backward",
                  {Experts::dx_rows(b), buf::d_weights_work},
@@ -45,8 +49,9 @@ Stage& plan_gathered_experts_backward(PlanBuilder& b, char const* gather_dy, std
 }  // namespace stages
 
 /// \brief The routed rows of the working tokens sorted by local expert through the grouped GEMMs.
-/// x_local, y_local and dy_local are 16-bit where the plan narrows them (PlanBuilder::rows_elem);
-/// the experts' dx rows overwrite dy_local.
+/// x_local, y_local and dy_local, and the working tokens x_work and dy_work they come from, are
+/// 16-bit where the plan narrows them (PlanBuilder::rows_elem); the experts' dx rows overwrite
+/// dy_local.
 struct SortedExperts : StageDefaults {
   static constexpr bool dense = false;
   /// What the experts write (the combine reads it) and what the dispatch backward reads.
@@ -54,7 +59,7 @@ struct SortedExperts : StageDefaults {
   static Ref dx_rows(PlanBuilder const&) { return buf::dy_local; }
 
   /// The dispatch and experts stages on the working tokens `xw`.
-  static void plan_forward(PlanBuilder& b, Handle<Values> xw) {
+  static void plan_forward(PlanBuilder& b, Ref xw) {
     Extent const n = b.local_rows(), D = b.emb(), Tw = b.work_tokens();
     b.stage(StageKind::dispatch, "moe::dispatch::gathered", {xw, Buf::routing},
             {b.out(buf::local_ids, Tw, b.topk()), b.out(buf::local_kept, Tw, b.topk()),
@@ -74,17 +79,21 @@ struct SortedExperts : StageDefaults {
     b.hold_expert_ffn(n);
   }
 
-  template <class Ctx>
-  static void dispatch(Ctx& ctx, typename Ctx::view2 xw) {
+  /// The working tokens `xw` (rows of either width) sorted into x_local.
+  template <class Ctx, class Rows>
+  static void dispatch(Ctx& ctx, Rows const& xw) {
     stages::local_sort(ctx);
-    ctx.ws.make(buf::x_local, ctx.disp.perm.rows()).visit([&](auto const& xs) {
-      permute::gather_rows(ctx.space, cview2_t<Ctx>(xw), ctx.perm(), ctx.cfg.num_experts_per_tok,
-                           xs);
+    auto const xs = ctx.ws.make(buf::x_local, ctx.disp.perm.rows());
+    xw.visit([&](auto const& x) {
+      xs.visit([&](auto const& s) {
+        permute::gather_rows(ctx.space, stages::const_rows(x), ctx.perm(),
+                             ctx.cfg.num_experts_per_tok, s);
+      });
     });
   }
   /// The experts on the sorted rows (x_local; `xw` is the working tokens they came from).
-  template <class Ctx>
-  static void experts(Ctx& ctx, Handle<Values> /*xw*/, std::uint64_t weights_version) {
+  template <class Ctx, class H>
+  static void experts(Ctx& ctx, H /*xw*/, std::uint64_t weights_version) {
     auto const xr = ctx.ws.at(buf::x_local);
     auto const yr = ctx.ws.make(buf::y_local, xr.rows());
     stages::experts_forward(ctx, xr, yr, ctx.disp.perm.groups, weights_version);
@@ -103,11 +112,12 @@ struct SortedExperts : StageDefaults {
   static void combine_backward(Ctx& ctx) {
     auto dyr = ctx.ws.make(buf::dy_local, ctx.disp.perm.rows());
     auto dww = ctx.ws.make(buf::d_weights_work);
-    ctx.ws.at(buf::y_local).visit([&](auto const& ys) {
-      dyr.visit([&](auto const& dys) {
-        permute::combine_backward(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::dy_work)),
-                                  stages::const_rows(ys), ctx.perm(), ctx.inverse(),
-                                  ctx.route_weights(), dys, dww);
+    ctx.ws.at(buf::dy_work).visit([&](auto const& dyw) {
+      ctx.ws.at(buf::y_local).visit([&](auto const& ys) {
+        dyr.visit([&](auto const& dys) {
+          permute::combine_backward(ctx.space, stages::const_rows(dyw), stages::const_rows(ys),
+                                    ctx.perm(), ctx.inverse(), ctx.route_weights(), dys, dww);
+        });
       });
     });
   }
@@ -137,7 +147,7 @@ struct DenseExperts : StageDefaults {
   static constexpr auto rows_out = buf::y_work;
   static Ref dx_rows(PlanBuilder const&) { return buf::dx_work; }
 
-  static void plan_forward(PlanBuilder& b, Handle<Values> xw) {
+  static void plan_forward(PlanBuilder& b, Ref xw) {
     Extent const Tw = b.work_tokens(), L{b.L, scale_experts};
     b.experts_stage({xw, Buf::routing}, {b.out(buf::y_work, Tw, b.emb())});
     // What nn::DenseExperts keeps.
@@ -159,11 +169,12 @@ struct DenseExperts : StageDefaults {
     b.hold(Buf::d_dense_weights, {Tw, L});
   }
 
-  /// The experts on the working tokens, the buffer `xw`.
-  template <class Ctx>
-  static void experts(Ctx& ctx, Handle<Values> xw, std::uint64_t /*weights_version*/) {
+  /// The experts on the working tokens, the buffer `xw` (declared wide: the plan keeps the
+  /// dense path's working tokens as values).
+  template <class Ctx, class H>
+  static void experts(Ctx& ctx, H xw, std::uint64_t /*weights_version*/) {
     auto yw = ctx.ws.make(buf::y_work);
-    ctx.dense.forward(ctx.space, ctx.cfg.mlp_activation, cview2_t<Ctx>(ctx.ws.at(xw)),
+    ctx.dense.forward(ctx.space, ctx.cfg.mlp_activation, cview2_t<Ctx>(ctx.ws.values(xw)),
                       ctx.expert_ids(), ctx.kept(), ctx.route_weights(),
                       int(ctx.layout.first_expert), ctx.cp.wi_0, ctx.cp.wi_1, ctx.cp.wo, yw);
   }
@@ -176,8 +187,8 @@ struct DenseExperts : StageDefaults {
   static void experts_backward(Ctx& ctx) {
     auto dxw = ctx.ws.make(buf::dx_work);
     auto dww = ctx.ws.make(buf::d_weights_work);
-    ctx.dense.backward(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::dy_work)), ctx.cp.wi_0, ctx.cp.wi_1,
-                       ctx.cp.wo, dxw, dww, ctx.gc.wi_0, ctx.gc.wi_1, ctx.gc.wo);
+    ctx.dense.backward(ctx.space, cview2_t<Ctx>(ctx.ws.values(buf::dy_work)), ctx.cp.wi_0,
+                       ctx.cp.wi_1, ctx.cp.wo, dxw, dww, ctx.gc.wi_0, ctx.gc.wi_1, ctx.gc.wo);
   }
   template <class Ctx>
   static typename Ctx::view2 work_dx(Ctx& ctx) {
@@ -191,6 +202,8 @@ struct DenseExperts : StageDefaults {
 };
 
 /// \brief The route, dispatch and experts stages on the working tokens W, through `Experts`.
+/// The ring routes from the own tokens' gathered gate logits (stages::route_from_logits), the
+/// others route the full-D tokens W.
 template <class Experts, Buf W, bool Ring>
 struct OnWorkTokens : Experts {
   static constexpr auto xw = detail::handle<W>();  ///< the working tokens
@@ -198,15 +211,20 @@ struct OnWorkTokens : Experts {
   /// Own tokens x -> x_work, all-gathered over the expert axes (ring: rows; EP-TP: D columns).
   template <class Ctx>
   static void gather_tokens(Ctx& c) {
-    c.all_gather(c.ep(), c.ws.at(buf::x), c.ws.make(buf::x_work), Ring ? 0 : 1);
+    c.ws.make(buf::x_work).visit([&](auto const& x) {
+      c.all_gather(c.ep(), c.ws.at(buf::x), x, Ring ? 0 : 1);
+    });
   }
   template <class Ctx>
   static void route(Ctx& c) {
-    stages::route_tokens(c, c.ws.at(xw), Ring);
+    if constexpr (Ring)
+      stages::route_from_logits(c);
+    else
+      stages::route_tokens(c, c.ws.values(xw));
   }
   template <class Ctx>
   static void dispatch(Ctx& c) {
-    Experts::dispatch(c, c.ws.at(xw));
+    Experts::dispatch(c, c.ws.rows(xw));
   }
   template <class Ctx>
   static void experts(Ctx& c, std::uint64_t weights_version) {
@@ -224,12 +242,13 @@ struct Gathered : OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring> {
                 std::int64_t value_bytes) const {
     PlanBuilder b(lay, cfg, par, value_bytes, Ring);
     begin(b);
+    b.route(Ring ? Ref(buf::x) : Ref(xw), Ring);
     if constexpr (Ring) {
       auto& st = b.stage(StageKind::gather_tokens, "moe::dist::gather_tokens", {buf::x},
-                         {b.out(buf::x_work, b.work_tokens(), b.emb())});
+                         {b.out(buf::x_work, b.work_tokens(), b.emb(), {}, !Experts::dense)});
       b.all_gather(st, "all-gather tokens (ring)", lay.ep_axes, b.T, b.D, 0);
+      PlanBuilder::rows16(st, b.find(Buf::x_work)->elem == Elem::bf16);
     }
-    b.route(xw);
     Experts::plan_forward(b, xw);
     return plan_after_experts(b);
   }
@@ -256,7 +275,7 @@ struct Gathered : OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring> {
     if (b.shared()) stages::plan_shared_forward(b);
     b.output();
     auto& d = stages::plan_gathered_experts_backward<Experts>(
-        b, Ring ? "all-gather d_y (expert)" : nullptr, b.D, 0);
+        b, Ring ? "all-gather d_y (expert)" : nullptr, b.D, 0, !Experts::dense);
     b.all_reduce(d, "reduce d_weights (tensor)", b.lay.tp_axes, b.Tw * b.K);
     stages::plan_tokens_reduce(b, d, "d_weights", b.K, Ring);
     b.all_reduce(d, "reduce d_x (tensor)", b.lay.tp_axes, b.Tw * b.D);
@@ -275,7 +294,7 @@ struct Gathered : OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring> {
   }
   template <class Ctx>
   static void output_backward(Ctx& c, typename Ctx::cview2 dy) {
-    stages::tokens_gather(c, Ring, dy, c.ws.make(buf::dy_work));
+    c.ws.make(buf::dy_work).visit([&](auto const& w) { stages::tokens_gather(c, Ring, dy, w); });
   }
   /// The working tokens' d_weights and dx (partial over tensor and the local experts) summed back
   /// to the tokens' owners.

@@ -84,7 +84,7 @@ struct RaggedA2A : StageDefaults {
 
   template <class Ctx>
   static void route(Ctx& c) {
-    stages::route_tokens(c, c.ws.at(buf::x), false);
+    stages::route_tokens(c, c.ws.at(buf::x));
   }
   // The rows between the sort and the experts, and back, are routed rows (role Rows): 16-bit
   // where the plan narrows them, which the bf16 wire would round them to anyway.

@@ -68,13 +68,14 @@ typename Ctx::view2 shared_mlp_backward(Ctx& ctx, typename Ctx::cview2 dy, Handl
   return dx;
 }
 
-/// Own tokens -> working tokens: all-gathered over the expert group (`spans`), else copied.
-template <class Ctx>
-void tokens_gather(Ctx& ctx, bool spans, typename Ctx::cview2 own, typename Ctx::view2 work) {
+/// Own tokens -> working tokens (values, or 16-bit rows: each value rounded to nearest even):
+/// all-gathered over the expert group (`spans`), else copied.
+template <class Ctx, class Work>
+void tokens_gather(Ctx& ctx, bool spans, typename Ctx::cview2 own, Work const& work) {
   if (spans)
     ctx.all_gather(ctx.ep(), own, work, 0);
   else
-    Kokkos::deep_copy(ctx.space, work, own);
+    moe::detail::copy_into(ctx.space, own, work, false);
 }
 /// Working tokens -> own tokens: reduce-scattered over the expert group (`spans`), else summed.
 template <class Ctx>
