@@ -253,6 +253,17 @@ TEST(Bf16Wire, CollectivesOn16BitRowsGiveTheBitsOfFloatRows) {
   Exec().fence();
   EXPECT_TRUE(holds_rounded(rout16, rout));
   EXPECT_TRUE(holds_rounded(rout16b, rout));
+  // Reduce-scatter along dim 0 (the ring's y and d_x) from 16-bit rows, sent as they are: the
+  // float rows' result (they are rounded on the wire; one rank: copied).
+  moe::View2<float, Mem> sin("sin", P * rows, cols), sout("sout", rows, cols),
+      sout16("sout16", rows, cols);
+  for (std::size_t i = 0; i < sin.span(); ++i) sin.data()[i] = value(std::int64_t(i) + 3000);
+  moe::distributed::reduce_scatter_dim(Exec(), g, sin, sout, 0, nullptr, "rs", nullptr,
+                                       Wire::bf16);
+  moe::distributed::reduce_scatter_dim(Exec(), g, to_bf16(sin), sout16, 0, nullptr, "rs", nullptr,
+                                       Wire::bf16);
+  Exec().fence();
+  EXPECT_TRUE(holds_rounded(sout16, sout));
   // The ragged all-to-all moves 16-bit rows as they are, on either wire, forward and reverse.
   moe::comm::Communicator comm(MPI_COMM_WORLD);
   std::vector<std::int64_t> send(static_cast<std::size_t>(P));

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -363,9 +364,10 @@ TEST(PermuteGatherCombine, Bf16RowsGiveTheBitsOfTheFloatPath) {
   using CB2 = moe::View2<moe::bf16 const, MS>;
   using CI = moe::View1<std::int64_t const, MS>;
   Exec space;
-  for (int threads : {1, 3}) {
-    OmpThreads const omp(threads);
-    auto const f = make_fixture(300, 2, 8, 37, 0.8, 7);
+  // D = 37: one short block of columns per row; 130: whole blocks of the 16-bit sums and a tail.
+  for (auto const& run : {std::pair{1, 37}, std::pair{3, 37}, std::pair{2, 130}}) {
+    OmpThreads const omp(run.first);
+    auto const f = make_fixture(300, 2, 8, run.second, 0.8, 7);
     int const T = f.T, K = f.K, D = f.D;
     std::int64_t const n = f.p.rows();
     Rng rng(8);
@@ -423,6 +425,12 @@ TEST(PermuteGatherCombine, Bf16RowsGiveTheBitsOfTheFloatPath) {
     moe::permute::gather_rows_backward(space, C2(dxs), inv, K, false, dx);
     moe::permute::gather_rows_backward(space, CB2(dxs16), inv, K, false, dx16);
     EXPECT_EQ(to_vec(dx16), to_vec(dx)) << "gather_rows_backward";
+    // Into 16-bit rows (the ring's y_work and dx_work): the float sums, rounded once.
+    B2 yb("yb", T, D), dxb("dxb", T, D);
+    moe::permute::combine(space, CB2(ys16), inv, C2(w), false, yb);
+    moe::permute::gather_rows_backward(space, CB2(dxs16), inv, K, false, dxb);
+    EXPECT_EQ(bf16_bits_of(yb), bf16_bits_of(y)) << "combine into 16-bit rows";
+    EXPECT_EQ(bf16_bits_of(dxb), bf16_bits_of(dx)) << "gather_rows_backward into 16-bit rows";
   }
 }
 

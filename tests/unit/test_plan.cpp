@@ -381,7 +381,9 @@ TEST(Plan, RaggedAllToAll) {
 // two products summed in fp32 by gmm::gmm_sum, no float buffer of their own); the chunked ring's
 // rows stay float (its forward slices them by D-chunks). So are the working tokens they are
 // gathered from and their output gradients (x_work on the ring, dy_work), except on EP-TP, whose
-// router and shared expert read them as values.
+// router and shared expert read them as values; and the sums y_work and dx_work where only a
+// reduce-scatter on the bf16 wire reads them (the ring, EP-TP; dx_work on the ring without
+// tensor axes).
 TEST(Plan, Bf16RoutedRowsAre16BitWhereTheHiddenStatesAre) {
   using moe::distributed::Buf;
   using moe::distributed::Elem;
@@ -418,13 +420,16 @@ TEST(Plan, Bf16RoutedRowsAre16BitWhereTheHiddenStatesAre) {
       // received rows and column blocks too), and its all-to-alls, which then move them as they
       // are.
       bool const eptp = p.layout.route == moe::ExpertRoute::EpTp;
+      bool const ring = p.layout.route == moe::ExpertRoute::Ring;
       int rows = 0, a2a = 0;
       for (auto const& d : p.step.buffers)
         if (moe::distributed::info(d.id).elem == Elem::rows) {
           ++rows;
-          bool const work = d.id == Buf::x_work || d.id == Buf::dy_work;
-          EXPECT_EQ(d.elem, narrow && !(eptp && work) ? Elem::bf16 : Elem::value)
-              << to_string(d.id);
+          bool const tokens = d.id == Buf::x_work || d.id == Buf::dy_work;
+          bool const sums = d.id == Buf::y_work || d.id == Buf::dx_work;
+          bool const narrow_sum = eptp || (ring && (d.id == Buf::y_work || p.layout.tp() == 1));
+          bool const want = narrow && !(tokens && eptp) && !(sums && !narrow_sum);
+          EXPECT_EQ(d.elem, want ? Elem::bf16 : Elem::value) << to_string(d.id);
         }
       for (auto const* phase : {&p.step.forward, &p.step.backward})
         for (auto const& st : *phase)
@@ -434,10 +439,10 @@ TEST(Plan, Bf16RoutedRowsAre16BitWhereTheHiddenStatesAre) {
               EXPECT_EQ(c.rows16, narrow) << c.what;
             }
       bool const ragged = p.layout.route == moe::ExpertRoute::RaggedA2A;
-      // Gathered and EP-TP: the routed rows and dy_work, and x_work where the tokens are
-      // gathered whole (not the chunked ring's chunks).
-      bool const x_work = eptp || (p.layout.route == moe::ExpertRoute::Ring && !l.chunks);
-      EXPECT_EQ(rows, ragged ? 11 : x_work ? 5 : 4);
+      // Gathered and EP-TP: the routed rows, dy_work, y_work and dx_work, and x_work where the
+      // tokens are gathered whole (not the chunked ring's chunks).
+      bool const x_work = eptp || (ring && !l.chunks);
+      EXPECT_EQ(rows, ragged ? 11 : x_work ? 7 : 6);
       EXPECT_EQ(a2a, ragged ? 4 : 0);
       // The experts' backward writes its dx rows into the rows it reads (dy_local).
       bool writes_dy_local = false;
@@ -477,18 +482,24 @@ TEST(Plan, RingAndDenseGatherTokens) {
     for (auto const& c : p.collectives) EXPECT_FALSE(c.balanced) << c.what;
   }
   // In bf16, the sorted ring holds its gathered tokens and output gradients in 16 bits where its
-  // routed rows are; the dense path's are values (its GEMMs read them so).
+  // routed rows are; the dense path's are values (its GEMMs read and write them so).
   auto const sorted =
       plan(2, {"ici_expert_parallelism=-1", "use_ring_of_experts=true"}, {"dtype=bfloat16"});
   auto const dense =
       plan(2, {"ici_expert_parallelism=-1"}, {"sparse_matmul=false", "dtype=bfloat16"});
   using moe::distributed::Buf;
   using moe::distributed::Elem;
-  for (Buf b : {Buf::x_work, Buf::dy_work}) {
+  // So are its sums y_work and dx_work (no tensor axes here); EP-TP's dense path keeps all four
+  // as values too.
+  auto const eptp_dense = plan(4, {"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=-1"},
+                               {"sparse_matmul=false", "dtype=bfloat16"}, 8, 2);
+  for (Buf b : {Buf::x_work, Buf::dy_work, Buf::y_work, Buf::dx_work}) {
     ASSERT_NE(sorted.step.find(b), nullptr);
     ASSERT_NE(dense.step.find(b), nullptr);
+    ASSERT_NE(eptp_dense.step.find(b), nullptr);
     EXPECT_EQ(sorted.step.find(b)->elem, sorted.step.find(Buf::x_local)->elem);
     EXPECT_EQ(dense.step.find(b)->elem, Elem::value);
+    EXPECT_EQ(eptp_dense.step.find(b)->elem, Elem::value);
   }
 }
 

@@ -91,7 +91,7 @@ enum class BufKind : std::uint8_t { external, workspace, held };  ///< what kind
   X(y_received_cols, rows, token_rows)  \
   X(y_sorted_cols, rows, token_rows)    \
   X(y_cols, value, token_rows)          \
-  X(y_work, value, token_rows)          \
+  X(y_work, rows, token_rows)           \
   X(y_own, value, token_rows)           \
   X(dy_cols, value, token_rows)         \
   X(dy_sorted_cols, rows, token_rows)   \
@@ -99,7 +99,7 @@ enum class BufKind : std::uint8_t { external, workspace, held };  ///< what kind
   X(dy_local_cols, rows, token_rows)    \
   X(dy_local, rows, token_rows)         \
   X(dy_work, rows, token_rows)          \
-  X(dx_work, value, token_rows)         \
+  X(dx_work, rows, token_rows)          \
   X(d_weights, value, routing)          \
   X(d_weights_work, value, token_rows)  \
   X(logits_own, value, routing)         \

@@ -236,10 +236,10 @@ class PlanBuilder {
       st.collectives.back().host = host;
     }
   }
-  /// Marks the last collective of `st` (where it plans one) as moving 16-bit rows at both ends,
-  /// where `narrow` (PlannedCollective::rows16).
-  static void rows16(Stage& st, bool narrow) {
-    if (narrow && !st.collectives.empty()) st.collectives.back().rows16 = true;
+  /// Marks the collective planned on `st` since it had `before` of them (none where its group is
+  /// of one) as moving 16-bit rows at both ends, where `narrow` (PlannedCollective::rows16).
+  static void rows16(Stage& st, std::size_t before, bool narrow) {
+    if (narrow && st.collectives.size() > before) st.collectives.back().rows16 = true;
   }
   /// A ragged all-to-all over the expert axes of rows x cols routed rows (balanced routing).
   void all_to_all(Stage& st, std::string what, std::int64_t rows, std::int64_t cols) const {
@@ -247,7 +247,7 @@ class PlanBuilder {
     add(st, std::move(what), "all-to-all", lay.ep_axes,
         comm::sent_bytes::all_to_all_balanced(rows * cols * comm::wire_bytes(w, s), ep), true, ep,
         rows * cols, 1, w);
-    rows16(st, narrow_rows());
+    st.collectives.back().rows16 = narrow_rows();
   }
 
   /// Starts the plan: this rank's sizes, every moved weight's ops, the step's input x [T, Dl] and
@@ -343,8 +343,9 @@ class PlanBuilder {
   }
   void declare(BufferDecl d) {
     if (auto const* have = plan_.find(d.id)) {
-      moe::detail::require<Error>(have->shape() == d.shape(), "moe internal error: the plan ",
-                                  "declares buffer ", to_string(d.id), " twice, with two shapes");
+      moe::detail::require<Error>(have->shape() == d.shape() && have->elem == d.elem,
+                                  "moe internal error: the plan declares buffer ", to_string(d.id),
+                                  " twice, with two shapes or element types");
       return;
     }
     plan_.buffers.push_back(std::move(d));

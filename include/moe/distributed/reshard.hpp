@@ -240,9 +240,15 @@ void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& i
     return View1<decltype(value) const, MS>(buf);
   };
   View1<T, MS> const dst(out.data(), out.span());
-  if (wire == comm::Wire::bf16)
+  if (wire == comm::Wire::bf16) {
+    // 16-bit rows split along dim 0 (A = 1) are sent as they are.
+    if constexpr (std::is_same<typename InV::non_const_value_type, moe::bf16>::value)
+      if (s.A == 1)
+        return comm::reduce_scatter(g.comm, space, View1<moe::bf16 const, MS>(in.data(), in.span()),
+                                    dst, pool);
     return comm::reduce_scatter(g.comm, space, packed(moe::bf16{}, "moe::reshard::wire_send"), dst,
                                 pool);
+  }
   if constexpr (!detail::same_elements<InV, OutV>) {
     throw detail::mixed_native_wire();
   } else {

@@ -28,8 +28,8 @@ struct PlannedCollective {
   std::int64_t elem_bytes = 0;  ///< bytes of one value on the wire
   bool host = false;            ///< a statistic reduced on the host (not in the layer's pool)
   comm::Wire wire = comm::Wire::native;  ///< what the values travel as (PlanBuilder::wire)
-  /// 16-bit rows at both ends: an all-to-all moves them as they are, an all-gather of rows
-  /// receives into them (no copies to and from the wire; no receive copy).
+  /// 16-bit rows at both ends: an all-to-all moves them as they are (no copies to and from the
+  /// wire), an all-gather of rows receives into them, a reduce-scatter of rows sends them.
   bool rows16 = false;
 };
 

@@ -99,11 +99,13 @@ void gather_rows(ExecSpace const& space, View2<Scalar const, MS> x,
 
 namespace detail {
 /// out[t] (+)= sum_k w[t,k] * src[inverse[t*K+k]] over the kept slots, in k order (a gather by
-/// the inverse permutation); an empty w weighs every slot 1 (exact). src may be moe::bf16 rows.
-template <class ExecSpace, class Scalar, class MS, class S>
+/// the inverse permutation); an empty w weighs every slot 1 (exact). src may be moe::bf16 rows,
+/// and so may out: each value then summed in Scalar in the same order, rounded once to nearest
+/// even (the float out's bits, rounded).
+template <class ExecSpace, class Scalar, class MS, class S, class O>
 void gather_slots(ExecSpace const& space, char const* label, View2<S const, MS> src,
                   View1<std::int64_t const, MS> inverse, View2<Scalar const, MS> w, std::int64_t K,
-                  bool accumulate, View2<Scalar, MS> out) {
+                  bool accumulate, View2<O, MS> out) {
   std::int64_t const D = out.extent(1), T = out.extent(0);
   bool const weighted = w.data() != nullptr;
   constexpr std::int64_t ahead = 4;  // tokens: their src rows are scattered (see gather_rows)
@@ -114,24 +116,50 @@ void gather_slots(ExecSpace const& space, char const* label, View2<S const, MS> 
             std::int64_t const r = inverse((t + ahead) * K + k);
             if (r >= 0) moe::detail::prefetch(&src(r, 0));
           }
-        if (!accumulate)
-          for (std::int64_t d = lane; d < D; d += lanes) out(t, d) = Scalar(0);
-        for (std::int64_t k = 0; k < K; ++k) {
-          std::int64_t const r = inverse(t * K + k);
-          if (r < 0) continue;
-          Scalar const wk = weighted ? w(t, k) : Scalar(1);
-          for (std::int64_t d = lane; d < D; d += lanes)
-            out(t, d) += wk * moe::detail::value_cast<Scalar>(src(r, d));
+        if constexpr (std::is_same<O, moe::bf16>::value) {
+          // 16-bit out: the sums in registers, in k order, J of this lane's columns at a time
+          // (d0 + j * step), each rounded once: J large on host spaces (one lane; the loops over
+          // j vectorise), small on device ones (registers of one thread).
+          constexpr bool host = moe::detail::runs_on_host<ExecSpace>();
+          constexpr std::int64_t J = host ? 64 : 8;
+          std::int64_t const step = host ? 1 : lanes;
+          for (std::int64_t d0 = lane; d0 < D; d0 += J * step) {
+            std::int64_t const left = (D - d0 + step - 1) / step;
+            std::int64_t const m = left < J ? left : J;
+            Scalar acc[J];
+            for (std::int64_t j = 0; j < m; ++j)
+              acc[j] = accumulate ? moe::detail::value_cast<Scalar>(out(t, d0 + j * step))
+                                  : Scalar(0);
+            for (std::int64_t k = 0; k < K; ++k) {
+              std::int64_t const r = inverse(t * K + k);
+              if (r < 0) continue;
+              Scalar const wk = weighted ? w(t, k) : Scalar(1);
+              for (std::int64_t j = 0; j < m; ++j)
+                acc[j] += wk * moe::detail::value_cast<Scalar>(src(r, d0 + j * step));
+            }
+            for (std::int64_t j = 0; j < m; ++j)
+              out(t, d0 + j * step) = moe::detail::value_cast<O>(acc[j]);
+          }
+        } else {
+          if (!accumulate)
+            for (std::int64_t d = lane; d < D; d += lanes) out(t, d) = Scalar(0);
+          for (std::int64_t k = 0; k < K; ++k) {
+            std::int64_t const r = inverse(t * K + k);
+            if (r < 0) continue;
+            Scalar const wk = weighted ? w(t, k) : Scalar(1);
+            for (std::int64_t d = lane; d < D; d += lanes)
+              out(t, d) += wk * moe::detail::value_cast<Scalar>(src(r, d));
+          }
         }
       });
 }
 }  // namespace detail
 
 /// \brief Unpermute and combine: y[t] (+)= sum_k w[t,k] * ys[inverse[t*K+k]] (kept slots, k order).
-/// ys may be moe::bf16 rows (widened exactly).
-template <class ExecSpace, class Scalar, class MS, class S>
+/// ys may be moe::bf16 rows (widened exactly), and so may y (each sum rounded once).
+template <class ExecSpace, class Scalar, class MS, class S, class O>
 void combine(ExecSpace const& space, View2<S const, MS> ys, View1<std::int64_t const, MS> inverse,
-             View2<Scalar const, MS> w, bool accumulate, View2<Scalar, MS> y) {
+             View2<Scalar const, MS> w, bool accumulate, View2<O, MS> y) {
   moe::detail::Region region("moe::combine");
   detail::gather_slots(space, "moe::permute::combine", ys, inverse, w, w.extent(1), accumulate, y);
 }
@@ -174,11 +202,13 @@ void combine_backward(ExecSpace const& space, View2<G const, MS> dy, View2<S con
 }
 
 /// \brief Backward of gather_rows: dx[t] (+)= sum_k dxs[inverse[t*K+k]] over kept slots, in k
-/// order (a gather by the inverse permutation, not a scatter-add). dxs may be moe::bf16 rows.
-template <class ExecSpace, class Scalar, class MS, class S>
+/// order (a gather by the inverse permutation, not a scatter-add). dxs may be moe::bf16 rows, and
+/// so may dx (each sum in float, rounded once).
+template <class ExecSpace, class MS, class S, class O>
 void gather_rows_backward(ExecSpace const& space, View2<S const, MS> dxs,
                           View1<std::int64_t const, MS> inverse, int K, bool accumulate,
-                          View2<Scalar, MS> dx) {
+                          View2<O, MS> dx) {
+  using Scalar = std::conditional_t<std::is_same<O, moe::bf16>::value, float, O>;
   moe::detail::Region region("moe::permute::gather::backward");
   detail::gather_slots(space, "moe::permute::gather_rows_backward", dxs, inverse,
                        View2<Scalar const, MS>(), K, accumulate, dx);

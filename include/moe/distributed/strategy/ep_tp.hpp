@@ -36,12 +36,14 @@ struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
     b.route(buf::x_work);
     Experts::plan_forward(b, buf::x_work);
     auto& c = b.stage(StageKind::combine, "moe::dist::combine", {Experts::rows_out, Buf::routing},
-                      {b.out(buf::y_work, T, D), b.out(buf::y_cols, T, Dl)});
+                      {b.out(buf::y_work, T, D, {}, !Experts::dense), b.out(buf::y_cols, T, Dl)});
     b.reduce_scatter(c, "reduce-scatter y (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
     shared(buf::x_work, buf::y_shared, buf::y_shared_cols, buf::y_cols, "y");
     b.output();
+    // dy_work read as values (the shared expert); dx_work only reduce-scattered on the bf16 wire
+    // (the dense path's GEMMs write it as values).
     auto& d = stages::plan_gathered_experts_backward<Experts>(b, "all-gather d_y (ep-tp)", b.Dl, 1,
-                                                              false);  // dy_work read as values
+                                                              false, !Experts::dense);
     b.all_reduce(d, "reduce d_weights (expert)", lay.ep_axes, b.T * b.K);
     b.reduce_scatter(d, "reduce-scatter d_x (ep-tp)", lay.ep_axes, b.T, b.Dl, 1);
     shared(buf::dy_work, buf::dx_shared, buf::dx_shared_cols, Buf::dx, "d_x");
@@ -51,8 +53,8 @@ struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
   /// Partial outputs reduce-scattered back to this rank's D columns.
   template <class Ctx>
   static void combine(Ctx& c) {
-    auto yw = Experts::combined(c);
-    c.reduce_scatter(c.ep(), yw, c.ws.make(buf::y_cols), 1);
+    auto const yc = c.ws.make(buf::y_cols);
+    Experts::combined(c).visit([&](auto const& yw) { c.reduce_scatter(c.ep(), yw, yc, 1); });
   }
   /// The shared expert on the full-D tokens, its partial outputs added to y_cols.
   template <class Ctx>
@@ -67,12 +69,12 @@ struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
   }
   template <class Ctx>
   static void dispatch_backward(Ctx& c, typename Ctx::view2 dx) {
-    auto dxw = Experts::work_dx(c);
+    auto const dxw = Experts::work_dx(c);
     // Every expert rank holds the same tokens: d_weights summed, dx summed and split on D.
     auto dw = c.ws.make(buf::d_weights);
     Kokkos::deep_copy(c.space, dw, c.ws.at(buf::d_weights_work));
     c.all_reduce(c.ep(), dw);
-    c.reduce_scatter(c.ep(), dxw, dx, 1);
+    dxw.visit([&](auto const& v) { c.reduce_scatter(c.ep(), v, dx, 1); });
   }
   template <class Ctx>
   static void shared_backward(Ctx& c, typename Ctx::cview2 /*dy*/, typename Ctx::view2 dx) {

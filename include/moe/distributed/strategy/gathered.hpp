@@ -29,20 +29,21 @@ void local_sort(Ctx& ctx) {
 }
 
 /// The experts' backward on gathered tokens (dy all-gathered as `gather_dy` unless null); the
-/// working dy_work 16-bit where the plan narrows rows and `narrow_dy` (its readers take both).
+/// working dy_work and dx_work 16-bit where the plan narrows rows and `narrow_dy`, `narrow_dx`
+/// (their readers take both).
 template <class Experts>
 Stage& plan_gathered_experts_backward(PlanBuilder& b, char const* gather_dy, std::int64_t cols,
-                                      int dim, bool narrow_dy) {
+                                      int dim, bool narrow_dy, bool narrow_dx) {
   auto& o = b.stage(StageKind::output, "moe::dist::output::backward", {Buf::dy},
                     {b.out(buf::dy_work, b.work_tokens(), b.emb(), {}, narrow_dy)});
   if (gather_dy) {
     b.all_gather(o, gather_dy, b.lay.ep_axes, b.T, cols, dim);
-    PlanBuilder::rows16(o, dim == 0 && b.find(Buf::dy_work)->elem == Elem::bf16);
+    PlanBuilder::rows16(o, 0, dim == 0 && b.find(Buf::dy_work)->elem == Elem::bf16);
   }
   Experts::plan_backward(b);
   return b.stage(StageKind::dispatch, "moe::dispatch::gathered::backward",
                  {Experts::dx_rows(b), buf::d_weights_work},
-                 {b.out(buf::dx_work, b.work_tokens(), b.emb()),
+                 {b.out(buf::dx_work, b.work_tokens(), b.emb(), {}, narrow_dx),
                   b.out(buf::d_weights, b.tokens(), b.topk()), Buf::dx});
 }
 
@@ -50,8 +51,8 @@ Stage& plan_gathered_experts_backward(PlanBuilder& b, char const* gather_dy, std
 
 /// \brief The routed rows of the working tokens sorted by local expert through the grouped GEMMs.
 /// x_local, y_local and dy_local, and the working tokens x_work and dy_work they come from, are
-/// 16-bit where the plan narrows them (PlanBuilder::rows_elem); the experts' dx rows overwrite
-/// dy_local.
+/// 16-bit where the plan narrows them (PlanBuilder::rows_elem), and so are the sums y_work and
+/// dx_work where the plan narrows those; the experts' dx rows overwrite dy_local.
 struct SortedExperts : StageDefaults {
   static constexpr bool dense = false;
   /// What the experts write (the combine reads it) and what the dispatch backward reads.
@@ -100,11 +101,13 @@ struct SortedExperts : StageDefaults {
   }
   /// The working tokens' routed outputs y_work: the sorted rows weighted and summed onto them.
   template <class Ctx>
-  static typename Ctx::view2 combined(Ctx& ctx) {
-    auto yw = ctx.ws.make(buf::y_work);
+  static auto combined(Ctx& ctx) {
+    auto const yw = ctx.ws.make(buf::y_work);
     ctx.ws.at(buf::y_local).visit([&](auto const& ys) {
-      permute::combine(ctx.space, stages::const_rows(ys), ctx.inverse(), ctx.route_weights(), false,
-                       yw);
+      yw.visit([&](auto const& y) {
+        permute::combine(ctx.space, stages::const_rows(ys), ctx.inverse(), ctx.route_weights(),
+                         false, y);
+      });
     });
     return yw;
   }
@@ -127,11 +130,13 @@ struct SortedExperts : StageDefaults {
   }
   /// dx of the working tokens: the sorted rows' gradients scattered back to them.
   template <class Ctx>
-  static typename Ctx::view2 work_dx(Ctx& ctx) {
-    auto dxw = ctx.ws.make(buf::dx_work);
+  static auto work_dx(Ctx& ctx) {
+    auto const dxw = ctx.ws.make(buf::dx_work);
     ctx.ws.at(buf::dy_local).visit([&](auto const& dxs) {
-      permute::gather_rows_backward(ctx.space, stages::const_rows(dxs), ctx.inverse(),
-                                    ctx.cfg.num_experts_per_tok, false, dxw);
+      dxw.visit([&](auto const& dx) {
+        permute::gather_rows_backward(ctx.space, stages::const_rows(dxs), ctx.inverse(),
+                                      ctx.cfg.num_experts_per_tok, false, dx);
+      });
     });
     return dxw;
   }
@@ -149,7 +154,7 @@ struct DenseExperts : StageDefaults {
 
   static void plan_forward(PlanBuilder& b, Ref xw) {
     Extent const Tw = b.work_tokens(), L{b.L, scale_experts};
-    b.experts_stage({xw, Buf::routing}, {b.out(buf::y_work, Tw, b.emb())});
+    b.experts_stage({xw, Buf::routing}, {b.out(buf::y_work, Tw, b.emb(), {}, false)});
     // What nn::DenseExperts keeps.
     b.row_limit("dense expert rows", Tw);
     b.phase().back().flops = b.ffn_flops(double(b.Tw) * double(b.L), double(b.F));
@@ -159,8 +164,8 @@ struct DenseExperts : StageDefaults {
   }
   static void plan_backward(PlanBuilder& b) {
     Extent const Tw = b.work_tokens(), L{b.L, scale_experts};
-    b.experts_stage({buf::dy_work},
-                    {b.out(buf::dx_work, Tw, b.emb()), b.out(buf::d_weights_work, Tw, b.topk())});
+    b.experts_stage({buf::dy_work}, {b.out(buf::dx_work, Tw, b.emb(), {}, false),
+                                     b.out(buf::d_weights_work, Tw, b.topk())});
     // The backward runs each expert's forward again (it keeps one expert's hidden states).
     double const rows = double(b.Tw) * double(b.L);
     b.phase().back().flops = b.ffn_flops(rows, double(b.F)) + 3 * b.gemm(rows, b.D, b.F);
@@ -173,25 +178,25 @@ struct DenseExperts : StageDefaults {
   /// dense path's working tokens as values).
   template <class Ctx, class H>
   static void experts(Ctx& ctx, H xw, std::uint64_t /*weights_version*/) {
-    auto yw = ctx.ws.make(buf::y_work);
+    auto yw = ctx.ws.make(buf::y_work).values();
     ctx.dense.forward(ctx.space, ctx.cfg.mlp_activation, cview2_t<Ctx>(ctx.ws.values(xw)),
                       ctx.expert_ids(), ctx.kept(), ctx.route_weights(),
                       int(ctx.layout.first_expert), ctx.cp.wi_0, ctx.cp.wi_1, ctx.cp.wo, yw);
   }
   /// The dense experts computed y_work itself.
   template <class Ctx>
-  static typename Ctx::view2 combined(Ctx& ctx) {
+  static auto combined(Ctx& ctx) {
     return ctx.ws.at(buf::y_work);
   }
   template <class Ctx>
   static void experts_backward(Ctx& ctx) {
-    auto dxw = ctx.ws.make(buf::dx_work);
+    auto dxw = ctx.ws.make(buf::dx_work).values();
     auto dww = ctx.ws.make(buf::d_weights_work);
     ctx.dense.backward(ctx.space, cview2_t<Ctx>(ctx.ws.values(buf::dy_work)), ctx.cp.wi_0,
                        ctx.cp.wi_1, ctx.cp.wo, dxw, dww, ctx.gc.wi_0, ctx.gc.wi_1, ctx.gc.wo);
   }
   template <class Ctx>
-  static typename Ctx::view2 work_dx(Ctx& ctx) {
+  static auto work_dx(Ctx& ctx) {
     return ctx.ws.at(buf::dx_work);
   }
   /// The dense path computes every token: no routed rows.
@@ -247,7 +252,7 @@ struct Gathered : OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring> {
       auto& st = b.stage(StageKind::gather_tokens, "moe::dist::gather_tokens", {buf::x},
                          {b.out(buf::x_work, b.work_tokens(), b.emb(), {}, !Experts::dense)});
       b.all_gather(st, "all-gather tokens (ring)", lay.ep_axes, b.T, b.D, 0);
-      PlanBuilder::rows16(st, b.find(Buf::x_work)->elem == Elem::bf16);
+      PlanBuilder::rows16(st, 0, b.find(Buf::x_work)->elem == Elem::bf16);
     }
     Experts::plan_forward(b, xw);
     return plan_after_experts(b);
@@ -263,23 +268,30 @@ struct Gathered : OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring> {
                    : std::string("local (no expert parallelism)");
     return p;
   }
-  /// The stages after the experts, and the backward (also the chunked ring's).
+  /// The stages after the experts, and the backward (also the chunked ring's). The sums y_work
+  /// and dx_work are 16-bit (where the plan narrows rows) where the ring's reduce-scatter, whose
+  /// bf16 wire rounds them anyway, is all that reads them: dx_work only without tensor axes (an
+  /// fp32 all-reduce over tensor sums it first).
   static StepPlan plan_after_experts(PlanBuilder& b) {
+    bool const narrow_y = Ring && !Experts::dense, narrow_dx = narrow_y && b.tp == 1;
     // The experts' output summed onto the owners' tokens, then split into D/tp columns.
     auto& c = b.stage(
         StageKind::combine, "moe::dist::combine", {Experts::rows_out, Buf::routing},
-        {b.out(buf::y_work, b.work_tokens(), b.emb()), b.out(buf::y_own, b.tokens(), b.emb()),
-         b.out(buf::y_cols, b.tokens(), b.emb_cols())});
+        {b.out(buf::y_work, b.work_tokens(), b.emb(), {}, narrow_y),
+         b.out(buf::y_own, b.tokens(), b.emb()), b.out(buf::y_cols, b.tokens(), b.emb_cols())});
     stages::plan_tokens_reduce(b, c, "y", b.D, Ring);
+    PlanBuilder::rows16(c, 0, b.find(Buf::y_work)->elem == Elem::bf16);
     b.reduce_scatter(c, "reduce-scatter y (tensor)", b.lay.tp_axes, b.T, b.Dc, 1);
     if (b.shared()) stages::plan_shared_forward(b);
     b.output();
     auto& d = stages::plan_gathered_experts_backward<Experts>(
-        b, Ring ? "all-gather d_y (expert)" : nullptr, b.D, 0, !Experts::dense);
+        b, Ring ? "all-gather d_y (expert)" : nullptr, b.D, 0, !Experts::dense, narrow_dx);
     b.all_reduce(d, "reduce d_weights (tensor)", b.lay.tp_axes, b.Tw * b.K);
     stages::plan_tokens_reduce(b, d, "d_weights", b.K, Ring);
     b.all_reduce(d, "reduce d_x (tensor)", b.lay.tp_axes, b.Tw * b.D);
+    std::size_t const before = d.collectives.size();
     stages::plan_tokens_reduce(b, d, "d_x", b.D, Ring);
+    PlanBuilder::rows16(d, before, b.find(Buf::dx_work)->elem == Elem::bf16);
     if (b.shared()) stages::plan_shared_backward(b);
     return b.finish(buf::x);
   }
@@ -287,9 +299,8 @@ struct Gathered : OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring> {
   /// The working tokens' outputs summed onto the own tokens, then split over tensor into y_cols.
   template <class Ctx>
   static void combine(Ctx& c) {
-    auto yw = Experts::combined(c);
-    auto yo = c.ws.make(buf::y_own);
-    stages::tokens_reduce(c, Ring, yw, yo);
+    auto const yo = c.ws.make(buf::y_own);
+    Experts::combined(c).visit([&](auto const& yw) { stages::tokens_reduce(c, Ring, yw, yo); });
     c.reduce_scatter(c.tp(), yo, c.ws.make(buf::y_cols), 1);
   }
   template <class Ctx>
@@ -300,12 +311,12 @@ struct Gathered : OnWorkTokens<Experts, Ring ? Buf::x_work : Buf::x, Ring> {
   /// to the tokens' owners.
   template <class Ctx>
   static void dispatch_backward(Ctx& c, typename Ctx::view2 dx) {
-    auto dxw = Experts::work_dx(c);
+    auto const dxw = Experts::work_dx(c);
     auto dww = c.ws.at(buf::d_weights_work);
     c.all_reduce(c.tp(), dww);
     stages::tokens_reduce(c, Ring, dww, c.ws.make(buf::d_weights));
-    c.all_reduce(c.tp(), dxw);
-    stages::tokens_reduce(c, Ring, dxw, dx);
+    if (c.tp().size() > 1) c.all_reduce(c.tp(), dxw.values());  // planned wide with tensor axes
+    dxw.visit([&](auto const& v) { stages::tokens_reduce(c, Ring, v, dx); });
   }
 };
 

@@ -3,6 +3,7 @@
 /// The shared expert (SharedExpert; EP-TP's own), and StageDefaults: the stage functions a
 /// strategy may not define.
 
+#include <moe/bf16.hpp>
 #include <moe/detail/elementwise.hpp>
 #include <moe/detail/views.hpp>
 #include <moe/distributed/plan_builder.hpp>
@@ -10,6 +11,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace moe::distributed::stages {
@@ -77,11 +79,14 @@ void tokens_gather(Ctx& ctx, bool spans, typename Ctx::cview2 own, Work const& w
   else
     moe::detail::copy_into(ctx.space, own, work, false);
 }
-/// Working tokens -> own tokens: reduce-scattered over the expert group (`spans`), else summed.
-template <class Ctx>
-void tokens_reduce(Ctx& ctx, bool spans, typename Ctx::view2 work, typename Ctx::view2 own) {
+/// Working tokens -> own tokens: reduce-scattered over the expert group (`spans`; `work` may be
+/// 16-bit rows there, which its bf16 wire moves as they are), else summed.
+template <class Ctx, class Work>
+void tokens_reduce(Ctx& ctx, bool spans, Work const& work, typename Ctx::view2 own) {
   if (spans) {
     ctx.reduce_scatter(ctx.ep(), work, own, 0);
+  } else if constexpr (std::is_same<typename Work::non_const_value_type, moe::bf16>::value) {
+    throw Error("moe internal error: 16-bit working rows summed by an all-reduce");
   } else {
     ctx.all_reduce(ctx.ep(), work);
     Kokkos::deep_copy(ctx.space, own, work);
