@@ -100,8 +100,7 @@ void gather_rows(ExecSpace const& space, View2<Scalar const, MS> x,
 namespace detail {
 /// out[t] (+)= sum_k w[t,k] * src[inverse[t*K+k]] over the kept slots, in k order (a gather by
 /// the inverse permutation); an empty w weighs every slot 1 (exact). src may be moe::bf16 rows,
-/// and so may out: each value then summed in Scalar in the same order, rounded once to nearest
-/// even (the float out's bits, rounded).
+/// and so may out (each sum rounded once to nearest even: the float out's bits, rounded).
 template <class ExecSpace, class Scalar, class MS, class S, class O>
 void gather_slots(ExecSpace const& space, char const* label, View2<S const, MS> src,
                   View1<std::int64_t const, MS> inverse, View2<Scalar const, MS> w, std::int64_t K,
@@ -109,6 +108,11 @@ void gather_slots(ExecSpace const& space, char const* label, View2<S const, MS> 
   std::int64_t const D = out.extent(1), T = out.extent(0);
   bool const weighted = w.data() != nullptr;
   constexpr std::int64_t ahead = 4;  // tokens: their src rows are scattered (see gather_rows)
+  // Each sum in a register, in k order, J of the lane's columns at a time (d0 + j * step), and
+  // written once: J large on host spaces (one lane; the loops over j vectorise), small on device
+  // spaces (the registers of one thread).
+  constexpr bool host = moe::detail::runs_on_host<ExecSpace>();
+  constexpr std::int64_t J = host ? 64 : 8;
   moe::detail::for_each_row(
       space, label, T, KOKKOS_LAMBDA(std::int64_t t, std::int64_t lane, std::int64_t lanes) {
         if (lane == 0 && t + ahead < T && D > 0)
@@ -116,40 +120,23 @@ void gather_slots(ExecSpace const& space, char const* label, View2<S const, MS> 
             std::int64_t const r = inverse((t + ahead) * K + k);
             if (r >= 0) moe::detail::prefetch(&src(r, 0));
           }
-        if constexpr (std::is_same<O, moe::bf16>::value) {
-          // 16-bit out: the sums in registers, in k order, J of this lane's columns at a time
-          // (d0 + j * step), each rounded once: J large on host spaces (one lane; the loops over
-          // j vectorise), small on device ones (registers of one thread).
-          constexpr bool host = moe::detail::runs_on_host<ExecSpace>();
-          constexpr std::int64_t J = host ? 64 : 8;
-          std::int64_t const step = host ? 1 : lanes;
-          for (std::int64_t d0 = lane; d0 < D; d0 += J * step) {
-            std::int64_t const left = (D - d0 + step - 1) / step;
-            std::int64_t const m = left < J ? left : J;
-            Scalar acc[J];
-            for (std::int64_t j = 0; j < m; ++j)
-              acc[j] = accumulate ? moe::detail::value_cast<Scalar>(out(t, d0 + j * step))
-                                  : Scalar(0);
-            for (std::int64_t k = 0; k < K; ++k) {
-              std::int64_t const r = inverse(t * K + k);
-              if (r < 0) continue;
-              Scalar const wk = weighted ? w(t, k) : Scalar(1);
-              for (std::int64_t j = 0; j < m; ++j)
-                acc[j] += wk * moe::detail::value_cast<Scalar>(src(r, d0 + j * step));
-            }
-            for (std::int64_t j = 0; j < m; ++j)
-              out(t, d0 + j * step) = moe::detail::value_cast<O>(acc[j]);
-          }
-        } else {
-          if (!accumulate)
-            for (std::int64_t d = lane; d < D; d += lanes) out(t, d) = Scalar(0);
+        std::int64_t const step = host ? 1 : lanes;
+        for (std::int64_t d0 = lane; d0 < D; d0 += J * step) {
+          std::int64_t const left = (D - d0 + step - 1) / step;
+          std::int64_t const m = left < J ? left : J;
+          Scalar acc[J];
+          for (std::int64_t j = 0; j < m; ++j)
+            acc[j] =
+                accumulate ? moe::detail::value_cast<Scalar>(out(t, d0 + j * step)) : Scalar(0);
           for (std::int64_t k = 0; k < K; ++k) {
             std::int64_t const r = inverse(t * K + k);
             if (r < 0) continue;
             Scalar const wk = weighted ? w(t, k) : Scalar(1);
-            for (std::int64_t d = lane; d < D; d += lanes)
-              out(t, d) += wk * moe::detail::value_cast<Scalar>(src(r, d));
+            for (std::int64_t j = 0; j < m; ++j)
+              acc[j] += wk * moe::detail::value_cast<Scalar>(src(r, d0 + j * step));
           }
+          for (std::int64_t j = 0; j < m; ++j)
+            out(t, d0 + j * step) = moe::detail::value_cast<O>(acc[j]);
         }
       });
 }
