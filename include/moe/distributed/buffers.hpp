@@ -18,7 +18,7 @@ enum class Elem : std::uint8_t {
   f64,    ///< host doubles (statistics)
   bf16,   ///< moe::bf16 (the expert FFN's hidden states on a float layer computing in bf16)
   rows    ///< rows the plan may narrow to bf16: the routed rows (at the experts, on the
-          ///< all-to-all) and the gathered paths' working tokens and their output gradients
+          ///< all-to-all), the gathered paths' working tokens, their output gradients and sums
 };
 
 /// Bytes of one element of role `e` when a value has `value_bytes` bytes.

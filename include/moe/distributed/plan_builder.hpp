@@ -170,9 +170,10 @@ class PlanBuilder {
     return gmm::handles_bf16<Gmm>::value && cfg.bf16() && s == 4 ? Elem::bf16 : Elem::value;
   }
   /// The element of the buffers of role Rows (x_local, y_local, dy_local at the experts, the
-  /// ragged all-to-all's rows and column blocks between the sort and them, and the working tokens
-  /// x_work and dy_work of the sorted gathered paths): hidden_elem(), except on the chunked ring
-  /// (its forward slices float rows).
+  /// ragged all-to-all's rows and column blocks between the sort and them, the working tokens
+  /// x_work and dy_work of the sorted gathered paths, and their sums y_work and dx_work where a
+  /// strategy lets them narrow): hidden_elem(), except on the chunked ring (its forward slices
+  /// float rows).
   Elem rows_elem() const { return chunks == 0 ? hidden_elem() : Elem::value; }
   /// Whether the routed rows are 16-bit (the all-to-alls then move them as they are).
   bool narrow_rows() const { return rows_elem() == Elem::bf16; }
