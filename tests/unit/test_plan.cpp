@@ -442,7 +442,7 @@ TEST(Plan, Bf16RoutedRowsAre16BitWhereTheHiddenStatesAre) {
       // Gathered and EP-TP: the routed rows, dy_work, y_work and dx_work, and x_work where the
       // tokens are gathered whole (not the chunked ring's chunks).
       bool const x_work = eptp || (ring && !l.chunks);
-      EXPECT_EQ(rows, ragged ? 11 : x_work ? 7 : 6);
+      EXPECT_EQ(rows, ragged ? 12 : x_work ? 7 : 6);
       EXPECT_EQ(a2a, ragged ? 4 : 0);
       // The experts' backward writes its dx rows into the rows it reads (dy_local).
       bool writes_dy_local = false;
@@ -452,6 +452,60 @@ TEST(Plan, Bf16RoutedRowsAre16BitWhereTheHiddenStatesAre) {
       EXPECT_TRUE(writes_dy_local);
       expect_step_dataflow(p);
     }
+}
+
+// Without tensor axes the output's column block y_cols is all of y: the caller's y stands in for
+// it (no buffer of its own), on every strategy. The ragged all-to-all's backward sums dx's rows
+// into dx itself then, and into dy_cols (dy's column block, no longer read) only with tensor
+// axes. A bf16 layer rounds the caller's dy where it first copies it; a shared expert on the own
+// tokens reads a rounded copy of it (dy_shared), which a float layer does without.
+TEST(Plan, TheCallersTensorsStandInForBuffersWithoutTensorAxes) {
+  using moe::distributed::Buf;
+  using moe::distributed::Ref;
+  using moe::distributed::StageKind;
+  Names const ring = {"ici_expert_parallelism=-1", "use_ring_of_experts=true"};
+  struct L {
+    int ranks;
+    Names layout;
+    bool dense;
+  };
+  std::vector<L> const layouts = {
+      {1, {"ici_data_parallelism=-1"}, false},
+      {4, {"ici_expert_parallelism=-1"}, false},
+      {4, {"ici_expert_parallelism=2", "ici_tensor_parallelism=2"}, false},
+      {4, ring, false},
+      {4,
+       {"ici_expert_parallelism=2", "ici_tensor_parallelism=2", "use_ring_of_experts=true"},
+       false},
+      {4, {"custom_mesh_and_rule=ep-tp", "ici_expert_parallelism=-1"}, false},
+      {4, {"ici_expert_parallelism=-1"}, true}};
+  int checked = 0;
+  for (auto const& l : layouts)
+    for (char const* dtype : {"float32", "bfloat16"}) {
+      Names layer = {std::string("dtype=") + dtype, "shared_experts=1"};
+      if (l.dense) layer.push_back("sparse_matmul=false");
+      auto const p = plan(l.ranks, l.layout, layer);
+      SCOPED_TRACE(p.to_text());
+      bool const tp1 = p.layout.tp() == 1, bf16 = std::string(dtype) == "bfloat16";
+      auto const* yc = p.step.find(Buf::y_cols);
+      ASSERT_NE(yc, nullptr);
+      EXPECT_EQ(yc->caller, tp1 ? Buf::y : Buf::count_);
+      if (p.layout.route == moe::ExpertRoute::RaggedA2A) {
+        ++checked;
+        auto const& st = p.step.backward;
+        auto const db = std::find_if(st.begin(), st.end(),
+                                     [](auto const& s) { return s.kind == StageKind::dispatch; });
+        ASSERT_NE(db, st.end());
+        EXPECT_EQ(db->lists(Ref(Buf::dy_cols), true), !tp1);
+        EXPECT_TRUE(db->lists(Ref(Buf::dx), true));
+      }
+      bool const own = p.layout.shared == moe::SharedExpert::own;
+      if (p.layout.route != moe::ExpertRoute::EpTp) {
+        EXPECT_EQ(p.step.find(Buf::dy_shared) != nullptr, !own || bf16);
+      }
+      expect_step_dataflow(p);
+    }
+  EXPECT_EQ(checked, 4);
 }
 
 TEST(Plan, RingAndDenseGatherTokens) {
@@ -1923,8 +1977,9 @@ TEST(MemoryEstimate, MatchesTheLayersAllocations) {
       }
       // Token rows: the routed rows at the experts (x_local, y_local, dy_local on T*K rows of D)
       // and the output gradient their combine's backward reads (dy_work, T x D) 16-bit where the
-      // hidden states are (the experts' dx rows overwrite dy_local), and the bf16 step's rounded
-      // copy of dy (T x D floats).
+      // hidden states are (the experts' dx rows overwrite dy_local). The bf16 step rounds dy
+      // where it first copies it (dy_work here), and its shared expert reads a rounded copy of
+      // it (dy_shared, T x D floats), with no copy of dy of the layer's own.
       std::int64_t const rows = est.bytes("token rows"), n = B * S * 2;
       if (dtype == moe::ComputeDtype::Native) {
         hidden_fp32 = hidden;
@@ -1932,9 +1987,8 @@ TEST(MemoryEstimate, MatchesTheLayersAllocations) {
         rows_fp32 = rows;
       } else {
         EXPECT_EQ(hidden_fp32 - hidden, b16 ? 5 * B * S * (sparse ? 2 : 1) * 128 * 2 : 0);
-        EXPECT_EQ(shared_fp32 - shared, b16 ? 4 * B * S * 128 * 2 : 0);
-        EXPECT_EQ(rows_fp32 - rows,
-                  (b16 && sparse ? 3 * n * D * 2 + B * S * D * 2 : 0) - B * S * D * 4);
+        EXPECT_EQ(shared_fp32 - shared, (b16 ? 4 * B * S * 128 * 2 : 0) - B * S * D * 4);
+        EXPECT_EQ(rows_fp32 - rows, b16 && sparse ? 3 * n * D * 2 + B * S * D * 2 : 0);
       }
     }
   }

@@ -93,7 +93,7 @@ enum class BufKind : std::uint8_t { external, workspace, held };  ///< what kind
   X(y_cols, value, token_rows)          \
   X(y_work, rows, token_rows)           \
   X(y_own, value, token_rows)           \
-  X(dy_cols, value, token_rows)         \
+  X(dy_cols, rows, token_rows)          \
   X(dy_sorted_cols, rows, token_rows)   \
   X(dy_received_cols, rows, token_rows) \
   X(dy_local_cols, rows, token_rows)    \
@@ -273,6 +273,9 @@ struct BufferDecl {
   Elem elem = Elem::value;
   Item item = Item::token_rows;
   bool backward = false;
+  /// Buf::count_: a buffer of the workspace. An external Buf (Buf::y): the caller's tensor of
+  /// that name stands in for the buffer in this step (the same shape; no memory of its own).
+  Buf caller = Buf::count_;
 
   /// Extents on this rank (balanced routing where an extent is `routed`).
   std::vector<std::int64_t> shape() const {

@@ -155,7 +155,9 @@ class DistributedMoeLayer
     moe::detail::copy_into(ctx_.space, cview2(x.data(), T, D), xc,
                            ctx_.cfg.bf16());  // rounded: docs/precision.md
     auto y2 = view2(y.data(), T, D);
+    ctx_.ws.bind(distributed::Buf::y, y2);  // y_cols where the plan has y stand in for it
     run_phase(ctx_.plan.forward, y2, {}, {}, nullptr);
+    ctx_.ws.bind(distributed::Buf::y, {});  // the caller's y is theirs again
     moe::detail::round_bf16_if(ctx_.cfg.bf16(), ctx_.space, y2);
     if (ctx_.cfg.check_finite) {
       // Only a non-finite y pays for scanning the weights; every rank names its first bad block.
@@ -192,12 +194,8 @@ class DistributedMoeLayer
     ctx_.log.in_backward = true;
     if (!grads.gate.data()) grads = alloc_params("moe::grad::");
     distributed::stages::alloc_compute_grads(ctx_, grads);
-    auto dy2 = cview2(dy.data(), T, D);
-    if (ctx_.cfg.bf16()) {  // a bf16 copy of dy (docs/precision.md)
-      auto const dyc = distributed::stages::shaped<view2>(ctx_, {T, D}, "bf16.dy");
-      moe::detail::copy_into(ctx_.space, dy2, dyc, true);
-      dy2 = dyc;
-    }
+    // The stages round the caller's dy to bf16 on a bf16 layer where they first copy it.
+    auto const dy2 = cview2(dy.data(), T, D);
     auto dx2 = view2(dx.data(), T, D);
     run_phase(ctx_.plan.backward, {}, dy2, dx2, &grads);
     moe::detail::round_bf16_if(ctx_.cfg.bf16(), ctx_.space, dx2);

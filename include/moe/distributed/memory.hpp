@@ -99,13 +99,10 @@ class LayerBuffers {
   // ---- the step's buffers as its stages declare them, and the rows they hand to one kernel
   void step_buffers() {
     for (auto const& d : plan_.step.buffers) {
-      if (d.backward && !training_) continue;
+      // The caller's tensors (y for y_cols without tensor axes) are not the layer's memory.
+      if ((d.backward && !training_) || d.caller != distributed::Buf::count_) continue;
       add(distributed::to_string(d.item), distributed::to_string(d.id), d.shape(),
           distributed::elem_bytes(d.elem, s_), distributed::keys_text(d.keys()));
-    }
-    if (bf16_ && training_) {  // the backward's rounded copy of dy (the caller's x block shape)
-      auto const& x = plan_.tensor("x").local_shape;
-      add("token rows", "bf16 dy", {x[0] * x[1], x[2]}, s_, kTokens);
     }
     for (auto const& r : plan_.step.row_limits)
       add("", r.what, {r.rows.n}, 0, distributed::keys_text(r.rows.keys), true);

@@ -293,9 +293,17 @@ class PlanBuilder {
     if (cfg.capacity_factor > 0) hold(Buf::capacity_cursors, {{2, 0}, seqs, experts()});
   }
   /// The forward's last stage: y's D/tp column blocks -> full y. Later stages are the backward's.
+  /// Without tensor axes y_cols is all of y: the caller's y stands in for it (BufferDecl::caller),
+  /// so the combine and the shared expert write y itself and the output stage has nothing to do.
   void output() {
     auto& o = stage(StageKind::output, "moe::dist::output", {buf::y_cols}, {Buf::y});
     all_gather(o, "all-gather y (tensor)", lay.tp_axes, T, Dc, 1);
+    if (tp == 1) {
+      BufferDecl* yc = plan_.find(buf::y_cols.id);
+      moe::detail::require<Error>(yc && yc->shape() == std::vector<std::int64_t>{T, Dl},
+                                  "moe internal error: y_cols is not y's local block");
+      yc->caller = Buf::y;
+    }
     backward = true;
   }
   /// The backward's last stages, then moves the plan out: the router's backward on the tokens `x`

@@ -84,7 +84,9 @@ bool copy_if_alone(ExecSpace const& space, int P, InV const& in, OutV const& out
     bool same = in.span_is_contiguous() && out.span_is_contiguous();
     for (unsigned r = 0; r < InV::rank; ++r) same = same && in.extent(r) == out.extent(r);
     if (same) {
-      moe::detail::copy_into(space, in, out, false);  // on Serial: over the rank's threads
+      // in may be out itself (a buffer the caller's tensor stands in for): nothing to copy.
+      if (static_cast<void const*>(in.data()) != static_cast<void const*>(out.data()))
+        moe::detail::copy_into(space, in, out, false);  // on Serial: over the rank's threads
       return true;
     }
   }

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moe::distributed {
@@ -132,6 +133,7 @@ struct StepPlan {
       if (d.id == b) return &d;
     return nullptr;
   }
+  BufferDecl* find(Buf b) { return const_cast<BufferDecl*>(std::as_const(*this).find(b)); }
   /// Every axis group the step communicates over, in first-use order (the same on every rank).
   std::vector<std::vector<std::string>> groups() const {
     std::vector<std::vector<std::string>> out;

@@ -41,6 +41,10 @@ class StepWorkspace {
     stage_ = stage;
   }
 
+  /// The caller's tensor `caller` (an external Buf: Buf::y) for this step, [rows, cols]: the
+  /// buffers the plan declares with BufferDecl::caller == `caller` are made as `v`.
+  void bind(Buf caller, view_t<Values> v) { callers_[index(caller)] = v; }
+
   /// \brief The buffer `h` (undefined contents) with `rows` rows (-1: as declared; routed: any).
   template <class Role>
   view_t<Role> make(Handle<Role> h, std::int64_t rows = -1) {
@@ -48,6 +52,16 @@ class StepWorkspace {
     if (rows < 0) rows = d.dims[0].n;
     check_make(h.id, d, rows);
     std::int64_t const cols = d.dims[1].n;
+    if constexpr (std::is_same_v<Role, Values>)
+      if (d.caller != Buf::count_) {
+        auto const& v = callers_[index(d.caller)];
+        moe::detail::require<Error>(
+            std::int64_t(v.extent(0)) == rows && std::int64_t(v.extent(1)) == cols,
+            "moe internal error: ", where(), " makes buffer ", to_string(h.id), " as the caller's ",
+            to_string(d.caller), ", which is not bound in its shape");
+        made_[index(h.id)] = true;
+        return std::get<Views<Role>>(views_)[index(h.id)] = v;
+      }
     auto buf = pool_.template get<elem_t<Role>>(to_string(h.id), std::size_t(rows * cols));
     made_[index(h.id)] = true;
     return std::get<Views<Role>>(views_)[index(h.id)] = view_t<Role>(buf.data(), rows, cols);
@@ -57,6 +71,9 @@ class StepWorkspace {
   rows_t make(Handle<Rows> h, std::int64_t rows = -1) {
     auto const& d = decl(h.id);
     Handle<Values> const v{h.id};
+    moe::detail::require<Error>(d.caller == Buf::count_ || !narrow(h),
+                                "moe internal error: 16-bit rows stand for the caller's ",
+                                to_string(d.caller));
     rows_t r;
     if (!narrow(h)) {
       r.set(make(v, rows));
@@ -131,6 +148,7 @@ class StepWorkspace {
 
   moe::detail::ScratchPool<MemorySpace> pool_;
   std::tuple<Views<Values>, Views<Ints>> views_;
+  Views<Values> callers_;  ///< the caller's tensors bound for the step, by external Buf
   std::array<rows_t, N> rows_{};
   std::array<bool, N> made_{};
   StepPlan const* plan_ = nullptr;

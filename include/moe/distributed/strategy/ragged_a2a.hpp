@@ -73,9 +73,12 @@ struct RaggedA2A : StageDefaults {
     b.all_gather(eb, "all-gather d_y (tensor)", lay.tp_axes, b.recv, b.Dc, 1, true);
     b.reduce_scatter(eb, "reduce-scatter d_x (tensor)", lay.tp_axes, b.recv, b.Dc, 1, true);
     b.hold_expert_ffn(recv);
+    // dx's rows summed into dx itself, or (tensor axes) into its column block dy_cols first.
+    std::vector<Out> dx_out = {buf::dy_received_cols, buf::dy_sorted_cols};
+    if (b.tp > 1) dx_out.push_back(buf::dy_cols);
+    dx_out.push_back(Buf::dx);
     auto& db = b.stage(StageKind::dispatch, "moe::dispatch::ragged_all_to_all::backward",
-                       {buf::dy_local_cols},
-                       {buf::dy_received_cols, buf::dy_sorted_cols, buf::dy_cols, Buf::dx});
+                       {buf::dy_local_cols}, std::move(dx_out));
     b.all_to_all(db, "combine d_x", b.recv, b.Dc);
     b.all_gather(db, "all-gather d_x (tensor)", lay.tp_axes, b.T, b.Dc, 1);
     if (b.shared()) stages::plan_shared_backward(b);
@@ -142,19 +145,24 @@ struct RaggedA2A : StageDefaults {
                        ctx.ws.make(buf::y_cols));
     });
   }
+  /// dy's D/tp columns, rounded to bf16 on a bf16 layer (as 16-bit rows where the plan narrows
+  /// them): the first copy of the caller's dy.
   template <class Ctx>
   static void output_backward(Ctx& ctx, typename Ctx::cview2 dy) {
-    distributed::slice_dim(ctx.space, ctx.tp().size(), ctx.tp().rank(), dy,
-                           ctx.ws.make(buf::dy_cols), 1);
+    ctx.ws.make(buf::dy_cols).visit([&](auto const& c) {
+      distributed::slice_dim(ctx.space, ctx.tp().size(), ctx.tp().rank(), dy, c, 1);
+      stages::round_if_wide(ctx, c);
+    });
   }
   template <class Ctx>
   static void combine_backward(Ctx& ctx) {
     auto const dys_o_c = ctx.ws.make(buf::dy_sorted_cols, ctx.disp.perm.rows());
     auto dw = ctx.ws.make(buf::d_weights);
     ctx.ws.at(buf::y_sorted_cols).visit_with(dys_o_c, [&](auto const& ys, auto const& dys) {
-      permute::combine_backward(ctx.space, cview2_t<Ctx>(ctx.ws.at(buf::dy_cols)),
-                                stages::const_rows(ys), ctx.perm(), ctx.inverse(),
-                                ctx.route_weights(), dys, dw);
+      ctx.ws.at(buf::dy_cols).visit([&](auto const& dyc) {
+        permute::combine_backward(ctx.space, stages::const_rows(dyc), stages::const_rows(ys),
+                                  ctx.perm(), ctx.inverse(), ctx.route_weights(), dys, dw);
+      });
     });
     ctx.all_reduce(ctx.tp(), dw);
     auto const dyr_c = ctx.ws.make(buf::dy_received_cols, ctx.disp.a2a->recv_total());
@@ -178,12 +186,20 @@ struct RaggedA2A : StageDefaults {
     permute_rows(ctx, true, ctx.ws.at(buf::dy_local_cols), dxr_c);
     auto const dxs_o_c = ctx.ws.at(buf::dy_sorted_cols);
     all_to_all(ctx, true, dxr_c, dxs_o_c);
-    auto dx_c = ctx.ws.at(buf::dy_cols);
-    dxs_o_c.visit([&](auto const& dxs) {
-      permute::gather_rows_backward(ctx.space, stages::const_rows(dxs), ctx.inverse(),
-                                    ctx.cfg.num_experts_per_tok, false, dx_c);
+    // Each token's K rows summed (fp32) into dx, or with tensor axes into its column block
+    // dy_cols (no longer read; 16-bit where narrowed, which the bf16 wire of the gather that
+    // follows would round them to anyway), then gathered into dx.
+    auto sum_into = [&](auto const& out) {
+      dxs_o_c.visit([&](auto const& dxs) {
+        permute::gather_rows_backward(ctx.space, stages::const_rows(dxs), ctx.inverse(),
+                                      ctx.cfg.num_experts_per_tok, false, out);
+      });
+    };
+    if (ctx.tp().size() == 1) return sum_into(dx);
+    ctx.ws.at(buf::dy_cols).visit([&](auto const& dx_c) {
+      sum_into(dx_c);
+      ctx.all_gather(ctx.tp(), dx_c, dx, 1);
     });
-    ctx.all_gather(ctx.tp(), dx_c, dx, 1);
   }
   /// The rows this rank's experts received.
   template <class Ctx>

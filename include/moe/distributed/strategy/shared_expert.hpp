@@ -41,11 +41,13 @@ inline void plan_shared_forward(PlanBuilder& b) {
 inline void plan_shared_backward(PlanBuilder& b) {
   Extent const Tg = b.shared_tokens(), D = b.emb();
   bool const own = b.lay.shared == SharedExpert::own, spans = b.shared_spans();
-  auto& st =
-      b.shared_stage(Buf::dy, Tg,
-                     own ? std::vector<Out>{b.out(buf::dx_shared, Tg, D), Buf::dx}
-                         : std::vector<Out>{b.out(buf::dy_shared, Tg, D),
-                                            b.out(buf::dx_shared, Tg, D), buf::y_own, Buf::dx});
+  // The caller's dy: on a bf16 layer the shared expert's own tokens read a rounded copy of it.
+  std::vector<Out> writes;
+  if (!own || b.cfg.bf16()) writes.push_back(b.out(buf::dy_shared, Tg, D));
+  writes.push_back(b.out(buf::dx_shared, Tg, D));
+  if (!own) writes.push_back(buf::y_own);
+  writes.push_back(Buf::dx);
+  auto& st = b.shared_stage(Buf::dy, Tg, std::move(writes));
   if (spans) b.all_gather(st, "all-gather d_y (shared, expert)", b.lay.ep_axes, b.T, b.D, 0);
   b.all_reduce(st, "reduce d_x shared (tensor)", b.lay.tp_axes, b.T * (spans ? b.ep : 1) * b.D);
   if (!own) plan_tokens_reduce(b, st, "d_x shared", b.D, spans);
@@ -70,14 +72,22 @@ typename Ctx::view2 shared_mlp_backward(Ctx& ctx, typename Ctx::cview2 dy, Handl
   return dx;
 }
 
-/// Own tokens -> working tokens (values, or 16-bit rows: each value rounded to nearest even):
-/// all-gathered over the expert group (`spans`), else copied.
+/// Own tokens -> working tokens (values, or 16-bit rows): all-gathered over the expert group
+/// (`spans`), else copied. On a bf16 layer rounded to bf16 either way (the bf16 wire rounds
+/// what it moves, the copy as it copies): where the stages take the caller's dy, this first
+/// copy of it is where MaxText's bf16 cotangent is rounded (docs/precision.md).
 template <class Ctx, class Work>
 void tokens_gather(Ctx& ctx, bool spans, typename Ctx::cview2 own, Work const& work) {
-  if (spans)
+  if (spans && ctx.ep().size() > 1)
     ctx.all_gather(ctx.ep(), own, work, 0);
   else
-    moe::detail::copy_into(ctx.space, own, work, false);
+    moe::detail::copy_into(ctx.space, own, work, ctx.cfg.bf16());
+}
+/// Rows `v` rounded to bf16 in place on a bf16 layer where they are float (16-bit rows are).
+template <class Ctx, class V>
+void round_if_wide(Ctx& ctx, V const& v) {
+  if constexpr (!moe::detail::is_bf16<typename V::value_type>)
+    moe::detail::round_bf16_if(ctx.cfg.bf16(), ctx.space, v);
 }
 /// Working tokens -> own tokens: reduce-scattered over the expert group (`spans`; `work` may be
 /// 16-bit rows there, which its bf16 wire moves as they are), else summed.
@@ -101,10 +111,12 @@ void scatter_cols_into(Ctx& ctx, Group const& g, typename Ctx::view2 full, Handl
   ctx.reduce_scatter(g, full, c, 1);
   moe::detail::add_into(ctx.space, c, into);
 }
-/// Own tokens `x` -> the shared expert's: `x` (SharedExpert::own), else gathered into `work`.
+/// Own tokens `x` -> the shared expert's: `x` (SharedExpert::own), else gathered into `work`;
+/// `work` is also a rounded copy of `x` where the plan declares it so (the caller's dy on a bf16
+/// layer with SharedExpert::own: plan_shared_backward).
 template <class Ctx>
 typename Ctx::cview2 shared_in(Ctx& ctx, typename Ctx::cview2 x, Handle<Values> work) {
-  if (ctx.layout.shared == SharedExpert::own) return x;
+  if (ctx.layout.shared == SharedExpert::own && !ctx.plan.find(work.id)) return x;
   auto w = ctx.ws.make(work);
   tokens_gather(ctx, ctx.plan.shared_spans(), x, w);
   return w;
