@@ -1994,6 +1994,41 @@ TEST(MemoryEstimate, MatchesTheLayersAllocations) {
   }
 }
 
+// Without tensor axes the stages write the caller's y as they go (it stands in for y_cols): a
+// forward whose y is its own x (one array) gives the y of a forward into another array, since
+// the layer copies x before any stage writes y. float32 and bf16, with a shared expert.
+TEST(StepBuffers, ForwardIntoItsOwnInputGivesTheSameY) {
+  for (auto dtype : {moe::ComputeDtype::Native, moe::ComputeDtype::BFloat16}) {
+    SCOPED_TRACE(dtype == moe::ComputeDtype::Native ? "float32" : "bfloat16");
+    moe::LayerConfig cfg = bf16_layer(32, 64);
+    cfg.shared_experts = 1;
+    cfg.dtype = dtype;
+    std::int64_t const B = 4, S = 16, D = 32;
+    moe::DistributedMoeLayer<float> layer(moe_test::self_comm(), cfg, moe::ParallelConfig{}, B, S);
+    ASSERT_EQ(layer.step_plan().find(moe::distributed::Buf::y_cols)->caller,
+              moe::distributed::Buf::y);
+    Kokkos::Random_XorShift64_Pool<> pool(11);
+    layer.parameters().for_each(
+        [&](char const*, auto const& v) { Kokkos::fill_random(v, pool, -0.2f, 0.2f); });
+    moe::View3<float> x("x", B, S, D), y("y", B, S, D), xy("xy", B, S, D);
+    Kokkos::fill_random(x, pool, -1.0f, 1.0f);
+    Kokkos::deep_copy(xy, x);
+    layer.forward(x, y);
+    layer.forward(xy, xy);
+    auto const a = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y);
+    auto const b = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), xy);
+    int differ = 0, nonzero = 0;
+    for (std::int64_t i = 0; i < B; ++i)
+      for (std::int64_t s = 0; s < S; ++s)
+        for (std::int64_t d = 0; d < D; ++d) {
+          differ += a(i, s, d) != b(i, s, d);
+          nonzero += a(i, s, d) != 0.0f;
+        }
+    EXPECT_EQ(differ, 0);
+    EXPECT_GT(nonzero, B * S * D / 2);
+  }
+}
+
 // oneDNN's packed expert weights of a bf16 layer are bf16 where this CPU runs oneDNN's bf16
 // kernels (MOE_BF16_KERNELS=on, where the tier has bf16 instructions), fp32 otherwise (off): the
 // estimate counts each at the width of the kernels, 2 x 3 x E x D x F values in training, and a
