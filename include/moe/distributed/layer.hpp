@@ -123,6 +123,7 @@ class DistributedMoeLayer
 
   /// \brief Collective. y_local = MoE(x_local), both [B/batch_parts, S, D]: the forward stages of
   /// step_plan(). opt.token_offset: global index of the batch's first token (random routing).
+  /// y may be x itself: the layer copies x before any stage writes y.
   void forward(cview3 x, view3 y, ForwardOptions const& opt = {}) {
     moe::detail::Region region("moe::dist::forward");
     have_forward_ = false;
@@ -177,7 +178,9 @@ class DistributedMoeLayer
   }
 
   /// \brief Collective. Gradients of sum(y * dy) + lb_loss (over all ranks) w.r.t. the local x
-  /// block (dx) and parameter blocks (grads; allocated if empty): the backward stages.
+  /// block (dx) and parameter blocks (grads; allocated if empty): the backward stages. dx must
+  /// not share memory with dy: a shared expert on the own tokens reads dy after the stages
+  /// before it have written dx.
   void backward(cview3 dy, view3 dx, params_type& grads) {
     moe::detail::Region region("moe::dist::backward");
     std::int64_t const D = ctx_.plan.token_cols, T = ctx_.plan.tokens;
