@@ -65,9 +65,8 @@ struct EpTp : OnWorkTokens<Experts, Buf::x_work, false> {
   }
   template <class Ctx>
   static void output_backward(Ctx& c, typename Ctx::cview2 dy) {
-    auto const w = c.ws.make(buf::dy_work).values();
-    c.all_gather(c.ep(), dy, w, 1);
-    if (c.ep().size() == 1) stages::round_if_wide(c, w);  // the bf16 wire rounds what it moves
+    // EP-TP has ep > 1 (compute_layout): on a bf16 layer the wire rounds dy as it gathers it.
+    c.all_gather(c.ep(), dy, c.ws.make(buf::dy_work).values(), 1);
   }
   template <class Ctx>
   static void dispatch_backward(Ctx& c, typename Ctx::view2 dx) {
