@@ -93,7 +93,8 @@ class MoeLayer {
   }
 
   /// \brief Gradients of sum(y * dy) + lb_loss w.r.t. x (into dx[B,S,D]) and every parameter
-  /// (into grads, allocated here if empty; overwritten).
+  /// (into grads, allocated here if empty; overwritten). dx must not share memory with dy
+  /// (InputError): the backward reads dy after it has begun to write dx.
   template <class DyView, class DxView>
   void backward(DyView const& dy_in, DxView const& dx_in, params_type& grads) {
     detail::Region region("moe::layer::backward");

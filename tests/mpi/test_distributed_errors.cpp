@@ -208,6 +208,20 @@ TEST(DistributedErrors, NanInDyOnOneRank) {
                     {"dy holds NaN or Inf", "[rank 0 of " + std::to_string(n) + "]"});
 }
 
+TEST(DistributedErrors, DxSharingDyOnOneRank) {
+  int const n = world_size();
+  Step s;
+  auto x = s.view(s.b), y = s.view(s.b), dy = s.view(s.b), dx = s.view(s.b);
+  s.layer.forward(x, y);
+  Layer::params_type grads;
+  auto const alias = world_rank() == n - 1 ? dy : dx;
+  expect_everywhere(outcome_of([&] { s.layer.backward(dy, alias, grads); }), "InputError",
+                    {"dx shares memory with dy",
+                     "[rank " + std::to_string(n - 1) + " of " + std::to_string(n) + "]"});
+  // Rejected before anything ran: the forward is still there for a backward with its own dx.
+  EXPECT_EQ(outcome_of([&] { s.layer.backward(dy, dx, grads); }).type, "none");
+}
+
 /// Sets element [0,...,0] (+ `flat`) of this rank's block of parameter `name` to `bad`.
 void poison_param(Layer& layer, std::string const& name, std::int64_t flat, double bad) {
   layer.parameters().for_each([&](char const* n, auto const& v) {

@@ -733,6 +733,32 @@ TEST(LayerErrors, BackwardWithoutForwardThrows) {
   EXPECT_THROW(layer.backward(V3("dy", 1, 2, 6), V3("dx", 1, 2, 6), g), moe::Error);
 }
 
+TEST(LayerErrors, BackwardIntoItsOwnDyThrows) {
+  // dx sharing memory with dy would give wrong gradients (a shared expert reads dy after the
+  // dispatch's backward has written dx): rejected, whole or in part, before anything runs.
+  using Layer = moe::MoeLayer<double, PolVendor>;
+  using V3 = moe::View3<double, MS>;
+  LayerConfig cfg = base(4, 2);
+  cfg.shared_experts = 1;
+  Layer layer(cfg);
+  V3 x("x", 2, 3, 6), y("y", 2, 3, 6);
+  Kokkos::deep_copy(x, 0.25);
+  layer.forward(x, y);
+  Layer::params_type g;
+  V3 dy("dy", 2, 3, 6);
+  expect_throw_with<moe::InputError>([&] { layer.backward(dy, dy, g); },
+                                     {"dx shares memory with dy", "separate array"});
+  // One element in common: the last of dy is the first of dx.
+  moe::View1<double, MS> both("both", 2 * 2 * 3 * 6 - 1);
+  V3 const dy_part(both.data(), 2, 3, 6), dx_part(both.data() + 2 * 3 * 6 - 1, 2, 3, 6);
+  expect_throw_with<moe::InputError>([&] { layer.backward(dy_part, dx_part, g); },
+                                     {"dx shares memory with dy"});
+  // Adjacent but apart is fine, and the rejected calls left the forward to use.
+  moe::View1<double, MS> apart("apart", 2 * 2 * 3 * 6);
+  EXPECT_NO_THROW(
+      layer.backward(V3(apart.data(), 2, 3, 6), V3(apart.data() + 2 * 3 * 6, 2, 3, 6), g));
+}
+
 TEST(LayerErrors, BadConfigsThrowConfigError) {
   struct Bad {
     std::function<void(LayerConfig&)> f;

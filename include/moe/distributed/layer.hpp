@@ -179,8 +179,8 @@ class DistributedMoeLayer
 
   /// \brief Collective. Gradients of sum(y * dy) + lb_loss (over all ranks) w.r.t. the local x
   /// block (dx) and parameter blocks (grads; allocated if empty): the backward stages. dx must
-  /// not share memory with dy: a shared expert on the own tokens reads dy after the stages
-  /// before it have written dx.
+  /// not share memory with dy (an InputError on every rank when they do on any): a shared expert
+  /// on the own tokens reads dy after the stages before it have written dx.
   void backward(cview3 dy, view3 dx, params_type& grads) {
     moe::detail::Region region("moe::dist::backward");
     std::int64_t const D = ctx_.plan.token_cols, T = ctx_.plan.tokens;
@@ -191,6 +191,10 @@ class DistributedMoeLayer
               dy.extent(2) == std::size_t(D) && dx.extent(0) == dy.extent(0) &&
               dx.extent(1) == dy.extent(1) && dx.extent(2) == dy.extent(2),
           "dy and dx must have the shape of the forward's x");
+      moe::detail::require<InputError>(
+          !comm::detail::overlaps(dy, dx.data(), dx.size() * sizeof(Scalar)),
+          "dx shares memory with dy: the backward reads dy after it has begun to write dx, so "
+          "dx must be a separate array");
       if (grads.gate.data()) check_param_shapes(grads, "gradient");
       if (ctx_.cfg.check_finite) moe::detail::require_finite(ctx_.space, dy, "dy");
     });
