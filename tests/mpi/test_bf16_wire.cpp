@@ -242,24 +242,26 @@ TEST(Bf16Wire, CollectivesOn16BitRowsGiveTheBitsOfFloatRows) {
                                Wire::bf16);
   Exec().fence();
   EXPECT_TRUE(holds_rounded(gout16, gout));
-  // All-gather along dim 0 (the ring's tokens and d_y) into 16-bit rows, received in place, from
-  // float rows (rounded on the wire) and from 16-bit rows.
+  // All-gather along dim 0 (the ring's tokens and d_y) into 16-bit rows, from float rows (rounded
+  // on the wire) and from 16-bit rows: the own block converted into place and the others'
+  // received around it, with no send or receive buffer of the pool's.
   moe::View2<float, Mem> rout("rout", P * rows, cols);
   moe::View2<moe::bf16, Mem> rout16("rout16", P * rows, cols), rout16b("rout16b", P * rows, cols);
+  moe::detail::ScratchPool<Mem> pool;
   moe::distributed::gather_dim(Exec(), g, gin, rout, 0, nullptr, "ag", nullptr, Wire::bf16);
-  moe::distributed::gather_dim(Exec(), g, gin, rout16, 0, nullptr, "ag", nullptr, Wire::bf16);
-  moe::distributed::gather_dim(Exec(), g, to_bf16(gin), rout16b, 0, nullptr, "ag", nullptr,
+  moe::distributed::gather_dim(Exec(), g, gin, rout16, 0, nullptr, "ag", &pool, Wire::bf16);
+  moe::distributed::gather_dim(Exec(), g, to_bf16(gin), rout16b, 0, nullptr, "ag", &pool,
                                Wire::bf16);
   Exec().fence();
   EXPECT_TRUE(holds_rounded(rout16, rout));
   EXPECT_TRUE(holds_rounded(rout16b, rout));
+  EXPECT_EQ(pool.bytes(), 0u);
   // Reduce-scatter along dim 0 (the ring's y and d_x) from 16-bit rows, sent as they are: the
   // float rows' result (they are rounded on the wire; one rank: copied).
   moe::View2<float, Mem> sin("sin", P * rows, cols), sout("sout", rows, cols),
       sout16("sout16", rows, cols);
   for (std::size_t i = 0; i < sin.span(); ++i) sin.data()[i] = value(std::int64_t(i) + 3000);
-  moe::distributed::reduce_scatter_dim(Exec(), g, sin, sout, 0, nullptr, "rs", nullptr,
-                                       Wire::bf16);
+  moe::distributed::reduce_scatter_dim(Exec(), g, sin, sout, 0, nullptr, "rs", nullptr, Wire::bf16);
   moe::distributed::reduce_scatter_dim(Exec(), g, to_bf16(sin), sout16, 0, nullptr, "rs", nullptr,
                                        Wire::bf16);
   Exec().fence();

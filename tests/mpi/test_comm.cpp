@@ -132,6 +132,44 @@ TEST(Collectives, AllGatherConcatenatesInRankOrder) {
   });
 }
 
+// An all-gather whose in is exactly this rank's block of out gathers in place (MPI_IN_PLACE, or
+// no self-message on the large-count path), on every path: the result of a gather from a
+// separate in. Any other overlap is a ShapeError on every rank.
+TEST(Collectives, AllGatherInPlace) {
+  Communicator const c = world();
+  int const P = c.size();
+  auto& limit = moe::comm::detail::count_limit();
+  auto& staging = moe::comm::detail::force_staging();
+  std::int64_t const saved = limit;
+  for (int path = 0; path < 4; ++path) {
+    SCOPED_TRACE("count limit " + std::string(path & 1 ? "3" : "default") +
+                 (path & 2 ? ", host staging" : ""));
+    limit = path & 1 ? 3 : saved, staging = (path & 2) != 0;
+    for (std::int64_t n : {0, 1, 5}) {
+      Kokkos::View<float**, Kokkos::LayoutRight, MS> in("in", n, 3), want("want", P * n, 3),
+          out("out", P * n, 3);
+      fill(in, c.rank(), 3);
+      moe::comm::all_gather(c, Exec(), in, want);
+      Kokkos::deep_copy(out, -1.0f);
+      auto const own =
+          Kokkos::subview(out, std::make_pair(c.rank() * n, (c.rank() + 1) * n), Kokkos::ALL);
+      Kokkos::deep_copy(own, in);
+      moe::comm::all_gather(c, Exec(), Kokkos::View<float const**, Kokkos::LayoutRight, MS>(own),
+                            out);
+      EXPECT_TRUE(bitwise_equal(host(out), host(want))) << "n=" << n;
+    }
+  }
+  limit = saved, staging = false;
+  if (P < 2) return;
+  // Overlapping, but not this rank's block: the next rank's.
+  Kokkos::View<float**, Kokkos::LayoutRight, MS> out("out", 2 * P, 3);
+  int const other = (c.rank() + 1) % P;
+  auto const wrong = Kokkos::subview(out, std::make_pair(2 * other, 2 * other + 2), Kokkos::ALL);
+  EXPECT_THROW(moe::comm::all_gather(
+                   c, Exec(), Kokkos::View<float const**, Kokkos::LayoutRight, MS>(wrong), out),
+               moe::ShapeError);
+}
+
 // The non-blocking all-gather gives the blocking one's result; several may be in flight at once
 // (completed in any order), test() drives them, and destroying a request that was never waited
 // for is safe.

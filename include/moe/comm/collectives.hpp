@@ -74,10 +74,18 @@ std::pair<std::int64_t, std::int64_t> check_row_pair(Communicator const& comm, c
   auto const [out_rows, out_row] = rows_of(out);
   std::int64_t const c = gather ? in_rows : out_rows, n = gather ? out_rows : in_rows;
   int const P = comm.size();
+  // An all-gather may be in place: in is exactly this rank's block of out.
+  auto const address = [](void const* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  bool const in_place =
+      gather && std::is_same_v<In, T> &&
+      address(in.data()) == address(out.data()) + std::uintptr_t(comm.rank()) *
+                                                      std::uintptr_t(c * out_row) * sizeof(T);
   bool const bad = !in.span_is_contiguous() || !out.span_is_contiguous() || n != P * c ||
-                   out_row != in_row || overlaps(in, out.data(), out.size() * sizeof(T));
+                   out_row != in_row ||
+                   (!in_place && overlaps(in, out.data(), out.size() * sizeof(T)));
   char const* rule = gather ? "out must be [size*n, ...] with the trailing extents of in, both "
-                              "contiguous and not overlapping"
+                              "contiguous and not overlapping (or in exactly this rank's block "
+                              "of out)"
                             : "in must be [size*c, ...] and out [c, ...] with the same trailing "
                               "extents, both contiguous and not overlapping";
   std::string const msg = bad ? moe::detail::cat(what, ": in ", shape_of(in), " and out ",
@@ -92,7 +100,8 @@ std::pair<std::int64_t, std::int64_t> check_row_pair(Communicator const& comm, c
 
 /// \brief Collective: concatenates every rank's `in` along dim 0, in rank order, into `out`.
 /// \param in  [n, ...] on every rank (same shape everywhere)
-/// \param out [size*n, ...]; must not overlap `in`
+/// \param out [size*n, ...]; must not overlap `in`, unless `in` is exactly this rank's block of
+/// it (rows [rank*n, (rank+1)*n)): then the gather is in place and sends that block as it is
 template <class ExecSpace, class InView, class OutView>
 void all_gather(Communicator const& comm, ExecSpace const& space, InView const& in,
                 OutView const& out) {

@@ -41,6 +41,8 @@ inline constexpr int MPI_SUCCESS = 0, MPI_ERR_RANK = 6, MPI_ERR_ROOT = 7, MPI_ER
 #define MPI_COMM_NULL (static_cast<MPI_Comm>(0))
 #define MPI_COMM_WORLD (static_cast<MPI_Comm>(1))
 #define MPI_COMM_SELF (static_cast<MPI_Comm>(2))
+/// A send buffer that says "the data is in the receive buffer already" (one rank: nothing to copy).
+#define MPI_IN_PLACE (reinterpret_cast<void*>(1))
 inline constexpr int MPI_IDENT = 0, MPI_CONGRUENT = 1, MPI_SIMILAR = 2, MPI_UNEQUAL = 3;
 inline constexpr int MPI_COMM_TYPE_SHARED = 1;
 inline constexpr MPI_Info MPI_INFO_NULL = 0;
@@ -80,7 +82,7 @@ inline MPI_Request next_request = 1;
 inline bool is_open(MPI_Request r) { return r != MPI_REQUEST_NULL && open_requests.count(r); }
 
 inline int copy(void* to, void const* from, long long n) {
-  if (to != from && n > 0) std::memmove(to, from, std::size_t(n));
+  if (to != from && from != MPI_IN_PLACE && n > 0) std::memmove(to, from, std::size_t(n));
   return MPI_SUCCESS;
 }
 /// Delivers a send to a receive: MPI_ERR_TRUNCATE when it does not fit.

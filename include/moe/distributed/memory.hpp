@@ -130,8 +130,9 @@ class LayerBuffers {
             // Gathers: own and gathered blocks (overlapped: two slots); reduce-scatters: in, parts.
             std::int64_t& send = st.overlapped ? igather_send_ : wire_send_;
             std::int64_t& recv = st.overlapped ? igather_recv_ : (gather ? wire_recv_ : parts16_);
-            // 16-bit rows: a gather receives them in place, a reduce-scatter sends them so.
-            if (gather || !c.rows16) send = std::max(send, gather ? c.elems / c.parts : c.elems);
+            // 16-bit rows: a gather converts its own block into place and receives the others
+            // there (distributed::gather_dim), a reduce-scatter sends them as they are.
+            if (!c.rows16) send = std::max(send, gather ? c.elems / c.parts : c.elems);
             if (!gather || !c.rows16) recv = std::max(recv, c.elems);
           } else {
             if (!gather) parts_pool_ = std::max(parts_pool_, c.elems);

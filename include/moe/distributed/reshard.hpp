@@ -140,17 +140,22 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
                  comm::sent_bytes::all_gather(detail::bytes_of(in, wire), P));
   if (wire == comm::Wire::bf16) {
     // in -> 16 bits, gathered [P, A, n*C], then converted back into out's [A, P, n*C] order; a
-    // 16-bit out gathered along its rows (A = 1) receives the blocks in place.
+    // 16-bit out gathered along its rows (A = 1) gets in converted into its own block and the
+    // others' blocks gathered around it, in place.
     using W = moe::bf16;
-    auto const mine = detail::temporary<W>(space, pool, "moe::reshard::wire_send", in.span());
-    comm::detail::convert(space, "moe::reshard::to_bf16", in.data(), mine.data(),
-                          std::int64_t(in.span()));
     if constexpr (std::is_same<T, W>::value)
       if (s.A == 1) {
-        comm::all_gather(g.comm, space, View1<W const, MS>(mine),
+        View1<W, MS> const own(out.data() + std::int64_t(g.comm.rank()) * std::int64_t(in.span()),
+                               in.span());
+        comm::detail::convert(space, "moe::reshard::to_bf16", in.data(), own.data(),
+                              std::int64_t(in.span()));
+        comm::all_gather(g.comm, space, View1<W const, MS>(own),
                          View1<W, MS>(out.data(), out.span()));
         return;
       }
+    auto const mine = detail::temporary<W>(space, pool, "moe::reshard::wire_send", in.span());
+    comm::detail::convert(space, "moe::reshard::to_bf16", in.data(), mine.data(),
+                          std::int64_t(in.span()));
     auto const got = detail::temporary<W>(space, pool, "moe::reshard::wire_recv", out.span());
     comm::all_gather(g.comm, space, View1<W const, MS>(mine), got);
     detail::copy_rows(space, "moe::reshard::gather_unpack", got.data(), out.data(), P * s.A,

@@ -134,16 +134,28 @@ inline std::pair<Blocks, Blocks> gather_blocks(int P, std::int64_t n) {
   return {s, r};
 }
 
+/// Whether this rank's block to itself already sits where it lands (an all-gather in place: the
+/// send range is the rank's own block of the receive range).
+template <class T>
+bool self_in_place(Communicator const& comm, T const* send, Blocks const& s, T const* recv,
+                   Blocks const& r, std::int64_t row_elems) {
+  auto const me = static_cast<std::size_t>(comm.rank());
+  return send + s.displs[me] * row_elems == recv + r.displs[me] * row_elems;
+}
+
 /// The large-count path of every exchange: every block as Irecv, then Isend, pieces of at most
-/// count_limit() elements, self-messages too (for GPU-aware MPI); returns the requests.
+/// count_limit() elements, self-messages too (for GPU-aware MPI) unless the own block is in
+/// place already; returns the requests.
 template <class T>
 std::vector<MPI_Request> post_pieces(Communicator const& comm, T const* send, Blocks const& s,
                                      T* recv, Blocks const& r, std::int64_t row_elems) {
   std::int64_t const piece = count_limit();
   MPI_Datatype const type = mpi_type<T>();
   std::vector<MPI_Request> reqs;
+  bool const skip_self = self_in_place(comm, send, s, recv, r, row_elems);
   auto post = [&](auto* buf, Blocks const& b, auto mpi_call, char const* call) {
     for (int peer = 0; peer < comm.size(); ++peer) {
+      if (skip_self && peer == comm.rank()) continue;
       std::int64_t const n = b.counts[peer] * row_elems, base = b.displs[peer] * row_elems;
       for (std::int64_t off = 0; off < n; off += piece) {
         reqs.emplace_back();
@@ -192,8 +204,10 @@ void exchange_rows(Communicator const& comm, Pattern pattern, T const* send, Blo
   int const n = static_cast<int>(s.counts.empty() ? 0 : s.counts[0]);  // alltoall, allgather
   if (pattern == Pattern::alltoall)
     return check_mpi(MPI_Alltoall(send, n, row, recv, n, row, comm.get()), "MPI_Alltoall");
-  if (pattern == Pattern::allgather)
-    return check_mpi(MPI_Allgather(send, n, row, recv, n, row, comm.get()), "MPI_Allgather");
+  if (pattern == Pattern::allgather) {
+    void const* from = self_in_place(comm, send, s, recv, r, row_elems) ? MPI_IN_PLACE : send;
+    return check_mpi(MPI_Allgather(from, n, row, recv, n, row, comm.get()), "MPI_Allgather");
+  }
   auto ints = [](auto const& v) { return std::vector<int>(v.begin(), v.end()); };
   auto const sc = ints(s.counts), sd = ints(s.displs), rc = ints(r.counts), rd = ints(r.displs);
   check_mpi(
