@@ -462,6 +462,93 @@ std::vector<LayoutCase> every_case(int n) {
   return all;
 }
 
+/// A 3-d tensor of shape `ext`, element i holding f(i) as T (a float rounded to bf16 for bf16).
+template <class T, class F>
+Kokkos::View<T***, Kokkos::LayoutRight, Mem> tensor3(std::int64_t const (&ext)[3], F f) {
+  Kokkos::View<T***, Kokkos::LayoutRight, Mem> v("t", ext[0], ext[1], ext[2]);
+  for (std::size_t i = 0; i < v.span(); ++i) v.data()[i] = T(f(std::int64_t(i)));
+  return v;
+}
+
+/// The bits of v's elements as floats.
+template <class V>
+std::vector<std::uint32_t> bits_of(V const& v) {
+  Exec().fence();
+  std::vector<std::uint32_t> b(v.span());
+  for (std::size_t i = 0; i < v.span(); ++i) b[i] = moe::detail::float_bits(float(v.data()[i]));
+  return b;
+}
+
+// gather_dim and reduce_scatter_dim move a tensor larger than a segment (comm/segments.hpp) a
+// tile at a time: whole leading rows per tile, or columns of one row, through tile-sized buffers
+// of the scratch pool. Along each dimension of a 3-d tensor, on both wires, from float rows and
+// 16-bit ones: the bits of the collective in one tile, with pool buffers of at most two tiles.
+TEST(Reshard, TiledCollectivesGiveTheBitsOfWholeOnesInTileSizedBuffers) {
+  using moe::comm::Wire;
+  int const P = world_size(), me = world_rank();
+  auto const g = world_group();
+  // Mixed magnitudes, so that a sum in another order would show.
+  auto value = [&](std::int64_t i) {
+    return float(std::sin(0.7 + me * 1.31 + double(i) * 0.173) * std::pow(10.0, double(i % 7) - 3));
+  };
+  auto& seg = moe::comm::detail::segment_bytes();
+  std::int64_t const saved = seg;
+  std::int64_t const block[3] = {3, 5, 4};
+  auto run = [&](auto in_elem, auto out_elem, Wire wire, int d, bool gather) {
+    using In = decltype(in_elem);
+    using Out = decltype(out_elem);
+    std::int64_t in_ext[3] = {block[0], block[1], block[2]},
+                 out_ext[3] = {block[0], block[1], block[2]};
+    (gather ? out_ext : in_ext)[d] *= P;
+    auto const in = tensor3<In>(in_ext, value);
+    std::int64_t A = 1, L = 1;
+    for (int r = 0; r < 3; ++r) (r < d ? A : L) *= block[r];
+    std::int64_t const eb = wire == Wire::bf16 ? 2 : std::int64_t(sizeof(Out));
+    std::vector<std::uint32_t> whole;
+    // One tile; two leading rows a tile (where there are rows to split); 3 columns; 1 column.
+    for (std::int64_t bytes : {saved, 2 * P * L * eb, 3 * P * eb, std::int64_t(1)}) {
+      seg = bytes;
+      auto const t = moe::comm::detail::tiles(A, L, P, eb);
+      SCOPED_TRACE("segment bytes " + std::to_string(bytes) + ": tiles of " +
+                   std::to_string(t.rows) + " x " + std::to_string(t.cols));
+      auto const out = tensor3<Out>(out_ext, [](std::int64_t) { return 0.0f; });
+      moe::detail::ScratchPool<Mem> pool;
+      if (gather)
+        moe::distributed::gather_dim(Exec(), g, in, out, d, nullptr, "ag", &pool, wire);
+      else
+        moe::distributed::reduce_scatter_dim(Exec(), g, in, out, d, nullptr, "rs", &pool, wire);
+      auto const got = bits_of(out);
+      if (whole.empty()) {
+        whole = got;
+      } else {
+        EXPECT_EQ(got, whole);
+      }
+      // A send (or pack) and a receive buffer of at most one tile each, in 8-byte words (without
+      // tiles, 60 * P elements each).
+      std::size_t const tile = std::size_t(P * t.piece() * eb);
+      EXPECT_LE(pool.bytes(), 2 * (tile + 8));
+    }
+    seg = saved;
+  };
+  try {
+    for (int d = 0; d < 3; ++d) {
+      SCOPED_TRACE("dimension " + std::to_string(d));
+      for (bool gather : {true, false}) {
+        SCOPED_TRACE(gather ? "gather" : "reduce-scatter");
+        run(float{}, float{}, Wire::native, d, gather);
+        run(double{}, double{}, Wire::native, d, gather);
+        run(float{}, float{}, Wire::bf16, d, gather);
+        run(moe::bf16{}, float{}, Wire::bf16, d, gather);
+        run(float{}, moe::bf16{}, Wire::bf16, d, gather);
+        run(moe::bf16{}, moe::bf16{}, Wire::bf16, d, gather);
+      }
+    }
+  } catch (...) {
+    seg = saved;
+    throw;
+  }
+}
+
 // Routing is the same in both runs: the inputs are bf16-valued and the gate logits fp32
 // (float32_gate_logits), or the routing is random (drawn from the token index) with the gate
 // and its logits on the bf16 wire.

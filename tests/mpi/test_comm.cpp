@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <Kokkos_Core.hpp>
 #include <moe/comm/mpi.hpp>
+#include "../allocation_tracker.hpp"
 
 #include <cstdint>
 #include <cstring>
@@ -290,6 +291,60 @@ TEST(Collectives, AllReduceIsDeterministicAndPadsUnevenLengths) {
   Kokkos::deep_copy(v3, 1.0);
   moe::comm::all_reduce(c, Exec(), v3);
   for (double x : host(v3)) EXPECT_EQ(x, double(c.size()));
+}
+
+// A view longer than all_reduce's segment is reduced a segment at a time, in place but for one
+// segment's receive buffer and the padded remainder: the bits of the serial rank-order sum (and
+// so of one segment), with temporaries of exactly detail::all_reduce_segments(...).temp elements
+// (what the memory estimate counts), on every path.
+TEST(Collectives, AllReduceBySegmentsKeepsTheBitsAndItsTemporariesSmall) {
+  Communicator const c = world();
+  int const P = c.size();
+  auto& seg = moe::comm::detail::segment_bytes();
+  std::int64_t const saved = seg;
+  // Segments of P * 5 doubles (of P floats: one row each), unless the size is below one row.
+  for (std::int64_t bytes : {std::int64_t(5 * P * 8), std::int64_t(1)}) {
+    seg = bytes;
+    SCOPED_TRACE("segment bytes " + std::to_string(bytes));
+    try {
+      with_both_paths([&] {
+        for (std::int64_t n : {std::int64_t(1), std::int64_t(5 * P), std::int64_t(23),
+                               std::int64_t(5 * P * 3 + 1), std::int64_t(5 * P * 2 + P)}) {
+          SCOPED_TRACE("n = " + std::to_string(n));
+          check_all_reduce<double>(c, n, 1);
+          check_all_reduce<float>(c, 1, n);
+          Kokkos::View<double*, Kokkos::LayoutRight, MS> v("v", n);
+          fill(v, c.rank(), 4);
+          Kokkos::fence();
+          std::int64_t peak = 0;
+          {
+            moe_test::AllocationTracker tracker;
+            moe::comm::all_reduce(c, Exec(), v);
+            peak = moe_test::AllocationTracker::peak;
+          }
+          // Host staging adds its host buffers; without it, exactly the estimate's elements.
+          std::int64_t const temp = moe::comm::detail::all_reduce_segments(n, P, 8).temp;
+          if (!moe::comm::detail::force_staging()) {
+            EXPECT_EQ(peak, temp * 8);
+          }
+          EXPECT_GE(peak, temp * 8);
+        }
+      });
+    } catch (...) {
+      seg = saved;
+      throw;
+    }
+  }
+  seg = saved;
+  // The segmentation itself: whole segments of P rows, then the remainder padded to P.
+  seg = 5 * 4 * 8;
+  auto const s = moe::comm::detail::all_reduce_segments(43, 4, 8);
+  seg = saved;
+  EXPECT_EQ(s.size, 20);
+  EXPECT_EQ(s.temp, 20 + 4);  // 40 in two segments, 3 left (padded to 4)
+  EXPECT_EQ(moe::comm::detail::all_reduce_segments(43, 1, 8).temp, 0);
+  EXPECT_EQ(moe::comm::detail::all_reduce_segments(2, 4, 8).temp, 4 + 4);
+  EXPECT_EQ(moe::comm::detail::all_reduce_segments(4096, 4, 4).temp, 4096);  // one segment
 }
 
 // ---------------------------------------------------------------------------------------------

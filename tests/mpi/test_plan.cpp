@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <moe/comm/mpi.hpp>
+#include "../allocation_tracker.hpp"
 #include "layout_cases.hpp"
 
 #include <algorithm>
@@ -40,28 +41,7 @@ void fill_block(V const& v, moe::TensorBlock const& b, std::vector<double> const
   for (std::size_t i = 0; i < vals.size(); ++i) v.data()[i] = T(vals[i]);
 }
 
-/// Live and peak bytes of Kokkos allocations, through the Kokkos Tools data callbacks.
-struct AllocationTracker {
-  static inline std::int64_t live = 0, peak = 0;
-  static void on_alloc(Kokkos_Profiling_SpaceHandle, char const*, void const*, std::uint64_t n) {
-    live += std::int64_t(n);
-    peak = std::max(peak, live);
-  }
-  static void on_free(Kokkos_Profiling_SpaceHandle, char const*, void const*, std::uint64_t n) {
-    live -= std::int64_t(n);
-  }
-  AllocationTracker() {
-    live = peak = 0;
-    Kokkos::Tools::Experimental::set_allocate_data_callback(&on_alloc);
-    Kokkos::Tools::Experimental::set_deallocate_data_callback(&on_free);
-  }
-  ~AllocationTracker() {
-    Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-    Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
-  }
-  AllocationTracker(AllocationTracker const&) = delete;
-  AllocationTracker& operator=(AllocationTracker const&) = delete;
-};
+using moe_test::AllocationTracker;
 
 /// Runs case `c` with D = `D`, F = 2D, `S` tokens per sequence: the plan against the layer's
 /// comm log (`memory` false), or the memory estimate against the peak of the layer's Kokkos

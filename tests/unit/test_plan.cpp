@@ -30,6 +30,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "../allocation_tracker.hpp"
 #include "../mpi/layout_cases.hpp"
 #include "mpi_on_demand.hpp"
 #include "train_moe/memory.hpp"
@@ -1856,28 +1857,7 @@ TEST(MemoryEstimate, TrainMoeWholeModel) {
 
 namespace {
 
-/// Live and peak bytes of Kokkos allocations, through the Kokkos Tools data callbacks.
-struct AllocationTracker {
-  static inline std::int64_t live = 0, peak = 0;
-  static void on_alloc(Kokkos_Profiling_SpaceHandle, char const*, void const*, std::uint64_t n) {
-    live += std::int64_t(n);
-    peak = std::max(peak, live);
-  }
-  static void on_free(Kokkos_Profiling_SpaceHandle, char const*, void const*, std::uint64_t n) {
-    live -= std::int64_t(n);
-  }
-  AllocationTracker() {
-    live = peak = 0;
-    Kokkos::Tools::Experimental::set_allocate_data_callback(&on_alloc);
-    Kokkos::Tools::Experimental::set_deallocate_data_callback(&on_free);
-  }
-  ~AllocationTracker() {
-    Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-    Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
-  }
-  AllocationTracker(AllocationTracker const&) = delete;
-  AllocationTracker& operator=(AllocationTracker const&) = delete;
-};
+using moe_test::AllocationTracker;
 
 /// A bf16 layer of 8 experts, 2 per token, widths D and F.
 moe::LayerConfig bf16_layer(int D, int F) {

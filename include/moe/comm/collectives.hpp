@@ -7,11 +7,13 @@
 
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/detail/exchange.hpp>
+#include <moe/comm/segments.hpp>
 #include <moe/comm/wire.hpp>
 #include <moe/detail/scratch.hpp>
 
 #include <Kokkos_Core.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -129,7 +131,10 @@ void reduce_scatter(Communicator const& comm, ExecSpace const& space, InView con
 }
 
 /// \brief Collective: replaces `v` (contiguous, the same shape on every rank) by the elementwise
-/// sum over ranks (a reduce_scatter and an all_gather, zero-padded): the same bits on every rank.
+/// sum over ranks, in rank order: the same bits on every rank. Each segment of `v` (see
+/// detail::all_reduce_segments) is reduce-scattered into this rank's block of it, then gathered
+/// in place; the temporaries are one segment's receive buffer and, where the rank count does
+/// not divide the length, a zero-padded copy of the size-mod-ranks elements left at the end.
 template <class ExecSpace, class View>
 void all_reduce(Communicator const& comm, ExecSpace const& space, View const& v) {
   moe::detail::Region region("moe::comm::all_reduce");
@@ -147,22 +152,27 @@ void all_reduce(Communicator const& comm, ExecSpace const& space, View const& v)
                            {{"number of elements", N}});
   int const P = comm.size();
   if (P == 1 || N == 0) return;
-  std::int64_t const c = (N + P - 1) / P;
-  auto const mine = moe::detail::alloc<View1<T, MS>>(space, "moe::comm::all_reduce::mine", c);
-  detail::Flat<T, MS> const flat(v.data(), static_cast<std::size_t>(N));
-  // A size that P does not divide is reduced in a zero-padded copy.
-  bool const pad = N != P * c;
-  auto const head = std::make_pair(std::int64_t(0), N);
-  View1<T, MS> padded;
-  if (pad) {
-    padded = moe::detail::alloc<View1<T, MS>>(space, "moe::comm::all_reduce::padded", P * c);
-    Kokkos::deep_copy(space, Kokkos::subview(padded, head), flat);
-    Kokkos::deep_copy(space, Kokkos::subview(padded, std::make_pair(N, P * c)), T(0));
-  }
-  T* const data = pad ? padded.data() : v.data();
-  detail::reduce_scatter_rows<MS, MS>(comm, space, data, mine.data(), c, 1);
-  detail::all_gather_rows<MS, MS>(comm, space, mine.data(), data, c, 1);
-  if (pad) Kokkos::deep_copy(space, flat, Kokkos::subview(padded, head));
+  moe::detail::ScratchPool<MS> pool;  // the receive buffer, shared by the segments
+  // Sums n elements at data (P divides n): rank r's block reduced in place, then gathered.
+  auto const reduce = [&](T* data, std::int64_t n) {
+    std::int64_t const c = n / P;
+    // The reduce-scatter has received every piece before it writes the sum over its own block.
+    T* const mine = data + std::int64_t(comm.rank()) * c;
+    detail::reduce_scatter_rows<MS, MS>(comm, space, data, mine, c, 1, &pool);
+    detail::all_gather_rows<MS, MS>(comm, space, mine, data, c, 1);
+  };
+  std::int64_t const head = N - N % P, size = detail::all_reduce_segments(N, P, sizeof(T)).size;
+  for (std::int64_t off = 0; off < head; off += size)
+    reduce(v.data() + off, std::min(size, head - off));
+  if (head == N) return detail::fence(space, "moe::comm::all_reduce: done");
+  // The N % P elements left: reduced in a zero-padded copy of P elements.
+  detail::Flat<T, MS> const rest(v.data() + head, static_cast<std::size_t>(N - head));
+  auto const padded = moe::detail::alloc<View1<T, MS>>(space, "moe::comm::all_reduce::padded", P);
+  auto const first = std::make_pair(std::int64_t(0), N - head);
+  Kokkos::deep_copy(space, padded, T(0));
+  Kokkos::deep_copy(space, Kokkos::subview(padded, first), rest);
+  reduce(padded.data(), P);
+  Kokkos::deep_copy(space, rest, Kokkos::subview(padded, first));
   detail::fence(space, "moe::comm::all_reduce: done");
 }
 

@@ -3,6 +3,7 @@
 /// Up-front memory estimate and index-limit check of one distributed MoE layer, read off a
 /// LayerPlan, so that a tool can refuse a configuration before allocating (README.md).
 
+#include <moe/comm/segments.hpp>
 #include <moe/config.hpp>
 #include <moe/distributed/host_memory.hpp>
 #include <moe/distributed/memory_estimate.hpp>
@@ -118,26 +119,31 @@ class LayerBuffers {
           if (c.host || (st.backward && !training_)) continue;
           if (c.kind == "all-to-all" && bf16 && !c.rows16)
             a2a_wire_ = std::max(a2a_wire_, checked_mul(c.elems, 2, "all-to-all copies"));
-          if (c.kind == "all-reduce" && c.parts > 1 && c.elems > 0) {
-            // comm::all_reduce's: [ceil(n/P)], and [P*ceil(n/P)] unless P divides n
-            std::int64_t const m = (c.elems + c.parts - 1) / c.parts;
-            ar_temp_ = std::max(
-                ar_temp_,
-                m + (m * c.parts == c.elems ? 0 : checked_mul(m, c.parts, "all-reduce buffer")));
-          }
+          // comm::all_reduce's: a segment's receive buffer and the padded last segment.
+          if (c.kind == "all-reduce")
+            ar_temp_ = std::max(ar_temp_,
+                                comm::detail::all_reduce_segments(c.elems, int(c.parts), s_).temp);
           if (c.kind == "all-to-all" || c.kind == "all-reduce") continue;
-          if (bf16) {
-            // Gathers: own and gathered blocks (overlapped: two slots); reduce-scatters: in, parts.
-            std::int64_t& send = st.overlapped ? igather_send_ : wire_send_;
-            std::int64_t& recv = st.overlapped ? igather_recv_ : (gather ? wire_recv_ : parts16_);
-            // 16-bit rows: a gather converts its own block into place and receives the others
-            // there (distributed::gather_dim), a reduce-scatter sends them as they are.
-            if (!c.rows16) send = std::max(send, gather ? c.elems / c.parts : c.elems);
-            if (!gather || !c.rows16) recv = std::max(recv, c.elems);
+          // Gathers and reduce-scatters along a dimension: [A, P, L] moved a tile at a time
+          // (comm::detail::tiles), but for what goes as it is: a native gather along the rows,
+          // a 16-bit gather along the rows (rows16: in place), and a reduce-scatter of rows in
+          // the wire's type in one tile (rows16 or native with A = 1), into its receive buffer.
+          std::int64_t const A = c.lead, L = c.elems / std::max<std::int64_t>(1, c.parts * A);
+          auto const t = comm::detail::tiles(A, L, int(c.parts), bf16 ? 2 : s_);
+          std::int64_t const piece = t.piece(), tile = checked_mul(piece, c.parts, "a tile");
+          bool const as_is =
+              A == 1 && (gather ? !bf16 || c.rows16 : (!bf16 || c.rows16) && t.whole(A, L));
+          auto grow = [](std::int64_t& v, std::int64_t n) { v = std::max(v, n); };
+          if (st.overlapped) {
+            // Overlapped gathers (along the rows, bf16): own and gathered blocks, two slots.
+            if (bf16 && !c.rows16) grow(igather_send_, c.elems / c.parts);
+            if (bf16 && !c.rows16) grow(igather_recv_, c.elems);
+          } else if (gather) {
+            if (!as_is && bf16) grow(wire_send_, piece);
+            if (!as_is) grow(bf16 ? wire_recv_ : gather_pool_, tile);
           } else {
-            if (!gather) parts_pool_ = std::max(parts_pool_, c.elems);
-            auto& pool = gather ? gather_pool_ : rs_pool_;
-            if (c.lead > 1) pool = std::max(pool, c.elems);
+            grow(bf16 ? parts16_ : parts_pool_, as_is ? c.elems : tile);
+            if (!as_is) grow(bf16 ? wire_send_ : rs_pool_, tile);
           }
           if (c.lead > 1)
             launch_rows(c.what + " (row copies)", checked_mul(c.parts, c.lead, "rows of a copy"));

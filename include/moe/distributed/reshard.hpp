@@ -8,6 +8,7 @@
 #include <moe/comm/communicator.hpp>
 #include <moe/comm/iall_gather.hpp>
 #include <moe/comm/mesh_comm.hpp>
+#include <moe/comm/segments.hpp>
 #include <moe/comm/sent_bytes.hpp>
 #include <moe/comm/wire.hpp>
 #include <moe/detail/elementwise.hpp>
@@ -15,6 +16,7 @@
 #include <moe/detail/views.hpp>
 #include <moe/error.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -68,6 +70,45 @@ struct Block {
 struct Identity {
   KOKKOS_INLINE_FUNCTION std::int64_t operator()(std::int64_t i) const { return i; }
 };
+
+/// One tile of a tensor viewed as [A, P, L] (see comm::detail::Tiles): leading indices
+/// [a0, a0 + r) and elements [l0, l0 + w) of each, of all P blocks, as a tile buffer [P, r, w].
+struct Tile {
+  int P;
+  std::int64_t L, a0, l0, r, w;
+  /// Offset in the tensor of row q = p * r + i of the tile buffer.
+  KOKKOS_INLINE_FUNCTION std::int64_t big(std::int64_t q) const {
+    return ((a0 + q % r) * P + q / r) * L + l0;
+  }
+  std::int64_t elems() const { return P * r * w; }
+};
+
+/// Copies a tile between the tensor `big` and the tile buffer `small`, converting to D
+/// (pack: tensor -> buffer; else buffer -> tensor).
+template <class ExecSpace, class S, class D>
+void copy_tile(ExecSpace const& space, char const* label, S const* src, D* dst, Tile const& t,
+               bool pack) {
+  using team = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  Kokkos::parallel_for(
+      label, Kokkos::TeamPolicy<ExecSpace>(space, t.P * t.r, Kokkos::AUTO),
+      KOKKOS_LAMBDA(team const& m) {
+        std::int64_t const q = m.league_rank(), big = t.big(q), small = q * t.w;
+        S const* s = src + (pack ? big : small);
+        D* d = dst + (pack ? small : big);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(m, t.w),
+                             [&](std::int64_t e) { d[e] = comm::detail::WireCast<D>::from(s[e]); });
+      });
+}
+
+/// Calls f(tile) for each tile of [A, P, L] on elements of `elem_bytes` (comm::detail::tiles).
+template <class F>
+void for_each_tile(std::int64_t A, std::int64_t L, int P, std::int64_t elem_bytes, F&& f) {
+  auto const t = comm::detail::tiles(A, L, P, elem_bytes);
+  if (t.piece() == 0) return;  // an empty tensor (alike on every rank)
+  for (std::int64_t a0 = 0; a0 < A; a0 += t.rows)
+    for (std::int64_t l0 = 0; l0 < L; l0 += t.cols)
+      f(Tile{P, L, a0, l0, std::min(t.rows, A - a0), std::min(t.cols, L - l0)});
+}
 
 /// Whether two views hold the same element type (a collective between 16-bit routed rows and
 /// float buffers needs the bf16 wire, which converts).
@@ -126,6 +167,8 @@ inline void record(CommLog* log, std::string const& what, char const* kind, Axis
 }  // namespace detail
 
 /// \brief out = in gathered along dimension d over the group, on `wire` (bf16: blocks rounded).
+/// Where the blocks cannot land in out as they arrive, they are gathered a tile at a time
+/// (comm/segments.hpp) through a tile-sized buffer and put in place.
 template <class ExecSpace, class InV, class OutV>
 void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV const& out, int d,
                 CommLog* log, std::string const& what,
@@ -136,15 +179,36 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
   int const P = g.size();
   if (detail::copy_if_alone(space, P, in, out)) return;
   auto const s = detail::split_at(in, d);
+  std::int64_t const A = s.A, L = s.n * s.C;
   detail::record(log, what, "all-gather", g,
                  comm::sent_bytes::all_gather(detail::bytes_of(in, wire), P));
+  // Tiles of W: each rank's piece, contiguous in `in`, sent as it is (`as_is`) or rounded into a
+  // 16-bit send buffer; all pieces received into a tile buffer, then put in place in out.
+  auto tiled = [&](auto w, bool as_is) {
+    using W = decltype(w);
+    detail::for_each_tile(A, L, P, sizeof(W), [&](detail::Tile const& t) {
+      auto const* piece = in.data() + t.a0 * L + t.l0;
+      View1<W const, MS> send;
+      if constexpr (std::is_same<typename InV::non_const_value_type, W>::value)
+        if (as_is) send = View1<W const, MS>(piece, t.r * t.w);
+      if (!send.data()) {
+        auto const mine = detail::temporary<W>(space, pool, "moe::reshard::wire_send", t.r * t.w);
+        comm::detail::convert(space, "moe::reshard::to_bf16", piece, mine.data(), t.r * t.w);
+        send = mine;
+      }
+      char const* key = as_is ? "moe::reshard::gather" : "moe::reshard::wire_recv";
+      auto const got = detail::temporary<W>(space, pool, key, std::size_t(t.elems()));
+      comm::all_gather(g.comm, space, send, got);
+      detail::copy_tile(space, "moe::reshard::gather_unpack", got.data(), out.data(), t, false);
+      moe::detail::fence(space, "moe::reshard::gather_dim: unpacked");
+    });
+  };
   if (wire == comm::Wire::bf16) {
-    // in -> 16 bits, gathered [P, A, n*C], then converted back into out's [A, P, n*C] order; a
-    // 16-bit out gathered along its rows (A = 1) gets in converted into its own block and the
+    // A 16-bit out gathered along its rows (A = 1) gets in rounded into its own block and the
     // others' blocks gathered around it, in place.
     using W = moe::bf16;
     if constexpr (std::is_same<T, W>::value)
-      if (s.A == 1) {
+      if (A == 1) {
         View1<W, MS> const own(out.data() + std::int64_t(g.comm.rank()) * std::int64_t(in.span()),
                                in.span());
         comm::detail::convert(space, "moe::reshard::to_bf16", in.data(), own.data(),
@@ -153,27 +217,16 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
                          View1<W, MS>(out.data(), out.span()));
         return;
       }
-    auto const mine = detail::temporary<W>(space, pool, "moe::reshard::wire_send", in.span());
-    comm::detail::convert(space, "moe::reshard::to_bf16", in.data(), mine.data(),
-                          std::int64_t(in.span()));
-    auto const got = detail::temporary<W>(space, pool, "moe::reshard::wire_recv", out.span());
-    comm::all_gather(g.comm, space, View1<W const, MS>(mine), got);
-    detail::copy_rows(space, "moe::reshard::gather_unpack", got.data(), out.data(), P * s.A,
-                      s.n * s.C, detail::Identity{}, detail::PaToAp{P, s.A});
-    moe::detail::fence(space, "moe::reshard::gather_dim: unpacked");
-    return;
+    return tiled(W{}, false);
   }
   if constexpr (!detail::same_elements<InV, OutV>) {
     throw detail::mixed_native_wire();
   } else {
-    // With A > 1 the blocks arrive [P, A, n*C] in a temporary, reordered into out's [A, P, n*C].
-    View1<T, MS> const got =
-        s.A == 1 ? View1<T, MS>(out.data(), out.span())
-                 : detail::temporary<T>(space, pool, "moe::reshard::gather", out.span());
-    comm::all_gather(g.comm, space, View1<T const, MS>(in.data(), in.span()), got);
-    if (s.A > 1)
-      detail::copy_rows(space, "moe::reshard::gather_unpack", got.data(), out.data(), P * s.A,
-                        s.n * s.C, detail::Identity{}, detail::PaToAp{P, s.A});
+    // Along the rows (A = 1) the blocks land in out as they arrive.
+    if (A == 1)
+      return comm::all_gather(g.comm, space, View1<T const, MS>(in.data(), in.span()),
+                              View1<T, MS>(out.data(), out.span()));
+    tiled(T{}, true);
   }
 }
 
@@ -227,6 +280,8 @@ start_gather_rows(ExecSpace const& space, AxisGroup const& g, Pieces const& piec
 }
 
 /// \brief out (one block along d) = the group's sum of in's blocks (bf16: fp32 sum, rounded once).
+/// Unless in can be sent as it is in one piece, it is reduced a tile at a time (comm/segments.hpp):
+/// each tile packed into a tile-sized send buffer, its sum written into out's part of it.
 template <class ExecSpace, class InV, class OutV>
 void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV const& out,
                         int d, CommLog* log, std::string const& what,
@@ -237,32 +292,28 @@ void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& i
   int const P = g.size();
   if (detail::copy_if_alone(space, P, in, out)) return;
   auto const s = detail::split_at(out, d);
+  std::int64_t const A = s.A, L = s.n * s.C;
   detail::record(log, what, "reduce-scatter", g,
                  comm::sent_bytes::reduce_scatter(detail::bytes_of(out, wire), P));
-  // in [A, P, n*C] -> [P, A, n*C] (bf16: as 16 bits) in a temporary, in one pass.
-  auto packed = [&](auto value, char const* key) {
-    auto const buf = detail::temporary<decltype(value)>(space, pool, key, in.span());
-    detail::copy_rows(space, "moe::reshard::rs_pack", in.data(), buf.data(), P * s.A, s.n * s.C,
-                      detail::PaToAp{P, s.A}, detail::Identity{});
-    return View1<decltype(value) const, MS>(buf);
+  auto tiled = [&](auto w, char const* key) {
+    using W = decltype(w);
+    // Rows along dim 0 (A = 1) in the wire's type, in one tile, are sent as they are.
+    if constexpr (std::is_same<typename InV::non_const_value_type, W>::value)
+      if (comm::detail::tiles(A, L, P, sizeof(W)).whole(A, L) && A == 1)
+        return comm::reduce_scatter(g.comm, space, View1<W const, MS>(in.data(), in.span()),
+                                    View1<T, MS>(out.data(), out.span()), pool);
+    detail::for_each_tile(A, L, P, sizeof(W), [&](detail::Tile const& t) {
+      auto const buf = detail::temporary<W>(space, pool, key, std::size_t(t.elems()));
+      detail::copy_tile(space, "moe::reshard::rs_pack", in.data(), buf.data(), t, true);
+      comm::reduce_scatter(g.comm, space, View1<W const, MS>(buf),
+                           View1<T, MS>(out.data() + t.a0 * L + t.l0, t.r * t.w), pool);
+    });
   };
-  View1<T, MS> const dst(out.data(), out.span());
-  if (wire == comm::Wire::bf16) {
-    // 16-bit rows split along dim 0 (A = 1) are sent as they are.
-    if constexpr (std::is_same<typename InV::non_const_value_type, moe::bf16>::value)
-      if (s.A == 1)
-        return comm::reduce_scatter(g.comm, space, View1<moe::bf16 const, MS>(in.data(), in.span()),
-                                    dst, pool);
-    return comm::reduce_scatter(g.comm, space, packed(moe::bf16{}, "moe::reshard::wire_send"), dst,
-                                pool);
-  }
-  if constexpr (!detail::same_elements<InV, OutV>) {
+  if (wire == comm::Wire::bf16) return tiled(moe::bf16{}, "moe::reshard::wire_send");
+  if constexpr (!detail::same_elements<InV, OutV>)
     throw detail::mixed_native_wire();
-  } else {
-    View1<T const, MS> const src =
-        s.A > 1 ? packed(T{}, "moe::reshard::rs") : View1<T const, MS>(in.data(), in.span());
-    comm::reduce_scatter(g.comm, space, src, dst, pool);
-  }
+  else
+    tiled(T{}, "moe::reshard::rs");
 }
 
 /// \brief out = this rank's block along d of in (no communication).
