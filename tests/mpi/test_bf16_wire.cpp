@@ -481,8 +481,10 @@ std::vector<std::uint32_t> bits_of(V const& v) {
 
 // gather_dim and reduce_scatter_dim move a tensor larger than a segment (comm/segments.hpp) a
 // tile at a time: whole leading rows per tile, or columns of one row, through tile-sized buffers
-// of the scratch pool. Along each dimension of a 3-d tensor, on both wires, from float rows and
-// 16-bit ones: the bits of the collective in one tile, with pool buffers of at most two tiles.
+// of the scratch pool (rows along dimension 0 sent from where they are, unless staged). Along
+// each dimension of a 3-d tensor, on both wires, from float rows and 16-bit ones, with and
+// without host staging: the bits of the collective in one tile, with pool buffers of at most
+// two tiles.
 TEST(Reshard, TiledCollectivesGiveTheBitsOfWholeOnesInTileSizedBuffers) {
   using moe::comm::Wire;
   int const P = world_size(), me = world_rank();
@@ -492,7 +494,12 @@ TEST(Reshard, TiledCollectivesGiveTheBitsOfWholeOnesInTileSizedBuffers) {
     return float(std::sin(0.7 + me * 1.31 + double(i) * 0.173) * std::pow(10.0, double(i % 7) - 3));
   };
   auto& seg = moe::comm::detail::segment_bytes();
-  std::int64_t const saved = seg;
+  std::int64_t const saved = seg, saved_limit = moe::comm::detail::count_limit();
+  auto restore = [&] {
+    seg = saved;
+    moe::comm::detail::force_staging() = false;
+    moe::comm::detail::count_limit() = saved_limit;
+  };
   std::int64_t const block[3] = {3, 5, 4};
   auto run = [&](auto in_elem, auto out_elem, Wire wire, int d, bool gather) {
     using In = decltype(in_elem);
@@ -505,12 +512,18 @@ TEST(Reshard, TiledCollectivesGiveTheBitsOfWholeOnesInTileSizedBuffers) {
     for (int r = 0; r < 3; ++r) (r < d ? A : L) *= block[r];
     std::int64_t const eb = wire == Wire::bf16 ? 2 : std::int64_t(sizeof(Out));
     std::vector<std::uint32_t> whole;
-    // One tile; two leading rows a tile (where there are rows to split); 3 columns; 1 column.
-    for (std::int64_t bytes : {saved, 2 * P * L * eb, 3 * P * eb, std::int64_t(1)}) {
-      seg = bytes;
+    // One tile; two leading rows a tile (where there are rows to split); 3 columns; 1 column;
+    // then with host staging and the large-count path (count limit 3).
+    for (int i = 0; i < 8; ++i) {
+      std::int64_t const sizes[4] = {saved, 2 * P * L * eb, 3 * P * eb, 1};
+      seg = sizes[i % 4];
+      moe::comm::detail::force_staging() = i >= 4;
+      moe::comm::detail::count_limit() = i >= 4 ? 3 : saved_limit;
+      std::int64_t const bytes = seg;
       auto const t = moe::comm::detail::tiles(A, L, P, eb);
-      SCOPED_TRACE("segment bytes " + std::to_string(bytes) + ": tiles of " +
-                   std::to_string(t.rows) + " x " + std::to_string(t.cols));
+      SCOPED_TRACE(std::string(i >= 4 ? "staged, " : "") + "segment bytes " +
+                   std::to_string(bytes) + ": tiles of " + std::to_string(t.rows) + " x " +
+                   std::to_string(t.cols));
       auto const out = tensor3<Out>(out_ext, [](std::int64_t) { return 0.0f; });
       moe::detail::ScratchPool<Mem> pool;
       if (gather)
@@ -528,7 +541,7 @@ TEST(Reshard, TiledCollectivesGiveTheBitsOfWholeOnesInTileSizedBuffers) {
       std::size_t const tile = std::size_t(P * t.piece() * eb);
       EXPECT_LE(pool.bytes(), 2 * (tile + 8));
     }
-    seg = saved;
+    restore();
   };
   try {
     for (int d = 0; d < 3; ++d) {
@@ -544,7 +557,7 @@ TEST(Reshard, TiledCollectivesGiveTheBitsOfWholeOnesInTileSizedBuffers) {
       }
     }
   } catch (...) {
-    seg = saved;
+    restore();
     throw;
   }
 }

@@ -184,6 +184,27 @@ TEST(DistributedLayer, EveryLayoutMatchesTheSingleRankLayerInFloat) {
   }
 }
 
+// Collectives in segments of 256 bytes (comm/segments.hpp; the default is 64 MiB): every
+// gather, reduce-scatter and all-reduce of every layout moves its tensors many tiles at a time,
+// and the layer still matches the single-rank layer.
+TEST(DistributedLayer, EveryLayoutMatchesTheSingleRankLayerInSegments) {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  struct Segments {
+    std::int64_t saved = moe::comm::detail::segment_bytes();
+    Segments() { moe::comm::detail::segment_bytes() = 256; }
+    ~Segments() { moe::comm::detail::segment_bytes() = saved; }
+  } segments;
+  for (auto const& c : cases(n)) {
+    SCOPED_TRACE(c.name);
+    run_case<double>(c, 1);
+  }
+  for (auto const& c : ep_tp_cases(n)) {
+    SCOPED_TRACE(c.name);
+    run_case<double>(c, 1);
+  }
+}
+
 // EP-TP: the tokens split on D over the expert axis (ctest also runs these alone at 8 ranks).
 TEST(DistributedLayer, EpTpMatchesTheSingleRankLayer) {
   int n = 1;

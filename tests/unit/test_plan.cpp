@@ -1596,6 +1596,19 @@ TEST(MemoryEstimate, FsdpGathersAndScattersBlocks) {
   EXPECT_EQ(m.bytes("weight gradients"), (stored + computed + stored) * 4);
   // The pool's all-gather unpack, reduce-scatter pack and receive buffers: the largest weight.
   EXPECT_EQ(m.bytes("communication buffers"), 3 * 1024 * 4);
+  // In segments of 64 values (comm/segments.hpp): tiles of 16 of wi_0's D x F values per rank
+  // (4 ranks), or 4 leading rows of wo's 4 (its D/4), gate's and shared_wi_0's receive buffer a
+  // tile too (16 of D/4 x E per rank): one tile of 64 values each.
+  {
+    auto& seg = moe::comm::detail::segment_bytes();
+    std::int64_t const saved = seg;
+    seg = 64 * 4;
+    auto const tiled = estimate(4, {"ici_fsdp_parallelism=-1"});
+    seg = saved;
+    EXPECT_EQ(tiled.bytes("communication buffers"), 3 * 64 * 4);
+    EXPECT_EQ(tiled.total() - tiled.bytes("communication buffers"),
+              m.total() - m.bytes("communication buffers"));
+  }
   // Two-stage gathers over one axis are one stage: the same.
   EXPECT_EQ(estimate(4, {"ici_fsdp_parallelism=-1", "moe_fsdp_use_two_stage_all_gather=true"})
                 .bytes("gathered weights"),

@@ -32,20 +32,24 @@ void all_gather_rows(Communicator const& comm, ExecSpace const& space, T const* 
                                n * row, out, r, P * n * row, row, fits(row, {&s, &r}));
 }
 
-/// reduce_scatter of P*c rows into c rows (shapes agreed): rank j sums the P chunks j in rank
-/// order. T: the type moved (moe::bf16: summed in fp32, rounded once), U: the output's type.
+/// reduce_scatter of P chunks of c rows into c rows (shapes agreed): rank j sums the P chunks j
+/// in rank order. T: the type moved (moe::bf16: summed in fp32, rounded once), U: the output's
+/// type. Chunk i of `in` starts at row i * stride (0: i * c, the chunks contiguous).
 template <class InMS, class OutMS, class T, class U, class ExecSpace>
 void reduce_scatter_rows(Communicator const& comm, ExecSpace const& space, T const* in, U* out,
                          std::int64_t c, std::int64_t row,
-                         moe::detail::ScratchPool<OutMS>* pool = nullptr) {
+                         moe::detail::ScratchPool<OutMS>* pool = nullptr, std::int64_t stride = 0) {
   int const P = comm.size();
-  std::int64_t const chunk = c * row;
+  std::int64_t const chunk = c * row, step = stride > 0 ? stride : c;
   char const* parts_label = "moe::comm::reduce_scatter::parts";
   auto const parts = pool ? pool->template get<T>(parts_label, std::size_t(P * chunk))
                           : moe::detail::alloc<View1<T, OutMS>>(space, parts_label, P * chunk);
-  Blocks const s = gather_blocks(P, c).second;  // chunk i at i*c, on both sides
-  exchange_staged<InMS, OutMS>(comm, space, "moe::comm::reduce_scatter", Pattern::alltoall, in, s,
-                               P * chunk, parts.data(), s, P * chunk, row, fits(row, {&s}));
+  Blocks const r = gather_blocks(P, c).second;  // chunk i at i*c
+  Blocks s = r;
+  for (int i = 0; i < P; ++i) s.displs[std::size_t(i)] = i * step;
+  exchange_staged<InMS, OutMS>(
+      comm, space, "moe::comm::reduce_scatter", step == c ? Pattern::alltoall : Pattern::alltoallv,
+      in, s, ((P - 1) * step + c) * row, parts.data(), r, P * chunk, row, fits(row, {&s, &r}));
   Kokkos::parallel_for(
       "moe::comm::reduce_scatter::sum",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(space, 0, chunk),

@@ -125,14 +125,15 @@ class LayerBuffers {
                                 comm::detail::all_reduce_segments(c.elems, int(c.parts), s_).temp);
           if (c.kind == "all-to-all" || c.kind == "all-reduce") continue;
           // Gathers and reduce-scatters along a dimension: [A, P, L] moved a tile at a time
-          // (comm::detail::tiles), but for what goes as it is: a native gather along the rows,
-          // a 16-bit gather along the rows (rows16: in place), and a reduce-scatter of rows in
-          // the wire's type in one tile (rows16 or native with A = 1), into its receive buffer.
+          // (comm::detail::tiles) through tile buffers, but for rows along dimension 0 in the
+          // wire's type (native, or rows16), which go as they are: a gather with no buffer (in
+          // place, for rows16), a reduce-scatter into a receive buffer of the whole, or of a
+          // tile where it takes more than one (where MPI reads the memory: staged device memory
+          // is packed into a tile buffer too, which the estimate leaves out).
           std::int64_t const A = c.lead, L = c.elems / std::max<std::int64_t>(1, c.parts * A);
           auto const t = comm::detail::tiles(A, L, int(c.parts), bf16 ? 2 : s_);
           std::int64_t const piece = t.piece(), tile = checked_mul(piece, c.parts, "a tile");
-          bool const as_is =
-              A == 1 && (gather ? !bf16 || c.rows16 : (!bf16 || c.rows16) && t.whole(A, L));
+          bool const as_is = A == 1 && (!bf16 || c.rows16);
           auto grow = [](std::int64_t& v, std::int64_t n) { v = std::max(v, n); };
           if (st.overlapped) {
             // Overlapped gathers (along the rows, bf16): own and gathered blocks, two slots.
@@ -142,7 +143,7 @@ class LayerBuffers {
             if (!as_is && bf16) grow(wire_send_, piece);
             if (!as_is) grow(bf16 ? wire_recv_ : gather_pool_, tile);
           } else {
-            grow(bf16 ? parts16_ : parts_pool_, as_is ? c.elems : tile);
+            grow(bf16 ? parts16_ : parts_pool_, as_is && t.whole(A, L) ? c.elems : tile);
             if (!as_is) grow(bf16 ? wire_send_ : rs_pool_, tile);
           }
           if (c.lead > 1)

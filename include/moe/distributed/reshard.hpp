@@ -281,7 +281,8 @@ start_gather_rows(ExecSpace const& space, AxisGroup const& g, Pieces const& piec
 
 /// \brief out (one block along d) = the group's sum of in's blocks (bf16: fp32 sum, rounded once).
 /// Unless in can be sent as it is in one piece, it is reduced a tile at a time (comm/segments.hpp):
-/// each tile packed into a tile-sized send buffer, its sum written into out's part of it.
+/// each tile packed into a tile-sized send buffer (or, rows along dimension 0, sent from where
+/// they are), its sum written into out's part of it.
 template <class ExecSpace, class InV, class OutV>
 void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV const& out,
                         int d, CommLog* log, std::string const& what,
@@ -297,11 +298,23 @@ void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& i
                  comm::sent_bytes::reduce_scatter(detail::bytes_of(out, wire), P));
   auto tiled = [&](auto w, char const* key) {
     using W = decltype(w);
-    // Rows along dim 0 (A = 1) in the wire's type, in one tile, are sent as they are.
+    // Rows along dim 0 (A = 1) in the wire's type are sent as they are: in one piece, or, where
+    // MPI reads them where they are (not staged), a tile of columns of the P blocks at a time.
     if constexpr (std::is_same<typename InV::non_const_value_type, W>::value)
-      if (comm::detail::tiles(A, L, P, sizeof(W)).whole(A, L) && A == 1)
-        return comm::reduce_scatter(g.comm, space, View1<W const, MS>(in.data(), in.span()),
-                                    View1<T, MS>(out.data(), out.span()), pool);
+      if (A == 1) {
+        View1<W const, MS> const src(in.data(), in.span());
+        View1<T, MS> const dst(out.data(), out.span());
+        if (comm::detail::tiles(A, L, P, sizeof(W)).whole(A, L))
+          return comm::reduce_scatter(g.comm, space, src, dst, pool);
+        if (!comm::detail::staged<MS>()) {
+          comm::detail::check_row_pair<ExecSpace>(g.comm, "moe::comm::reduce_scatter", src, dst,
+                                                  false);
+          return detail::for_each_tile(A, L, P, sizeof(W), [&](detail::Tile const& t) {
+            comm::detail::reduce_scatter_rows<MS, MS>(g.comm, space, src.data() + t.l0,
+                                                      dst.data() + t.l0, t.w, 1, pool, L);
+          });
+        }
+      }
     detail::for_each_tile(A, L, P, sizeof(W), [&](detail::Tile const& t) {
       auto const buf = detail::temporary<W>(space, pool, key, std::size_t(t.elems()));
       detail::copy_tile(space, "moe::reshard::rs_pack", in.data(), buf.data(), t, true);
