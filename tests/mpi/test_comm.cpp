@@ -302,7 +302,7 @@ TEST(Collectives, AllReduceBySegmentsKeepsTheBitsAndItsTemporariesSmall) {
   int const P = c.size();
   auto& seg = moe::comm::detail::segment_bytes();
   std::int64_t const saved = seg;
-  // Segments of P * 5 doubles (of P floats: one row each), unless the size is below one row.
+  // Segments of 5 doubles (10 floats) per rank; then of one element per rank (1 byte: the least).
   for (std::int64_t bytes : {std::int64_t(5 * P * 8), std::int64_t(1)}) {
     seg = bytes;
     SCOPED_TRACE("segment bytes " + std::to_string(bytes));
