@@ -137,11 +137,15 @@ class LayerBuffers {
           auto grow = [](std::int64_t& v, std::int64_t n) { v = std::max(v, n); };
           if (st.overlapped) {
             // Overlapped gathers (along the rows, bf16): own and gathered blocks, two slots.
-            if (bf16 && !c.rows16) grow(igather_send_, c.elems / c.parts);
-            if (bf16 && !c.rows16) grow(igather_recv_, c.elems);
+            if (bf16 && !c.rows16) {
+              grow(igather_send_, c.elems / c.parts);
+              grow(igather_recv_, c.elems);
+            }
           } else if (gather) {
-            if (!as_is && bf16) grow(wire_send_, piece);
-            if (!as_is) grow(bf16 ? wire_recv_ : gather_pool_, tile);
+            if (!as_is) {
+              if (bf16) grow(wire_send_, piece);
+              grow(bf16 ? wire_recv_ : gather_pool_, tile);
+            }
           } else {
             grow(bf16 ? parts16_ : parts_pool_, as_is && t.whole(A, L) ? c.elems : tile);
             if (!as_is) grow(bf16 ? wire_send_ : rs_pool_, tile);

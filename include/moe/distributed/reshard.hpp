@@ -40,19 +40,36 @@ Split split_at(V const& v, int d) {
   return s;
 }
 
-/// Copies `rows` rows of `len` elements, src + from(i) * len to dst + to(i) * len, as D values.
+/// Copies `rows` spans of `len` elements, src + from(i) to dst + to(i) (element offsets), as D
+/// values: the one copy kernel of the reorders and the tiles.
 template <class ExecSpace, class S, class D, class From, class To>
-void copy_rows(ExecSpace const& space, char const* label, S const* src, D* dst, std::int64_t rows,
-               std::int64_t len, From from, To to) {
+void copy_spans(ExecSpace const& space, char const* label, S const* src, D* dst, std::int64_t rows,
+                std::int64_t len, From from, To to) {
   using team = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   Kokkos::parallel_for(
       label, Kokkos::TeamPolicy<ExecSpace>(space, rows, Kokkos::AUTO),
       KOKKOS_LAMBDA(team const& m) {
-        S const* s = src + from(std::int64_t(m.league_rank())) * len;
-        D* d = dst + to(std::int64_t(m.league_rank())) * len;
+        S const* s = src + from(std::int64_t(m.league_rank()));
+        D* d = dst + to(std::int64_t(m.league_rank()));
         Kokkos::parallel_for(Kokkos::TeamThreadRange(m, len),
                              [&](std::int64_t e) { d[e] = comm::detail::WireCast<D>::from(s[e]); });
       });
+}
+
+/// A row index map as element offsets of rows of `len` elements.
+template <class Map>
+struct RowOffsets {
+  Map map;
+  std::int64_t len;
+  KOKKOS_INLINE_FUNCTION std::int64_t operator()(std::int64_t i) const { return map(i) * len; }
+};
+
+/// Copies `rows` rows of `len` elements, src + from(i) * len to dst + to(i) * len, as D values.
+template <class ExecSpace, class S, class D, class From, class To>
+void copy_rows(ExecSpace const& space, char const* label, S const* src, D* dst, std::int64_t rows,
+               std::int64_t len, From from, To to) {
+  copy_spans(space, label, src, dst, rows, len, RowOffsets<From>{from, len},
+             RowOffsets<To>{to, len});
 }
 
 /// Row index maps between the [P, A] and [A, P] orders of P*A rows.
@@ -72,33 +89,17 @@ struct Identity {
 };
 
 /// One tile of a tensor viewed as [A, P, L] (see comm::detail::Tiles): leading indices
-/// [a0, a0 + r) and elements [l0, l0 + w) of each, of all P blocks, as a tile buffer [P, r, w].
+/// [a0, a0 + r) and elements [l0, l0 + w) of each, of all P blocks, as a tile buffer [P, r, w]
+/// whose row q = p * r + i is at (q) in the tensor (a copy_spans map; the buffer's: rows()).
 struct Tile {
   int P;
   std::int64_t L, a0, l0, r, w;
-  /// Offset in the tensor of row q = p * r + i of the tile buffer.
-  KOKKOS_INLINE_FUNCTION std::int64_t big(std::int64_t q) const {
+  KOKKOS_INLINE_FUNCTION std::int64_t operator()(std::int64_t q) const {
     return ((a0 + q % r) * P + q / r) * L + l0;
   }
+  RowOffsets<Identity> rows() const { return {Identity{}, w}; }
   std::int64_t elems() const { return P * r * w; }
 };
-
-/// Copies a tile between the tensor `big` and the tile buffer `small`, converting to D
-/// (pack: tensor -> buffer; else buffer -> tensor).
-template <class ExecSpace, class S, class D>
-void copy_tile(ExecSpace const& space, char const* label, S const* src, D* dst, Tile const& t,
-               bool pack) {
-  using team = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
-  Kokkos::parallel_for(
-      label, Kokkos::TeamPolicy<ExecSpace>(space, t.P * t.r, Kokkos::AUTO),
-      KOKKOS_LAMBDA(team const& m) {
-        std::int64_t const q = m.league_rank(), big = t.big(q), small = q * t.w;
-        S const* s = src + (pack ? big : small);
-        D* d = dst + (pack ? small : big);
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(m, t.w),
-                             [&](std::int64_t e) { d[e] = comm::detail::WireCast<D>::from(s[e]); });
-      });
-}
 
 /// Calls f(tile) for each tile of [A, P, L] on elements of `elem_bytes` (comm::detail::tiles).
 template <class F>
@@ -199,9 +200,10 @@ void gather_dim(ExecSpace const& space, AxisGroup const& g, InV const& in, OutV 
       char const* key = as_is ? "moe::reshard::gather" : "moe::reshard::wire_recv";
       auto const got = detail::temporary<W>(space, pool, key, std::size_t(t.elems()));
       comm::all_gather(g.comm, space, send, got);
-      detail::copy_tile(space, "moe::reshard::gather_unpack", got.data(), out.data(), t, false);
-      moe::detail::fence(space, "moe::reshard::gather_dim: unpacked");
+      detail::copy_spans(space, "moe::reshard::gather_unpack", got.data(), out.data(), P * t.r, t.w,
+                         t.rows(), t);
     });
+    moe::detail::fence(space, "moe::reshard::gather_dim: unpacked");
   };
   if (wire == comm::Wire::bf16) {
     // A 16-bit out gathered along its rows (A = 1) gets in rounded into its own block and the
@@ -317,7 +319,8 @@ void reduce_scatter_dim(ExecSpace const& space, AxisGroup const& g, InV const& i
       }
     detail::for_each_tile(A, L, P, sizeof(W), [&](detail::Tile const& t) {
       auto const buf = detail::temporary<W>(space, pool, key, std::size_t(t.elems()));
-      detail::copy_tile(space, "moe::reshard::rs_pack", in.data(), buf.data(), t, true);
+      detail::copy_spans(space, "moe::reshard::rs_pack", in.data(), buf.data(), P * t.r, t.w, t,
+                         t.rows());
       comm::reduce_scatter(g.comm, space, View1<W const, MS>(buf),
                            View1<T, MS>(out.data() + t.a0 * L + t.l0, t.r * t.w), pool);
     });
